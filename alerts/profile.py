@@ -1,0 +1,240 @@
+"""A model's healthy profile: the bands and limits its alerts are generated from.
+
+One YAML file per model in alerts/profiles/. `layerwatch calibrate` measures a healthy baseline run
+and writes one with `dump_profile`; `load_profile` reads it back and refuses anything doubtful
+(unknown keys, wrong types, bands upside down, fractions outside [0, 1]) with an error that names
+the file and the field, because a typo here would silently disable an alert.
+
+The YAML keys are the dataclass field names, except `for` (Python keyword) for `for_durations`.
+Durations are written in Prometheus notation ("10m") and held in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NewType
+
+import yaml
+
+from alerts.config import PER_MODEL_ALERTS
+from alerts.durations import format_duration, parse_duration
+
+Seconds = NewType("Seconds", float)  # written as a Prometheus duration in YAML
+
+# Fields whose values are fractions of something and must lie in [0, 1].
+_FRACTION = {"fraction": True}
+# model_name ends up inside PromQL selectors and label values: keep it to safe characters.
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Band:
+    """A healthy range [low, high]."""
+    low: float = field(metadata=_FRACTION)
+    high: float = field(metadata=_FRACTION)
+
+
+@dataclass(frozen=True)
+class Bimodality:
+    """When the exporter's verdict counts, and what the healthy baseline looked like."""
+    # The single-peak alert waits until the exporter's window holds at least this many entropies
+    # (the exporter itself withholds the verdict below its own, possibly smaller, minimum).
+    min_observations: int
+    # Statistics of the healthy baseline, for the alert text and the dashboard; informational.
+    peaks: int | None = None
+    dip: float | None = field(default=None, metadata=_FRACTION)
+    dip_p_value: float | None = field(default=None, metadata=_FRACTION)
+    bimodality_coefficient: float | None = field(default=None, metadata=_FRACTION)
+
+
+@dataclass(frozen=True)
+class Drift:
+    """The field's drift alarm: stddev of the entropy mean over `window` above `limit`."""
+    limit: float = field(default=0.18, metadata=_FRACTION)
+    window: Seconds = Seconds(600.0)
+
+
+@dataclass(frozen=True)
+class Profile:
+    model_name: str
+    threshold: float = field(metadata=_FRACTION)  # gate threshold the model is served with
+    patience: int  # consecutive low-score tokens before a layer is skipped
+    entropy_mean: Band  # mean entropy of the layers that ran (decision="run")
+    entropy_std: Band  # standard deviation of the same
+    zero_ratio: Band  # share of entropies below 0.01, all layers
+    skip_ratio_normal: float = field(metadata=_FRACTION)  # healthy share of skipped layer evaluations
+    bimodality: Bimodality
+    zero_ratio_page: float = field(default=0.40, metadata=_FRACTION)  # page above this
+    skip_surge_factor: float = 2.0  # surge: skip ratio above factor x its own 1h baseline
+    runaway_skip_ratio: float = field(default=0.85, metadata=_FRACTION)
+    runaway_fallbacks_per_minute: float = 0.0  # fallbacks above this rate, sustained, are runaway
+    drift: Drift = Drift()
+    shadow_agreement_min: float = field(default=0.90, metadata=_FRACTION)
+    telemetry_loss_max: float = field(default=0.01, metadata=_FRACTION)
+    # Per-alert `for:` overrides; alerts not named here use alerts.config.PER_MODEL_ALERTS.
+    for_durations: dict[str, Seconds] = field(default_factory=dict, metadata={"yaml_key": "for"})
+    source: str = ""  # where the numbers come from (a paper, a calibration run and its date)
+
+    def for_duration(self, alert_name: str) -> float:
+        return self.for_durations.get(alert_name, PER_MODEL_ALERTS[alert_name])
+
+
+def load_profile(path: str | Path) -> Profile:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ProfileError(f"{path}: cannot read profile: {exc}") from exc
+    profile = _build(Profile, data, f"{path}")
+    _check(profile, f"{path}")
+    return profile
+
+
+def load_profiles(directory: str | Path) -> list[Profile]:
+    """Every *.yaml profile in `directory`, sorted by model name; one model, one file."""
+    profiles = [load_profile(p) for p in sorted(Path(directory).glob("*.yaml"))]
+    if not profiles:
+        raise ProfileError(f"{directory}: no *.yaml profile found")
+    seen: dict[str, int] = {}
+    for profile in profiles:
+        seen[profile.model_name] = seen.get(profile.model_name, 0) + 1
+    duplicates = sorted(name for name, count in seen.items() if count > 1)
+    if duplicates:
+        raise ProfileError(f"{directory}: more than one profile for model_name {duplicates}")
+    return sorted(profiles, key=lambda p: p.model_name)
+
+
+def dump_profile(profile: Profile, path: str | Path) -> None:
+    """Write `profile` so that `load_profile` reads back an equal one (checked before writing)."""
+    path = Path(path)
+    _check(profile, f"{path}")
+    text = yaml.safe_dump(_to_yaml(profile), sort_keys=False, default_flow_style=None)
+    header = f"# Healthy profile of model {profile.model_name!r}: bands and limits for its alerts.\n"
+    path.write_text(header + text)
+
+
+# --- YAML -> dataclass --------------------------------------------------------------------------
+
+def _yaml_key(f: dataclasses.Field) -> str:
+    return f.metadata.get("yaml_key", f.name)
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ProfileError(f"{where}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {_yaml_key(f): f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(map(str, data)) - set(fields))
+    if unknown:
+        raise ProfileError(f"{where}: unknown key(s) {unknown}; known: {sorted(fields)}")
+    values = {}
+    for key, f in fields.items():
+        if key not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProfileError(f"{where}: {key}: missing (required)")
+            continue
+        values[f.name] = _convert(hints[f.name], data[key], f"{where}: {key}", f.metadata)
+    return cls(**values)
+
+
+def _convert(hint: Any, value: Any, where: str, metadata: typing.Mapping[str, Any]) -> Any:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # `X | None`
+        if value is None:
+            return None
+        (hint,) = [h for h in typing.get_args(hint) if h is not type(None)]
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    if hint is Seconds:
+        if not isinstance(value, str):
+            raise ProfileError(f"{where}: expected a duration like '5m', got {value!r}")
+        try:
+            return Seconds(parse_duration(value))
+        except ValueError as exc:
+            raise ProfileError(f"{where}: {exc}") from None
+    if typing.get_origin(hint) is dict:
+        if not isinstance(value, dict):
+            raise ProfileError(f"{where}: expected a mapping, got {value!r}")
+        _, value_hint = typing.get_args(hint)
+        return {str(k): _convert(value_hint, v, f"{where}.{k}", {}) for k, v in value.items()}
+    if hint is float:
+        # YAML reads 1 as int; bool is an int subclass but never a number here.
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProfileError(f"{where}: expected a number, got {value!r}")
+        value = float(value)
+        if metadata.get("fraction") and not 0.0 <= value <= 1.0:
+            raise ProfileError(f"{where}: {value} is outside [0, 1]")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProfileError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise ProfileError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"{where}: no converter for {hint!r}")  # a schema bug, not a user error
+
+
+# --- checks across fields -----------------------------------------------------------------------
+
+def _check(p: Profile, where: str) -> None:
+    def fail(key: str, problem: str) -> typing.NoReturn:
+        raise ProfileError(f"{where}: {key}: {problem}")
+
+    if not _MODEL_NAME.match(p.model_name):
+        fail("model_name", f"{p.model_name!r} must match {_MODEL_NAME.pattern}")
+    for name in ("entropy_mean", "entropy_std", "zero_ratio"):
+        band = getattr(p, name)
+        if band.low > band.high:
+            fail(name, f"low {band.low} is above high {band.high}")
+    if p.patience < 1:
+        fail("patience", f"{p.patience} must be at least 1")
+    if p.bimodality.min_observations < 1:
+        fail("bimodality.min_observations", f"{p.bimodality.min_observations} must be at least 1")
+    if p.zero_ratio_page < p.zero_ratio.high:
+        fail("zero_ratio_page", f"{p.zero_ratio_page} is below the healthy band's high end "
+                                f"{p.zero_ratio.high}")
+    if p.runaway_skip_ratio <= p.skip_ratio_normal:
+        fail("runaway_skip_ratio", f"{p.runaway_skip_ratio} is not above skip_ratio_normal "
+                                   f"{p.skip_ratio_normal}")
+    if p.skip_surge_factor <= 1.0:
+        fail("skip_surge_factor", f"{p.skip_surge_factor} must be above 1 (a factor over the baseline)")
+    if p.runaway_fallbacks_per_minute < 0:
+        fail("runaway_fallbacks_per_minute", f"{p.runaway_fallbacks_per_minute} is negative")
+    if p.drift.window <= 0:
+        fail("drift.window", "must be longer than 0s")
+    unknown = sorted(set(p.for_durations) - set(PER_MODEL_ALERTS))
+    if unknown:
+        fail("for", f"unknown alert(s) {unknown}; per-model alerts: {sorted(PER_MODEL_ALERTS)}")
+
+
+# --- dataclass -> YAML --------------------------------------------------------------------------
+
+def _to_yaml(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        hints = typing.get_type_hints(type(obj))
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if value is None:
+                continue
+            out[_yaml_key(f)] = _duration_or(hints[f.name], value)
+        return out
+    return obj
+
+
+def _duration_or(hint: Any, value: Any) -> Any:
+    if hint is Seconds:
+        return format_duration(value)
+    if typing.get_origin(hint) is dict and typing.get_args(hint)[1] is Seconds:
+        return {k: format_duration(v) for k, v in value.items()}
+    return _to_yaml(value)

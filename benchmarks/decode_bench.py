@@ -1,0 +1,167 @@
+"""Decode benchmark: batch-1 tokens/s of the gated engine on a small random model, on CPU.
+
+    .venv/bin/python benchmarks/decode_bench.py            # defaults: 12 layers, d=512, 128 tokens
+
+One run measures, on the same model and prompt, through the real GenerationEngine:
+  - no gates (the plain model);
+  - gates with tau = 0 (every gate computed, nothing skipped);
+  - forced skip patterns of 25 % and 50 % of the layers, for both KV policies.
+Forced patterns use the real policy: tau = 1 (every entropy counts as low), patience 1, and the
+layers to keep marked protected, so from the second step on exactly those layers run.
+
+Printed ratios (issue 2 goals): gate overhead = tokens/s(tau = 0) / tokens/s(no gates), goal
+>= 0.97; realised vs ideal speed-up, ideal = 1 / (1 - f*w) where f is the skipped fraction of
+layers and w the share of a full-depth step spent in attention + FFN (what a skip removes),
+measured by a per-layer profile.
+Results go into docs/performance.md ("Decode").
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inference_shim.generate import GenerationEngine, SamplingParams, StepRecord  # noqa: E402
+from inference_shim.model import GateBank, ModelConfig, Transformer  # noqa: E402
+from inference_shim.skip_policy import SkipPolicyConfig  # noqa: E402
+from inference_shim.tokenizer import Tokenizer  # noqa: E402
+from tokenizers import Tokenizer as BackendTokenizer  # noqa: E402
+from tokenizers import models  # noqa: E402
+
+
+def build_model(layers: int, hidden: int, vocab: int) -> Transformer:
+    config = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                         num_layers=layers, num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256),
+                         head_dim=64, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = Transformer(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    return model
+
+
+def bench_tokenizer(vocab: int) -> Tokenizer:
+    # Ids only: a word-level vocabulary of numbered tokens (decoding cost is part of the step).
+    return Tokenizer(BackendTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")))
+
+
+def forced_policy(num_layers: int, fraction: float) -> tuple[SkipPolicyConfig, int]:
+    """Skip round(fraction * L) layers spread over the middle; the rest are protected (always run)."""
+    skipped = round(fraction * num_layers)
+    candidates = np.arange(1, num_layers - 1)
+    picks = set(candidates[np.linspace(0, len(candidates) - 1, skipped).round().astype(int)].tolist())
+    protected = tuple(l for l in range(num_layers) if l not in picks)
+    return SkipPolicyConfig(threshold=1.0, patience=1, protected_layers=protected), skipped
+
+
+def decode_steps(model: Transformer, tokenizer: Tokenizer, policy: SkipPolicyConfig, kv_policy: str,
+                 prompt: list[int], tokens: int) -> tuple[list[float], float]:
+    """-> (seconds of each decode step after the first, mean layers run per token)."""
+    records: list[StepRecord] = []
+    engine = GenerationEngine(model, tokenizer, model_name="bench", policy=policy, kv_policy=kv_policy,
+                              max_batch_size=1, max_seq_len=len(prompt) + tokens + 1, step_hook=records.append)
+    engine.generate(prompt, SamplingParams(max_tokens=tokens))
+    steady = records[1:]  # the first step runs full depth (patience)
+    return [r.step_seconds for r in steady], float(np.mean([(~r.skipped).sum() for r in steady]))
+
+
+def skippable_share(model: Transformer, tokenizer: Tokenizer, prompt: list[int], tokens: int) -> float:
+    """w: the share of a full-depth decode step spent in what skipping removes (attention + FFN).
+
+    A layer's skippable part starts at its q projection (after the input norm and the gate, which
+    always run) and ends where the next layer's input norm (or the final norm) starts. CPU
+    execution is synchronous, so host clocks measure the work.
+    """
+    starts: list[float] = []
+    ends: list[float] = []
+    stamp = time.perf_counter
+    handles = [block.self_attn.q_proj.register_forward_pre_hook(lambda *_: starts.append(stamp()))
+               for block in model.layers]
+    handles += [block.input_layernorm.register_forward_pre_hook(lambda *_: ends.append(stamp()))
+                for block in model.layers[1:]]
+    handles.append(model.norm.register_forward_pre_hook(lambda *_: ends.append(stamp())))
+    shares: list[float] = []
+    L = len(model.layers)
+
+    def on_step(record: StepRecord) -> None:
+        inside = sum(e - s for s, e in zip(starts[-L:], ends[-L:]))
+        shares.append(inside / record.step_seconds)
+
+    engine = GenerationEngine(model, tokenizer, model_name="bench", policy=SkipPolicyConfig(threshold=0.0),
+                              max_batch_size=1, max_seq_len=len(prompt) + tokens + 1, step_hook=on_step)
+    try:
+        engine.generate(prompt, SamplingParams(max_tokens=tokens))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return statistics.median(shares[1:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--tokens", type=int, default=128, help="decode steps per measurement")
+    parser.add_argument("--repeats", type=int, default=5, help="generations per configuration, interleaved")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model = build_model(args.layers, args.hidden, args.vocab)
+    tokenizer = bench_tokenizer(args.vocab)
+    torch.manual_seed(1)
+    gates = GateBank(args.layers, args.hidden).eval()
+    prompt = list(range(1, 17))
+    L = args.layers
+
+    forced = {f: forced_policy(L, f) for f in (0.25, 0.5)}
+    configs = [("no gates", None, SkipPolicyConfig(threshold=0.0), "project"),
+               ("gates, tau=0", gates, SkipPolicyConfig(threshold=0.0), "project")]
+    for fraction, (policy, _) in forced.items():
+        for kv_policy in ("project", "evict"):
+            configs.append((f"skip {fraction:.0%} ({kv_policy})", gates, policy, kv_policy))
+
+    step_seconds: dict[str, list[float]] = {name: [] for name, *_ in configs}
+    depth: dict[str, float] = {}
+    for _ in range(args.repeats):  # interleaved, so drifting machine load hits every configuration alike
+        for name, bank, policy, kv_policy in configs:
+            model.attach_gates(bank)
+            seconds, depth[name] = decode_steps(model, tokenizer, policy, kv_policy, prompt, args.tokens)
+            step_seconds[name] += seconds
+    model.attach_gates(gates)
+    w = skippable_share(model, tokenizer, prompt, args.tokens)
+    # tokens/s from the median step time: robust to other processes preempting a few steps.
+    median = {name: 1.0 / statistics.median(values) for name, values in step_seconds.items()}
+
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {L} layers, d={args.hidden}, {params / 1e6:.1f} M parameters (fp32), vocab {args.vocab}; "
+          f"batch 1, {args.repeats} x {args.tokens} decode steps, median step time, torch threads {args.threads}")
+    print(f"w (share of a full-depth step in attention + FFN, per-layer profile) = {w:.3f}")
+    print()
+    print(f"{'configuration':<24} {'tokens/s':>9} {'layers run':>10} {'speed-up':>9} {'ideal':>7} {'realised/ideal':>15}")
+    base = median["gates, tau=0"]
+    for name, *_ in configs:
+        line = f"{name:<24} {median[name]:>9.1f} {depth[name]:>10.2f}"
+        if name.startswith("skip"):
+            f = 1 - depth[name] / L
+            speedup, ideal = median[name] / base, 1 / (1 - f * w)
+            line += f" {speedup:>9.3f} {ideal:>7.3f} {speedup / ideal:>15.3f}"
+        print(line)
+    print()
+    print(f"gate overhead: tokens/s(gates, tau=0) / tokens/s(no gates) = {base / median['no gates']:.3f} (goal >= 0.97)")
+    print("speed-up is against gates with tau=0; realised/ideal goal >= 0.90")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

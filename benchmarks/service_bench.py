@@ -1,0 +1,163 @@
+"""Service benchmark: decode tokens/s with the shim's telemetry on vs off, in one run.
+
+    .venv/bin/python benchmarks/service_bench.py                  # the demo model if trained, else random
+    .venv/bin/python benchmarks/service_bench.py --model DIR      # any checkpoint folder (gates optional)
+
+"On" is exactly what `layerwatch serve` hangs on the engine's step hook: the per-layer metric
+accumulation (DecodeStats) and one gate frame per step over UDP to an exporter stand-in (a separate
+process that receives and discards the datagrams); the trace file is off. "Off" is the same
+engine without a hook. Both drive the real GenerationEngine with `--batch` concurrent sequences,
+in interleaved repetitions (alternating which goes first) so that machine noise hits both alike.
+Prints tokens/s for each and the ratio on/off (goal >= 0.99): the median over repetitions of the
+ratio of the two adjacent runs, and the ratio of the best runs (both robust to a busy machine),
+plus the hook's own cost per step measured directly. Results: docs/performance.md, "Service".
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inference_shim.demo import DEMO_MODEL_DIR  # noqa: E402
+from inference_shim.generate import GenerationEngine, SamplingParams, StepHook, StepRecord  # noqa: E402
+from inference_shim.model import GateBank, ModelConfig, Transformer  # noqa: E402
+from inference_shim.service.metrics import DecodeStats  # noqa: E402
+from inference_shim.service.telemetry import FrameSender, StepTelemetry  # noqa: E402
+from inference_shim.skip_policy import SkipPolicyConfig  # noqa: E402
+from inference_shim.tokenizer import Tokenizer  # noqa: E402
+from tokenizers import Tokenizer as BackendTokenizer  # noqa: E402
+from tokenizers import models  # noqa: E402
+
+# The exporter stand-in: binds a loopback UDP port, prints it, discards what arrives.
+RECEIVER = ("import socket,sys\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\ns.bind(('127.0.0.1',0))\n"
+            "print(s.getsockname()[1],flush=True)\nwhile True: s.recv(65536)\n")
+
+
+def random_model(layers: int, hidden: int, vocab: int) -> tuple[Transformer, Tokenizer]:
+    config = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                         num_layers=layers, num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256),
+                         head_dim=64, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = Transformer(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    model.attach_gates(GateBank(layers, hidden).eval())
+    # Ids only: a word-level vocabulary of numbered tokens (decoding cost is part of the step).
+    tokenizer = Tokenizer(BackendTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")))
+    return model, tokenizer
+
+
+def load_model(folder: Path) -> tuple[Transformer, Tokenizer]:
+    from inference_shim.checkpoint import load_checkpoint
+    from inference_shim.gates import load_gates
+
+    loaded = load_checkpoint(folder)
+    gates_path = folder / "gates.safetensors"
+    gates = load_gates(gates_path, loaded.model).gates if gates_path.is_file() else \
+        GateBank(loaded.config.num_layers, loaded.config.hidden_size).eval()
+    loaded.model.attach_gates(gates)
+    return loaded.model, loaded.tokenizer
+
+
+def telemetry_hook(model_name: str, num_layers: int, exporter: str) -> tuple[StepHook, FrameSender]:
+    """The service's step-hook work for client rows (see EngineWorker._on_step), trace off."""
+    sender = FrameSender(exporter, model_name, "bench", num_layers)
+    telemetry = StepTelemetry(model_name, DecodeStats(num_layers), sender, trace=None)
+
+    def hook(record: StepRecord) -> None:
+        telemetry(record.entropies, record.skipped, record.batch_skipped, record.fallback_started)
+
+    return hook, sender
+
+
+def tokens_per_second(model: Transformer, tokenizer: Tokenizer, hook: StepHook | None, batch: int,
+                      tokens: int, prompt: list[int]) -> float:
+    engine = GenerationEngine(model, tokenizer, model_name="bench", policy=SkipPolicyConfig(),
+                              max_batch_size=batch, max_seq_len=len(prompt) + tokens + 1, step_hook=hook)
+    for _ in range(batch):
+        engine.submit(prompt, SamplingParams(max_tokens=tokens))
+    engine.step()  # admission (prefill) and the first step are outside the timed part
+    started = time.perf_counter()
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    return steps * batch / (time.perf_counter() - started)
+
+
+def hook_cost(model: Transformer, tokenizer: Tokenizer, hook: StepHook, batch: int, tokens: int,
+              prompt: list[int]) -> tuple[float, float]:
+    """-> (median seconds inside the hook per step, median seconds of the step without it)."""
+    hook_times: list[float] = []
+    step_times: list[float] = []
+
+    def timed(record: StepRecord) -> None:
+        started = time.perf_counter()
+        hook(record)
+        hook_times.append(time.perf_counter() - started)
+        step_times.append(record.step_seconds)
+
+    tokens_per_second(model, tokenizer, timed, batch, tokens, prompt)
+    return statistics.median(hook_times), statistics.median(step_times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the demo model "
+                                                                  "if trained, else a random model)")
+    parser.add_argument("--layers", type=int, default=12, help="random model: layers")
+    parser.add_argument("--hidden", type=int, default=512, help="random model: width")
+    parser.add_argument("--batch", type=int, default=4, help="concurrent sequences")
+    parser.add_argument("--tokens", type=int, default=96, help="generated tokens per sequence")
+    parser.add_argument("--repetitions", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    folder = args.model or (DEMO_MODEL_DIR if (DEMO_MODEL_DIR / "config.json").is_file() else None)
+    if folder is not None:
+        model, tokenizer = load_model(folder)
+        described = f"checkpoint {folder}"
+    else:
+        model, tokenizer = random_model(args.layers, args.hidden, vocab=2048)
+        described = f"random model, {args.layers} layers, d={args.hidden}"
+    prompt = list(range(2, 34))
+    receiver = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True)
+    try:
+        exporter = f"127.0.0.1:{int(receiver.stdout.readline())}"
+        hook, sender = telemetry_hook("bench", model.config.num_layers, exporter)
+        runs: dict[str, list[float]] = {"off": [], "on": []}
+        tokens_per_second(model, tokenizer, None, args.batch, 8, prompt)  # warm-up
+        for repetition in range(args.repetitions):
+            order = ("off", "on") if repetition % 2 == 0 else ("on", "off")
+            for mode in order:
+                runs[mode].append(tokens_per_second(model, tokenizer, hook if mode == "on" else None,
+                                                    args.batch, args.tokens, prompt))
+        hook_seconds, step_seconds = hook_cost(model, tokenizer, hook, args.batch, args.tokens, prompt)
+    finally:
+        receiver.kill()
+    paired = statistics.median(on / off for on, off in zip(runs["on"], runs["off"]))
+    best = max(runs["on"]) / max(runs["off"])
+    print(f"{described}; batch {args.batch}, {args.tokens} tokens per sequence, {args.repetitions} "
+          f"interleaved repetitions, torch threads {args.threads}")
+    for mode in ("off", "on"):
+        print(f"telemetry {mode:3}: median {statistics.median(runs[mode]):7.1f} tokens/s, best "
+              f"{max(runs[mode]):7.1f} (runs {', '.join(f'{v:.0f}' for v in runs[mode])})")
+    print(f"frames sent {sender.sent}, dropped {sum(sender.dropped.values())}")
+    print(f"hook cost: {hook_seconds * 1e6:.0f} us per step of {step_seconds * 1e3:.2f} ms "
+          f"-> ratio {step_seconds / (step_seconds + hook_seconds):.4f}")
+    print(f"ratio on/off: median of paired runs {paired:.4f}, best runs {best:.4f} (goal >= 0.99)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

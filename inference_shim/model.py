@@ -1,0 +1,388 @@
+"""A Llama-family transformer in plain PyTorch, with a gate per layer and real per-token layer skipping.
+
+Architecture: token embedding -> L x [RMSNorm -> attention (RoPE, grouped-query) -> residual,
+RMSNorm -> SwiGLU -> residual] -> RMSNorm -> LM head (tied or untied). Qwen2-style q/k/v biases are
+supported. Weight names follow Hugging Face's `LlamaForCausalLM`, so checkpoints load by name.
+
+The gate of layer l reads that layer's input-norm output and scores how much the layer matters for
+the token: its "entropy" in [0, 1]. Decoding takes a *run mask* decided before the step starts
+(see `skip_policy.py`); a layer then runs only on the rows that need it. A skipped (token, layer)
+executes neither attention nor the FFN: the hidden state passes through unchanged. What the cache
+holds for it is the KV policy's choice:
+  - "project": K/V projected from the layer's normed input (as CALM does), so later tokens still
+    attend to that position;
+  - "evict":   the position is left out of that layer's attention for later tokens.
+
+This file knows nothing of telemetry: callers read the returned entropies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KV_POLICIES = ("project", "evict")
+GATE_HIDDEN = 16  # width of the gate head's hidden layer (BRIEF: Linear(d->16) -> GELU -> Linear(16->1))
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int  # tokens in the vocabulary
+    hidden_size: int  # d, the residual stream width
+    intermediate_size: int  # SwiGLU hidden width
+    num_layers: int  # transformer blocks, L
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (< num_heads: grouped-query attention)
+    head_dim: int  # width of one head (usually hidden_size // num_heads)
+    rms_norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base
+    rope_scaling: dict | None = None  # Hugging Face `rope_scaling` (None, "linear" or "llama3")
+    max_position_embeddings: int = 2048  # longest sequence (prompt + generation) the cache holds
+    tie_word_embeddings: bool = False  # LM head shares the embedding matrix
+    attention_bias: bool = False  # q/k/v projections have biases (Qwen2)
+    bos_token_id: int | None = None  # begin-of-sequence token, prepended by the tokenizer side
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)  # generation stops on any of these
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --- building blocks ---------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, as Llama does, so fp16/bf16 weights do not lose the small variances.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """Per-pair rotation frequencies [head_dim // 2], including the `rope_scaling` variants."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq.float()
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / float(scaling["factor"])).float()
+    if kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp between.
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        original = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = original / low_freq_factor
+        high_freq_wavelen = original / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(medium, smoothed, scaled).float()
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, heads, T, D]; cos/sin: [B, 1, T, D]
+    return x * cos + rotate_half(x) * sin
+
+
+class KVCache(nn.Module):
+    """Keys and values for `slots` sequences, each slot holding one sequence at its own length.
+
+    `valid[l, s, t]` says whether position t of slot s takes part in layer l's attention: the
+    `evict` policy clears it for skipped (token, layer) pairs; unwritten positions are never valid.
+    """
+
+    def __init__(self, config: ModelConfig, slots: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        shape = (config.num_layers, slots, config.num_kv_heads, max_len, config.head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("valid", torch.zeros(shape[:2] + (max_len,), dtype=torch.bool, device=device),
+                             persistent=False)
+        self.max_len = max_len
+
+    def reset_slot(self, slot: int) -> None:
+        self.valid[:, slot].fill_(False)
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        # slots, positions: [B]; k, v: [B, Hkv, D]
+        self.k[layer, slots, :, positions] = k
+        self.v[layer, slots, :, positions] = v
+        self.valid[layer, slots, positions] = True
+
+    def evict(self, layer: int, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        self.valid[layer, slots, positions] = False
+
+    def read(self, layer: int, slots: torch.Tensor, length: int):
+        # -> k, v: [B, Hkv, length, D]; mask: [B, 1, 1, length]
+        k = self.k[layer, slots, :, :length]
+        v = self.v[layer, slots, :, :length]
+        mask = self.valid[layer, slots, :length][:, None, None, :]
+        return k, v, mask
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        d, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # x: [B, T, d] -> k, v: [B, Hkv, T, D] (k rotated)
+        B, T, _ = x.shape
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # Causal attention over the whole sequence. x: [B, T, d] -> out [B, T, d], k, v [B, Hkv, T, D]
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k, v = self.project_kv(x, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self._gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
+
+    def forward_decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                       layer: int, slots: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+        # One new token per row. x: [B, d] -> [B, d]
+        B = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(B, 1, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
+        k, v = self.project_kv(x[:, None, :], cos, sin)
+        cache.write(layer, slots, positions, k[:, :, 0], v[:, :, 0])
+        keys, values, mask = cache.read(layer, slots, length)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self._gqa)
+        return self.o_proj(out.reshape(B, -1))
+
+    @property
+    def _gqa(self) -> bool:
+        return self.num_kv_heads != self.num_heads
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config)
+
+
+class Gate(nn.Module):
+    """Linear(d->16) -> GELU -> Linear(16->1) -> Sigmoid, on the layer's input-norm output."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden_size, GATE_HIDDEN)
+        self.fc2 = nn.Linear(GATE_HIDDEN, 1)
+
+    def logit(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., d] -> [...]; training uses the logit (e.g. for Gumbel-sigmoid), serving the sigmoid.
+        # F.linear rather than the modules' __call__: this runs per layer per decode step, and on a
+        # small model the call overhead is a visible share of the gate's cost.
+        hidden = F.gelu(F.linear(x, self.fc1.weight, self.fc1.bias))
+        return F.linear(hidden, self.fc2.weight, self.fc2.bias).squeeze(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.logit(x))
+
+
+class GateBank(nn.Module):
+    """One gate per layer. Kept apart from the transformer's weights: stored in gates.safetensors."""
+
+    def __init__(self, num_layers: int, hidden_size: int) -> None:
+        super().__init__()
+        self.gates = nn.ModuleList(Gate(hidden_size) for _ in range(num_layers))
+
+    def __getitem__(self, layer: int) -> Gate:
+        return self.gates[layer]
+
+    def __len__(self) -> int:
+        return len(self.gates)
+
+
+# --- the transformer ---------------------------------------------------------------------------
+
+# A hook for training: (layer, normed input [B, T, d]) -> scale [B, T, 1] applied to the layer's
+# residual updates (x + s*attn, then + s*mlp), or None for s = 1. Layer dropout and soft gates use it.
+UpdateScale = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.gates: GateBank | None = None
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        # Executed (row, layer) computations since the last reset: proof that skipped means skipped.
+        self.layer_rows_executed = [0] * config.num_layers
+
+    def attach_gates(self, gates: GateBank | None) -> None:
+        if gates is not None and len(gates) != self.config.num_layers:
+            raise ValueError(f"{len(gates)} gates for a model of {self.config.num_layers} layers")
+        self.gates = gates
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        # positions: [B, T] -> cos, sin: [B, 1, T, head_dim]
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    # Full-sequence forward: training, perplexity at full depth, prefill. -------------------------
+
+    def forward(self, tokens: torch.Tensor, update_scale: UpdateScale | None = None,
+                cache: KVCache | None = None, slot: int | None = None):
+        """tokens: [B, T] -> (logits [B, T, V], entropies [B, T, L] or None when no gates are attached).
+
+        Always full depth. With `cache` and `slot` (B must be 1) the keys and values of every
+        position are written to that slot: this is prefill.
+        """
+        B, T = tokens.shape
+        h = self.embed_tokens(tokens)
+        positions = torch.arange(T, device=tokens.device).expand(B, T)
+        cos, sin = self.rope(positions, h.dtype)
+        entropies = []
+        if cache is not None:
+            cache.reset_slot(slot)
+        for l, block in enumerate(self.layers):
+            x = block.input_layernorm(h)
+            if self.gates is not None:
+                entropies.append(self.gates[l](x))
+            scale = update_scale(l, x) if update_scale is not None else None
+            attn, k, v = block.self_attn.forward_full(x, cos, sin)
+            if cache is not None:
+                cache.k[l, slot, :, :T] = k[0]
+                cache.v[l, slot, :, :T] = v[0]
+                cache.valid[l, slot, :T] = True
+            h = h + (attn if scale is None else scale * attn)
+            mlp = block.mlp(block.post_attention_layernorm(h))
+            h = h + (mlp if scale is None else scale * mlp)
+            self.layer_rows_executed[l] += B * T
+        logits = self.lm_head(self.norm(h))
+        return logits, (torch.stack(entropies, dim=-1) if entropies else None)
+
+    # One decode step, layers skipped per row. ---------------------------------------------------
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, cache: KVCache, slots: Sequence[int],
+                    positions: Sequence[int], run_mask: np.ndarray | None, kv_policy: str = "project"):
+        """One new token per row, each row a sequence in its own cache slot.
+
+        tokens: [B] on the model's device; slots, positions: host ints, [B]; run_mask: host bool
+        [B, L] decided before the step (None = run everything). The mask is on the host so that no
+        layer waits on the device to learn whether it runs.
+        -> logits [B, V], entropies [B, L] (None without gates)
+        """
+        if kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
+        device = tokens.device
+        B = tokens.shape[0]
+        slot_t = torch.as_tensor(slots, device=device)
+        pos_t = torch.as_tensor(positions, device=device)
+        length = int(max(positions)) + 1  # keys beyond the longest row are never valid
+        h = self.embed_tokens(tokens)  # [B, d]
+        cos, sin = self.rope(pos_t[:, None], h.dtype)  # [B, 1, 1, D]
+        gate_logits = []  # sigmoid applied once after the last layer: fewer tiny ops per layer
+        plan = _RowPlan(run_mask, B, self.config.num_layers, device)
+        for l, block in enumerate(self.layers):
+            x = block.input_layernorm(h)  # [B, d]
+            if self.gates is not None:
+                gate_logits.append(self.gates[l].logit(x))
+            run, skip = plan.rows(l)  # None = all rows / no rows
+            if skip is not None:
+                self._skipped_rows_kv(block, l, x, cos, sin, cache, slot_t, pos_t, skip, kv_policy)
+            if run is not None and run.numel() == 0:
+                continue
+            hr, xr = (h, x) if run is None else (h[run], x[run])
+            cr, sr = (cos, sin) if run is None else (cos[run], sin[run])
+            sl, ps = (slot_t, pos_t) if run is None else (slot_t[run], pos_t[run])
+            hr = hr + block.self_attn.forward_decode(xr, cr, sr, cache, l, sl, ps, length)
+            hr = hr + block.mlp(block.post_attention_layernorm(hr))
+            if run is None:
+                h = hr
+            else:
+                h = h.index_copy(0, run, hr)
+            self.layer_rows_executed[l] += B if run is None else int(run.numel())
+        logits = self.lm_head(self.norm(h))
+        entropies = torch.sigmoid(torch.stack(gate_logits, dim=-1)).float() if gate_logits else None
+        return logits, entropies
+
+    def _skipped_rows_kv(self, block: Block, layer: int, x, cos, sin, cache: KVCache,
+                         slots, positions, rows: torch.Tensor, kv_policy: str) -> None:
+        if kv_policy == "evict":
+            cache.evict(layer, slots[rows], positions[rows])
+            return
+        k, v = block.self_attn.project_kv(x[rows][:, None, :], cos[rows], sin[rows])
+        cache.write(layer, slots[rows], positions[rows], k[:, :, 0], v[:, :, 0])
+
+    def reset_counters(self) -> None:
+        self.layer_rows_executed = [0] * self.config.num_layers
+
+
+class _RowPlan:
+    """Per-layer row indices from a host-side run mask, built once per step before any layer runs."""
+
+    def __init__(self, run_mask: np.ndarray | None, batch: int, num_layers: int, device) -> None:
+        self._run: list[torch.Tensor | None] = [None] * num_layers
+        self._skip: list[torch.Tensor | None] = [None] * num_layers
+        if run_mask is None:
+            return
+        if run_mask.shape != (batch, num_layers):
+            raise ValueError(f"run_mask shape {run_mask.shape} != (batch={batch}, layers={num_layers})")
+        for l in np.flatnonzero(~run_mask.all(axis=0)):
+            column = run_mask[:, l]
+            self._run[l] = torch.as_tensor(np.flatnonzero(column), device=device)
+            self._skip[l] = torch.as_tensor(np.flatnonzero(~column), device=device)
+
+    def rows(self, layer: int):
+        return self._run[layer], self._skip[layer]

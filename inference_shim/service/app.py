@@ -1,0 +1,160 @@
+"""The HTTP API of `layerwatch serve` (FastAPI): OpenAI-compatible generation, health, metrics.
+
+    POST /v1/completions, /v1/chat/completions   generation (stream=true: server-sent events)
+    GET  /v1/models                              the one model served
+    GET  /healthz                                liveness: the process and its engine thread run
+    GET  /readyz                                 readiness: a real one-token gated generation
+    GET  /metrics                                Prometheus exposition of the service's registry
+
+Bad input never reaches the engine: it gets an OpenAI-style error body and a 4xx (see schemas.py).
+Prompts are logged only at DEBUG level.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from jinja2.exceptions import TemplateError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+
+from inference_shim.generate import SamplingParams
+from inference_shim.service.generation import ACTIVITY_HEADER, Generation, Prepared, run_to_end, stream_events
+from inference_shim.service.metrics import FinishedRequest
+from inference_shim.service.schemas import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
+                                            parse_request, read_json_body)
+from inference_shim.service.shim import ShimService
+
+log = logging.getLogger(__name__)
+
+DEBUG_HEADER = "x-layerwatch-debug"
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the cap
+
+
+def create_app(service: ShimService) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        service.start()
+        try:
+            yield
+        finally:
+            service.stop()
+
+    app = FastAPI(title="layerwatch serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    started = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if err.status_code == 404 else "method_not_allowed" if err.status_code == 405 else None
+        return JSONResponse(APIError(err.status_code, str(err.detail), code=code).body(), status_code=err.status_code,
+                            headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, err: Exception) -> JSONResponse:
+        log.exception("unexpected error")  # a bug: bad input is an APIError long before this
+        return JSONResponse(APIError(500, "Internal server error.", type="server_error").body(), status_code=500)
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        if not service.worker.alive():
+            return JSONResponse({"status": "engine thread stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        result = await service.readiness.check()
+        return JSONResponse({"ready": result.ready, "reason": result.reason}, status_code=200 if result.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": service.model_name, "object": "model", "created": started, "owned_by": "layerwatch"}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(service, request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(service, request, "chat")
+
+    return app
+
+
+async def _generate(service: ShimService, request: Request, kind: str) -> Response:
+    arrived = time.monotonic()
+    try:
+        prepared = await _prepare(service, request, kind)
+    except APIError as err:
+        service.request_metrics.finish(FinishedRequest("client_error" if err.status < 500 else "server_error"))
+        raise
+    log.info("%s: %s, %d prompt tokens, max_tokens=%d, stream=%s", prepared.request_id, kind,
+             len(prepared.prompt_ids), prepared.params.max_tokens, prepared.stream)
+    generation = Generation(service, prepared, arrived)
+    generation.start()
+    if prepared.stream:
+        return StreamingResponse(stream_events(generation), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+    text = await run_to_end(generation, request)
+    headers = {ACTIVITY_HEADER: generation.activity_json()} if prepared.debug else None
+    return JSONResponse(generation.response(text), headers=headers)
+
+
+async def _prepare(service: ShimService, request: Request, kind: str) -> Prepared:
+    limits = service.limits
+    data = await read_json_body(request, limits.max_body_bytes)
+    body = parse_request(ChatCompletionRequest if kind == "chat" else CompletionRequest, data)
+    if body.model != service.model_name:
+        raise APIError(404, f"The model '{body.model}' does not exist; this server serves '{service.model_name}'.",
+                       param="model", code="model_not_found")
+    prompt = _prompt_text(service, body)
+    if not prompt:
+        raise APIError(400, "The prompt is empty.", param="prompt" if kind == "completion" else "messages",
+                       code="empty_prompt")
+    log.debug("prompt: %r", prompt)
+    prompt_ids = await asyncio.to_thread(service.tokenizer.encode, prompt)
+    if len(prompt_ids) > limits.max_prompt_tokens:
+        raise APIError(400, f"The prompt has {len(prompt_ids)} tokens; this server accepts at most "
+                            f"{limits.max_prompt_tokens}.", param="prompt" if kind == "completion" else "messages",
+                       code="context_length_exceeded")
+    default_max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else limits.max_tokens_cap
+    max_tokens = min(default_max_tokens, limits.max_tokens_cap) if body.max_tokens is None else body.max_tokens
+    if max_tokens > limits.max_tokens_cap:
+        raise APIError(400, f"max_tokens={max_tokens} exceeds this server's cap of {limits.max_tokens_cap}.",
+                       param="max_tokens", code="max_tokens_exceeded")
+    debug = service.allow_debug and request.headers.get(DEBUG_HEADER, "").strip().lower() == "true"
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    return Prepared(kind=kind, request_id=f"{prefix}-{uuid.uuid4().hex[:24]}", model_name=service.model_name,
+                    prompt_ids=prompt_ids, params=_sampling(body, max_tokens), stream=body.stream,
+                    include_usage=body.include_usage(), debug=debug)
+
+
+def _prompt_text(service: ShimService, body: SamplingFields) -> str:
+    if isinstance(body, CompletionRequest):
+        return body.prompt_text()
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        return service.tokenizer.apply_chat_template(messages)
+    except TemplateError as exc:  # the checkpoint's template refuses the conversation (e.g. role order)
+        raise APIError(400, f"The chat template refused the messages: {exc}", param="messages",
+                       code="invalid_messages") from None
+
+
+def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                          stop=body.stop_strings())

@@ -1,0 +1,201 @@
+"""The shim's /metrics: every SHIM metric of layerwatch/catalog.py, in an injected registry.
+
+Two update paths, chosen so that the decode loop does no label lookups or string formatting:
+  - per decode step, `DecodeStats.observe` adds the step's per-layer counts to numpy arrays under
+    one lock; `DecodeStatsCollector` turns them into samples only when /metrics is scraped;
+  - per finished request, `RequestMetrics.finish` updates counters and latency histograms whose
+    children were bound once at start-up, from the same numbers the client got in `usage`.
+Names, help texts and label names come from the catalog; no metric name is spelled here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from layerwatch import catalog
+
+REQUEST_STATUSES = ("ok", "client_error", "server_error", "cancelled")
+FALLBACK_REASON = "high_skipping"
+
+
+def shim_spec(name: str) -> catalog.MetricSpec:
+    spec = catalog.BY_NAME[name]
+    if spec.component != catalog.SHIM:
+        raise ValueError(f"{name} is not a shim metric")
+    return spec
+
+
+def make_metric(name: str, registry: CollectorRegistry, buckets: Sequence[float] | None = None):
+    """A prometheus_client metric object for a catalog spec (histograms use the spec's buckets)."""
+    spec = shim_spec(name)
+    common = dict(name=spec.base_name, documentation=spec.help, labelnames=spec.labels, registry=registry)
+    if spec.kind == "counter":
+        return Counter(**common)
+    if spec.kind == "gauge":
+        return Gauge(**common)
+    return Histogram(**common, buckets=buckets or spec.buckets)
+
+
+def counter_family(name: str) -> CounterMetricFamily:
+    spec = shim_spec(name)
+    return CounterMetricFamily(spec.base_name, spec.help, labels=spec.labels)
+
+
+def histogram_family(name: str) -> HistogramMetricFamily:
+    spec = shim_spec(name)
+    return HistogramMetricFamily(spec.name, spec.help, labels=spec.labels)
+
+
+# --- decode-step statistics -----------------------------------------------------------------------
+
+
+class DecodeStats:
+    """Per-layer decode counters since start, updated once per decode step with vectorised adds.
+
+    Counted per decoded token (row of a step): every layer's gate is evaluated once, so the
+    evaluations of every layer equal `rows`; `skips[l]` counts rows that did not run layer l.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._lock = threading.Lock()
+        self.rows = 0  # decoded tokens
+        self.steps = 0  # decode steps (one per batch)
+        self.skips = np.zeros(num_layers, dtype=np.int64)
+        self.batch_skips = np.zeros(num_layers, dtype=np.int64)
+        self.executed_counts = np.zeros(num_layers + 1, dtype=np.int64)  # histogram over 0..L layers
+        self.executed_sum = 0
+        self.fallbacks = 0
+
+    def observe(self, skipped: np.ndarray, batch_skipped: np.ndarray, fallback_started: np.ndarray) -> None:
+        """skipped bool [B, L]; batch_skipped bool [L]; fallback_started bool [B]."""
+        executed = self.num_layers - skipped.sum(axis=1)
+        executed_counts = np.bincount(executed, minlength=self.num_layers + 1)
+        with self._lock:
+            self.rows += skipped.shape[0]
+            self.steps += 1
+            self.skips += skipped.sum(axis=0)
+            self.batch_skips += batch_skipped
+            self.executed_counts += executed_counts
+            self.executed_sum += int(executed.sum())
+            self.fallbacks += int(fallback_started.sum())
+
+    def snapshot(self) -> "DecodeStatsSnapshot":
+        with self._lock:
+            return DecodeStatsSnapshot(self.rows, self.steps, self.skips.copy(), self.batch_skips.copy(),
+                                       self.executed_counts.copy(), self.executed_sum, self.fallbacks)
+
+
+@dataclass(frozen=True)
+class DecodeStatsSnapshot:
+    rows: int
+    steps: int
+    skips: np.ndarray
+    batch_skips: np.ndarray
+    executed_counts: np.ndarray
+    executed_sum: int
+    fallbacks: int
+
+
+class DecodeStatsCollector(Collector):
+    """Exposes `DecodeStats` at scrape time: the only place per-layer label values are formatted."""
+
+    def __init__(self, stats: DecodeStats, model_name: str) -> None:
+        self._stats = stats
+        self._model_name = model_name
+        self._layers = [str(l) for l in range(stats.num_layers)]
+        self._bucket_bounds = [floatToGoString(b) for b in range(stats.num_layers + 1)] + ["+Inf"]
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats.snapshot()
+        m = self._model_name
+        per_layer = {
+            "layerwatch_layer_evaluations_total": [s.rows] * len(self._layers),
+            "layerwatch_layer_skips_total": s.skips.tolist(),
+            "layerwatch_batch_layer_steps_total": [s.steps] * len(self._layers),
+            "layerwatch_batch_layer_skips_total": s.batch_skips.tolist(),
+        }
+        for name, values in per_layer.items():
+            family = counter_family(name)
+            for layer, value in zip(self._layers, values):
+                family.add_metric([m, layer], value)
+            yield family
+        executed = histogram_family("layerwatch_layers_executed")
+        cumulative = np.cumsum(s.executed_counts).tolist() + [s.rows]
+        executed.add_metric([m], list(zip(self._bucket_bounds, cumulative)), sum_value=s.executed_sum)
+        yield executed
+        fallbacks = counter_family("layerwatch_fallbacks_total")
+        fallbacks.add_metric([m, FALLBACK_REASON], s.fallbacks)
+        yield fallbacks
+
+
+# --- per-request metrics ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """What a request ended with; the same numbers the client saw in `usage`."""
+
+    status: str  # one of REQUEST_STATUSES
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    time_to_first_token: float | None = None  # seconds; None when no token was generated
+    inter_token_latencies: Sequence[float] = ()
+    duration: float | None = None  # seconds; None for requests rejected before generation
+
+
+class RequestMetrics:
+    """Counters and latency histograms updated once per finished request (children bound once)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        requests = make_metric("layerwatch_requests_total", registry)
+        self._requests = {status: requests.labels(model_name, status) for status in REQUEST_STATUSES}
+        tokens = make_metric("layerwatch_tokens_total", registry)
+        self._prefill_tokens = tokens.labels(model_name, "prefill")
+        self._decode_tokens = tokens.labels(model_name, "decode")
+        self._ttft = make_metric("layerwatch_time_to_first_token_seconds", registry).labels(model_name)
+        self._itl = make_metric("layerwatch_inter_token_latency_seconds", registry).labels(model_name)
+        self._duration = make_metric("layerwatch_request_duration_seconds", registry).labels(model_name)
+
+    def finish(self, request: FinishedRequest) -> None:
+        self._requests[request.status].inc()
+        self._prefill_tokens.inc(request.prompt_tokens)
+        self._decode_tokens.inc(request.completion_tokens)
+        if request.status != "ok":
+            return  # latency describes served requests only
+        if request.time_to_first_token is not None:
+            self._ttft.observe(request.time_to_first_token)
+        for gap in request.inter_token_latencies:
+            self._itl.observe(gap)
+        if request.duration is not None:
+            self._duration.observe(request.duration)
+
+
+class ShadowMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.tokens = make_metric("layerwatch_shadow_tokens_total", registry).labels(model_name)
+        self.agreements = make_metric("layerwatch_shadow_agreements_total", registry).labels(model_name)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    layers: int
+    threshold: float
+    patience: int
+    kv_policy: str
+    gates_sha256: str
+
+
+def register_model_info(registry: CollectorRegistry, info: ModelInfo) -> None:
+    make_metric("layerwatch_model_info", registry).labels(
+        info.model_name, str(info.layers), floatToGoString(info.threshold), str(info.patience),
+        info.kv_policy, info.gates_sha256).set(1)

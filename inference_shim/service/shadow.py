@@ -1,0 +1,96 @@
+"""The quality guard: re-score a sample of finished requests at full depth, off the request path.
+
+A sampled request's prompt + generated tokens go through the model's full-depth forward in one
+teacher-forced pass; at each generated position the full-depth top-1 token is compared with the
+token the gated model produced. Only greedy requests (temperature 0) are sampled: for them the
+produced token *is* the gated top-1, so a disagreement means skipping changed the output; for
+sampled requests it would mostly measure the sampling.
+
+Jobs run in the engine thread (the model is not shared across threads), between decode steps and
+within a time budget (see `ShadowChecker.due`), so they never delay a step by more than one job
+and never hold a client response: the request has already been answered when its job is queued.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from inference_shim.model import Transformer
+from inference_shim.service.metrics import ShadowMetrics
+
+log = logging.getLogger(__name__)
+
+QUEUE_LIMIT = 64  # sampled requests waiting for a re-check; beyond it new samples are not taken
+DUTY_CYCLE = 0.1  # while requests are decoding, shadow work takes at most this share of the engine thread
+
+
+@dataclass(frozen=True)
+class ShadowJob:
+    prompt_ids: list[int]
+    generated_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ShadowResult:
+    tokens: int
+    agreements: int
+
+
+def full_depth_agreement(model: Transformer, job: ShadowJob) -> ShadowResult:
+    """Teacher-forced full-depth top-1 over the generated tokens, compared with them."""
+    device = model.embed_tokens.weight.device
+    tokens = torch.tensor([job.prompt_ids + job.generated_ids], device=device)
+    with torch.inference_mode():
+        logits, _ = model(tokens)
+    # The logits at position i predict token i + 1: the generated tokens are predicted from the
+    # last prompt position onwards.
+    first = len(job.prompt_ids) - 1
+    predicted = logits[0, first:first + len(job.generated_ids)].argmax(dim=-1)
+    expected = torch.tensor(job.generated_ids, device=device)
+    return ShadowResult(tokens=len(job.generated_ids), agreements=int((predicted == expected).sum()))
+
+
+class ShadowChecker:
+    def __init__(self, model: Transformer, metrics: ShadowMetrics, rate: float) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"shadow rate must be in [0, 1], got {rate}")
+        self._model = model
+        self._metrics = metrics
+        self.rate = rate
+        self._random = random.Random()
+        self._jobs: deque[ShadowJob] = deque()
+        self._next_allowed = 0.0  # monotonic time before which a busy engine runs no shadow job
+
+    def offer(self, prompt_ids: list[int], generated_ids: list[int], greedy: bool) -> None:
+        """Called for every request that finished normally; keeps a `rate` sample of greedy ones."""
+        if not greedy or not generated_ids or self.rate == 0.0 or len(self._jobs) >= QUEUE_LIMIT:
+            return
+        if self._random.random() < self.rate:
+            self._jobs.append(ShadowJob(list(prompt_ids), list(generated_ids)))
+
+    def pending(self) -> int:
+        return len(self._jobs)
+
+    def due(self, engine_busy: bool) -> bool:
+        """Whether to run a job now: always when idle, within the duty cycle while decoding."""
+        return bool(self._jobs) and (not engine_busy or time.monotonic() >= self._next_allowed)
+
+    def run_one(self) -> None:
+        job = self._jobs.popleft()
+        started = time.monotonic()
+        try:
+            result = full_depth_agreement(self._model, job)
+        except Exception:  # a shadow failure must not take the engine thread down
+            log.exception("shadow re-check failed")
+            return
+        finally:
+            elapsed = time.monotonic() - started
+            self._next_allowed = started + elapsed / DUTY_CYCLE
+        self._metrics.tokens.inc(result.tokens)
+        self._metrics.agreements.inc(result.agreements)

@@ -1,0 +1,163 @@
+"""Everything `layerwatch serve` runs, wired together: model, engine thread, telemetry, metrics.
+
+`ShimService.load(settings)` loads the checkpoint and gates and builds the parts; `app.py` puts
+the HTTP API on top. Nothing here touches the global Prometheus registry: the service owns one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from inference_shim.checkpoint import DTYPES, LoadedCheckpoint, load_checkpoint
+from inference_shim.gates import LoadedGates, load_gates, reset_gates
+from inference_shim.generate import GenerationEngine, StepHook
+from inference_shim.skip_policy import SkipPolicyConfig
+from inference_shim.service.metrics import (DecodeStats, DecodeStatsCollector, ModelInfo, RequestMetrics,
+                                            ShadowMetrics, register_model_info)
+from inference_shim.service.power import NvmlCollector, RaplCollector
+from inference_shim.service.readiness import Readiness
+from inference_shim.service.scheduler import EngineWorker
+from inference_shim.service.shadow import ShadowChecker
+from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, StepTelemetry
+from layerwatch.trace import TraceWriter
+
+log = logging.getLogger(__name__)
+
+GATES_FILE = "gates.safetensors"
+RESET_GATES_SEED = 0
+PROBE_TEXT = "ready"
+DEFAULT_MAX_TOKENS_CAP = 512
+DEFAULT_MAX_PROMPT_TOKENS = 1024
+
+
+@dataclass
+class ServeSettings:
+    model_dir: Path
+    gates_path: Path | None = None  # None: <model_dir>/gates.safetensors
+    model_name: str | None = None  # None: the model folder's name
+    threshold: float | None = None  # None: the gate file's calibrated threshold
+    patience: int | None = None  # None: the gate file's patience
+    protected_layers: tuple[int, ...] | None = None  # None: first and last layer
+    kv_policy: str = "project"
+    max_batch_size: int = 8
+    max_tokens_cap: int | None = None  # None: DEFAULT_MAX_TOKENS_CAP, shrunk to fit the context
+    max_prompt_tokens: int | None = None  # None: DEFAULT_MAX_PROMPT_TOKENS, shrunk to fit the context
+    max_body_bytes: int = 1 << 20
+    exporter_address: str = "127.0.0.1:9410"  # "" = no frames
+    shim_id: str | None = None  # None: hostname-pid
+    trace_file: Path | None = None
+    trace_max_bytes: int = 100 << 20
+    shadow_rate: float = 0.0
+    allow_debug: bool = False
+    device: str = "cpu"
+    dtype: str = "float32"
+    reset_gates: bool = False
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_tokens: int
+    max_tokens_cap: int
+    max_body_bytes: int
+
+
+def resolve_limits(settings: ServeSettings, context: int) -> Limits:
+    """Fit prompt + generation into the model's context (`max_position_embeddings`).
+
+    Unset limits default to DEFAULT_MAX_TOKENS_CAP / DEFAULT_MAX_PROMPT_TOKENS, shrunk to fit;
+    limits that were set explicitly and do not fit are refused.
+    """
+    cap, prompt = settings.max_tokens_cap, settings.max_prompt_tokens
+    if any(v is not None and v < 1 for v in (cap, prompt)) or settings.max_body_bytes < 1:
+        raise ValueError("--max-tokens-cap, --max-prompt-tokens and --max-body-bytes must be positive")
+    if cap is None:
+        cap = min(DEFAULT_MAX_TOKENS_CAP, context // 2 if prompt is None else context - prompt)
+    if prompt is None:
+        prompt = min(DEFAULT_MAX_PROMPT_TOKENS, context - cap)
+    if cap < 1 or prompt < 1 or prompt + cap > context:
+        raise ValueError(f"--max-prompt-tokens {prompt} + --max-tokens-cap {cap} do not fit the model's "
+                         f"{context}-token context")
+    return Limits(prompt, cap, settings.max_body_bytes)
+
+
+class ShimService:
+    def __init__(self, checkpoint: LoadedCheckpoint, gates: LoadedGates, settings: ServeSettings,
+                 registry: CollectorRegistry | None = None) -> None:
+        model, config = checkpoint.model, checkpoint.config
+        model.attach_gates(gates.gates)
+        self.model = model
+        self.tokenizer = checkpoint.tokenizer
+        self.model_name = settings.model_name or checkpoint.path.resolve().name
+        self.gates_sha256 = gates.sha256
+        self.allow_debug = settings.allow_debug
+        self.limits = resolve_limits(settings, config.max_position_embeddings)
+        self.policy = SkipPolicyConfig(
+            threshold=gates.metadata.threshold if settings.threshold is None else settings.threshold,
+            patience=gates.metadata.patience if settings.patience is None else settings.patience,
+            protected_layers=settings.protected_layers)
+        self.policy.protected(config.num_layers)  # refuse out-of-range protected layers at start-up
+        self.kv_policy = settings.kv_policy
+        self.max_batch_size = settings.max_batch_size
+
+        self.registry = registry if registry is not None else CollectorRegistry()
+        register_model_info(self.registry, ModelInfo(
+            self.model_name, config.num_layers, self.policy.threshold, self.policy.patience, self.kv_policy,
+            self.gates_sha256))
+        self.request_metrics = RequestMetrics(self.registry, self.model_name)
+        self.decode_stats = DecodeStats(config.num_layers)
+        self.registry.register(DecodeStatsCollector(self.decode_stats, self.model_name))
+        shim_id = settings.shim_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.sender = (FrameSender(settings.exporter_address, self.model_name, shim_id, config.num_layers)
+                       if settings.exporter_address else None)
+        self.registry.register(FrameSenderCollector(self.sender, self.model_name))
+        self.registry.register(NvmlCollector())
+        self.registry.register(RaplCollector())
+        shadow_metrics = ShadowMetrics(self.registry, self.model_name)
+        self.trace = TraceWriter(settings.trace_file, settings.trace_max_bytes) if settings.trace_file else None
+
+        shadow = (ShadowChecker(model, shadow_metrics, settings.shadow_rate)
+                  if settings.shadow_rate > 0 else None)
+        telemetry = StepTelemetry(self.model_name, self.decode_stats, self.sender, self.trace)
+        probe_prompt = self.tokenizer.encode(PROBE_TEXT) or [0]
+        self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow)
+        self.readiness = Readiness(self.worker)
+
+    @classmethod
+    def load(cls, settings: ServeSettings, registry: CollectorRegistry | None = None) -> "ShimService":
+        if settings.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {settings.device}: CUDA is not available on this host")
+        if settings.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
+        checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])
+        if settings.reset_gates:
+            gates = reset_gates(checkpoint.model, seed=RESET_GATES_SEED)
+            log.warning("serving freshly initialised gates (--reset-gates), gates_sha256=%s", gates.sha256)
+        else:
+            gates = load_gates(settings.gates_path or Path(settings.model_dir) / GATES_FILE, checkpoint.model)
+        return cls(checkpoint, gates, settings, registry)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.limits.max_prompt_tokens + self.limits.max_tokens_cap
+
+    def _engine_factory(self, step_hook: StepHook) -> GenerationEngine:
+        return GenerationEngine(self.model, self.tokenizer, model_name=self.model_name, policy=self.policy,
+                                kv_policy=self.kv_policy, max_batch_size=self.max_batch_size,
+                                max_seq_len=self.max_seq_len, step_hook=step_hook)
+
+    def start(self) -> None:
+        self.worker.start()
+
+    def stop(self) -> None:
+        self.worker.stop()
+        if self.sender is not None:
+            self.sender.close()
+        if self.trace is not None:
+            self.trace.close()

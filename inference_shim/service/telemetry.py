@@ -1,0 +1,135 @@
+"""What the decode loop emits per step: metric counts, a gate frame to the exporter, trace lines.
+
+`StepTelemetry` is the engine's step hook. It runs in the engine thread between two decode steps,
+so it does only vectorised numpy work, one `encode_frame` and one non-blocking `sendto`; it never
+blocks and never raises into the decode loop (a failed send is a counter, not an exception).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterator
+
+import numpy as np
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from layerwatch.trace import TraceWriter
+from layerwatch.wire import MAX_FRAME_BYTES, FrameTooLarge, GateFrame, encode_frame, frame_bytes
+
+from inference_shim.service.metrics import DecodeStats, counter_family
+
+log = logging.getLogger(__name__)
+
+DROP_REASONS = ("send_error", "too_large", "invalid")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """"host:port" or "[v6]:port" -> (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"exporter address {address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+class FrameSender:
+    """Sends one gate frame per decode step over UDP, without ever waiting.
+
+    The socket is non-blocking and connected, so a missing exporter shows up as send errors
+    (ICMP port unreachable, reported on the next send) in `layerwatch_telemetry_frames_dropped_total`
+    rather than anywhere else. Every frame takes the next sequence number, sent or not, so the
+    exporter sees dropped frames as gaps.
+    """
+
+    def __init__(self, address: str, model_name: str, shim_id: str, num_layers: int) -> None:
+        host, port = parse_address(address)
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        self._socket = socket.socket(family, kind, proto)
+        self._socket.setblocking(False)
+        self._socket.connect(sockaddr)
+        self.address = address
+        self.model_name = model_name
+        self.shim_id = shim_id
+        self.sequence = 0
+        self.sent = 0
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)
+        # A batch whose frame would exceed the datagram limit goes out in several frames.
+        per_row = frame_bytes(1, num_layers, model_name, shim_id) - frame_bytes(0, num_layers, model_name, shim_id)
+        overhead = frame_bytes(0, num_layers, model_name, shim_id)
+        self.rows_per_frame = max(1, (MAX_FRAME_BYTES - overhead) // per_row)
+
+    def send(self, entropies: np.ndarray, skipped: np.ndarray) -> None:
+        for start in range(0, entropies.shape[0], self.rows_per_frame):
+            rows = slice(start, start + self.rows_per_frame)
+            self._send_frame(entropies[rows], skipped[rows])
+
+    def _send_frame(self, entropies: np.ndarray, skipped: np.ndarray) -> None:
+        sequence = self.sequence
+        self.sequence += 1
+        try:
+            data = encode_frame(GateFrame(self.model_name, self.shim_id, sequence, entropies, skipped))
+        except FrameTooLarge:
+            self.dropped["too_large"] += 1
+            return
+        except ValueError:  # NaN or out-of-range entropies: a broken model, visible in this counter
+            self.dropped["invalid"] += 1
+            return
+        try:
+            self._socket.send(data)
+        except OSError:  # ConnectionRefused (no exporter), BlockingIOError (buffer full), ...
+            self.dropped["send_error"] += 1
+            return
+        self.sent += 1
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+class FrameSenderCollector(Collector):
+    """layerwatch_telemetry_frames_sent_total / _dropped_total; zero when no exporter is configured."""
+
+    def __init__(self, sender: FrameSender | None, model_name: str) -> None:
+        self._sender = sender
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        sent = counter_family("layerwatch_telemetry_frames_sent_total")
+        sent.add_metric([self._model_name], self._sender.sent if self._sender else 0)
+        yield sent
+        dropped = counter_family("layerwatch_telemetry_frames_dropped_total")
+        for reason in DROP_REASONS:
+            dropped.add_metric([self._model_name, reason], self._sender.dropped[reason] if self._sender else 0)
+        yield dropped
+
+
+class StepTelemetry:
+    """The engine's step hook for served traffic: metrics, frames and trace from one StepRecord.
+
+    Called with the rows that belong to client requests only (the service filters out its own
+    readiness probes), so every count here agrees with the `usage` clients receive.
+    """
+
+    def __init__(self, model_name: str, stats: DecodeStats, sender: FrameSender | None = None,
+                 trace: TraceWriter | None = None) -> None:
+        self.model_name = model_name
+        self.stats = stats
+        self.sender = sender
+        self.trace = trace
+
+    def __call__(self, entropies: np.ndarray, skipped: np.ndarray, batch_skipped: np.ndarray,
+                 fallback_started: np.ndarray) -> None:
+        self.stats.observe(skipped, batch_skipped, fallback_started)
+        if self.sender is not None:
+            self.sender.send(entropies, skipped)
+        if self.trace is not None:
+            self._write_trace(entropies, skipped)
+
+    def _write_trace(self, entropies: np.ndarray, skipped: np.ndarray) -> None:
+        try:
+            self.trace.write_rows(self.model_name, entropies, skipped)
+        except OSError as exc:  # disk full, file gone: the trace is best effort, decoding goes on
+            log.warning("trace file %s: %s; trace writing stopped", self.trace.path, exc)
+            self.trace = None
+        except ValueError as exc:  # NaN entropies from a broken model: not representable in the format
+            log.warning("trace file %s: step not written: %s", self.trace.path, exc)

@@ -1,0 +1,97 @@
+"""Which layers each sequence skips at the next decode step, decided from earlier steps only.
+
+Rule (threshold tau, patience k): at decode step t, layer l is skipped for a sequence iff that
+layer's entropy was below tau at each of the sequence's previous k decode steps, unless the layer
+is protected or the sequence is in a fallback episode. Because step t's mask depends only on steps
+< t, it is known before step t starts: no layer ever waits on the device to learn whether it runs.
+
+Fallback breaker: when more than `fallback_skip_fraction` of all layers were skipped for
+`fallback_trigger_steps` consecutive steps of a sequence, the next `fallback_steps` steps of that
+sequence run at full depth.
+
+State is kept per cache slot in [slots, L] arrays so that a whole batch is planned and updated
+with a few vectorised numpy operations, whichever slots the rows occupy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SkipPolicyConfig:
+    threshold: float = 0.18  # tau: an entropy below this counts toward skipping the layer
+    patience: int = 3  # k: consecutive decode steps below tau before the layer is skipped
+    protected_layers: tuple[int, ...] | None = None  # never skipped; None = first and last layer
+    fallback_skip_fraction: float = 0.85  # a step "skips too much" above this fraction of all layers
+    fallback_trigger_steps: int = 3  # consecutive such steps that start a fallback episode
+    fallback_steps: int = 16  # full-depth steps of one fallback episode
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
+        if self.patience < 1:
+            raise ValueError(f"patience must be >= 1, got {self.patience}")
+        if not 0.0 <= self.fallback_skip_fraction <= 1.0:
+            raise ValueError(f"fallback_skip_fraction must be in [0, 1], got {self.fallback_skip_fraction}")
+        if self.fallback_trigger_steps < 1 or self.fallback_steps < 0:
+            raise ValueError("fallback_trigger_steps must be >= 1 and fallback_steps >= 0")
+
+    def protected(self, num_layers: int) -> tuple[int, ...]:
+        layers = (0, num_layers - 1) if self.protected_layers is None else self.protected_layers
+        for l in layers:
+            if not 0 <= l < num_layers:
+                raise ValueError(f"protected layer {l} is outside 0..{num_layers - 1}")
+        return tuple(sorted(set(layers)))
+
+
+@dataclass
+class StepDecision:
+    """What the policy learned from one finished step, per row."""
+
+    fallback_started: np.ndarray  # bool [B]: a fallback episode begins after this step
+
+
+class SkipPolicy:
+    def __init__(self, config: SkipPolicyConfig, num_layers: int, slots: int) -> None:
+        self.config = config
+        self.num_layers = num_layers
+        self.skippable = np.ones(num_layers, dtype=bool)
+        self.skippable[list(config.protected(num_layers))] = False
+        self._below_streak = np.zeros((slots, num_layers), dtype=np.int32)
+        self._high_skip_streak = np.zeros(slots, dtype=np.int32)
+        self._fallback_left = np.zeros(slots, dtype=np.int32)
+
+    def reset(self, slot: int) -> None:
+        """A new sequence takes the slot: no history, so its first k decode steps run full depth."""
+        self._below_streak[slot] = 0
+        self._high_skip_streak[slot] = 0
+        self._fallback_left[slot] = 0
+
+    def in_fallback(self, slots: np.ndarray) -> np.ndarray:
+        """bool [B]: rows whose next step is forced to full depth by a fallback episode."""
+        return self._fallback_left[slots] > 0
+
+    def run_mask(self, slots: np.ndarray) -> np.ndarray:
+        """bool [B, L] for the next step: True = the layer runs for that row. Reads only past steps."""
+        skip = (self._below_streak[slots] >= self.config.patience) & self.skippable
+        skip &= ~self.in_fallback(slots)[:, None]
+        return ~skip
+
+    def observe(self, slots: np.ndarray, entropies: np.ndarray, run_mask: np.ndarray) -> StepDecision:
+        """Record a finished step: entropies float [B, L] and the run mask it used."""
+        below = entropies < self.config.threshold
+        streak = self._below_streak[slots]
+        self._below_streak[slots] = np.where(below, streak + 1, 0)
+
+        was_fallback = self._fallback_left[slots] > 0
+        self._fallback_left[slots] = np.maximum(self._fallback_left[slots] - 1, 0)
+        skipped_fraction = (~run_mask).sum(axis=1) / self.num_layers
+        high = skipped_fraction > self.config.fallback_skip_fraction
+        high_streak = np.where(high & ~was_fallback, self._high_skip_streak[slots] + 1, 0)
+        started = high_streak >= self.config.fallback_trigger_steps
+        self._high_skip_streak[slots] = np.where(started, 0, high_streak)
+        self._fallback_left[slots] = np.where(started, self.config.fallback_steps, self._fallback_left[slots])
+        return StepDecision(fallback_started=started)

@@ -1,0 +1,155 @@
+"""Every metric layerwatch exposes, in one place.
+
+The shim and the exporter create their metrics from these specs, docs/metrics.md is generated from
+them, and the dashboard generator refuses a panel that queries a name not defined here or by a
+recording rule. A test compares each live `/metrics` page against this catalog, so it cannot drift.
+
+Names follow ../shared/CONTRACT.md exactly. Counter names carry their `_total` suffix here, as
+exposed; `prometheus_client` wants it stripped when the metric object is created (see `base_name`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SHIM = "shim"
+EXPORTER = "exporter"
+
+# 20 equal buckets over [0, 1]: le = 0.05, 0.10, ... 0.95, 1.0 (CONTRACT).
+ENTROPY_BUCKETS: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(1, 21))
+# An entropy below this counts as a "zero-entropy" layer (CONTRACT, BRIEF).
+ZERO_ENTROPY_LIMIT = 0.01
+
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str  # exposed name; counters end in _total
+    kind: str  # "counter" | "gauge" | "histogram"
+    labels: tuple[str, ...]  # bounded labels only (CONTRACT)
+    help: str
+    component: str  # SHIM or EXPORTER
+    buckets: tuple[float, ...] | None = None  # histograms only; None = per-model (layers 0..L)
+
+    @property
+    def base_name(self) -> str:
+        """The name prometheus_client wants: counters without `_total`."""
+        if self.kind == "counter":
+            return self.name.removesuffix("_total")
+        return self.name
+
+    @property
+    def series_names(self) -> tuple[str, ...]:
+        """Every sample name this metric produces on a /metrics page."""
+        if self.kind == "histogram":
+            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        return (self.name,)
+
+
+def _m(name, kind, labels, help, component, buckets=None) -> MetricSpec:
+    return MetricSpec(name, kind, tuple(labels), help, component, buckets)
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    # --- shim: what is served --------------------------------------------------------------
+    _m("layerwatch_model_info", "gauge",
+       ("model_name", "layers", "threshold", "patience", "kv_policy", "gates_sha256"),
+       "What is being served (always 1); gates_sha256 is the hash of the loaded gate weights.", SHIM),
+    _m("layerwatch_requests_total", "counter", ("model_name", "status"),
+       "Finished requests by status (ok, client_error, server_error, cancelled).", SHIM),
+    _m("layerwatch_tokens_total", "counter", ("model_name", "phase"),
+       "Prompt tokens (phase=prefill) and generated tokens (phase=decode).", SHIM),
+    # --- shim: skipping ----------------------------------------------------------------------
+    _m("layerwatch_layer_evaluations_total", "counter", ("model_name", "layer"),
+       "Decode-time gate decisions for the layer (one per decoded token).", SHIM),
+    _m("layerwatch_layer_skips_total", "counter", ("model_name", "layer"),
+       "Decode-time gate decisions that skipped the layer.", SHIM),
+    _m("layerwatch_layers_executed", "histogram", ("model_name",),
+       "Layers that ran, per decoded token (buckets 0..L).", SHIM),
+    _m("layerwatch_batch_layer_steps_total", "counter", ("model_name", "layer"),
+       "Decode steps (whole batch) that evaluated the layer's gate.", SHIM),
+    _m("layerwatch_batch_layer_skips_total", "counter", ("model_name", "layer"),
+       "Decode steps where every sequence of the batch skipped the layer (only these save weight reads).",
+       SHIM),
+    _m("layerwatch_fallbacks_total", "counter", ("model_name", "reason"),
+       "Forced full-depth episodes (reason=high_skipping).", SHIM),
+    # --- shim: latency -----------------------------------------------------------------------
+    _m("layerwatch_time_to_first_token_seconds", "histogram", ("model_name",),
+       "Time from request arrival to its first generated token.", SHIM, LATENCY_BUCKETS),
+    _m("layerwatch_inter_token_latency_seconds", "histogram", ("model_name",),
+       "Time between consecutive generated tokens of a request.", SHIM, LATENCY_BUCKETS),
+    _m("layerwatch_request_duration_seconds", "histogram", ("model_name",),
+       "Time from request arrival to its end.", SHIM, LATENCY_BUCKETS),
+    # --- shim: power -------------------------------------------------------------------------
+    _m("layerwatch_gpu_energy_joules_total", "counter", ("gpu", "uuid"),
+       "GPU energy from NVML, made monotonic across driver resets.", SHIM),
+    _m("layerwatch_gpu_power_watts", "gauge", ("gpu", "uuid"),
+       "GPU power draw from NVML.", SHIM),
+    _m("layerwatch_nvml_up", "gauge", (),
+       "1 when NVML readings work on this host, 0 otherwise (no GPU is a normal state).", SHIM),
+    _m("layerwatch_cpu_energy_joules_total", "counter", ("zone",),
+       "CPU package energy from RAPL, where readable (wrap-around handled).", SHIM),
+    # --- shim: quality and telemetry -----------------------------------------------------------
+    _m("layerwatch_shadow_tokens_total", "counter", ("model_name",),
+       "Generated tokens re-scored at full depth by the shadow quality check.", SHIM),
+    _m("layerwatch_shadow_agreements_total", "counter", ("model_name",),
+       "Shadow-checked tokens whose full-depth top-1 token equals the gated output.", SHIM),
+    _m("layerwatch_telemetry_frames_sent_total", "counter", ("model_name",),
+       "Gate frames sent to the exporter.", SHIM),
+    _m("layerwatch_telemetry_frames_dropped_total", "counter", ("model_name", "reason"),
+       "Gate frames not sent (reason=send_error, too_large or invalid); sending never blocks decoding.", SHIM),
+    # --- exporter: entropy statistics -----------------------------------------------------------
+    _m("layerwatch_entropy", "histogram", ("model_name", "decision"),
+       "Every decode-time gate entropy, by decision (run or skip).", EXPORTER, ENTROPY_BUCKETS),
+    _m("layerwatch_entropy_squares_total", "counter", ("model_name", "decision"),
+       "Sum of squared entropies, so PromQL can compute the standard deviation.", EXPORTER),
+    _m("layerwatch_entropy_zero_total", "counter", ("model_name", "decision"),
+       f"Entropies below {ZERO_ENTROPY_LIMIT} (zero-entropy layers).", EXPORTER),
+    _m("layerwatch_entropy_bimodal", "gauge", ("model_name",),
+       "Bimodality verdict on the sliding window (1 = two peaks); absent while the window is too small.",
+       EXPORTER),
+    _m("layerwatch_entropy_bimodality_coefficient", "gauge", ("model_name",),
+       "Sarle's bimodality coefficient on the sliding window.", EXPORTER),
+    _m("layerwatch_entropy_dip", "gauge", ("model_name",),
+       "Hartigan's dip statistic on the sliding window.", EXPORTER),
+    _m("layerwatch_entropy_dip_p_value", "gauge", ("model_name",),
+       "p-value of Hartigan's dip test on the sliding window.", EXPORTER),
+    _m("layerwatch_entropy_peaks", "gauge", ("model_name",),
+       "Peaks found in the sliding window's 20-bin histogram.", EXPORTER),
+    _m("layerwatch_entropy_window_observations", "gauge", ("model_name",),
+       "Entropies held by the sliding window.", EXPORTER),
+    _m("layerwatch_layer_entropy_sum_total", "counter", ("model_name", "layer"),
+       "Sum of the layer's decode-time gate entropies (mean = rate of this / rate of the count).",
+       EXPORTER),
+    _m("layerwatch_layer_entropy_count_total", "counter", ("model_name", "layer"),
+       "Decode-time gate entropies observed for the layer.", EXPORTER),
+    _m("layerwatch_entropy_per_layer", "histogram", ("model_name", "layer"),
+       "Decode-time gate entropies of one layer (only with `layerwatch exporter --per-layer`).",
+       EXPORTER, ENTROPY_BUCKETS),
+    # --- exporter: self-health -----------------------------------------------------------------
+    _m("layerwatch_exporter_frames_received_total", "counter", ("model_name",),
+       "Gate frames received and decoded.", EXPORTER),
+    _m("layerwatch_exporter_frames_malformed_total", "counter", (),
+       "Datagrams dropped because they did not decode as a gate frame.", EXPORTER),
+    _m("layerwatch_exporter_frames_lost_total", "counter", ("model_name",),
+       "Frames missing from a shim's sequence numbers.", EXPORTER),
+    _m("layerwatch_exporter_frames_rejected_total", "counter", (),
+       "Valid frames dropped because they name a model beyond --max-models (label cardinality).",
+       EXPORTER),
+    _m("layerwatch_exporter_scrape_duration_seconds", "gauge", (),
+       "Time this scrape spent collecting (and rendering) the exporter's metrics.", EXPORTER),
+)
+
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+
+
+def for_component(component: str) -> tuple[MetricSpec, ...]:
+    return tuple(m for m in METRICS if m.component == component)
+
+
+def all_series_names() -> set[str]:
+    """Every sample name any component can expose (for checking dashboard and rule queries)."""
+    return {s for m in METRICS for s in m.series_names}

@@ -1,0 +1,74 @@
+"""Start, wait for and stop the stack's processes: used by `layerwatch demo` and the end-to-end tests.
+
+Each process runs in its own process group with its output in a log file, so stopping it also stops
+anything it spawned and nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    """A port on 127.0.0.1 that is free right now (TCP by default, UDP with SOCK_DGRAM)."""
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ManagedProcess:
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_http(self, url: str, timeout: float = 60.0, expect: int = 200) -> None:
+        """Poll `url` until it answers `expect`; fail with the log's tail if the process dies or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.running():
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status == expect:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name} did not answer {url} within {timeout:.0f}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        self._log.flush()
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it if it lingers; returns the exit code."""
+        if self.running():
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.proc.wait(timeout)
+        self._log.close()
+        return self.proc.returncode
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,165 @@
+"""Trace files: JSON Lines, one line per decoded token of one sequence (CONTRACT "Trace format").
+
+    {"model_name": "demo", "scores": [0.91, 0.07, ...], "skipped": [0, 1, ...]}
+
+`scores` holds one gate entropy in [0, 1] per layer, `skipped` 0/1 per layer (1 = the layer did not
+run). Unknown keys are ignored. `layerwatch serve --trace-file` writes it, `layerwatch replay` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from layerwatch.wire import check_gate_arrays
+
+
+class TraceError(ValueError):
+    """A trace line is not valid; the message names the file and line."""
+
+
+@dataclass(frozen=True, eq=False)
+class TraceRecord:
+    line_number: int
+    model_name: str
+    scores: np.ndarray  # float32 [layers]
+    skipped: np.ndarray  # bool [layers]
+
+
+@dataclass(frozen=True, eq=False)
+class TraceBatch:
+    """Consecutive records of one model with the same layer count, stacked."""
+    model_name: str
+    entropies: np.ndarray  # float32 [rows, layers]
+    skipped: np.ndarray  # bool [rows, layers]
+
+
+class TraceWriter:
+    """Appends trace lines to `path` until the file would exceed `max_bytes`.
+
+    Once a line does not fit, writing stops for good (a trace with holes would misrepresent the
+    sequences it holds); every line not written is counted in `dropped`. Safe to call from
+    several threads. Appends to an existing file, whose size counts toward the cap.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.dropped = 0
+        self._lock = threading.Lock()
+        self._file = open(self.path, "ab")
+        self._written = self._file.tell()
+        self._full = False
+
+    def write_rows(self, model_name: str, entropies: np.ndarray, skipped: np.ndarray) -> None:
+        """Write one line per row: entropies float [rows, layers], skipped 0/1 [rows, layers]."""
+        entropies, skipped = check_gate_arrays(entropies, skipped)
+        lines = [_format_line(model_name, e, s) for e, s in zip(entropies, skipped)]
+        with self._lock:
+            if self._file.closed:
+                raise ValueError(f"trace writer for {self.path} is closed")
+            written = []
+            for line in lines:
+                if self._full or self._written + len(line) > self.max_bytes:
+                    self._full = True
+                    self.dropped += 1
+                    continue
+                written.append(line)
+                self._written += len(line)
+            if written:
+                self._file.write(b"".join(written))
+                self._file.flush()  # a reader (or a crash) sees whole lines
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _format_line(model_name: str, scores: np.ndarray, skipped: np.ndarray) -> bytes:
+    # str(np.float32) is the shortest text that reads back to the same float32.
+    numbers = ", ".join(map(str, scores))
+    bits = ", ".join("1" if s else "0" for s in skipped)
+    name = json.dumps(model_name)
+    return f'{{"model_name": {name}, "scores": [{numbers}], "skipped": [{bits}]}}\n'.encode()
+
+
+def read_trace(path: str | os.PathLike[str]) -> Iterator[TraceRecord]:
+    """Yield the records of a trace file; raise TraceError naming file and line for a bad line."""
+    with open(path, "rb") as file:
+        for line_number, raw in enumerate(file, start=1):
+            if raw.strip():
+                yield _parse_line(path, line_number, raw)
+
+
+def read_trace_batches(path: str | os.PathLike[str], max_rows: int = 4096) -> Iterator[TraceBatch]:
+    """Like read_trace, stacked into per-model arrays so statistics run vectorised."""
+    model, scores, skipped = None, [], []
+    for record in read_trace(path):
+        key_changed = model != record.model_name or (scores and len(scores[0]) != len(record.scores))
+        if scores and (key_changed or len(scores) == max_rows):
+            yield TraceBatch(model, np.stack(scores), np.stack(skipped))
+            scores, skipped = [], []
+        model = record.model_name
+        scores.append(record.scores)
+        skipped.append(record.skipped)
+    if scores:
+        yield TraceBatch(model, np.stack(scores), np.stack(skipped))
+
+
+def _parse_line(path: str | os.PathLike[str], line_number: int, raw: bytes) -> TraceRecord:
+    def fail(reason: str) -> TraceError:
+        return TraceError(f"{path}:{line_number}: {reason}")
+
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise fail(f"not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise fail(f"expected a JSON object, got {type(obj).__name__}")
+    missing = [key for key in ("model_name", "scores", "skipped") if key not in obj]
+    if missing:
+        raise fail(f"missing key(s) {', '.join(missing)}")
+    model_name = obj["model_name"]
+    if not isinstance(model_name, str) or not model_name:
+        raise fail("model_name must be a non-empty string")
+    scores = _number_array(obj["scores"], kinds="if")
+    if scores is None or scores.ndim != 1 or scores.size == 0:
+        raise fail("scores must be a non-empty list of numbers")
+    skipped = _number_array(obj["skipped"], kinds="bif")
+    if skipped is None or skipped.ndim != 1:
+        raise fail("skipped must be a list of 0/1")
+    if len(skipped) != len(scores):
+        raise fail(f"{len(scores)} scores but {len(skipped)} skipped flags")
+    if not np.isin(skipped, (0, 1)).all():
+        raise fail("skipped must hold only 0 and 1")
+    if not ((scores >= 0) & (scores <= 1)).all():
+        raise fail(f"scores outside [0, 1]: min {scores.min()}, max {scores.max()}")
+    return TraceRecord(line_number, model_name, scores.astype(np.float32), skipped.astype(bool))
+
+
+def _number_array(value: object, kinds: str) -> np.ndarray | None:
+    """A flat list of JSON numbers as an array, or None (strings, null, ragged lists are refused).
+
+    `kinds` are the numpy dtype kinds accepted: "i" int, "f" float, "b" bool (JSON true/false).
+    """
+    if not isinstance(value, list):
+        return None
+    try:
+        array = np.asarray(value) if value else np.zeros(0)
+    except (ValueError, OverflowError):  # ragged nesting, integers beyond int64
+        return None
+    return array if array.dtype.kind in kinds else None

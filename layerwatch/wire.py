@@ -1,0 +1,170 @@
+"""The gate-frame wire format: one UDP datagram per decode step, all rows of the batch.
+
+The shim encodes, the exporter decodes. The byte layout is documented in docs/wire-format.md;
+everything is little-endian:
+
+    offset  size  field
+    0       4     magic b"LWGF"
+    4       1     version (1)
+    5       1     flags (0; reserved, a decoder rejects unknown bits)
+    6       2     rows   (u16, > 0)
+    8       2     layers (u16, > 0)
+    10      8     sequence (u64, +1 per frame sent by one shim)
+    18      1     model_name length in bytes (u8, > 0)
+    19      1     shim_id length in bytes (u8, > 0)
+    20      n     model_name (UTF-8), then shim_id (UTF-8)
+    ...     4·R·L entropies, float32, row-major
+    ...     R·⌈L/8⌉ skip bits, np.packbits of each row (first layer = most significant bit),
+                  padding bits zero
+
+The decoder trusts nothing: it checks the total size against the header before touching the
+payload, so a hostile header cannot make it allocate, and every entropy must be finite and in [0, 1].
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+MAGIC = b"LWGF"
+VERSION = 1
+# One UDP datagram on loopback carries at most 65,507 bytes; stay clear of it.
+MAX_FRAME_BYTES = 65_000
+MAX_NAME_BYTES = 255
+
+_HEADER = struct.Struct("<4sBBHHQBB")
+HEADER_BYTES = _HEADER.size  # 20
+_ENTROPY_DTYPE = np.dtype("<f4")
+
+
+class FrameTooLarge(ValueError):
+    """The frame does not fit in MAX_FRAME_BYTES; send fewer rows per frame."""
+
+
+class MalformedFrame(ValueError):
+    """The bytes are not a valid gate frame; the message says why."""
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: ndarray fields have no single truth value
+class GateFrame:
+    model_name: str  # ≤ 255 UTF-8 bytes
+    shim_id: str  # ≤ 255 UTF-8 bytes; identifies one shim process (its sequence space)
+    sequence: int  # u64, +1 per frame sent by that shim
+    entropies: np.ndarray  # float32 [rows, layers], values in [0, 1]
+    skipped: np.ndarray  # bool [rows, layers]; True = the layer did not run for that row's token
+
+
+def frame_bytes(rows: int, layers: int, model_name: str, shim_id: str) -> int:
+    """Encoded size of a frame, so a sender can split a batch before encoding."""
+    names = len(model_name.encode("utf-8")) + len(shim_id.encode("utf-8"))
+    return HEADER_BYTES + names + rows * layers * 4 + rows * _packed_row_bytes(layers)
+
+
+def check_gate_arrays(entropies: np.ndarray, skipped: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Validate a batch of gate outputs; return them as (float32 [R, L], bool [R, L]).
+
+    Raises ValueError naming the problem. Shared by the frame encoder and the trace writer.
+    """
+    entropies = np.asarray(entropies, dtype=np.float32)
+    skipped = np.asarray(skipped)
+    if entropies.ndim != 2 or entropies.shape[0] == 0 or entropies.shape[1] == 0:
+        raise ValueError(f"entropies must be a non-empty [rows, layers] array, got shape {entropies.shape}")
+    if skipped.shape != entropies.shape:
+        raise ValueError(f"skipped has shape {skipped.shape}, entropies {entropies.shape}")
+    if skipped.dtype != np.bool_:
+        if not np.isin(skipped, (0, 1)).all():
+            raise ValueError("skipped must hold only 0/1 or booleans")
+        skipped = skipped.astype(bool)
+    _check_entropy_values(entropies, ValueError)
+    return entropies, skipped
+
+
+def encode_frame(frame: GateFrame) -> bytes:
+    entropies, skipped = check_gate_arrays(frame.entropies, frame.skipped)
+    rows, layers = entropies.shape
+    if rows > 0xFFFF or layers > 0xFFFF:
+        raise FrameTooLarge(f"{rows} rows x {layers} layers exceeds the u16 header fields")
+    model = _encode_name("model_name", frame.model_name)
+    shim = _encode_name("shim_id", frame.shim_id)
+    if not 0 <= frame.sequence < 2**64:
+        raise ValueError(f"sequence {frame.sequence} is not a u64")
+    size = frame_bytes(rows, layers, frame.model_name, frame.shim_id)
+    if size > MAX_FRAME_BYTES:
+        raise FrameTooLarge(f"frame of {rows} rows x {layers} layers needs {size} bytes, "
+                            f"limit {MAX_FRAME_BYTES}: send fewer rows per frame")
+    header = _HEADER.pack(MAGIC, VERSION, 0, rows, layers, frame.sequence, len(model), len(shim))
+    bits = np.packbits(skipped, axis=1)
+    return b"".join((header, model, shim, entropies.astype(_ENTROPY_DTYPE, copy=False).tobytes(),
+                     bits.tobytes()))
+
+
+def decode_frame(data: bytes) -> GateFrame:
+    """Decode one datagram. Raises MalformedFrame with the reason for anything wrong.
+
+    The arrays are read-only views of `data` (no copy on the ingest path).
+    """
+    if len(data) > MAX_FRAME_BYTES:
+        raise MalformedFrame(f"{len(data)} bytes exceeds the frame limit of {MAX_FRAME_BYTES}")
+    if len(data) < HEADER_BYTES:
+        raise MalformedFrame(f"{len(data)} bytes is shorter than the {HEADER_BYTES}-byte header")
+    magic, version, flags, rows, layers, sequence, model_len, shim_len = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise MalformedFrame(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise MalformedFrame(f"unsupported version {version}, this decoder reads {VERSION}")
+    if flags != 0:
+        raise MalformedFrame(f"unknown flags 0x{flags:02x}")
+    if rows == 0 or layers == 0:
+        raise MalformedFrame(f"empty frame: {rows} rows x {layers} layers")
+    if model_len == 0 or shim_len == 0:
+        raise MalformedFrame("model_name and shim_id must not be empty")
+    row_bits = _packed_row_bytes(layers)
+    expected = HEADER_BYTES + model_len + shim_len + rows * layers * 4 + rows * row_bits
+    if len(data) != expected:
+        raise MalformedFrame(f"{len(data)} bytes, but the header ({rows} rows x {layers} layers, "
+                             f"names {model_len}+{shim_len} bytes) describes {expected}")
+
+    offset = HEADER_BYTES
+    model_name = _decode_name("model_name", data[offset:offset + model_len])
+    offset += model_len
+    shim_id = _decode_name("shim_id", data[offset:offset + shim_len])
+    offset += shim_len
+    entropies = np.frombuffer(data, dtype=_ENTROPY_DTYPE, count=rows * layers, offset=offset)
+    entropies = entropies.reshape(rows, layers)
+    _check_entropy_values(entropies, MalformedFrame)
+    offset += rows * layers * 4
+    packed = np.frombuffer(data, dtype=np.uint8, count=rows * row_bits, offset=offset)
+    bits = np.unpackbits(packed.reshape(rows, row_bits), axis=1)
+    if bits[:, layers:].any():
+        raise MalformedFrame("padding bits after the last layer are set")
+    skipped = bits[:, :layers].view(bool)
+    return GateFrame(model_name, shim_id, sequence, entropies, skipped)
+
+
+def _packed_row_bytes(layers: int) -> int:
+    return (layers + 7) // 8
+
+
+def _check_entropy_values(entropies: np.ndarray, error: type[ValueError]) -> None:
+    # One pass for the common case; the slower diagnosis only runs when something is wrong.
+    if ((entropies >= 0) & (entropies <= 1)).all():
+        return
+    if not np.isfinite(entropies).all():
+        raise error("entropies contain NaN or infinity")
+    raise error(f"entropies outside [0, 1]: min {entropies.min()}, max {entropies.max()}")
+
+
+def _encode_name(field: str, value: str) -> bytes:
+    raw = value.encode("utf-8")
+    if not 0 < len(raw) <= MAX_NAME_BYTES:
+        raise ValueError(f"{field} must be 1..{MAX_NAME_BYTES} UTF-8 bytes, got {len(raw)}")
+    return raw
+
+
+def _decode_name(field: str, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MalformedFrame(f"{field} is not valid UTF-8: {exc.reason} at byte {exc.start}") from None

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The demo: the shim on the embedded demo model, the exporter, a load generator, Prometheus and
+# Alertmanager when installed, and the live entropy histogram. Ctrl-C stops everything.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup-env.sh serve
+exec .venv/bin/layerwatch demo "$@"

@@ -1,0 +1,94 @@
+"""Helpers for the exporter tests: a running exporter process, frames from traces."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from layerwatch.trace import read_trace_batches
+from layerwatch.wire import GateFrame, encode_frame
+
+DATA = Path(__file__).with_name("data")
+GOLDEN_TRACE = DATA / "golden-trace.jsonl"
+
+
+class RunningExporter:
+    """A `layerwatch exporter` subprocess on ephemeral loopback ports."""
+
+    def __init__(self, process: subprocess.Popen, udp_port: int, http_port: int) -> None:
+        self.process = process
+        self.frames_address = ("127.0.0.1", udp_port)
+        self.url = f"http://127.0.0.1:{http_port}"
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+
+    def send(self, datagram: bytes) -> None:
+        self._socket.sendto(datagram, self.frames_address)
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as response:
+                return response.status, response.read().decode("utf-8")
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode("utf-8")
+
+    def metrics_text(self) -> str:
+        status, body = self.get("/metrics")
+        assert status == 200
+        return body
+
+    def samples(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """{(sample name, sorted labels): value} of the current /metrics page."""
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(self.metrics_text()) for s in family.samples}
+
+    def value(self, name: str, **labels: str) -> float | None:
+        return self.samples().get((name, tuple(sorted(labels.items()))))
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, "exporter did not reach the expected state"
+            time.sleep(0.02)
+
+    def received_frames(self) -> float:
+        samples = self.samples()
+        return sum(v for (name, _), v in samples.items() if name == "layerwatch_exporter_frames_received_total")
+
+    def send_frames(self, frames: list[bytes], burst: int = 16) -> None:
+        """Send in bursts, waiting for each to be counted, so the kernel buffer never overflows."""
+        start = self.received_frames()
+        for offset in range(0, len(frames), burst):
+            for frame in frames[offset:offset + burst]:
+                self.send(frame)
+            expected = start + min(offset + burst, len(frames))
+            self.wait_for(lambda: self.received_frames() >= expected)
+
+    def stop(self) -> int:
+        self._socket.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=10)
+
+
+def trace_frames(path: Path, rows_per_frame: int = 8, shim_id: str = "golden-shim") -> list[bytes]:
+    """The trace as the shim would send it: consecutive rows of one model batched into frames."""
+    frames = []
+    for batch in read_trace_batches(path, max_rows=rows_per_frame):
+        frames.append(encode_frame(GateFrame(batch.model_name, shim_id, len(frames),
+                                             batch.entropies, batch.skipped)))
+    return frames
+
+
+def random_frame(rng: np.random.Generator, sequence: int, model: str = "demo", shim: str = "shim-a",
+                 rows: int = 4, layers: int = 6) -> GateFrame:
+    entropies = rng.random((rows, layers), dtype=np.float32)
+    return GateFrame(model, shim, sequence, entropies, entropies < 0.18)

@@ -1,0 +1,77 @@
+"""`layerwatch replay`: the CONTRACT keys per model, and clear errors for bad traces."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from layerwatch.trace import read_trace
+
+from tests.exporter.support import GOLDEN_TRACE
+
+CONTRACT_KEYS = {"model_name", "observations", "histogram", "mean", "std", "zero_ratio", "skip_ratio",
+                 "bimodal", "bimodality_coefficient", "dip", "dip_p_value", "peaks"}
+
+
+def replay(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "layerwatch.cli", "replay", *args],
+                          capture_output=True, text=True)
+
+
+def test_json_has_the_contract_keys_and_matches_the_trace() -> None:
+    result = replay(str(GOLDEN_TRACE), "--json")
+    assert result.returncode == 0, result.stderr
+    reports = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["model_name"] for r in reports] == ["demo", "flat"]
+    records = list(read_trace(GOLDEN_TRACE))
+    for report in reports:
+        assert CONTRACT_KEYS <= set(report)
+        scores = np.concatenate([r.scores for r in records if r.model_name == report["model_name"]])
+        skipped = np.concatenate([r.skipped for r in records if r.model_name == report["model_name"]])
+        assert report["observations"] == scores.size == sum(report["histogram"])
+        assert len(report["histogram"]) == 20
+        exact = scores.astype(np.float64)
+        assert report["histogram"] == np.histogram(exact, bins=20, range=(0, 1))[0].tolist()
+        assert abs(report["mean"] - exact.mean()) < 1e-12
+        assert abs(report["std"] - exact.std()) < 1e-9
+        assert report["zero_ratio"] == (scores < 0.01).mean()
+        assert report["skip_ratio"] == skipped.mean()
+    assert reports[0]["bimodal"] is True and reports[0]["peaks"] == 2
+    assert reports[1]["bimodal"] is False and reports[1]["peaks"] == 1
+
+
+def test_text_output_shows_verdict_and_histogram() -> None:
+    result = replay(str(GOLDEN_TRACE))
+    assert result.returncode == 0
+    assert "demo: bimodal  (6,000 observations, window 6,000)" in result.stdout
+    assert "flat: single-peak" in result.stdout
+    assert result.stdout.count("0.95-1.00") == 2
+
+
+def test_small_traces_withhold_the_verdict(tmp_path: Path) -> None:
+    path = tmp_path / "small.jsonl"
+    path.write_text("".join(GOLDEN_TRACE.read_text().splitlines(keepends=True)[:10]))
+    (report, *_) = [json.loads(line) for line in replay(str(path), "--json").stdout.splitlines()]
+    assert report["bimodal"] is None and report["verdict"] == "withheld"
+    assert report["observations"] > 0 and report["dip"] is None
+
+
+def test_a_bad_line_is_reported_with_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    lines = GOLDEN_TRACE.read_text().splitlines(keepends=True)[:5]
+    lines[3] = '{"model_name": "demo", "scores": [0.5, 2.0], "skipped": [0, 0]}\n'
+    path.write_text("".join(lines))
+    result = replay(str(path), "--json")
+    assert result.returncode == 1 and result.stdout == ""
+    assert f"{path}:4: scores outside [0, 1]" in result.stderr
+
+
+def test_missing_and_empty_traces_are_errors(tmp_path: Path) -> None:
+    assert "No such file" in replay(str(tmp_path / "absent.jsonl")).stderr
+    (tmp_path / "empty.jsonl").write_text("\n")
+    empty = replay(str(tmp_path / "empty.jsonl"))
+    assert empty.returncode == 1 and "holds no trace lines" in empty.stderr

@@ -1,0 +1,120 @@
+"""Trace files: writer and reader round trip, the size cap, concurrency, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from layerwatch.trace import TraceError, TraceWriter, read_trace, read_trace_batches
+
+
+def test_written_rows_read_back_exactly(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    entropies = rng.random((5, 7), dtype=np.float32)
+    entropies[0, :3] = [0.0, 1.0, 1e-8]
+    skipped = entropies < 0.3
+    path = tmp_path / "t.jsonl"
+    with TraceWriter(path, max_bytes=1 << 20) as writer:
+        writer.write_rows("demo", entropies, skipped)
+    records = list(read_trace(path))
+    assert [r.line_number for r in records] == [1, 2, 3, 4, 5]
+    assert all(r.model_name == "demo" for r in records)
+    np.testing.assert_array_equal(np.stack([r.scores for r in records]), entropies)
+    np.testing.assert_array_equal(np.stack([r.skipped for r in records]), skipped)
+    first = json.loads(path.read_text().splitlines()[0])
+    assert set(first) == {"model_name", "scores", "skipped"} and first["skipped"][0] in (0, 1)
+
+
+def test_writer_stops_at_the_cap_and_counts_what_it_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    one_line = len(b'{"model_name": "m", "scores": [0.5, 0.25], "skipped": [0, 1]}\n')
+    writer = TraceWriter(path, max_bytes=3 * one_line + 5)
+    for _ in range(5):
+        writer.write_rows("m", np.array([[0.5, 0.25]]), np.array([[0, 1]]))
+    writer.close()
+    assert path.stat().st_size == 3 * one_line
+    assert writer.dropped == 2
+    assert len(list(read_trace(path))) == 3
+
+
+def test_writer_appends_and_counts_the_existing_size(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"model_name": "old", "scores": [0.1], "skipped": [0]}\n')
+    existing = path.stat().st_size
+    with TraceWriter(path, max_bytes=existing + 10) as writer:
+        writer.write_rows("new", np.array([[0.5]]), np.array([[1]]))
+    assert [r.model_name for r in read_trace(path)] == ["old"]
+    assert writer.dropped == 1
+
+
+def test_concurrent_writers_produce_whole_lines(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    writer = TraceWriter(path, max_bytes=1 << 24)
+    rows = np.full((3, 16), 0.125, np.float32)
+
+    def write(model: str) -> None:
+        for _ in range(100):
+            writer.write_rows(model, rows, rows < 0.2)
+
+    threads = [threading.Thread(target=write, args=(f"m{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    writer.close()
+    records = list(read_trace(path))
+    assert len(records) == 4 * 100 * 3
+    assert {r.model_name for r in records} == {"m0", "m1", "m2", "m3"}
+
+
+def test_writer_refuses_invalid_rows(tmp_path: Path) -> None:
+    with TraceWriter(tmp_path / "t.jsonl", max_bytes=1000) as writer:
+        with pytest.raises(ValueError, match="outside"):
+            writer.write_rows("m", np.array([[1.5]]), np.array([[0]]))
+        with pytest.raises(ValueError, match="0/1"):
+            writer.write_rows("m", np.array([[0.5]]), np.array([[2]]))
+
+
+def test_unknown_keys_and_blank_lines_are_ignored(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"model_name": "m", "scores": [0.5], "skipped": [1], "request": "x"}\n\n')
+    (record,) = read_trace(path)
+    assert record.scores.tolist() == [0.5] and record.skipped.tolist() == [True]
+
+
+@pytest.mark.parametrize("line, reason", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"model_name": "m", "scores": [0.5]}', "missing key(s) skipped"),
+    ('{"model_name": "", "scores": [0.5], "skipped": [0]}', "model_name must be a non-empty string"),
+    ('{"model_name": "m", "scores": [], "skipped": []}', "scores must be a non-empty list"),
+    ('{"model_name": "m", "scores": ["0.5"], "skipped": [0]}', "scores must be a non-empty list of numbers"),
+    ('{"model_name": "m", "scores": [[0.5]], "skipped": [0]}', "scores must be a non-empty list of numbers"),
+    ('{"model_name": "m", "scores": [0.5, null], "skipped": [0, 0]}', "scores must be"),
+    ('{"model_name": "m", "scores": [0.5, 0.1], "skipped": [0]}', "2 scores but 1 skipped flags"),
+    ('{"model_name": "m", "scores": [1.5], "skipped": [0]}', "scores outside [0, 1]"),
+    ('{"model_name": "m", "scores": [-0.1], "skipped": [0]}', "scores outside [0, 1]"),
+    ('{"model_name": "m", "scores": [0.5], "skipped": [2]}', "skipped must hold only 0 and 1"),
+    ('{"model_name": "m", "scores": [0.5], "skipped": "1"}', "skipped must be a list"),
+])
+def test_bad_lines_name_file_and_line(tmp_path: Path, line: str, reason: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"model_name": "m", "scores": [0.5], "skipped": [0]}\n' + line + "\n")
+    with pytest.raises(TraceError) as error:
+        list(read_trace(path))
+    assert str(error.value).startswith(f"{path}:2: ")
+    assert reason in str(error.value)
+
+
+def test_batches_group_consecutive_rows_of_one_model(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    lines = [("a", 2), ("a", 2), ("b", 2), ("a", 2), ("a", 3), ("a", 3), ("a", 3)]
+    path.write_text("".join(json.dumps({"model_name": m, "scores": [0.5] * n, "skipped": [0] * n}) + "\n"
+                            for m, n in lines))
+    batches = list(read_trace_batches(path, max_rows=2))
+    assert [(b.model_name, b.entropies.shape) for b in batches] == [
+        ("a", (2, 2)), ("b", (1, 2)), ("a", (1, 2)), ("a", (2, 3)), ("a", (1, 3))]

@@ -1,0 +1,151 @@
+"""The gate-frame format: round trips, every rejection reason, and a fuzz test of the parser."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from layerwatch.wire import (HEADER_BYTES, MAX_FRAME_BYTES, FrameTooLarge, GateFrame, MalformedFrame,
+                             decode_frame, encode_frame, frame_bytes)
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def gate_frames(draw: st.DrawFn) -> GateFrame:
+    rows = draw(st.integers(1, 12))
+    layers = draw(st.integers(1, 40))
+    entropies = draw(hnp.arrays(np.float32, (rows, layers),
+                                elements=st.floats(0, 1, width=32, allow_subnormal=False)))
+    skipped = draw(hnp.arrays(np.bool_, (rows, layers)))
+    name = st.text(min_size=1, max_size=20).filter(lambda s: len(s.encode()) <= 255)
+    return GateFrame(draw(name), draw(name), draw(st.integers(0, 2**64 - 1)), entropies, skipped)
+
+
+def frame(rows: int = 3, layers: int = 10, model: str = "demo", shim: str = "shim-1", sequence: int = 7) -> GateFrame:
+    rng = np.random.default_rng(rows * 1000 + layers)
+    entropies = rng.random((rows, layers), dtype=np.float32)
+    return GateFrame(model, shim, sequence, entropies, entropies < 0.3)
+
+
+@FUZZ
+@given(gate_frames())
+def test_round_trip_keeps_every_field(original: GateFrame) -> None:
+    data = encode_frame(original)
+    assert len(data) == frame_bytes(*original.entropies.shape, original.model_name, original.shim_id)
+    decoded = decode_frame(data)
+    assert (decoded.model_name, decoded.shim_id, decoded.sequence) == (
+        original.model_name, original.shim_id, original.sequence)
+    assert decoded.entropies.dtype == np.float32 and decoded.skipped.dtype == np.bool_
+    np.testing.assert_array_equal(decoded.entropies, original.entropies)
+    np.testing.assert_array_equal(decoded.skipped, original.skipped)
+
+
+@FUZZ
+@given(st.binary(max_size=2048))
+def test_arbitrary_bytes_decode_or_raise_malformed(data: bytes) -> None:
+    try:
+        decode_frame(data)
+    except MalformedFrame:
+        pass
+
+
+@FUZZ
+@given(gate_frames(), st.data())
+def test_mutated_frames_decode_canonically_or_raise_malformed(original: GateFrame, data: st.DataObject) -> None:
+    raw = bytearray(encode_frame(original))
+    mutation = data.draw(st.sampled_from(["flip", "truncate", "extend", "header"]))
+    if mutation == "flip":
+        for _ in range(data.draw(st.integers(1, 4))):
+            raw[data.draw(st.integers(0, len(raw) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+    elif mutation == "truncate":
+        del raw[data.draw(st.integers(0, len(raw) - 1)):]
+    elif mutation == "extend":
+        raw += data.draw(st.binary(min_size=1, max_size=64))
+    else:  # rewrite a header field with any value of its width
+        offset, width = data.draw(st.sampled_from([(4, 1), (5, 1), (6, 2), (8, 2), (18, 1), (19, 1)]))
+        raw[offset:offset + width] = data.draw(st.binary(min_size=width, max_size=width))
+    try:
+        decoded = decode_frame(bytes(raw))
+    except MalformedFrame:
+        return
+    # Whatever decodes is a well-formed frame that encodes back to exactly these bytes.
+    assert encode_frame(decoded) == bytes(raw)
+    assert ((decoded.entropies >= 0) & (decoded.entropies <= 1)).all()
+
+
+def test_layout_matches_the_documented_header() -> None:
+    data = encode_frame(frame(rows=2, layers=9, model="m", shim="s", sequence=2**40 + 5))
+    assert data[:4] == b"LWGF"
+    assert struct.unpack_from("<BBHHQBB", data, 4) == (1, 0, 2, 9, 2**40 + 5, 1, 1)
+    assert data[HEADER_BYTES:HEADER_BYTES + 2] == b"ms"
+    # 9 layers pack into 2 bytes per row; the first layer is the most significant bit.
+    assert len(data) == HEADER_BYTES + 2 + 2 * 9 * 4 + 2 * 2
+
+
+def _header(rows: int = 1, layers: int = 1, version: int = 1, flags: int = 0, model_len: int = 1,
+            shim_len: int = 1, magic: bytes = b"LWGF") -> bytes:
+    return struct.pack("<4sBBHHQBB", magic, version, flags, rows, layers, 0, model_len, shim_len)
+
+
+def _valid_body(entropy: float = 0.5) -> bytes:
+    return b"ms" + struct.pack("<f", entropy) + b"\x80"
+
+
+@pytest.mark.parametrize("data, reason", [
+    (b"", "shorter than the 20-byte header"),
+    (_header()[:19], "shorter than the 20-byte header"),
+    (_header(magic=b"XXXX") + _valid_body(), "bad magic"),
+    (_header(version=2) + _valid_body(), "unsupported version 2"),
+    (_header(flags=1) + _valid_body(), "unknown flags"),
+    (_header(rows=0) + _valid_body(), "empty frame"),
+    (_header(layers=0) + _valid_body(), "empty frame"),
+    (_header(model_len=0) + _valid_body(), "must not be empty"),
+    (_header() + _valid_body()[:-1], "describes 27"),
+    (_header() + _valid_body() + b"\x00", "describes 27"),
+    (_header(rows=65535, layers=65535) + _valid_body(), "describes"),  # hostile sizes: no allocation
+    (_header() + _valid_body(float("nan")), "NaN or infinity"),
+    (_header() + _valid_body(float("inf")), "NaN or infinity"),
+    (_header() + _valid_body(1.5), "outside [0, 1]"),
+    (_header() + _valid_body(-0.25), "outside [0, 1]"),
+    (_header() + b"\xffs" + struct.pack("<f", 0.5) + b"\x80", "model_name is not valid UTF-8"),
+    (_header() + _valid_body()[:-1] + b"\x81", "padding bits"),
+    (b"\x00" * (MAX_FRAME_BYTES + 1), "exceeds the frame limit"),
+])
+def test_malformed_frames_are_rejected_with_the_reason(data: bytes, reason: str) -> None:
+    with pytest.raises(MalformedFrame, match=reason.replace("[", r"\[").replace("]", r"\]")):
+        decode_frame(data)
+
+
+def test_the_smallest_valid_frame_decodes() -> None:
+    decoded = decode_frame(_header() + _valid_body(0.25))
+    assert decoded.entropies.tolist() == [[0.25]] and decoded.skipped.tolist() == [[True]]
+
+
+def test_encode_refuses_frames_over_the_limit() -> None:
+    layers = 80
+    fitting = (MAX_FRAME_BYTES - HEADER_BYTES - 10) // (layers * 4 + 10)
+    assert len(encode_frame(frame(rows=fitting, layers=layers))) <= MAX_FRAME_BYTES
+    with pytest.raises(FrameTooLarge, match="send fewer rows"):
+        encode_frame(frame(rows=fitting + 1, layers=layers))
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(entropies=np.full((2, 3), np.nan, np.float32)), "NaN"),
+    (dict(entropies=np.full((2, 3), 1.01, np.float32)), r"outside \[0, 1\]"),
+    (dict(skipped=np.zeros((3, 2), bool)), "shape"),
+    (dict(entropies=np.zeros((0, 3), np.float32), skipped=np.zeros((0, 3), bool)), "non-empty"),
+    (dict(model_name=""), "model_name must be 1..255"),
+    (dict(shim_id="é" * 128), "shim_id must be 1..255"),
+    (dict(sequence=-1), "not a u64"),
+])
+def test_encode_refuses_invalid_frames(change: dict, reason: str) -> None:
+    fields = dict(model_name="demo", shim_id="s", sequence=0,
+                  entropies=np.full((2, 3), 0.5, np.float32), skipped=np.zeros((2, 3), bool))
+    with pytest.raises(ValueError, match=reason):
+        encode_frame(GateFrame(**(fields | change)))

@@ -1,0 +1,214 @@
+"""Loading a checkpoint folder: what loads, and how each kind of broken folder fails at start."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from inference_shim.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+from .conftest import random_model, tiny_config
+
+
+@pytest.fixture
+def folder(tmp_path, tokenizer) -> Path:
+    out = tmp_path / "ckpt"
+    save_checkpoint(random_model(tiny_config(), seed=3), tokenizer, out)
+    return out
+
+
+def edit_config(folder: Path, **changes) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+def expect_error(folder: Path, *fragments: str) -> str:
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(folder)
+    message = str(caught.value)
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def test_saved_folder_round_trips(folder, tokenizer):
+    loaded = load_checkpoint(folder)
+    original = random_model(tiny_config(), seed=3)
+    tokens = torch.tensor([[0, 5, 9, 100, 200]])
+    assert torch.equal(loaded.model(tokens)[0], original(tokens)[0])
+    assert loaded.config == original.config
+    assert loaded.tokenizer.eos_token_ids == (1,) and loaded.tokenizer.bos_token_id == 0
+    assert loaded.tokenizer.encode("the earth") == tokenizer.encode("the earth")
+
+
+def test_dtype_comes_from_the_caller_or_from_config(folder):
+    assert load_checkpoint(folder, dtype=torch.bfloat16).model.lm_head.weight.dtype == torch.bfloat16
+    edit_config(folder, torch_dtype=None, dtype="float16")
+    assert load_checkpoint(folder, dtype=None).model.lm_head.weight.dtype == torch.float16
+    edit_config(folder, dtype="float8")
+    with pytest.raises(CheckpointError, match="dtype 'float8' is not supported"):
+        load_checkpoint(folder, dtype=None)
+
+
+def test_transformers_5_rope_parameters_and_eos_lists_are_read(folder):
+    edit_config(folder, rope_theta=None, rope_scaling=None, eos_token_id=[1, 2],
+                rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1234.0})
+    del_keys(folder / "config.json", "rope_theta", "rope_scaling")
+    config = load_checkpoint(folder).config
+    assert config.rope_theta == 1234.0
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert config.eos_token_ids == (1, 2)
+
+
+def del_keys(path: Path, *keys: str) -> None:
+    config = json.loads(path.read_text())
+    for key in keys:
+        config.pop(key, None)
+    path.write_text(json.dumps(config))
+
+
+def test_generation_config_adds_end_of_turn_tokens(folder):
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))
+    loaded = load_checkpoint(folder)
+    assert loaded.config.eos_token_ids == (1, 7)
+    assert set(loaded.tokenizer.eos_token_ids) == {1, 7}
+
+
+def test_harmless_rotary_buffers_are_ignored(folder):
+    state = load_file(folder / "model.safetensors")
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    load_checkpoint(folder)
+
+
+# --- broken folders ------------------------------------------------------------------------------
+
+
+def test_not_a_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="not a directory"):
+        load_checkpoint(tmp_path / "nowhere")
+
+
+def test_missing_config(folder):
+    (folder / "config.json").unlink()
+    expect_error(folder, "config.json", "file not found")
+
+
+def test_config_is_not_json(folder):
+    (folder / "config.json").write_text("{ this is not json")
+    expect_error(folder, "config.json", "not valid JSON")
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"architectures": ["GPT2LMHeadModel"]}, "architectures=['GPT2LMHeadModel'] is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "bad RoPE settings"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
+    ({"num_key_value_heads": 3}, "not a multiple of num_kv_heads=3"),
+    ({"attention_bias": True}, "attention_bias=true is not supported for Llama"),
+    ({"eos_token_id": "</s>"}, "eos_token_id must be an integer or a list"),
+], ids=["architecture", "activation", "rope-type", "rope-fields", "layers", "gqa", "llama-bias", "eos"])
+def test_unsupported_config(folder, changes, fragment):
+    edit_config(folder, **changes)
+    expect_error(folder, "config.json", fragment)
+
+
+def test_missing_weights(folder):
+    (folder / "model.safetensors").unlink()
+    expect_error(folder, "model.safetensors: file not found", "model.safetensors.index.json")
+
+
+def test_truncated_weights(folder):
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    expect_error(folder, "model.safetensors", "cannot read safetensors file")
+
+
+def test_wrong_shape_names_tensor_and_both_shapes(folder):
+    state = load_file(folder / "model.safetensors")
+    state["model.layers.2.mlp.up_proj.weight"] = torch.zeros(48, 32)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    expect_error(folder, "model.safetensors", "'model.layers.2.mlp.up_proj.weight'", "[48, 32]", "expected [64, 32]")
+
+
+def test_missing_tensor(folder):
+    state = load_file(folder / "model.safetensors")
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    expect_error(folder, "1 tensors missing", "model.layers.1.self_attn.k_proj.weight")
+
+
+def test_unexpected_tensor_means_a_mismatched_config(folder):
+    edit_config(folder, num_hidden_layers=3)  # the file still holds layer 3
+    expect_error(folder, "model.safetensors", "unexpected tensor 'model.layers.3.")
+
+
+def sharded(folder: Path) -> Path:
+    """Split model.safetensors into two shards with an index."""
+    state = load_file(folder / "model.safetensors")
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, part in halves.items():
+        save_file({n: state[n] for n in part}, folder / file, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {n: f for f, part in halves.items() for n in part}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    (folder / "model.safetensors").unlink()
+    return folder
+
+
+def test_sharded_folder_loads(folder):
+    expected = load_checkpoint(folder).model.state_dict()
+    got = load_checkpoint(sharded(folder)).model.state_dict()
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+def test_missing_shard(folder):
+    (sharded(folder) / "model-00002-of-00002.safetensors").unlink()
+    expect_error(folder, "model-00002-of-00002.safetensors", "missing")
+
+
+def test_index_lists_tensor_the_shard_lacks(folder):
+    index_path = sharded(folder) / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.layers.0.mlp.extra.weight"] = "model-00001-of-00002.safetensors"
+    index_path.write_text(json.dumps(index))
+    expect_error(folder, "model-00001-of-00002.safetensors", "model.layers.0.mlp.extra.weight")
+
+
+def test_index_without_weight_map(folder):
+    (sharded(folder) / "model.safetensors.index.json").write_text("{}")
+    expect_error(folder, "model.safetensors.index.json", "weight_map")
+
+
+def test_missing_tokenizer(folder):
+    (folder / "tokenizer.json").unlink()
+    expect_error(folder, "tokenizer.json", "file not found")
+
+
+def test_broken_tokenizer(folder):
+    (folder / "tokenizer.json").write_text('{"model": 17}')
+    expect_error(folder, "tokenizer.json", "not a valid tokenizers file")
+
+
+def test_tokenizer_config_names_unknown_token(folder):
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings["eos_token"] = "<|im_end|>"
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    expect_error(folder, "tokenizer_config.json", "'<|im_end|>' is not in the vocabulary")
+
+
+def test_tokenizer_larger_than_embedding(folder):
+    edit_config(folder, vocab_size=100)
+    state = load_file(folder / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        state[name] = state[name][:100].contiguous()
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    expect_error(folder, "tokenizer.json", "vocab_size=100")

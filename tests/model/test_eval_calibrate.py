@@ -1,0 +1,56 @@
+"""`layerwatch calibrate` writes a profile the alert generator accepts, measured from the decode run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from alerts.profile import load_profile
+from inference_shim.calibration import ascii_histogram, build_profile
+from layerwatch.cli import main
+from tests.model.test_eval_decode import PREFILL, WINDOW, model_dir, text_file  # noqa: F401 (fixtures)
+
+
+def test_calibrate_writes_a_loadable_profile(model_dir, text_file, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "tiny.yaml"
+    code = main(["calibrate", "--model", str(model_dir), "--data", str(text_file), "--out", str(out),
+                 "--window", str(WINDOW), "--prefill", str(PREFILL), "--max-tokens", "60", "--threads", "1",
+                 "--chunk-tokens", "16", "--min-observations", "50", "--model-name", "tiny"])
+    assert code == 0, capsys.readouterr().err
+    profile = load_profile(out)
+    assert profile.model_name == "tiny" and profile.threshold == 0.18 and profile.patience == 3
+    # The tiny model's gates: layers 0, 1, 3 score ~0, layer 2 ~1; layer 1 skips after the patience steps.
+    assert profile.skip_ratio_normal == pytest.approx((WINDOW - PREFILL - 3) / (WINDOW - PREFILL) / 4, abs=1e-4)
+    assert profile.zero_ratio.low <= 0.75 <= profile.zero_ratio.high
+    assert profile.bimodality.min_observations == 50
+    assert "bimodal" in capsys.readouterr().out
+
+
+def test_bands_cover_every_chunk_with_the_margin():
+    rng = np.random.default_rng(0)
+    # Layers 0-3 redundant (~0.1), layers 4-7 key (~0.3), 400 decoded tokens.
+    entropies = np.concatenate([rng.normal(0.1, 0.02, (400, 4)), rng.normal(0.3, 0.02, (400, 4))], axis=1)
+    skipped = entropies < 0.18
+    profile, stats = build_profile("m", 0.18, 3, 0.85, entropies, skipped, chunk_tokens=100, margin=0.01,
+                                   min_observations=100, source="test")
+    active_means = [entropies[i:i + 100][~skipped[i:i + 100]].mean() for i in range(0, 400, 100)]
+    assert profile.entropy_mean.low == pytest.approx(min(active_means) - 0.01, abs=1e-4)
+    assert profile.entropy_mean.high == pytest.approx(max(active_means) + 0.01, abs=1e-4)
+    assert profile.skip_ratio_normal == pytest.approx(0.5, abs=0.01)
+    assert stats.bimodality.bimodal and stats.bimodality.peaks == 2
+    assert sum(stats.histogram) == entropies.size
+
+
+def test_too_short_a_baseline_is_refused():
+    with pytest.raises(ValueError, match="fewer than one chunk"):
+        build_profile("m", 0.18, 3, 0.85, np.zeros((5, 4)), np.zeros((5, 4), bool), chunk_tokens=10,
+                      margin=0.0, min_observations=1, source="")
+
+
+def test_ascii_histogram_scales_bars_to_the_tallest_bin():
+    counts = [0] * 20
+    counts[2], counts[6] = 10, 5
+    lines = ascii_histogram(counts, width=10).splitlines()
+    assert len(lines) == 20
+    assert lines[2].startswith("[0.10, 0.15) ##########") and lines[2].endswith(" 10")
+    assert lines[6].count("#") == 5 and lines[19].startswith("[0.95, 1.00]")

@@ -1,0 +1,129 @@
+"""Teacher-forced decoding with the real skip semantics, and `layerwatch eval` on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from inference_shim.checkpoint import save_checkpoint
+from inference_shim.evaluation import heldout_windows, teacher_forced_decode
+from inference_shim.gates import GateMetadata, model_fingerprint, save_gates
+from inference_shim.skip_policy import SkipPolicyConfig
+from layerwatch.cli import main
+from tests.model.conftest import TRAINING_TEXT, constant_gates, random_gates, random_model, tiny_config
+
+WINDOW, PREFILL = 24, 6
+DECODE_STEPS = WINDOW - PREFILL  # per window
+
+
+def windows(count: int = 3, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(2, 300, (count, WINDOW), generator=generator)
+
+
+def test_threshold_zero_is_bit_identical_to_full_depth():
+    model = random_model()
+    full = teacher_forced_decode(model, windows(), PREFILL, None, batch_size=2)
+    model.attach_gates(random_gates(model.config))
+    gated = teacher_forced_decode(model, windows(), PREFILL, SkipPolicyConfig(threshold=0.0), batch_size=2)
+    assert gated.nll_sum == full.nll_sum
+    assert gated.skip_fraction == 0.0 and gated.tokens == full.tokens == 3 * DECODE_STEPS
+
+
+def test_low_gates_skip_unprotected_layers_after_patience_steps():
+    model = random_model()
+    model.attach_gates(constant_gates(model.config, entropy_logit=-30.0))
+    totals = teacher_forced_decode(model, windows(), PREFILL, SkipPolicyConfig(patience=3), batch_size=3)
+    skipped_steps = DECODE_STEPS - 3  # the first `patience` decode steps have no history
+    expected = [0.0, skipped_steps / DECODE_STEPS, skipped_steps / DECODE_STEPS, 0.0]  # 0 and 3 protected
+    assert totals.per_layer_skip_rate == pytest.approx(expected)
+    assert totals.fallbacks == 0  # 2 of 4 layers skipped is below the 85 % trigger
+    full = teacher_forced_decode(model, windows(), PREFILL, None, batch_size=3)
+    assert totals.nll_sum != full.nll_sum  # skipping really changed the computation
+
+
+def test_skipping_everything_triggers_fallback_episodes():
+    model = random_model()
+    model.attach_gates(constant_gates(model.config, entropy_logit=-30.0))
+    policy = SkipPolicyConfig(protected_layers=(), fallback_trigger_steps=2, fallback_steps=4)
+    skipped_per_step = []
+    totals = teacher_forced_decode(model, windows(count=1), PREFILL, policy, batch_size=1,
+                                   on_step=lambda step: skipped_per_step.append(int(step.skipped.sum())))
+    # 3 full steps (patience), 2 all-skipped steps trigger, then 4 fallback steps at full depth, repeat.
+    assert skipped_per_step[:12] == [0, 0, 0, 4, 4, 0, 0, 0, 0, 4, 4, 0]
+    assert totals.fallbacks == 3
+
+
+def test_a_policy_without_gates_is_refused():
+    with pytest.raises(ValueError, match="needs gates"):
+        teacher_forced_decode(random_model(), windows(), PREFILL, SkipPolicyConfig())
+
+
+def test_heldout_windows_cover_the_requested_tokens():
+    stream = torch.arange(1000)
+    w = heldout_windows(stream, window_len=100, max_decode_tokens=250, prefill_len=20)
+    assert w.shape == (4, 100)  # ceil(250 / 80)
+    assert torch.equal(w[1], torch.arange(100, 200))
+    with pytest.raises(ValueError, match="fewer than one window"):
+        heldout_windows(torch.arange(50), window_len=100, max_decode_tokens=10, prefill_len=20)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from inference_shim.tokenizer import Tokenizer
+    from tests.model.conftest import build_backend_tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-model")
+    model = random_model()
+    save_checkpoint(model, Tokenizer(build_backend_tokenizer(), bos_token="<s>", eos_tokens=["</s>"]), directory)
+    gates = constant_gates(model.config, entropy_logit=-30.0)
+    with torch.no_grad():
+        gates[2].fc2.bias.fill_(30.0)  # layer 2 always matters
+    metadata = GateMetadata(num_layers=4, hidden_size=32, threshold=0.18, patience=3,
+                            base_fingerprint=model_fingerprint(model))
+    save_gates(directory / "gates.safetensors", gates, metadata)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "heldout.txt"
+    path.write_text("\n\n".join(TRAINING_TEXT * 6) + "\n", encoding="utf-8")
+    return path
+
+
+def run_eval(model_dir, text_file, *extra: str) -> int:
+    return main(["eval", "--model", str(model_dir), "--data", str(text_file), "--window", str(WINDOW),
+                 "--prefill", str(PREFILL), "--max-tokens", "60", "--threads", "1", *extra])
+
+
+def test_eval_json_reports_the_contract_keys(model_dir, text_file, capsys):
+    assert run_eval(model_dir, text_file, "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    for key in ("perplexity_full", "perplexity_gated", "skip_fraction", "per_layer_skip_rate", "fallbacks",
+                "tokens_per_second_full", "tokens_per_second_gated", "threshold"):
+        assert key in report
+    assert report["threshold"] == 0.18  # the gates' own
+    rates = report["per_layer_skip_rate"]
+    assert rates[0] == rates[2] == rates[3] == 0.0 and rates[1] == pytest.approx((DECODE_STEPS - 3) / DECODE_STEPS)
+    assert report["skip_fraction"] == pytest.approx(np.mean(rates))
+    assert report["perplexity_gated"] != report["perplexity_full"]
+
+
+def test_eval_sweep_prints_one_row_per_threshold(model_dir, text_file, capsys):
+    assert run_eval(model_dir, text_file, "--sweep", "0,0.5") == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 0")]
+    assert len(rows) == 2 and "| 0 | 0.0% |" in rows[0] and "+0.00%" in rows[0]
+
+
+def test_eval_refuses_gates_of_another_model(model_dir, text_file, tmp_path, capsys):
+    other = random_model(tiny_config(), seed=5)
+    metadata = GateMetadata(num_layers=4, hidden_size=32, threshold=0.18, patience=3,
+                            base_fingerprint=model_fingerprint(other))
+    save_gates(tmp_path / "other.safetensors", random_gates(other.config), metadata)
+    assert run_eval(model_dir, text_file, "--gates", str(tmp_path / "other.safetensors")) == 2
+    assert "another base model" in capsys.readouterr().err

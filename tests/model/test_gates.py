@@ -1,0 +1,100 @@
+"""Gate files: round trip, sha256, and refusal to load gates trained for another model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from inference_shim.gates import (GateFileError, GateMetadata, load_gates, model_fingerprint, reset_gates,
+                                  save_gates)
+
+from .conftest import random_gates, random_model, tiny_config
+
+
+@pytest.fixture
+def model():
+    return random_model(tiny_config(), seed=3)
+
+
+def metadata_for(model, **changes) -> GateMetadata:
+    values = dict(num_layers=model.config.num_layers, hidden_size=model.config.hidden_size, threshold=0.18,
+                  patience=3, base_fingerprint=model_fingerprint(model))
+    values.update(changes)
+    return GateMetadata(**values)
+
+
+def test_round_trip_and_sha256_of_file_bytes(tmp_path, model):
+    gates = random_gates(model.config)
+    path = tmp_path / "gates.safetensors"
+    sha = save_gates(path, gates, metadata_for(model, threshold=0.25, patience=2))
+    assert sha == hashlib.sha256(path.read_bytes()).hexdigest()
+    loaded = load_gates(path, model)
+    assert loaded.sha256 == sha
+    assert loaded.metadata == metadata_for(model, threshold=0.25, patience=2)
+    x = torch.randn(3, model.config.hidden_size)
+    assert all(torch.equal(loaded.gates[l](x), gates[l](x)) for l in range(model.config.num_layers))
+
+
+def test_gates_for_another_model_are_refused(tmp_path, model):
+    path = tmp_path / "gates.safetensors"
+    save_gates(path, random_gates(model.config), metadata_for(model))
+    same_shape_other_weights = random_model(tiny_config(), seed=4)
+    with pytest.raises(GateFileError, match="trained on another base model"):
+        load_gates(path, same_shape_other_weights)
+    deeper = random_model(tiny_config(num_layers=6), seed=3)
+    with pytest.raises(GateFileError, match="4 layers and hidden size 32; this model has 6 layers"):
+        load_gates(path, deeper)
+
+
+def test_fingerprint_ignores_dtype_but_not_weights(model):
+    fingerprint = model_fingerprint(model)
+    assert model_fingerprint(random_model(tiny_config(), seed=3).to(torch.bfloat16)) == fingerprint
+    nudged = random_model(tiny_config(), seed=3)
+    with torch.no_grad():
+        nudged.layers[2].mlp.down_proj.weight[0, 0] += 1.0  # sampled: index 0 is always picked
+    assert model_fingerprint(nudged) != fingerprint
+
+
+def test_gates_follow_the_model_dtype(tmp_path, model):
+    path = tmp_path / "gates.safetensors"
+    save_gates(path, random_gates(model.config), metadata_for(model))
+    half = random_model(tiny_config(), seed=3).to(torch.bfloat16)
+    assert load_gates(path, half).gates[0].fc1.weight.dtype == torch.bfloat16
+
+
+def test_missing_truncated_and_foreign_files(tmp_path, model):
+    with pytest.raises(GateFileError, match="gate file not found"):
+        load_gates(tmp_path / "absent.safetensors", model)
+    path = tmp_path / "gates.safetensors"
+    save_gates(path, random_gates(model.config), metadata_for(model))
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(GateFileError, match="not a readable safetensors file"):
+        load_gates(path, model)
+    save_file({"w": torch.zeros(2)}, path)
+    with pytest.raises(GateFileError, match="not a layerwatch gate file"):
+        load_gates(path, model)
+
+
+def test_bad_metadata_and_wrong_tensors(tmp_path, model):
+    path = tmp_path / "gates.safetensors"
+    header = json.dumps({"format_version": 1, "num_layers": 4})
+    save_file({"w": torch.zeros(2)}, path, metadata={"layerwatch_gates": header})
+    with pytest.raises(GateFileError, match="bad 'layerwatch_gates' metadata"):
+        load_gates(path, model)
+    tensors = {k: v for k, v in random_gates(model.config).state_dict().items() if "gates.3." not in k}
+    meta = json.dumps({"format_version": 1, **metadata_for(model).__dict__})
+    save_file(tensors, path, metadata={"layerwatch_gates": meta})
+    with pytest.raises(GateFileError, match="do not form a gate bank"):
+        load_gates(path, model)
+
+
+def test_reset_gates_is_deterministic_per_seed(tmp_path, model):
+    first, again, other = reset_gates(model, 7), reset_gates(model, 7), reset_gates(model, 8)
+    assert first.sha256 == again.sha256 != other.sha256
+    sha = save_gates(tmp_path / "g.safetensors", first.gates, first.metadata)
+    assert sha == first.sha256  # the served hash is the file's hash once written
+    assert first.metadata.base_fingerprint == model_fingerprint(model)

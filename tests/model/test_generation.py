@@ -1,0 +1,162 @@
+"""The generation engine's contract: sampling, stop conditions, streaming, cancellation, accounting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from inference_shim.generate import GenerationEngine, SamplingParams
+from inference_shim.skip_policy import SkipPolicyConfig
+from inference_shim.tokenizer import Tokenizer
+
+from .conftest import random_gates, random_model, tiny_config
+
+PROMPT = [0, 17, 54, 120, 9]
+
+
+@pytest.fixture
+def model():
+    model = random_model(tiny_config(eos_token_ids=()), seed=2)
+    model.attach_gates(random_gates(model.config, seed=3))
+    return model
+
+
+@pytest.fixture
+def no_eos(backend_tokenizer) -> Tokenizer:
+    return Tokenizer(backend_tokenizer, bos_token="<s>")
+
+
+def engine(model, tokenizer, **options) -> GenerationEngine:
+    return GenerationEngine(model, tokenizer, model_name="tiny", policy=SkipPolicyConfig(threshold=0.5), **options)
+
+
+def stream(eng: GenerationEngine, prompt, params):
+    """Run one sequence through step(), collecting its updates."""
+    sequence_id = eng.submit(prompt, params)
+    updates = []
+    while eng.has_work():
+        updates += [u for u in eng.step() if u.sequence_id == sequence_id]
+    return updates
+
+
+def test_greedy_runs_to_max_tokens_with_consistent_accounting(model, no_eos):
+    records, prefills = [], []
+    eng = engine(model, no_eos, step_hook=records.append, prefill_hook=prefills.append)
+    result = eng.generate(PROMPT, SamplingParams(max_tokens=12))
+    assert result.finish_reason == "length" and result.completion_tokens == 12 == len(result.token_ids)
+    assert result.prompt_tokens == len(PROMPT)
+    assert len(records) == 12  # one decode step per generated token
+    assert [int(r.token_ids[0]) for r in records] == [PROMPT[-1]] + result.token_ids[:-1]
+    assert [int(r.next_token_ids[0]) for r in records] == result.token_ids
+    assert result.activity.shape == (12, model.config.num_layers)
+    assert result.layers_executed + result.layers_skipped == 12 * model.config.num_layers
+    assert result.layers_executed == int(result.activity.sum())
+    assert [r.step for r in records] == list(range(1, 13))
+    assert all(r.step_seconds > 0 for r in records)
+    (prefill,) = prefills
+    assert prefill.token_ids.tolist() == PROMPT[:-1] and prefill.entropies.shape == (4, model.config.num_layers)
+    assert result.text == no_eos.decode(result.token_ids)
+    assert eng.generate(PROMPT, SamplingParams(max_tokens=12)).token_ids == result.token_ids
+
+
+def test_streamed_deltas_add_up_to_the_text(model, no_eos):
+    updates = stream(engine(model, no_eos), PROMPT, SamplingParams(max_tokens=30))
+    assert [u.finished for u in updates] == [False] * 29 + [True]
+    tokens = [t for u in updates for t in u.new_token_ids]
+    assert "".join(u.text_delta for u in updates) == no_eos.decode(tokens)
+    assert updates[-1].layers_executed + updates[-1].layers_skipped == 30 * model.config.num_layers
+
+
+def test_eos_stops_and_counts_as_a_generated_token(model, backend_tokenizer, no_eos):
+    free = engine(model, no_eos).generate(PROMPT, SamplingParams(max_tokens=20)).token_ids
+    eos = free[4]
+    first = free.index(eos)
+    stopping = Tokenizer(backend_tokenizer, bos_token="<s>", extra_eos_token_ids=[eos])
+    result = engine(model, stopping).generate(PROMPT, SamplingParams(max_tokens=20))
+    assert result.finish_reason == "stop"
+    assert result.token_ids == free[:first + 1] and result.completion_tokens == first + 1
+
+
+def test_stop_string_cuts_the_text_and_is_never_streamed(model, no_eos):
+    text = engine(model, no_eos).generate(PROMPT, SamplingParams(max_tokens=40)).text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    cut = text.find(stop)
+    updates = stream(engine(model, no_eos), PROMPT, SamplingParams(max_tokens=40, stop=("never seen", stop)))
+    streamed = "".join(u.text_delta for u in updates)
+    assert streamed == text[:cut]
+    assert updates[-1].finish_reason == "stop"
+
+
+def test_sampling_is_reproducible_per_seed_and_batch_independent(model, no_eos):
+    params = SamplingParams(max_tokens=25, temperature=1.0, top_p=0.95, seed=42)
+    first = engine(model, no_eos).generate(PROMPT, params).token_ids
+    assert engine(model, no_eos).generate(PROMPT, params).token_ids == first
+    other_seed = engine(model, no_eos).generate(PROMPT, SamplingParams(max_tokens=25, temperature=1.0, seed=43))
+    assert other_seed.token_ids != first
+    eng = engine(model, no_eos)
+    eng.submit([0, 9, 9], SamplingParams(max_tokens=25, temperature=1.0, seed=7))  # a neighbour in the batch
+    assert eng.generate(PROMPT, params).token_ids == first
+
+
+def test_tiny_top_p_is_greedy(model, no_eos):
+    greedy = engine(model, no_eos).generate(PROMPT, SamplingParams(max_tokens=20)).token_ids
+    nucleus = engine(model, no_eos).generate(PROMPT, SamplingParams(max_tokens=20, temperature=1.5, top_p=1e-6,
+                                                                    seed=1))
+    assert nucleus.token_ids == greedy
+
+
+def test_cancel_takes_effect_at_the_next_step(model, no_eos):
+    eng = engine(model, no_eos, max_batch_size=1)
+    running = eng.submit(PROMPT, SamplingParams(max_tokens=50))
+    waiting = eng.submit(PROMPT, SamplingParams(max_tokens=3))
+    eng.step()
+    eng.step()
+    eng.cancel(running)
+    eng.cancel(12345)  # unknown: ignored
+    updates = eng.step()
+    cancelled = [u for u in updates if u.sequence_id == running]
+    assert cancelled == [cancelled[0]] and cancelled[0].finish_reason == "cancelled" and not cancelled[0].new_token_ids
+    assert [u.sequence_id for u in updates if u.new_token_ids] == [waiting]  # the slot went to the next one
+    eng.cancel(waiting)
+    assert [u.finish_reason for u in eng.step()] == ["cancelled"]
+    assert not eng.has_work()
+
+
+def test_more_sequences_than_slots_all_finish(model, no_eos):
+    eng = engine(model, no_eos, max_batch_size=2)
+    ids = [eng.submit(PROMPT[:n], SamplingParams(max_tokens=6)) for n in (1, 2, 3, 4, 5)]
+    finished = {}
+    while eng.has_work():
+        finished.update({u.sequence_id: u for u in eng.step() if u.finished})
+    assert sorted(finished) == ids and all(u.finish_reason == "length" for u in finished.values())
+
+
+def test_model_without_gates_runs_full_depth(no_eos):
+    records = []
+    plain = random_model(tiny_config(eos_token_ids=()), seed=2)
+    result = engine(plain, no_eos, step_hook=records.append).generate(PROMPT, SamplingParams(max_tokens=5))
+    assert result.layers_skipped == 0
+    assert all(np.isnan(r.entropies).all() and not r.skipped.any() for r in records)
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], SamplingParams(), "at least one token"),
+    ([0, 300], SamplingParams(), "token ids must be in 0..299"),
+    (list(range(70)), SamplingParams(), "exceeds max_seq_len=64"),
+    (PROMPT, SamplingParams(max_tokens=0), "max_tokens"),
+    (PROMPT, SamplingParams(temperature=-1.0), "temperature"),
+    (PROMPT, SamplingParams(top_p=0.0), "top_p"),
+    (PROMPT, SamplingParams(stop=("",)), "stop strings"),
+])
+def test_bad_requests_are_refused_at_submit(model, no_eos, prompt, params, message):
+    eng = engine(model, no_eos, max_seq_len=64)
+    with pytest.raises(ValueError, match=message):
+        eng.submit(prompt, params)
+    assert not eng.has_work()
+
+
+def test_engine_settings_are_checked(model, no_eos):
+    with pytest.raises(ValueError, match="kv_policy"):
+        engine(model, no_eos, kv_policy="drop")
+    with pytest.raises(ValueError, match="max_seq_len must be in 2..512"):
+        engine(model, no_eos, max_seq_len=1000)

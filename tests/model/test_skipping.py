@@ -1,0 +1,271 @@
+"""Layer skipping in the real engine: the rule, skipped means skipped, KV policies, batching, fallback.
+
+Outputs of gated decoding are checked against an independent, cache-free reference: every
+position recomputed from scratch, where a (position, layer) that did not run passes its hidden
+state through, and under `evict` its key is masked out of that layer's attention.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inference_shim.generate import GenerationEngine, SamplingParams
+from inference_shim.model import Transformer, apply_rope
+from inference_shim.skip_policy import SkipPolicy, SkipPolicyConfig
+from inference_shim.tokenizer import Tokenizer
+
+from .conftest import constant_gates, random_gates, random_model, tiny_config
+
+MIXED = SkipPolicyConfig(threshold=0.5, patience=2)  # random gates score around 0.5: patterns switch
+PROMPTS = [[0, 17, 54, 120, 9], [0, 250, 3], [0, 77, 78, 79, 80, 81, 82, 83, 84]]
+
+
+def gated_model(gates: str = "random", seed: int = 0, **config) -> Transformer:
+    model = random_model(tiny_config(num_layers=6, **config), seed=seed)
+    model.attach_gates(random_gates(model.config, seed=seed + 1) if gates == "random"
+                       else constant_gates(model.config, entropy_logit=-30.0))
+    return model
+
+
+def engine_for(model, tokenizer, policy=MIXED, kv_policy="project", **options) -> GenerationEngine:
+    return GenerationEngine(model, tokenizer, model_name="tiny", policy=policy, kv_policy=kv_policy, **options)
+
+
+def capture_logits(model: Transformer) -> list[torch.Tensor]:
+    """Record the logits every decode step returns (a spy: the real method still runs)."""
+    captured, original = [], model.decode_step
+
+    def spy(*args, **kwargs):
+        logits, entropies = original(*args, **kwargs)
+        captured.append(logits.clone())
+        return logits, entropies
+
+    model.decode_step = spy
+    return captured
+
+
+@torch.no_grad()
+def reference_logits(model: Transformer, tokens: list[int], ran: np.ndarray, kv_policy: str) -> torch.Tensor:
+    """Cache-free gated forward. ran: bool [T, L] (prefill positions all True). -> logits [T, V]."""
+    T = len(tokens)
+    h = model.embed_tokens(torch.tensor([tokens]))
+    cos, sin = model.rope(torch.arange(T)[None], h.dtype)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    for l, block in enumerate(model.layers):
+        runs = torch.as_tensor(ran[:, l])
+        attn = block.self_attn
+        x = block.input_layernorm(h)
+        q = apply_rope(attn.q_proj(x).view(1, T, attn.num_heads, attn.head_dim).transpose(1, 2), cos, sin)
+        k, v = attn.project_kv(x, cos, sin)
+        visible = causal if kv_policy == "project" else causal & (runs[None, :] | torch.eye(T, dtype=torch.bool))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=attn.num_kv_heads != attn.num_heads)
+        updated = h + attn.o_proj(out.transpose(1, 2).reshape(1, T, -1))
+        updated = updated + block.mlp(block.post_attention_layernorm(updated))
+        h = torch.where(runs[None, :, None], updated, h)
+    return model.lm_head(model.norm(h))[0]
+
+
+def check_against_reference(model, prompt, result, captured, kv_policy):
+    fed = prompt + result.token_ids[:-1]
+    ran = np.concatenate([np.ones((len(prompt) - 1, model.config.num_layers), dtype=bool), result.activity])
+    expected = reference_logits(model, fed, ran, kv_policy)[len(prompt) - 1:]
+    got = torch.cat(captured)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() <= 1e-4
+    assert result.token_ids == expected.argmax(-1).tolist()
+
+
+def switches(activity: np.ndarray) -> tuple[bool, bool]:
+    """Whether some layer went run -> skip and some layer went skip -> run."""
+    change = activity[1:].astype(int) - activity[:-1].astype(int)
+    return bool((change < 0).any()), bool((change > 0).any())
+
+
+# --- the rule ------------------------------------------------------------------------------------
+
+
+def test_run_mask_takes_no_scores():
+    assert list(inspect.signature(SkipPolicy.run_mask).parameters) == ["self", "slots"]
+
+
+def test_policy_mask_for_a_step_is_fixed_before_that_step_is_observed():
+    policy = SkipPolicy(SkipPolicyConfig(threshold=0.5, patience=2, protected_layers=()), num_layers=3, slots=1)
+    slots = np.array([0])
+    for _ in range(2):
+        policy.observe(slots, np.array([[0.1, 0.9, 0.1]]), policy.run_mask(slots))
+    before = policy.run_mask(slots)
+    assert before.tolist() == [[False, True, False]]
+    policy.observe(slots, np.array([[0.9, 0.9, 0.1]]), before)  # the step's own scores arrive afterwards
+    assert policy.run_mask(slots).tolist() == [[True, True, False]]  # they only shape the next step
+
+
+def test_engine_skips_exactly_by_the_previous_k_steps(tokenizer):
+    model = gated_model()
+    records = []
+    engine = engine_for(model, tokenizer, step_hook=records.append)
+    engine.generate(PROMPTS[0], SamplingParams(max_tokens=60))
+    entropies = np.concatenate([r.entropies for r in records])
+    skipped = np.concatenate([r.skipped for r in records])
+    assert np.isfinite(entropies).all()  # every layer scored, skipped or not
+    k, protected = MIXED.patience, [0, model.config.num_layers - 1]
+    for t in range(len(records)):
+        expected = np.zeros(model.config.num_layers, dtype=bool)
+        if t >= k and not records[t].fallback[0]:
+            expected = (entropies[t - k:t] < MIXED.threshold).all(axis=0)
+            expected[protected] = False
+        assert skipped[t].tolist() == expected.tolist(), f"step {t}"
+    assert 0.1 < skipped.mean() < 0.6 and all(switches(~skipped))  # a non-trivial, switching pattern
+
+
+# --- skipped means skipped -----------------------------------------------------------------------
+
+
+def test_skipped_layers_execute_neither_attention_nor_ffn(tokenizer):
+    model = gated_model()
+    decode_rows = {name: [0] * model.config.num_layers for name in ("q_proj", "o_proj", "mlp")}
+
+    def counter(name, layer):
+        def hook(module, inputs, output):
+            if inputs[0].dim() == 2:  # decode: [rows, features]; prefill is [1, T, features]
+                decode_rows[name][layer] += inputs[0].shape[0]
+        return hook
+
+    for l, block in enumerate(model.layers):
+        block.self_attn.q_proj.register_forward_hook(counter("q_proj", l))
+        block.self_attn.o_proj.register_forward_hook(counter("o_proj", l))
+        block.mlp.register_forward_hook(counter("mlp", l))
+    engine = engine_for(model, tokenizer, max_batch_size=4)
+    sequences = [engine._submit(p, SamplingParams(max_tokens=30)) for p in PROMPTS]
+    model.reset_counters()
+    prefill_rows = sum(len(p) - 1 for p in PROMPTS)
+    while engine.has_work():
+        engine.step()
+    activity = np.concatenate([np.array(s.activity) for s in sequences])
+    ran, evaluations = activity.sum(axis=0), activity.size
+    assert ran.sum() < evaluations  # layers were skipped
+    for name in decode_rows:
+        assert decode_rows[name] == ran.tolist(), name
+    assert model.layer_rows_executed == (ran + prefill_rows).tolist()
+    assert sum(s.layers_executed for s in sequences) == ran.sum()
+    assert sum(s.layers_skipped for s in sequences) == evaluations - ran.sum()
+
+
+# --- KV policies ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_policy", ["project", "evict"])
+def test_threshold_zero_is_exactly_the_ungated_model(tokenizer, kv_policy):
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=11)
+    ungated = random_model(tiny_config(num_layers=6), seed=0)
+    plain_logits = capture_logits(ungated)
+    plain = engine_for(ungated, tokenizer, policy=SkipPolicyConfig(threshold=0.0)).generate(PROMPTS[0], params)
+    gated = gated_model()
+    gated_logits = capture_logits(gated)
+    result = engine_for(gated, tokenizer, policy=SkipPolicyConfig(threshold=0.0),
+                        kv_policy=kv_policy).generate(PROMPTS[0], params)
+    assert result.token_ids == plain.token_ids
+    assert torch.equal(torch.cat(gated_logits), torch.cat(plain_logits))
+    assert result.layers_skipped == 0
+
+
+@pytest.mark.parametrize("kv_policy", ["project", "evict"])
+def test_switching_patterns_match_the_reference(tokenizer, kv_policy):
+    model = gated_model()
+    captured = capture_logits(model)
+    result = engine_for(model, tokenizer, kv_policy=kv_policy).generate(PROMPTS[2], SamplingParams(max_tokens=60))
+    assert all(switches(result.activity))
+    check_against_reference(model, PROMPTS[2], result, captured, kv_policy)
+
+
+@pytest.mark.parametrize("kv_policy", ["project", "evict"])
+def test_all_skippable_layers_skipped_match_the_reference(tokenizer, kv_policy):
+    model = gated_model("near-zero")
+    captured = capture_logits(model)
+    engine = engine_for(model, tokenizer, policy=SkipPolicyConfig(), kv_policy=kv_policy)
+    result = engine.generate(PROMPTS[0], SamplingParams(max_tokens=20))
+    L = model.config.num_layers
+    assert result.activity[:3].all()  # the first k = 3 steps run full depth
+    assert (result.activity[3:] == np.array([True] + [False] * (L - 2) + [True])).all()
+    check_against_reference(model, PROMPTS[0], result, captured, kv_policy)
+    positions = np.arange(len(PROMPTS[0]) - 1 + 3, len(PROMPTS[0]) - 1 + 20)
+    valid = engine.cache.valid[1:L - 1, 0, positions]  # what the skipped positions left in the cache
+    assert bool(valid.all()) if kv_policy == "project" else not bool(valid.any())
+
+
+@pytest.mark.parametrize("kv_policy", ["project", "evict"])
+def test_long_generation_stops_at_the_cache_length(backend_tokenizer, kv_policy):
+    model = gated_model(eos_token_ids=())  # nothing ends the sequence but the cache length
+    captured = capture_logits(model)
+    engine = engine_for(model, Tokenizer(backend_tokenizer), kv_policy=kv_policy, max_seq_len=260)
+    result = engine.generate(PROMPTS[0], SamplingParams(max_tokens=1000))
+    assert result.finish_reason == "length"
+    assert result.completion_tokens == 260 - len(PROMPTS[0]) + 1  # the last token is never fed
+    check_against_reference(model, PROMPTS[0], result, captured, kv_policy)
+
+
+# --- batching ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_policy", ["project", "evict"])
+def test_batched_rows_match_running_alone(tokenizer, kv_policy):
+    params = [SamplingParams(max_tokens=40), SamplingParams(max_tokens=25, temperature=1.0, seed=5),
+              SamplingParams(max_tokens=40), SamplingParams(max_tokens=30)]
+    prompts = PROMPTS + [[0, 5, 6]]
+    model = gated_model()
+    alone = [engine_for(model, tokenizer, kv_policy=kv_policy).generate(p, s) for p, s in zip(prompts, params)]
+
+    records = []
+    engine = engine_for(model, tokenizer, kv_policy=kv_policy, max_batch_size=3, step_hook=records.append)
+    batched = [engine._submit(p, s) for p, s in zip(prompts[:3], params[:3])]
+    for _ in range(5):
+        engine.step()
+    batched.append(engine._submit(prompts[3], params[3]))  # waits for a free slot, then joins
+    while engine.has_work():
+        engine.step()
+
+    for sequence, single in zip(batched, alone):
+        assert sequence.generated == single.token_ids
+        assert np.array_equal(np.array(sequence.activity), single.activity)
+    mixed_steps = [r for r in records if len(r.sequence_ids) > 1 and r.skipped.any(axis=0).any()
+                   and (r.skipped != r.skipped[0]).any()]
+    assert mixed_steps  # rows really had different masks in one step
+    for r in records:
+        assert r.batch_skipped.tolist() == r.skipped.all(axis=0).tolist()
+    assert max(len(r.sequence_ids) for r in records) == 3
+
+
+# --- fallback breaker ----------------------------------------------------------------------------
+
+
+def test_fallback_after_sustained_high_skipping(tokenizer, caplog):
+    model = gated_model("near-zero")
+    records = []
+    policy = SkipPolicyConfig(protected_layers=())  # everything skippable: 100 % skipped > 85 %
+    engine = engine_for(model, tokenizer, policy=policy, step_hook=records.append)
+    with caplog.at_level(logging.WARNING, logger="inference_shim.generate"):
+        result = engine.generate(PROMPTS[0], SamplingParams(max_tokens=30))
+    depth = result.activity.sum(axis=1)
+    L = model.config.num_layers
+    # steps 1-3 build patience, 4-6 skip everything, 7-22 fallback at full depth, 23-25 skip again.
+    assert depth.tolist() == [L] * 3 + [0] * 3 + [L] * 16 + [0] * 3 + [L] * 5
+    fallback = np.array([r.fallback[0] for r in records])
+    assert np.flatnonzero(fallback).tolist() == list(range(6, 22)) + list(range(25, 30))
+    started = [r.step for r in records if r.fallback_started[0]]
+    assert started == [6, 25]
+    messages = [r.getMessage() for r in caplog.records if "FALLBACK" in r.getMessage()]
+    assert messages == ["[FALLBACK: HIGH_SKIPPING] model=tiny sequence=0 step=6",
+                        "[FALLBACK: HIGH_SKIPPING] model=tiny sequence=0 step=25"]
+
+
+def test_fallback_settings_are_configurable(tokenizer):
+    model = gated_model("near-zero")
+    policy = SkipPolicyConfig(protected_layers=(), fallback_trigger_steps=1, fallback_steps=2)
+    result = engine_for(model, tokenizer, policy=policy).generate(PROMPTS[0], SamplingParams(max_tokens=10))
+    L = model.config.num_layers
+    assert result.activity.sum(axis=1).tolist() == [L] * 3 + [0] + [L] * 2 + [0] + [L] * 2 + [0]

@@ -1,0 +1,70 @@
+"""The tokenizer wrapper: BOS handling, chat templates, and streaming detokenisation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from inference_shim.tokenizer import Tokenizer, TokenizerError
+
+from .conftest import TRAINING_TEXT
+
+
+def test_encode_adds_bos_once(tokenizer):
+    ids = tokenizer.encode("the earth")
+    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
+    assert tokenizer.encode("<s>the earth") == ids  # a template that already starts with BOS
+    assert tokenizer.encode("the earth", add_bos=False) == ids[1:]
+    assert tokenizer.decode(ids) == "the earth"
+
+
+def test_add_bos_token_false_is_respected(backend_tokenizer):
+    plain = Tokenizer(backend_tokenizer, bos_token="<s>", add_bos_token=False)
+    assert plain.bos_token_id not in plain.encode("the earth")
+
+
+def test_plain_chat_template(tokenizer):
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hello"}]
+    assert tokenizer.apply_chat_template(messages) == "system: Be terse.\nuser: Hello\nassistant:"
+
+
+def test_checkpoint_chat_template_is_used(tmp_path, backend_tokenizer):
+    backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ eos_token }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": {"content": "<s>"}, "eos_token": "</s>", "chat_template": [{"name": "default", "template": template}]}))
+    loaded = Tokenizer.from_files(tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json")
+    assert loaded.apply_chat_template([{"role": "user", "content": "hi"}]) == "<s>[user]hi</s>"
+    assert loaded.eos_token_ids == (1,)
+
+
+def test_template_errors_are_raised(tokenizer, backend_tokenizer):
+    strict = Tokenizer(backend_tokenizer, chat_template="{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(Exception, match="roles must alternate"):
+        strict.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_bad_tokenizer_config(tmp_path, backend_tokenizer):
+    backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(TokenizerError, match="tokenizer_config.json: expected a JSON object"):
+        Tokenizer.from_files(tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json")
+
+
+@pytest.mark.parametrize("text", TRAINING_TEXT + ["emoji 🙂 and ✓✓ mixed", "日本語のテキスト"])
+def test_incremental_decoder_streams_the_full_text(tokenizer, text):
+    ids = tokenizer.encode(text, add_bos=False)
+    decoder = tokenizer.incremental_decoder()
+    deltas = [decoder.push([token]) for token in ids]
+    deltas.append(decoder.flush())
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)  # never half a character
+
+
+def test_incremental_decoder_flushes_an_incomplete_character(tokenizer):
+    ids = tokenizer.encode("🙂", add_bos=False)
+    assert len(ids) > 1  # byte-level: the emoji spans several tokens
+    decoder = tokenizer.incremental_decoder()
+    assert decoder.push(ids[:1]) == ""  # held back
+    assert decoder.flush() == "\ufffd"

@@ -1,0 +1,117 @@
+"""`layerwatch train-gates` on a tiny random model: determinism, the relaxed patience rule, bad input."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from inference_shim.checkpoint import save_checkpoint
+from inference_shim.gate_training import patience_skip
+from inference_shim.gates import load_gates
+from inference_shim.checkpoint import load_checkpoint
+from layerwatch.cli import main
+from tests.model.conftest import TRAINING_TEXT, random_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests.model.conftest import build_backend_tokenizer
+    from inference_shim.tokenizer import Tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = Tokenizer(build_backend_tokenizer(), bos_token="<s>", eos_tokens=["</s>"])
+    save_checkpoint(random_model(), tokenizer, directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "train.txt"
+    path.write_text("\n\n".join(TRAINING_TEXT * 6) + "\n", encoding="utf-8")
+    return path
+
+
+def train(model_dir, text_file, out, *extra: str) -> int:
+    return main(["train-gates", "--model", str(model_dir), "--data", str(text_file), "--out", str(out),
+                 "--steps", "6", "--batch-size", "2", "--seq-len", "16", "--threads", "1", "--quiet", *extra])
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_same_seed_same_file_other_seed_other_file(model_dir, text_file, tmp_path):
+    first, second, other = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "c.safetensors"
+    assert train(model_dir, text_file, first, "--seed", "3") == 0
+    assert train(model_dir, text_file, second, "--seed", "3") == 0
+    assert train(model_dir, text_file, other, "--seed", "4") == 0
+    assert sha256(first) == sha256(second)
+    assert sha256(first) != sha256(other)
+
+
+def test_written_gates_load_onto_the_model_with_their_threshold(model_dir, text_file, tmp_path):
+    out = tmp_path / "gates.safetensors"
+    assert train(model_dir, text_file, out, "--threshold", "0.2", "--patience", "2") == 0
+    loaded = load_gates(out, load_checkpoint(model_dir).model)
+    assert (loaded.metadata.threshold, loaded.metadata.patience) == (0.2, 2)
+    assert loaded.metadata.num_layers == 4
+
+
+def test_training_moves_the_skip_rate_towards_the_target(model_dir, text_file):
+    from inference_shim.gate_training import GateSchedule, init_gates, train_gates
+    from inference_shim.training import text_file_stream
+
+    loaded = load_checkpoint(model_dir)
+    stream = text_file_stream(loaded.tokenizer, text_file, min_tokens=18)
+    rates = []
+    for target in (0.1, 0.7):
+        schedule = GateSchedule(steps=40, batch_size=2, seq_len=16, learning_rate=0.05, target_skip=target,
+                                protected_layers=(0, 3), commit_weight=0.0, end_temperature=0.5)
+        seen = []
+        train_gates(loaded.model, init_gates(4, 32, schedule), stream, schedule,
+                    on_step=lambda s: seen.append(s.skip_fraction))
+        rates.append(sum(seen[-10:]) / 10)
+    assert rates[0] < 0.2 < 0.4 < rates[1]
+
+
+def test_patience_skip_needs_all_previous_tokens_low():
+    # high = 1 means the score was above tau. Token t is skipped iff t-1, t-2, t-3 were all low.
+    high = torch.tensor([[1.0, 0, 0, 0, 0, 1, 0, 0, 0, 0]])
+    expected = torch.tensor([[0.0, 0, 0, 0, 1, 1, 0, 0, 0, 1]])
+    assert torch.equal(patience_skip(high, patience=3), expected)
+    # The first `patience` tokens have no history and are never skipped, even when all are low.
+    assert torch.equal(patience_skip(torch.zeros(1, 4), patience=3), torch.tensor([[0.0, 0, 0, 1]]))
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such text file"),
+    (b"\xff\xfe\x00bad bytes", "not UTF-8"),
+    (b"  \n\n \n", "holds no text"),
+    (b"Too short.", "tokens, at least"),
+])
+def test_bad_text_file_fails_clearly_and_writes_nothing(model_dir, tmp_path, capsys, content, message):
+    data = tmp_path / "data.txt"
+    if content is not None:
+        data.write_bytes(content)
+    out = tmp_path / "gates.safetensors"
+    assert train(model_dir, data, out) == 2
+    error = capsys.readouterr().err
+    assert message in error and str(data) in error
+    assert not out.exists()
+
+
+def test_bad_model_folder_fails_clearly(text_file, tmp_path, capsys):
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{not json")
+    assert train(folder, text_file, tmp_path / "gates.safetensors") == 2
+    assert "config.json" in capsys.readouterr().err
+
+
+def test_unavailable_device_fails_clearly(model_dir, text_file, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert train(model_dir, text_file, tmp_path / "g.safetensors", "--device", "cuda") == 2
+    assert "CUDA is not available" in capsys.readouterr().err

@@ -1,0 +1,160 @@
+"""Our Llama against a reference nobody here wrote: transformers' LlamaForCausalLM / Qwen2ForCausalLM.
+
+Each case builds a tiny random checkpoint with transformers, saves it the Hugging Face way, loads
+it with our loader and compares logits (fp32, max abs diff <= 1e-4): a full forward, and
+token-by-token decoding through our KV cache against transformers' own cached decoding.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from inference_shim.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from inference_shim.model import KVCache  # noqa: E402
+
+from .conftest import VOCAB_SIZE, random_model, tiny_config  # noqa: E402
+
+TOLERANCE = 1e-4
+SEQUENCE_LENGTH = 40  # crosses the llama3 case's original_max_position_embeddings=16
+
+LLAMA = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+             bos_token_id=0, eos_token_id=1)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+CASES = {
+    "llama-gqa": ("llama", dict(LLAMA), {}),
+    "llama-sharded": ("llama", dict(LLAMA), {"max_shard_size": "20KB"}),
+    "llama-tied": ("llama", dict(LLAMA, tie_word_embeddings=True), {}),
+    "llama3-rope-scaling": ("llama", dict(LLAMA, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0), {}),
+    "llama-linear-rope-mha": ("llama", dict(LLAMA, num_key_value_heads=4,
+                                            rope_scaling={"rope_type": "linear", "factor": 2.0}), {}),
+    "qwen2-biases": ("qwen2", dict(LLAMA, num_key_value_heads=1), {}),
+}
+
+
+# transformers 5 renamed `past_key_values` to `cache` (argument and output).
+CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters \
+    else "past_key_values"
+
+
+def reference_cache(output):
+    return output[CACHE_ARGUMENT] if CACHE_ARGUMENT in output else output["past_key_values"]
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    # transformers initialises norms to 1 and biases to 0: randomise everything so each weight counts.
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.3)
+
+
+def build_reference(family: str, fields: dict):
+    fields = copy.deepcopy(fields)  # transformers writes into the rope dict it is given
+    if family == "qwen2":
+        config = transformers.Qwen2Config(**fields)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        config = transformers.LlamaConfig(**fields)
+        model = transformers.LlamaForCausalLM(config)
+    randomize(model, seed=0)
+    return model.eval()
+
+
+@pytest.fixture(params=list(CASES), scope="module")
+def pair(request, tmp_path_factory, backend_tokenizer):
+    """(transformers model, our loaded checkpoint) for one case."""
+    torch.set_num_threads(1)
+    family, fields, save_options = CASES[request.param]
+    reference = build_reference(family, fields)
+    folder = tmp_path_factory.mktemp(request.param)
+    reference.save_pretrained(folder, **save_options)
+    backend_tokenizer.save(str(folder / "tokenizer.json"))
+    if "max_shard_size" in save_options:
+        assert (folder / "model.safetensors.index.json").is_file()
+    return reference, load_checkpoint(folder)
+
+
+def sequence(seed: int, length: int = SEQUENCE_LENGTH) -> torch.Tensor:
+    return torch.randint(0, VOCAB_SIZE, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_full_forward_matches_transformers(pair):
+    reference, ours = pair
+    tokens = sequence(1)
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        logits, _ = ours.model(tokens)
+    assert (logits - expected).abs().max().item() <= TOLERANCE
+
+
+def test_cached_decoding_matches_transformers_cached_decoding(pair):
+    reference, ours = pair
+    tokens = sequence(2)
+    prompt = 5
+    with torch.no_grad():
+        out = reference(tokens[:, :prompt], use_cache=True)
+        past, expected = reference_cache(out), [out.logits[0, -1]]
+        for t in range(prompt, SEQUENCE_LENGTH):
+            out = reference(tokens[:, t:t + 1], use_cache=True, **{CACHE_ARGUMENT: past})
+            past = reference_cache(out)
+            expected.append(out.logits[0, -1])
+
+    model = ours.model
+    cache = KVCache(model.config, slots=2, max_len=64, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        prefill_logits, _ = model(tokens[:, :prompt], cache=cache, slot=1)
+    got = [prefill_logits[0, -1]]
+    for t in range(prompt, SEQUENCE_LENGTH):
+        logits, _ = model.decode_step(tokens[0, t:t + 1], cache, slots=[1], positions=[t], run_mask=None)
+        got.append(logits[0])
+    assert (torch.stack(got) - torch.stack(expected)).abs().max().item() <= TOLERANCE
+
+
+def test_batched_decoding_of_unequal_sequences_matches_transformers(pair):
+    # Two sequences at different positions in one decode batch, each in its own cache slot.
+    reference, ours = pair
+    long, short = sequence(3)[0], sequence(4, 20)[0]
+    with torch.no_grad():
+        expected_long = reference(long[None]).logits[0]
+        expected_short = reference(short[None]).logits[0]
+    model = ours.model
+    cache = KVCache(model.config, slots=2, max_len=64, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        model(long[None, :20], cache=cache, slot=0)
+        model(short[None, :1], cache=cache, slot=1)
+    worst = 0.0
+    for step in range(19):
+        positions = [20 + step, 1 + step]
+        fed = torch.stack([long[positions[0]], short[positions[1]]])
+        logits, _ = model.decode_step(fed, cache, slots=[0, 1], positions=positions, run_mask=None)
+        worst = max(worst, (logits[0] - expected_long[positions[0]]).abs().max().item(),
+                    (logits[1] - expected_short[positions[1]]).abs().max().item())
+    assert worst <= TOLERANCE
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True}, {"attention_bias": True},
+                                       {"rope_scaling": LLAMA3_ROPE}],
+                         ids=["llama", "tied", "qwen2-biases", "llama3-rope"])
+def test_saved_checkpoint_loads_in_transformers_with_same_logits(tmp_path, tokenizer, overrides):
+    model = random_model(tiny_config(**overrides), seed=5)
+    save_checkpoint(model, tokenizer, tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded).__name__ == ("Qwen2ForCausalLM" if overrides.get("attention_bias") else "LlamaForCausalLM")
+    tokens = sequence(6)
+    with torch.no_grad():
+        ours, _ = model(tokens)
+        theirs = reloaded(tokens).logits
+    assert (ours - theirs).abs().max().item() <= TOLERANCE
+    assert torch.equal(load_checkpoint(tmp_path).model(tokens)[0], ours)

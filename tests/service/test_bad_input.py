@@ -1,0 +1,80 @@
+"""Every kind of bad input gets an OpenAI-style error body and a 4xx, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.service.conftest import MODEL_NAME, sample_sum
+
+LONG_PROMPT = " ".join(f"word{i}" for i in range(400))  # far over --max-prompt-tokens 96
+
+
+def completion(**overrides) -> dict:
+    return {"model": MODEL_NAME, "prompt": "In the beginning", "max_tokens": 4, **overrides}
+
+
+CASES = [
+    # (id, path, raw body or JSON object, headers, status, code)
+    ("not-json", "/v1/completions", b"{not json", {}, 400, "invalid_json"),
+    ("empty-body", "/v1/completions", b"", {}, 400, "invalid_json"),
+    ("json-array", "/v1/completions", [1, 2], {}, 400, "invalid_json"),
+    ("invalid-utf8", "/v1/completions", b'{"model": "tiny-test", "prompt": "caf\xe9"}', {}, 400, "invalid_encoding"),
+    ("lone-surrogate", "/v1/completions", b'{"model": "tiny-test", "prompt": "\\ud800"}', {}, 400, "invalid_value"),
+    ("missing-prompt", "/v1/completions", {"model": MODEL_NAME}, {}, 400, "invalid_value"),
+    ("missing-model", "/v1/completions", {"prompt": "hi"}, {}, 400, "invalid_value"),
+    ("wrong-type", "/v1/completions", completion(max_tokens="many"), {}, 400, "invalid_value"),
+    ("zero-max-tokens", "/v1/completions", completion(max_tokens=0), {}, 400, "invalid_value"),
+    ("temperature-out-of-range", "/v1/completions", completion(temperature=7), {}, 400, "invalid_value"),
+    ("seed-out-of-range", "/v1/completions", completion(seed=-1), {}, 400, "invalid_value"),
+    ("n-above-one", "/v1/completions", completion(n=2), {}, 400, "invalid_value"),
+    ("two-prompts", "/v1/completions", completion(prompt=["a", "b"]), {}, 400, "invalid_value"),
+    ("empty-stop", "/v1/completions", completion(stop=[""]), {}, 400, "invalid_value"),
+    ("empty-prompt", "/v1/completions", completion(prompt=""), {}, 400, "empty_prompt"),
+    ("over-long-prompt", "/v1/completions", completion(prompt=LONG_PROMPT[:6000]), {}, 400,
+     "context_length_exceeded"),
+    ("max-tokens-above-cap", "/v1/completions", completion(max_tokens=49), {}, 400, "max_tokens_exceeded"),
+    ("unknown-model", "/v1/completions", completion(model="gpt-17"), {}, 404, "model_not_found"),
+    ("body-too-large", "/v1/completions", completion(prompt="x" * 9000), {}, 413, "request_too_large"),
+    ("no-messages", "/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, {}, 400, "invalid_value"),
+    ("bad-role", "/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "x"}]},
+     {}, 400, "invalid_value"),
+    ("chat-unknown-model", "/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": "x"}]},
+     {}, 404, "model_not_found"),
+    ("unknown-route", "/v1/embeddings", completion(), {}, 404, "not_found"),
+]
+
+
+@pytest.mark.parametrize("path,body,headers,status,code", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_gets_an_openai_error(server, path, body, headers, status, code):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{server.base_url}{path}", content=content, timeout=30,
+                          headers={"content-type": "application/json", **headers})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_a_body_announced_too_large_is_refused_before_it_is_read(server):
+    with httpx.Client(timeout=30) as client:
+        response = client.post(f"{server.base_url}/v1/completions", content=b"{}",
+                               headers={"content-length": "2", "content-type": "application/json"})
+        assert response.status_code == 400  # a small body is read and judged on its content
+        chunks = (b"x" * 4096 for _ in range(64))  # streamed without a length: 256 KiB
+        response = client.post(f"{server.base_url}/v1/completions", content=chunks)
+    assert response.status_code == 413
+
+
+def test_bad_input_is_counted_as_client_error_and_the_server_keeps_serving(server):
+    before = sample_sum(server.metrics(), "layerwatch_requests_total", status="client_error")
+    for body in (b"{", json.dumps(completion(max_tokens=10_000)).encode()):
+        assert httpx.post(f"{server.base_url}/v1/completions", content=body, timeout=30).status_code == 400
+    assert sample_sum(server.metrics(), "layerwatch_requests_total", status="client_error") == before + 2
+    ok = httpx.post(f"{server.base_url}/v1/completions", json=completion(), timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    assert sample_sum(server.metrics(), "layerwatch_requests_total", status="server_error") == 0
+    assert "In the beginning" not in server.process.log_tail(lines=10_000)  # prompts are not logged at info

@@ -1,0 +1,83 @@
+"""Gate frames on a real UDP socket, the trace file, and a sender with no exporter behind it."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import numpy as np
+
+from inference_shim.service.telemetry import FrameSender
+from layerwatch.processes import free_port
+from layerwatch.trace import read_trace
+from layerwatch.wire import MAX_FRAME_BYTES, decode_frame
+from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum
+
+
+def test_frames_decode_to_the_same_entropies_and_masks_as_the_trace(server):
+    for i in range(3):
+        body = {"model": MODEL_NAME, "prompt": f"the face of the waters {i}", "max_tokens": 10, "temperature": 0}
+        assert httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+    server.wait_idle()
+    decoded = sample_sum(server.metrics(), "layerwatch_layers_executed_count")
+    deadline = time.monotonic() + 10
+    while sum(f.entropies.shape[0] for f in server.capture.frames()) < decoded and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    frames = server.capture.frames()
+    assert [f.sequence for f in frames] == list(range(len(frames)))  # none lost, none dropped
+    assert {(f.model_name, f.shim_id) for f in frames} == {(MODEL_NAME, "test-shim")}
+    assert sample_sum(server.metrics(), "layerwatch_telemetry_frames_sent_total") == len(frames)
+    frame_entropies = np.concatenate([f.entropies for f in frames])
+    frame_skipped = np.concatenate([f.skipped for f in frames])
+
+    trace = list(read_trace(server.trace_path))
+    assert len(trace) == len(frame_entropies) == decoded  # one row per decoded token, probes excluded
+    assert {r.model_name for r in trace} == {MODEL_NAME}
+    np.testing.assert_array_equal(np.stack([r.scores for r in trace]), frame_entropies)
+    np.testing.assert_array_equal(np.stack([r.skipped for r in trace]), frame_skipped)
+    assert frame_entropies.shape[1] == NUM_LAYERS and frame_skipped.any() and not frame_skipped.all()
+
+
+def test_a_missing_exporter_only_moves_the_dropped_counter():
+    port = free_port(socket.SOCK_DGRAM)  # nobody listens: loopback answers with ICMP port unreachable
+    sender = FrameSender(f"127.0.0.1:{port}", MODEL_NAME, "test", NUM_LAYERS)
+    entropies = np.full((3, NUM_LAYERS), 0.5, dtype=np.float32)
+    skipped = np.zeros((3, NUM_LAYERS), dtype=bool)
+    for _ in range(20):
+        sender.send(entropies, skipped)  # never raises
+    sender.close()
+    assert sender.sequence == 20
+    assert sender.dropped["send_error"] > 0
+    assert sender.sent + sender.dropped["send_error"] == 20
+
+
+def test_a_batch_too_large_for_one_datagram_is_split_and_round_trips():
+    receiver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    receiver.bind(("127.0.0.1", 0))
+    receiver.settimeout(5)
+    layers = 200
+    sender = FrameSender("127.0.0.1:%d" % receiver.getsockname()[1], MODEL_NAME, "test", layers)
+    rng = np.random.default_rng(0)
+    rows = sender.rows_per_frame + 5
+    entropies = rng.random((rows, layers), dtype=np.float32)
+    skipped = rng.random((rows, layers)) < 0.3
+    sender.send(entropies, skipped)
+    frames = [decode_frame(receiver.recv(65536)) for _ in range(2)]
+    receiver.close()
+    sender.close()
+    assert [f.sequence for f in frames] == [0, 1]
+    assert all(len(f.entropies) <= sender.rows_per_frame for f in frames)
+    np.testing.assert_array_equal(np.concatenate([f.entropies for f in frames]), entropies)
+    np.testing.assert_array_equal(np.concatenate([f.skipped for f in frames]), skipped)
+    assert sender.rows_per_frame * layers * 4 < MAX_FRAME_BYTES
+
+
+def test_invalid_entropies_are_dropped_not_raised():
+    port = free_port(socket.SOCK_DGRAM)
+    sender = FrameSender(f"127.0.0.1:{port}", MODEL_NAME, "test", NUM_LAYERS)
+    nan = np.full((2, NUM_LAYERS), np.nan, dtype=np.float32)  # what a model without gates reports
+    sender.send(nan, np.zeros((2, NUM_LAYERS), dtype=bool))
+    sender.close()
+    assert sender.dropped["invalid"] == 1 and sender.sent == 0

@@ -1,0 +1,80 @@
+"""The committed Overview dashboard: stable identity, the variables, every panel the issue asks for."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from alerts import config
+from dashboards import overview
+
+from .conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict:
+    return json.loads((REPO / "dashboards" / "json" / "overview.json").read_text())
+
+
+def panels(dashboard: dict) -> list[dict]:
+    return [p for p in dashboard["panels"] if p["type"] != "row"]
+
+
+def test_identity_and_variables(dashboard: dict) -> None:
+    assert (dashboard["uid"], dashboard["title"]) == ("layerwatch-overview", "layerwatch / Overview")
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert list(variables) == ["datasource", "model", "instance"]
+    assert variables["datasource"]["query"] == "prometheus"
+    assert variables["datasource"]["current"]["value"] == config.GRAFANA_DATASOURCE_UID
+    assert variables["model"]["query"] == "label_values(layerwatch_model_info, model_name)"
+    assert "$model" in variables["instance"]["query"] and variables["instance"]["includeAll"]
+
+
+def test_every_query_uses_the_datasource_variable_and_panel_ids_are_unique(dashboard: dict) -> None:
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in panels(dashboard):
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}", panel["title"]
+            assert "$model" in target["expr"] or "ALERTS" in target["expr"] \
+                or "power" in target["expr"] or "malformed" in target["expr"], panel["title"]
+
+
+@pytest.mark.parametrize("title, kind, needle", [
+    ("Skip ratio", "timeseries", "layer_skips:ratio"),
+    ("Layers executed per token", "timeseries", "layers_executed"),
+    ("Per-layer skip ratio (layer × time)", "heatmap", "model_name_layer:layerwatch_layer_skips"),
+    ("Entropy mean vs healthy band", "timeseries", "profile_entropy_mean:low"),
+    ("Entropy std vs healthy band", "timeseries", "profile_entropy_std:high"),
+    ("Zero-entropy ratio", "timeseries", "profile_zero_ratio:page"),
+    ("Bimodality verdict", "stat", "layerwatch_entropy_bimodal"),
+    ("Bimodality statistics", "stat", "layerwatch_entropy_dip_p_value"),
+    ("Entropy distribution over time", "heatmap", "layerwatch_entropy_bucket"),
+    ("Entropy histogram, last 5 minutes", "barchart", "layerwatch_entropy_bucket"),
+    ("Joules per generated token", "timeseries", "joules_per_decode_token"),
+    ("Power and skip ratio", "timeseries", "layerwatch_gpu_power_watts"),
+    ("Time to first token", "timeseries", "time_to_first_token"),
+    ("Inter-token latency", "timeseries", "inter_token_latency"),
+    ("Fallbacks", "timeseries", "layerwatch_fallbacks_total"),
+    ("Shadow agreement", "timeseries", "shadow_agreements"),
+    ("Telemetry loss", "timeseries", "frames_lost"),
+    ("Firing alerts", "table", "ALERTS"),
+])
+def test_panel_exists(dashboard: dict, title: str, kind: str, needle: str) -> None:
+    (panel,) = [p for p in panels(dashboard) if p["title"] == title]
+    assert panel["type"] == kind
+    assert any(needle in t["expr"] for t in panel["targets"])
+
+
+def test_entropy_heatmap_reads_the_histogram_as_buckets(dashboard: dict) -> None:
+    (panel,) = [p for p in panels(dashboard) if p["title"] == "Entropy distribution over time"]
+    assert panel["targets"][0]["format"] == "heatmap" and panel["options"]["calculate"] is False
+
+
+def test_build_is_deterministic_and_matches_the_committed_json() -> None:
+    first, _ = overview.render()
+    second, queries = overview.render()
+    assert first == second == (REPO / "dashboards" / "json" / "overview.json").read_text()
+    assert len(queries) >= 30

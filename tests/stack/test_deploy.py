@@ -1,0 +1,285 @@
+"""Deploy files: Prometheus and Alertmanager accept them, routing and inhibition do what
+docs/alerting.md says (checked on a real Alertmanager), and the compose stack is valid."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import threading
+import time
+import tomllib
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from alerts import config
+from layerwatch import deploy
+
+from .conftest import REPO, require_binary, run_tool
+
+COMMITTED_ALERTMANAGER = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
+COMPOSE_FILES = (REPO / "docker-compose.yml", REPO / "docker-compose.gpu.yml")
+
+
+@pytest.fixture()
+def stack(tmp_path: Path, reference_profiles) -> deploy.Stack:
+    return deploy.render_stack(
+        tmp_path, profiles=reference_profiles, shim_targets=["127.0.0.1:18000"],
+        exporter_targets=["127.0.0.1:19411"], alertmanager_target="127.0.0.1:19093",
+        pager_url="http://127.0.0.1:1/pager", ticket_url="http://127.0.0.1:1/ticket",
+        scrape_interval=1, evaluation_interval=1, time_scale=0.01)
+
+
+def test_rendered_prometheus_config_is_valid_and_loads_only_the_rules(
+        promtool: str, stack: deploy.Stack) -> None:
+    result = run_tool(promtool, "check", "config", stack.prometheus_config)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 rule files found" in result.stdout
+    cfg = yaml.safe_load(stack.prometheus_config.read_text())
+    assert cfg["global"]["scrape_interval"] == "1s" and cfg["global"]["scrape_timeout"] == "1s"
+    jobs = {s["job_name"]: s["static_configs"][0]["targets"] for s in cfg["scrape_configs"]}
+    assert jobs == {config.SHIM_JOB: ["127.0.0.1:18000"], config.EXPORTER_JOB: ["127.0.0.1:19411"]}
+
+
+def test_rules_glob_never_matches_the_promtool_tests() -> None:
+    rules_dir = REPO / "alerts" / "rules"
+    assert [p.name for p in rules_dir.glob(deploy.RULES_GLOB)] == [deploy.RULES_FILE]
+    assert not list((REPO / "alerts" / "tests").glob(deploy.RULES_GLOB))
+
+
+@pytest.mark.parametrize("which", ["rendered", "committed"])
+def test_amtool_check_config(amtool: str, stack: deploy.Stack, which: str) -> None:
+    path = stack.alertmanager_config if which == "rendered" else COMMITTED_ALERTMANAGER
+    result = run_tool(amtool, "check-config", path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("labels, receiver", [
+    (["severity=critical", "alertname=LayerwatchEntropySinglePeak", "model_name=demo"], "pager"),
+    (["severity=critical", "alertname=LayerwatchTargetDown", "instance=shim:8000"], "pager"),
+    (["severity=warning", "alertname=LayerwatchSkipRateSurge", "model_name=demo"], "ticket"),
+    (["alertname=SomethingWithoutSeverity"], "ticket"),
+])
+def test_routes_by_severity(amtool: str, labels: list[str], receiver: str) -> None:
+    result = run_tool(amtool, "config", "routes", "test", f"--config.file={COMMITTED_ALERTMANAGER}",
+                      f"--verify.receivers={receiver}", *labels)
+    assert result.returncode == 0, result.stdout + result.stderr
+    wrong = "ticket" if receiver == "pager" else "pager"
+    result = run_tool(amtool, "config", "routes", "test", f"--config.file={COMMITTED_ALERTMANAGER}",
+                      f"--verify.receivers={wrong}", *labels)
+    assert result.returncode != 0
+
+
+# --- a real Alertmanager: inhibition and notifications --------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Webhooks:
+    """Collects the alerts Alertmanager posts, by receiver path (/pager, /ticket)."""
+
+    def __init__(self) -> None:
+        received: dict[str, list[dict]] = {"/pager": [], "/ticket": []}
+        self.received = received
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                received[self.path].extend(body["alerts"])
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def names(self, path: str) -> set[tuple[str, str, str]]:
+        return {(a["labels"]["alertname"], a["labels"].get("instance", ""),
+                 a["labels"]["severity"]) for a in self.received[path]}
+
+
+def alert(name: str, severity: str, **labels: str) -> dict:
+    return {"labels": {"alertname": name, "severity": severity, **labels},
+            "annotations": {"summary": name}}
+
+
+def wait_for(predicate, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    return predicate()
+
+
+def test_alertmanager_inhibits_and_notifies(alertmanager_binary: str, tmp_path: Path,
+                                            reference_profiles) -> None:
+    hooks = Webhooks()
+    stack = deploy.render_stack(
+        tmp_path, profiles=reference_profiles, shim_targets=["x:1"], exporter_targets=["x:2"],
+        alertmanager_target="x:3", pager_url=f"{hooks.url}/pager", ticket_url=f"{hooks.url}/ticket",
+        time_scale=0.01)  # group_wait 30s -> 300ms
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api/v2"
+    process = subprocess.Popen(
+        [alertmanager_binary, f"--config.file={stack.alertmanager_config}",
+         f"--storage.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+         "--cluster.listen-address="], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert wait_for(lambda: _ready(api)), "alertmanager did not start"
+        alerts = [
+            # shim-a is down: its other alerts are inhibited.
+            alert("LayerwatchTargetDown", "critical", job="layerwatch-shim", instance="shim-a"),
+            alert("LayerwatchRunawaySkipping", "critical", model_name="demo", instance="shim-a"),
+            # exporter-b: the critical zero-ratio alert inhibits the warning of the same alert.
+            alert("LayerwatchZeroEntropyRatioHigh", "critical", model_name="demo", instance="exporter-b"),
+            alert("LayerwatchZeroEntropyRatioHigh", "warning", model_name="demo", instance="exporter-b"),
+            # shim-c: a lone warning goes to the ticket receiver.
+            alert("LayerwatchSkipRateSurge", "warning", model_name="demo", instance="shim-c"),
+        ]
+        request = urllib.request.Request(f"{api}/alerts", json.dumps(alerts).encode(),
+                                         {"Content-Type": "application/json"}, method="POST")
+        urllib.request.urlopen(request, timeout=5).close()
+
+        states = wait_for(lambda: _states(api) if len(_states(api)) == len(alerts) else None)
+        assert states == {
+            ("LayerwatchTargetDown", "shim-a", "critical"): False,
+            ("LayerwatchRunawaySkipping", "shim-a", "critical"): True,
+            ("LayerwatchZeroEntropyRatioHigh", "exporter-b", "critical"): False,
+            ("LayerwatchZeroEntropyRatioHigh", "exporter-b", "warning"): True,
+            ("LayerwatchSkipRateSurge", "shim-c", "warning"): False,
+        }  # (alertname, instance, severity) -> inhibited
+
+        expected_pager = {("LayerwatchTargetDown", "shim-a", "critical"),
+                          ("LayerwatchZeroEntropyRatioHigh", "exporter-b", "critical")}
+        expected_ticket = {("LayerwatchSkipRateSurge", "shim-c", "warning")}
+        assert wait_for(lambda: hooks.names("/pager") == expected_pager
+                        and hooks.names("/ticket") == expected_ticket), hooks.received
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+        hooks.server.shutdown()
+
+
+def _ready(api: str) -> bool:
+    try:
+        urllib.request.urlopen(f"{api}/status", timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def _states(api: str) -> dict[tuple[str, str, str], bool]:
+    with urllib.request.urlopen(f"{api}/alerts", timeout=5) as response:
+        alerts = json.load(response)
+    return {(a["labels"]["alertname"], a["labels"].get("instance", ""), a["labels"]["severity"]):
+            bool(a["status"]["inhibitedBy"]) for a in alerts}
+
+
+# --- Grafana provisioning and docker-compose ---------------------------------------------------------
+
+def test_grafana_datasource_interval_equals_the_scrape_interval() -> None:
+    prometheus = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
+    datasources = yaml.safe_load(
+        (REPO / "deploy/grafana/provisioning/datasources/layerwatch.yaml").read_text())["datasources"]
+    assert datasources[0]["uid"] == config.GRAFANA_DATASOURCE_UID
+    assert datasources[0]["jsonData"]["timeInterval"] == prometheus["global"]["scrape_interval"]
+
+
+def compose_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "GRAFANA_ADMIN_PASSWORD"}
+    return {**env, **extra}
+
+
+def test_docker_compose_config_is_valid(docker_compose: str) -> None:
+    env = compose_env(GRAFANA_ADMIN_PASSWORD="only-for-this-test")
+    result = run_tool(docker_compose, "-f", COMPOSE_FILES[0], "config", "-q", env=env)
+    assert result.returncode == 0, result.stderr
+    result = run_tool(docker_compose, *[a for f in COMPOSE_FILES for a in ("-f", f)],
+                      "config", "-q", env=env)
+    assert result.returncode == 0, result.stderr
+
+
+def test_docker_compose_requires_the_grafana_password(docker_compose: str) -> None:
+    result = run_tool(docker_compose, "-f", COMPOSE_FILES[0], "config", "-q", env=compose_env())
+    assert result.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in result.stderr
+
+
+def test_compose_publishes_on_loopback_and_mounts_the_generated_files() -> None:
+    compose = yaml.safe_load(COMPOSE_FILES[0].read_text())
+    services = compose["services"]
+    assert set(services) == {"shim", "exporter", "prometheus", "alertmanager", "grafana"}
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), (name, port)
+    assert "--host" in services["shim"]["command"] and "0.0.0.0" in services["shim"]["command"]
+    mounts = {v.split(":")[0]: v.split(":")[1] for s in services.values() for v in s.get("volumes", [])}
+    assert mounts["./alerts/rules"] == "/etc/prometheus/rules"
+    assert mounts["./dashboards/json"] == config.GRAFANA_DASHBOARD_DIR
+    prometheus = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
+    assert prometheus["rule_files"] == [f"/etc/prometheus/rules/{deploy.RULES_GLOB}"]
+    for path in mounts:
+        if path.startswith("./"):
+            assert (REPO / path).exists(), path
+
+
+def test_dockerfiles_run_as_non_root_and_pin_torch_like_pyproject() -> None:
+    serve = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serve"]
+    (torch_pin,) = [d for d in serve if d.startswith("torch")]
+    for name in ("shim.Dockerfile", "exporter.Dockerfile"):
+        text = (REPO / "deploy" / name).read_text()
+        users = re.findall(r"^USER (\S+)", text, re.M)
+        assert users and users[-1] not in ("root", "0"), name
+    shim = (REPO / "deploy" / "shim.Dockerfile").read_text()
+    assert f"ARG TORCH_VERSION={torch_pin.split('==')[1]}" in shim
+    assert "[serve]" not in (REPO / "deploy" / "exporter.Dockerfile").read_text()
+
+
+def test_rendered_stack_pages_on_a_down_target(tmp_path: Path, reference_profiles,
+                                               alertmanager_binary: str) -> None:
+    """Real Prometheus + Alertmanager from render_stack: the shim target answers nothing, so
+    LayerwatchTargetDown fires (for: 2m scaled to 1.2s) and reaches the pager webhook."""
+    prometheus_binary = require_binary("prometheus")
+    hooks = Webhooks()
+    am_port, prom_port, dead_port = free_port(), free_port(), free_port()
+    stack = deploy.render_stack(
+        tmp_path, profiles=reference_profiles, shim_targets=[f"127.0.0.1:{dead_port}"],
+        exporter_targets=[f"127.0.0.1:{am_port}"],  # answers /metrics: an "up" target
+        alertmanager_target=f"127.0.0.1:{am_port}", pager_url=f"{hooks.url}/pager",
+        ticket_url=f"{hooks.url}/ticket", scrape_interval=0.5, evaluation_interval=0.5,
+        time_scale=0.01)
+    processes = [
+        subprocess.Popen([alertmanager_binary, f"--config.file={stack.alertmanager_config}",
+                          f"--storage.path={tmp_path / 'am'}", f"--web.listen-address=127.0.0.1:{am_port}",
+                          "--cluster.listen-address="], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        subprocess.Popen([prometheus_binary, f"--config.file={stack.prometheus_config}",
+                          f"--storage.tsdb.path={tmp_path / 'prom'}",
+                          f"--web.listen-address=127.0.0.1:{prom_port}"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+    ]
+    try:
+        paged = wait_for(lambda: hooks.names("/pager"), timeout=30)
+        assert paged == {("LayerwatchTargetDown", f"127.0.0.1:{dead_port}", "critical")}, hooks.received
+        page = hooks.received["/pager"][0]
+        assert page["labels"]["job"] == config.SHIM_JOB
+        assert page["annotations"]["runbook_url"].endswith("#layerwatchtargetdown")
+        assert hooks.received["/ticket"] == []
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=10)
+        hooks.server.shutdown()

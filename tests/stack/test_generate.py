@@ -1,0 +1,120 @@
+"""`layerwatch generate [--check]` and the metric-name check that guards every generated query."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from layerwatch import catalog, generate
+from layerwatch.promql import UnknownMetricError, check_queries, known_series, metric_names
+
+from .conftest import REPO
+
+
+def layerwatch(*args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "layerwatch.cli", "generate", *map(str, args)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+
+
+@pytest.fixture()
+def tree(tmp_path: Path) -> Path:
+    """A repository root holding only the profiles: what generation reads."""
+    shutil.copytree(REPO / "alerts" / "profiles", tmp_path / "alerts" / "profiles")
+    return tmp_path
+
+
+def test_committed_files_are_up_to_date() -> None:
+    result = layerwatch("--check")
+    assert result.returncode == 0, result.stderr
+
+
+def test_generate_writes_everything_then_check_passes(tree: Path) -> None:
+    assert layerwatch("--root", tree, "--check").returncode == 1  # nothing written yet
+    result = layerwatch("--root", tree)
+    assert result.returncode == 0, result.stderr
+    for path in generate.generated_files(tree):
+        assert (tree / path).is_file(), path
+    assert layerwatch("--root", tree, "--check").returncode == 0
+    assert layerwatch("--root", tree).stdout == ""  # nothing changed: nothing rewritten
+
+
+def test_check_names_each_stale_and_leftover_file(tree: Path) -> None:
+    layerwatch("--root", tree)
+    (tree / generate.DASHBOARD_PATH).write_text("{}\n")
+    (tree / "alerts" / "rules" / "old.rules.yaml").write_text("groups: []\n")
+    result = layerwatch("--root", tree, "--check")
+    assert result.returncode == 1
+    assert f"stale: {generate.DASHBOARD_PATH}" in result.stderr
+    assert "alerts/rules/old.rules.yaml (not generated any more" in result.stderr
+    assert generate.RULES_PATH not in result.stderr
+
+
+def test_a_profile_change_makes_the_rules_stale(tree: Path) -> None:
+    layerwatch("--root", tree)
+    profile = tree / "alerts" / "profiles" / "reference.yaml"
+    profile.write_text(profile.read_text().replace("runaway_skip_ratio: 0.85", "runaway_skip_ratio: 0.9"))
+    result = layerwatch("--root", tree, "--check")
+    assert result.returncode == 1 and f"stale: {generate.RULES_PATH}" in result.stderr
+
+
+def test_broken_profile_fails_with_a_clear_message(tree: Path) -> None:
+    profile = tree / "alerts" / "profiles" / "reference.yaml"
+    profile.write_text(profile.read_text().replace("threshold: 0.18", "threshold: 18"))
+    result = layerwatch("--root", tree)
+    assert result.returncode == 2
+    assert "reference.yaml: threshold: 18.0 is outside [0, 1]" in result.stderr
+    assert not (tree / generate.RULES_PATH).exists()
+
+
+def test_generate_never_imports_torch() -> None:
+    code = ("import sys; from layerwatch.cli import main; rc = main(['generate', '--check']); "
+            "assert 'torch' not in sys.modules and 'inference_shim' not in sys.modules; sys.exit(rc)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+# --- the metric-name check -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("expr, names", [
+    ('sum by (job) (up{job="x"}) > 0', {"up"}),
+    ('histogram_quantile(0.95, sum by (le) (rate(a_bucket{model_name=~"$model"}[$__rate_interval])))',
+     {"a_bucket"}),
+    ('avg by (layer) (label_replace(x:y:z{a="b"}, "layer", "0$1", "layer", "([0-9])"))', {"x:y:z"}),
+    ("a / on (job, instance) group_right b * 1e3", {"a", "b"}),
+    ("sum(rate(x[5m])) by (le) and bool y unless z offset 1h", {"x", "y", "z"}),
+    ("stddev_over_time(m[10m:1m]) > 0.18 or vector(1)", {"m"}),
+    ("count(x) without (a, b)", {"x"}),
+])
+def test_metric_names(expr: str, names: set[str]) -> None:
+    assert metric_names(expr) == names
+
+
+def test_check_catches_a_bogus_metric() -> None:
+    known = known_series(set())
+    check_queries([("fine", "rate(layerwatch_fallbacks_total[5m])")], known)
+    with pytest.raises(UnknownMetricError, match="panel X: layerwatch_fallback_total"):
+        check_queries([("panel X", "rate(layerwatch_fallback_total[5m])")], known)
+
+
+def test_generation_fails_when_a_panel_reads_an_undefined_metric(monkeypatch, tree: Path) -> None:
+    """Drop a metric from the catalog: the dashboard panels that read it must stop generation."""
+    real = catalog.all_series_names
+    monkeypatch.setattr(catalog, "all_series_names",
+                        lambda: real() - {"layerwatch_time_to_first_token_seconds_bucket"})
+    with pytest.raises(UnknownMetricError) as err:
+        generate.generated_files(tree)
+    assert "dashboard panel 'Time to first token'" in str(err.value)
+    assert "layerwatch_time_to_first_token_seconds_bucket" in str(err.value)
+
+
+def test_generation_fails_when_a_rule_reads_an_undefined_metric(monkeypatch, tree: Path) -> None:
+    real = catalog.all_series_names
+    monkeypatch.setattr(catalog, "all_series_names",
+                        lambda: real() - {"layerwatch_entropy_dip"})
+    with pytest.raises(UnknownMetricError, match=r"rule LayerwatchEntropySinglePeak \(annotation\)"):
+        generate.generated_files(tree)

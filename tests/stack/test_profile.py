@@ -1,0 +1,123 @@
+"""Profiles: the reference numbers load, round-trip through dump_profile, and bad files fail clearly."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from alerts.durations import format_duration, parse_duration
+from alerts.profile import ProfileError, dump_profile, load_profile, load_profiles
+
+from .conftest import REPO
+
+REFERENCE = REPO / "alerts" / "profiles" / "reference.yaml"
+
+
+def reference_data() -> dict:
+    return yaml.safe_load(REFERENCE.read_text())
+
+
+def write(tmp_path: Path, data: dict, name: str = "model.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_reference_profile_carries_the_field_numbers() -> None:
+    p = load_profile(REFERENCE)
+    assert (p.threshold, p.patience) == (0.18, 3)
+    assert (p.entropy_mean.low, p.entropy_mean.high) == (0.25, 0.35)
+    assert (p.entropy_std.low, p.entropy_std.high) == (0.08, 0.12)
+    assert (p.zero_ratio.low, p.zero_ratio.high, p.zero_ratio_page) == (0.15, 0.25, 0.40)
+    assert p.runaway_skip_ratio == 0.85
+    assert (p.drift.limit, p.drift.window, p.for_duration("LayerwatchEntropyDrift")) == (0.18, 600, 300)
+
+
+def test_dump_then_load_gives_the_same_profile(tmp_path: Path) -> None:
+    original = load_profile(REFERENCE)
+    path = tmp_path / "again.yaml"
+    dump_profile(original, path)
+    assert load_profile(path) == original
+
+
+def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
+    data = {k: v for k, v in reference_data().items()
+            if k in ("model_name", "threshold", "patience", "entropy_mean", "entropy_std",
+                     "zero_ratio", "skip_ratio_normal", "bimodality")}
+    p = load_profile(write(tmp_path, data))
+    assert p.runaway_skip_ratio == 0.85 and p.zero_ratio_page == 0.40
+    assert p.for_duration("LayerwatchEntropySinglePeak") == 600
+
+
+@pytest.mark.parametrize("change, field, problem", [
+    ({"entropy_mean": {"low": 0.4, "high": 0.3}}, "entropy_mean", "above high"),
+    ({"threshold": 1.5}, "threshold", "outside [0, 1]"),
+    ({"zero_ratio": {"low": -0.1, "high": 0.2}}, "zero_ratio: low", "outside [0, 1]"),
+    ({"patience": "three"}, "patience", "expected an integer"),
+    ({"patience": 2.5}, "patience", "expected an integer"),
+    ({"threshold": True}, "threshold", "expected a number"),
+    ({"entropy_std": [0.08, 0.12]}, "entropy_std", "expected a mapping"),
+    ({"treshold": 0.18}, "unknown key(s) ['treshold']", "known:"),
+    ({"drift": {"limit": 0.18, "window": "ten minutes"}}, "drift: window", "not a duration"),
+    ({"for": {"LayerwatchNoSuchAlert": "5m"}}, "for", "unknown alert"),
+    ({"for": {"LayerwatchEntropyDrift": 300}}, "for.LayerwatchEntropyDrift", "expected a duration"),
+    ({"zero_ratio_page": 0.2}, "zero_ratio_page", "below the healthy band"),
+    ({"runaway_skip_ratio": 0.1}, "runaway_skip_ratio", "not above skip_ratio_normal"),
+    ({"skip_surge_factor": 1.0}, "skip_surge_factor", "must be above 1"),
+    ({"model_name": 'demo"} or vector(1)'}, "model_name", "must match"),
+    ({"bimodality": {"min_observations": 0}}, "bimodality.min_observations", "at least 1"),
+])
+def test_broken_profile_names_file_and_field(tmp_path: Path, change: dict, field: str,
+                                             problem: str) -> None:
+    path = write(tmp_path, {**reference_data(), **change})
+    with pytest.raises(ProfileError) as err:
+        load_profile(path)
+    message = str(err.value)
+    assert str(path) in message and field in message and problem in message, message
+
+
+def test_missing_required_field(tmp_path: Path) -> None:
+    data = reference_data()
+    del data["entropy_mean"]
+    with pytest.raises(ProfileError, match="entropy_mean: missing"):
+        load_profile(write(tmp_path, data))
+
+
+def test_not_yaml_or_not_a_mapping(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model_name: [unclosed\n")
+    with pytest.raises(ProfileError, match="cannot read profile"):
+        load_profile(bad)
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ProfileError, match="expected a mapping"):
+        load_profile(bad)
+
+
+def test_two_profiles_for_one_model_are_refused(tmp_path: Path) -> None:
+    write(tmp_path, reference_data(), "a.yaml")
+    write(tmp_path, reference_data(), "b.yaml")
+    with pytest.raises(ProfileError, match="more than one profile"):
+        load_profiles(tmp_path)
+
+
+def test_dump_refuses_an_inconsistent_profile(tmp_path: Path) -> None:
+    broken = dataclasses.replace(load_profile(REFERENCE), zero_ratio_page=0.1)
+    with pytest.raises(ProfileError, match="zero_ratio_page"):
+        dump_profile(broken, tmp_path / "x.yaml")
+    assert not (tmp_path / "x.yaml").exists()
+
+
+@pytest.mark.parametrize("text, seconds", [("30s", 30), ("5m", 300), ("1h30m", 5400),
+                                           ("500ms", 0.5), ("1d", 86400)])
+def test_durations_parse_and_format_back(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+    assert parse_duration(format_duration(seconds)) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "5", "m", "5 m", "1.5h", "-5m", "5m1h"])
+def test_bad_durations_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(text)
