@@ -1,14 +1,16 @@
 """`layerwatch calibrate`: measure a healthy baseline run and write the model's profile YAML.
 
-The baseline is held-out text decoded with the real skip semantics (the same teacher-forced
-decoding as `layerwatch eval`), at the gates' threshold. See inference_shim/calibration.py for how
-the bands are derived; alerts/profile.py defines the file.
+The baseline is served traffic in miniature: prompts cut from the beginnings of the text's verses
+(lines), completed by the real GenerationEngine with the service's sampling settings, so every
+skip decision follows the real decode semantics (patience, protected layers, fallback, KV policy).
+inference_shim/calibration.py derives the bands; alerts/profile.py defines the file.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import random
 import sys
 from pathlib import Path
 
@@ -18,11 +20,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from inference_shim.demo import DEMO_MODEL_NAME
 
     add_model_arguments(parser)
+    parser.add_argument("--data", type=Path, required=True,
+                        help="held-out plain UTF-8 text; prompts are the first words of its lines")
     parser.add_argument("--out", type=Path, required=True, help="profile YAML to write")
     parser.add_argument("--model-name", default=DEMO_MODEL_NAME,
                         help="the model_name the service reports and the alerts select on")
     parser.add_argument("--threshold", type=float, default=None,
                         help="tau (default: the threshold the gates were trained for)")
+    parser.add_argument("--prompts", type=int, default=128, help="requests in the baseline")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chunk-tokens", type=int, default=512,
                         help="decoded tokens per chunk when measuring how much window statistics vary")
     parser.add_argument("--margin", type=float, default=0.03, help="added on both sides of each measured band")
@@ -33,31 +42,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from alerts.profile import ProfileError, dump_profile
     from inference_shim.calibration import Baseline, ascii_histogram, build_profile
-    from inference_shim.cli_eval import setup_or_exit
+    from inference_shim.cli_eval import load_gated_model, report_errors
+    from inference_shim.corpus import read_documents
     from inference_shim.skip_policy import SkipPolicyConfig
 
-    setup = setup_or_exit(args)
-    if setup is None:
+    def prepare():
+        gated = load_gated_model(args)
+        prompts = line_prompts(read_documents(args.data), args.prompts, random.Random(args.seed))
+        return gated, prompts
+
+    prepared = report_errors(prepare)
+    if prepared is None:
         return 2
-    threshold = args.threshold if args.threshold is not None else setup.gates.metadata.threshold
+    gated, prompts = prepared
+    threshold = args.threshold if args.threshold is not None else gated.gates.metadata.threshold
+    policy = SkipPolicyConfig(threshold=threshold, patience=gated.patience)
     baseline = Baseline()
-    totals = setup.decode(threshold, on_step=baseline.record)
+    fallbacks = generate_baseline(gated, policy, prompts, args, baseline)
     entropies, skipped = baseline.arrays()
     today = datetime.date.today().isoformat()
-    source = (f"layerwatch calibrate {today}: {totals.tokens} decoded tokens of {args.data.name}, threshold "
-              f"{threshold:g}, gates sha256 {setup.gates.sha256[:12]}, kv policy {args.kv_policy}")
+    source = (f"layerwatch calibrate {today}: {len(prompts)} prompts from {args.data.name}, {len(entropies)} "
+              f"decoded tokens (temperature {args.temperature:g}, top_p {args.top_p:g}), threshold {threshold:g}, "
+              f"gates sha256 {gated.gates.sha256[:12]}, kv policy {args.kv_policy}")
     try:
         profile, stats = build_profile(
-            args.model_name, threshold, setup.patience, SkipPolicyConfig().fallback_skip_fraction,
-            entropies, skipped, chunk_tokens=args.chunk_tokens, margin=args.margin,
-            min_observations=args.min_observations, source=source)
+            args.model_name, threshold, gated.patience, policy.fallback_skip_fraction, entropies, skipped,
+            chunk_tokens=args.chunk_tokens, margin=args.margin, min_observations=args.min_observations,
+            source=source)
         dump_profile(profile, args.out)
     except (ValueError, ProfileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     b = stats.bimodality
-    print(f"baseline: {totals.tokens} decoded tokens, {stats.observations} gate entropies, "
-          f"perplexity {totals.perplexity:.3f}, skipped {stats.skip_ratio:.1%}, fallbacks {totals.fallbacks}")
+    print(f"baseline: {len(prompts)} requests, {len(entropies)} decoded tokens, {stats.observations} gate "
+          f"entropies, skipped {stats.skip_ratio:.1%}, fallbacks {fallbacks}")
     print(f"active-layer entropy mean {stats.active_mean:.4f} std {stats.active_std:.4f}; "
           f"zero-entropy ratio {stats.zero_ratio:.4f}")
     print(f"bimodality: {'bimodal' if b.bimodal else 'NOT bimodal'} (peaks {b.peaks}, dip {b.dip:.4f}, "
@@ -66,3 +84,35 @@ def run(args: argparse.Namespace) -> int:
     print(ascii_histogram(stats.histogram))
     print(f"wrote {args.out}")
     return 0
+
+
+def line_prompts(documents: list[str], count: int, rng: random.Random) -> list[str]:
+    """`count` prompts: the first 2-6 words of randomly chosen lines (verses) of the text."""
+    lines = [line.split() for document in documents for line in document.splitlines()]
+    lines = [words for words in lines if len(words) >= 3]
+    if not lines:
+        raise ValueError("the text has no line of three words or more to cut prompts from")
+    return [" ".join(words[:rng.randint(2, min(6, len(words) - 1))]) for words in rng.choices(lines, k=count)]
+
+
+def generate_baseline(gated, policy, prompts: list[str], args: argparse.Namespace, baseline) -> int:
+    """Complete every prompt with the GenerationEngine, recording each decode step; returns fallbacks."""
+    from inference_shim.generate import GenerationEngine, SamplingParams
+
+    fallbacks = 0
+
+    def record(step) -> None:
+        nonlocal fallbacks
+        baseline.record(step)
+        fallbacks += int(step.fallback_started.sum())
+
+    gated.model.attach_gates(gated.gates.gates)
+    tokenizer = gated.loaded.tokenizer
+    engine = GenerationEngine(gated.model, tokenizer, model_name=args.model_name, policy=policy,
+                              kv_policy=args.kv_policy, max_batch_size=args.batch_size, step_hook=record)
+    for i, prompt in enumerate(prompts):
+        engine.submit(tokenizer.encode(prompt), SamplingParams(
+            max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed + i))
+    while engine.has_work():
+        engine.step()
+    return fallbacks

@@ -97,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
     from inference_shim.service.shim import ServeSettings, ShimService
 
     model_dir = args.model or DEMO_MODEL_DIR
+    if args.model is None and not (DEMO_MODEL_DIR / "config.json").is_file():
+        log.error("cannot start: the demo model is not in %s; build it with `layerwatch train-demo` or pass "
+                  "--model DIR", DEMO_MODEL_DIR)
+        return 2
     settings = ServeSettings(
         model_dir=model_dir, gates_path=args.gates,
         model_name=args.model_name or (DEMO_MODEL_NAME if args.model is None else None),

@@ -16,7 +16,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from inference_shim.corpus import CorpusError, read_documents, split_chapters, split_heldout, read_bible, write_corpus
+from inference_shim.corpus import CorpusError, read_bible, read_documents, split_chapters, split_heldout, write_corpus
 
 DEFAULT_WORKDIR = Path("runs/demo")
 
@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
                         help="corpus, tokenizer and resumable training state (default: runs/demo)")
     parser.add_argument("--out", type=Path, default=DEMO_MODEL_DIR, help="the exported model folder")
-    parser.add_argument("--steps", type=int, default=5000, help="optimiser steps")
+    parser.add_argument("--steps", type=int, default=2500,
+                        help="optimiser steps (may change when resuming: the schedule's horizon moves)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
@@ -40,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch CPU threads (0: torch's default; on a busy shared CPU 1 is often fastest)")
     parser.add_argument("--checkpoint-every", type=float, default=180.0, help="seconds between state saves")
     parser.add_argument("--export-only", action="store_true",
                         help="export the saved training state as it is (e.g. to stop a run early)")
@@ -52,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from inference_shim import training
     from inference_shim.model import ModelConfig
 
-    torch.set_num_threads(args.threads)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     workdir: Path = args.workdir
     try:
         train_path, heldout_path = _prepare_corpus(workdir)

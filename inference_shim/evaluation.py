@@ -41,11 +41,10 @@ class DecodeTotals:
     tokens: int = 0  # decode steps x rows: predicted tokens
     decode_seconds: float = 0.0
     fallbacks: int = 0
-    skips_per_layer: np.ndarray = field(default=None)  # int [L]
+    skips_per_layer: np.ndarray = field(init=False)  # int [L]: skipped (token, layer) evaluations
 
     def __post_init__(self) -> None:
-        if self.skips_per_layer is None:
-            self.skips_per_layer = np.zeros(self.num_layers, dtype=np.int64)
+        self.skips_per_layer = np.zeros(self.num_layers, dtype=np.int64)
 
     @property
     def perplexity(self) -> float:

@@ -15,8 +15,9 @@ The temperature anneals towards zero so the relaxed skip becomes the hard one; t
 sets the rate; the double well pulls every score towards one of two values on either side of tau
 (`low_score`, `high_score`), which gives the two humps a healthy entropy histogram has, and keeps
 the scores away from tau, where a little noise would flip decisions. The double well's weight
-ramps up from zero, so the gates first find where skipping is cheap and then commit. Protected
-layers are never skipped; their gates are only held at the high score.
+ramps up from zero over the first half of the run, so the gates first find where skipping is
+cheap and then commit. Protected layers are never skipped; their gates are only held at the high
+score.
 """
 
 from __future__ import annotations
@@ -34,16 +35,16 @@ from inference_shim.training import lm_loss, sample_windows
 
 @dataclass(frozen=True)
 class GateSchedule:
-    steps: int = 800
+    steps: int = 400
     batch_size: int = 8
     seq_len: int = 128
     learning_rate: float = 5e-3
     threshold: float = 0.18  # tau the gates are trained for (and stored with)
     patience: int = 3
     protected_layers: tuple[int, ...] = ()
-    target_skip: float = 0.4  # share of (token, skippable layer) pairs to skip
+    target_skip: float = 0.35  # share of (token, skippable layer) pairs to skip
     sparsity_weight: float = 20.0
-    commit_weight: float = 0.5
+    commit_weight: float = 2.0
     low_score: float = 0.10  # the double well's two minima
     high_score: float = 0.30
     sharpness: float = 5.0  # decision logit per unit of gate logit
@@ -56,6 +57,10 @@ class GateSchedule:
         progress = step / max(self.steps - 1, 1)
         return self.start_temperature * (self.end_temperature / self.start_temperature) ** progress
 
+    def commit_weight_at(self, step: int) -> float:
+        """The double well grows in over the first half: gates first learn where to skip, then commit."""
+        return self.commit_weight * min(1.0, 2 * step / max(self.steps, 1))
+
     def learning_rate_at(self, step: int) -> float:
         return self.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max(self.steps, 1))))
 
@@ -64,8 +69,9 @@ def init_gates(num_layers: int, hidden_size: int, schedule: GateSchedule) -> Gat
     """Default Linear init; output bias at tau for skippable layers, so each starts undecided and the
     relaxed skip (a product of `patience` low-score events) has gradient. Protected layers start,
     and stay, at the high score."""
-    torch.manual_seed(schedule.seed)
-    gates = GateBank(num_layers, hidden_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(schedule.seed)
+        gates = GateBank(num_layers, hidden_size)
     with torch.no_grad():
         for layer, gate in enumerate(gates.gates):
             start = schedule.high_score if layer in schedule.protected_layers else schedule.threshold
@@ -155,10 +161,8 @@ def train_gates(model: Transformer, gates: GateBank, stream: torch.Tensor, sched
         logits, _ = model(batch[:, :-1], update_scale=hook)
         language = lm_loss(logits, batch[:, 1:])
         skip = hook.skip_fraction()
-        # The double well grows in over the run: gates first learn where to skip, then commit.
-        commit_weight = schedule.commit_weight * step / max(schedule.steps - 1, 1)
         loss = (language + schedule.sparsity_weight * (skip - schedule.target_skip) ** 2
-                + commit_weight * hook.double_well())
+                + schedule.commit_weight_at(step) * hook.double_well())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

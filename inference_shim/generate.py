@@ -241,7 +241,7 @@ class GenerationEngine:
         entropies = np.full((len(context), self.num_layers), np.nan, dtype=np.float32)
         if context:
             tokens = torch.tensor([context], device=self.device)
-            with torch.no_grad():
+            with torch.inference_mode():
                 _, prompt_entropies = self.model(tokens, cache=self.cache, slot=sequence.slot)
             if prompt_entropies is not None:
                 entropies = prompt_entropies[0].float().cpu().numpy()
@@ -262,18 +262,7 @@ class GenerationEngine:
         # Decided from earlier steps only, before anything runs on the device.
         fallback = self.skip_policy.in_fallback(slots) if gated else np.zeros(len(rows), dtype=bool)
         run_mask = self.skip_policy.run_mask(slots) if gated else np.ones((len(rows), self.num_layers), dtype=bool)
-
-        logits, entropies = self.model.decode_step(
-            torch.as_tensor(fed, device=self.device), self.cache, slots.tolist(),
-            [s.position for s in rows], run_mask if gated else None, self.kv_policy)
-        next_tokens = self._sample(logits, rows)
-        # The step's one device->host transfer: tokens and entropies packed together (float64
-        # holds token ids exactly).
-        if entropies is None:
-            entropies = torch.full((len(rows), self.num_layers), float("nan"), device=self.device)
-        packed = torch.cat([next_tokens[:, None].double(), entropies.double()], dim=1).cpu().numpy()
-        produced = packed[:, 0].astype(np.int64)
-        host_entropies = packed[:, 1:].astype(np.float32)
+        produced, host_entropies = self._run_on_device(rows, fed, run_mask if gated else None)
 
         fallback_started = np.zeros(len(rows), dtype=bool)
         if gated:
@@ -291,6 +280,21 @@ class GenerationEngine:
                 batch_skipped=~run_mask.any(axis=0), fallback=fallback, fallback_started=fallback_started,
                 step_seconds=time.perf_counter() - started))
         return updates
+
+    @torch.inference_mode()  # cheaper per op than no_grad: a small model's step is many small ops
+    def _run_on_device(self, rows: list[_Sequence], fed: np.ndarray,
+                       run_mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """The step's device work -> (next tokens int64 [B], entropies float32 [B, L], NaN without gates)."""
+        logits, entropies = self.model.decode_step(
+            torch.as_tensor(fed, device=self.device), self.cache, [s.slot for s in rows],
+            [s.position for s in rows], run_mask, self.kv_policy)
+        next_tokens = self._sample(logits, rows)
+        if entropies is None:
+            entropies = torch.full((len(rows), self.num_layers), float("nan"), device=self.device)
+        # The step's one device->host transfer: tokens and entropies packed together (float64
+        # holds token ids exactly).
+        packed = torch.cat([next_tokens[:, None].double(), entropies.double()], dim=1).cpu().numpy()
+        return packed[:, 0].astype(np.int64), packed[:, 1:].astype(np.float32)
 
     def _sample(self, logits: torch.Tensor, rows: list[_Sequence]) -> torch.Tensor:
         """Next token per row, on the device: argmax, or a draw from that row's own generator."""
@@ -359,9 +363,9 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
+        # (masked_fill, not boolean indexing: that would wait on the device for the mask's count.)
         outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-        sorted_probs[outside] = 0.0
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(outside, 0.0))
     return torch.multinomial(probs, 1, generator=generator)[0]
 
 

@@ -142,7 +142,7 @@ class KVCache(nn.Module):
     def evict(self, layer: int, slots: torch.Tensor, positions: torch.Tensor) -> None:
         self.valid[layer, slots, positions] = False
 
-    def read(self, layer: int, slots: torch.Tensor, length: int):
+    def read(self, layer: int, slots: torch.Tensor | slice, length: int):
         # -> k, v: [B, Hkv, length, D]; mask: [B, 1, 1, length]
         k = self.k[layer, slots, :, :length]
         v = self.v[layer, slots, :, :length]
@@ -177,13 +177,15 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
 
     def forward_decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                       layer: int, slots: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+                       layer: int, slots: torch.Tensor, positions: torch.Tensor, length: int,
+                       read_slots: torch.Tensor | slice | None = None) -> torch.Tensor:
         # One new token per row. x: [B, d] -> [B, d]
         B = x.shape[0]
         q = apply_rope(self.q_proj(x).view(B, 1, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
         k, v = self.project_kv(x[:, None, :], cos, sin)
         cache.write(layer, slots, positions, k[:, :, 0], v[:, :, 0])
-        keys, values, mask = cache.read(layer, slots, length)
+        # A slice of contiguous slots reads the cache in place; index tensors would copy it.
+        keys, values, mask = cache.read(layer, slots if read_slots is None else read_slots, length)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self._gqa)
         return self.o_proj(out.reshape(B, -1))
 
@@ -222,10 +224,7 @@ class Gate(nn.Module):
 
     def logit(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., d] -> [...]; training uses the logit (e.g. for Gumbel-sigmoid), serving the sigmoid.
-        # F.linear rather than the modules' __call__: this runs per layer per decode step, and on a
-        # small model the call overhead is a visible share of the gate's cost.
-        hidden = F.gelu(F.linear(x, self.fc1.weight, self.fc1.bias))
-        return F.linear(hidden, self.fc2.weight, self.fc2.bias).squeeze(-1)
+        return self.fc2(F.gelu(self.fc1(x))).squeeze(-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.logit(x))
@@ -243,6 +242,32 @@ class GateBank(nn.Module):
 
     def __len__(self) -> int:
         return len(self.gates)
+
+    @torch.no_grad()
+    def scores(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Every layer's entropy in a few batched ops: inputs [L, N, d], layer l's normed input -> [N, L].
+
+        The same function as calling each gate, for inference: a decode step's gates feed only
+        later steps, so the step evaluates them together after its last layer instead of as 4 small
+        ops per layer.
+        """
+        w1, b1, w2, b2 = self._stacked_weights()
+        hidden = F.gelu(torch.baddbmm(b1, inputs, w1))  # [L, N, 16]
+        return torch.sigmoid(torch.baddbmm(b2, hidden, w2)[..., 0]).T
+
+    def _stacked_weights(self) -> tuple[torch.Tensor, ...]:
+        # Stacking 4L small tensors costs more than the gates themselves, so the stacks are kept
+        # until a parameter is replaced, moved (`.to()` swaps its storage) or updated in place
+        # (which bumps its `_version`).
+        key = tuple((id(p), p.data_ptr(), p._version) for p in self.parameters())
+        if getattr(self, "_stack_key", None) != key:
+            gates = self.gates
+            self._stacks = (torch.stack([g.fc1.weight for g in gates]).transpose(1, 2).contiguous(),  # [L, d, 16]
+                            torch.stack([g.fc1.bias for g in gates])[:, None, :],  # [L, 1, 16]
+                            torch.stack([g.fc2.weight for g in gates]).transpose(1, 2).contiguous(),  # [L, 16, 1]
+                            torch.stack([g.fc2.bias for g in gates])[:, None, :])  # [L, 1, 1]
+            self._stack_key = key
+        return self._stacks
 
 
 # --- the transformer ---------------------------------------------------------------------------
@@ -332,12 +357,14 @@ class Transformer(nn.Module):
         length = int(max(positions)) + 1  # keys beyond the longest row are never valid
         h = self.embed_tokens(tokens)  # [B, d]
         cos, sin = self.rope(pos_t[:, None], h.dtype)  # [B, 1, 1, D]
-        gate_logits = []  # sigmoid applied once after the last layer: fewer tiny ops per layer
+        normed_inputs = []  # the gates' inputs, scored together after the last layer
         plan = _RowPlan(run_mask, B, self.config.num_layers, device)
+        first = slots[0]
+        all_slots = slice(first, first + B) if list(slots) == list(range(first, first + B)) else slot_t
         for l, block in enumerate(self.layers):
             x = block.input_layernorm(h)  # [B, d]
             if self.gates is not None:
-                gate_logits.append(self.gates[l].logit(x))
+                normed_inputs.append(x)
             run, skip = plan.rows(l)  # None = all rows / no rows
             if skip is not None:
                 self._skipped_rows_kv(block, l, x, cos, sin, cache, slot_t, pos_t, skip, kv_policy)
@@ -346,7 +373,8 @@ class Transformer(nn.Module):
             hr, xr = (h, x) if run is None else (h[run], x[run])
             cr, sr = (cos, sin) if run is None else (cos[run], sin[run])
             sl, ps = (slot_t, pos_t) if run is None else (slot_t[run], pos_t[run])
-            hr = hr + block.self_attn.forward_decode(xr, cr, sr, cache, l, sl, ps, length)
+            hr = hr + block.self_attn.forward_decode(xr, cr, sr, cache, l, sl, ps, length,
+                                                     read_slots=all_slots if run is None else None)
             hr = hr + block.mlp(block.post_attention_layernorm(hr))
             if run is None:
                 h = hr
@@ -354,7 +382,7 @@ class Transformer(nn.Module):
                 h = h.index_copy(0, run, hr)
             self.layer_rows_executed[l] += B if run is None else int(run.numel())
         logits = self.lm_head(self.norm(h))
-        entropies = torch.sigmoid(torch.stack(gate_logits, dim=-1)).float() if gate_logits else None
+        entropies = self.gates.scores(torch.stack(normed_inputs)).float() if normed_inputs else None
         return logits, entropies
 
     def _skipped_rows_kv(self, block: Block, layer: int, x, cos, sin, cache: KVCache,

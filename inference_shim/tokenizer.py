@@ -1,7 +1,7 @@
 """The checkpoint's tokenizer: `tokenizer.json` (Hugging Face `tokenizers`) plus `tokenizer_config.json`.
 
-`tokenizer_config.json` is optional; from it we read the BOS/EOS tokens and a Jinja `chat_template`.
-A checkpoint without a chat template gets the plain template below (documented in docs/model.md):
+`tokenizer_config.json` is optional; from it we read the BOS/EOS tokens and a Jinja `chat_template`
+(rendered with jinja2). A checkpoint without one gets the plain template (docs/model.md):
 
     system: You are terse.
     user: Hello
@@ -19,12 +19,12 @@ from typing import Iterable, Mapping, Sequence
 
 import tokenizers
 
-# Rendered when the checkpoint has no chat_template: one "role: content" line per message, then
-# the assistant's turn is opened. Roles are the OpenAI ones (system, user, assistant, ...).
-PLAIN_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
+
+def plain_chat_prompt(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    """The template for checkpoints without one: a "role: content" line per message (OpenAI roles),
+    then the assistant's turn opened. Plain Python, so the default path needs no Jinja."""
+    lines = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    return lines + ("assistant:" if add_generation_prompt else "")
 
 
 class TokenizerError(ValueError):
@@ -43,7 +43,7 @@ class Tokenizer:
         self.eos_tokens = tuple(eos_tokens)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))  # ordered, no duplicates
         self.chat_template = chat_template
-        self._template = None  # compiled lazily: most callers never render a chat
+        self._template = None  # compiled lazily (needs jinja2): most callers never render a chat
 
     @classmethod
     def from_files(cls, tokenizer_json: Path, tokenizer_config_json: Path | None = None,
@@ -91,8 +91,10 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
         """Render OpenAI-style messages [{"role": ..., "content": ...}] into the prompt text."""
+        if self.chat_template is None:
+            return plain_chat_prompt(messages, add_generation_prompt)
         if self._template is None:
-            self._template = _compile_template(self.chat_template or PLAIN_CHAT_TEMPLATE)
+            self._template = _compile_template(self.chat_template)
         return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "",
                                      eos_token=self.eos_tokens[0] if self.eos_tokens else "")

@@ -22,8 +22,9 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from jinja2.exceptions import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from inference_shim.generate import SamplingParams
 from inference_shim.service.generation import ACTIVITY_HEADER, Generation, Prepared, run_to_end, stream_events
@@ -103,13 +104,19 @@ async def _generate(service: ShimService, request: Request, kind: str) -> Respon
     except APIError as err:
         service.request_metrics.finish(FinishedRequest("client_error" if err.status < 500 else "server_error"))
         raise
+    except ClientDisconnect:  # gone before its body was read: nothing to answer
+        service.request_metrics.finish(FinishedRequest("cancelled"))
+        return Response(status_code=499)
     log.info("%s: %s, %d prompt tokens, max_tokens=%d, stream=%s", prepared.request_id, kind,
              len(prepared.prompt_ids), prepared.params.max_tokens, prepared.stream)
     generation = Generation(service, prepared, arrived)
     generation.start()
     if prepared.stream:
+        async def settle() -> None:  # runs however the stream ended, even before its first event
+            generation.abandon()
+
         return StreamingResponse(stream_events(generation), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"})
+                                 headers={"cache-control": "no-cache"}, background=BackgroundTask(settle))
     text = await run_to_end(generation, request)
     headers = {ACTIVITY_HEADER: generation.activity_json()} if prepared.debug else None
     return JSONResponse(generation.response(text), headers=headers)

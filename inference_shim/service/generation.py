@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from starlette.requests import Request
 
@@ -25,6 +25,9 @@ from inference_shim.generate import SamplingParams, SequenceUpdate
 from inference_shim.service.metrics import FinishedRequest
 from inference_shim.service.scheduler import EngineFailure, RequestHandle
 from inference_shim.service.schemas import APIError, server_error
+
+if TYPE_CHECKING:
+    from inference_shim.service.shim import ShimService
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ class Prepared:
 class Generation:
     _draining: set[asyncio.Task] = set()  # background tasks of abandoned streams (kept referenced)
 
-    def __init__(self, service, prepared: Prepared, arrived: float) -> None:
+    def __init__(self, service: ShimService, prepared: Prepared, arrived: float) -> None:
         self.service = service
         self.prepared = prepared
         self.arrived = arrived
@@ -62,6 +65,7 @@ class Generation:
         self.gaps: list[float] = []
         self.final: SequenceUpdate | None = None
         self.recorded = False
+        self.abandoned = False
 
     def start(self) -> None:
         self.service.worker.submit(self.handle)
@@ -90,9 +94,13 @@ class Generation:
             self.service.worker.cancel(self.handle)
 
     def abandon(self) -> None:
-        """The client is gone: cancel, and count the request once the engine has stopped it."""
-        if self.recorded:
+        """The client is gone: cancel, and count the request once the engine has stopped it.
+
+        A no-op for a request already counted, so it is safe to call however a response ended.
+        """
+        if self.recorded or self.abandoned:
             return
+        self.abandoned = True
         self.cancel()
         task = asyncio.get_running_loop().create_task(self._drain())
         self._draining.add(task)
@@ -109,10 +117,12 @@ class Generation:
         if self.recorded:
             return
         self.recorded = True
-        log.info("%s: %s, %d prompt + %d completion tokens", self.prepared.request_id, status,
-                 len(self.prepared.prompt_ids), self.completion_tokens)
+        # A prompt the engine refused was never prefilled.
+        prompt_tokens = 0 if status == "client_error" else len(self.prepared.prompt_ids)
+        log.info("%s: %s, %d prompt + %d completion tokens", self.prepared.request_id, status, prompt_tokens,
+                 self.completion_tokens)
         self.service.request_metrics.finish(FinishedRequest(
-            status=status, prompt_tokens=len(self.prepared.prompt_ids), completion_tokens=self.completion_tokens,
+            status=status, prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens,
             time_to_first_token=None if self.first_token_at is None else self.first_token_at - self.arrived,
             inter_token_latencies=self.gaps, duration=time.monotonic() - self.arrived))
 
@@ -181,7 +191,8 @@ async def stream_events(generation: Generation) -> AsyncIterator[str]:
 
     With `stream_options.include_usage` a last chunk carries `usage`; with the debug header a
     final `layerwatch.layer_activity` event carries the per-token layer activity. If the client
-    disconnects, Starlette cancels this generator and the generation is abandoned.
+    disconnects, Starlette cancels the stream (possibly before this generator has started), and the
+    response's background task abandons the generation.
     """
     p = generation.prepared
     try:
@@ -199,7 +210,7 @@ async def stream_events(generation: Generation) -> AsyncIterator[str]:
     except APIError as err:
         yield _sse(err.body())
     finally:
-        generation.abandon()  # a no-op once the generation was counted
+        generation.abandon()  # servers that raise on a disconnected send skip the background task
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -1,8 +1,9 @@
 """The shim's /metrics: every SHIM metric of layerwatch/catalog.py, in an injected registry.
 
 Two update paths, chosen so that the decode loop does no label lookups or string formatting:
-  - per decode step, `DecodeStats.observe` adds the step's per-layer counts to numpy arrays under
-    one lock; `DecodeStatsCollector` turns them into samples only when /metrics is scraped;
+  - per decode step, `DecodeStats.observe` queues the step's skip masks; they are summed into
+    per-layer numpy totals in bulk, and `DecodeStatsCollector` turns those into samples only when
+    /metrics is scraped;
   - per finished request, `RequestMetrics.finish` updates counters and latency histograms whose
     children were bound once at start-up, from the same numbers the client got in `usage`.
 Names, help texts and label names come from the catalog; no metric name is spelled here.
@@ -58,40 +59,52 @@ def histogram_family(name: str) -> HistogramMetricFamily:
 
 
 class DecodeStats:
-    """Per-layer decode counters since start, updated once per decode step with vectorised adds.
+    """Per-layer decode counters since start, exact, at almost no cost per decode step.
 
-    Counted per decoded token (row of a step): every layer's gate is evaluated once, so the
-    evaluations of every layer equal `rows`; `skips[l]` counts rows that did not run layer l.
+    `observe` (engine thread, once per step) only queues the step's arrays; they are folded into
+    the totals with a few vectorised operations over many steps at once, when a scrape asks for a
+    snapshot or every FOLD_STEPS steps. Counted per decoded token (row of a step): every layer's
+    gate is evaluated once, so every layer's evaluations equal `rows`; `skips[l]` counts rows that
+    did not run layer l.
     """
+
+    FOLD_STEPS = 256  # bounds the queue when nobody scrapes
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
         self._lock = threading.Lock()
-        self.rows = 0  # decoded tokens
-        self.steps = 0  # decode steps (one per batch)
-        self.skips = np.zeros(num_layers, dtype=np.int64)
-        self.batch_skips = np.zeros(num_layers, dtype=np.int64)
-        self.executed_counts = np.zeros(num_layers + 1, dtype=np.int64)  # histogram over 0..L layers
-        self.executed_sum = 0
-        self.fallbacks = 0
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._totals = DecodeStatsSnapshot(
+            rows=0, steps=0, skips=np.zeros(num_layers, dtype=np.int64),
+            batch_skips=np.zeros(num_layers, dtype=np.int64),
+            executed_counts=np.zeros(num_layers + 1, dtype=np.int64), executed_sum=0, fallbacks=0)
 
     def observe(self, skipped: np.ndarray, batch_skipped: np.ndarray, fallback_started: np.ndarray) -> None:
-        """skipped bool [B, L]; batch_skipped bool [L]; fallback_started bool [B]."""
-        executed = self.num_layers - skipped.sum(axis=1)
-        executed_counts = np.bincount(executed, minlength=self.num_layers + 1)
+        """skipped bool [B, L]; batch_skipped bool [L]; fallback_started bool [B]. Not modified later."""
         with self._lock:
-            self.rows += skipped.shape[0]
-            self.steps += 1
-            self.skips += skipped.sum(axis=0)
-            self.batch_skips += batch_skipped
-            self.executed_counts += executed_counts
-            self.executed_sum += int(executed.sum())
-            self.fallbacks += int(fallback_started.sum())
+            self._pending.append((skipped, batch_skipped, fallback_started))
+            if len(self._pending) >= self.FOLD_STEPS:
+                self._fold()
 
     def snapshot(self) -> "DecodeStatsSnapshot":
         with self._lock:
-            return DecodeStatsSnapshot(self.rows, self.steps, self.skips.copy(), self.batch_skips.copy(),
-                                       self.executed_counts.copy(), self.executed_sum, self.fallbacks)
+            self._fold()
+            return self._totals
+
+    def _fold(self) -> None:
+        if not self._pending:
+            return
+        skipped = np.concatenate([p[0] for p in self._pending])
+        batch_skipped = np.stack([p[1] for p in self._pending])
+        fallbacks = sum(int(p[2].sum()) for p in self._pending)
+        executed = self.num_layers - skipped.sum(axis=1)
+        t = self._totals
+        self._totals = DecodeStatsSnapshot(
+            rows=t.rows + len(skipped), steps=t.steps + len(self._pending), skips=t.skips + skipped.sum(axis=0),
+            batch_skips=t.batch_skips + batch_skipped.sum(axis=0),
+            executed_counts=t.executed_counts + np.bincount(executed, minlength=self.num_layers + 1),
+            executed_sum=t.executed_sum + int(executed.sum()), fallbacks=t.fallbacks + fallbacks)
+        self._pending = []
 
 
 @dataclass(frozen=True)

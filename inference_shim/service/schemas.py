@@ -73,9 +73,18 @@ def parse_request(model: type[BaseModel], data: Any) -> BaseModel:
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
+        param = _param(first["loc"])
         raise APIError(400, f"Invalid request: {param}: {first['msg']}" if param else first["msg"],
                        param=param, code="invalid_value") from None
+
+
+def _param(loc: tuple[str | int, ...]) -> str | None:
+    """The field path of a validation error, without pydantic's union-member tags ("str", "list[str]")."""
+    parts = [str(p) for p in loc if isinstance(p, int) or ("[" not in p and p not in _TYPE_TAGS)]
+    return ".".join(parts) or None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "literal", "TextPart"}
 
 
 # --- request models ----------------------------------------------------------------------------------
@@ -93,8 +102,12 @@ def _encodable(text: str) -> str:
 Text = Annotated[str, AfterValidator(_encodable)]
 
 
+# Strict: "5" is not a number and "yes" not a boolean. Unknown fields are ignored.
+STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     include_usage: bool = False
 
 
@@ -102,7 +115,7 @@ class SamplingFields(BaseModel):
     """What completions and chat share. Unknown fields are ignored (as many OpenAI-compatible
     servers do), but fields whose other values would change the result are checked."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: Text
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -148,12 +161,13 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
     type: Literal["text"]
     text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart]
 

@@ -77,12 +77,15 @@ def resolve_limits(settings: ServeSettings, context: int) -> Limits:
     cap, prompt = settings.max_tokens_cap, settings.max_prompt_tokens
     if any(v is not None and v < 1 for v in (cap, prompt)) or settings.max_body_bytes < 1:
         raise ValueError("--max-tokens-cap, --max-prompt-tokens and --max-body-bytes must be positive")
+    for flag, value in (("--max-tokens-cap", cap), ("--max-prompt-tokens", prompt)):
+        if value is not None and value >= context:
+            raise ValueError(f"{flag} {value} does not fit the model's {context}-token context")
     if cap is None:
         cap = min(DEFAULT_MAX_TOKENS_CAP, context // 2 if prompt is None else context - prompt)
     if prompt is None:
         prompt = min(DEFAULT_MAX_PROMPT_TOKENS, context - cap)
-    if cap < 1 or prompt < 1 or prompt + cap > context:
-        raise ValueError(f"--max-prompt-tokens {prompt} + --max-tokens-cap {cap} do not fit the model's "
+    if prompt + cap > context:
+        raise ValueError(f"--max-prompt-tokens {prompt} + --max-tokens-cap {cap} exceed the model's "
                          f"{context}-token context")
     return Limits(prompt, cap, settings.max_body_bytes)
 
@@ -103,6 +106,8 @@ class ShimService:
             patience=gates.metadata.patience if settings.patience is None else settings.patience,
             protected_layers=settings.protected_layers)
         self.policy.protected(config.num_layers)  # refuse out-of-range protected layers at start-up
+        if settings.max_batch_size < 1:
+            raise ValueError(f"--max-batch-size must be >= 1, got {settings.max_batch_size}")
         self.kv_policy = settings.kv_policy
         self.max_batch_size = settings.max_batch_size
 
@@ -125,7 +130,7 @@ class ShimService:
         shadow = (ShadowChecker(model, shadow_metrics, settings.shadow_rate)
                   if settings.shadow_rate > 0 else None)
         telemetry = StepTelemetry(self.model_name, self.decode_stats, self.sender, self.trace)
-        probe_prompt = self.tokenizer.encode(PROBE_TEXT) or [0]
+        probe_prompt = self.tokenizer.encode(PROBE_TEXT)
         self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow)
         self.readiness = Readiness(self.worker)
 

@@ -1,8 +1,9 @@
 """What the decode loop emits per step: metric counts, a gate frame to the exporter, trace lines.
 
 `StepTelemetry` is the engine's step hook. It runs in the engine thread between two decode steps,
-so it does only vectorised numpy work, one `encode_frame` and one non-blocking `sendto`; it never
-blocks and never raises into the decode loop (a failed send is a counter, not an exception).
+so it does only a few microseconds of work: it queues the step's masks for the metric totals,
+encodes one frame and does one non-blocking send. It never blocks and never raises into the
+decode loop (a failed send is a counter, not an exception).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from layerwatch.trace import TraceWriter
-from layerwatch.wire import MAX_FRAME_BYTES, FrameTooLarge, GateFrame, encode_frame, frame_bytes
+from layerwatch.wire import MAX_FRAME_BYTES, MAX_NAME_BYTES, FrameTooLarge, GateFrame, encode_frame, frame_bytes
 
 from inference_shim.service.metrics import DecodeStats, counter_family
 
@@ -36,19 +37,23 @@ def parse_address(address: str) -> tuple[str, int]:
 class FrameSender:
     """Sends one gate frame per decode step over UDP, without ever waiting.
 
-    The socket is non-blocking and connected, so a missing exporter shows up as send errors
-    (ICMP port unreachable, reported on the next send) in `layerwatch_telemetry_frames_dropped_total`
-    rather than anywhere else. Every frame takes the next sequence number, sent or not, so the
-    exporter sees dropped frames as gaps.
+    Encoding and the send happen in the engine thread, right in the step hook: a sender thread
+    cost more in hand-offs than it saved on the 2-core benchmark machine (docs/performance.md,
+    "Service"). The socket is non-blocking and connected, so a missing exporter shows up as send
+    errors (ICMP port unreachable, reported on the next send) in
+    `layerwatch_telemetry_frames_dropped_total` rather than anywhere else. Every frame takes the
+    next sequence number, sent or not, so the exporter sees dropped frames as gaps.
     """
 
     def __init__(self, address: str, model_name: str, shim_id: str, num_layers: int) -> None:
+        for field, value in (("model name", model_name), ("shim id", shim_id)):
+            if not 0 < len(value.encode("utf-8")) <= MAX_NAME_BYTES:
+                raise ValueError(f"the {field} must be 1..{MAX_NAME_BYTES} UTF-8 bytes to fit a gate frame")
         host, port = parse_address(address)
         family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
         self._socket = socket.socket(family, kind, proto)
         self._socket.setblocking(False)
         self._socket.connect(sockaddr)
-        self.address = address
         self.model_name = model_name
         self.shim_id = shim_id
         self.sequence = 0
@@ -63,6 +68,9 @@ class FrameSender:
         for start in range(0, entropies.shape[0], self.rows_per_frame):
             rows = slice(start, start + self.rows_per_frame)
             self._send_frame(entropies[rows], skipped[rows])
+
+    def close(self) -> None:
+        self._socket.close()
 
     def _send_frame(self, entropies: np.ndarray, skipped: np.ndarray) -> None:
         sequence = self.sequence
@@ -81,9 +89,6 @@ class FrameSender:
             self.dropped["send_error"] += 1
             return
         self.sent += 1
-
-    def close(self) -> None:
-        self._socket.close()
 
 
 class FrameSenderCollector(Collector):

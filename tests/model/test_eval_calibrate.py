@@ -8,22 +8,33 @@ import pytest
 from alerts.profile import load_profile
 from inference_shim.calibration import ascii_histogram, build_profile
 from layerwatch.cli import main
-from tests.model.test_eval_decode import PREFILL, WINDOW, model_dir, text_file  # noqa: F401 (fixtures)
+from tests.model.test_eval_decode import model_dir, text_file  # noqa: F401 (fixtures)
 
 
 def test_calibrate_writes_a_loadable_profile(model_dir, text_file, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "tiny.yaml"
     code = main(["calibrate", "--model", str(model_dir), "--data", str(text_file), "--out", str(out),
-                 "--window", str(WINDOW), "--prefill", str(PREFILL), "--max-tokens", "60", "--threads", "1",
-                 "--chunk-tokens", "16", "--min-observations", "50", "--model-name", "tiny"])
+                 "--prompts", "6", "--max-new-tokens", "12", "--threads", "1", "--chunk-tokens", "16",
+                 "--min-observations", "50", "--model-name", "tiny"])
     assert code == 0, capsys.readouterr().err
     profile = load_profile(out)
     assert profile.model_name == "tiny" and profile.threshold == 0.18 and profile.patience == 3
-    # The tiny model's gates: layers 0, 1, 3 score ~0, layer 2 ~1; layer 1 skips after the patience steps.
-    assert profile.skip_ratio_normal == pytest.approx((WINDOW - PREFILL - 3) / (WINDOW - PREFILL) / 4, abs=1e-4)
+    # The tiny model's gates: layers 0, 1, 3 score ~0, layer 2 ~1. Only layer 1 is skippable and low,
+    # and only after each sequence's first `patience` decode steps: at most (12 - 3) / 12 of a quarter.
+    assert 0.0 < profile.skip_ratio_normal <= (12 - 3) / 12 / 4
     assert profile.zero_ratio.low <= 0.75 <= profile.zero_ratio.high
     assert profile.bimodality.min_observations == 50
+    assert "6 prompts from heldout.txt" in profile.source
     assert "bimodal" in capsys.readouterr().out
+
+
+def test_calibrate_refuses_a_text_without_prompts(model_dir, tmp_path, capsys):  # noqa: F811
+    text = tmp_path / "words.txt"
+    text.write_text("one\ntwo words\n")
+    assert main(["calibrate", "--model", str(model_dir), "--data", str(text), "--out", str(tmp_path / "p.yaml"),
+                 "--threads", "1"]) == 2
+    assert "no line of three words" in capsys.readouterr().err
+    assert not (tmp_path / "p.yaml").exists()
 
 
 def test_bands_cover_every_chunk_with_the_margin():

@@ -98,3 +98,24 @@ def test_reset_gates_is_deterministic_per_seed(tmp_path, model):
     sha = save_gates(tmp_path / "g.safetensors", first.gates, first.metadata)
     assert sha == first.sha256  # the served hash is the file's hash once written
     assert first.metadata.base_fingerprint == model_fingerprint(model)
+
+
+def test_batched_scores_equal_each_gate_and_follow_weight_updates(model):
+    gates = random_gates(model.config)
+    inputs = torch.randn(model.config.num_layers, 5, model.config.hidden_size)
+
+    def each_gate():
+        return torch.stack([gates[l](inputs[l]) for l in range(len(gates))], dim=-1).detach()
+
+    assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
+    with torch.no_grad():
+        gates[2].fc2.bias.add_(3.0)  # an optimizer step: in place
+    assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
+    gates.load_state_dict(random_gates(model.config, seed=9).state_dict())
+    assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
+    gates[0].fc1.weight = torch.nn.Parameter(torch.zeros_like(gates[0].fc1.weight))  # replaced
+    assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
+    gates.to(torch.float64)  # moved: new storage, same Parameter objects
+    inputs = inputs.double()
+    assert gates.scores(inputs).dtype == torch.float64
+    assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
 from inference_shim.generate import GenerationEngine, SamplingParams
 from inference_shim.skip_policy import SkipPolicyConfig
@@ -160,3 +162,44 @@ def test_engine_settings_are_checked(model, no_eos):
         engine(model, no_eos, kv_policy="drop")
     with pytest.raises(ValueError, match="max_seq_len must be in 2..512"):
         engine(model, no_eos, max_seq_len=1000)
+
+
+class DeviceReads(TorchFunctionMode):
+    """Records every torch call that makes the host wait for a tensor's value."""
+
+    WAITING = {"cpu", "item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
+               "nonzero", "masked_select", "any", "all"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        to_host = name == "to" and any(str(a) == "cpu" for a in [*args[1:], kwargs.get("device")])
+        bool_index = name in ("__getitem__", "__setitem__") and _has_bool_tensor(args[1])
+        if name in self.WAITING or to_host or bool_index:
+            self.calls.append(name)
+        return func(*args, **kwargs)
+
+
+def _has_bool_tensor(index) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+
+def test_a_decode_step_reads_the_device_exactly_once(model, no_eos):
+    # The skip decision must never wait on the device: within a step, the only device read is the
+    # packed tokens + entropies after the last layer (here: `.cpu()` and then `.numpy()` of its copy).
+    eng = engine(model, no_eos)
+    eng.submit(PROMPT, SamplingParams(max_tokens=20))
+    eng.submit([0, 9, 9], SamplingParams(max_tokens=20, temperature=0.9, top_p=0.8, seed=1))
+    records = []
+    eng.step_hook = records.append
+    eng.step()  # admission and prefill read their own results; decode steps follow
+    for _ in range(15):
+        with DeviceReads() as reads:
+            eng.step()
+        assert reads.calls == ["cpu", "numpy"]
+    assert any(r.skipped.any() for r in records)  # the steps did skip layers

@@ -81,6 +81,27 @@ def check_against_reference(model, prompt, result, captured, kv_policy):
     assert result.token_ids == expected.argmax(-1).tolist()
 
 
+class Recorder:
+    """Per-sequence tokens, activity and final counts, from the engine's public outputs."""
+
+    def __init__(self) -> None:
+        self.records: list = []
+        self.tokens: dict[int, list[int]] = {}
+        self.activity: dict[int, list[np.ndarray]] = {}
+        self.final: dict[int, object] = {}
+
+    def on_step(self, record) -> None:
+        self.records.append(record)
+        for row, sequence_id in enumerate(record.sequence_ids.tolist()):
+            self.activity.setdefault(sequence_id, []).append(~record.skipped[row])
+
+    def drain(self, engine: GenerationEngine) -> None:
+        for update in engine.step():
+            self.tokens.setdefault(update.sequence_id, []).extend(update.new_token_ids)
+            if update.finished:
+                self.final[update.sequence_id] = update
+
+
 def switches(activity: np.ndarray) -> tuple[bool, bool]:
     """Whether some layer went run -> skip and some layer went skip -> run."""
     change = activity[1:].astype(int) - activity[:-1].astype(int)
@@ -140,20 +161,22 @@ def test_skipped_layers_execute_neither_attention_nor_ffn(tokenizer):
         block.self_attn.q_proj.register_forward_hook(counter("q_proj", l))
         block.self_attn.o_proj.register_forward_hook(counter("o_proj", l))
         block.mlp.register_forward_hook(counter("mlp", l))
-    engine = engine_for(model, tokenizer, max_batch_size=4)
-    sequences = [engine._submit(p, SamplingParams(max_tokens=30)) for p in PROMPTS]
+    recorder = Recorder()
+    engine = engine_for(model, tokenizer, max_batch_size=4, step_hook=recorder.on_step)
+    for prompt in PROMPTS:
+        engine.submit(prompt, SamplingParams(max_tokens=30))
     model.reset_counters()
     prefill_rows = sum(len(p) - 1 for p in PROMPTS)
     while engine.has_work():
-        engine.step()
-    activity = np.concatenate([np.array(s.activity) for s in sequences])
+        recorder.drain(engine)
+    activity = np.concatenate([np.array(a) for a in recorder.activity.values()])
     ran, evaluations = activity.sum(axis=0), activity.size
     assert ran.sum() < evaluations  # layers were skipped
     for name in decode_rows:
         assert decode_rows[name] == ran.tolist(), name
     assert model.layer_rows_executed == (ran + prefill_rows).tolist()
-    assert sum(s.layers_executed for s in sequences) == ran.sum()
-    assert sum(s.layers_skipped for s in sequences) == evaluations - ran.sum()
+    assert sum(u.layers_executed for u in recorder.final.values()) == ran.sum()
+    assert sum(u.layers_skipped for u in recorder.final.values()) == evaluations - ran.sum()
 
 
 # --- KV policies ---------------------------------------------------------------------------------
@@ -220,18 +243,19 @@ def test_batched_rows_match_running_alone(tokenizer, kv_policy):
     model = gated_model()
     alone = [engine_for(model, tokenizer, kv_policy=kv_policy).generate(p, s) for p, s in zip(prompts, params)]
 
-    records = []
-    engine = engine_for(model, tokenizer, kv_policy=kv_policy, max_batch_size=3, step_hook=records.append)
-    batched = [engine._submit(p, s) for p, s in zip(prompts[:3], params[:3])]
+    recorder = Recorder()
+    engine = engine_for(model, tokenizer, kv_policy=kv_policy, max_batch_size=3, step_hook=recorder.on_step)
+    ids = [engine.submit(p, s) for p, s in zip(prompts[:3], params[:3])]
     for _ in range(5):
-        engine.step()
-    batched.append(engine._submit(prompts[3], params[3]))  # waits for a free slot, then joins
+        recorder.drain(engine)
+    ids.append(engine.submit(prompts[3], params[3]))  # waits for a free slot, then joins
     while engine.has_work():
-        engine.step()
+        recorder.drain(engine)
 
-    for sequence, single in zip(batched, alone):
-        assert sequence.generated == single.token_ids
-        assert np.array_equal(np.array(sequence.activity), single.activity)
+    for sequence_id, single in zip(ids, alone):
+        assert recorder.tokens[sequence_id] == single.token_ids
+        assert np.array_equal(np.array(recorder.activity[sequence_id]), single.activity)
+    records = recorder.records
     mixed_steps = [r for r in records if len(r.sequence_ids) > 1 and r.skipped.any(axis=0).any()
                    and (r.skipped != r.skipped[0]).any()]
     assert mixed_steps  # rows really had different masks in one step

@@ -37,7 +37,10 @@ CASES = {
     "llama-linear-rope-mha": ("llama", dict(LLAMA, num_key_value_heads=4,
                                             rope_scaling={"rope_type": "linear", "factor": 2.0}), {}),
     "qwen2-biases": ("qwen2", dict(LLAMA, num_key_value_heads=1), {}),
+    "mistral": ("mistral", dict(LLAMA, sliding_window=64), {}),
 }
+REFERENCE_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                     "mistral": ("MistralConfig", "MistralForCausalLM")}
 
 
 # transformers 5 renamed `past_key_values` to `cache` (argument and output).
@@ -62,12 +65,8 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
 
 def build_reference(family: str, fields: dict):
     fields = copy.deepcopy(fields)  # transformers writes into the rope dict it is given
-    if family == "qwen2":
-        config = transformers.Qwen2Config(**fields)
-        model = transformers.Qwen2ForCausalLM(config)
-    else:
-        config = transformers.LlamaConfig(**fields)
-        model = transformers.LlamaForCausalLM(config)
+    config_class, model_class = REFERENCE_CLASSES[family]
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields))
     randomize(model, seed=0)
     return model.eval()
 

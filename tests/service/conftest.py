@@ -73,8 +73,9 @@ def tiny_model(seed: int = 0) -> Transformer:
         for name, p in model.named_parameters():
             if not name.endswith("norm.weight"):
                 p.normal_(0.0, 0.3)
-        # EOS scores 0 while the best of 320 random logits is far above: greedy generations run to
-        # max_tokens, so token counts are predictable.
+        # Wide logits, and EOS always scores 0: its probability is ~1e-6 even when sampling, so
+        # generations run to max_tokens and token counts are predictable.
+        model.lm_head.weight.normal_(0.0, 1.0)
         model.lm_head.weight[1].fill_(0.0)
     return model.eval()
 
@@ -115,6 +116,7 @@ class FrameCapture:
 
     def __init__(self) -> None:
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)  # the kernel may cap it
         self.socket.bind(("127.0.0.1", 0))
         self.socket.settimeout(0.1)
         self.address = "127.0.0.1:%d" % self.socket.getsockname()[1]

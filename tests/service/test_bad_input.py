@@ -26,6 +26,12 @@ CASES = [
     ("missing-prompt", "/v1/completions", {"model": MODEL_NAME}, {}, 400, "invalid_value"),
     ("missing-model", "/v1/completions", {"prompt": "hi"}, {}, 400, "invalid_value"),
     ("wrong-type", "/v1/completions", completion(max_tokens="many"), {}, 400, "invalid_value"),
+    ("string-for-number", "/v1/completions", completion(max_tokens="5"), {}, 400, "invalid_value"),
+    ("string-for-boolean", "/v1/completions", completion(stream="yes"), {}, 400, "invalid_value"),
+    ("token-ids-prompt", "/v1/completions", completion(prompt=[1, 2]), {}, 400, "invalid_value"),
+    ("image-content", "/v1/chat/completions",
+     {"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+     {}, 400, "invalid_value"),
     ("zero-max-tokens", "/v1/completions", completion(max_tokens=0), {}, 400, "invalid_value"),
     ("temperature-out-of-range", "/v1/completions", completion(temperature=7), {}, 400, "invalid_value"),
     ("seed-out-of-range", "/v1/completions", completion(seed=-1), {}, 400, "invalid_value"),
@@ -57,6 +63,8 @@ def test_bad_input_gets_an_openai_error(server, path, body, headers, status, cod
     assert error["code"] == code
     assert error["message"] and error["type"] == "invalid_request_error"
     assert set(error) == {"message", "type", "param", "code"}
+    if code == "invalid_value" and isinstance(body, dict):
+        assert error["param"].split(".")[0] in body or error["param"] in ("prompt", "model")  # names the field
 
 
 def test_a_body_announced_too_large_is_refused_before_it_is_read(server):

@@ -6,11 +6,10 @@ import concurrent.futures
 import hashlib
 
 import httpx
-import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from layerwatch import catalog
 from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum
-from prometheus_client.parser import text_string_to_metric_families
 
 
 def post(server, path: str, body: dict) -> dict:

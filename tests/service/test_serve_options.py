@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import httpx
+import pytest
 
+from inference_shim.service.shim import ServeSettings, resolve_limits
 from layerwatch.trace import read_trace
 from tests.service.conftest import MODEL_NAME
 
@@ -33,3 +36,16 @@ def test_trace_stops_at_its_size_cap(in_process, tmp_path):
     assert 0 < size <= 1500
     records = list(read_trace(trace_path))  # whole lines only
     assert 0 < len(records) < 30
+
+
+def test_limits_fit_the_context_or_are_refused():
+    def limits(**overrides):
+        return resolve_limits(ServeSettings(model_dir=Path("unused"), **overrides), context=256)
+
+    assert (limits().max_prompt_tokens, limits().max_tokens_cap) == (128, 128)  # defaults shrink to fit
+    assert limits(max_tokens_cap=56).max_prompt_tokens == 200
+    assert limits(max_prompt_tokens=250).max_tokens_cap == 6
+    for bad in (dict(max_prompt_tokens=256), dict(max_tokens_cap=300), dict(max_prompt_tokens=200, max_tokens_cap=57),
+                dict(max_tokens_cap=0)):
+        with pytest.raises(ValueError):
+            limits(**bad)

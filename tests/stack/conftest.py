@@ -49,3 +49,8 @@ def docker_compose() -> str:
 def reference_profiles():
     from alerts.profile import load_profiles
     return load_profiles(REPO / "alerts" / "profiles")
+
+
+@pytest.fixture(scope="session")
+def prometheus_binary() -> str:
+    return require_binary("prometheus")

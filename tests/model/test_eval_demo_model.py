@@ -1,0 +1,41 @@
+"""The committed demo model: loads, its gates and profile belong to it, and eval uses it by default."""
+
+from __future__ import annotations
+
+import json
+
+from alerts.profile import load_profile
+from inference_shim.checkpoint import load_checkpoint
+from inference_shim.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from inference_shim.gates import load_gates
+from layerwatch.cli import main
+
+PROFILE = DEMO_MODEL_DIR.parents[1] / "alerts" / "profiles" / "demo.yaml"
+MAX_FOLDER_BYTES = 40 * 1024 * 1024
+
+
+def test_folder_is_small_and_complete():
+    names = {p.name for p in DEMO_MODEL_DIR.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "gates.safetensors", "README.md"} <= names
+    assert sum(p.stat().st_size for p in DEMO_MODEL_DIR.iterdir()) <= MAX_FOLDER_BYTES
+
+
+def test_gates_and_profile_belong_to_the_model():
+    loaded = load_checkpoint(DEMO_MODEL_DIR)
+    gates = load_gates(DEMO_MODEL_DIR / "gates.safetensors", loaded.model)  # fingerprint checked
+    profile = load_profile(PROFILE)
+    assert profile.model_name == DEMO_MODEL_NAME
+    assert (profile.threshold, profile.patience) == (gates.metadata.threshold, gates.metadata.patience)
+    assert profile.bimodality.peaks == 2 and profile.bimodality.dip_p_value < 0.05
+    assert gates.sha256[:12] in profile.source
+
+
+def test_eval_without_model_uses_the_demo(tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("In the beginning God created the heaven and the earth. " * 20)
+    assert main(["eval", "--data", str(text), "--max-tokens", "32", "--window", "48", "--threads", "1",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == str(DEMO_MODEL_DIR)
+    assert len(report["per_layer_skip_rate"]) == load_checkpoint(DEMO_MODEL_DIR).config.num_layers

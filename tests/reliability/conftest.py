@@ -1,0 +1,174 @@
+"""Real processes on loopback for the reliability tests: `layerwatch serve`, `layerwatch exporter`
+and Prometheus, each restartable on the same ports so that a test can kill one mid-load and bring
+it back. The tiny checkpoint is the service tests' one (tests/service/conftest.py).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from layerwatch.processes import ManagedProcess, free_port
+from tests.service.conftest import MODEL_NAME, TinyCheckpoint, sample_sum, scrape, tiny_checkpoint  # noqa: F401
+
+LAYERWATCH = [sys.executable, "-m", "layerwatch.cli"]
+# One torch thread per process: the tests run on a shared 2-core machine.
+QUIET_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+class Exporter:
+    """`layerwatch exporter` on fixed loopback ports (UDP frames, HTTP metrics); restartable."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.udp_port = free_port(socket.SOCK_DGRAM)
+        self.http_port = free_port()
+        self.frames_address = f"127.0.0.1:{self.udp_port}"
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        self.process: ManagedProcess | None = None
+
+    def start(self) -> "Exporter":
+        argv = [*LAYERWATCH, "exporter", "--listen", self.frames_address, "--http", f"127.0.0.1:{self.http_port}",
+                "--min-window-observations", "100"]
+        self.process = ManagedProcess("exporter", argv, self.workdir / "exporter.log", env=QUIET_ENV)
+        self.process.wait_http(f"{self.url}/healthz", timeout=30)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: the way a crash looks (no clean shutdown)."""
+        self.process.proc.kill()
+        self.process.stop()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+    def metrics(self) -> dict:
+        return scrape(self.url)
+
+
+class Shim:
+    """`layerwatch serve` on the tiny checkpoint, on a fixed loopback port; restartable."""
+
+    def __init__(self, workdir: Path, checkpoint: TinyCheckpoint, *extra_args: str,
+                 exporter: Exporter | None = None) -> None:
+        self.workdir = workdir
+        self.checkpoint = checkpoint
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.exporter_address = exporter.frames_address if exporter else ""
+        self.extra_args = extra_args
+        self.process: ManagedProcess | None = None
+        self.starts = 0
+
+    def start(self, *more_args: str) -> "Shim":
+        self.starts += 1
+        argv = [*LAYERWATCH, "serve", "--model", str(self.checkpoint.path), "--model-name", MODEL_NAME,
+                "--port", str(self.port), "--exporter-address", self.exporter_address,
+                "--log-level", "warning", *self.extra_args, *more_args]
+        self.process = ManagedProcess("serve", argv, self.workdir / f"serve-{self.starts}.log", env=QUIET_ENV)
+        self.process.wait_http(f"{self.url}/healthz", timeout=90)
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+    def metrics(self) -> dict:
+        return scrape(self.url)
+
+    def complete(self, prompt: str = "In the beginning", max_tokens: int = 4, **fields) -> httpx.Response:
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, **fields}
+        return httpx.post(f"{self.url}/v1/completions", json=body, timeout=60)
+
+
+class Prometheus:
+    """The Debian `prometheus` binary scraping given targets every second, its data in a temp dir."""
+
+    SCRAPE_INTERVAL = 1.0
+
+    def __init__(self, workdir: Path, targets: list[str]) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+                  "scrape_configs": [{"job_name": "layerwatch", "static_configs": [{"targets": targets}]}]}
+        self.config_path = workdir / "prometheus.yml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.process: ManagedProcess | None = None
+
+    def start(self) -> "Prometheus":
+        argv = ["prometheus", f"--config.file={self.config_path}", f"--storage.tsdb.path={self.workdir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"]
+        self.process = ManagedProcess("prometheus", argv, self.workdir / "prometheus.log")
+        self.process.wait_http(f"{self.url}/-/ready", timeout=30)
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+    def query(self, expr: str, at: float | None = None) -> list[dict]:
+        params = {"query": expr, **({"time": f"{at:.3f}"} if at is not None else {})}
+        response = httpx.get(f"{self.url}/api/v1/query?{urllib.parse.urlencode(params)}", timeout=10)
+        response.raise_for_status()
+        return response.json()["data"]["result"]
+
+    def wait_scraped(self, after: float, timeout: float = 15.0) -> None:
+        """Until every target has a successful scrape that started after `after` (unix time)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            targets = httpx.get(f"{self.url}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+            if targets and all(t["health"] == "up" and _unix(t["lastScrape"]) > after for t in targets):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"Prometheus did not scrape its targets successfully after {after}")
+
+
+def _unix(rfc3339: str) -> float:
+    from datetime import datetime
+    return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
+
+
+def exporter_entropy_count(exporter_samples: dict, model: str = MODEL_NAME) -> float:
+    """Entropies the exporter observed for `model`, over both decisions."""
+    return sample_sum(exporter_samples, "layerwatch_entropy_count", model_name=model)
+
+
+def require_binary(name: str) -> None:
+    import shutil
+    if shutil.which(name) is None:
+        pytest.fail(f"{name} not found on PATH: install the Debian package `{name}`")
+
+
+@pytest.fixture
+def exporter(tmp_path) -> Iterator[Exporter]:
+    running = Exporter(tmp_path).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+def make_shim(tmp_path, tiny_checkpoint) -> Iterator:
+    """Factory: make_shim(*args, exporter=None) -> a started Shim (stopped after the test)."""
+    shims: list[Shim] = []
+
+    def make(*args: str, exporter: Exporter | None = None) -> Shim:
+        shim = Shim(tmp_path, tiny_checkpoint, *args, exporter=exporter)
+        shims.append(shim)
+        return shim.start()
+
+    yield make
+    for shim in shims:
+        shim.stop()

@@ -1,0 +1,340 @@
+"""Bad input, tried as a hostile user would: every case gets a clear error, nothing crashes or hangs,
+and no partial state is left behind.
+
+- the HTTP API fuzzed with hypothesis (hand-written strategies per endpoint: the app serves no
+  OpenAPI schema, on purpose, and its request models are strict pydantic models);
+- hostile datagrams on the exporter's frame port in the middle of real shim traffic;
+- oversized bodies and slow clients;
+- broken artifacts at the command line: checkpoints with wrong shapes or truncated weights, gates for
+  another model, a malformed profile for `generate`, malformed traces for `replay`.
+The frame parser itself is fuzzed in tests/exporter/test_wire.py; the checkpoint loader's messages
+are checked one by one in tests/model/test_checkpoint.py. Here the whole commands face them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from inference_shim.gates import GateMetadata, model_fingerprint, save_gates
+from layerwatch.loadgen import run_load
+from layerwatch.processes import free_port
+from layerwatch.wire import GateFrame, encode_frame
+from tests.reliability.conftest import LAYERWATCH, MODEL_NAME, QUIET_ENV, Shim, sample_sum
+from tests.service.conftest import tiny_gates, tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_TOKENS_CAP = 8  # accepted fuzz requests stay cheap
+MAX_BODY_BYTES = 4096
+FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def fuzz_shim(tiny_checkpoint, tmp_path_factory) -> Iterator[Shim]:
+    shim = Shim(tmp_path_factory.mktemp("fuzz"), tiny_checkpoint, "--max-tokens-cap", str(MAX_TOKENS_CAP),
+                "--max-prompt-tokens", "64", "--max-body-bytes", str(MAX_BODY_BYTES), "--log-level", "info")
+    shim.start()
+    yield shim
+    shim.stop()
+
+
+# --- fuzzing the HTTP API -------------------------------------------------------------------------
+
+json_scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=40)
+json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
+                           | st.dictionaries(st.text(max_size=10), inner, max_size=4), max_leaves=12)
+
+
+def field(valid: st.SearchStrategy) -> st.SearchStrategy:
+    """Mostly plausible values (so that some requests are valid and reach the model), sometimes any JSON."""
+    return st.one_of(valid, valid, valid, valid, json_values)
+
+
+sampling_fields = {
+    "max_tokens": field(st.integers(-3, MAX_TOKENS_CAP + 3)),
+    "temperature": field(st.floats(-1, 3) | st.just(float("nan"))),
+    "top_p": field(st.floats(-0.5, 1.5, allow_nan=False)),
+    "seed": field(st.integers(-5, 2**64)),
+    "stop": field(st.lists(st.text(max_size=4), max_size=6) | st.text(max_size=4)),
+    "stream": field(st.booleans()),
+    "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "n": field(st.integers(0, 3)),
+}
+prompts = st.text(min_size=1, max_size=200) | st.lists(st.text(max_size=20), max_size=3)
+messages = st.lists(st.fixed_dictionaries({
+    "role": st.sampled_from(["system", "user", "assistant", "developer", "tool", "wizard"]),
+    "content": st.text(min_size=1, max_size=60) | st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=20)}), max_size=2),
+}), min_size=1, max_size=4)
+
+models = field(st.sampled_from([MODEL_NAME, MODEL_NAME, MODEL_NAME, "gpt-4", ""]))
+completion_bodies = st.fixed_dictionaries({"model": models, "prompt": field(prompts)}, optional=sampling_fields)
+chat_bodies = st.fixed_dictionaries({"model": models, "messages": field(messages)}, optional=sampling_fields)
+
+
+def check_response(response: httpx.Response) -> None:
+    """No 5xx; errors are OpenAI error bodies; successes are whole (streams end with [DONE])."""
+    assert response.status_code < 500, response.text
+    if response.status_code != 200:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+        return
+    if response.headers["content-type"].startswith("text/event-stream"):
+        assert response.text.rstrip().endswith("data: [DONE]"), response.text[-200:]
+        assert '"error"' not in response.text
+    else:
+        assert response.json()["choices"]
+
+
+@FUZZ
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), data=st.data())
+def test_fuzzed_generation_requests_never_fail_the_server(fuzz_shim, path, data):
+    body = data.draw(completion_bodies if path == "/v1/completions" else chat_bodies)
+    # Python's json (the server's parser too) writes and reads NaN and Infinity: a hostile client may send them.
+    content = json.dumps(body, allow_nan=True).encode()
+    check_response(httpx.post(f"{fuzz_shim.url}{path}", content=content, timeout=30,
+                              headers={"content-type": "application/json"}))
+
+
+@FUZZ
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", "/healthz",
+                             "/v1/../metrics", "/%00", "/v1/completions?x=%ff", "/" + "a" * 2000]),
+       method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
+       body=st.binary(max_size=MAX_BODY_BYTES + 64),
+       content_type=st.sampled_from(["application/json", "text/plain", "", "application/json; charset=latin-1"]))
+def test_fuzzed_raw_requests_never_fail_the_server(fuzz_shim, path, method, body, content_type):
+    response = httpx.request(method, f"{fuzz_shim.url}{path}", content=body, timeout=30,
+                             headers={"content-type": content_type} if content_type else {})
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400 and path != "/healthz":
+        assert response.json()["error"]["message"]
+
+
+def test_after_the_fuzzing_the_server_is_healthy_and_logged_no_error(fuzz_shim):
+    assert httpx.get(f"{fuzz_shim.url}/readyz", timeout=30).status_code == 200
+    samples = fuzz_shim.metrics()
+    assert sample_sum(samples, "layerwatch_requests_total", status="server_error") == 0
+    assert sample_sum(samples, "layerwatch_requests_total", status="client_error") > 0
+    assert sample_sum(samples, "layerwatch_requests_total", status="ok") > 0  # the fuzzer reached the model too
+    log = fuzz_shim.process.log_tail(lines=100_000)
+    assert "Traceback" not in log and " ERROR " not in log
+
+
+# --- oversized and slow requests -------------------------------------------------------------------
+
+
+def raw_status(port: int, request: bytes) -> int:
+    """Sends bytes as they are (no client library to correct them) and returns the first status code."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+        connection.sendall(request)
+        return int(connection.recv(4096).split(b" ", 2)[1])
+
+
+def test_oversized_bodies_get_413_however_they_arrive(fuzz_shim):
+    url = f"{fuzz_shim.url}/v1/completions"
+    big = json.dumps({"model": MODEL_NAME, "prompt": "x" * (2 * MAX_BODY_BYTES)}).encode()
+    declared = httpx.post(url, content=big, timeout=30)
+    chunked = httpx.post(url, content=iter([big[i:i + 512] for i in range(0, len(big), 512)]), timeout=30)
+    for response in (declared, chunked):
+        assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    # Announcing a terabyte is refused on the header alone, before any body is read.
+    assert raw_status(fuzz_shim.port, head + b"Content-Length: 1099511627776\r\n\r\n{}") == 413
+    # Announcing less than is sent: the server reads what was announced (not JSON) and stops there.
+    assert raw_status(fuzz_shim.port, head + b"Content-Length: 10\r\n\r\n" + big) == 400
+
+
+def slow_client(port: int, payload: bytes) -> socket.socket:
+    connection = socket.create_connection(("127.0.0.1", port), timeout=5)
+    connection.sendall(payload)
+    return connection
+
+
+def test_slow_clients_do_not_stall_other_clients(fuzz_shim):
+    """Slowloris: connections that stop mid-headers or mid-body hold only their own socket.
+
+    uvicorn has no timeout for a request's headers or body (docs/security.md): such a connection
+    stays open until the client goes. The engine never sees it (the body is read in full before a
+    request is queued), so the other clients are served at their usual latency meanwhile.
+    """
+    stalled = [slow_client(fuzz_shim.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") for _ in range(10)]
+    stalled += [slow_client(fuzz_shim.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                                             b"application/json\r\nContent-Length: 400\r\n\r\n{\"mo")
+                for _ in range(10)]
+    try:
+        report = run_load(fuzz_shim.url, MODEL_NAME, duration=3.0, concurrency=3, max_tokens=MAX_TOKENS_CAP, seed=1,
+                          timeout=10)
+        assert report.requests > 0 and report.by_status == {200: report.requests}
+        assert report.percentile(0.99) < 2.0, report.summary()
+        for connection in stalled:  # still waiting for their request to complete: no answer was sent
+            connection.settimeout(0.05)
+            with pytest.raises(TimeoutError):
+                connection.recv(1)
+    finally:
+        for connection in stalled:
+            connection.close()
+    # Closing them mid-request leaves nothing behind: the server answers and counts as before.
+    time.sleep(0.5)
+    assert fuzz_shim.complete(max_tokens=2).status_code == 200
+
+
+# --- hostile datagrams among real frames ---------------------------------------------------------
+
+
+def test_hostile_datagrams_do_not_disturb_the_shims_accounting(make_shim, exporter):
+    """Garbage on the frame port while a real shim streams frames: the garbage is counted as
+    malformed, and the real frames still reconcile exactly with the tokens served."""
+    shim = make_shim("--max-batch-size", "4", exporter=exporter)
+    rng = np.random.default_rng(0)
+    valid = encode_frame(GateFrame(MODEL_NAME, "real-shim-id-for-shape", 0, np.full((2, 6), 0.5, np.float32),
+                                   np.zeros((2, 6), bool)))
+    garbage = [rng.bytes(int(n)) for n in rng.integers(0, 3000, 150)]
+    garbage += [valid[:int(n)] for n in rng.integers(0, len(valid) - 1, 100)]  # truncated frames
+    garbage += [b"LWGF" + rng.bytes(40) for _ in range(100)]  # a plausible magic, then noise
+    stop = threading.Event()
+
+    def spray() -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+            for datagram in garbage:
+                if stop.is_set():
+                    return
+                sender.sendto(datagram, ("127.0.0.1", exporter.udp_port))
+                time.sleep(0.005)
+
+    sprayer = threading.Thread(target=spray)
+    sprayer.start()
+    report = run_load(shim.url, MODEL_NAME, duration=3.0, concurrency=3, max_tokens=8, seed=2)
+    stop.set()
+    sprayer.join()
+    time.sleep(0.5)
+    assert report.by_status == {200: report.requests}
+    shim_samples, exporter_samples = shim.metrics(), exporter.metrics()
+    sent = sample_sum(shim_samples, "layerwatch_telemetry_frames_sent_total")
+    assert sample_sum(exporter_samples, "layerwatch_exporter_frames_received_total", model_name=MODEL_NAME) == sent
+    assert sample_sum(exporter_samples, "layerwatch_exporter_frames_lost_total") == 0
+    assert sample_sum(exporter_samples, "layerwatch_entropy_count", model_name=MODEL_NAME) == \
+        report.completion_tokens * shim.checkpoint.num_layers
+    malformed = sample_sum(exporter_samples, "layerwatch_exporter_frames_malformed_total")
+    assert 0 < malformed <= len(garbage)  # an empty datagram may be dropped by the kernel; the rest count
+    assert httpx.get(f"{exporter.url}/healthz", timeout=10).status_code == 200
+
+
+# --- broken artifacts at the command line ---------------------------------------------------------
+
+
+def broken_copy(checkpoint_path: Path, dest: Path) -> Path:
+    folder = dest / MODEL_NAME
+    shutil.copytree(checkpoint_path, folder)
+    return folder
+
+
+def wrong_shapes(folder: Path) -> str:
+    state = load_file(folder / "model.safetensors")
+    state["model.layers.2.mlp.up_proj.weight"] = torch.zeros(48, 32)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return "model.safetensors"
+
+
+def truncated_weights(folder: Path) -> str:
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return "model.safetensors"
+
+
+def gates_of_another_model(folder: Path) -> str:
+    other = tiny_model(seed=42)  # same shapes, other weights: only the fingerprint tells them apart
+    save_gates(folder / "gates.safetensors", tiny_gates(other), GateMetadata(
+        num_layers=other.config.num_layers, hidden_size=other.config.hidden_size, threshold=0.18, patience=3,
+        base_fingerprint=model_fingerprint(other)))
+    return "gates.safetensors"
+
+
+def truncated_gates(folder: Path) -> str:
+    path = folder / "gates.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    return "gates.safetensors"
+
+
+def config_not_json(folder: Path) -> str:
+    (folder / "config.json").write_text('{"hidden_size": 32,')
+    return "config.json"
+
+
+BREAKAGES = [wrong_shapes, truncated_weights, gates_of_another_model, truncated_gates, config_not_json]
+
+
+def test_serve_refuses_broken_checkpoints_quickly_naming_the_file(tiny_checkpoint, tmp_path):
+    """All cases at once (one process each, in parallel): exit 2 within seconds, a message naming the
+    broken file, and no listener was ever opened (the port is still free)."""
+    torch.set_num_threads(1)
+    runs = []
+    for breakage in BREAKAGES:
+        folder = broken_copy(tiny_checkpoint.path, tmp_path / breakage.__name__)
+        culprit = breakage(folder)
+        port = free_port()
+        argv = [*LAYERWATCH, "serve", "--model", str(folder), "--port", str(port), "--exporter-address", ""]
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env={**QUIET_ENV, "PATH": "/usr/bin:/bin"})
+        runs.append((breakage.__name__, folder / culprit, port, process, time.monotonic()))
+    for name, culprit, port, process, started in runs:
+        output, _ = process.communicate(timeout=60)
+        elapsed = time.monotonic() - started
+        assert process.returncode == 2, f"{name}: {output}"
+        assert "cannot start" in output and str(culprit) in output, f"{name}: {output}"
+        assert "Traceback" not in output, f"{name}: {output}"
+        assert elapsed < 30, f"{name} took {elapsed:.1f}s"
+        with socket.socket() as probe:  # nothing listens there
+            assert probe.connect_ex(("127.0.0.1", port)) != 0
+        print(f"\n{name}: exit 2 after {elapsed:.1f}s: {output.strip().splitlines()[-1][:160]}")
+
+
+def test_generate_refuses_a_malformed_profile_and_writes_nothing(tmp_path):
+    tree = tmp_path / "tree"
+    shutil.copytree(REPO / "alerts" / "profiles", tree / "alerts" / "profiles")
+    profile = tree / "alerts" / "profiles" / "reference.yaml"
+    cases = {
+        "not-yaml": "model_name: [unclosed\n",
+        "wrong-type": profile.read_text().replace("runaway_skip_ratio: 0.85", "runaway_skip_ratio: lots"),
+        "a-list": "- 1\n- 2\n",
+    }
+    for name, text in cases.items():
+        profile.write_text(text)
+        result = subprocess.run([*LAYERWATCH, "generate", "--root", str(tree)], capture_output=True, text=True,
+                                timeout=60, cwd=REPO)
+        assert result.returncode == 2, f"{name}: {result.stdout}{result.stderr}"
+        assert "reference.yaml" in result.stderr and "Traceback" not in result.stderr, f"{name}: {result.stderr}"
+        written = [p for p in tree.rglob("*") if p.is_file() and p != profile]
+        assert written == [], f"{name}: partial output {written}"
+
+
+@pytest.mark.parametrize("content", [
+    b"\x00\xff\xfe garbage \x80\n",
+    b'{"model_name": "m", "scores": [NaN, 0.1], "skipped": [0, 0]}\n',
+    b'{"model_name": "m", "scores": [0.1, 0.2], "skipped": [0]}\n',
+    b'{"model_name": "m", "scores": "0.1", "skipped": [0]}\n',
+    b'[1, 2, 3]\n',
+    b'{"model_name": "m", "scores": [' + b"0.5, " * 200_000 + b'0.5], "skipped": [0]}\n',
+], ids=["binary", "nan", "ragged", "string-scores", "not-an-object", "huge-line"])
+def test_replay_refuses_a_malformed_trace_with_file_and_line(tmp_path, content):
+    good = b'{"model_name": "m", "scores": [0.1, 0.9], "skipped": [1, 0]}\n'
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(good + content)
+    result = subprocess.run([*LAYERWATCH, "replay", str(path), "--json"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stdout == "", result.stdout
+    assert f"{path}:2" in result.stderr and "Traceback" not in result.stderr, result.stderr

@@ -1,0 +1,215 @@
+"""Faults around the shim, each injected for real while it serves: the shim keeps serving and the
+fault shows where an operator looks (metrics), not in client responses.
+
+- the exporter SIGKILLed and restarted mid-load;
+- Prometheus SIGKILLed mid-load;
+- the shim restarted between two loads: Prometheus's counter-reset handling keeps `increase`/`rate`
+  exact;
+- NVML failing mid-run (a simulated NVML device; there is no GPU here).
+Gate files replaced on disk are in test_gate_reload.py.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import httpx
+import pytest
+
+from layerwatch.loadgen import LoadReport, run_load
+from tests.reliability.conftest import MODEL_NAME, Prometheus, exporter_entropy_count, require_binary, sample_sum
+from tests.service.conftest import in_process  # noqa: F401  (fixture)
+
+
+class BackgroundLoad:
+    """run_load in a thread; `result()` joins it."""
+
+    def __init__(self, url: str, duration: float, **kwargs) -> None:
+        self._report: LoadReport | None = None
+        self.started = time.monotonic()
+
+        def work() -> None:
+            self._report = run_load(url, MODEL_NAME, duration=duration, **kwargs)
+
+        self._thread = threading.Thread(target=work, daemon=True)
+        self._thread.start()
+
+    def sleep_until(self, seconds_after_start: float) -> None:
+        time.sleep(max(0.0, self.started + seconds_after_start - time.monotonic()))
+
+    def result(self, timeout: float = 60.0) -> LoadReport:
+        self._thread.join(timeout)
+        assert self._report is not None, "the load generator did not finish"
+        return self._report
+
+
+def test_exporter_killed_and_restarted_mid_load(make_shim, exporter):
+    """The shim keeps serving every request; the outage shows as dropped frames on the shim and as a
+    counter reset on the exporter, which counts again from the shim's next frame without inventing loss."""
+    shim = make_shim("--max-batch-size", "4", exporter=exporter)
+    load = BackgroundLoad(shim.url, duration=9.0, concurrency=4, max_tokens=12, seed=3)
+    load.sleep_until(2.5)
+    before_kill = exporter.metrics()
+    exporter.kill()
+    load.sleep_until(5.0)
+    exporter.start()  # same ports: the shim's frames reach it again without the shim noticing
+    report = load.result()
+    print(f"\nexporter restarted mid-load: {report.summary()}")
+
+    assert report.requests > 0 and report.by_status == {200: report.requests}  # no request noticed
+    shim_samples = shim.metrics()
+    assert sample_sum(shim_samples, "layerwatch_tokens_total", phase="decode") == report.completion_tokens
+    dropped = sample_sum(shim_samples, "layerwatch_telemetry_frames_dropped_total", reason="send_error")
+    sent = sample_sum(shim_samples, "layerwatch_telemetry_frames_sent_total")
+    assert dropped > 0  # the outage, as the shim saw it (ICMP port unreachable on its connected socket)
+    time.sleep(0.5)  # the last frames in flight
+    after = exporter.metrics()
+    received = sample_sum(after, "layerwatch_exporter_frames_received_total", model_name=MODEL_NAME)
+    lost = sample_sum(after, "layerwatch_exporter_frames_lost_total", model_name=MODEL_NAME)
+    received_before = sample_sum(before_kill, "layerwatch_exporter_frames_received_total", model_name=MODEL_NAME)
+    assert received > 0 and lost == 0  # a fresh exporter: counts restart from zero, no invented gap
+    assert received_before > 0
+    # Frames that left the shim but hit the dead port are gone without a trace on either side: the
+    # totals the two exporters saw fall short of what the shim sent.
+    assert received_before + received < sent
+    layers = shim.checkpoint.num_layers
+    entropies = exporter_entropy_count(after)  # whole rows only, and never more than were decoded
+    assert 0 < entropies < report.completion_tokens * layers and entropies % layers == 0
+    print(f"frames: {sent:.0f} sent, {dropped:.0f} dropped (send_error), exporter received {received_before:.0f} "
+          f"before the kill + {received:.0f} after the restart")
+
+
+@pytest.fixture
+def prometheus_for(tmp_path):
+    """Factory: prometheus_for(targets) -> a started Prometheus (stopped after the test)."""
+    require_binary("prometheus")
+    started: list[Prometheus] = []
+
+    def start(targets: list[str]) -> Prometheus:
+        prometheus = Prometheus(tmp_path / f"prometheus-{len(started)}", targets)
+        started.append(prometheus)
+        return prometheus.start()
+
+    yield start
+    for prometheus in started:
+        prometheus.stop()
+
+
+def test_prometheus_down_mid_load_is_invisible_to_the_shim(make_shim, prometheus_for):
+    shim = make_shim()
+    prometheus = prometheus_for([f"127.0.0.1:{shim.port}"])
+    prometheus.wait_scraped(after=time.time())
+    load = BackgroundLoad(shim.url, duration=6.0, concurrency=4, max_tokens=12, seed=5)
+    load.sleep_until(2.0)
+    prometheus.process.proc.kill()
+    prometheus.stop()
+    report = load.result()
+    print(f"\nPrometheus killed mid-load: {report.summary()}")
+
+    assert report.requests > 0 and report.by_status == {200: report.requests}
+    assert sample_sum(shim.metrics(), "layerwatch_tokens_total", phase="decode") == report.completion_tokens
+    assert httpx.get(f"{shim.url}/readyz", timeout=30).status_code == 200
+
+
+def test_shim_restart_keeps_prometheus_increase_exact(make_shim, prometheus_for):
+    """Counters restart at zero in the new process; Prometheus treats the drop as a counter reset, so
+    `increase` over a window spanning the restart equals the tokens clients received in both lives.
+
+    The loads stop before each scrape that the comparison uses, so the counters Prometheus last saw
+    hold every token; and `increase` is evaluated at the timestamp of the last sample with the
+    window starting just before the first one (whose value is 0), so Prometheus has nothing to
+    extrapolate: the result must be exact. `rate` is the same number over the window's length.
+    """
+    shim = make_shim()
+    prometheus = prometheus_for([f"127.0.0.1:{shim.port}"])
+    prometheus.wait_scraped(after=time.time())  # the first sample: the counter at 0
+
+    first = run_load(shim.url, MODEL_NAME, duration=3.0, concurrency=3, max_tokens=10, seed=11)
+    prometheus.wait_scraped(after=time.time())
+    shim.stop()
+    shim.start()
+    prometheus.wait_scraped(after=time.time())  # the new process, its counter back at 0
+    second = run_load(shim.url, MODEL_NAME, duration=3.0, concurrency=3, max_tokens=10, seed=12)
+    prometheus.wait_scraped(after=time.time())
+    expected = first.completion_tokens + second.completion_tokens
+    assert first.server_errors == second.server_errors == 0 and expected > 0
+
+    selector = f'layerwatch_tokens_total{{model_name="{MODEL_NAME}",phase="decode"}}'
+    [raw] = prometheus.query(f"{selector}[10m]")
+    timestamps = [float(t) for t, _ in raw["values"]]
+    values = [float(v) for _, v in raw["values"]]
+    assert values[0] == 0 and values[-1] == second.completion_tokens  # the live process's own count
+    at, window = timestamps[-1], math.ceil(timestamps[-1] - timestamps[0] + 0.5)
+    [resets] = prometheus.query(f"resets({selector}[{window}s])", at=at)
+    [increase] = prometheus.query(f"increase({selector}[{window}s])", at=at)
+    [rate] = prometheus.query(f"rate({selector}[{window}s])", at=at)
+    print(f"\nshim restart: {expected} tokens served, Prometheus increase {increase['value'][1]}, "
+          f"rate {float(rate['value'][1]):.2f}/s over {window}s, resets {resets['value'][1]}")
+    assert float(resets["value"][1]) == 1
+    assert float(increase["value"][1]) == pytest.approx(expected, rel=1e-9)
+    # `rate` divides by the sampled interval after extrapolation; with none it is increase / window.
+    assert float(rate["value"][1]) == pytest.approx(expected / window, rel=1e-9)
+    assert values[-1] < expected  # a naive last-minus-first would be wrong: the reset is real
+
+
+# --- NVML ------------------------------------------------------------------------------------------
+
+
+class SimulatedNvml:
+    """A SIMULATED NVML device (there is no GPU on the test machine): stands in for the pynvml
+    functions NvmlReader calls, reporting one GPU until `fail()`, then raising pynvml's own
+    NVMLError (GPU lost) from every call, as a real driver does after an Xid fault."""
+
+    def __init__(self, pynvml) -> None:
+        self.pynvml = pynvml
+        self.failed = False
+        self.energy_mj = 5_000_000
+
+    def fail(self) -> None:
+        self.failed = True
+
+    def _check(self) -> None:
+        if self.failed:
+            raise self.pynvml.NVMLError(self.pynvml.NVML_ERROR_GPU_IS_LOST)
+
+    def install(self, monkeypatch) -> None:
+        def energy(_handle) -> int:
+            self._check()
+            self.energy_mj += 1000
+            return self.energy_mj
+
+        def checked(value):
+            def call(*_args):
+                self._check()
+                return value
+            return call
+
+        for name, function in {
+            "nvmlInit": checked(None), "nvmlShutdown": lambda: None, "nvmlDeviceGetCount": checked(1),
+            "nvmlDeviceGetHandleByIndex": checked("handle-0"), "nvmlDeviceGetUUID": checked("GPU-simulated-0"),
+            "nvmlDeviceGetPowerUsage": checked(250_000), "nvmlDeviceGetTotalEnergyConsumption": energy,
+        }.items():
+            monkeypatch.setattr(self.pynvml, name, function)
+
+
+def test_nvml_failing_mid_run_drops_nvml_up_and_serving_continues(in_process, monkeypatch):
+    pynvml = pytest.importorskip("pynvml")
+    device = SimulatedNvml(pynvml)
+    device.install(monkeypatch)  # before the first scrape: the collector starts NVML lazily
+    server = in_process()
+    gpu = (("gpu", "0"), ("uuid", "GPU-simulated-0"))
+
+    load = BackgroundLoad(server.base_url, duration=4.0, concurrency=2, max_tokens=8, seed=9)
+    healthy = server.metrics()
+    assert healthy[("layerwatch_nvml_up", ())] == 1
+    assert healthy[("layerwatch_gpu_power_watts", gpu)] == 250.0
+    load.sleep_until(1.5)
+    device.fail()
+    failed = server.metrics()  # the page still renders
+    assert failed[("layerwatch_nvml_up", ())] == 0
+    assert ("layerwatch_gpu_power_watts", gpu) not in failed  # no stale reading is presented as current
+    report = load.result()
+    assert report.requests > 0 and report.by_status == {200: report.requests}
+    assert sample_sum(server.metrics(), "layerwatch_tokens_total", phase="decode") == report.completion_tokens

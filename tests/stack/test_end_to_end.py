@@ -1,0 +1,586 @@
+"""Issue 6 end to end: real Prometheus and Alertmanager, configured by the repo's own deploy code,
+scraping a real `layerwatch serve` and `layerwatch exporter` under generated load.
+
+One stack per module (`stack` fixture); the tests are phases and run in file order:
+1. a healthy baseline fires no layerwatch alert;
+2. the shim restarted with `--reset-gates` (the field's "gate weights overwritten" incident) pages
+   LayerwatchEntropySinglePeak and tickets LayerwatchGateWeightsChanged;
+3. the shim restarted with `--threshold 0.95` pages LayerwatchRunawaySkipping;
+4. every query of every dashboard panel returns data from this Prometheus.
+Arrival is asserted through Alertmanager's API v2 and through the webhook receivers the rendered
+alertmanager.yml routes to (a loopback HTTP server standing in for the pager and ticket bridges).
+
+The configuration is `layerwatch.deploy.render_stack` with every window, `for:` and Alertmanager
+wait scaled by TIME_SCALE. The time from each fault to its page is printed at the end (run with -s)
+and recorded in docs/end-to-end.md.
+
+The served model is the embedded demo model with its committed profile (alerts/profiles). Setting
+LAYERWATCH_E2E_MODEL=tiny serves instead a tiny random checkpoint built here, profiled by
+`layerwatch calibrate` (for working on the stack without the demo model).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import astuple, dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from alerts import config
+from alerts.durations import parse_duration
+from alerts.profile import Profile, load_profiles
+from alerts.rules import Recorded, Timing
+from inference_shim.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from layerwatch.deploy import render_stack
+from layerwatch.loadgen import run_load
+from layerwatch.processes import ManagedProcess, free_port
+
+from .conftest import REPO, run_tool
+
+pytestmark = pytest.mark.e2e
+
+TIME_SCALE = 0.01  # 5m -> 3s, 10m -> 6s, 1h -> 36s
+SCRAPE_INTERVAL = 1.0
+EVALUATION_INTERVAL = 1.0
+# The exporter's bimodality window. After a fault the window must forget the healthy entropies
+# before the verdict can change, so this is part of the single-peak alert's time to page.
+EXPORTER_WINDOW_SECONDS = 10.0
+LOAD_CONCURRENCY = 3
+LOAD_MAX_TOKENS = 24
+FAULT_TIMEOUT = 90.0  # seconds from a fault to its page before the test gives up
+LAYERWATCH = str(Path(sys.executable).with_name("layerwatch"))
+
+
+# --- what is served ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    serve_args: tuple[str, ...]  # () serves the embedded demo model
+    profiles_dir: Path  # every profile of it is rendered into the rules, as in production
+
+
+@pytest.fixture(scope="module")
+def served_model(tmp_path_factory) -> ServedModel:
+    if os.environ.get("LAYERWATCH_E2E_MODEL", "demo") == "tiny":
+        return _tiny_model(tmp_path_factory.mktemp("e2e-model"))
+    if not (DEMO_MODEL_DIR / "config.json").is_file():
+        pytest.fail(f"the embedded demo model is missing ({DEMO_MODEL_DIR}); "
+                    "LAYERWATCH_E2E_MODEL=tiny runs this test on a tiny checkpoint instead")
+    return ServedModel(DEMO_MODEL_NAME, (), REPO / "alerts" / "profiles")
+
+
+TINY_NAME = "tiny-e2e"
+TINY_LAYERS = 16
+TINY_SKIPPABLE = range(3, 10)  # layers whose gates score low: skipped after the patience
+
+
+def _tiny_model(folder: Path) -> ServedModel:
+    """Random weights, a byte-level BPE, gates scoring layers 3-9 low; profiled by `layerwatch calibrate`."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from inference_shim.checkpoint import save_checkpoint
+    from inference_shim.gates import GateMetadata, model_fingerprint, save_gates
+    from inference_shim.model import GateBank, ModelConfig, Transformer
+
+    torch.set_num_threads(1)
+    corpus = subprocess.run(["bible", "-f", "Gen1:1-Gen4:26"], capture_output=True, text=True,
+                            check=True).stdout.splitlines()  # Debian's bible-kjv, as for the demo model
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tokenizer.save(str(folder / "tokenizer-src.json"))
+
+    config = ModelConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=TINY_LAYERS,
+                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512,
+                         bos_token_id=0, eos_token_ids=(1,))
+    torch.manual_seed(0)
+    model = Transformer(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+        model.lm_head.weight[1].fill_(0.0)  # no EOS: every completion runs to max_tokens
+        for layer in TINY_SKIPPABLE:  # what the gates skip contributes nothing (shadow checks agree)
+            model.layers[layer].self_attn.o_proj.weight.zero_()
+            model.layers[layer].mlp.down_proj.weight.zero_()
+    checkpoint = folder / TINY_NAME
+    save_checkpoint(model, folder / "tokenizer-src.json", checkpoint)
+    gates = GateBank(TINY_LAYERS, config.hidden_size)
+    with torch.no_grad():
+        for layer, gate in enumerate(gates.gates):
+            gate.fc2.bias.fill_(-4.0 if layer in TINY_SKIPPABLE else 2.5)
+    save_gates(checkpoint / "gates.safetensors", gates.eval(), GateMetadata(
+        num_layers=TINY_LAYERS, hidden_size=config.hidden_size, threshold=0.18, patience=3,
+        base_fingerprint=model_fingerprint(model)))
+
+    profiles = folder / "profiles"
+    shutil.copytree(REPO / "alerts" / "profiles", profiles)
+    data = folder / "heldout.txt"
+    data.write_text("\n".join(corpus))
+    done = run_tool(LAYERWATCH, "calibrate", "--model", checkpoint, "--data", data, "--out",
+                    profiles / f"{TINY_NAME}.yaml", "--model-name", TINY_NAME, "--max-tokens", "1024",
+                    "--chunk-tokens", "128", "--threads", "1")
+    assert done.returncode == 0, done.stderr
+    return ServedModel(TINY_NAME, ("--model", str(checkpoint)), profiles)
+
+
+# --- the pager and ticket bridges: a loopback webhook receiver --------------------------------------
+
+@dataclass(frozen=True)
+class Notification:
+    received_at: float  # time.monotonic()
+    receiver: str  # the URL path: /pager or /ticket
+    payload: dict  # Alertmanager's webhook body
+
+
+class WebhookReceiver:
+    """Records every POST Alertmanager sends, like a pager or ticket bridge would receive it."""
+
+    def __init__(self) -> None:
+        self.notifications: list[Notification] = []
+        received = self.notifications
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                received.append(Notification(time.monotonic(), self.path, json.loads(body)))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:  # keep pytest's output for the results
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def url(self, receiver: str) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}{receiver}"
+
+    def first_firing(self, receiver: str, alertname: str) -> float | None:
+        """When `receiver` was first notified of `alertname` firing (monotonic), or None."""
+        return next((n.received_at for n in list(self.notifications) if n.receiver == receiver
+                     for alert in n.payload["alerts"]
+                     if alert["labels"].get("alertname") == alertname and alert["status"] == "firing"), None)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+# --- load ----------------------------------------------------------------------------------------
+
+class Load:
+    """run_load's sampled completions, plus a trickle of greedy ones: only those are shadow-checked."""
+
+    def __init__(self, base_url: str, model_name: str) -> None:
+        self.base_url, self.model_name = base_url, model_name
+        self.stop_event = threading.Event()
+        self.reports = []
+        self.greedy_ok = 0
+        self._threads = [threading.Thread(target=self._sampled, daemon=True),
+                         threading.Thread(target=self._greedy, daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    def _sampled(self) -> None:
+        self.reports.append(run_load(self.base_url, self.model_name, duration=math.inf,
+                                     concurrency=LOAD_CONCURRENCY, max_tokens=LOAD_MAX_TOKENS,
+                                     stop=self.stop_event, timeout=30.0))
+
+    def _greedy(self) -> None:
+        body = json.dumps({"model": self.model_name, "prompt": "In the beginning", "max_tokens": 16,
+                           "temperature": 0}).encode()
+        while not self.stop_event.is_set():
+            request = urllib.request.Request(f"{self.base_url}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    self.greedy_ok += response.status == 200
+            except (urllib.error.URLError, OSError):
+                pass  # the shim is restarting
+            self.stop_event.wait(0.5)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        for thread in self._threads:
+            thread.join(60)
+
+
+# --- the stack -----------------------------------------------------------------------------------
+
+def _get_json(url: str) -> dict | list:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+@dataclass
+class Page:
+    """How long one fault took to reach Alertmanager and its receiver."""
+    fault: str
+    alertname: str
+    severity: str
+    for_seconds: float
+    injected_at: float  # monotonic: the restart that injects the fault began
+    serving_at: float  # the restarted shim answered /readyz
+    in_alertmanager_at: float
+    notified_at: float | None  # the receiver's webhook got it
+
+    def row(self) -> str:
+        notified = "-" if self.notified_at is None else f"{self.notified_at - self.injected_at:.1f}"
+        return (f"| {self.fault} | {self.alertname} | {self.severity} | {self.for_seconds:g} | "
+                f"{self.serving_at - self.injected_at:.1f} | {self.in_alertmanager_at - self.injected_at:.1f} "
+                f"| {notified} |")
+
+
+@dataclass
+class Stack:
+    workdir: Path
+    model: ServedModel
+    profile: Profile
+    webhooks: WebhookReceiver
+    rules: dict = field(default_factory=dict)  # the rendered rule file
+    shim_port: int = field(default_factory=free_port)
+    exporter_udp_port: int = field(default_factory=lambda: free_port(socket.SOCK_DGRAM))
+    exporter_http_port: int = field(default_factory=free_port)
+    prometheus_port: int = field(default_factory=free_port)
+    alertmanager_port: int = field(default_factory=free_port)
+    processes: dict[str, ManagedProcess] = field(default_factory=dict)
+    load: Load | None = None
+    pages: list[Page] = field(default_factory=list)
+    events: list[tuple[float, str]] = field(default_factory=list)  # (monotonic, what happened)
+    shim_restarts: int = 0
+
+    @property
+    def shim_instance(self) -> str:
+        return f"127.0.0.1:{self.shim_port}"
+
+    @property
+    def exporter_instance(self) -> str:
+        return f"127.0.0.1:{self.exporter_http_port}"
+
+    def start_process(self, name: str, argv: list[str], ready_url: str, timeout: float = 120.0) -> None:
+        process = ManagedProcess(name, argv, self.workdir / f"{name}.log")
+        self.processes[name] = process
+        process.wait_http(ready_url, timeout)
+
+    def start_shim(self, *extra: str) -> None:
+        self.start_process("shim", [
+            LAYERWATCH, "serve", *self.model.serve_args, "--port", str(self.shim_port),
+            "--exporter-address", f"127.0.0.1:{self.exporter_udp_port}", "--shadow-rate", "1.0",
+            "--log-level", "warning", *extra,
+        ], f"http://{self.shim_instance}/readyz")
+
+    def restart_shim(self, *extra: str) -> tuple[float, float]:
+        """Replace the shim by one started with `extra`, at the same address (the same target).
+
+        Returns when the restart began and when the new shim was ready (monotonic)."""
+        began = time.monotonic()
+        self.events.append((began, f"shim restart with {' '.join(extra)} begins"))
+        old = self.processes.pop("shim")
+        old.stop()
+        self.shim_restarts += 1
+        old.log_path.rename(self.workdir / f"shim-{self.shim_restarts}.log")
+        self.start_shim(*extra)
+        ready = time.monotonic()
+        self.events.append((ready, "restarted shim ready"))
+        return began, ready
+
+    def prometheus(self, path: str, **params: str) -> dict | list:
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        body = _get_json(f"http://127.0.0.1:{self.prometheus_port}{path}{query}")
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict]:
+        return self.prometheus("/api/v1/query", query=expr)["result"]
+
+    def alertmanager_alerts(self, alertname: str | None = None) -> list[dict]:
+        query = f"?{urllib.parse.urlencode({'filter': f'alertname={json.dumps(alertname)}'})}" if alertname else ""
+        return _get_json(f"http://127.0.0.1:{self.alertmanager_port}/api/v2/alerts{query}")
+
+    def alert_rules(self) -> list[dict]:
+        """The rendered alerting rules that apply to the served model."""
+        groups = ("layerwatch.common", f"layerwatch.model.{self.model.name}")
+        return [rule for group in self.rules["groups"] if group["name"] in groups
+                for rule in group["rules"] if "alert" in rule]
+
+    def for_seconds(self, alertname: str) -> float:
+        (duration,) = {rule["for"] for rule in self.alert_rules() if rule["alert"] == alertname}
+        return parse_duration(duration)
+
+    def wait_for_pages(self, fault: str, alertnames: list[str], injected_at: float,
+                       serving_at: float) -> dict[str, dict]:
+        """Poll Alertmanager until every alert is active there (not inhibited) and its receiver was
+        notified; record the times. Returns each alert as Alertmanager holds it."""
+        deadline = time.monotonic() + FAULT_TIMEOUT
+        arrived: dict[str, tuple[float, dict]] = {}
+        while time.monotonic() < deadline:
+            for name in alertnames:
+                if name not in arrived:
+                    active = [a for a in self.alertmanager_alerts(name) if a["status"]["state"] == "active"
+                              and a["labels"].get("model_name") == self.model.name]
+                    if active:
+                        arrived[name] = (time.monotonic(), active[0])
+            notified = {name: self.webhooks.first_firing(_receiver(alert), name)
+                        for name, (_, alert) in arrived.items()}
+            if len(arrived) == len(alertnames) and all(t is not None for t in notified.values()):
+                break
+            time.sleep(0.2)
+        for name, (at, alert) in arrived.items():
+            self.pages.append(Page(fault, name, alert["labels"]["severity"], self.for_seconds(name),
+                                   injected_at, serving_at, at,
+                                   self.webhooks.first_firing(_receiver(alert), name)))
+        missing = sorted(set(alertnames) - set(arrived))
+        assert not missing, (f"{missing} not active in Alertmanager {FAULT_TIMEOUT:.0f}s after {fault}; "
+                             f"Prometheus alerts: {self.layerwatch_alerts()}; Alertmanager: "
+                             f"{[(a['labels']['alertname'], a['status']) for a in self.alertmanager_alerts()]}"
+                             f"\n{self.diagnostics()}")
+        return {name: alert for name, (_, alert) in arrived.items()}
+
+    def layerwatch_alerts(self) -> list[tuple[str, str, dict]]:
+        """(alertname, state, labels) of every layerwatch alert Prometheus holds (pending or firing)."""
+        return [(a["labels"]["alertname"], a["state"], a["labels"])
+                for a in self.prometheus("/api/v1/alerts")["alerts"]
+                if a["labels"]["alertname"].startswith("Layerwatch")]
+
+    def diagnostics(self) -> str:
+        return "\n".join(f"--- {name} log:\n{process.log_tail(15)}" for name, process in self.processes.items())
+
+    def timeline(self) -> str:
+        """Restarts and every notification the receivers got, in seconds since the load started."""
+        events = self.events + [
+            (n.received_at, f"{n.receiver} {n.payload['status']}: " + ", ".join(sorted(
+                {f"{a['labels']['alertname']} ({a['status']})" for a in n.payload["alerts"]})))
+            for n in self.webhooks.notifications]
+        start = self.events[0][0]
+        return "\n".join(f"{at - start:7.1f}s  {what}" for at, what in sorted(events))
+
+    def stop(self) -> None:
+        if self.load is not None:
+            self.load.stop()
+        for process in reversed(list(self.processes.values())):
+            process.stop()
+        self.webhooks.close()
+
+
+def _receiver(alert: dict) -> str:
+    """Where the rendered alertmanager.yml routes an alert: critical pages, warning opens a ticket."""
+    return {"critical": "/pager", "warning": "/ticket"}[alert["labels"]["severity"]]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, served_model: ServedModel, prometheus_binary: str,
+          alertmanager_binary: str) -> Iterator[Stack]:
+    workdir = tmp_path_factory.mktemp("e2e-stack")
+    profiles = load_profiles(served_model.profiles_dir)
+    served_profiles = [p for p in profiles if p.model_name == served_model.name]
+    if not served_profiles:
+        pytest.fail(f"no profile for {served_model.name} in {served_model.profiles_dir}")
+    webhooks = WebhookReceiver()
+    s = Stack(workdir, served_model, served_profiles[0], webhooks)
+    rendered = render_stack(workdir / "config", profiles=profiles, shim_targets=[s.shim_instance],
+                            exporter_targets=[s.exporter_instance],
+                            alertmanager_target=f"127.0.0.1:{s.alertmanager_port}",
+                            pager_url=webhooks.url("/pager"), ticket_url=webhooks.url("/ticket"),
+                            scrape_interval=SCRAPE_INTERVAL, evaluation_interval=EVALUATION_INTERVAL,
+                            time_scale=TIME_SCALE)
+    s.rules = yaml.safe_load(rendered.rules.read_text())
+    try:
+        s.start_process("alertmanager", [
+            alertmanager_binary, f"--config.file={rendered.alertmanager_config}",
+            f"--storage.path={workdir / 'alertmanager-data'}",
+            f"--web.listen-address=127.0.0.1:{s.alertmanager_port}", "--cluster.listen-address=",
+        ], f"http://127.0.0.1:{s.alertmanager_port}/-/ready")
+        s.start_process("exporter", [
+            LAYERWATCH, "exporter", "--listen", f"127.0.0.1:{s.exporter_udp_port}",
+            "--http", s.exporter_instance, "--window-seconds", str(EXPORTER_WINDOW_SECONDS),
+            "--statistics-cache-seconds", "0.5",
+        ], f"http://{s.exporter_instance}/healthz")
+        s.start_shim()
+        # Prometheus last: from its first scrape on, every target is up (no TargetDown at start).
+        s.start_process("prometheus", [
+            prometheus_binary, f"--config.file={rendered.prometheus_config}",
+            f"--storage.tsdb.path={workdir / 'prometheus-data'}",
+            f"--web.listen-address=127.0.0.1:{s.prometheus_port}",
+        ], f"http://127.0.0.1:{s.prometheus_port}/-/ready")
+        s.load = Load(f"http://{s.shim_instance}", served_model.name)
+        s.events.append((time.monotonic(), "load started"))
+        yield s
+    finally:
+        s.stop()
+        if s.pages:
+            print("\n\ntime to page (seconds after the restart that injected the fault; "
+                  f"time scale {TIME_SCALE}, scrape {SCRAPE_INTERVAL:g}s, evaluation {EVALUATION_INTERVAL:g}s, "
+                  f"exporter window {EXPORTER_WINDOW_SECONDS:g}s)\n"
+                  "| fault | alert | severity | scaled `for` (s) | shim serving | in Alertmanager | receiver notified |\n"
+                  "|---|---|---|---|---|---|---|\n" + "\n".join(p.row() for p in s.pages))
+        if s.events:
+            print(f"\ntimeline:\n{s.timeline()}")
+        if s.load is not None:
+            print("load: " + "; ".join(r.summary() for r in s.load.reports)
+                  + f"; {s.load.greedy_ok} greedy requests for the shadow checks")
+        print(f"logs and rendered configuration: {workdir}")
+
+
+# --- phase 1: a healthy baseline -----------------------------------------------------------------
+
+def _baseline_seconds(stack: Stack) -> float:
+    """Long enough for every alert's scaled `for:` to pass over full windows."""
+    longest_for = max(parse_duration(rule["for"]) for rule in stack.alert_rules())
+    longest_window = max(TIME_SCALE * config.RATE_WINDOW, TIME_SCALE * stack.profile.drift.window,
+                         EXPORTER_WINDOW_SECONDS)
+    return longest_window + longest_for + 3 * EVALUATION_INTERVAL
+
+
+def test_healthy_baseline_fires_no_alert(stack: Stack) -> None:
+    deadline = time.monotonic() + _baseline_seconds(stack)
+    fired: dict[str, dict] = {}
+    while time.monotonic() < deadline:
+        fired.update((name, labels) for name, state, labels in stack.layerwatch_alerts() if state == "firing")
+        time.sleep(EVALUATION_INTERVAL)
+
+    # The baseline was really watched: both targets up, every rule evaluates, traffic and skipping
+    # are measured, and the exporter's window is full enough for a verdict, which is "bimodal".
+    targets = stack.prometheus("/api/v1/targets")["activeTargets"]
+    assert sorted((t["labels"]["job"], t["health"]) for t in targets) == [
+        (config.EXPORTER_JOB, "up"), (config.SHIM_JOB, "up")], targets
+    rules = [rule for group in stack.prometheus("/api/v1/rules")["groups"] for rule in group["rules"]]
+    assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
+    model = f'model_name="{stack.model.name}"'
+    recorded = Recorded.for_timing(Timing(TIME_SCALE))
+    skip_ratio = _values(stack.query(f"{recorded.skip_ratio}{{{model}}}"))
+    assert skip_ratio and 0 < skip_ratio[0] < stack.profile.runaway_skip_ratio, skip_ratio
+    assert _values(stack.query(f"layerwatch_entropy_window_observations{{{model}}}"))[0] \
+        >= stack.profile.bimodality.min_observations
+    assert _values(stack.query(f"layerwatch_entropy_bimodal{{{model}}}")) == [1.0]
+
+    assert fired == {}, f"alerts fired on the healthy baseline: {fired}"
+    assert stack.layerwatch_alerts() == []
+    assert stack.alertmanager_alerts() == []
+    assert stack.webhooks.notifications == []
+
+
+def _values(result: list[dict]) -> list[float]:
+    return [float(sample["value"][1]) for sample in result]
+
+
+# --- phase 2: gate weights overwritten ---------------------------------------------------------------
+
+def _served_hashes(stack: Stack) -> set[str]:
+    return {s["metric"]["gates_sha256"] for s in stack.query(
+        f'layerwatch_model_info{{instance="{stack.shim_instance}"}}')}
+
+
+def test_reset_gates_page_single_peak_and_gate_weights_changed(stack: Stack) -> None:
+    (healthy_sha,) = _served_hashes(stack)
+    injected, serving = stack.restart_shim("--reset-gates")
+    alerts = stack.wait_for_pages("gates reset (`--reset-gates`)",
+                                  ["LayerwatchEntropySinglePeak", "LayerwatchGateWeightsChanged"],
+                                  injected, serving)
+
+    single_peak = alerts["LayerwatchEntropySinglePeak"]
+    assert single_peak["labels"]["severity"] == "critical"
+    assert single_peak["labels"]["instance"] == stack.exporter_instance  # the exporter's verdict
+    (reset_sha,) = _served_hashes(stack) - {healthy_sha}
+    description = alerts["LayerwatchGateWeightsChanged"]["annotations"]["description"]
+    assert healthy_sha in description and reset_sha in description, description
+
+
+# --- phase 3: a threshold misconfigured to 0.95 -------------------------------------------------------
+
+def test_threshold_095_pages_runaway_skipping(stack: Stack) -> None:
+    injected, serving = stack.restart_shim("--threshold", "0.95")
+    alerts = stack.wait_for_pages("threshold 0.95 (`--threshold 0.95`)", ["LayerwatchRunawaySkipping"],
+                                  injected, serving)
+
+    runaway = alerts["LayerwatchRunawaySkipping"]
+    assert runaway["labels"]["severity"] == "critical"
+    assert runaway["labels"]["instance"] == stack.shim_instance
+    assert runaway["labels"]["trigger"] in ("skip_ratio", "fallbacks")
+    assert stack.query(f'layerwatch_model_info{{instance="{stack.shim_instance}", threshold="0.95"}}')
+
+
+# --- phase 4: the dashboard ----------------------------------------------------------------------------
+
+DASHBOARD = json.loads((REPO / "dashboards" / "json" / "overview.json").read_text())
+PANELS = [panel for panel in DASHBOARD["panels"] if panel["type"] != "row"]
+# Series that exist only where the host exposes them: NVML (a GPU and its driver) and RAPL.
+HARDWARE_SERIES = {"gpu_energy": "a GPU with NVML", "gpu_power": "a GPU with NVML",
+                   "cpu_energy": "readable RAPL counters (/sys/class/powercap)"}
+
+
+def _dashboard_expr(expr: str, stack: Stack) -> str:
+    """The query Grafana would send: variables filled in, recorded series named for this time scale."""
+    production = astuple(Recorded.for_timing(Timing()))
+    scaled = astuple(Recorded.for_timing(Timing(TIME_SCALE)))
+    for name, scaled_name in zip(production, scaled):
+        expr = re.sub(rf"(?<![\w:]){re.escape(name)}(?![\w:])", scaled_name, expr)
+    for variable, value in (("$__rate_interval", f"{4 * SCRAPE_INTERVAL:g}s"),  # Grafana's: 4 scrapes
+                            ("$model", stack.model.name), ("$instance", stack.shim_instance)):
+        expr = expr.replace(variable, value)
+    assert not re.search(r"\$[A-Za-z_{]", expr), f"a dashboard variable this test does not know: {expr}"
+    return expr
+
+
+def _wait_for_data(stack: Stack, expr: str, timeout: float = 15.0) -> list[dict]:
+    """The query's samples with a number (not NaN), polled for a while: ratios over a few seconds
+    can be momentarily 0/0."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = [s for s in stack.query(expr) if math.isfinite(float(s["value"][1]))]
+        if result or time.monotonic() > deadline:
+            return result
+        time.sleep(EVALUATION_INTERVAL)
+
+
+def _missing_hardware(expr: str, stack: Stack) -> str | None:
+    """What the host lacks for `expr` to have data, if `expr` reads hardware-only series it lacks."""
+    for needle, needs in HARDWARE_SERIES.items():
+        if needle in expr and not stack.query(f'{{__name__=~"layerwatch_{needle}.*", '
+                                              f'instance="{stack.shim_instance}"}}'):
+            return needs
+    return None
+
+
+def test_dashboard_variables_list_the_served_model_and_shim(stack: Stack) -> None:
+    models = stack.prometheus("/api/v1/label/model_name/values", **{"match[]": "layerwatch_model_info"})
+    instances = stack.prometheus("/api/v1/label/instance/values", **{
+        "match[]": f'layerwatch_model_info{{model_name=~"{stack.model.name}"}}'})
+    assert stack.model.name in models and instances == [stack.shim_instance]
+
+
+@pytest.mark.parametrize("panel", PANELS, ids=[panel["title"] for panel in PANELS])
+def test_dashboard_panel_has_data(stack: Stack, panel: dict) -> None:
+    lacking = []
+    for target in panel["targets"]:
+        expr = _dashboard_expr(target["expr"], stack)
+        if _wait_for_data(stack, expr):
+            continue
+        needs = _missing_hardware(expr, stack)
+        assert needs is not None, f"no data for target {target['refId']}: {expr}"
+        lacking.append(f"target {target['refId']} needs {needs}")
+    if lacking:
+        assert _values(stack.query(f'layerwatch_nvml_up{{instance="{stack.shim_instance}"}}')) == [0.0]
+        pytest.xfail(f"this host has no energy readings ({'; '.join(lacking)}); layerwatch_nvml_up is 0")

@@ -1,0 +1,65 @@
+"""The entry point: subcommands import only what they need, flags fall back to LAYERWATCH_* variables."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from layerwatch.cli import COMMANDS, apply_environment, build_parser
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--allow-debug", action="store_true")
+    p.add_argument("--protected-layers", type=int, nargs="*", default=None)
+    p.add_argument("trace")
+    return p
+
+
+def test_environment_supplies_defaults_and_the_command_line_wins():
+    p = _parser()
+    apply_environment(p, {"LAYERWATCH_MAX_BATCH_SIZE": "16", "LAYERWATCH_ALLOW_DEBUG": "yes",
+                          "LAYERWATCH_PROTECTED_LAYERS": "0,5"})
+    args = p.parse_args(["t.jsonl"])
+    assert (args.max_batch_size, args.allow_debug, args.protected_layers) == (16, True, [0, 5])
+    assert p.parse_args(["t.jsonl", "--max-batch-size", "2"]).max_batch_size == 2
+    assert "[env: LAYERWATCH_MAX_BATCH_SIZE]" in p.format_help()
+
+
+def test_environment_values_are_validated_like_flags(capsys):
+    p = _parser()
+    apply_environment(p, {"LAYERWATCH_MAX_BATCH_SIZE": "many"})
+    with pytest.raises(SystemExit):
+        p.parse_args(["t.jsonl"])
+    assert "invalid int value: 'many'" in capsys.readouterr().err
+
+    p = _parser()
+    with pytest.raises(SystemExit):
+        apply_environment(p, {"LAYERWATCH_ALLOW_DEBUG": "maybe"})
+    assert "LAYERWATCH_ALLOW_DEBUG='maybe'" in capsys.readouterr().err
+
+
+def test_positionals_are_not_read_from_the_environment():
+    p = _parser()
+    apply_environment(p, {"LAYERWATCH_TRACE": "x.jsonl"})
+    with pytest.raises(SystemExit):
+        p.parse_args([])
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_has_help(command):
+    parser = build_parser([command])
+    sub = parser._subparsers._group_actions[0].choices[command]  # argparse keeps subparsers here
+    assert sub.format_help().startswith("usage: layerwatch " + command)
+
+
+@pytest.mark.parametrize("command", ["exporter", "replay", "top", "generate"])
+def test_light_commands_never_import_torch(command):
+    code = (f"import sys; from layerwatch.cli import build_parser; build_parser([{command!r}]); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
