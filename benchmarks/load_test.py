@@ -46,21 +46,23 @@ def total(samples: dict, name: str, **labels: str) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=DEMO_MODEL_DIR, help="checkpoint folder (default: the demo model)")
+    parser.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the demo model)")
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--stream-fraction", type=float, default=0.5)
     args = parser.parse_args()
-    if not (args.model / "config.json").is_file():
-        parser.error(f"no checkpoint in {args.model} (build the demo model with `layerwatch train-demo`, or --model)")
+    if not ((args.model or DEMO_MODEL_DIR) / "config.json").is_file():
+        parser.error(f"no checkpoint in {args.model or DEMO_MODEL_DIR} (build the demo model with "
+                     f"`layerwatch train-demo`, or pass --model)")
 
     work = Path(tempfile.mkdtemp(prefix="layerwatch-load-"))
     udp, http, port = free_port(socket.SOCK_DGRAM), free_port(), free_port()
     exporter = ManagedProcess("exporter", [*LAYERWATCH, "exporter", "--listen", f"127.0.0.1:{udp}",
                                            "--http", f"127.0.0.1:{http}"], work / "exporter.log")
-    shim = ManagedProcess("serve", [*LAYERWATCH, "serve", "--model", str(args.model), "--port", str(port),
+    model_args = ["--model", str(args.model)] if args.model else []  # none: the demo model, under its name
+    shim = ManagedProcess("serve", [*LAYERWATCH, "serve", *model_args, "--port", str(port),
                                     "--exporter-address", f"127.0.0.1:{udp}", "--log-level", "warning",
                                     "--max-batch-size", str(args.max_batch_size),
                                     "--max-tokens-cap", str(args.max_tokens)], work / "serve.log")

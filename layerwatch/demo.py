@@ -129,11 +129,11 @@ class _Stack:
                              pager_url=config.PAGER_URL, ticket_url=config.TICKET_URL)
         am_url = f"http://127.0.0.1:{args.alertmanager_port}"
         prom_url = f"http://127.0.0.1:{args.prometheus_port}"
-        am = self._start("alertmanager", ["prometheus-alertmanager", f"--config.file={paths.alertmanager}",
+        am = self._start("alertmanager", ["prometheus-alertmanager", f"--config.file={paths.alertmanager_config}",
                                           f"--storage.path={self.workdir / 'alertmanager-data'}",
                                           f"--web.listen-address=127.0.0.1:{args.alertmanager_port}",
                                           "--cluster.listen-address="])
-        prom = self._start("prometheus", ["prometheus", f"--config.file={paths.prometheus}",
+        prom = self._start("prometheus", ["prometheus", f"--config.file={paths.prometheus_config}",
                                           f"--storage.tsdb.path={self.workdir / 'prometheus-data'}",
                                           f"--web.listen-address=127.0.0.1:{args.prometheus_port}"])
         am.wait_http(am_url + "/-/ready", timeout=30)
