@@ -407,7 +407,13 @@ _MODEL_RULES = (_profile_series_rules, _single_peak, _runaway_skipping, _skip_ra
 def model_rules(profile: Profile, timing: Timing) -> list[dict]:
     """The profile's bands as series, then every alert with this model's numbers."""
     m = _Model(profile, Recorded.for_timing(timing), timing)
-    return [rule for make in _MODEL_RULES for rule in make(m)]
+    rules = [rule for make in _MODEL_RULES for rule in make(m)]
+    # The model as a static label as well: the series carry the same value, and it keeps the alerts
+    # of two profiles apart for promtool's duplicate-rule check (same name and static labels).
+    for rule in rules:
+        if "alert" in rule:
+            rule["labels"]["model_name"] = profile.model_name
+    return rules
 
 
 def rule_groups(profiles: list[Profile], timing: Timing = Timing()) -> dict:

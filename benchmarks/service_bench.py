@@ -30,13 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inference_shim.demo import DEMO_MODEL_DIR  # noqa: E402
 from inference_shim.generate import GenerationEngine, SamplingParams, StepHook, StepRecord  # noqa: E402
-from inference_shim.model import GateBank, ModelConfig, Transformer  # noqa: E402
+from inference_shim.model import GateBank, Transformer  # noqa: E402
 from inference_shim.service.metrics import DecodeStats  # noqa: E402
 from inference_shim.service.telemetry import FrameSender, StepTelemetry  # noqa: E402
 from inference_shim.skip_policy import SkipPolicyConfig  # noqa: E402
 from inference_shim.tokenizer import Tokenizer  # noqa: E402
-from tokenizers import Tokenizer as BackendTokenizer  # noqa: E402
-from tokenizers import models  # noqa: E402
+
+from decode_bench import bench_tokenizer, build_model  # noqa: E402  (benchmarks/ is on sys.path)
 
 # The exporter stand-in: binds a loopback UDP port, prints it, discards what arrives.
 RECEIVER = ("import socket,sys\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\ns.bind(('127.0.0.1',0))\n"
@@ -44,18 +44,9 @@ RECEIVER = ("import socket,sys\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM
 
 
 def random_model(layers: int, hidden: int, vocab: int) -> tuple[Transformer, Tokenizer]:
-    config = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                         num_layers=layers, num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256),
-                         head_dim=64, max_position_embeddings=4096)
-    torch.manual_seed(0)
-    model = Transformer(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
+    model = build_model(layers, hidden, vocab)
     model.attach_gates(GateBank(layers, hidden).eval())
-    # Ids only: a word-level vocabulary of numbered tokens (decoding cost is part of the step).
-    tokenizer = Tokenizer(BackendTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")))
-    return model, tokenizer
+    return model, bench_tokenizer(vocab)
 
 
 def load_model(folder: Path) -> tuple[Transformer, Tokenizer]:

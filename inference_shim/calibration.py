@@ -5,6 +5,10 @@ decoded tokens are cut into chunks of `chunk_tokens` (roughly what the exporter'
 demo load), the statistic is computed per chunk, and the band is [lowest chunk - margin, highest
 chunk + margin], clipped to [0, 1]. The bimodality statistics are the exporter's own
 (exporter/statistics.py), on at most as many entropies as the exporter's window keeps.
+
+The shadow-agreement floor is measured the way the service's quality guard measures it (greedy
+requests re-scored at full depth), per chunk of requests: [lowest chunk - margin]. A model whose
+gates change the top-1 token for one token in five is healthy at 0.8, not at a generic 0.9.
 """
 
 from __future__ import annotations
@@ -67,9 +71,26 @@ def summarize(entropies: np.ndarray, skipped: np.ndarray, min_observations: int)
         bimodality=check_bimodality(window, min_observations))
 
 
+def agreement_floor(checks: list[tuple[int, int]], chunk_tokens: int, margin: float) -> float:
+    """Lowest agreement ratio over chunks of at least `chunk_tokens` tokens, minus `margin`.
+
+    checks: (tokens, agreements) per shadow-checked request, in order.
+    """
+    ratios, tokens, agreements = [], 0, 0
+    for request_tokens, request_agreements in checks:
+        tokens, agreements = tokens + request_tokens, agreements + request_agreements
+        if tokens >= chunk_tokens:
+            ratios.append(agreements / tokens)
+            tokens, agreements = 0, 0
+    if not ratios:
+        raise ValueError(f"the shadow checks covered fewer than one chunk of {chunk_tokens} tokens")
+    return round(max(0.0, min(ratios) - margin), 3)
+
+
 def build_profile(model_name: str, threshold: float, patience: int, runaway_skip_ratio: float,
-                  entropies: np.ndarray, skipped: np.ndarray, *, chunk_tokens: int, margin: float,
-                  min_observations: int, source: str) -> tuple[Profile, BaselineStatistics]:
+                  entropies: np.ndarray, skipped: np.ndarray, shadow_agreement_min: float, *,
+                  chunk_tokens: int, margin: float, min_observations: int,
+                  source: str) -> tuple[Profile, BaselineStatistics]:
     """entropies float [N, L] and skipped bool [N, L], one row per decoded token."""
     if len(entropies) < chunk_tokens:
         raise ValueError(f"the baseline decoded {len(entropies)} tokens, fewer than one chunk of {chunk_tokens}")
@@ -86,6 +107,7 @@ def build_profile(model_name: str, threshold: float, patience: int, runaway_skip
         entropy_mean=chunk_band(list(means), margin), entropy_std=chunk_band(list(stds), margin),
         zero_ratio=zero_band, zero_ratio_page=max(0.40, zero_band.high),
         skip_ratio_normal=round(stats.skip_ratio, 4), runaway_skip_ratio=runaway_skip_ratio,
+        shadow_agreement_min=shadow_agreement_min,
         bimodality=Bimodality(min_observations=min_observations, peaks=b.peaks, dip=_rounded(b.dip, 5),
                               dip_p_value=_rounded(b.dip_p_value, 6), bimodality_coefficient=bc),
         source=source)

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from alerts.profile import ProfileError, dump_profile
-    from inference_shim.calibration import Baseline, ascii_histogram, build_profile
+    from inference_shim.calibration import Baseline, agreement_floor, ascii_histogram, build_profile
     from inference_shim.cli_eval import load_gated_model, report_errors
     from inference_shim.corpus import read_documents
     from inference_shim.skip_policy import SkipPolicyConfig
@@ -60,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     baseline = Baseline()
     fallbacks = generate_baseline(gated, policy, prompts, args, baseline)
     entropies, skipped = baseline.arrays()
+    checks = shadow_checks(gated, policy, prompts, args)
+    checked_tokens, agreed = sum(t for t, _ in checks), sum(a for _, a in checks)
     today = datetime.date.today().isoformat()
     source = (f"layerwatch calibrate {today}: {len(prompts)} prompts from {args.data.name}, {len(entropies)} "
               f"decoded tokens (temperature {args.temperature:g}, top_p {args.top_p:g}), threshold {threshold:g}, "
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         profile, stats = build_profile(
             args.model_name, threshold, gated.patience, policy.fallback_skip_fraction, entropies, skipped,
-            chunk_tokens=args.chunk_tokens, margin=args.margin, min_observations=args.min_observations,
+            agreement_floor(checks, args.chunk_tokens, args.margin), chunk_tokens=args.chunk_tokens, margin=args.margin, min_observations=args.min_observations,
             source=source)
         dump_profile(profile, args.out)
     except (ValueError, ProfileError) as exc:
@@ -80,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
           f"zero-entropy ratio {stats.zero_ratio:.4f}")
     print(f"bimodality: {'bimodal' if b.bimodal else 'NOT bimodal'} (peaks {b.peaks}, dip {b.dip:.4f}, "
           f"p {b.dip_p_value:.4g}, BC {b.bimodality_coefficient:.3f}, window {b.observations})")
+    print(f"shadow agreement (greedy, full-depth top-1): {agreed}/{checked_tokens} = "
+          f"{agreed / max(checked_tokens, 1):.3f}; alert floor {profile.shadow_agreement_min}")
     print("20-bin histogram of decode-time entropies (all layers):")
     print(ascii_histogram(stats.histogram))
     print(f"wrote {args.out}")
@@ -116,3 +120,21 @@ def generate_baseline(gated, policy, prompts: list[str], args: argparse.Namespac
     while engine.has_work():
         engine.step()
     return fallbacks
+
+
+def shadow_checks(gated, policy, prompts: list[str], args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(tokens, agreements) per prompt: greedy gated completions re-scored at full depth, as the
+    service's quality guard (`--shadow-rate`) does it."""
+    from inference_shim.generate import GenerationEngine, SamplingParams
+    from inference_shim.service.shadow import ShadowJob, full_depth_agreement
+
+    tokenizer = gated.loaded.tokenizer
+    engine = GenerationEngine(gated.model, tokenizer, model_name=args.model_name, policy=policy,
+                              kv_policy=args.kv_policy, max_batch_size=args.batch_size)
+    checks = []
+    for prompt in prompts:
+        prompt_ids = tokenizer.encode(prompt)
+        result = engine.generate(prompt_ids, SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0))
+        checked = full_depth_agreement(gated.model, ShadowJob(prompt_ids, result.token_ids))
+        checks.append((checked.tokens, checked.agreements))
+    return checks

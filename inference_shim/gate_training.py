@@ -35,14 +35,14 @@ from inference_shim.training import lm_loss, sample_windows
 
 @dataclass(frozen=True)
 class GateSchedule:
-    steps: int = 400
+    steps: int = 1200
     batch_size: int = 8
     seq_len: int = 128
     learning_rate: float = 5e-3
     threshold: float = 0.18  # tau the gates are trained for (and stored with)
     patience: int = 3
     protected_layers: tuple[int, ...] = ()
-    target_skip: float = 0.35  # share of (token, skippable layer) pairs to skip
+    target_skip: float = 0.28  # share of (token, skippable layer) pairs to skip
     sparsity_weight: float = 20.0
     commit_weight: float = 2.0
     low_score: float = 0.10  # the double well's two minima

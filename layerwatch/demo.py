@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prometheus", action="store_true", help="do not start Prometheus and Alertmanager")
     parser.add_argument("--concurrency", type=int, default=2, help="load generator clients (default %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per generated completion")
+    parser.add_argument("--shadow-rate", type=float, default=0.5,
+                        help="share of greedy requests the shim re-checks at full depth (default %(default)s)")
     parser.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0 = until Ctrl-C)")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between screen refreshes")
     parser.add_argument("--workdir", default=None, help="where configs and logs go (default: a temporary folder)")
@@ -110,7 +112,8 @@ class _Stack:
         exporter_url = f"http://127.0.0.1:{args.exporter_port}"
         exporter = self._start("exporter", cli + ["exporter", "--listen", f"127.0.0.1:{udp_port}",
                                                   "--http", f"127.0.0.1:{args.exporter_port}"])
-        shim_argv = cli + ["serve", "--port", str(args.port), "--exporter-address", f"127.0.0.1:{udp_port}"]
+        shim_argv = cli + ["serve", "--port", str(args.port), "--exporter-address", f"127.0.0.1:{udp_port}",
+                           "--shadow-rate", str(args.shadow_rate)]
         if args.model:
             shim_argv += ["--model", args.model]
         shim = self._start("shim", shim_argv)

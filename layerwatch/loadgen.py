@@ -78,9 +78,12 @@ class _Merge:
 
 
 def _one_request(host: str, port: int, model: str, rng: random.Random, max_tokens: int, stream: bool,
-                 timeout: float) -> tuple[int, dict | None]:
-    body = {"model": model, "prompt": rng.choice(PROMPTS), "max_tokens": max_tokens,
-            "temperature": 0.8, "top_p": 0.95, "seed": rng.randrange(1 << 30), "stream": stream}
+                 greedy: bool, timeout: float) -> tuple[int, dict | None]:
+    body = {"model": model, "prompt": rng.choice(PROMPTS), "max_tokens": max_tokens, "stream": stream}
+    if greedy:
+        body["temperature"] = 0.0
+    else:
+        body.update(temperature=0.8, top_p=0.95, seed=rng.randrange(1 << 30))
     if stream:
         body["stream_options"] = {"include_usage": True}
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
@@ -105,9 +108,13 @@ def _one_request(host: str, port: int, model: str, rng: random.Random, max_token
 
 
 def run_load(base_url: str, model: str, *, duration: float, concurrency: int = 4, max_tokens: int = 32,
-             stream_fraction: float = 0.5, max_requests: int = 100_000, seed: int = 0,
-             stop: threading.Event | None = None, timeout: float = 120.0) -> LoadReport:
-    """Send completions from `concurrency` threads until `duration` seconds, `max_requests` or `stop`."""
+             stream_fraction: float = 0.5, greedy_fraction: float = 0.25, max_requests: int = 100_000,
+             seed: int = 0, stop: threading.Event | None = None, timeout: float = 120.0) -> LoadReport:
+    """Send completions from `concurrency` threads until `duration` seconds, `max_requests` or `stop`.
+
+    A `greedy_fraction` of the requests decode greedily (the shim shadow-checks only those, since a
+    sampled token has no single full-depth answer); the rest sample with a per-request seed.
+    """
     parts = urlsplit(base_url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     merge = _Merge()
@@ -123,7 +130,8 @@ def run_load(base_url: str, model: str, *, duration: float, concurrency: int = 4
                 if next(issued, None) is None:
                     return
             started = time.monotonic()
-            status, usage = _one_request(host, port, model, rng, max_tokens, rng.random() < stream_fraction, timeout)
+            status, usage = _one_request(host, port, model, rng, max_tokens, rng.random() < stream_fraction,
+                                         rng.random() < greedy_fraction, timeout)
             merge.add(status, usage, time.monotonic() - started)
             if status == 0:
                 stop.wait(0.2)  # server not reachable: back off instead of spinning

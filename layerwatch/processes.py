@@ -55,6 +55,12 @@ class ManagedProcess:
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
 
+    def kill(self, timeout: float = 10.0) -> int | None:
+        """SIGKILL the process group at once: a crash, as far as anything else can tell."""
+        self._signal(signal.SIGKILL)
+        self.proc.wait(timeout)
+        return self.stop()
+
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM the process group, SIGKILL it if it lingers; returns the exit code."""
         if self.running():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from alerts.profile import load_profile
-from inference_shim.calibration import ascii_histogram, build_profile
+from inference_shim.calibration import agreement_floor, ascii_histogram, build_profile
 from layerwatch.cli import main
 from tests.model.test_eval_decode import model_dir, text_file  # noqa: F401 (fixtures)
 
@@ -25,7 +25,9 @@ def test_calibrate_writes_a_loadable_profile(model_dir, text_file, tmp_path, cap
     assert profile.zero_ratio.low <= 0.75 <= profile.zero_ratio.high
     assert profile.bimodality.min_observations == 50
     assert "6 prompts from heldout.txt" in profile.source
-    assert "bimodal" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "bimodal" in out and "shadow agreement (greedy, full-depth top-1)" in out
+    assert 0.0 <= profile.shadow_agreement_min <= 1.0
 
 
 def test_calibrate_refuses_a_text_without_prompts(model_dir, tmp_path, capsys):  # noqa: F811
@@ -42,7 +44,7 @@ def test_bands_cover_every_chunk_with_the_margin():
     # Layers 0-3 redundant (~0.1), layers 4-7 key (~0.3), 400 decoded tokens.
     entropies = np.concatenate([rng.normal(0.1, 0.02, (400, 4)), rng.normal(0.3, 0.02, (400, 4))], axis=1)
     skipped = entropies < 0.18
-    profile, stats = build_profile("m", 0.18, 3, 0.85, entropies, skipped, chunk_tokens=100, margin=0.01,
+    profile, stats = build_profile("m", 0.18, 3, 0.85, entropies, skipped, 0.8, chunk_tokens=100, margin=0.01,
                                    min_observations=100, source="test")
     active_means = [entropies[i:i + 100][~skipped[i:i + 100]].mean() for i in range(0, 400, 100)]
     assert profile.entropy_mean.low == pytest.approx(min(active_means) - 0.01, abs=1e-4)
@@ -54,7 +56,7 @@ def test_bands_cover_every_chunk_with_the_margin():
 
 def test_too_short_a_baseline_is_refused():
     with pytest.raises(ValueError, match="fewer than one chunk"):
-        build_profile("m", 0.18, 3, 0.85, np.zeros((5, 4)), np.zeros((5, 4), bool), chunk_tokens=10,
+        build_profile("m", 0.18, 3, 0.85, np.zeros((5, 4)), np.zeros((5, 4), bool), 0.9, chunk_tokens=10,
                       margin=0.0, min_observations=1, source="")
 
 
@@ -65,3 +67,11 @@ def test_ascii_histogram_scales_bars_to_the_tallest_bin():
     assert len(lines) == 20
     assert lines[2].startswith("[0.10, 0.15) ##########") and lines[2].endswith(" 10")
     assert lines[6].count("#") == 5 and lines[19].startswith("[0.95, 1.00]")
+
+
+def test_agreement_floor_is_the_worst_chunk_minus_the_margin():
+    # (tokens, agreements) per request; chunks close once they hold >= 20 tokens.
+    checks = [(10, 10), (10, 9), (12, 6), (10, 10), (5, 5)]  # chunks: 19/20, 16/22; the 5-token tail is dropped
+    assert agreement_floor(checks, chunk_tokens=20, margin=0.05) == round(16 / 22 - 0.05, 3)
+    with pytest.raises(ValueError, match="fewer than one chunk"):
+        agreement_floor([(5, 5)], chunk_tokens=20, margin=0.0)

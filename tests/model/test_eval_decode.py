@@ -12,8 +12,10 @@ from inference_shim.checkpoint import save_checkpoint
 from inference_shim.evaluation import heldout_windows, teacher_forced_decode
 from inference_shim.gates import GateMetadata, model_fingerprint, save_gates
 from inference_shim.skip_policy import SkipPolicyConfig
+from inference_shim.tokenizer import Tokenizer
 from layerwatch.cli import main
-from tests.model.conftest import TRAINING_TEXT, constant_gates, random_gates, random_model, tiny_config
+from tests.model.conftest import (TRAINING_TEXT, build_backend_tokenizer, constant_gates, random_gates,
+                                  random_model, tiny_config)
 
 WINDOW, PREFILL = 24, 6
 DECODE_STEPS = WINDOW - PREFILL  # per window
@@ -73,9 +75,6 @@ def test_heldout_windows_cover_the_requested_tokens():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from inference_shim.tokenizer import Tokenizer
-    from tests.model.conftest import build_backend_tokenizer
-
     directory = tmp_path_factory.mktemp("tiny-model")
     model = random_model()
     save_checkpoint(model, Tokenizer(build_backend_tokenizer(), bos_token="<s>", eos_tokens=["</s>"]), directory)

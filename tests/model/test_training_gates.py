@@ -7,19 +7,17 @@ import hashlib
 import pytest
 import torch
 
-from inference_shim.checkpoint import save_checkpoint
-from inference_shim.gate_training import patience_skip
+from inference_shim.checkpoint import load_checkpoint, save_checkpoint
+from inference_shim.gate_training import GateSchedule, init_gates, patience_skip, train_gates
 from inference_shim.gates import load_gates
-from inference_shim.checkpoint import load_checkpoint
+from inference_shim.tokenizer import Tokenizer
+from inference_shim.training import text_file_stream
 from layerwatch.cli import main
-from tests.model.conftest import TRAINING_TEXT, random_model
+from tests.model.conftest import TRAINING_TEXT, build_backend_tokenizer, random_model
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tests.model.conftest import build_backend_tokenizer
-    from inference_shim.tokenizer import Tokenizer
-
     directory = tmp_path_factory.mktemp("tiny-model")
     tokenizer = Tokenizer(build_backend_tokenizer(), bos_token="<s>", eos_tokens=["</s>"])
     save_checkpoint(random_model(), tokenizer, directory)
@@ -60,9 +58,6 @@ def test_written_gates_load_onto_the_model_with_their_threshold(model_dir, text_
 
 
 def test_training_moves_the_skip_rate_towards_the_target(model_dir, text_file):
-    from inference_shim.gate_training import GateSchedule, init_gates, train_gates
-    from inference_shim.training import text_file_stream
-
     loaded = load_checkpoint(model_dir)
     stream = text_file_stream(loaded.tokenizer, text_file, min_tokens=18)
     rates = []

@@ -5,19 +5,24 @@ it back. The tiny checkpoint is the service tests' one (tests/service/conftest.p
 
 from __future__ import annotations
 
+import shutil
 import socket
 import sys
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
+from layerwatch.loadgen import LoadReport, run_load
 from layerwatch.processes import ManagedProcess, free_port
-from tests.service.conftest import MODEL_NAME, TinyCheckpoint, sample_sum, scrape, tiny_checkpoint  # noqa: F401
+from tests.service.conftest import (MODEL_NAME, TinyCheckpoint, in_process, sample_sum, scrape,  # noqa: F401
+                                    tiny_checkpoint)
 
 LAYERWATCH = [sys.executable, "-m", "layerwatch.cli"]
 # One torch thread per process: the tests run on a shared 2-core machine.
@@ -43,9 +48,7 @@ class Exporter:
         return self
 
     def kill(self) -> None:
-        """SIGKILL: the way a crash looks (no clean shutdown)."""
-        self.process.proc.kill()
-        self.process.stop()
+        self.process.kill()
 
     def stop(self) -> None:
         if self.process is not None:
@@ -93,8 +96,6 @@ class Shim:
 class Prometheus:
     """The Debian `prometheus` binary scraping given targets every second, its data in a temp dir."""
 
-    SCRAPE_INTERVAL = 1.0
-
     def __init__(self, workdir: Path, targets: list[str]) -> None:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
@@ -112,6 +113,9 @@ class Prometheus:
         self.process = ManagedProcess("prometheus", argv, self.workdir / "prometheus.log")
         self.process.wait_http(f"{self.url}/-/ready", timeout=30)
         return self
+
+    def kill(self) -> None:
+        self.process.kill()
 
     def stop(self) -> None:
         if self.process is not None:
@@ -135,8 +139,29 @@ class Prometheus:
 
 
 def _unix(rfc3339: str) -> float:
-    from datetime import datetime
     return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
+
+
+class BackgroundLoad:
+    """run_load in a thread; `result()` joins it."""
+
+    def __init__(self, url: str, duration: float, **kwargs) -> None:
+        self._report: LoadReport | None = None
+        self.started = time.monotonic()
+
+        def work() -> None:
+            self._report = run_load(url, MODEL_NAME, duration=duration, **kwargs)
+
+        self._thread = threading.Thread(target=work, daemon=True)
+        self._thread.start()
+
+    def sleep_until(self, seconds_after_start: float) -> None:
+        time.sleep(max(0.0, self.started + seconds_after_start - time.monotonic()))
+
+    def result(self, timeout: float = 60.0) -> LoadReport:
+        self._thread.join(timeout)
+        assert self._report is not None, "the load generator did not finish"
+        return self._report
 
 
 def exporter_entropy_count(exporter_samples: dict, model: str = MODEL_NAME) -> float:
@@ -145,7 +170,6 @@ def exporter_entropy_count(exporter_samples: dict, model: str = MODEL_NAME) -> f
 
 
 def require_binary(name: str) -> None:
-    import shutil
     if shutil.which(name) is None:
         pytest.fail(f"{name} not found on PATH: install the Debian package `{name}`")
 

@@ -308,6 +308,7 @@ def test_generate_refuses_a_malformed_profile_and_writes_nothing(tmp_path):
     tree = tmp_path / "tree"
     shutil.copytree(REPO / "alerts" / "profiles", tree / "alerts" / "profiles")
     profile = tree / "alerts" / "profiles" / "reference.yaml"
+    inputs = set(tree.rglob("*"))
     cases = {
         "not-yaml": "model_name: [unclosed\n",
         "wrong-type": profile.read_text().replace("runaway_skip_ratio: 0.85", "runaway_skip_ratio: lots"),
@@ -319,8 +320,8 @@ def test_generate_refuses_a_malformed_profile_and_writes_nothing(tmp_path):
                                 timeout=60, cwd=REPO)
         assert result.returncode == 2, f"{name}: {result.stdout}{result.stderr}"
         assert "reference.yaml" in result.stderr and "Traceback" not in result.stderr, f"{name}: {result.stderr}"
-        written = [p for p in tree.rglob("*") if p.is_file() and p != profile]
-        assert written == [], f"{name}: partial output {written}"
+        written = set(tree.rglob("*")) - inputs
+        assert written == set(), f"{name}: partial output {written}"
 
 
 @pytest.mark.parametrize("content", [

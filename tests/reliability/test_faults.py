@@ -12,48 +12,25 @@ Gate files replaced on disk are in test_gate_reload.py.
 from __future__ import annotations
 
 import math
-import threading
 import time
 
 import httpx
 import pytest
 
-from layerwatch.loadgen import LoadReport, run_load
-from tests.reliability.conftest import MODEL_NAME, Prometheus, exporter_entropy_count, require_binary, sample_sum
-from tests.service.conftest import in_process  # noqa: F401  (fixture)
-
-
-class BackgroundLoad:
-    """run_load in a thread; `result()` joins it."""
-
-    def __init__(self, url: str, duration: float, **kwargs) -> None:
-        self._report: LoadReport | None = None
-        self.started = time.monotonic()
-
-        def work() -> None:
-            self._report = run_load(url, MODEL_NAME, duration=duration, **kwargs)
-
-        self._thread = threading.Thread(target=work, daemon=True)
-        self._thread.start()
-
-    def sleep_until(self, seconds_after_start: float) -> None:
-        time.sleep(max(0.0, self.started + seconds_after_start - time.monotonic()))
-
-    def result(self, timeout: float = 60.0) -> LoadReport:
-        self._thread.join(timeout)
-        assert self._report is not None, "the load generator did not finish"
-        return self._report
+from layerwatch.loadgen import run_load
+from tests.reliability.conftest import (MODEL_NAME, BackgroundLoad, Prometheus, exporter_entropy_count,
+                                         require_binary, sample_sum)
 
 
 def test_exporter_killed_and_restarted_mid_load(make_shim, exporter):
     """The shim keeps serving every request; the outage shows as dropped frames on the shim and as a
     counter reset on the exporter, which counts again from the shim's next frame without inventing loss."""
     shim = make_shim("--max-batch-size", "4", exporter=exporter)
-    load = BackgroundLoad(shim.url, duration=9.0, concurrency=4, max_tokens=12, seed=3)
-    load.sleep_until(2.5)
+    load = BackgroundLoad(shim.url, duration=7.0, concurrency=4, max_tokens=12, seed=3)
+    load.sleep_until(2.0)
     before_kill = exporter.metrics()
     exporter.kill()
-    load.sleep_until(5.0)
+    load.sleep_until(4.0)
     exporter.start()  # same ports: the shim's frames reach it again without the shim noticing
     report = load.result()
     print(f"\nexporter restarted mid-load: {report.summary()}")
@@ -102,10 +79,9 @@ def test_prometheus_down_mid_load_is_invisible_to_the_shim(make_shim, prometheus
     shim = make_shim()
     prometheus = prometheus_for([f"127.0.0.1:{shim.port}"])
     prometheus.wait_scraped(after=time.time())
-    load = BackgroundLoad(shim.url, duration=6.0, concurrency=4, max_tokens=12, seed=5)
+    load = BackgroundLoad(shim.url, duration=5.0, concurrency=4, max_tokens=12, seed=5)
     load.sleep_until(2.0)
-    prometheus.process.proc.kill()
-    prometheus.stop()
+    prometheus.kill()
     report = load.result()
     print(f"\nPrometheus killed mid-load: {report.summary()}")
 

@@ -23,8 +23,7 @@ import torch
 
 from inference_shim.gates import GateMetadata, model_fingerprint, save_gates
 from inference_shim.model import GateBank
-from tests.reliability.conftest import MODEL_NAME, Shim, sample_sum
-from tests.reliability.test_faults import BackgroundLoad
+from tests.reliability.conftest import MODEL_NAME, BackgroundLoad, Shim, sample_sum
 from tests.service.conftest import NUM_LAYERS, tiny_model
 
 WATCH_SECONDS = 0.2

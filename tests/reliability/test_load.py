@@ -17,7 +17,7 @@ import time
 from layerwatch.loadgen import run_load
 from tests.reliability.conftest import MODEL_NAME, exporter_entropy_count, sample_sum
 
-LOAD_SECONDS = 8.0
+LOAD_SECONDS = 6.0
 CONCURRENCY = 6  # more clients than --max-batch-size 4: requests also queue for a batch slot
 MAX_TOKENS = 16
 

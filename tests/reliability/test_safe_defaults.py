@@ -78,12 +78,21 @@ NOT_SECRETS = re.compile(r"^(?:\$|<|os\.environ|environ|None|null|true|false|\*+
                          r"|change-?me|your-|example|placeholder)", re.I)
 
 
+def repository_files() -> list[Path]:
+    """What git tracks or would add (ignored files excluded); outside a git checkout, every file but
+    the usual local ones."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                                capture_output=True, check=True).stdout.decode().split("\0")
+        return [REPO / name for name in listed if name]
+    except (OSError, subprocess.CalledProcessError):
+        local = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis"}
+        return [p for p in REPO.rglob("*") if not local & set(p.relative_to(REPO).parts)]
+
+
 def tracked_text_files() -> list[Path]:
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                            capture_output=True, check=True).stdout.decode().split("\0")
     files = []
-    for name in filter(None, listed):
-        path = REPO / name
+    for path in repository_files():
         if path.is_file() and path.stat().st_size < 2_000_000 and b"\0" not in path.read_bytes()[:4096]:
             files.append(path)
     return files

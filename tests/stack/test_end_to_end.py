@@ -14,20 +14,16 @@ The configuration is `layerwatch.deploy.render_stack` with every window, `for:` 
 wait scaled by TIME_SCALE. The time from each fault to its page is printed at the end (run with -s)
 and recorded in docs/end-to-end.md.
 
-The served model is the embedded demo model with its committed profile (alerts/profiles). Setting
-LAYERWATCH_E2E_MODEL=tiny serves instead a tiny random checkpoint built here, profiled by
-`layerwatch calibrate` (for working on the stack without the demo model).
+The shim serves the embedded demo model; its alerts come from its committed, calibrated profile
+(alerts/profiles/demo.yaml), rendered together with every other committed profile as in production.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -48,10 +44,10 @@ from alerts.profile import Profile, load_profiles
 from alerts.rules import Recorded, Timing
 from inference_shim.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from layerwatch.deploy import render_stack
-from layerwatch.loadgen import run_load
+from layerwatch.loadgen import LoadReport, run_load
 from layerwatch.processes import ManagedProcess, free_port
 
-from .conftest import REPO, run_tool
+from .conftest import REPO
 
 pytestmark = pytest.mark.e2e
 
@@ -65,84 +61,7 @@ LOAD_CONCURRENCY = 3
 LOAD_MAX_TOKENS = 24
 FAULT_TIMEOUT = 90.0  # seconds from a fault to its page before the test gives up
 LAYERWATCH = str(Path(sys.executable).with_name("layerwatch"))
-
-
-# --- what is served ------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ServedModel:
-    name: str
-    serve_args: tuple[str, ...]  # () serves the embedded demo model
-    profiles_dir: Path  # every profile of it is rendered into the rules, as in production
-
-
-@pytest.fixture(scope="module")
-def served_model(tmp_path_factory) -> ServedModel:
-    if os.environ.get("LAYERWATCH_E2E_MODEL", "demo") == "tiny":
-        return _tiny_model(tmp_path_factory.mktemp("e2e-model"))
-    if not (DEMO_MODEL_DIR / "config.json").is_file():
-        pytest.fail(f"the embedded demo model is missing ({DEMO_MODEL_DIR}); "
-                    "LAYERWATCH_E2E_MODEL=tiny runs this test on a tiny checkpoint instead")
-    return ServedModel(DEMO_MODEL_NAME, (), REPO / "alerts" / "profiles")
-
-
-TINY_NAME = "tiny-e2e"
-TINY_LAYERS = 16
-TINY_SKIPPABLE = range(3, 10)  # layers whose gates score low: skipped after the patience
-
-
-def _tiny_model(folder: Path) -> ServedModel:
-    """Random weights, a byte-level BPE, gates scoring layers 3-9 low; profiled by `layerwatch calibrate`."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from inference_shim.checkpoint import save_checkpoint
-    from inference_shim.gates import GateMetadata, model_fingerprint, save_gates
-    from inference_shim.model import GateBank, ModelConfig, Transformer
-
-    torch.set_num_threads(1)
-    corpus = subprocess.run(["bible", "-f", "Gen1:1-Gen4:26"], capture_output=True, text=True,
-                            check=True).stdout.splitlines()  # Debian's bible-kjv, as for the demo model
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    tokenizer.save(str(folder / "tokenizer-src.json"))
-
-    config = ModelConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=TINY_LAYERS,
-                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512,
-                         bos_token_id=0, eos_token_ids=(1,))
-    torch.manual_seed(0)
-    model = Transformer(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.normal_(0.0, 0.3)
-        model.lm_head.weight[1].fill_(0.0)  # no EOS: every completion runs to max_tokens
-        for layer in TINY_SKIPPABLE:  # what the gates skip contributes nothing (shadow checks agree)
-            model.layers[layer].self_attn.o_proj.weight.zero_()
-            model.layers[layer].mlp.down_proj.weight.zero_()
-    checkpoint = folder / TINY_NAME
-    save_checkpoint(model, folder / "tokenizer-src.json", checkpoint)
-    gates = GateBank(TINY_LAYERS, config.hidden_size)
-    with torch.no_grad():
-        for layer, gate in enumerate(gates.gates):
-            gate.fc2.bias.fill_(-4.0 if layer in TINY_SKIPPABLE else 2.5)
-    save_gates(checkpoint / "gates.safetensors", gates.eval(), GateMetadata(
-        num_layers=TINY_LAYERS, hidden_size=config.hidden_size, threshold=0.18, patience=3,
-        base_fingerprint=model_fingerprint(model)))
-
-    profiles = folder / "profiles"
-    shutil.copytree(REPO / "alerts" / "profiles", profiles)
-    data = folder / "heldout.txt"
-    data.write_text("\n".join(corpus))
-    done = run_tool(LAYERWATCH, "calibrate", "--model", checkpoint, "--data", data, "--out",
-                    profiles / f"{TINY_NAME}.yaml", "--model-name", TINY_NAME, "--max-tokens", "1024",
-                    "--chunk-tokens", "128", "--threads", "1")
-    assert done.returncode == 0, done.stderr
-    return ServedModel(TINY_NAME, ("--model", str(checkpoint)), profiles)
+PROFILES_DIR = REPO / "alerts" / "profiles"
 
 
 # --- the pager and ticket bridges: a loopback webhook receiver --------------------------------------
@@ -192,35 +111,16 @@ class WebhookReceiver:
 # --- load ----------------------------------------------------------------------------------------
 
 class Load:
-    """run_load's sampled completions, plus a trickle of greedy ones: only those are shadow-checked."""
+    """Sampled and greedy completions in the background (only greedy ones are shadow-checked)."""
 
     def __init__(self, base_url: str, model_name: str) -> None:
-        self.base_url, self.model_name = base_url, model_name
         self.stop_event = threading.Event()
-        self.reports = []
-        self.greedy_ok = 0
-        self._threads = [threading.Thread(target=self._sampled, daemon=True),
-                         threading.Thread(target=self._greedy, daemon=True)]
+        self.reports: list[LoadReport] = []
+        self._threads = [threading.Thread(target=lambda: self.reports.append(run_load(
+            base_url, model_name, duration=math.inf, concurrency=LOAD_CONCURRENCY, max_tokens=LOAD_MAX_TOKENS,
+            greedy_fraction=0.5, stop=self.stop_event, timeout=30.0)), daemon=True)]
         for thread in self._threads:
             thread.start()
-
-    def _sampled(self) -> None:
-        self.reports.append(run_load(self.base_url, self.model_name, duration=math.inf,
-                                     concurrency=LOAD_CONCURRENCY, max_tokens=LOAD_MAX_TOKENS,
-                                     stop=self.stop_event, timeout=30.0))
-
-    def _greedy(self) -> None:
-        body = json.dumps({"model": self.model_name, "prompt": "In the beginning", "max_tokens": 16,
-                           "temperature": 0}).encode()
-        while not self.stop_event.is_set():
-            request = urllib.request.Request(f"{self.base_url}/v1/completions", body,
-                                             {"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=30) as response:
-                    self.greedy_ok += response.status == 200
-            except (urllib.error.URLError, OSError):
-                pass  # the shim is restarting
-            self.stop_event.wait(0.5)
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -257,8 +157,7 @@ class Page:
 @dataclass
 class Stack:
     workdir: Path
-    model: ServedModel
-    profile: Profile
+    profile: Profile  # the served model's
     webhooks: WebhookReceiver
     rules: dict = field(default_factory=dict)  # the rendered rule file
     shim_port: int = field(default_factory=free_port)
@@ -271,6 +170,10 @@ class Stack:
     pages: list[Page] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)  # (monotonic, what happened)
     shim_restarts: int = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.profile.model_name
 
     @property
     def shim_instance(self) -> str:
@@ -287,7 +190,7 @@ class Stack:
 
     def start_shim(self, *extra: str) -> None:
         self.start_process("shim", [
-            LAYERWATCH, "serve", *self.model.serve_args, "--port", str(self.shim_port),
+            LAYERWATCH, "serve", "--port", str(self.shim_port),
             "--exporter-address", f"127.0.0.1:{self.exporter_udp_port}", "--shadow-rate", "1.0",
             "--log-level", "warning", *extra,
         ], f"http://{self.shim_instance}/readyz")
@@ -322,7 +225,7 @@ class Stack:
 
     def alert_rules(self) -> list[dict]:
         """The rendered alerting rules that apply to the served model."""
-        groups = ("layerwatch.common", f"layerwatch.model.{self.model.name}")
+        groups = ("layerwatch.common", f"layerwatch.model.{self.model_name}")
         return [rule for group in self.rules["groups"] if group["name"] in groups
                 for rule in group["rules"] if "alert" in rule]
 
@@ -340,7 +243,7 @@ class Stack:
             for name in alertnames:
                 if name not in arrived:
                     active = [a for a in self.alertmanager_alerts(name) if a["status"]["state"] == "active"
-                              and a["labels"].get("model_name") == self.model.name]
+                              and a["labels"].get("model_name") == self.model_name]
                     if active:
                         arrived[name] = (time.monotonic(), active[0])
             notified = {name: self.webhooks.first_firing(_receiver(alert), name)
@@ -353,20 +256,21 @@ class Stack:
                                    injected_at, serving_at, at,
                                    self.webhooks.first_firing(_receiver(alert), name)))
         missing = sorted(set(alertnames) - set(arrived))
-        assert not missing, (f"{missing} not active in Alertmanager {FAULT_TIMEOUT:.0f}s after {fault}; "
-                             f"Prometheus alerts: {self.layerwatch_alerts()}; Alertmanager: "
-                             f"{[(a['labels']['alertname'], a['status']) for a in self.alertmanager_alerts()]}"
-                             f"\n{self.diagnostics()}")
+        assert not missing, (f"{missing} not active in Alertmanager {FAULT_TIMEOUT:.0f}s after {fault}\n"
+                             f"{self.diagnostics()}")
         return {name: alert for name, (_, alert) in arrived.items()}
 
-    def layerwatch_alerts(self) -> list[tuple[str, str, dict]]:
-        """(alertname, state, labels) of every layerwatch alert Prometheus holds (pending or firing)."""
-        return [(a["labels"]["alertname"], a["state"], a["labels"])
-                for a in self.prometheus("/api/v1/alerts")["alerts"]
+    def layerwatch_alerts(self) -> list[dict]:
+        """Every layerwatch alert Prometheus holds (pending or firing), as its API gives them."""
+        return [a for a in self.prometheus("/api/v1/alerts")["alerts"]
                 if a["labels"]["alertname"].startswith("Layerwatch")]
 
     def diagnostics(self) -> str:
-        return "\n".join(f"--- {name} log:\n{process.log_tail(15)}" for name, process in self.processes.items())
+        """What each side holds, and the tail of every log."""
+        prometheus = [(a["labels"]["alertname"], a["state"]) for a in self.layerwatch_alerts()]
+        alertmanager = [(a["labels"]["alertname"], a["status"]["state"]) for a in self.alertmanager_alerts()]
+        logs = "\n".join(f"--- {name} log:\n{process.log_tail(15)}" for name, process in self.processes.items())
+        return f"Prometheus alerts: {prometheus}\nAlertmanager alerts: {alertmanager}\n{logs}"
 
     def timeline(self) -> str:
         """Restarts and every notification the receivers got, in seconds since the load started."""
@@ -391,15 +295,16 @@ def _receiver(alert: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, served_model: ServedModel, prometheus_binary: str,
-          alertmanager_binary: str) -> Iterator[Stack]:
+def stack(tmp_path_factory, prometheus_binary: str, alertmanager_binary: str) -> Iterator[Stack]:
+    if not (DEMO_MODEL_DIR / "config.json").is_file():
+        pytest.fail(f"the embedded demo model is missing: {DEMO_MODEL_DIR}")
     workdir = tmp_path_factory.mktemp("e2e-stack")
-    profiles = load_profiles(served_model.profiles_dir)
-    served_profiles = [p for p in profiles if p.model_name == served_model.name]
-    if not served_profiles:
-        pytest.fail(f"no profile for {served_model.name} in {served_model.profiles_dir}")
+    profiles = load_profiles(PROFILES_DIR)
+    served = [p for p in profiles if p.model_name == DEMO_MODEL_NAME]
+    if not served:
+        pytest.fail(f"no profile for {DEMO_MODEL_NAME} in {PROFILES_DIR}")
     webhooks = WebhookReceiver()
-    s = Stack(workdir, served_model, served_profiles[0], webhooks)
+    s = Stack(workdir, served[0], webhooks)
     rendered = render_stack(workdir / "config", profiles=profiles, shim_targets=[s.shim_instance],
                             exporter_targets=[s.exporter_instance],
                             alertmanager_target=f"127.0.0.1:{s.alertmanager_port}",
@@ -425,7 +330,7 @@ def stack(tmp_path_factory, served_model: ServedModel, prometheus_binary: str,
             f"--storage.tsdb.path={workdir / 'prometheus-data'}",
             f"--web.listen-address=127.0.0.1:{s.prometheus_port}",
         ], f"http://127.0.0.1:{s.prometheus_port}/-/ready")
-        s.load = Load(f"http://{s.shim_instance}", served_model.name)
+        s.load = Load(f"http://{s.shim_instance}", s.model_name)
         s.events.append((time.monotonic(), "load started"))
         yield s
     finally:
@@ -434,13 +339,13 @@ def stack(tmp_path_factory, served_model: ServedModel, prometheus_binary: str,
             print("\n\ntime to page (seconds after the restart that injected the fault; "
                   f"time scale {TIME_SCALE}, scrape {SCRAPE_INTERVAL:g}s, evaluation {EVALUATION_INTERVAL:g}s, "
                   f"exporter window {EXPORTER_WINDOW_SECONDS:g}s)\n"
-                  "| fault | alert | severity | scaled `for` (s) | shim serving | in Alertmanager | receiver notified |\n"
+                  "| fault | alert | severity | scaled `for` (s) | shim serving | in Alertmanager "
+                  "| receiver notified |\n"
                   "|---|---|---|---|---|---|---|\n" + "\n".join(p.row() for p in s.pages))
         if s.events:
             print(f"\ntimeline:\n{s.timeline()}")
         if s.load is not None:
-            print("load: " + "; ".join(r.summary() for r in s.load.reports)
-                  + f"; {s.load.greedy_ok} greedy requests for the shadow checks")
+            print("load: " + "; ".join(r.summary() for r in s.load.reports))
         print(f"logs and rendered configuration: {workdir}")
 
 
@@ -456,9 +361,10 @@ def _baseline_seconds(stack: Stack) -> float:
 
 def test_healthy_baseline_fires_no_alert(stack: Stack) -> None:
     deadline = time.monotonic() + _baseline_seconds(stack)
-    fired: dict[str, dict] = {}
+    fired: dict[str, str] = {}  # alertname -> its description (the evidence)
     while time.monotonic() < deadline:
-        fired.update((name, labels) for name, state, labels in stack.layerwatch_alerts() if state == "firing")
+        fired.update((a["labels"]["alertname"], a["annotations"]["description"])
+                     for a in stack.layerwatch_alerts() if a["state"] == "firing")
         time.sleep(EVALUATION_INTERVAL)
 
     # The baseline was really watched: both targets up, every rule evaluates, traffic and skipping
@@ -468,7 +374,7 @@ def test_healthy_baseline_fires_no_alert(stack: Stack) -> None:
         (config.EXPORTER_JOB, "up"), (config.SHIM_JOB, "up")], targets
     rules = [rule for group in stack.prometheus("/api/v1/rules")["groups"] for rule in group["rules"]]
     assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
-    model = f'model_name="{stack.model.name}"'
+    model = f'model_name="{stack.model_name}"'
     recorded = Recorded.for_timing(Timing(TIME_SCALE))
     skip_ratio = _values(stack.query(f"{recorded.skip_ratio}{{{model}}}"))
     assert skip_ratio and 0 < skip_ratio[0] < stack.profile.runaway_skip_ratio, skip_ratio
@@ -538,7 +444,7 @@ def _dashboard_expr(expr: str, stack: Stack) -> str:
     for name, scaled_name in zip(production, scaled):
         expr = re.sub(rf"(?<![\w:]){re.escape(name)}(?![\w:])", scaled_name, expr)
     for variable, value in (("$__rate_interval", f"{4 * SCRAPE_INTERVAL:g}s"),  # Grafana's: 4 scrapes
-                            ("$model", stack.model.name), ("$instance", stack.shim_instance)):
+                            ("$model", stack.model_name), ("$instance", stack.shim_instance)):
         expr = expr.replace(variable, value)
     assert not re.search(r"\$[A-Za-z_{]", expr), f"a dashboard variable this test does not know: {expr}"
     return expr
@@ -567,8 +473,8 @@ def _missing_hardware(expr: str, stack: Stack) -> str | None:
 def test_dashboard_variables_list_the_served_model_and_shim(stack: Stack) -> None:
     models = stack.prometheus("/api/v1/label/model_name/values", **{"match[]": "layerwatch_model_info"})
     instances = stack.prometheus("/api/v1/label/instance/values", **{
-        "match[]": f'layerwatch_model_info{{model_name=~"{stack.model.name}"}}'})
-    assert stack.model.name in models and instances == [stack.shim_instance]
+        "match[]": f'layerwatch_model_info{{model_name=~"{stack.model_name}"}}'})
+    assert stack.model_name in models and instances == [stack.shim_instance]
 
 
 @pytest.mark.parametrize("panel", PANELS, ids=[panel["title"] for panel in PANELS])
