@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--reset-gates", action="store_true",
                        help="serve freshly initialised gates instead of the gate file: simulates the 'gate "
                             "weights overwritten' incident (layerwatch_model_info's gates_sha256 changes)")
+    model.add_argument("--gates-watch-seconds", type=float, default=5.0, metavar="S",
+                       help="check the gate file for a replacement this often: a complete, valid one is swapped in "
+                            "between decode steps, anything else is rejected and the loaded gates keep serving "
+                            "(0: never; default %(default)s)")
     model.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
     model.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
 
@@ -109,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
         exporter_address=args.exporter_address, shim_id=args.shim_id, trace_file=args.trace_file,
         trace_max_bytes=args.trace_max_bytes, shadow_rate=args.shadow_rate, allow_debug=args.allow_debug,
-        device=args.device, dtype=args.dtype, reset_gates=args.reset_gates)
+        device=args.device, dtype=args.dtype, reset_gates=args.reset_gates,
+        gates_watch_seconds=args.gates_watch_seconds)
     try:
         service = ShimService.load(settings)
     except (CheckpointError, GateFileError, ValueError, OSError) as exc:

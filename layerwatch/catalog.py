@@ -58,6 +58,12 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("layerwatch_model_info", "gauge",
        ("model_name", "layers", "threshold", "patience", "kv_policy", "gates_sha256"),
        "What is being served (always 1); gates_sha256 is the hash of the loaded gate weights.", SHIM),
+    _m("layerwatch_gate_file_reloads_total", "counter", ("model_name", "status"),
+       "Gate file replacements judged while serving: status=loaded (swapped in between decode steps) or "
+       "rejected (incomplete, invalid or not for this model and policy: the loaded gates keep serving).", SHIM),
+    _m("layerwatch_gate_file_rejected", "gauge", ("model_name",),
+       "1 while the gate file on disk is one that was rejected (the previously loaded gates serve), else 0.",
+       SHIM),
     _m("layerwatch_requests_total", "counter", ("model_name", "status"),
        "Finished requests by status (ok, client_error, server_error, cancelled).", SHIM),
     _m("layerwatch_tokens_total", "counter", ("model_name", "phase"),

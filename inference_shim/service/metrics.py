@@ -12,12 +12,12 @@ Names, help texts and label names come from the catalog; no metric name is spell
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -208,7 +208,27 @@ class ModelInfo:
     gates_sha256: str
 
 
-def register_model_info(registry: CollectorRegistry, info: ModelInfo) -> None:
-    make_metric("layerwatch_model_info", registry).labels(
-        info.model_name, str(info.layers), floatToGoString(info.threshold), str(info.patience),
-        info.kv_policy, info.gates_sha256).set(1)
+class ModelInfoCollector(Collector):
+    """layerwatch_model_info from what is served at scrape time (a gate file reload changes it)."""
+
+    def __init__(self, current: Callable[[], ModelInfo]) -> None:
+        self._current = current
+
+    def collect(self) -> Iterator[Metric]:
+        spec = shim_spec("layerwatch_model_info")
+        info = self._current()
+        family = GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
+        family.add_metric([info.model_name, str(info.layers), floatToGoString(info.threshold), str(info.patience),
+                           info.kv_policy, info.gates_sha256], 1)
+        yield family
+
+
+class GateReloadMetrics:
+    """What the gate file watch decided: replacements loaded or rejected, and whether the file on disk
+    is a rejected one right now (the previously loaded gates serve meanwhile)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        reloads = make_metric("layerwatch_gate_file_reloads_total", registry)
+        self.loaded = reloads.labels(model_name, "loaded")
+        self.rejected = reloads.labels(model_name, "rejected")
+        self.file_rejected = make_metric("layerwatch_gate_file_rejected", registry).labels(model_name)

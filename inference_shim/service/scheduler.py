@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from inference_shim.generate import GenerationEngine, SamplingParams, SequenceUpdate, StepHook, StepRecord
+from inference_shim.model import GateBank
 from inference_shim.service.shadow import ShadowChecker
 from inference_shim.service.telemetry import StepTelemetry
 
@@ -119,6 +120,12 @@ class EngineWorker:
         self._inbox.put(("probe", future))
         return future
 
+    def swap_gates(self, gates: GateBank) -> Future:
+        """Attach `gates` to the model between two decode steps; resolves once they serve."""
+        future: Future = Future()
+        self._inbox.put(("gates", (gates, future)))
+        return future
+
     # --- the engine thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -151,6 +158,8 @@ class EngineWorker:
                     self._engine.cancel(payload.sequence_id)
             elif kind == "probe":
                 self._start_probe(payload)
+            elif kind == "gates":
+                self._attach_gates(*payload)
 
     def _admit(self, handle: RequestHandle) -> None:
         try:
@@ -173,6 +182,11 @@ class EngineWorker:
             future.set_result(ProbeResult(False, f"the engine refused the probe: {exc}"))
             return
         self._probes[sequence_id] = _Probe(future)
+
+    def _attach_gates(self, gates: GateBank, future: Future) -> None:
+        # Here, between two steps, no step can run with half of one gate bank and half of another.
+        self._engine.model.attach_gates(gates)
+        future.set_result(None)
 
     def _step(self) -> None:
         try:

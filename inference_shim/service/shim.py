@@ -6,6 +6,7 @@ the HTTP API on top. Nothing here touches the global Prometheus registry: the se
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -19,8 +20,9 @@ from inference_shim.checkpoint import DTYPES, LoadedCheckpoint, load_checkpoint
 from inference_shim.gates import LoadedGates, load_gates, reset_gates
 from inference_shim.generate import GenerationEngine, StepHook
 from inference_shim.skip_policy import SkipPolicyConfig
-from inference_shim.service.metrics import (DecodeStats, DecodeStatsCollector, ModelInfo, RequestMetrics,
-                                            ShadowMetrics, register_model_info)
+from inference_shim.service.gate_watch import GateFileWatcher
+from inference_shim.service.metrics import (DecodeStats, DecodeStatsCollector, GateReloadMetrics, ModelInfo,
+                                            ModelInfoCollector, RequestMetrics, ShadowMetrics)
 from inference_shim.service.power import NvmlCollector, RaplCollector
 from inference_shim.service.readiness import Readiness
 from inference_shim.service.scheduler import EngineWorker
@@ -35,6 +37,7 @@ RESET_GATES_SEED = 0
 PROBE_TEXT = "ready"
 DEFAULT_MAX_TOKENS_CAP = 512
 DEFAULT_MAX_PROMPT_TOKENS = 1024
+GATE_SWAP_TIMEOUT_SECONDS = 60.0  # the engine takes new gates at its next step boundary
 
 
 @dataclass
@@ -59,6 +62,11 @@ class ServeSettings:
     device: str = "cpu"
     dtype: str = "float32"
     reset_gates: bool = False
+    gates_watch_seconds: float = 5.0  # how often the gate file is checked for a replacement; 0 = never
+
+
+def gates_file(settings: ServeSettings) -> Path:
+    return settings.gates_path or Path(settings.model_dir) / GATES_FILE
 
 
 @dataclass(frozen=True)
@@ -98,7 +106,6 @@ class ShimService:
         self.model = model
         self.tokenizer = checkpoint.tokenizer
         self.model_name = settings.model_name or checkpoint.path.resolve().name
-        self.gates_sha256 = gates.sha256
         self.allow_debug = settings.allow_debug
         self.limits = resolve_limits(settings, config.max_position_embeddings)
         self.policy = SkipPolicyConfig(
@@ -112,9 +119,9 @@ class ShimService:
         self.max_batch_size = settings.max_batch_size
 
         self.registry = registry if registry is not None else CollectorRegistry()
-        register_model_info(self.registry, ModelInfo(
-            self.model_name, config.num_layers, self.policy.threshold, self.policy.patience, self.kv_policy,
-            self.gates_sha256))
+        self.model_info = ModelInfo(self.model_name, config.num_layers, self.policy.threshold, self.policy.patience,
+                                    self.kv_policy, gates.sha256)
+        self.registry.register(ModelInfoCollector(lambda: self.model_info))
         self.request_metrics = RequestMetrics(self.registry, self.model_name)
         self.decode_stats = DecodeStats(config.num_layers)
         self.registry.register(DecodeStatsCollector(self.decode_stats, self.model_name))
@@ -133,6 +140,7 @@ class ShimService:
         probe_prompt = self.tokenizer.encode(PROBE_TEXT)
         self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow)
         self.readiness = Readiness(self.worker)
+        self.gate_watcher = self._gate_watcher(settings, gates)
 
     @classmethod
     def load(cls, settings: ServeSettings, registry: CollectorRegistry | None = None) -> "ShimService":
@@ -145,8 +153,34 @@ class ShimService:
             gates = reset_gates(checkpoint.model, seed=RESET_GATES_SEED)
             log.warning("serving freshly initialised gates (--reset-gates), gates_sha256=%s", gates.sha256)
         else:
-            gates = load_gates(settings.gates_path or Path(settings.model_dir) / GATES_FILE, checkpoint.model)
+            gates = load_gates(gates_file(settings), checkpoint.model)
         return cls(checkpoint, gates, settings, registry)
+
+    @property
+    def gates_sha256(self) -> str:
+        return self.model_info.gates_sha256
+
+    def _gate_watcher(self, settings: ServeSettings, gates: LoadedGates) -> GateFileWatcher | None:
+        if settings.gates_watch_seconds < 0:
+            raise ValueError(f"--gates-watch-seconds must be >= 0, got {settings.gates_watch_seconds}")
+        metrics = GateReloadMetrics(self.registry, self.model_name)  # exposed (at 0) even when not watching
+        if settings.reset_gates or settings.gates_watch_seconds == 0:
+            return None
+        return GateFileWatcher(gates_file(settings), self.model, self.policy,
+                               policy_from_file=(settings.threshold is None, settings.patience is None),
+                               served_sha256=gates.sha256, apply=self._swap_gates, metrics=metrics,
+                               interval=settings.gates_watch_seconds)
+
+    def _swap_gates(self, loaded: LoadedGates) -> None:
+        """Validated gates from the watcher: returns once the engine serves them."""
+        swapped = self.worker.swap_gates(loaded.gates)
+        # model_info follows the engine (the callback runs in its thread right after the swap), so it
+        # never names gates that are not serving, even if this wait gives up.
+        swapped.add_done_callback(lambda _: self._now_serving(loaded.sha256))
+        swapped.result(timeout=GATE_SWAP_TIMEOUT_SECONDS)
+
+    def _now_serving(self, gates_sha256: str) -> None:
+        self.model_info = dataclasses.replace(self.model_info, gates_sha256=gates_sha256)
 
     @property
     def max_seq_len(self) -> int:
@@ -159,8 +193,12 @@ class ShimService:
 
     def start(self) -> None:
         self.worker.start()
+        if self.gate_watcher is not None:
+            self.gate_watcher.start()
 
     def stop(self) -> None:
+        if self.gate_watcher is not None:
+            self.gate_watcher.stop()
         self.worker.stop()
         if self.sender is not None:
             self.sender.close()
