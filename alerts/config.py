@@ -38,6 +38,8 @@ PER_MODEL_ALERTS: dict[str, float] = {
 COMMON_ALERTS: dict[str, float] = {
     "LayerwatchGateWeightsChanged": 0.0,  # a change is an event: notify at once
     "LayerwatchTargetDown": 120.0,
+    # Not in the CONTRACT (an addition): a gate file replaced on disk that the shim refused to load.
+    "LayerwatchGateFileRejected": 300.0,
 }
 ALERT_NAMES: tuple[str, ...] = (*PER_MODEL_ALERTS, *COMMON_ALERTS)
 

@@ -220,6 +220,16 @@ def common_alerts(timing: Timing) -> list[dict]:
             "{{ .Labels.instance }}={{ .Labels.gates_sha256 }} {{ end }}"
             "- check that the change was intended.",
         ),
+        _alert(
+            "LayerwatchGateFileRejected",
+            f"max by (job, instance, model_name) (layerwatch_gate_file_rejected{{{config.SHIM_SELECTOR}}}) == 1",
+            timing(config.COMMON_ALERTS["LayerwatchGateFileRejected"]),
+            config.SEVERITY_TICKET,
+            "A replaced gate file was rejected; the shim keeps serving the gates it had.",
+            "The gate file of model {{ $labels.model_name }} at {{ $labels.instance }} was replaced on "
+            "disk with one the shim refused (incomplete, invalid, or for another model or policy); the "
+            "previously loaded gates keep serving, and a restart would fail to start. See the shim's log.",
+        ),
     ]
 
 

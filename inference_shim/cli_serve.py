@@ -72,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest prompt accepted, in tokens (default: 1024, or less to fit the model's "
                              "context with the cap)")
     server.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
+    server.add_argument("--body-timeout-seconds", type=float, default=30.0,
+                        help="a request body must arrive within this many seconds, else 408 (slow clients)")
     server.add_argument("--allow-debug", action="store_true",
                         help="honour the x-layerwatch-debug request header (returns per-token layer activity)")
     server.add_argument("--log-level", default="info", choices=LOG_LEVELS)
@@ -111,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         threshold=args.threshold, patience=args.patience, protected_layers=args.protected_layers,
         kv_policy=args.kv_policy, max_batch_size=args.max_batch_size, max_tokens_cap=args.max_tokens_cap,
         max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
+        body_timeout_seconds=args.body_timeout_seconds,
         exporter_address=args.exporter_address, shim_id=args.shim_id, trace_file=args.trace_file,
         trace_max_bytes=args.trace_max_bytes, shadow_rate=args.shadow_rate, allow_debug=args.allow_debug,
         device=args.device, dtype=args.dtype, reset_gates=args.reset_gates,

@@ -124,7 +124,7 @@ async def _generate(service: ShimService, request: Request, kind: str) -> Respon
 
 async def _prepare(service: ShimService, request: Request, kind: str) -> Prepared:
     limits = service.limits
-    data = await read_json_body(request, limits.max_body_bytes)
+    data = await read_json_body(request, limits.max_body_bytes, limits.body_timeout_seconds)
     body = parse_request(ChatCompletionRequest if kind == "chat" else CompletionRequest, data)
     if body.model != service.model_name:
         raise APIError(404, f"The model '{body.model}' does not exist; this server serves '{service.model_name}'.",

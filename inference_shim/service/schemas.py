@@ -7,6 +7,7 @@ cap before anything parses it, then decoded as strict UTF-8, then parsed as JSON
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Annotated, Any, Literal
 
@@ -35,17 +36,24 @@ def server_error(message: str) -> APIError:
 # --- reading the body --------------------------------------------------------------------------------
 
 
-async def read_json_body(request: Request, max_bytes: int) -> Any:
-    """The request's JSON, refusing bodies over `max_bytes` before reading (or while reading) them."""
+async def read_json_body(request: Request, max_bytes: int, timeout: float) -> Any:
+    """The request's JSON, refusing bodies over `max_bytes` before reading (or while reading) them,
+    and bodies that do not arrive within `timeout` seconds (a slow client holds a connection only
+    that long; uvicorn itself has no body timeout)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise body_too_large(max_bytes)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise body_too_large(max_bytes)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise body_too_large(max_bytes)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {timeout:g} s.",
+                       code="request_timeout") from None
     raw = b"".join(chunks)
     try:
         text = raw.decode("utf-8")

@@ -53,6 +53,7 @@ class ServeSettings:
     max_tokens_cap: int | None = None  # None: DEFAULT_MAX_TOKENS_CAP, shrunk to fit the context
     max_prompt_tokens: int | None = None  # None: DEFAULT_MAX_PROMPT_TOKENS, shrunk to fit the context
     max_body_bytes: int = 1 << 20
+    body_timeout_seconds: float = 30.0  # a request body must arrive within this (slow clients get 408)
     exporter_address: str = "127.0.0.1:9410"  # "" = no frames
     shim_id: str | None = None  # None: hostname-pid
     trace_file: Path | None = None
@@ -74,6 +75,7 @@ class Limits:
     max_prompt_tokens: int
     max_tokens_cap: int
     max_body_bytes: int
+    body_timeout_seconds: float
 
 
 def resolve_limits(settings: ServeSettings, context: int) -> Limits:
@@ -85,6 +87,8 @@ def resolve_limits(settings: ServeSettings, context: int) -> Limits:
     cap, prompt = settings.max_tokens_cap, settings.max_prompt_tokens
     if any(v is not None and v < 1 for v in (cap, prompt)) or settings.max_body_bytes < 1:
         raise ValueError("--max-tokens-cap, --max-prompt-tokens and --max-body-bytes must be positive")
+    if not settings.body_timeout_seconds > 0:
+        raise ValueError("--body-timeout-seconds must be positive")
     for flag, value in (("--max-tokens-cap", cap), ("--max-prompt-tokens", prompt)):
         if value is not None and value >= context:
             raise ValueError(f"{flag} {value} does not fit the model's {context}-token context")
@@ -95,7 +99,7 @@ def resolve_limits(settings: ServeSettings, context: int) -> Limits:
     if prompt + cap > context:
         raise ValueError(f"--max-prompt-tokens {prompt} + --max-tokens-cap {cap} exceed the model's "
                          f"{context}-token context")
-    return Limits(prompt, cap, settings.max_body_bytes)
+    return Limits(prompt, cap, settings.max_body_bytes, settings.body_timeout_seconds)
 
 
 class ShimService:

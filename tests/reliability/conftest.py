@@ -29,7 +29,24 @@ LAYERWATCH = [sys.executable, "-m", "layerwatch.cli"]
 QUIET_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-class Exporter:
+class _Restartable:
+    """A process on fixed loopback ports that a test may kill, stop and start again."""
+
+    process: ManagedProcess | None
+    url: str
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+    def metrics(self) -> dict:
+        return scrape(self.url)
+
+
+class Exporter(_Restartable):
     """`layerwatch exporter` on fixed loopback ports (UDP frames, HTTP metrics); restartable."""
 
     def __init__(self, workdir: Path) -> None:
@@ -47,18 +64,8 @@ class Exporter:
         self.process.wait_http(f"{self.url}/healthz", timeout=30)
         return self
 
-    def kill(self) -> None:
-        self.process.kill()
 
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
-
-    def metrics(self) -> dict:
-        return scrape(self.url)
-
-
-class Shim:
+class Shim(_Restartable):
     """`layerwatch serve` on the tiny checkpoint, on a fixed loopback port; restartable."""
 
     def __init__(self, workdir: Path, checkpoint: TinyCheckpoint, *extra_args: str,
@@ -81,19 +88,12 @@ class Shim:
         self.process.wait_http(f"{self.url}/healthz", timeout=90)
         return self
 
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
-
-    def metrics(self) -> dict:
-        return scrape(self.url)
-
     def complete(self, prompt: str = "In the beginning", max_tokens: int = 4, **fields) -> httpx.Response:
         body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, **fields}
         return httpx.post(f"{self.url}/v1/completions", json=body, timeout=60)
 
 
-class Prometheus:
+class Prometheus(_Restartable):
     """The Debian `prometheus` binary scraping given targets every second, its data in a temp dir."""
 
     def __init__(self, workdir: Path, targets: list[str]) -> None:
@@ -113,13 +113,6 @@ class Prometheus:
         self.process = ManagedProcess("prometheus", argv, self.workdir / "prometheus.log")
         self.process.wait_http(f"{self.url}/-/ready", timeout=30)
         return self
-
-    def kill(self) -> None:
-        self.process.kill()
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
 
     def query(self, expr: str, at: float | None = None) -> list[dict]:
         params = {"query": expr, **({"time": f"{at:.3f}"} if at is not None else {})}

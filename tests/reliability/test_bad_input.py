@@ -194,6 +194,31 @@ def test_slow_clients_do_not_stall_other_clients(fuzz_shim):
     assert fuzz_shim.complete(max_tokens=2).status_code == 200
 
 
+def test_a_stalled_body_is_cut_off_with_408(make_shim):
+    """A client that sends its headers and part of the body, then stalls, gets 408 once
+    --body-timeout-seconds has passed; meanwhile others are served."""
+    shim = make_shim("--body-timeout-seconds", "1")
+    started = time.monotonic()
+    stalled = slow_client(shim.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                                     b"application/json\r\nContent-Length: 400\r\n\r\n{\"mo")
+    try:
+        assert shim.complete(max_tokens=2).status_code == 200
+        stalled.settimeout(10)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):  # the whole (small JSON) answer
+            chunk = stalled.recv(4096)
+            assert chunk, f"connection closed after {answer!r}"
+            answer += chunk
+        waited = time.monotonic() - started
+    finally:
+        stalled.close()
+    assert 1.0 <= waited < 5.0
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    assert shim.complete(max_tokens=2).status_code == 200
+
+
 # --- hostile datagrams among real frames ---------------------------------------------------------
 
 
