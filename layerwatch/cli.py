@@ -69,7 +69,9 @@ def apply_environment(parser: argparse.ArgumentParser, environ: dict[str, str]) 
 
 def build_parser(argv: list[str], environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
     environ = dict(os.environ) if environ is None else environ
-    parser = argparse.ArgumentParser(prog="layerwatch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="layerwatch", description="Observability for LLM inference with dynamic layer skipping.",
+        epilog="Every flag can also be set as LAYERWATCH_<FLAG> in the environment.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     wanted = _requested_command(argv)
     for name, (module_name, help_line) in COMMANDS.items():
