@@ -258,8 +258,10 @@ class GateBank(nn.Module):
     def _stacked_weights(self) -> tuple[torch.Tensor, ...]:
         # Stacking 4L small tensors costs more than the gates themselves, so the stacks are kept
         # until a parameter is replaced, moved (`.to()` swaps its storage) or updated in place
-        # (which bumps its `_version`).
-        key = tuple((id(p), p.data_ptr(), p._version) for p in self.parameters())
+        # (which bumps its `_version`). The key walks the module dicts directly: it runs every
+        # decode step, and `self.parameters()` costs four times as much (~70 us at 16 layers).
+        key = tuple((id(p), p.data_ptr(), p._version) for gate in self.gates._modules.values()
+                    for linear in gate._modules.values() for p in linear._parameters.values())
         if getattr(self, "_stack_key", None) != key:
             gates = self.gates
             self._stacks = (torch.stack([g.fc1.weight for g in gates]).transpose(1, 2).contiguous(),  # [L, d, 16]
