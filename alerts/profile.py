@@ -21,12 +21,14 @@ from typing import Any, NewType
 
 import yaml
 
-from alerts.config import PER_MODEL_ALERTS
+from mixin.config import PER_MODEL_ALERTS
 from alerts.durations import format_duration, parse_duration
 
 Seconds = NewType("Seconds", float)  # written as a Prometheus duration in YAML
 
 # Fields whose values are fractions of something and must lie in [0, 1].
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"  # the committed per-model profiles
+
 _FRACTION = {"fraction": True}
 # model_name ends up inside PromQL selectors and label values: keep it to safe characters.
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
@@ -80,7 +82,7 @@ class Profile:
     drift: Drift = Drift()
     shadow_agreement_min: float = field(default=0.90, metadata=_FRACTION)
     telemetry_loss_max: float = field(default=0.01, metadata=_FRACTION)
-    # Per-alert `for:` overrides; alerts not named here use alerts.config.PER_MODEL_ALERTS.
+    # Per-alert `for:` overrides; alerts not named here use mixin.config.PER_MODEL_ALERTS.
     for_durations: dict[str, Seconds] = field(default_factory=dict, metadata={"yaml_key": "for"})
     source: str = ""  # where the numbers come from (a paper, a calibration run and its date)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from alerts import config
+from mixin import config
 from alerts.durations import format_duration
 from alerts.profile import Profile
 from layerwatch.catalog import ZERO_ENTROPY_LIMIT

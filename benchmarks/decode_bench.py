@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference_shim.generate import GenerationEngine, SamplingParams, StepRecord  # noqa: E402
-from inference_shim.model import GateBank, ModelConfig, Transformer  # noqa: E402
-from inference_shim.skip_policy import SkipPolicyConfig  # noqa: E402
-from inference_shim.tokenizer import Tokenizer  # noqa: E402
+from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepRecord  # noqa: E402
+from inference_shim.runtime.model import GateBank, ModelConfig, Transformer  # noqa: E402
+from inference_shim.runtime.skip_policy import SkipPolicyConfig  # noqa: E402
+from inference_shim.runtime.tokenizer import Tokenizer  # noqa: E402
 from tokenizers import Tokenizer as BackendTokenizer  # noqa: E402
 from tokenizers import models  # noqa: E402
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from exporter.collectors import build_registry  # noqa: E402
 from exporter.exposition import TextEncoder  # noqa: E402
 from exporter.state import ExporterConfig, ExporterState  # noqa: E402
-from exporter.statistics import check_bimodality  # noqa: E402
+from layerwatch.statistics import check_bimodality  # noqa: E402
 from layerwatch.wire import GateFrame, encode_frame  # noqa: E402
 
 MODELS, LAYERS, WINDOW = 4, 80, 50_000
@@ -119,7 +119,7 @@ def bench_live_exporter() -> dict[str, float]:
     it, syscalls included. Memory: its RSS after four 80-layer models have filled their windows.
     """
     process = subprocess.Popen(
-        [sys.executable, "-m", "layerwatch.cli", "exporter", "--per-layer", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "entrypoints.main", "exporter", "--per-layer", "--listen", "127.0.0.1:0",
          "--http", "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         line = process.stderr.readline()

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/load_test.py --model DIR --duration 60 --concurrency 8
 
 Streaming and non-streaming completions from `--concurrency` clients for `--duration` seconds
-(layerwatch.loadgen.run_load), then the reconciliation the reliability tests assert
+(demo.loadgen.run_load), then the reconciliation the reliability tests assert
 (tests/reliability/test_load.py), on a longer run: zero 5xx; the shim's generated-tokens counter
 equals Σ usage.completion_tokens; frames sent equal the exporter's received + lost; the
 exporter's entropy count equals decoded tokens × layers. Prints throughput, latency percentiles
@@ -26,11 +26,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference_shim.demo import DEMO_MODEL_DIR  # noqa: E402
-from layerwatch.loadgen import run_load  # noqa: E402
-from layerwatch.processes import ManagedProcess, free_port  # noqa: E402
+from inference_shim.runtime.demo_model import DEMO_MODEL_DIR  # noqa: E402
+from demo.loadgen import run_load  # noqa: E402
+from demo.processes import ManagedProcess, free_port  # noqa: E402
 
-LAYERWATCH = [sys.executable, "-m", "layerwatch.cli"]
+LAYERWATCH = [sys.executable, "-m", "entrypoints.main"]
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:

@@ -28,13 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference_shim.demo import DEMO_MODEL_DIR  # noqa: E402
-from inference_shim.generate import GenerationEngine, SamplingParams, StepHook, StepRecord  # noqa: E402
-from inference_shim.model import GateBank, Transformer  # noqa: E402
+from inference_shim.runtime.demo_model import DEMO_MODEL_DIR  # noqa: E402
+from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepHook, StepRecord  # noqa: E402
+from inference_shim.runtime.model import GateBank, Transformer  # noqa: E402
 from inference_shim.service.metrics import DecodeStats  # noqa: E402
 from inference_shim.service.telemetry import FrameSender, StepTelemetry  # noqa: E402
-from inference_shim.skip_policy import SkipPolicyConfig  # noqa: E402
-from inference_shim.tokenizer import Tokenizer  # noqa: E402
+from inference_shim.runtime.skip_policy import SkipPolicyConfig  # noqa: E402
+from inference_shim.runtime.tokenizer import Tokenizer  # noqa: E402
 
 from decode_bench import bench_tokenizer, build_model  # noqa: E402  (benchmarks/ is on sys.path)
 
@@ -50,8 +50,8 @@ def random_model(layers: int, hidden: int, vocab: int) -> tuple[Transformer, Tok
 
 
 def load_model(folder: Path) -> tuple[Transformer, Tokenizer]:
-    from inference_shim.checkpoint import load_checkpoint
-    from inference_shim.gates import load_gates
+    from inference_shim.runtime.checkpoint import load_checkpoint
+    from inference_shim.runtime.gates import load_gates
 
     loaded = load_checkpoint(folder)
     gates_path = folder / "gates.safetensors"

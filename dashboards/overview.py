@@ -17,7 +17,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common, dashboard as dashboard_models
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
-from alerts import config
+from mixin import config
 from alerts.rules import Recorded, Timing
 
 UID = "layerwatch-overview"

@@ -17,6 +17,8 @@ RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin layerwatch \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY layerwatch ./layerwatch
+COPY mixin ./mixin
+COPY entrypoints ./entrypoints
 COPY inference_shim ./inference_shim
 COPY exporter ./exporter
 COPY alerts ./alerts

@@ -16,7 +16,7 @@ from prometheus_client.utils import floatToGoString
 
 from exporter.exposition import HistogramArrays
 from exporter.state import ExporterState
-from exporter.statistics import DECISIONS
+from layerwatch.statistics import DECISIONS
 from layerwatch.catalog import BY_NAME
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from exporter.statistics import Bimodality, EntropyTotals, LayerTotals, check_bimodality, le_bucket_index
+from layerwatch.statistics import (DEFAULT_MIN_WINDOW_OBSERVATIONS, DEFAULT_WINDOW_OBSERVATIONS, Bimodality, EntropyTotals,
+                                   LayerTotals, check_bimodality, le_bucket_index)
 from exporter.window import SlidingWindow
 from layerwatch.wire import GateFrame, MalformedFrame, decode_frame
 
@@ -30,8 +31,8 @@ MAX_TRACKED_SHIMS = 4096
 @dataclass(frozen=True)
 class ExporterConfig:
     window_seconds: float = 300.0
-    window_max_observations: int = 50_000
-    min_window_observations: int = 1_000
+    window_max_observations: int = DEFAULT_WINDOW_OBSERVATIONS
+    min_window_observations: int = DEFAULT_MIN_WINDOW_OBSERVATIONS
     per_layer: bool = False  # per-layer histograms (20 buckets × layers × models series)
     max_models: int = 64  # frames naming further models are rejected: label cardinality
     statistics_cache_seconds: float = 2.0

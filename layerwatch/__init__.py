@@ -1,5 +1,10 @@
-"""layerwatch: observability for LLM inference with dynamic layer skipping.
+"""layerwatch's torch-free core: the public names and formats every other part shares.
 
-This package holds the entry point and the torch-free pieces every component shares:
-the metric catalog, the gate-frame wire format and the trace format.
+- catalog: every metric, its type, labels and help (the names dashboards and rules may query);
+- wire: the gate-frame datagram the shim sends and the exporter receives;
+- trace: the JSON Lines trace format `serve --trace-file` writes and `replay` reads;
+- statistics: entropy histograms and the bimodality verdict;
+- promql: which metric names a query reads, checked against the catalog.
+
+It imports nothing else of the project (tests/test_architecture.py holds it to that).
 """

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from layerwatch.cli import COMMANDS, apply_environment, build_parser
+from entrypoints.main import COMMANDS, apply_environment, build_parser
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,7 +59,7 @@ def test_every_command_has_help(command):
 
 @pytest.mark.parametrize("command", ["exporter", "replay", "top", "generate"])
 def test_light_commands_never_import_torch(command):
-    code = (f"import sys; from layerwatch.cli import build_parser; build_parser([{command!r}]); "
+    code = (f"import sys; from entrypoints.main import build_parser; build_parser([{command!r}]); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

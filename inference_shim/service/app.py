@@ -26,8 +26,8 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 
-from inference_shim.generate import SamplingParams
-from inference_shim.service.generation import ACTIVITY_HEADER, Generation, Prepared, run_to_end, stream_events
+from inference_shim.runtime.engine import SamplingParams
+from inference_shim.service.completions import ACTIVITY_HEADER, Generation, Prepared, run_to_end, stream_events
 from inference_shim.service.metrics import FinishedRequest
 from inference_shim.service.schemas import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
                                             parse_request, read_json_body)

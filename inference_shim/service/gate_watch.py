@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from inference_shim.gates import GateFileError, LoadedGates, load_gates
-from inference_shim.model import Transformer
+from inference_shim.runtime.gates import GateFileError, LoadedGates, load_gates
+from inference_shim.runtime.model import Transformer
 from inference_shim.service.metrics import GateReloadMetrics
-from inference_shim.skip_policy import SkipPolicyConfig
+from inference_shim.runtime.skip_policy import SkipPolicyConfig
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from inference_shim.service.scheduler import EngineWorker, ProbeResult
+from inference_shim.service.engine_worker import EngineWorker, ProbeResult
 
 CACHE_SECONDS = 5.0
 PROBE_TIMEOUT_SECONDS = 15.0  # a probe waits behind a full batch; longer than this is not ready

@@ -17,43 +17,15 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
 
-import torch
-
-from inference_shim.model import Transformer
+from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
+from inference_shim.runtime.model import Transformer
 from inference_shim.service.metrics import ShadowMetrics
 
 log = logging.getLogger(__name__)
 
 QUEUE_LIMIT = 64  # sampled requests waiting for a re-check; beyond it new samples are not taken
 DUTY_CYCLE = 0.1  # while requests are decoding, shadow work takes at most this share of the engine thread
-
-
-@dataclass(frozen=True)
-class ShadowJob:
-    prompt_ids: list[int]
-    generated_ids: list[int]
-
-
-@dataclass(frozen=True)
-class ShadowResult:
-    tokens: int
-    agreements: int
-
-
-def full_depth_agreement(model: Transformer, job: ShadowJob) -> ShadowResult:
-    """Teacher-forced full-depth top-1 over the generated tokens, compared with them."""
-    device = model.embed_tokens.weight.device
-    tokens = torch.tensor([job.prompt_ids + job.generated_ids], device=device)
-    with torch.inference_mode():
-        logits, _ = model(tokens)
-    # The logits at position i predict token i + 1: the generated tokens are predicted from the
-    # last prompt position onwards.
-    first = len(job.prompt_ids) - 1
-    predicted = logits[0, first:first + len(job.generated_ids)].argmax(dim=-1)
-    expected = torch.tensor(job.generated_ids, device=device)
-    return ShadowResult(tokens=len(job.generated_ids), agreements=int((predicted == expected).sum()))
 
 
 class ShadowChecker:

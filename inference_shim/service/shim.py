@@ -16,23 +16,22 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
-from inference_shim.checkpoint import DTYPES, LoadedCheckpoint, load_checkpoint
-from inference_shim.gates import LoadedGates, load_gates, reset_gates
-from inference_shim.generate import GenerationEngine, StepHook
-from inference_shim.skip_policy import SkipPolicyConfig
+from inference_shim.runtime.checkpoint import DTYPES, LoadedCheckpoint, load_checkpoint
+from inference_shim.runtime.gates import GATES_FILE, LoadedGates, load_gates, reset_gates
+from inference_shim.runtime.engine import GenerationEngine, StepHook
+from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.service.gate_watch import GateFileWatcher
 from inference_shim.service.metrics import (DecodeStats, DecodeStatsCollector, GateReloadMetrics, ModelInfo,
                                             ModelInfoCollector, RequestMetrics, ShadowMetrics)
 from inference_shim.service.power import NvmlCollector, RaplCollector
 from inference_shim.service.readiness import Readiness
-from inference_shim.service.scheduler import EngineWorker
+from inference_shim.service.engine_worker import EngineWorker
 from inference_shim.service.shadow import ShadowChecker
 from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, StepTelemetry
 from layerwatch.trace import TraceWriter
 
 log = logging.getLogger(__name__)
 
-GATES_FILE = "gates.safetensors"
 RESET_GATES_SEED = 0
 PROBE_TEXT = "ready"
 DEFAULT_MAX_TOKENS_CAP = 512

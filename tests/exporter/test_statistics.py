@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from exporter.statistics import (EntropyTotals, LayerTotals, bimodality_coefficient, bin_index,
+from layerwatch.statistics import (EntropyTotals, LayerTotals, bimodality_coefficient, bin_index,
                                  check_bimodality, count_peaks, histogram20, le_bucket_index)
 
 N = 20_000

@@ -9,8 +9,8 @@ import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from inference_shim.model import GateBank, ModelConfig, Transformer
-from inference_shim.tokenizer import Tokenizer
+from inference_shim.runtime.model import GateBank, ModelConfig, Transformer
+from inference_shim.runtime.tokenizer import Tokenizer
 
 TRAINING_TEXT = [
     "In the beginning God created the heaven and the earth.",

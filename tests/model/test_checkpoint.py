@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from inference_shim.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from inference_shim.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 from .conftest import random_model, tiny_config
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from inference_shim.checkpoint import save_checkpoint
-from inference_shim.evaluation import heldout_windows, teacher_forced_decode
-from inference_shim.gates import GateMetadata, model_fingerprint, save_gates
-from inference_shim.skip_policy import SkipPolicyConfig
-from inference_shim.tokenizer import Tokenizer
-from layerwatch.cli import main
+from inference_shim.runtime.checkpoint import save_checkpoint
+from inference_shim.offline.evaluation import heldout_windows, teacher_forced_decode
+from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
+from inference_shim.runtime.skip_policy import SkipPolicyConfig
+from inference_shim.runtime.tokenizer import Tokenizer
+from entrypoints.main import main
 from tests.model.conftest import (TRAINING_TEXT, build_backend_tokenizer, constant_gates, random_gates,
                                   random_model, tiny_config)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from inference_shim.gates import (GateFileError, GateMetadata, load_gates, model_fingerprint, reset_gates,
+from inference_shim.runtime.gates import (GateFileError, GateMetadata, load_gates, model_fingerprint, reset_gates,
                                   save_gates)
 
 from .conftest import random_gates, random_model, tiny_config

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from inference_shim.generate import GenerationEngine, SamplingParams
-from inference_shim.skip_policy import SkipPolicyConfig
-from inference_shim.tokenizer import Tokenizer
+from inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from inference_shim.runtime.skip_policy import SkipPolicyConfig
+from inference_shim.runtime.tokenizer import Tokenizer
 
 from .conftest import random_gates, random_model, tiny_config
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference_shim.generate import GenerationEngine, SamplingParams
-from inference_shim.model import Transformer, apply_rope
-from inference_shim.skip_policy import SkipPolicy, SkipPolicyConfig
-from inference_shim.tokenizer import Tokenizer
+from inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from inference_shim.runtime.model import Transformer, apply_rope
+from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig
+from inference_shim.runtime.tokenizer import Tokenizer
 
 from .conftest import constant_gates, random_gates, random_model, tiny_config
 
@@ -272,7 +272,7 @@ def test_fallback_after_sustained_high_skipping(tokenizer, caplog):
     records = []
     policy = SkipPolicyConfig(protected_layers=())  # everything skippable: 100 % skipped > 85 %
     engine = engine_for(model, tokenizer, policy=policy, step_hook=records.append)
-    with caplog.at_level(logging.WARNING, logger="inference_shim.generate"):
+    with caplog.at_level(logging.WARNING, logger="inference_shim.runtime.engine"):
         result = engine.generate(PROMPTS[0], SamplingParams(max_tokens=30))
     depth = result.activity.sum(axis=1)
     L = model.config.num_layers

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from inference_shim.tokenizer import Tokenizer, TokenizerError
+from inference_shim.runtime.tokenizer import Tokenizer, TokenizerError
 
 from .conftest import TRAINING_TEXT
 

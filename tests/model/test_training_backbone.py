@@ -7,9 +7,10 @@ import shutil
 import pytest
 import torch
 
-from inference_shim import corpus, training
-from inference_shim.checkpoint import load_checkpoint
-from layerwatch.cli import main
+from inference_shim.offline import corpus
+from inference_shim.offline import training
+from inference_shim.runtime.checkpoint import load_checkpoint
+from entrypoints.main import main
 from tests.model.conftest import tiny_config
 
 FAKE_BIBLE = "\n".join(

@@ -7,12 +7,12 @@ import hashlib
 import pytest
 import torch
 
-from inference_shim.checkpoint import load_checkpoint, save_checkpoint
-from inference_shim.gate_training import GateSchedule, init_gates, patience_skip, train_gates
-from inference_shim.gates import load_gates
-from inference_shim.tokenizer import Tokenizer
-from inference_shim.training import text_file_stream
-from layerwatch.cli import main
+from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint
+from inference_shim.offline.gate_training import GateSchedule, init_gates, patience_skip, train_gates
+from inference_shim.runtime.gates import load_gates
+from inference_shim.runtime.tokenizer import Tokenizer
+from inference_shim.offline.training import text_file_stream
+from entrypoints.main import main
 from tests.model.conftest import TRAINING_TEXT, build_backend_tokenizer, random_model
 
 

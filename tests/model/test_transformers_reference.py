@@ -15,8 +15,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from inference_shim.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from inference_shim.model import KVCache  # noqa: E402
+from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from inference_shim.runtime.model import KVCache  # noqa: E402
 
 from .conftest import VOCAB_SIZE, random_model, tiny_config  # noqa: E402
 

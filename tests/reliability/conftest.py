@@ -19,12 +19,12 @@ import httpx
 import pytest
 import yaml
 
-from layerwatch.loadgen import LoadReport, run_load
-from layerwatch.processes import ManagedProcess, free_port
+from demo.loadgen import LoadReport, run_load
+from demo.processes import ManagedProcess, free_port
 from tests.service.conftest import (MODEL_NAME, TinyCheckpoint, in_process, sample_sum, scrape,  # noqa: F401
                                     tiny_checkpoint)
 
-LAYERWATCH = [sys.executable, "-m", "layerwatch.cli"]
+LAYERWATCH = [sys.executable, "-m", "entrypoints.main"]
 # One torch thread per process: the tests run on a shared 2-core machine.
 QUIET_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 

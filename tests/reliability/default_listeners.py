@@ -17,9 +17,9 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from layerwatch.processes import ManagedProcess
+from demo.processes import ManagedProcess
 
-LAYERWATCH = [sys.executable, "-m", "layerwatch.cli"]
+LAYERWATCH = [sys.executable, "-m", "entrypoints.main"]
 DEBUG_HEADER = "x-layerwatch-debug"
 
 

@@ -31,9 +31,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from inference_shim.gates import GateMetadata, model_fingerprint, save_gates
-from layerwatch.loadgen import run_load
-from layerwatch.processes import free_port
+from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
+from demo.loadgen import run_load
+from demo.processes import free_port
 from layerwatch.wire import GateFrame, encode_frame
 from tests.reliability.conftest import LAYERWATCH, MODEL_NAME, QUIET_ENV, Shim, sample_sum
 from tests.service.conftest import tiny_gates, tiny_model

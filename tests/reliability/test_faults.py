@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from layerwatch.loadgen import run_load
+from demo.loadgen import run_load
 from tests.reliability.conftest import (MODEL_NAME, BackgroundLoad, Prometheus, exporter_entropy_count,
                                          require_binary, sample_sum)
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference_shim.gates import GateMetadata, model_fingerprint, save_gates
-from inference_shim.model import GateBank
+from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
+from inference_shim.runtime.model import GateBank
 from tests.reliability.conftest import MODEL_NAME, BackgroundLoad, Shim, sample_sum
 from tests.service.conftest import NUM_LAYERS, tiny_model
 

@@ -25,10 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from inference_shim.checkpoint import save_checkpoint
-from inference_shim.gates import GateMetadata, model_fingerprint, save_gates
-from inference_shim.model import GateBank, ModelConfig, Transformer
-from layerwatch.processes import ManagedProcess, free_port
+from inference_shim.runtime.checkpoint import save_checkpoint
+from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
+from inference_shim.runtime.model import GateBank, ModelConfig, Transformer
+from demo.processes import ManagedProcess, free_port
 from layerwatch.wire import GateFrame, decode_frame
 
 MODEL_NAME = "tiny-test"
@@ -193,7 +193,7 @@ def server(tiny_checkpoint, tmp_path_factory) -> Iterator[LiveServer]:
     port = free_port()
     trace_path = work / "trace.jsonl"
     caps = dict(max_tokens_cap=48, max_prompt_tokens=96, max_body_bytes=8192)
-    argv = [sys.executable, "-m", "layerwatch.cli", "serve", "--model", str(tiny_checkpoint.path),
+    argv = [sys.executable, "-m", "entrypoints.main", "serve", "--model", str(tiny_checkpoint.path),
             "--model-name", MODEL_NAME, "--port", str(port), "--exporter-address", capture.address,
             "--trace-file", str(trace_path), "--allow-debug", "--shadow-rate", "1", "--max-batch-size", "4",
             "--max-tokens-cap", str(caps["max_tokens_cap"]), "--max-prompt-tokens", str(caps["max_prompt_tokens"]),

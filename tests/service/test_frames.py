@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 
 from inference_shim.service.telemetry import FrameSender
-from layerwatch.processes import free_port
+from demo.processes import free_port
 from layerwatch.trace import read_trace
 from layerwatch.wire import MAX_FRAME_BYTES, decode_frame
 from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum

@@ -7,10 +7,10 @@ import time
 import httpx
 import torch
 
-from inference_shim.checkpoint import load_checkpoint
-from inference_shim.generate import GenerationEngine, SamplingParams
-from inference_shim.service.shadow import ShadowJob, ShadowResult, full_depth_agreement
-from inference_shim.skip_policy import SkipPolicyConfig
+from inference_shim.runtime.checkpoint import load_checkpoint
+from inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from inference_shim.runtime.agreement import ShadowJob, ShadowResult, full_depth_agreement
+from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from tests.service.conftest import MODEL_NAME, sample_sum, tiny_gates
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from alerts import config
+from mixin import config
 from dashboards import overview
 
 from .conftest import REPO

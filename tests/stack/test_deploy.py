@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from alerts import config
-from layerwatch import deploy
+from mixin import config
+from deploy import render as deploy
 
 from .conftest import REPO, require_binary, run_tool
 
@@ -48,7 +48,7 @@ def test_rendered_prometheus_config_is_valid_and_loads_only_the_rules(
 
 
 def test_rules_glob_never_matches_the_promtool_tests() -> None:
-    rules_dir = REPO / "alerts" / "rules"
+    rules_dir = REPO / "alerts" / "generated"
     assert [p.name for p in rules_dir.glob(deploy.RULES_GLOB)] == [deploy.RULES_FILE]
     assert not list((REPO / "alerts" / "tests").glob(deploy.RULES_GLOB))
 
@@ -227,7 +227,7 @@ def test_compose_publishes_on_loopback_and_mounts_the_generated_files() -> None:
             assert port.startswith("127.0.0.1:"), (name, port)
     assert "--host" in services["shim"]["command"] and "0.0.0.0" in services["shim"]["command"]
     mounts = {v.split(":")[0]: v.split(":")[1] for s in services.values() for v in s.get("volumes", [])}
-    assert mounts["./alerts/rules"] == "/etc/prometheus/rules"
+    assert mounts["./alerts/generated"] == "/etc/prometheus/rules"
     assert mounts["./dashboards/json"] == config.GRAFANA_DASHBOARD_DIR
     prometheus = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
     assert prometheus["rule_files"] == [f"/etc/prometheus/rules/{deploy.RULES_GLOB}"]

@@ -10,7 +10,7 @@ One stack per module (`stack` fixture); the tests are phases and run in file ord
 Arrival is asserted through Alertmanager's API v2 and through the webhook receivers the rendered
 alertmanager.yml routes to (a loopback HTTP server standing in for the pager and ticket bridges).
 
-The configuration is `layerwatch.deploy.render_stack` with every window, `for:` and Alertmanager
+The configuration is `deploy.render.render_stack` with every window, `for:` and Alertmanager
 wait scaled by TIME_SCALE. The time from each fault to its page is printed at the end (run with -s)
 and recorded in docs/end-to-end.md.
 
@@ -38,14 +38,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from alerts import config
+from mixin import config
 from alerts.durations import parse_duration
 from alerts.profile import Profile, load_profiles
 from alerts.rules import Recorded, Timing
-from inference_shim.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
-from layerwatch.deploy import render_stack
-from layerwatch.loadgen import LoadReport, run_load
-from layerwatch.processes import ManagedProcess, free_port
+from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from deploy.render import render_stack
+from demo.loadgen import LoadReport, run_load
+from demo.processes import ManagedProcess, free_port
 
 from .conftest import REPO
 

@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from layerwatch import catalog, generate
+from layerwatch import catalog
+from deploy import artifacts
 from layerwatch.promql import UnknownMetricError, check_queries, known_series, metric_names
 
 from .conftest import REPO
 
 
 def layerwatch(*args: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "layerwatch.cli", "generate", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "entrypoints.main", "generate", *map(str, args)],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
 
 
@@ -36,7 +37,7 @@ def test_generate_writes_everything_then_check_passes(tree: Path) -> None:
     assert layerwatch("--root", tree, "--check").returncode == 1  # nothing written yet
     result = layerwatch("--root", tree)
     assert result.returncode == 0, result.stderr
-    for path in generate.generated_files(tree):
+    for path in artifacts.generated_files(tree):
         assert (tree / path).is_file(), path
     assert layerwatch("--root", tree, "--check").returncode == 0
     assert layerwatch("--root", tree).stdout == ""  # nothing changed: nothing rewritten
@@ -44,13 +45,13 @@ def test_generate_writes_everything_then_check_passes(tree: Path) -> None:
 
 def test_check_names_each_stale_and_leftover_file(tree: Path) -> None:
     layerwatch("--root", tree)
-    (tree / generate.DASHBOARD_PATH).write_text("{}\n")
-    (tree / "alerts" / "rules" / "old.rules.yaml").write_text("groups: []\n")
+    (tree / artifacts.DASHBOARD_PATH).write_text("{}\n")
+    (tree / "alerts" / "generated" / "old.rules.yaml").write_text("groups: []\n")
     result = layerwatch("--root", tree, "--check")
     assert result.returncode == 1
-    assert f"stale: {generate.DASHBOARD_PATH}" in result.stderr
-    assert "alerts/rules/old.rules.yaml (not generated any more" in result.stderr
-    assert generate.RULES_PATH not in result.stderr
+    assert f"stale: {artifacts.DASHBOARD_PATH}" in result.stderr
+    assert "alerts/generated/old.rules.yaml (not generated any more" in result.stderr
+    assert artifacts.RULES_PATH not in result.stderr
 
 
 def test_a_profile_change_makes_the_rules_stale(tree: Path) -> None:
@@ -58,7 +59,7 @@ def test_a_profile_change_makes_the_rules_stale(tree: Path) -> None:
     profile = tree / "alerts" / "profiles" / "reference.yaml"
     profile.write_text(profile.read_text().replace("runaway_skip_ratio: 0.85", "runaway_skip_ratio: 0.9"))
     result = layerwatch("--root", tree, "--check")
-    assert result.returncode == 1 and f"stale: {generate.RULES_PATH}" in result.stderr
+    assert result.returncode == 1 and f"stale: {artifacts.RULES_PATH}" in result.stderr
 
 
 def test_broken_profile_fails_with_a_clear_message(tree: Path) -> None:
@@ -67,11 +68,11 @@ def test_broken_profile_fails_with_a_clear_message(tree: Path) -> None:
     result = layerwatch("--root", tree)
     assert result.returncode == 2
     assert "reference.yaml: threshold: 18.0 is outside [0, 1]" in result.stderr
-    assert not (tree / generate.RULES_PATH).exists()
+    assert not (tree / artifacts.RULES_PATH).exists()
 
 
 def test_generate_never_imports_torch() -> None:
-    code = ("import sys; from layerwatch.cli import main; rc = main(['generate', '--check']); "
+    code = ("import sys; from entrypoints.main import main; rc = main(['generate', '--check']); "
             "assert 'torch' not in sys.modules and 'inference_shim' not in sys.modules; sys.exit(rc)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                             timeout=60)
@@ -107,7 +108,7 @@ def test_generation_fails_when_a_panel_reads_an_undefined_metric(monkeypatch, tr
     monkeypatch.setattr(catalog, "all_series_names",
                         lambda: real() - {"layerwatch_time_to_first_token_seconds_bucket"})
     with pytest.raises(UnknownMetricError) as err:
-        generate.generated_files(tree)
+        artifacts.generated_files(tree)
     assert "dashboard panel 'Time to first token'" in str(err.value)
     assert "layerwatch_time_to_first_token_seconds_bucket" in str(err.value)
 
@@ -117,4 +118,4 @@ def test_generation_fails_when_a_rule_reads_an_undefined_metric(monkeypatch, tre
     monkeypatch.setattr(catalog, "all_series_names",
                         lambda: real() - {"layerwatch_entropy_dip"})
     with pytest.raises(UnknownMetricError, match=r"rule LayerwatchEntropySinglePeak \(annotation\)"):
-        generate.generated_files(tree)
+        artifacts.generated_files(tree)

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import yaml
 
-from alerts import config
+from mixin import config
 from alerts.rules import Recorded, Timing, render_rules, rule_groups
 
 from .conftest import REPO, run_tool
 
-RULES = REPO / "alerts" / "rules" / "layerwatch.rules.yaml"
+RULES = REPO / "alerts" / "generated" / "layerwatch.rules.yaml"
 TESTS = sorted((REPO / "alerts" / "tests").glob("*.test.yaml"))
 CONTRACT_ALERTS = {
     "LayerwatchEntropySinglePeak", "LayerwatchRunawaySkipping", "LayerwatchSkipRateSurge",

@@ -1,0 +1,104 @@
+"""`layerwatch exporter`: receive gate frames over UDP, serve /metrics and /healthz over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+from exporter.server import ExporterServer, parse_address
+from exporter.state import ExporterConfig, ExporterState
+from layerwatch.statistics import MAX_WINDOW_OBSERVATIONS
+
+log = logging.getLogger("layerwatch.exporter")
+
+
+def _positive(kind: type) -> Callable[[str], float]:
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its error messages
+    return parse
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+    return value
+
+
+def _address(text: str) -> tuple[str, int]:
+    try:
+        return parse_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = ExporterConfig()
+    parser.add_argument("--listen", type=_address, default="127.0.0.1:9410", metavar="HOST:PORT",
+                        help="UDP address gate frames arrive on (default %(default)s)")
+    parser.add_argument("--http", type=_address, default="127.0.0.1:9411", metavar="HOST:PORT",
+                        help="HTTP address for /metrics and /healthz (default %(default)s)")
+    parser.add_argument("--window-seconds", type=_positive(float), default=defaults.window_seconds,
+                        help="the bimodality window forgets entropies older than this (default %(default)s)")
+    parser.add_argument("--window-max-observations", type=_positive(int),
+                        default=defaults.window_max_observations,
+                        help=f"the window holds at most this many entropies per model, at most "
+                             f"{MAX_WINDOW_OBSERVATIONS} (default %(default)s)")
+    parser.add_argument("--min-window-observations", type=_positive(int),
+                        default=defaults.min_window_observations,
+                        help="below this many entropies in the window the verdict is withheld "
+                             "(default %(default)s)")
+    parser.add_argument("--per-layer", action="store_true",
+                        help="also export a 20-bucket histogram per layer (layers x models x 23 series)")
+    parser.add_argument("--max-models", type=_positive(int), default=defaults.max_models,
+                        help="frames naming more distinct models than this are rejected (default %(default)s)")
+    parser.add_argument("--statistics-cache-seconds", type=_non_negative_float,
+                        default=defaults.statistics_cache_seconds,
+                        help="reuse the window statistics for this long across scrapes (default %(default)s)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="(default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.window_max_observations > MAX_WINDOW_OBSERVATIONS:
+        print(f"layerwatch exporter: --window-max-observations {args.window_max_observations} is above "
+              f"{MAX_WINDOW_OBSERVATIONS}, where the dip test's p-values stop being valid", file=sys.stderr)
+        return 2
+    if args.min_window_observations > args.window_max_observations:
+        print(f"layerwatch exporter: --min-window-observations {args.min_window_observations} is above "
+              f"--window-max-observations {args.window_max_observations}: no verdict could ever be given",
+              file=sys.stderr)
+        return 2
+    config = ExporterConfig(
+        window_seconds=args.window_seconds, window_max_observations=args.window_max_observations,
+        min_window_observations=args.min_window_observations, per_layer=args.per_layer,
+        max_models=args.max_models, statistics_cache_seconds=args.statistics_cache_seconds)
+    try:
+        server = ExporterServer(ExporterState(config), args.listen, args.http)
+    except OSError as exc:
+        print(f"layerwatch exporter: cannot bind: {exc}", file=sys.stderr)
+        return 1
+
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    server.start()
+    frames_host, frames_port = server.frames_address
+    http_host, http_port = server.http_address
+    log.info("receiving gate frames on udp://%s:%d, serving http://%s:%d/metrics",
+             frames_host, frames_port, http_host, http_port)
+    stop.wait()
+    log.info("stopping")
+    server.stop()
+    return 0
+

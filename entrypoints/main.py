@@ -1,0 +1,103 @@
+"""The `layerwatch` entry point.
+
+Each subcommand lives in its own module, imported only when that subcommand runs, so that
+`layerwatch exporter` or `layerwatch generate` never import torch. A command module exposes
+`add_arguments(parser)` and `run(args) -> int`; its one-line help is listed here.
+
+Every flag can also be set from the environment as `LAYERWATCH_<FLAG>` (upper case, dashes as
+underscores): the environment supplies the default, the command line still wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("entrypoints.serve",
+              "run the gated model behind an OpenAI-compatible API with metrics and gate frames"),
+    "exporter": ("entrypoints.exporter",
+                 "receive gate frames and serve entropy histograms and bimodality checks"),
+    "replay": ("entrypoints.replay", "run the exporter's statistics offline over a trace file"),
+    "top": ("entrypoints.top", "live terminal view of an exporter: histogram, verdict, statistics"),
+    "train-gates": ("entrypoints.train_gates", "train gate heads for a frozen model on a text file"),
+    "eval": ("entrypoints.eval", "perplexity full vs gated, skip rates and speed on a text file"),
+    "calibrate": ("entrypoints.calibrate",
+                  "measure a healthy baseline run and write the model's profile YAML"),
+    "train-demo": ("entrypoints.train_demo",
+                   "train the embedded demo model (tokenizer, backbone) from the KJV text"),
+    "generate": ("entrypoints.generate",
+                 "write dashboards, alert/recording rules and docs/metrics.md from code (--check)"),
+    "demo": ("entrypoints.demo", "run the whole stack on the demo model and show the live histogram"),
+}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_var_for(action: argparse.Action) -> str | None:
+    """`--max-batch-size` -> `LAYERWATCH_MAX_BATCH_SIZE`; positionals have none."""
+    longs = [s for s in action.option_strings if s.startswith("--")]
+    if not longs or action.dest == "help":
+        return None
+    return "LAYERWATCH_" + longs[0][2:].upper().replace("-", "_")
+
+
+def apply_environment(parser: argparse.ArgumentParser, environ: dict[str, str]) -> None:
+    """Turn `LAYERWATCH_<FLAG>` variables into defaults (argparse still applies `type`)."""
+    for action in parser._actions:  # argparse offers no public iterator over actions
+        name = env_var_for(action)
+        if name is None or name not in environ:
+            continue
+        raw = environ[name]
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            value = raw.strip().lower()
+            if value not in _TRUE | _FALSE:
+                parser.error(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+            enabled = value in _TRUE
+            action.default = enabled if isinstance(action, argparse._StoreTrueAction) else not enabled
+        elif action.nargs in ("*", "+"):
+            action.default = [action.type(v) if action.type else v for v in raw.split(",") if v]
+        else:
+            action.default = raw
+        action.required = False
+        action.help = (action.help or "") + f" [env: {name}]"
+
+
+def build_parser(argv: list[str], environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    environ = dict(os.environ) if environ is None else environ
+    parser = argparse.ArgumentParser(
+        prog="layerwatch", description="Observability for LLM inference with dynamic layer skipping.",
+        epilog="Every flag can also be set as LAYERWATCH_<FLAG> in the environment.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    wanted = _requested_command(argv)
+    for name, (module_name, help_line) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_line, description=help_line)
+        if name != wanted:
+            continue  # only the command that runs is imported
+        module = importlib.import_module(module_name)
+        module.add_arguments(p)
+        apply_environment(p, environ)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def _requested_command(argv: list[str]) -> str | None:
+    for arg in argv:
+        if arg in COMMANDS:
+            return arg
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    return int(args._module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

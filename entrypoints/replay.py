@@ -1,0 +1,47 @@
+"""`layerwatch replay TRACE.jsonl`: the exporter's statistics, offline, over a trace file.
+
+The statistics are exporter/replay.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from exporter.replay import replay_trace
+from exporter.report_text import format_report
+from exporter.state import ExporterConfig
+from layerwatch.statistics import MAX_WINDOW_OBSERVATIONS
+from layerwatch.trace import TraceError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = ExporterConfig()
+    parser.add_argument("trace", metavar="TRACE.jsonl", help="trace file (JSON Lines, CONTRACT format)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per model")
+    parser.add_argument("--window-max-observations", type=int, default=defaults.window_max_observations,
+                        help="the bimodality check uses the last this-many entropies (default %(default)s)")
+    parser.add_argument("--min-window-observations", type=int, default=defaults.min_window_observations,
+                        help="below this the verdict is withheld (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 < args.window_max_observations <= MAX_WINDOW_OBSERVATIONS:
+        print(f"layerwatch replay: --window-max-observations must be 1..{MAX_WINDOW_OBSERVATIONS} "
+              f"(the dip test's p-values are not valid beyond)", file=sys.stderr)
+        return 2
+    config = ExporterConfig(window_seconds=math.inf, window_max_observations=args.window_max_observations,
+                            min_window_observations=args.min_window_observations)
+    try:
+        reports = replay_trace(args.trace, config)
+    except (TraceError, OSError) as exc:
+        print(f"layerwatch replay: {exc}", file=sys.stderr)
+        return 1
+    if not reports:
+        print(f"layerwatch replay: {args.trace} holds no trace lines", file=sys.stderr)
+        return 1
+    for model_report in reports:
+        print(json.dumps(model_report) if args.json else format_report(model_report) + "\n")
+    return 0

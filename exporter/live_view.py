@@ -1,0 +1,81 @@
+"""A live exporter's /metrics read back into the report `layerwatch replay` prints.
+
+It reads the page like Prometheus would: per model, the verdict and the window statistics, mean / std /
+zero ratio / skip ratio, and the 20-bin histogram (counts since the exporter started, from the
+`layerwatch_entropy` buckets). `layerwatch top` and `layerwatch demo` show it.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import urllib.request
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.report_text import format_report
+from layerwatch.statistics import DECISIONS, Bimodality, EntropyTotals, report
+
+CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, clear screen
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]  # sample name -> [(labels, value)]
+
+
+def render_screen(url: str) -> str:
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5) as response:
+        samples = parse_samples(response.read().decode("utf-8"))
+    models = sorted({labels["model_name"] for labels, _ in samples.get("layerwatch_entropy_count", [])})
+    header = (f"layerwatch top  {url}  {time.strftime('%H:%M:%S')}  "
+              f"frames received {_total(samples, 'layerwatch_exporter_frames_received_total'):,.0f}  "
+              f"malformed {_total(samples, 'layerwatch_exporter_frames_malformed_total'):,.0f}  "
+              f"lost {_total(samples, 'layerwatch_exporter_frames_lost_total'):,.0f}")
+    if not models:
+        return header + "\n\nno gate frames received yet"
+    return "\n\n".join([header] + [format_report(model_report(samples, model)) for model in models])
+
+
+def parse_samples(text: str) -> Samples:
+    samples: Samples = collections.defaultdict(list)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[sample.name].append((sample.labels, sample.value))
+    return samples
+
+
+def model_report(samples: Samples, model: str) -> dict[str, object]:
+    """The same report `layerwatch replay` prints, rebuilt from one model's exported series."""
+    totals = EntropyTotals()
+    for index, decision in enumerate(DECISIONS):
+        labels = {"model_name": model, "decision": decision}
+        cumulative = [value for le, value in sorted(
+            (float(l["le"]), v) for l, v in _matching(samples, "layerwatch_entropy_bucket", labels))
+            if le <= 1.0]
+        totals.buckets[index] = np.diff(cumulative, prepend=0)
+        totals.sums[index] = _value(samples, "layerwatch_entropy_sum", labels)
+        totals.squares[index] = _value(samples, "layerwatch_entropy_squares_total", labels)
+        totals.zeros[index] = _value(samples, "layerwatch_entropy_zero_total", labels)
+    window = {"model_name": model}
+    bimodal = _value(samples, "layerwatch_entropy_bimodal", window)
+    peaks = _value(samples, "layerwatch_entropy_peaks", window)
+    bimodality = Bimodality(
+        observations=int(_value(samples, "layerwatch_entropy_window_observations", window) or 0),
+        bimodal=None if bimodal is None else bimodal == 1,
+        bimodality_coefficient=_value(samples, "layerwatch_entropy_bimodality_coefficient", window),
+        dip=_value(samples, "layerwatch_entropy_dip", window),
+        dip_p_value=_value(samples, "layerwatch_entropy_dip_p_value", window),
+        peaks=None if peaks is None else int(peaks))
+    return report(model, totals, totals.buckets.sum(axis=0), bimodality)
+
+
+def _matching(samples: Samples, name: str, labels: dict[str, str]) -> list[tuple[dict[str, str], float]]:
+    return [(l, v) for l, v in samples.get(name, []) if all(l.get(k) == w for k, w in labels.items())]
+
+
+def _value(samples: Samples, name: str, labels: dict[str, str]) -> float | None:
+    found = _matching(samples, name, labels)
+    return found[0][1] if found else None
+
+
+def _total(samples: Samples, name: str) -> float:
+    return sum(value for _, value in samples.get(name, []))

@@ -1,0 +1,31 @@
+"""The exporter's statistics, offline, over a trace file.
+
+The trace is fed through the same per-model statistics the live exporter keeps; the window is
+bounded by `window_max_observations` only (a trace has no clock), so the verdict is the one a
+live exporter would give after receiving the whole trace within one window.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from exporter.state import ExporterConfig, ModelStatistics
+from layerwatch.statistics import BINS, check_bimodality, histogram20, report
+from layerwatch.trace import read_trace_batches
+
+
+def replay_trace(path: str | os.PathLike[str], config: ExporterConfig) -> list[dict[str, object]]:
+    """One report per model, in order of first appearance; raises TraceError for a bad line."""
+    models: dict[str, ModelStatistics] = {}
+    histograms: dict[str, np.ndarray] = {}
+    for batch in read_trace_batches(path):
+        if batch.model_name not in models:
+            models[batch.model_name] = ModelStatistics(config)
+            histograms[batch.model_name] = np.zeros(BINS, dtype=np.int64)
+        models[batch.model_name].add(batch.entropies, batch.skipped, now=0.0)
+        histograms[batch.model_name] += histogram20(batch.entropies)
+    return [report(name, model.totals, histograms[name],
+                   check_bimodality(model.window.values(), config.min_window_observations))
+            for name, model in models.items()]

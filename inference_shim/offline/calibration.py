@@ -1,0 +1,181 @@
+"""A model's healthy profile, measured from a baseline decode run.
+
+The bands are what a short monitoring window may show while the model is healthy: the baseline's
+decoded tokens are cut into chunks of `chunk_tokens` (roughly what the exporter's window holds at
+demo load), the statistic is computed per chunk, and the band is [lowest chunk - margin, highest
+chunk + margin], clipped to [0, 1]. The bimodality statistics are the exporter's own
+(layerwatch/statistics.py), on at most as many entropies as the exporter's window keeps.
+
+The shadow-agreement floor is measured the way the service's quality guard measures it (greedy
+requests re-scored at full depth), per chunk of requests: [lowest chunk - margin]. A model whose
+gates change the top-1 token for one token in five is healthy at 0.8, not at a generic 0.9.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from alerts.profile import Band, Bimodality, Profile
+from inference_shim.offline.gated_model import GatedModel
+from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
+from inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from inference_shim.runtime.skip_policy import SkipPolicyConfig
+from layerwatch.statistics import (DEFAULT_WINDOW_OBSERVATIONS, ZERO_ENTROPY_LIMIT, check_bimodality,
+                                   histogram20)
+
+
+@dataclass
+class Baseline:
+    """Decode-time gate entropies and skip decisions, one row per decoded token."""
+    entropies: list[np.ndarray] = field(default_factory=list)  # float32 [B, L] per step
+    skipped: list[np.ndarray] = field(default_factory=list)  # bool [B, L] per step
+
+    def record(self, step) -> None:  # an evaluation.DecodeStep
+        self.entropies.append(step.entropies)
+        self.skipped.append(step.skipped)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.concatenate(self.entropies), np.concatenate(self.skipped)
+
+
+@dataclass(frozen=True)
+class BaselineStatistics:
+    observations: int
+    histogram: list[int]  # CONTRACT bins over all layers and both decisions
+    active_mean: float
+    active_std: float
+    zero_ratio: float
+    skip_ratio: float
+    bimodality: object  # layerwatch.statistics.Bimodality
+
+
+def chunk_band(values: list[float], margin: float) -> Band:
+    """[lowest - margin, highest + margin] in [0, 1]; NaN (a chunk without active layers) is ignored."""
+    low, high = np.nanmin(values), np.nanmax(values)
+    return Band(low=round(max(0.0, float(low) - margin), 4), high=round(min(1.0, float(high) + margin), 4))
+
+
+def _chunk_stats(entropies: np.ndarray, skipped: np.ndarray) -> tuple[float, float, float]:
+    active = entropies[~skipped]
+    zero_ratio = float((entropies < ZERO_ENTROPY_LIMIT).mean())
+    if active.size == 0:
+        return math.nan, math.nan, zero_ratio
+    return float(active.mean()), float(active.std()), zero_ratio
+
+
+def summarize(entropies: np.ndarray, skipped: np.ndarray, min_observations: int) -> BaselineStatistics:
+    mean, std, zero = _chunk_stats(entropies, skipped)
+    window = entropies.ravel()[-DEFAULT_WINDOW_OBSERVATIONS:]  # the exporter's window size
+    return BaselineStatistics(
+        observations=int(entropies.size), histogram=[int(c) for c in histogram20(entropies.ravel())],
+        active_mean=mean, active_std=std, zero_ratio=zero, skip_ratio=float(skipped.mean()),
+        bimodality=check_bimodality(window, min_observations))
+
+
+def agreement_floor(checks: list[tuple[int, int]], chunk_tokens: int, margin: float) -> float:
+    """Lowest agreement ratio over chunks of at least `chunk_tokens` tokens, minus `margin`.
+
+    checks: (tokens, agreements) per shadow-checked request, in order.
+    """
+    ratios, tokens, agreements = [], 0, 0
+    for request_tokens, request_agreements in checks:
+        tokens, agreements = tokens + request_tokens, agreements + request_agreements
+        if tokens >= chunk_tokens:
+            ratios.append(agreements / tokens)
+            tokens, agreements = 0, 0
+    if not ratios:
+        raise ValueError(f"the shadow checks covered fewer than one chunk of {chunk_tokens} tokens")
+    return round(max(0.0, min(ratios) - margin), 3)
+
+
+def build_profile(model_name: str, threshold: float, patience: int, runaway_skip_ratio: float,
+                  entropies: np.ndarray, skipped: np.ndarray, shadow_agreement_min: float, *,
+                  chunk_tokens: int, margin: float, min_observations: int,
+                  source: str) -> tuple[Profile, BaselineStatistics]:
+    """entropies float [N, L] and skipped bool [N, L], one row per decoded token."""
+    if len(entropies) < chunk_tokens:
+        raise ValueError(f"the baseline decoded {len(entropies)} tokens, fewer than one chunk of {chunk_tokens}")
+    chunks = [_chunk_stats(entropies[i:i + chunk_tokens], skipped[i:i + chunk_tokens])
+              for i in range(0, len(entropies) - chunk_tokens + 1, chunk_tokens)]
+    means, stds, zeros = zip(*chunks)
+    stats = summarize(entropies, skipped, min_observations)
+    zero_band = chunk_band(list(zeros), margin)
+    b = stats.bimodality
+    bc = b.bimodality_coefficient
+    bc = None if bc is None or np.isnan(bc) else round(float(bc), 4)
+    profile = Profile(
+        model_name=model_name, threshold=threshold, patience=patience,
+        entropy_mean=chunk_band(list(means), margin), entropy_std=chunk_band(list(stds), margin),
+        zero_ratio=zero_band, zero_ratio_page=max(0.40, zero_band.high),
+        skip_ratio_normal=round(stats.skip_ratio, 4), runaway_skip_ratio=runaway_skip_ratio,
+        shadow_agreement_min=shadow_agreement_min,
+        bimodality=Bimodality(min_observations=min_observations, peaks=b.peaks, dip=_rounded(b.dip, 5),
+                              dip_p_value=_rounded(b.dip_p_value, 6), bimodality_coefficient=bc),
+        source=source)
+    return profile, stats
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(float(value), digits)
+
+
+def ascii_histogram(histogram: list[int], width: int = 40) -> str:
+    """The 20-bin histogram as text bars with counts (for the terminal and the model card)."""
+    top = max(histogram) or 1
+    lines = []
+    for i, count in enumerate(histogram):
+        bar = "#" * round(width * count / top)
+        lines.append(f"[{i * 0.05:.2f}, {(i + 1) * 0.05:.2f}{']' if i == 19 else ')'} {bar:<{width}} {count}")
+    return "\n".join(lines)
+
+
+def line_prompts(documents: list[str], count: int, rng: random.Random) -> list[str]:
+    """`count` prompts: the first 2-6 words of randomly chosen lines (verses) of the text."""
+    lines = [line.split() for document in documents for line in document.splitlines()]
+    lines = [words for words in lines if len(words) >= 3]
+    if not lines:
+        raise ValueError("the text has no line of three words or more to cut prompts from")
+    return [" ".join(words[:rng.randint(2, min(6, len(words) - 1))]) for words in rng.choices(lines, k=count)]
+
+
+def generate_baseline(gated: GatedModel, policy: SkipPolicyConfig, prompts: list[str], baseline: Baseline, *,
+                      model_name: str, kv_policy: str, batch_size: int, max_new_tokens: int,
+                      temperature: float, top_p: float, seed: int) -> int:
+    """Complete every prompt with the GenerationEngine, recording each decode step; returns fallbacks."""
+    fallbacks = 0
+
+    def record(step) -> None:
+        nonlocal fallbacks
+        baseline.record(step)
+        fallbacks += int(step.fallback_started.sum())
+
+    gated.model.attach_gates(gated.gates.gates)
+    tokenizer = gated.loaded.tokenizer
+    engine = GenerationEngine(gated.model, tokenizer, model_name=model_name, policy=policy,
+                              kv_policy=kv_policy, max_batch_size=batch_size, step_hook=record)
+    for i, prompt in enumerate(prompts):
+        engine.submit(tokenizer.encode(prompt), SamplingParams(
+            max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + i))
+    while engine.has_work():
+        engine.step()
+    return fallbacks
+
+
+def shadow_checks(gated: GatedModel, policy: SkipPolicyConfig, prompts: list[str], *, model_name: str,
+                  kv_policy: str, batch_size: int, max_new_tokens: int) -> list[tuple[int, int]]:
+    """(tokens, agreements) per prompt: greedy gated completions re-scored at full depth, as the
+    service's quality guard (`--shadow-rate`) does it."""
+    tokenizer = gated.loaded.tokenizer
+    engine = GenerationEngine(gated.model, tokenizer, model_name=model_name, policy=policy,
+                              kv_policy=kv_policy, max_batch_size=batch_size)
+    checks = []
+    for prompt in prompts:
+        prompt_ids = tokenizer.encode(prompt)
+        result = engine.generate(prompt_ids, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
+        checked = full_depth_agreement(gated.model, ShadowJob(prompt_ids, result.token_ids))
+        checks.append((checked.tokens, checked.agreements))
+    return checks

@@ -1,0 +1,152 @@
+"""Teacher-forced decoding with the real skip semantics: perplexity, skip rates, speed, entropies.
+
+Held-out text is cut into windows. Each window's first `prefill_len - 1` tokens are prefilled at
+full depth (as the engine prefills a prompt but its last token); then every remaining token is
+fed through `Transformer.decode_step` one step at a time, exactly as the generation engine does:
+the run mask comes from the SkipPolicy before the step (patience, protected layers, fallback),
+the KV policy applies to skipped layers, and the policy observes the step's entropies after it.
+Only the fed token is the text's own rather than a sampled one, so the next token's probability
+is the text's: that gives perplexity under the decode semantics, not under a one-shot mask.
+
+With no policy nothing is skipped. A policy with threshold 0 skips nothing either and gives
+bit-identical logits, so "full" and "gated" differ only by what the policy skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from inference_shim.offline.gated_model import GatedModel
+from inference_shim.runtime.model import KVCache, Transformer
+from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig
+
+
+@dataclass
+class DecodeStep:
+    """One teacher-forced decode step over a batch of windows (host arrays)."""
+    entropies: np.ndarray | None  # float32 [B, L], None without gates
+    skipped: np.ndarray  # bool [B, L]
+
+
+@dataclass
+class DecodeTotals:
+    num_layers: int
+    nll_sum: float = 0.0
+    tokens: int = 0  # decode steps x rows: predicted tokens
+    decode_seconds: float = 0.0
+    fallbacks: int = 0
+    skips_per_layer: np.ndarray = field(init=False)  # int [L]: skipped (token, layer) evaluations
+
+    def __post_init__(self) -> None:
+        self.skips_per_layer = np.zeros(self.num_layers, dtype=np.int64)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll_sum / self.tokens)
+
+    @property
+    def skip_fraction(self) -> float:
+        return float(self.skips_per_layer.sum()) / (self.tokens * self.num_layers)
+
+    @property
+    def per_layer_skip_rate(self) -> list[float]:
+        return [float(s) / self.tokens for s in self.skips_per_layer]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+def heldout_windows(stream: torch.Tensor, window_len: int, max_decode_tokens: int, prefill_len: int) -> torch.Tensor:
+    """Consecutive non-overlapping windows [N, window_len], enough for `max_decode_tokens` predictions."""
+    per_window = window_len - prefill_len
+    if per_window < 1:
+        raise ValueError(f"window length {window_len} leaves nothing to decode after a prefill of {prefill_len}")
+    available = len(stream) // window_len
+    if available == 0:
+        raise ValueError(f"the text has {len(stream)} tokens, fewer than one window of {window_len}")
+    count = min(available, math.ceil(max_decode_tokens / per_window))
+    return stream[:count * window_len].view(count, window_len)
+
+
+@torch.no_grad()
+def teacher_forced_decode(model: Transformer, windows: torch.Tensor, prefill_len: int,
+                          policy_config: SkipPolicyConfig | None, kv_policy: str = "project",
+                          batch_size: int = 8, on_step: Callable[[DecodeStep], None] | None = None) -> DecodeTotals:
+    """Decode every window after its prefill; `policy_config=None` runs full depth."""
+    if policy_config is not None and model.gates is None:
+        raise ValueError("a skip policy needs gates: attach them to the model first")
+    config = model.config
+    device = model.embed_tokens.weight.device
+    totals = DecodeTotals(num_layers=config.num_layers)
+    for start in range(0, len(windows), batch_size):
+        batch = windows[start:start + batch_size].to(device)
+        _decode_batch(model, batch, prefill_len, policy_config, kv_policy, totals, on_step)
+    return totals
+
+
+def _decode_batch(model: Transformer, batch: torch.Tensor, prefill_len: int,
+                  policy_config: SkipPolicyConfig | None, kv_policy: str, totals: DecodeTotals,
+                  on_step: Callable[[DecodeStep], None] | None) -> None:
+    rows, window_len = batch.shape
+    num_layers = model.config.num_layers
+    cache = KVCache(model.config, slots=rows, max_len=window_len, dtype=model.embed_tokens.weight.dtype,
+                    device=batch.device)
+    context = prefill_len - 1  # the last prompt token is the first decode step's input
+    for slot in range(rows):
+        if context > 0:
+            model(batch[slot:slot + 1, :context], cache=cache, slot=slot)
+        else:
+            cache.reset_slot(slot)
+    slots = np.arange(rows)
+    policy = SkipPolicy(policy_config, num_layers, rows) if policy_config is not None else None
+    for position in range(context, window_len - 1):
+        run_mask = policy.run_mask(slots) if policy is not None else None
+        started = time.perf_counter()
+        logits, entropies = model.decode_step(batch[:, position], cache, slots, [position] * rows,
+                                              run_mask, kv_policy)
+        # The host needs the next token (and the engine the entropies) before the next step: one sync.
+        logits.argmax(dim=-1).cpu()
+        host_entropies = entropies.float().cpu().numpy() if entropies is not None else None
+        totals.decode_seconds += time.perf_counter() - started
+        nll = F.cross_entropy(logits.float(), batch[:, position + 1], reduction="sum")
+        totals.nll_sum += nll.item()
+        totals.tokens += rows
+        skipped = np.zeros((rows, num_layers), dtype=bool) if run_mask is None else ~run_mask
+        totals.skips_per_layer += skipped.sum(axis=0)
+        if policy is not None:
+            decision = policy.observe(slots, host_entropies, run_mask)
+            totals.fallbacks += int(decision.fallback_started.sum())
+        if on_step is not None:
+            on_step(DecodeStep(entropies=host_entropies, skipped=skipped))
+
+
+def decode_windows(gated: GatedModel, windows: torch.Tensor, threshold: float | None, *, prefill: int,
+                   kv_policy: str, batch_size: int) -> DecodeTotals:
+    """Teacher-forced decode; threshold None = full depth with the gates detached (the ungated model)."""
+    policy = None if threshold is None else SkipPolicyConfig(threshold=threshold, patience=gated.patience)
+    gated.model.attach_gates(None if policy is None else gated.gates.gates)
+    return teacher_forced_decode(gated.model, windows, prefill, policy, kv_policy=kv_policy,
+                                 batch_size=batch_size)
+
+
+def gated_result(full: DecodeTotals, gated: DecodeTotals, threshold: float) -> dict:
+    """The `eval --json` keys for one threshold (docs/model.md)."""
+    return {
+        "threshold": threshold,
+        "perplexity_full": full.perplexity,
+        "perplexity_gated": gated.perplexity,
+        "perplexity_increase": gated.perplexity / full.perplexity - 1.0,
+        "skip_fraction": gated.skip_fraction,
+        "per_layer_skip_rate": gated.per_layer_skip_rate,
+        "fallbacks": gated.fallbacks,
+        "tokens_per_second_full": full.tokens_per_second,
+        "tokens_per_second_gated": gated.tokens_per_second,
+    }

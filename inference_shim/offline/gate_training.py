@@ -1,0 +1,171 @@
+"""Training gate heads on a frozen backbone (docs/gate-training.md explains the objective).
+
+What decoding does, training mimics: layer l is skipped for token t when its gate scored below
+the threshold tau at each of the previous `patience` tokens. Here every gate's "score is high"
+event is relaxed into a Gumbel-sigmoid sample
+
+    high_t = sigmoid((sharpness * (logit_t - logit(tau)) + logistic noise) / temperature),
+
+a layer's update for token t is scaled by  keep_t = 1 - prod_{j=1..patience} (1 - high_{t-j}),
+and the loss is
+
+    LM loss  +  sparsity_weight * (mean skip - target_skip)^2  +  commit_weight * double_well(logit).
+
+The temperature anneals towards zero so the relaxed skip becomes the hard one; the target skip
+sets the rate; the double well pulls every score towards one of two values on either side of tau
+(`low_score`, `high_score`), which gives the two humps a healthy entropy histogram has, and keeps
+the scores away from tau, where a little noise would flip decisions. The double well's weight
+ramps up from zero over the first half of the run, so the gates first find where skipping is
+cheap and then commit. Protected layers are never skipped; their gates are only held at the high
+score.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from inference_shim.runtime.model import GateBank, Transformer
+from inference_shim.offline.training import lm_loss, sample_windows
+
+
+@dataclass(frozen=True)
+class GateSchedule:
+    steps: int = 1200
+    batch_size: int = 8
+    seq_len: int = 128
+    learning_rate: float = 5e-3
+    threshold: float = 0.18  # tau the gates are trained for (and stored with)
+    patience: int = 3
+    protected_layers: tuple[int, ...] = ()
+    target_skip: float = 0.28  # share of (token, skippable layer) pairs to skip
+    sparsity_weight: float = 20.0
+    commit_weight: float = 2.0
+    low_score: float = 0.10  # the double well's two minima
+    high_score: float = 0.30
+    sharpness: float = 5.0  # decision logit per unit of gate logit
+    start_temperature: float = 1.0
+    end_temperature: float = 0.1
+    seed: int = 0
+
+    def temperature_at(self, step: int) -> float:
+        """Geometric annealing from start to end over the run."""
+        progress = step / max(self.steps - 1, 1)
+        return self.start_temperature * (self.end_temperature / self.start_temperature) ** progress
+
+    def commit_weight_at(self, step: int) -> float:
+        """The double well grows in over the first half: gates first learn where to skip, then commit."""
+        return self.commit_weight * min(1.0, 2 * step / max(self.steps, 1))
+
+    def learning_rate_at(self, step: int) -> float:
+        return self.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max(self.steps, 1))))
+
+
+def init_gates(num_layers: int, hidden_size: int, schedule: GateSchedule) -> GateBank:
+    """Default Linear init; output bias at tau for skippable layers, so each starts undecided and the
+    relaxed skip (a product of `patience` low-score events) has gradient. Protected layers start,
+    and stay, at the high score."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(schedule.seed)
+        gates = GateBank(num_layers, hidden_size)
+    with torch.no_grad():
+        for layer, gate in enumerate(gates.gates):
+            start = schedule.high_score if layer in schedule.protected_layers else schedule.threshold
+            gate.fc2.bias.fill_(_logit(start))
+    return gates
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1 - p))
+
+
+def patience_skip(high: torch.Tensor, patience: int) -> torch.Tensor:
+    """[B, T] relaxed "score was high" -> [B, T] relaxed "skipped": low at each of the previous
+    `patience` tokens. The first `patience` tokens have no such history and never skip."""
+    low = 1.0 - high
+    skip = torch.ones_like(low)
+    for j in range(1, patience + 1):
+        skip = skip * F.pad(low[:, :-j], (j, 0), value=0.0)
+    return skip
+
+
+class GatedForward:
+    """The `update_scale` hook of one training step; remembers the gate logits and relaxed skips."""
+
+    def __init__(self, gates: GateBank, schedule: GateSchedule, protected: set[int], temperature: float,
+                 generator: torch.Generator) -> None:
+        self.gates, self.schedule, self.protected = gates, schedule, protected
+        self.temperature, self.generator = temperature, generator
+        self.logits: list[torch.Tensor] = []
+        self.skips: list[torch.Tensor] = []
+
+    def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
+        logit = self.gates[layer].logit(x)  # [B, T]
+        self.logits.append(logit)
+        if layer in self.protected:
+            return None
+        s = self.schedule
+        u = torch.rand(logit.shape, generator=self.generator, device=logit.device).clamp(1e-6, 1 - 1e-6)
+        noise = torch.log(u) - torch.log1p(-u)
+        decision = s.sharpness * (logit - _logit(s.threshold))
+        high = torch.sigmoid((decision + noise) / self.temperature)
+        skip = patience_skip(high, s.patience)
+        self.skips.append(skip)
+        return (1.0 - skip)[..., None].to(x.dtype)
+
+    def double_well(self) -> torch.Tensor:
+        """Squared distance of each gate logit to the nearer of the two wells (protected layers: high)."""
+        low, high = _logit(self.schedule.low_score), _logit(self.schedule.high_score)
+        logits = torch.stack(self.logits)  # [L, B, T]
+        to_high = (logits - high) ** 2
+        nearer = torch.minimum((logits - low) ** 2, to_high)
+        protected = torch.tensor([l in self.protected for l in range(len(self.logits))], device=logits.device)
+        return torch.where(protected[:, None, None], to_high, nearer).mean()
+
+    def skip_fraction(self) -> torch.Tensor:
+        return torch.stack(self.skips).mean() if self.skips else torch.zeros(())
+
+
+@dataclass
+class GateStepStats:
+    step: int
+    loss: float
+    lm_loss: float
+    skip_fraction: float
+    temperature: float
+
+
+def train_gates(model: Transformer, gates: GateBank, stream: torch.Tensor, schedule: GateSchedule,
+                on_step: Callable[[GateStepStats], None] | None = None) -> GateBank:
+    """Train `gates` in place on a frozen `model` over random windows of the token stream."""
+    device = next(model.parameters()).device
+    model.eval()  # no dropout in the model; gates are the only thing that learns
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.attach_gates(None)  # entropies come from our hook, not from forward's own gate pass
+    gates.to(device).train()
+    optimizer = torch.optim.AdamW(gates.parameters(), lr=schedule.learning_rate, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(schedule.seed)
+    noise_generator = torch.Generator(device=device).manual_seed(schedule.seed + 1)
+    protected = set(schedule.protected_layers)
+    for step in range(schedule.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = schedule.learning_rate_at(step)
+        temperature = schedule.temperature_at(step)
+        batch = sample_windows(stream, schedule.batch_size, schedule.seq_len, generator).to(device)
+        hook = GatedForward(gates, schedule, protected, temperature, noise_generator)
+        logits, _ = model(batch[:, :-1], update_scale=hook)
+        language = lm_loss(logits, batch[:, 1:])
+        skip = hook.skip_fraction()
+        loss = (language + schedule.sparsity_weight * (skip - schedule.target_skip) ** 2
+                + schedule.commit_weight_at(step) * hook.double_well())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if on_step is not None:
+            on_step(GateStepStats(step + 1, loss.item(), language.item(), skip.item(), temperature))
+    return gates.eval()

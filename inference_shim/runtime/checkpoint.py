@@ -1,0 +1,318 @@
+"""Load and save a local Hugging Face checkpoint folder.
+
+A folder holds `config.json`, the weights as `model.safetensors` or as shards listed in
+`model.safetensors.index.json`, `tokenizer.json` and optionally `tokenizer_config.json` and
+`generation_config.json`. Llama, Mistral and Qwen2 checkpoints load (they are the same
+architecture up to q/k/v biases). Anything broken or mismatched fails at load time with a
+`CheckpointError` naming the file and what is wrong: a server must not start on half a model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from inference_shim.runtime.model import ModelConfig, Transformer, rope_inverse_frequencies
+from inference_shim.runtime.tokenizer import Tokenizer, TokenizerError
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+# architecture -> q/k/v projections carry biases
+ARCHITECTURES = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCausalLM": True}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Tensors some exporters write that carry nothing we need (RoPE frequencies are recomputed).
+HARMLESS_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint folder is broken or does not match this code; the message names the file."""
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    config: ModelConfig
+    model: Transformer
+    tokenizer: Tokenizer
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = torch.float32) -> LoadedCheckpoint:
+    """Load a checkpoint folder. `dtype=None` keeps the dtype config.json declares."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a directory (expected a Hugging Face checkpoint folder)")
+    hf_config = _read_json(folder / CONFIG_FILE)
+    config = config_from_hf(hf_config, folder / CONFIG_FILE, _generation_eos_ids(folder))
+    if dtype is None:
+        dtype = _declared_dtype(hf_config, folder / CONFIG_FILE)
+    state = _load_weights(folder, config, torch.device(device), dtype)
+    model = _build_model(config, state, torch.device(device))
+    try:
+        tokenizer = Tokenizer.from_files(folder / TOKENIZER_FILE, folder / TOKENIZER_CONFIG_FILE,
+                                         extra_eos_token_ids=config.eos_token_ids,
+                                         bos_token_id=config.bos_token_id)
+    except TokenizerError as exc:
+        raise CheckpointError(str(exc)) from exc
+    if tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(f"{folder / TOKENIZER_FILE}: {tokenizer.vocab_size} tokens, but the model's "
+                              f"embedding has only vocab_size={config.vocab_size} rows ({CONFIG_FILE})")
+    return LoadedCheckpoint(path=folder, config=config, model=model.eval(), tokenizer=tokenizer)
+
+
+# --- config.json ---------------------------------------------------------------------------------
+
+
+def config_from_hf(raw: dict, source: Path, extra_eos_ids: tuple[int, ...] = ()) -> ModelConfig:
+    """Map a Hugging Face config.json onto ModelConfig; refuse what this model cannot compute."""
+
+    def fail(message: str) -> CheckpointError:
+        return CheckpointError(f"{source}: {message}")
+
+    architectures = raw.get("architectures") or []
+    architecture = next((a for a in architectures if a in ARCHITECTURES), None)
+    if architecture is None:
+        raise fail(f"architectures={architectures!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise fail(f"hidden_act={raw['hidden_act']!r} is not supported (only 'silu', SwiGLU)")
+    if raw.get("mlp_bias"):
+        raise fail("mlp_bias=true is not supported")
+    if architecture == "LlamaForCausalLM" and raw.get("attention_bias"):
+        raise fail("attention_bias=true is not supported for Llama (it adds an o_proj bias)")
+    if architecture == "Qwen2ForCausalLM" and raw.get("use_sliding_window"):
+        raise fail("use_sliding_window=true is not supported")
+
+    def integer(name: str, default: int | None = None) -> int:
+        value = raw.get(name, default)
+        if value is None and default is not None:
+            value = default
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise fail(f"{name} must be a positive integer, found {value!r}")
+        return value
+
+    hidden, heads = integer("hidden_size"), integer("num_attention_heads")
+    max_positions = integer("max_position_embeddings", 2048)
+    if architecture == "MistralForCausalLM" and raw.get("sliding_window"):
+        # Within the window, sliding-window attention is plain causal attention.
+        max_positions = min(max_positions, integer("sliding_window"))
+    rope_theta, rope_scaling = _rope(raw, fail)
+    eos = raw.get("eos_token_id")
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    if not isinstance(eos_ids, list) or not all(isinstance(i, int) for i in eos_ids):
+        raise fail(f"eos_token_id must be an integer or a list of integers, found {eos!r}")
+    bos = raw.get("bos_token_id")
+    if bos is not None and not isinstance(bos, int):
+        raise fail(f"bos_token_id must be an integer or null, found {bos!r}")
+    try:
+        return ModelConfig(
+            vocab_size=integer("vocab_size"), hidden_size=hidden,
+            intermediate_size=integer("intermediate_size"), num_layers=integer("num_hidden_layers"),
+            num_heads=heads, num_kv_heads=integer("num_key_value_heads", heads),
+            head_dim=integer("head_dim", hidden // heads), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta, rope_scaling=rope_scaling, max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=ARCHITECTURES[architecture], bos_token_id=bos,
+            eos_token_ids=tuple(dict.fromkeys(eos_ids + list(extra_eos_ids))),
+        )
+    except ValueError as exc:  # e.g. heads not a multiple of kv heads
+        raise fail(str(exc)) from exc
+
+
+def _rope(raw: dict, fail) -> tuple[float, dict | None]:
+    # transformers < 5 writes `rope_theta` and `rope_scaling`; 5.x writes one `rope_parameters`
+    # dict holding rope_theta, rope_type and the scaling fields.
+    params = dict(raw.get("rope_parameters") or {})
+    theta = params.pop("rope_theta", raw.get("rope_theta", 10000.0))
+    scaling = raw.get("rope_scaling") or params or None
+    if scaling is not None:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in SUPPORTED_ROPE_TYPES:
+            raise fail(f"rope type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        if kind == "default":
+            scaling = None
+    try:
+        theta = float(theta)
+        probe = ModelConfig(vocab_size=1, hidden_size=2, intermediate_size=1, num_layers=1, num_heads=1,
+                            num_kv_heads=1, head_dim=2, rope_theta=theta, rope_scaling=scaling)
+        rope_inverse_frequencies(probe)  # a missing scaling field fails here, not at the first request
+    except (KeyError, TypeError, ValueError) as exc:
+        raise fail(f"bad RoPE settings rope_theta={theta!r} rope_scaling={scaling!r}: {exc!r}") from exc
+    return theta, scaling
+
+
+def _declared_dtype(raw: dict, source: Path) -> torch.dtype:
+    name = raw.get("dtype", raw.get("torch_dtype", "float32")) or "float32"
+    if name not in DTYPES:
+        raise CheckpointError(f"{source}: dtype {name!r} is not supported (supported: {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def _generation_eos_ids(folder: Path) -> tuple[int, ...]:
+    # Instruct checkpoints often list their end-of-turn tokens only in generation_config.json.
+    path = folder / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return ()
+    eos = _read_json(path).get("eos_token_id")
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise CheckpointError(f"{path}: eos_token_id must be an integer or a list of integers, found {eos!r}")
+    return tuple(ids)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found")
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
+# --- weights -------------------------------------------------------------------------------------
+
+
+def hf_name(name: str) -> str:
+    """Our parameter name -> the Hugging Face one ("layers.0.mlp..." -> "model.layers.0.mlp...")."""
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape for every weight the checkpoint must hold."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    shapes = {hf_name(n): tuple(t.shape) for n, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        del shapes["lm_head.weight"]  # the embedding matrix serves as the LM head
+    return shapes
+
+
+def _shard_files(folder: Path) -> dict[str, list[str]]:
+    """File name -> tensor names it should hold, from the index or the single weights file."""
+    index_path = folder / WEIGHTS_INDEX_FILE
+    if index_path.is_file():
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: no 'weight_map' object mapping tensor names to shard files")
+        shards: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            shards.setdefault(file, []).append(name)
+        for file in shards:
+            if not (folder / file).is_file():
+                raise CheckpointError(f"{folder / file}: shard listed in {WEIGHTS_INDEX_FILE} is missing")
+        return shards
+    single = folder / WEIGHTS_FILE
+    if not single.is_file():
+        found = sorted(p.name for p in folder.iterdir())
+        raise CheckpointError(f"{single}: file not found, and no {WEIGHTS_INDEX_FILE} either "
+                              f"(only safetensors weights are supported; the folder holds {found})")
+    return {WEIGHTS_FILE: []}  # [] = whatever the file holds
+
+
+def _load_weights(folder: Path, config: ModelConfig, device: torch.device,
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    expected = expected_shapes(config)
+    state: dict[str, torch.Tensor] = {}
+    for file, listed in _shard_files(folder).items():
+        path = folder / file
+        try:
+            with safe_open(str(path), framework="pt") as reader:
+                names = list(reader.keys())
+                missing_listed = sorted(set(listed) - set(names))
+                if missing_listed:
+                    raise CheckpointError(f"{path}: {WEIGHTS_INDEX_FILE} lists {missing_listed[:3]} in this "
+                                          f"shard, but the file does not hold them")
+                for name in names:
+                    if name not in expected:
+                        if HARMLESS_TENSOR.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                            continue
+                        raise CheckpointError(f"{path}: unexpected tensor {name!r} (not part of this "
+                                              f"{config.num_layers}-layer model as {CONFIG_FILE} describes it)")
+                    shape = tuple(reader.get_slice(name).get_shape())
+                    if shape != expected[name]:
+                        raise CheckpointError(f"{path}: tensor {name!r} has shape {list(shape)}, "
+                                              f"expected {list(expected[name])} from {CONFIG_FILE}")
+                    state[name] = reader.get_tensor(name).to(device=device, dtype=dtype)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from exc
+    missing = [name for name in expected if name not in state]
+    if missing:
+        raise CheckpointError(f"{folder}: {len(missing)} tensors missing from the weights files, "
+                              f"e.g. {missing[:3]}")
+    return state
+
+
+def _build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device) -> Transformer:
+    # Built on the meta device and then given the loaded tensors: no time or memory spent on a
+    # random initialisation that would be overwritten.
+    with torch.device("meta"):
+        model = Transformer(config)
+    ours = {name[len("model."):] if name.startswith("model.") else name: t for name, t in state.items()}
+    if config.tie_word_embeddings:
+        ours["lm_head.weight"] = ours["embed_tokens.weight"]
+    model.load_state_dict(ours, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inverse_frequencies(config).to(device)  # a non-persistent buffer, still on meta
+    return model
+
+
+# --- saving --------------------------------------------------------------------------------------
+
+
+def save_checkpoint(model: Transformer, tokenizer: Tokenizer | str | Path, out_dir: str | Path) -> None:
+    """Write `model` (without gates) as a Hugging Face folder that transformers can load too.
+
+    `tokenizer` is our Tokenizer, or the path of a tokenizer.json (BOS/EOS then come from the
+    model config's token ids).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    if not isinstance(tokenizer, Tokenizer):
+        backend = Tokenizer.from_files(Path(tokenizer)).backend
+        id_to_token = backend.id_to_token
+        tokenizer = Tokenizer(
+            backend, bos_token=id_to_token(config.bos_token_id) if config.bos_token_id is not None else None,
+            eos_tokens=[id_to_token(i) for i in config.eos_token_ids])
+    (out / CONFIG_FILE).write_text(json.dumps(hf_config(model), indent=2) + "\n")
+    state = {hf_name(n): t.detach().contiguous().cpu() for n, t in model.state_dict().items()
+             if not n.startswith("gates.")}
+    if config.tie_word_embeddings:
+        del state["lm_head.weight"]
+    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    tokenizer.save(out)
+
+
+def hf_config(model: Transformer) -> dict:
+    """The config.json transformers needs to rebuild `model` (Qwen2 when q/k/v carry biases)."""
+    c = model.config
+    architecture, model_type = ("Qwen2ForCausalLM", "qwen2") if c.attention_bias else ("LlamaForCausalLM", "llama")
+    dtype = next(model.parameters()).dtype
+    eos = list(c.eos_token_ids)
+    return {
+        "architectures": [architecture], "model_type": model_type,
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling,
+        "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": c.tie_word_embeddings,
+        "attention_bias": False if model_type == "llama" else True, "mlp_bias": False,
+        "bos_token_id": c.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "torch_dtype": str(dtype).removeprefix("torch."), "use_cache": True,
+    }

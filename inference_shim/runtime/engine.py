@@ -1,0 +1,380 @@
+"""Batched generation with per-sequence layer skipping: the engine the service and `eval` drive.
+
+One `step()` admits waiting sequences (prefill at full depth), then runs ONE decode step for all
+active rows. Each row is a sequence in its own KV-cache slot. The step's run mask comes from the
+skip policy's host-side state, so it is known before the step starts; the step then does exactly
+one device->host transfer, after the last layer (next tokens and entropies together), which
+feeds the policy for the *next* step. Nothing inside a step waits on the device to decide a skip.
+
+Token accounting: prefill runs the prompt except its last token. Decode step i of a sequence
+feeds its (i-1)-th generated token (the prompt's last token at i = 0) and produces the i-th, so
+N generated tokens = N decode steps, each with one StepRecord row. Generated tokens include a
+final EOS token or the token that completed a stop string; neither appears in the text.
+
+The engine is single-threaded: the service calls it from one worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from inference_shim.runtime.model import KV_POLICIES, KVCache, Transformer
+from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig
+from inference_shim.runtime.tokenizer import IncrementalDecoder, Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_SEQ_LEN = 4096  # cache length when neither the caller nor a shorter model limit sets one
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None  # same seed -> same tokens, whatever else shares the batch
+    stop: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+
+@dataclass
+class StepRecord:
+    """One decode step, plain host data. Rows are the sequences active in the step."""
+
+    step: int  # engine-wide decode step counter, from 1
+    sequence_ids: np.ndarray  # int64 [B]
+    token_ids: np.ndarray  # int64 [B]: tokens fed to this step
+    next_token_ids: np.ndarray  # int64 [B]: tokens this step produced
+    entropies: np.ndarray  # float32 [B, L]: every layer's gate entropy, skipped or not (NaN: no gates)
+    skipped: np.ndarray  # bool [B, L]: True = the layer did not run for that row
+    batch_skipped: np.ndarray  # bool [L]: every row skipped the layer (only these save weight reads)
+    fallback: np.ndarray  # bool [B]: the row ran full depth because of a fallback episode
+    fallback_started: np.ndarray  # bool [B]: a fallback episode begins after this step
+    step_seconds: float  # wall time of the step (host view, includes the one device sync)
+
+
+@dataclass
+class PrefillRecord:
+    sequence_id: int
+    token_ids: np.ndarray  # int64 [T]: the prompt without its last token
+    entropies: np.ndarray  # float32 [T, L]
+    seconds: float
+
+
+StepHook = Callable[[StepRecord], None]
+PrefillHook = Callable[[PrefillRecord], None]
+
+
+@dataclass
+class SequenceUpdate:
+    sequence_id: int
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "cancelled"
+    layers_executed: int  # cumulative for the sequence (decode steps)
+    layers_skipped: int
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    layers_executed: int
+    layers_skipped: int
+    activity: np.ndarray  # bool [completion_tokens, L], True = the layer ran
+
+
+@dataclass(eq=False)  # identity: a sequence is equal only to itself
+class _Sequence:
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    decoder: IncrementalDecoder
+    generator: torch.Generator | None  # None for greedy
+    slot: int = -1
+    position: int = 0  # cache position the next decode step writes
+    next_input: int = 0  # token the next decode step feeds
+    generated: list[int] = field(default_factory=list)
+    text: str = ""  # emitted text
+    held: str = ""  # decoded text held back while it may be the start of a stop string
+    activity: list[np.ndarray] = field(default_factory=list)
+    layers_executed: int = 0
+    layers_skipped: int = 0
+    cancel_requested: bool = False
+    finish_reason: str | None = None
+
+
+class GenerationEngine:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, *, model_name: str,
+                 policy: SkipPolicyConfig, kv_policy: str = "project", max_batch_size: int = 8,
+                 max_seq_len: int | None = None, step_hook: StepHook | None = None,
+                 prefill_hook: PrefillHook | None = None) -> None:
+        if kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        config = model.config
+        limit = config.max_position_embeddings
+        max_seq_len = min(limit, DEFAULT_MAX_SEQ_LEN) if max_seq_len is None else max_seq_len
+        if not 2 <= max_seq_len <= limit:
+            raise ValueError(f"max_seq_len must be in 2..{limit} (the model's max_position_embeddings), "
+                             f"got {max_seq_len}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.policy_config = policy
+        self.kv_policy = kv_policy
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.step_hook = step_hook
+        self.prefill_hook = prefill_hook
+        self.num_layers = config.num_layers
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(config.eos_token_ids)
+        weight = model.embed_tokens.weight
+        self.device = weight.device
+        self.cache = KVCache(config, max_batch_size, max_seq_len, weight.dtype, weight.device)
+        self.skip_policy = SkipPolicy(policy, config.num_layers, max_batch_size)
+        self.steps = 0
+        self._next_id = 0
+        self._waiting: deque[_Sequence] = deque()
+        self._active: dict[int, _Sequence] = {}  # slot -> sequence
+        self._by_id: dict[int, _Sequence] = {}  # waiting and active sequences
+
+    # --- public API ------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Queue a sequence; it joins the batch at the next step boundary. Returns its id."""
+        return self._submit(prompt_ids, params).id
+
+    def cancel(self, sequence_id: int) -> None:
+        """Stop a sequence at the next step boundary (unknown or finished ids are ignored)."""
+        sequence = self._by_id.get(sequence_id)
+        if sequence is not None:
+            sequence.cancel_requested = True
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._active)
+
+    def step(self) -> list[SequenceUpdate]:
+        """Apply cancellations, admit waiting sequences (prefill), run one decode step."""
+        updates = self._apply_cancellations()
+        self._admit_waiting()
+        if self._active:
+            updates += self._decode_step()
+        return updates
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        """Submit one sequence and step until it finishes (other queued sequences advance too)."""
+        sequence = self._submit(prompt_ids, params)
+        while sequence.finish_reason is None:
+            self.step()
+        return GenerationResult(
+            token_ids=list(sequence.generated), text=sequence.text, finish_reason=sequence.finish_reason,
+            prompt_tokens=len(sequence.prompt_ids), completion_tokens=len(sequence.generated),
+            layers_executed=sequence.layers_executed, layers_skipped=sequence.layers_skipped,
+            activity=np.array(sequence.activity, dtype=bool).reshape(len(sequence.generated), self.num_layers))
+
+    # --- admission and prefill -------------------------------------------------------------------
+
+    def _submit(self, prompt_ids: list[int], params: SamplingParams) -> _Sequence:
+        params.validate()
+        vocab = self.model.config.vocab_size
+        if not prompt_ids:
+            raise ValueError("the prompt must hold at least one token")
+        if not all(0 <= int(t) < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        if len(prompt_ids) > self.max_seq_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds max_seq_len={self.max_seq_len}")
+        generator = None
+        if params.temperature > 0:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
+        sequence = _Sequence(id=self._next_id, prompt_ids=[int(t) for t in prompt_ids], params=params,
+                             decoder=self.tokenizer.incremental_decoder(), generator=generator)
+        self._next_id += 1
+        self._waiting.append(sequence)
+        self._by_id[sequence.id] = sequence
+        return sequence
+
+    def _apply_cancellations(self) -> list[SequenceUpdate]:
+        cancelled = [s for s in self._by_id.values() if s.cancel_requested]
+        for sequence in cancelled:
+            if sequence in self._waiting:
+                self._waiting.remove(sequence)
+            self._finish(sequence, "cancelled")
+        return [self._update(s, [], "") for s in cancelled]
+
+    def _admit_waiting(self) -> None:
+        free = sorted(set(range(self.max_batch_size)) - set(self._active))
+        while self._waiting and free:
+            sequence = self._waiting.popleft()
+            sequence.slot = free.pop(0)
+            self._prefill(sequence)
+            self._active[sequence.slot] = sequence
+
+    def _prefill(self, sequence: _Sequence) -> None:
+        started = time.perf_counter()
+        context = sequence.prompt_ids[:-1]
+        self.cache.reset_slot(sequence.slot)
+        self.skip_policy.reset(sequence.slot)
+        entropies = np.full((len(context), self.num_layers), np.nan, dtype=np.float32)
+        if context:
+            tokens = torch.tensor([context], device=self.device)
+            with torch.inference_mode():
+                _, prompt_entropies = self.model(tokens, cache=self.cache, slot=sequence.slot)
+            if prompt_entropies is not None:
+                entropies = prompt_entropies[0].float().cpu().numpy()
+        sequence.position = len(context)
+        sequence.next_input = sequence.prompt_ids[-1]
+        if self.prefill_hook is not None:
+            self.prefill_hook(PrefillRecord(sequence_id=sequence.id, token_ids=np.array(context, dtype=np.int64),
+                                            entropies=entropies, seconds=time.perf_counter() - started))
+
+    # --- one decode step -------------------------------------------------------------------------
+
+    def _decode_step(self) -> list[SequenceUpdate]:
+        started = time.perf_counter()
+        rows = [self._active[slot] for slot in sorted(self._active)]
+        slots = np.array([s.slot for s in rows])
+        fed = np.array([s.next_input for s in rows], dtype=np.int64)
+        gated = self.model.gates is not None
+        # Decided from earlier steps only, before anything runs on the device.
+        fallback = self.skip_policy.in_fallback(slots) if gated else np.zeros(len(rows), dtype=bool)
+        run_mask = self.skip_policy.run_mask(slots) if gated else np.ones((len(rows), self.num_layers), dtype=bool)
+        produced, host_entropies = self._run_on_device(rows, fed, run_mask if gated else None)
+
+        fallback_started = np.zeros(len(rows), dtype=bool)
+        if gated:
+            fallback_started = self.skip_policy.observe(slots, host_entropies, run_mask).fallback_started
+        self.steps += 1
+        for sequence in (s for s, started_now in zip(rows, fallback_started) if started_now):
+            log.warning("[FALLBACK: HIGH_SKIPPING] model=%s sequence=%d step=%d",
+                        self.model_name, sequence.id, self.steps)
+        updates = [self._advance(sequence, int(token), run_mask[i]) for i, (sequence, token)
+                   in enumerate(zip(rows, produced))]
+        if self.step_hook is not None:
+            self.step_hook(StepRecord(
+                step=self.steps, sequence_ids=np.array([s.id for s in rows], dtype=np.int64), token_ids=fed,
+                next_token_ids=produced, entropies=host_entropies, skipped=~run_mask,
+                batch_skipped=~run_mask.any(axis=0), fallback=fallback, fallback_started=fallback_started,
+                step_seconds=time.perf_counter() - started))
+        return updates
+
+    @torch.inference_mode()  # cheaper per op than no_grad: a small model's step is many small ops
+    def _run_on_device(self, rows: list[_Sequence], fed: np.ndarray,
+                       run_mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """The step's device work -> (next tokens int64 [B], entropies float32 [B, L], NaN without gates)."""
+        logits, entropies = self.model.decode_step(
+            torch.as_tensor(fed, device=self.device), self.cache, [s.slot for s in rows],
+            [s.position for s in rows], run_mask, self.kv_policy)
+        next_tokens = self._sample(logits, rows)
+        if entropies is None:
+            entropies = torch.full((len(rows), self.num_layers), float("nan"), device=self.device)
+        # The step's one device->host transfer: tokens and entropies packed together (float64
+        # holds token ids exactly).
+        packed = torch.cat([next_tokens[:, None].double(), entropies.double()], dim=1).cpu().numpy()
+        return packed[:, 0].astype(np.int64), packed[:, 1:].astype(np.float32)
+
+    def _sample(self, logits: torch.Tensor, rows: list[_Sequence]) -> torch.Tensor:
+        """Next token per row, on the device: argmax, or a draw from that row's own generator."""
+        tokens = logits.argmax(dim=-1)
+        for i, sequence in enumerate(rows):
+            if sequence.generator is not None:
+                tokens[i] = sample_token(logits[i], sequence.params.temperature, sequence.params.top_p,
+                                         sequence.generator)
+        return tokens
+
+    def _advance(self, sequence: _Sequence, token: int, ran: np.ndarray) -> SequenceUpdate:
+        sequence.generated.append(token)
+        sequence.activity.append(ran.copy())
+        executed = int(ran.sum())
+        sequence.layers_executed += executed
+        sequence.layers_skipped += self.num_layers - executed
+        sequence.position += 1
+        sequence.next_input = token
+
+        finish_reason = None
+        if token in self.eos_token_ids:
+            finish_reason = "stop"
+        elif len(sequence.generated) >= sequence.params.max_tokens or sequence.position >= self.max_seq_len:
+            finish_reason = "length"
+        delta = sequence.decoder.push([token])
+        if finish_reason is not None:
+            delta += sequence.decoder.flush()
+        emitted, stopped = self._apply_stop_strings(sequence, delta, final=finish_reason is not None)
+        if stopped:
+            finish_reason = "stop"
+        if finish_reason is not None:
+            self._finish(sequence, finish_reason)
+        return self._update(sequence, [token], emitted)
+
+    @staticmethod
+    def _apply_stop_strings(sequence: _Sequence, delta: str, final: bool) -> tuple[str, bool]:
+        """-> (text to emit now, whether a stop string ended the sequence)."""
+        stops = sequence.params.stop
+        pending = sequence.held + delta
+        hits = [i for i in (pending.find(s) for s in stops) if i >= 0]
+        if hits:
+            emitted, sequence.held = pending[:min(hits)], ""
+            sequence.text += emitted
+            return emitted, True
+        hold = 0 if final else _longest_stop_prefix_suffix(pending, stops)
+        emitted, sequence.held = pending[:len(pending) - hold], pending[len(pending) - hold:]
+        sequence.text += emitted
+        return emitted, False
+
+    def _finish(self, sequence: _Sequence, reason: str) -> None:
+        sequence.finish_reason = reason
+        self._by_id.pop(sequence.id, None)
+        if self._active.get(sequence.slot) is sequence:
+            del self._active[sequence.slot]
+
+    @staticmethod
+    def _update(sequence: _Sequence, tokens: list[int], delta: str) -> SequenceUpdate:
+        return SequenceUpdate(sequence_id=sequence.id, new_token_ids=tokens, text_delta=delta,
+                              finished=sequence.finish_reason is not None, finish_reason=sequence.finish_reason,
+                              layers_executed=sequence.layers_executed, layers_skipped=sequence.layers_skipped)
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """One token from logits [V] at `temperature`, restricted to the top-p nucleus."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
+        # (masked_fill, not boolean indexing: that would wait on the device for the mask's count.)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def _longest_stop_prefix_suffix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that is the start of some stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best
