@@ -3,5 +3,5 @@
 # Alertmanager when installed, and the live entropy histogram. Ctrl-C stops everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup-env.sh serve
+scripts/setup-env.sh
 exec .venv/bin/layerwatch demo "$@"

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Creates (or refreshes) the project's virtual environment in .venv with the given extras.
-# Usage: scripts/setup-env.sh EXTRAS   e.g. scripts/setup-env.sh serve,generate,test
-# Re-installs only when pyproject.toml or the extras change, so repeated runs are fast.
+# Creates (or refreshes) the project's one virtual environment in .venv, with every extra: the demo,
+# the tests and the generators share it, so running one never reinstalls for the other.
+# Installs only when pyproject.toml changed since the last install; otherwise it prints nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${1:?usage: setup-env.sh EXTRAS}"
 python="${PYTHON:-python3}"
+extras="serve,generate,test,lint"
 stamp=".venv/.layerwatch-installed"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1) $extras"
 
@@ -13,8 +13,16 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  .venv/bin/python -m pip install --quiet --upgrade pip
+  echo "setting up .venv (first run, or pyproject.toml changed)..."
+  log="$(mktemp)"
   # torch is pinned in pyproject (==2.13.0, the CPU wheel); nothing here may pull a CUDA build.
-  .venv/bin/python -m pip install --quiet -e ".[$extras]"
+  # pip's and setuptools' chatter goes to a log that is shown only when the install fails.
+  if ! { .venv/bin/python -m pip install --quiet --upgrade pip &&
+         .venv/bin/python -m pip install --quiet -e ".[$extras]"; } >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "setup-env: installing the environment failed (log above)" >&2
+    exit 1
+  fi
+  rm -f "$log"
   echo "$want" > "$stamp"
 fi

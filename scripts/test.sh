@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-system-deps.sh
-scripts/setup-env.sh serve,generate,test
+scripts/setup-env.sh
 .venv/bin/layerwatch generate --check
 exec .venv/bin/python -m pytest "$@"
