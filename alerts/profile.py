@@ -46,8 +46,11 @@ class Band:
 
 
 @dataclass(frozen=True)
-class Bimodality:
-    """When the exporter's verdict counts, and what the healthy baseline looked like."""
+class BimodalityProfile:
+    """When the exporter's bimodality verdict counts, and what the healthy baseline looked like.
+
+    Not the verdict itself (that is layerwatch.statistics.Bimodality): the profile's expectations of it.
+    """
     # The single-peak alert waits until the exporter's window holds at least this many entropies
     # (the exporter itself withholds the verdict below its own, possibly smaller, minimum).
     min_observations: int
@@ -74,7 +77,7 @@ class Profile:
     entropy_std: Band  # standard deviation of the same
     zero_ratio: Band  # share of entropies below 0.01, all layers
     skip_ratio_normal: float = field(metadata=_FRACTION)  # healthy share of skipped layer evaluations
-    bimodality: Bimodality
+    bimodality: BimodalityProfile
     zero_ratio_page: float = field(default=0.40, metadata=_FRACTION)  # page above this
     skip_surge_factor: float = 2.0  # surge: skip ratio above factor x its own 1h baseline
     runaway_skip_ratio: float = field(default=0.85, metadata=_FRACTION)
