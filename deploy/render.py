@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mixin import config
-from alerts.durations import format_duration
+from alerts.durations import Timing, format_duration
 from alerts.profile import Profile
-from alerts.rules import Timing, render_rules, to_yaml
+from alerts.rules import render_rules, to_yaml
+from mixin import config
 
 RULES_FILE = "layerwatch.rules.yaml"
 RULES_GLOB = "*.rules.yaml"  # never matches the promtool tests (*.test.yaml)

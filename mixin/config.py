@@ -17,7 +17,7 @@ EXPORTER_SELECTOR = f'job="{EXPORTER_JOB}"'
 # exporter it comes from and Alertmanager can group by it and inhibit on a down target.
 TARGET_LABELS = ("job", "instance")
 
-# Windows, in seconds (a rendering for tests may scale them; see alerts.rules.Timing).
+# Windows, in seconds (a rendering for tests may scale them; see alerts.durations.Timing).
 RATE_WINDOW = 300.0  # every rate(): 5m
 SKIP_BASELINE_WINDOW = 3600.0  # the skip ratio's own recent baseline: 1h
 GATE_CHANGE_WINDOW = 3600.0  # how long a gates_sha256 change stays visible (and the alert firing)

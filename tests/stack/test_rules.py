@@ -11,7 +11,9 @@ from pathlib import Path
 import yaml
 
 from mixin import config
-from alerts.rules import Recorded, Timing, render_rules, rule_groups
+from alerts.durations import Timing
+from alerts.recorded import Recorded
+from alerts.rules import render_rules, rule_groups
 
 from .conftest import REPO, run_tool
 
