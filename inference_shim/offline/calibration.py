@@ -45,7 +45,7 @@ class Baseline:
 @dataclass(frozen=True)
 class BaselineStatistics:
     observations: int
-    histogram: list[int]  # CONTRACT bins over all layers and both decisions
+    histogram: list[int]  # the 20 bins of layerwatch.statistics.histogram20, all layers, both decisions
     active_mean: float
     active_std: float
     zero_ratio: float
