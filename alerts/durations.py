@@ -1,12 +1,13 @@
-"""Prometheus duration strings ("1h30m", "500ms") <-> seconds.
+"""Prometheus duration strings ("1h30m", "500ms") <-> seconds, and `Timing`.
 
-Profiles are written in Prometheus' notation; rules are rendered from seconds so that a test can
-scale every window and `for:` by one factor.
+Profiles are written in Prometheus' notation; rules are rendered from seconds through `Timing`, so
+that a test can scale every window and `for:` by one factor.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 _UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 _DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?$")
@@ -34,3 +35,12 @@ def format_duration(seconds: float) -> str:
         if count:
             parts.append(f"{count}{unit}")
     return "".join(parts)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Multiplies every window and `for:` (1.0 in production, e.g. 0.01 in an end-to-end test)."""
+    scale: float = 1.0
+
+    def __call__(self, seconds: float) -> str:
+        return format_duration(seconds * self.scale)

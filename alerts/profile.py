@@ -21,17 +21,19 @@ from typing import Any, NewType
 
 import yaml
 
-from mixin.config import PER_MODEL_ALERTS
 from alerts.durations import format_duration, parse_duration
+from alerts.specs import PER_MODEL_ALERTS
 
 Seconds = NewType("Seconds", float)  # written as a Prometheus duration in YAML
 
-# Fields whose values are fractions of something and must lie in [0, 1].
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"  # the committed per-model profiles
 
+# Fields whose values are fractions of something and must lie in [0, 1].
 _FRACTION = {"fraction": True}
 # model_name ends up inside PromQL selectors and label values: keep it to safe characters.
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+# The alerts whose `for:` a profile may override, and their defaults (alerts/specs.py).
+_DEFAULT_FOR = {spec.name: spec.default_for for spec in PER_MODEL_ALERTS}
 
 
 class ProfileError(ValueError):
@@ -46,8 +48,11 @@ class Band:
 
 
 @dataclass(frozen=True)
-class Bimodality:
-    """When the exporter's verdict counts, and what the healthy baseline looked like."""
+class BimodalityProfile:
+    """When the exporter's bimodality verdict counts, and what the healthy baseline looked like.
+
+    Not the verdict itself (that is layerwatch.statistics.Bimodality): the profile's expectations of it.
+    """
     # The single-peak alert waits until the exporter's window holds at least this many entropies
     # (the exporter itself withholds the verdict below its own, possibly smaller, minimum).
     min_observations: int
@@ -74,7 +79,7 @@ class Profile:
     entropy_std: Band  # standard deviation of the same
     zero_ratio: Band  # share of entropies below 0.01, all layers
     skip_ratio_normal: float = field(metadata=_FRACTION)  # healthy share of skipped layer evaluations
-    bimodality: Bimodality
+    bimodality: BimodalityProfile
     zero_ratio_page: float = field(default=0.40, metadata=_FRACTION)  # page above this
     skip_surge_factor: float = 2.0  # surge: skip ratio above factor x its own 1h baseline
     runaway_skip_ratio: float = field(default=0.85, metadata=_FRACTION)
@@ -82,12 +87,13 @@ class Profile:
     drift: Drift = Drift()
     shadow_agreement_min: float = field(default=0.90, metadata=_FRACTION)
     telemetry_loss_max: float = field(default=0.01, metadata=_FRACTION)
-    # Per-alert `for:` overrides; alerts not named here use mixin.config.PER_MODEL_ALERTS.
+    # Per-alert `for:` overrides of per-model alerts; the others use their spec's default.
     for_durations: dict[str, Seconds] = field(default_factory=dict, metadata={"yaml_key": "for"})
     source: str = ""  # where the numbers come from (a paper, a calibration run and its date)
 
     def for_duration(self, alert_name: str) -> float:
-        return self.for_durations.get(alert_name, PER_MODEL_ALERTS[alert_name])
+        """Seconds: this profile's `for:` of a per-model alert."""
+        return self.for_durations.get(alert_name, _DEFAULT_FOR[alert_name])
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -214,9 +220,9 @@ def _check(p: Profile, where: str) -> None:
         fail("runaway_fallbacks_per_minute", f"{p.runaway_fallbacks_per_minute} is negative")
     if p.drift.window <= 0:
         fail("drift.window", "must be longer than 0s")
-    unknown = sorted(set(p.for_durations) - set(PER_MODEL_ALERTS))
+    unknown = sorted(set(p.for_durations) - set(_DEFAULT_FOR))
     if unknown:
-        fail("for", f"unknown alert(s) {unknown}; per-model alerts: {sorted(PER_MODEL_ALERTS)}")
+        fail("for", f"unknown alert(s) {unknown}; per-model alerts: {sorted(_DEFAULT_FOR)}")
 
 
 # --- dataclass -> YAML --------------------------------------------------------------------------

@@ -1,13 +1,14 @@
-"""Recording and alerting rules, generated from the per-model profiles.
+"""Recording and alerting rules, generated from the per-model profiles and the alert specs.
 
 Three kinds of rule group:
-- `layerwatch.recording`: the derived series of CONTRACT (entropy mean/std/zero ratio, skip ratios,
-  joules per token, shadow agreement, telemetry loss), model-agnostic, named `level:metric:operation`.
+- `layerwatch.recording`: the derived series of docs/metrics.md (entropy mean/std/zero ratio, skip
+  ratios, joules per token, shadow agreement, telemetry loss), model-agnostic, named
+  `level:metric:operation`.
   They aggregate `by (job, instance, model_name[, decision | layer])`: the target labels stay so
   that an alert names the shim or exporter it comes from (Alertmanager groups and inhibits on them).
-- `layerwatch.common`: alerts that need no model-specific number (target down, gate weights changed).
+- `layerwatch.common`: the alerts that need no model-specific number (alerts/specs.py).
 - `layerwatch.model.<name>`, one per profile: the profile's bands as constant series (for the
-  dashboard) and every threshold alert, selected with model_name="<name>".
+  dashboard) and every per-model alert of alerts/specs.py, selected with model_name="<name>".
 
 Every window and `for:` goes through `Timing`, so a test can render the same rules at, say, 1/100
 of the production durations; recorded names follow their window (`mean_rate5m` -> `mean_rate3s`).
@@ -15,69 +16,13 @@ of the production durations; recorded names follow their window (`mean_rate5m` -
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import yaml
 
-from mixin import config
-from alerts.durations import format_duration
+from alerts.durations import Timing
 from alerts.profile import Profile
-from layerwatch.catalog import ZERO_ENTROPY_LIMIT
-
-BY_TARGET = ", ".join(config.TARGET_LABELS)
-BY_MODEL = f"{BY_TARGET}, model_name"
-RATIO_FORMAT = "%.3f"
-
-
-@dataclass(frozen=True)
-class Timing:
-    """Multiplies every window and `for:` (1.0 in production, e.g. 0.01 in an end-to-end test)."""
-    scale: float = 1.0
-
-    def __call__(self, seconds: float) -> str:
-        return format_duration(seconds * self.scale)
-
-
-@dataclass(frozen=True)
-class Recorded:
-    """Names of the recorded series for one timing."""
-    entropy_mean: str
-    entropy_std: str
-    entropy_zero_ratio: str
-    entropy_mean_by_decision: str
-    entropy_std_by_decision: str
-    entropy_zero_ratio_by_decision: str
-    skip_ratio: str
-    skip_ratio_by_layer: str
-    skip_ratio_baseline: str
-    layers_executed_mean: str
-    fallbacks_rate: str
-    gpu_joules_per_token: str
-    cpu_joules_per_token: str
-    shadow_agreement_ratio: str
-    telemetry_loss_ratio: str
-
-    @classmethod
-    def for_timing(cls, timing: Timing) -> Recorded:
-        rate = "rate" + timing(config.RATE_WINDOW)
-        baseline = "avg_over_time" + timing(config.SKIP_BASELINE_WINDOW)
-        return cls(
-            entropy_mean=f"model_name:layerwatch_entropy:mean_{rate}",
-            entropy_std=f"model_name:layerwatch_entropy:stddev_{rate}",
-            entropy_zero_ratio=f"model_name:layerwatch_entropy_zero:ratio_{rate}",
-            entropy_mean_by_decision=f"model_name_decision:layerwatch_entropy:mean_{rate}",
-            entropy_std_by_decision=f"model_name_decision:layerwatch_entropy:stddev_{rate}",
-            entropy_zero_ratio_by_decision=f"model_name_decision:layerwatch_entropy_zero:ratio_{rate}",
-            skip_ratio=f"model_name:layerwatch_layer_skips:ratio_{rate}",
-            skip_ratio_by_layer=f"model_name_layer:layerwatch_layer_skips:ratio_{rate}",
-            skip_ratio_baseline=f"model_name:layerwatch_layer_skips:ratio_{rate}_{baseline}",
-            layers_executed_mean=f"model_name:layerwatch_layers_executed:mean_{rate}",
-            fallbacks_rate=f"model_name:layerwatch_fallbacks:{rate}",
-            gpu_joules_per_token=f"model_name:layerwatch_gpu_energy_joules_per_decode_token:ratio_{rate}",
-            cpu_joules_per_token=f"model_name:layerwatch_cpu_energy_joules_per_decode_token:ratio_{rate}",
-            shadow_agreement_ratio=f"model_name:layerwatch_shadow_agreements:ratio_{rate}",
-            telemetry_loss_ratio=f"model_name:layerwatch_exporter_frames_lost:ratio_{rate}",
-        )
+from alerts.recorded import BY_MODEL, BY_TARGET, Recorded
+from alerts.specs import COMMON_ALERTS, PER_MODEL_ALERTS, AlertBuild
+from mixin import config
 
 
 # The profile's bands as constant series `model_name:layerwatch_profile_<what>:<bound>`, so that the
@@ -156,274 +101,29 @@ def recording_rules(timing: Timing) -> list[dict]:
     return rules
 
 
-# --- alert text helpers (Go templates, expanded by Prometheus) -------------------------------------
-
-def _value(fmt: str = RATIO_FORMAT) -> str:
-    return '{{ $value | printf "' + fmt + '" }}'
-
-
-def _lookup(metric: str, fmt: str = RATIO_FORMAT, matchers: str = "") -> str:
-    """The value of `metric` for the alert's target and model, or "n/a"."""
-    selector = metric + "{" + matchers + "instance=%q,model_name=%q}"
-    return ("{{ with printf `" + selector + "` $labels.instance $labels.model_name | query }}"
-            "{{ . | first | value | printf \"" + fmt + "\" }}{{ else }}n/a{{ end }}")
-
-
-_MODEL_ON_TARGET = "{{ $labels.model_name }} on {{ $labels.instance }}"
-_WHERE = f"model {_MODEL_ON_TARGET}"
-
-
-def _alert(name: str, expr: str, for_: str, severity: str, summary: str, description: str,
-           extra_labels: dict[str, str] | None = None) -> dict:
-    return {
-        "alert": name,
-        "expr": expr,
-        "for": for_,
-        "labels": {"severity": severity, **(extra_labels or {})},
-        "annotations": {
-            "summary": summary,
-            "description": description,
-            "runbook_url": config.runbook_url(name),
-        },
-    }
-
-
-# --- alerts that need no profile --------------------------------------------------------------
+# --- alerts ----------------------------------------------------------------------------------------
 
 def common_alerts(timing: Timing) -> list[dict]:
-    jobs = "|".join((config.SHIM_JOB, config.EXPORTER_JOB))
-    change_window = timing(config.GATE_CHANGE_WINDOW)
-    served = f"max_over_time(layerwatch_model_info{{{config.SHIM_SELECTOR}}}[{change_window}])"
-    hashes_query = (f"max by (instance, gates_sha256) (max_over_time(layerwatch_model_info"
-                    f"{{{config.SHIM_SELECTOR},model_name=%q}}[{change_window}]))")
-    return [
-        _alert(
-            "LayerwatchTargetDown",
-            f'up{{job=~"{jobs}"}} == 0',
-            timing(config.COMMON_ALERTS["LayerwatchTargetDown"]),
-            config.SEVERITY_PAGE,
-            "A layerwatch shim or exporter cannot be scraped.",
-            "Prometheus cannot scrape {{ $labels.job }} at {{ $labels.instance }}; the other "
-            "layerwatch alerts of this target are inhibited while it is down.",
-        ),
-        _alert(
-            "LayerwatchGateWeightsChanged",
-            # Counted across instances, so that a rolling deploy (new instances) is seen too; a
-            # restart with the same weights keeps one gates_sha256 and does not fire.
-            f"count by (model_name) (\n  count by (model_name, gates_sha256) ({served})\n) > 1",
-            timing(config.COMMON_ALERTS["LayerwatchGateWeightsChanged"]),
-            config.SEVERITY_TICKET,
-            "The gate weights served for a model changed.",
-            "Model {{ $labels.model_name }} served {{ $value }} different gate weights within "
-            f"{change_window}: "
-            "{{ range printf `" + hashes_query + "` $labels.model_name | query }}"
-            "{{ .Labels.instance }}={{ .Labels.gates_sha256 }} {{ end }}"
-            "- check that the change was intended.",
-        ),
-        _alert(
-            "LayerwatchGateFileRejected",
-            f"max by (job, instance, model_name) (layerwatch_gate_file_rejected{{{config.SHIM_SELECTOR}}}) == 1",
-            timing(config.COMMON_ALERTS["LayerwatchGateFileRejected"]),
-            config.SEVERITY_TICKET,
-            "A replaced gate file was rejected; the shim keeps serving the gates it had.",
-            "The gate file of model {{ $labels.model_name }} at {{ $labels.instance }} was replaced on "
-            "disk with one the shim refused (incomplete, invalid, or for another model or policy); the "
-            "previously loaded gates keep serving, and a restart would fail to start. See the shim's log.",
-        ),
-    ]
+    """The alerts that need no profile (alerts/specs.py), once for every model."""
+    recorded = Recorded.for_timing(timing)
+    return [rule for spec in COMMON_ALERTS for rule in spec.build(AlertBuild(spec, timing, recorded))]
 
 
-# --- per-model alerts ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Model:
-    """What every per-model alert needs: the profile, the recorded names, the timing."""
-    profile: Profile
-    recorded: Recorded
-    timing: Timing
-
-    @property
-    def selector(self) -> str:
-        return f'model_name="{self.profile.model_name}"'
-
-    @property
-    def ran(self) -> str:
-        return f'{self.selector}, decision="run"'
-
-    def for_(self, alert_name: str) -> str:
-        return self.timing(self.profile.for_duration(alert_name))
-
-
-def _profile_series_rules(m: _Model) -> list[dict]:
-    return [{"record": name, "expr": f"vector({value})", "labels": {"model_name": m.profile.model_name}}
-            for name, value in profile_series(m.profile).items()]
-
-
-def _single_peak(m: _Model) -> list[dict]:
-    b = m.profile.bimodality
-    exporter = f"{config.EXPORTER_SELECTOR}, {m.selector}"
-    baseline = ", ".join(
-        f"{label} {value}" for label, value in (
-            ("peaks", b.peaks), ("bimodality coefficient", b.bimodality_coefficient),
-            ("dip", b.dip), ("dip p-value", b.dip_p_value)) if value is not None
-    ) or "not recorded in the profile"
-    return [_alert(
-        "LayerwatchEntropySinglePeak",
-        # The exporter withholds the verdict below its own minimum window; the profile may ask for more.
-        f"layerwatch_entropy_bimodal{{{exporter}}} == 0\n"
-        f"and on ({BY_MODEL})\n"
-        f"layerwatch_entropy_window_observations{{{exporter}}} >= {b.min_observations}",
-        m.for_("LayerwatchEntropySinglePeak"), config.SEVERITY_PAGE,
-        "The gate entropy distribution is no longer bimodal (a single peak).",
-        f"The entropy window of {_WHERE} holds "
-        + _lookup("layerwatch_entropy_window_observations", "%.0f")
-        + " entropies and is not bimodal: bimodality coefficient "
-        + _lookup("layerwatch_entropy_bimodality_coefficient")
-        + ", dip " + _lookup("layerwatch_entropy_dip")
-        + " (p = " + _lookup("layerwatch_entropy_dip_p_value") + "), "
-        + _lookup("layerwatch_entropy_peaks", "%.0f")
-        + f" peak(s). Healthy baseline: {baseline}. Gating has degraded into static "
-        "pruning or noise; the usual cause is gate weights overwritten or not loaded.",
-    )]
-
-
-def _most_skipped_layers(m: _Model) -> str:
-    return ("{{ range printf `topk(3, " + m.recorded.skip_ratio_by_layer
-            + "{instance=%q,model_name=%q})` $labels.instance $labels.model_name | query }}"
-            "{{ .Labels.layer }} ({{ .Value | printf \"" + RATIO_FORMAT + "\" }}) {{ end }}")
-
-
-def _runaway_skipping(m: _Model) -> list[dict]:
-    p, r = m.profile, m.recorded
-    summary = "Almost every layer is being skipped."
-    return [
-        _alert(
-            "LayerwatchRunawaySkipping",
-            f"{r.skip_ratio}{{{m.selector}}} > {p.runaway_skip_ratio}",
-            m.for_("LayerwatchRunawaySkipping"), config.SEVERITY_PAGE, summary,
-            f"The skip ratio of {_WHERE} is {_value()}, above the runaway limit "
-            f"{p.runaway_skip_ratio}. Most skipped layers: {_most_skipped_layers(m)}",
-            {"trigger": "skip_ratio"},
-        ),
-        _alert(
-            "LayerwatchRunawaySkipping",
-            f"{r.fallbacks_rate}{{{m.selector}}} * 60 > {p.runaway_fallbacks_per_minute}",
-            m.for_("LayerwatchRunawaySkipping"), config.SEVERITY_PAGE, summary,
-            f"Model {_MODEL_ON_TARGET} keeps falling back to full depth: {_value('%.2f')} "
-            f"fallbacks per minute (limit {p.runaway_fallbacks_per_minute}), sustained for "
-            f"{m.for_('LayerwatchRunawaySkipping')}. Skip ratio: " + _lookup(r.skip_ratio) + ".",
-            {"trigger": "fallbacks"},
-        ),
-    ]
-
-
-def _skip_rate_surge(m: _Model) -> list[dict]:
-    p, r = m.profile, m.recorded
-    # The floor at the normal skip ratio keeps a jump from 1 % to 3 % (3x, but harmless) quiet.
-    return [_alert(
-        "LayerwatchSkipRateSurge",
-        f"{r.skip_ratio}{{{m.selector}}}\n> {p.skip_surge_factor} * {r.skip_ratio_baseline}{{{m.selector}}}\n"
-        f"and\n{r.skip_ratio}{{{m.selector}}} > {p.skip_ratio_normal}",
-        m.for_("LayerwatchSkipRateSurge"), config.SEVERITY_TICKET,
-        "The skip ratio jumped far above its own recent baseline.",
-        f"The skip ratio of {_WHERE} is {_value()}, more than {p.skip_surge_factor}x its "
-        f"{m.timing(config.SKIP_BASELINE_WINDOW)} baseline " + _lookup(r.skip_ratio_baseline)
-        + f" (healthy: {p.skip_ratio_normal}). Most skipped layers: {_most_skipped_layers(m)}",
-    )]
-
-
-def _entropy_bands(m: _Model) -> list[dict]:
-    p, r = m.profile, m.recorded
-    return [
-        _alert(
-            name,
-            f"{series}{{{m.ran}}} < {band.low}\nor\n{series}{{{m.ran}}} > {band.high}",
-            m.for_(name), config.SEVERITY_TICKET,
-            f"The {what} of active-layer gate entropy left the model's healthy band.",
-            f"The entropy {what} of the layers that ran, {_WHERE}, is {_value()}; "
-            f"healthy band {band.low}-{band.high}.",
-        )
-        for name, series, band, what in (
-            ("LayerwatchEntropyMeanOutOfBand", r.entropy_mean_by_decision, p.entropy_mean, "mean"),
-            ("LayerwatchEntropySpreadOutOfBand", r.entropy_std_by_decision, p.entropy_std,
-             "standard deviation"),
-        )
-    ]
-
-
-def _zero_entropy_ratio(m: _Model) -> list[dict]:
-    # Two tiers of one alert: Alertmanager's critical-inhibits-warning rule keeps one notification.
-    p = m.profile
-    return [
-        _alert(
-            "LayerwatchZeroEntropyRatioHigh",
-            f"{m.recorded.entropy_zero_ratio}{{{m.selector}}} > {limit}",
-            m.for_("LayerwatchZeroEntropyRatioHigh"), severity,
-            "Too many layers have zero gate entropy.",
-            f"{_value()} of the gate entropies of {_WHERE} are below {ZERO_ENTROPY_LIMIT}, above "
-            f"{limit} ({meaning}; healthy band {p.zero_ratio.low}-{p.zero_ratio.high}).",
-        )
-        for severity, limit, meaning in (
-            (config.SEVERITY_TICKET, p.zero_ratio.high, "above the healthy band"),
-            (config.SEVERITY_PAGE, p.zero_ratio_page, "over-pruning"),
-        )
-    ]
-
-
-def _entropy_drift(m: _Model) -> list[dict]:
-    p, r = m.profile, m.recorded
-    window = m.timing(p.drift.window)
-    return [_alert(
-        "LayerwatchEntropyDrift",
-        f"stddev_over_time({r.entropy_mean_by_decision}{{{m.ran}}}[{window}]) > {p.drift.limit}",
-        m.for_("LayerwatchEntropyDrift"), config.SEVERITY_TICKET,
-        "The active-layer entropy mean is drifting.",
-        f"The {window} standard deviation of the entropy mean of {_WHERE} is {_value()}, "
-        f"above {p.drift.limit}. Current mean: "
-        + _lookup(r.entropy_mean_by_decision, matchers='decision="run",') + ".",
-    )]
-
-
-def _shadow_agreement_low(m: _Model) -> list[dict]:
-    p, r = m.profile, m.recorded
-    return [_alert(
-        "LayerwatchShadowAgreementLow",
-        f"{r.shadow_agreement_ratio}{{{m.selector}}} < {p.shadow_agreement_min}",
-        m.for_("LayerwatchShadowAgreementLow"), config.SEVERITY_PAGE,
-        "Full-depth re-checks disagree with the gated output too often.",
-        f"Only {_value()} of the shadow-checked tokens of {_WHERE} had the same top-1 token at "
-        f"full depth (minimum {p.shadow_agreement_min}). Skip ratio: " + _lookup(r.skip_ratio) + ".",
-    )]
-
-
-def _telemetry_loss(m: _Model) -> list[dict]:
-    p = m.profile
-    return [_alert(
-        "LayerwatchTelemetryLoss",
-        f"{m.recorded.telemetry_loss_ratio}{{{m.selector}}} > {p.telemetry_loss_max}",
-        m.for_("LayerwatchTelemetryLoss"), config.SEVERITY_TICKET,
-        "Gate frames are lost between the shim and the exporter.",
-        "The exporter at {{ $labels.instance }} missed " + _value() + " of the gate frames of "
-        f"model {{{{ $labels.model_name }}}} (limit {p.telemetry_loss_max}); entropy statistics "
-        "are incomplete.",
-    )]
-
-
-_MODEL_RULES = (_profile_series_rules, _single_peak, _runaway_skipping, _skip_rate_surge,
-                _entropy_bands, _zero_entropy_ratio, _entropy_drift, _shadow_agreement_low,
-                _telemetry_loss)
+def _profile_series_rules(profile: Profile) -> list[dict]:
+    return [{"record": name, "expr": f"vector({value})", "labels": {"model_name": profile.model_name}}
+            for name, value in profile_series(profile).items()]
 
 
 def model_rules(profile: Profile, timing: Timing) -> list[dict]:
-    """The profile's bands as series, then every alert with this model's numbers."""
-    m = _Model(profile, Recorded.for_timing(timing), timing)
-    rules = [rule for make in _MODEL_RULES for rule in make(m)]
+    """The profile's bands as series, then every per-model alert with this model's numbers."""
+    recorded = Recorded.for_timing(timing)
+    alerts = [rule for spec in PER_MODEL_ALERTS
+              for rule in spec.build(AlertBuild(spec, timing, recorded, profile))]
     # The model as a static label as well: the series carry the same value, and it keeps the alerts
     # of two profiles apart for promtool's duplicate-rule check (same name and static labels).
-    for rule in rules:
-        if "alert" in rule:
-            rule["labels"]["model_name"] = profile.model_name
-    return rules
+    for rule in alerts:
+        rule["labels"]["model_name"] = profile.model_name
+    return _profile_series_rules(profile) + alerts
 
 
 def rule_groups(profiles: list[Profile], timing: Timing = Timing()) -> dict:
@@ -459,5 +159,5 @@ def to_yaml(data: dict, header: str) -> str:
 def render_rules(profiles: list[Profile], timing: Timing = Timing()) -> str:
     names = ", ".join(p.model_name for p in profiles)
     header = (f"# Generated by `layerwatch generate` from alerts/profiles ({names}). Do not edit:\n"
-              "# change a profile or alerts/rules.py and regenerate.\n")
+              "# change a profile, alerts/specs.py or alerts/rules.py and regenerate.\n")
     return to_yaml(rule_groups(profiles, timing), header)

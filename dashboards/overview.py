@@ -17,8 +17,9 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common, dashboard as dashboard_models
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
+from alerts.durations import Timing
+from alerts.recorded import Recorded
 from mixin import config
-from alerts.rules import Recorded, Timing
 
 UID = "layerwatch-overview"
 TITLE = "layerwatch / Overview"

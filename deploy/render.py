@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mixin import config
-from alerts.durations import format_duration
+from alerts.durations import Timing, format_duration
 from alerts.profile import Profile
-from alerts.rules import Timing, render_rules, to_yaml
+from alerts.rules import render_rules, to_yaml
+from alerts.specs import target_down
+from mixin import config
 
 RULES_FILE = "layerwatch.rules.yaml"
 RULES_GLOB = "*.rules.yaml"  # never matches the promtool tests (*.test.yaml)
@@ -72,8 +73,8 @@ def alertmanager_config(*, pager_url: str, ticket_url: str, timing: Timing = Tim
         "receivers": [{"name": "pager", **webhook(pager_url)},
                       {"name": "ticket", **webhook(ticket_url)}],
         "inhibit_rules": [
-            {"source_matchers": ['alertname="LayerwatchTargetDown"'],
-             "target_matchers": ['alertname=~"Layerwatch.+"', 'alertname!="LayerwatchTargetDown"'],
+            {"source_matchers": [f'alertname="{target_down.name}"'],
+             "target_matchers": ['alertname=~"Layerwatch.+"', f'alertname!="{target_down.name}"'],
              "equal": ["instance"]},
             {"source_matchers": [f'severity="{config.SEVERITY_PAGE}"'],
              "target_matchers": [f'severity="{config.SEVERITY_TICKET}"'],

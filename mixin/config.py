@@ -1,7 +1,8 @@
 """Everything the generated rules, dashboards and deploy files share, in one place.
 
-Thresholds live in the per-model profiles (alerts/profiles/*.yaml); what is here is the wiring:
-scrape jobs, windows, default `for:` durations, where runbooks and receivers live.
+Thresholds live in the per-model profiles (alerts/profiles/*.yaml), and each alert's name, severity
+and default `for:` in its spec (alerts/specs.py); what is here is the wiring: scrape jobs, target
+labels, windows, severities, where runbooks and receivers live, the compose stack's addresses.
 """
 
 from __future__ import annotations
@@ -17,43 +18,18 @@ EXPORTER_SELECTOR = f'job="{EXPORTER_JOB}"'
 # exporter it comes from and Alertmanager can group by it and inhibit on a down target.
 TARGET_LABELS = ("job", "instance")
 
-# Windows, in seconds (a rendering for tests may scale them; see alerts.rules.Timing).
+# Windows, in seconds (a rendering for tests may scale them; see alerts.durations.Timing).
 RATE_WINDOW = 300.0  # every rate(): 5m
 SKIP_BASELINE_WINDOW = 3600.0  # the skip ratio's own recent baseline: 1h
 GATE_CHANGE_WINDOW = 3600.0  # how long a gates_sha256 change stays visible (and the alert firing)
 
-# Alert names (CONTRACT) and their default `for:` in seconds. A profile may override the ones
-# evaluated per model; the others have no model-specific thresholds.
-PER_MODEL_ALERTS: dict[str, float] = {
-    "LayerwatchEntropySinglePeak": 600.0,
-    "LayerwatchRunawaySkipping": 300.0,
-    "LayerwatchSkipRateSurge": 300.0,
-    "LayerwatchEntropyMeanOutOfBand": 900.0,
-    "LayerwatchEntropySpreadOutOfBand": 900.0,
-    "LayerwatchZeroEntropyRatioHigh": 600.0,
-    "LayerwatchEntropyDrift": 300.0,  # the field's "stays above 0.18 for 5 minutes"
-    "LayerwatchShadowAgreementLow": 600.0,
-    "LayerwatchTelemetryLoss": 600.0,
-}
-COMMON_ALERTS: dict[str, float] = {
-    "LayerwatchGateWeightsChanged": 0.0,  # a change is an event: notify at once
-    "LayerwatchTargetDown": 120.0,
-    # Not in the CONTRACT (an addition): a gate file replaced on disk that the shim refused to load.
-    "LayerwatchGateFileRejected": 300.0,
-}
-ALERT_NAMES: tuple[str, ...] = (*PER_MODEL_ALERTS, *COMMON_ALERTS)
-
+# Severities: Alertmanager routes critical to the pager, warning to the ticket queue.
 SEVERITY_PAGE = "critical"
 SEVERITY_TICKET = "warning"
 
-# Each alert links to its section of docs/runbooks.md; the anchor is the alert name in lower case
-# (the heading is the alert name), which is how GitHub renders heading anchors.
+# Each alert links to its section of docs/runbooks.md under this URL (the anchor is the alert's;
+# see alerts.specs.AlertSpec.runbook_url).
 RUNBOOK_BASE_URL = "https://github.com/layerwatch/layerwatch/blob/main/docs/runbooks.md"
-
-
-def runbook_url(alert_name: str) -> str:
-    return f"{RUNBOOK_BASE_URL}#{alert_name.lower()}"
-
 
 # Alertmanager receivers. The committed deploy file points at placeholders under the reserved
 # `.invalid` domain (RFC 2606: they can never resolve), to be replaced by the real pager/ticket

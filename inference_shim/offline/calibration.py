@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from alerts.profile import Band, Bimodality, Profile
+from alerts.profile import Band, BimodalityProfile, Profile
 from inference_shim.offline.gated_model import GatedModel
 from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
@@ -45,7 +45,7 @@ class Baseline:
 @dataclass(frozen=True)
 class BaselineStatistics:
     observations: int
-    histogram: list[int]  # CONTRACT bins over all layers and both decisions
+    histogram: list[int]  # the 20 bins of layerwatch.statistics.histogram20, all layers, both decisions
     active_mean: float
     active_std: float
     zero_ratio: float
@@ -113,8 +113,9 @@ def build_profile(model_name: str, threshold: float, patience: int, runaway_skip
         zero_ratio=zero_band, zero_ratio_page=max(0.40, zero_band.high),
         skip_ratio_normal=round(stats.skip_ratio, 4), runaway_skip_ratio=runaway_skip_ratio,
         shadow_agreement_min=shadow_agreement_min,
-        bimodality=Bimodality(min_observations=min_observations, peaks=b.peaks, dip=_rounded(b.dip, 5),
-                              dip_p_value=_rounded(b.dip_p_value, 6), bimodality_coefficient=bc),
+        bimodality=BimodalityProfile(min_observations=min_observations, peaks=b.peaks,
+                                     dip=_rounded(b.dip, 5), dip_p_value=_rounded(b.dip_p_value, 6),
+                                     bimodality_coefficient=bc),
         source=source)
     return profile, stats
 

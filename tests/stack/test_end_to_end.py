@@ -38,10 +38,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mixin import config
-from alerts.durations import parse_duration
+from alerts.durations import Timing, parse_duration
 from alerts.profile import Profile, load_profiles
-from alerts.rules import Recorded, Timing
+from alerts.recorded import Recorded
+from mixin import config
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from deploy.render import render_stack
 from demo.loadgen import LoadReport, run_load

@@ -63,6 +63,7 @@ def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
     ({"treshold": 0.18}, "unknown key(s) ['treshold']", "known:"),
     ({"drift": {"limit": 0.18, "window": "ten minutes"}}, "drift: window", "not a duration"),
     ({"for": {"LayerwatchNoSuchAlert": "5m"}}, "for", "unknown alert"),
+    ({"for": {"LayerwatchTargetDown": "5m"}}, "for", "unknown alert"),  # common: no override
     ({"for": {"LayerwatchEntropyDrift": 300}}, "for.LayerwatchEntropyDrift", "expected a duration"),
     ({"zero_ratio_page": 0.2}, "zero_ratio_page", "below the healthy band"),
     ({"runaway_skip_ratio": 0.1}, "runaway_skip_ratio", "not above skip_ratio_normal"),

@@ -1,0 +1,59 @@
+"""Names of the recorded series (the recording rules of alerts/rules.py), for one timing.
+
+The alerts (alerts/specs.py) and the dashboard read the derived series under these names; a name
+follows its window, so a scaled rendering renames them (`mean_rate5m` -> `mean_rate3s`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from alerts.durations import Timing
+from mixin import config
+
+# Recording rules aggregate by the target labels and the model: an alert then names the shim or
+# exporter it comes from (Alertmanager groups and inhibits on them).
+BY_TARGET = ", ".join(config.TARGET_LABELS)
+BY_MODEL = f"{BY_TARGET}, model_name"
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """Names of the recorded series for one timing."""
+    entropy_mean: str
+    entropy_std: str
+    entropy_zero_ratio: str
+    entropy_mean_by_decision: str
+    entropy_std_by_decision: str
+    entropy_zero_ratio_by_decision: str
+    skip_ratio: str
+    skip_ratio_by_layer: str
+    skip_ratio_baseline: str
+    layers_executed_mean: str
+    fallbacks_rate: str
+    gpu_joules_per_token: str
+    cpu_joules_per_token: str
+    shadow_agreement_ratio: str
+    telemetry_loss_ratio: str
+
+    @classmethod
+    def for_timing(cls, timing: Timing) -> Recorded:
+        rate = "rate" + timing(config.RATE_WINDOW)
+        baseline = "avg_over_time" + timing(config.SKIP_BASELINE_WINDOW)
+        return cls(
+            entropy_mean=f"model_name:layerwatch_entropy:mean_{rate}",
+            entropy_std=f"model_name:layerwatch_entropy:stddev_{rate}",
+            entropy_zero_ratio=f"model_name:layerwatch_entropy_zero:ratio_{rate}",
+            entropy_mean_by_decision=f"model_name_decision:layerwatch_entropy:mean_{rate}",
+            entropy_std_by_decision=f"model_name_decision:layerwatch_entropy:stddev_{rate}",
+            entropy_zero_ratio_by_decision=f"model_name_decision:layerwatch_entropy_zero:ratio_{rate}",
+            skip_ratio=f"model_name:layerwatch_layer_skips:ratio_{rate}",
+            skip_ratio_by_layer=f"model_name_layer:layerwatch_layer_skips:ratio_{rate}",
+            skip_ratio_baseline=f"model_name:layerwatch_layer_skips:ratio_{rate}_{baseline}",
+            layers_executed_mean=f"model_name:layerwatch_layers_executed:mean_{rate}",
+            fallbacks_rate=f"model_name:layerwatch_fallbacks:{rate}",
+            gpu_joules_per_token=f"model_name:layerwatch_gpu_energy_joules_per_decode_token:ratio_{rate}",
+            cpu_joules_per_token=f"model_name:layerwatch_cpu_energy_joules_per_decode_token:ratio_{rate}",
+            shadow_agreement_ratio=f"model_name:layerwatch_shadow_agreements:ratio_{rate}",
+            telemetry_loss_ratio=f"model_name:layerwatch_exporter_frames_lost:ratio_{rate}",
+        )
