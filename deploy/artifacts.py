@@ -12,8 +12,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from alerts.durations import format_duration
 from alerts.profile import load_profiles
 from alerts.rules import recorded_names, render_rules, rule_groups
+from alerts.specs import ALERTS
 from deploy import render
 from layerwatch import catalog
 from layerwatch.promql import check_queries, known_series
@@ -97,6 +99,21 @@ def metrics_doc(groups: dict) -> str:
                 seen.add(name)
                 expr = " ".join(rule["expr"].split()).replace("|", "\\|")
                 lines.append(f"| `{name}` | `{expr}` |")
+    lines += [
+        "",
+        "## Alerts",
+        "",
+        "From alerts/specs.py. A per-model alert is built once per profile (alerts/profiles/), which may "
+        "override its `for:`; a common alert is one rule set for every model. What to do when one fires: "
+        "[runbooks.md](runbooks.md).",
+        "",
+        "| alert | severity | default `for` | profile fields read |",
+        "|---|---|---|---|",
+    ]
+    for spec in ALERTS:
+        reads = ", ".join(f"`{field}`" for field in spec.reads) or "- (common)"
+        lines.append(f"| [{spec.name}](runbooks.md#{spec.runbook_anchor}) | {' / '.join(spec.severities)} | "
+                     f"{format_duration(spec.default_for)} | {reads} |")
     return "\n".join(lines) + "\n"
 
 
