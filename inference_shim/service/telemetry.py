@@ -14,12 +14,11 @@ from collections.abc import Iterator
 
 import numpy as np
 from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
 
 from layerwatch.trace import TraceWriter
 from layerwatch.wire import MAX_FRAME_BYTES, MAX_NAME_BYTES, FrameTooLarge, GateFrame, encode_frame, frame_bytes
 
-from inference_shim.service.metrics import DecodeStats, counter_family
+from inference_shim.service.metrics import DecodeStats, ShimCollector, family
 
 log = logging.getLogger(__name__)
 
@@ -91,18 +90,19 @@ class FrameSender:
         self.sent += 1
 
 
-class FrameSenderCollector(Collector):
+class FrameSenderCollector(ShimCollector):
     """layerwatch_telemetry_frames_sent_total / _dropped_total; zero when no exporter is configured."""
+
+    metric_names = ("layerwatch_telemetry_frames_sent_total", "layerwatch_telemetry_frames_dropped_total")
 
     def __init__(self, sender: FrameSender | None, model_name: str) -> None:
         self._sender = sender
         self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        sent = counter_family("layerwatch_telemetry_frames_sent_total")
+        sent, dropped = map(family, self.metric_names)
         sent.add_metric([self._model_name], self._sender.sent if self._sender else 0)
         yield sent
-        dropped = counter_family("layerwatch_telemetry_frames_dropped_total")
         for reason in DROP_REASONS:
             dropped.add_metric([self._model_name, reason], self._sender.dropped[reason] if self._sender else 0)
         yield dropped
