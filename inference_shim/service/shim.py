@@ -29,6 +29,7 @@ from inference_shim.service.engine_worker import EngineWorker
 from inference_shim.service.shadow import ShadowChecker
 from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, StepTelemetry
 from layerwatch.trace import TraceWriter
+from layerwatch.wire import DEFAULT_FRAMES_ADDRESS
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class ServeSettings:
     max_prompt_tokens: int | None = None  # None: DEFAULT_MAX_PROMPT_TOKENS, shrunk to fit the context
     max_body_bytes: int = 1 << 20
     body_timeout_seconds: float = 30.0  # a request body must arrive within this (slow clients get 408)
-    exporter_address: str = "127.0.0.1:9410"  # "" = no frames
+    exporter_address: str = DEFAULT_FRAMES_ADDRESS  # "" = no frames
     shim_id: str | None = None  # None: hostname-pid
     trace_file: Path | None = None
     trace_max_bytes: int = 100 << 20

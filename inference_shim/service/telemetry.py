@@ -16,21 +16,14 @@ import numpy as np
 from prometheus_client.core import Metric
 
 from layerwatch.trace import TraceWriter
-from layerwatch.wire import MAX_FRAME_BYTES, MAX_NAME_BYTES, FrameTooLarge, GateFrame, encode_frame, frame_bytes
+from layerwatch.wire import (MAX_FRAME_BYTES, MAX_NAME_BYTES, FrameTooLarge, GateFrame, encode_frame, frame_bytes,
+                            parse_address)
 
 from inference_shim.service.metrics import DecodeStats, ShimCollector, family
 
 log = logging.getLogger(__name__)
 
 DROP_REASONS = ("send_error", "too_large", "invalid")
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """"host:port" or "[v6]:port" -> (host, port)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"exporter address {address!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
 
 
 class FrameSender:
@@ -48,7 +41,10 @@ class FrameSender:
         for field, value in (("model name", model_name), ("shim id", shim_id)):
             if not 0 < len(value.encode("utf-8")) <= MAX_NAME_BYTES:
                 raise ValueError(f"the {field} must be 1..{MAX_NAME_BYTES} UTF-8 bytes to fit a gate frame")
-        host, port = parse_address(address)
+        try:
+            host, port = parse_address(address)  # a destination: port 0 is refused
+        except ValueError as exc:
+            raise ValueError(f"exporter address {exc}") from None
         family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
         self._socket = socket.socket(family, kind, proto)
         self._socket.setblocking(False)

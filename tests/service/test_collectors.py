@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from inference_shim.service.metrics import (DecodeStats, DecodeStatsCollector, GateReloadMetrics, ModelInfo,
                                             ModelInfoCollector, RequestMetrics, ShadowMetrics, make_metric)
 from inference_shim.service.power import GpuReading, NvmlCollector, RaplCollector
-from inference_shim.service.telemetry import FrameSenderCollector
+from inference_shim.service.telemetry import FrameSender, FrameSenderCollector
 from layerwatch import catalog
 
 
@@ -53,3 +53,8 @@ def test_a_full_shim_registry_covers_the_catalog_and_refuses_clashes():
     with pytest.raises(ValueError, match="Duplicated timeseries"):  # and the other way round
         fresh.register(FrameSenderCollector(None, "m"))
 
+
+def test_the_frame_sender_refuses_port_zero():
+    """A destination needs a real port (the exporter may listen on port 0, the shim cannot send there)."""
+    with pytest.raises(ValueError, match="exporter address '127.0.0.1:0'"):
+        FrameSender("127.0.0.1:0", "m", "shim", 4)
