@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepRecord  # noqa: E402
-from inference_shim.runtime.model import GateBank, ModelConfig, Transformer  # noqa: E402
+from inference_shim.runtime.model import KV_POLICIES, GateBank, ModelConfig, Transformer  # noqa: E402
 from inference_shim.runtime.skip_policy import SkipPolicyConfig  # noqa: E402
 from inference_shim.runtime.tokenizer import Tokenizer  # noqa: E402
 from tokenizers import Tokenizer as BackendTokenizer  # noqa: E402
@@ -133,7 +133,7 @@ def main() -> int:
     configs = [("no gates", None, SkipPolicyConfig(threshold=0.0), "project"),
                ("gates, tau=0", gates, SkipPolicyConfig(threshold=0.0), "project")]
     for fraction in (0.25, 0.5):
-        for kv_policy in ("project", "evict"):
+        for kv_policy in KV_POLICIES:
             configs.append((f"skip {fraction:.0%} ({kv_policy})", gates, forced_policy(L, fraction), kv_policy))
 
     wall: dict[str, list[float]] = {name: [] for name, *_ in configs}

@@ -9,9 +9,10 @@ import sys
 import threading
 from collections.abc import Callable
 
-from exporter.server import ExporterServer, parse_address
+from exporter.server import ExporterServer
 from exporter.state import ExporterConfig, ExporterState
 from layerwatch.statistics import MAX_WINDOW_OBSERVATIONS
+from layerwatch.wire import DEFAULT_FRAMES_ADDRESS, parse_address
 
 log = logging.getLogger("layerwatch.exporter")
 
@@ -35,14 +36,14 @@ def _non_negative_float(text: str) -> float:
 
 def _address(text: str) -> tuple[str, int]:
     try:
-        return parse_address(text)
+        return parse_address(text, listening=True)  # port 0: any free port
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ExporterConfig()
-    parser.add_argument("--listen", type=_address, default="127.0.0.1:9410", metavar="HOST:PORT",
+    parser.add_argument("--listen", type=_address, default=DEFAULT_FRAMES_ADDRESS, metavar="HOST:PORT",
                         help="UDP address gate frames arrive on (default %(default)s)")
     parser.add_argument("--http", type=_address, default="127.0.0.1:9411", metavar="HOST:PORT",
                         help="HTTP address for /metrics and /healthz (default %(default)s)")

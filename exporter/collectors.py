@@ -1,7 +1,8 @@
 """Prometheus collectors: the exporter's state turned into metrics at scrape time.
 
-One collector per concern, every metric built from its spec in layerwatch/catalog.py, the registry
-injected (never the global one).
+One collector per concern, every metric built from its catalog spec by layerwatch/prometheus.py
+(docs/metrics.md lists them), the registry injected (never the global one). Each collector
+describes itself, so registering it checks its names for clashes.
 """
 
 from __future__ import annotations
@@ -10,35 +11,33 @@ import time
 from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
+from prometheus_client.metrics_core import Metric
 
-from exporter.exposition import HistogramArrays
 from exporter.state import ExporterState
+from layerwatch import prometheus
+from layerwatch.catalog import EXPORTER
 from layerwatch.statistics import DECISIONS
-from layerwatch.catalog import BY_NAME
 
 
 def family(name: str) -> Metric:
-    """An empty metric family for a catalog entry."""
-    spec = BY_NAME[name]
-    if spec.kind == "histogram":
-        return HistogramArrays(spec.name, spec.help, spec.labels, [floatToGoString(b) for b in spec.buckets])
-    kinds = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
-    return kinds[spec.kind](spec.base_name, spec.help, labels=spec.labels)
+    """An empty metric family for an exporter metric of the catalog."""
+    return prometheus.family(name, EXPORTER)
 
 
-class EntropyCollector:
-    """layerwatch_entropy{model_name,decision} with Σx² and the zero-entropy count."""
+class _StateCollector(prometheus.CatalogCollector):
+    component = EXPORTER
 
     def __init__(self, state: ExporterState) -> None:
         self._state = state
 
+
+class EntropyCollector(_StateCollector):
+    """layerwatch_entropy{model_name,decision} with Σx² and the zero-entropy count."""
+
+    metric_names = ("layerwatch_entropy", "layerwatch_entropy_squares_total", "layerwatch_entropy_zero_total")
+
     def collect(self) -> Iterator[Metric]:
-        histogram = family("layerwatch_entropy")
-        squares = family("layerwatch_entropy_squares_total")
-        zeros = family("layerwatch_entropy_zero_total")
+        histogram, squares, zeros = map(family, self.metric_names)
         for model in self._state.snapshot():
             labels = [(model.model_name, decision) for decision in DECISIONS]
             histogram.add_histograms(labels, model.buckets, model.sums)
@@ -48,16 +47,14 @@ class EntropyCollector:
         yield from (histogram, squares, zeros)
 
 
-class LayerCollector:
+class LayerCollector(_StateCollector):
     """Per-layer sums and counts (means are always derivable); per-layer histograms with --per-layer."""
 
-    def __init__(self, state: ExporterState) -> None:
-        self._state = state
+    metric_names = ("layerwatch_layer_entropy_sum_total", "layerwatch_layer_entropy_count_total",
+                    "layerwatch_entropy_per_layer")
 
     def collect(self) -> Iterator[Metric]:
-        sums = family("layerwatch_layer_entropy_sum_total")
-        counts = family("layerwatch_layer_entropy_count_total")
-        histograms = family("layerwatch_entropy_per_layer")
+        sums, counts, histograms = map(family, self.metric_names)
         for model in self._state.snapshot():
             labels = [(model.model_name, str(layer)) for layer in range(len(model.layer_sums))]
             for layer_labels, total, count in zip(labels, model.layer_sums.tolist(), model.layer_counts.tolist()):
@@ -70,19 +67,15 @@ class LayerCollector:
             yield histograms
 
 
-class WindowCollector:
+class WindowCollector(_StateCollector):
     """The sliding window's bimodality statistics; withheld (absent) below the minimum window."""
 
-    def __init__(self, state: ExporterState) -> None:
-        self._state = state
+    metric_names = ("layerwatch_entropy_window_observations", "layerwatch_entropy_bimodal",
+                    "layerwatch_entropy_bimodality_coefficient", "layerwatch_entropy_dip",
+                    "layerwatch_entropy_dip_p_value", "layerwatch_entropy_peaks")
 
     def collect(self) -> Iterator[Metric]:
-        observations = family("layerwatch_entropy_window_observations")
-        bimodal = family("layerwatch_entropy_bimodal")
-        coefficient = family("layerwatch_entropy_bimodality_coefficient")
-        dip = family("layerwatch_entropy_dip")
-        dip_p_value = family("layerwatch_entropy_dip_p_value")
-        peaks = family("layerwatch_entropy_peaks")
+        observations, bimodal, coefficient, dip, dip_p_value, peaks = map(family, self.metric_names)
         for name in self._state.model_names():
             result = self._state.bimodality(name)
             observations.add_metric([name], result.observations)
@@ -96,11 +89,11 @@ class WindowCollector:
         yield from (observations, bimodal, coefficient, dip, dip_p_value, peaks)
 
 
-class IngestCollector:
+class IngestCollector(_StateCollector):
     """Frames received, malformed, lost (sequence gaps) and rejected (too many models)."""
 
-    def __init__(self, state: ExporterState) -> None:
-        self._state = state
+    metric_names = ("layerwatch_exporter_frames_received_total", "layerwatch_exporter_frames_malformed_total",
+                    "layerwatch_exporter_frames_lost_total", "layerwatch_exporter_frames_rejected_total")
 
     def collect(self) -> Iterator[Metric]:
         received = family("layerwatch_exporter_frames_received_total")
@@ -115,11 +108,17 @@ class IngestCollector:
         yield from (received, malformed, lost, rejected)
 
 
-class TimedCollectors:
+class TimedCollectors(prometheus.CatalogCollector):
     """Runs the given collectors and reports how long that took, as part of the same scrape."""
 
-    def __init__(self, collectors: Iterable[Collector]) -> None:
+    component = EXPORTER
+    metric_names = ("layerwatch_exporter_scrape_duration_seconds",)
+
+    def __init__(self, collectors: Iterable[prometheus.CatalogCollector]) -> None:
         self._collectors = list(collectors)
+
+    def describe(self) -> list[Metric]:
+        return [metric for collector in self._collectors for metric in collector.describe()] + super().describe()
 
     def collect(self) -> Iterator[Metric]:
         start = time.perf_counter()
@@ -130,8 +129,9 @@ class TimedCollectors:
         yield duration
 
 
-def build_registry(state: ExporterState) -> CollectorRegistry:
-    registry = CollectorRegistry()
+def build_registry(state: ExporterState, registry: CollectorRegistry | None = None) -> CollectorRegistry:
+    """The exporter's collectors in `registry` (a new one by default; never the global one)."""
+    registry = CollectorRegistry() if registry is None else registry
     registry.register(TimedCollectors([
         EntropyCollector(state), LayerCollector(state), WindowCollector(state), IngestCollector(state)]))
     ProcessCollector(registry=registry)  # process_resident_memory_bytes etc.

@@ -3,8 +3,9 @@
 prometheus_client's `generate_latest` validates and escapes every label of every sample, and the
 collectors build one `Sample` object per bucket: with per-layer histograms at 80 layers × 4 models
 (8,000 samples) that is ~50 ms of CPU per scrape. Two things make it fast here:
-- `HistogramArrays` holds many histograms with the same buckets as arrays; `TextEncoder` renders them
-  without building samples (generic consumers still get `.samples`, built on demand);
+- `HistogramArrays` (layerwatch/prometheus.py, what the catalog adapter makes of every histogram)
+  holds many histograms with the same buckets as arrays; `TextEncoder` renders them without building
+  samples (generic consumers still get `.samples`, built on demand);
 - the text of each series' name and labels repeats from scrape to scrape, so it is rendered once and
   remembered; a scrape only formats values.
 The output is byte-for-byte what `generate_latest` writes for the same metrics (a test holds it to that).
@@ -13,61 +14,17 @@ The output is byte-for-byte what `generate_latest` writes for the same metrics (
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
 
-import numpy as np
-from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
-from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
+
+from layerwatch.prometheus import HistogramArrays
+
+__all__ = ["HistogramArrays", "TextEncoder"]
 
 # Series are bounded (models are capped by --max-models), but a long-lived process could still see
 # many come and go: start over rather than grow without bound.
 MAX_CACHED_SERIES = 100_000
-
-
-class HistogramArrays(Metric):
-    """A histogram family whose series are added as arrays: per-bucket (not cumulative) counts.
-
-    Every histogram has the same upper bounds `le` (the last one is the largest value seen, so the
-    +Inf bucket equals the last bucket).
-    """
-
-    def __init__(self, name: str, documentation: str, label_names: Sequence[str], le: Sequence[str]) -> None:
-        super().__init__(name, documentation, "histogram")
-        self.label_names = tuple(label_names)
-        self.le = tuple(le) + ("+Inf",)
-        self.label_values: list[tuple[str, ...]] = []
-        self._cumulative: list[list[int]] = []  # per series, with the +Inf bucket
-        self._sums: list[float] = []
-
-    def add_histograms(self, label_values: Sequence[Sequence[str]], buckets: np.ndarray,
-                       sums: np.ndarray) -> None:
-        """label_values: one tuple per series; buckets [series, len(le)]; sums [series]."""
-        cumulative = np.cumsum(buckets, axis=1)
-        self._cumulative += np.concatenate((cumulative, cumulative[:, -1:]), axis=1).tolist()
-        self.label_values += [tuple(v) for v in label_values]
-        self._sums += sums.tolist()
-
-    def series(self) -> zip:
-        """(label values, cumulative counts incl. +Inf, sum) per histogram."""
-        return zip(self.label_values, self._cumulative, self._sums)
-
-    @property
-    def samples(self) -> list[Sample]:
-        samples = []
-        for values, cumulative, total in self.series():
-            labels = dict(zip(self.label_names, values))
-            samples += [Sample(self.name + "_bucket", {**labels, "le": le}, float(count))
-                        for le, count in zip(self.le, cumulative)]
-            samples.append(Sample(self.name + "_count", labels, float(cumulative[-1])))
-            samples.append(Sample(self.name + "_sum", labels, total))
-        return samples
-
-    @samples.setter
-    def samples(self, value: list[Sample]) -> None:
-        if value:  # Metric.__init__ sets an empty list; anything else would be lost
-            raise AttributeError("HistogramArrays takes series through add_histograms")
 
 
 class TextEncoder:

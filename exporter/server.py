@@ -24,14 +24,6 @@ RECEIVE_BUFFER_BYTES = 8 * 1024 * 1024
 _POLL_SECONDS = 0.2
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    """`host:port` (IPv6 as `[::1]:port`) -> (host, port); raises ValueError."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"{text!r} is not host:port")
-    return host.strip("[]"), int(port)
-
-
 class FrameReceiver:
     """Reads datagrams until stopped and hands each to the state (which counts bad ones)."""
 

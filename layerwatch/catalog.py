@@ -1,11 +1,13 @@
 """Every metric layerwatch exposes, in one place.
 
-The shim and the exporter create their metrics from these specs, docs/metrics.md is generated from
-them, and the dashboard generator refuses a panel that queries a name not defined here or by a
-recording rule. A test compares each live `/metrics` page against this catalog, so it cannot drift.
+The shim and the exporter create their metrics from these specs, all through one adapter
+(layerwatch/prometheus.py); docs/metrics.md is generated from them, and the dashboard generator
+refuses a panel that queries a name not defined here or by a recording rule. A test compares each
+live `/metrics` page against this catalog, so it cannot drift.
 
-Names follow ../shared/CONTRACT.md exactly. Counter names carry their `_total` suffix here, as
-exposed; `prometheus_client` wants it stripped when the metric object is created (see `base_name`).
+Names, labels and help texts are public (dashboards, rules and docs/metrics.md read them): change
+none. Counter names carry their `_total` suffix here, as exposed; `prometheus_client` wants it
+stripped when the metric object is created (see `base_name`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from dataclasses import dataclass
 SHIM = "shim"
 EXPORTER = "exporter"
 
-# 20 equal buckets over [0, 1]: le = 0.05, 0.10, ... 0.95, 1.0 (CONTRACT).
+# 20 equal buckets over [0, 1]: le = 0.05, 0.10, ... 0.95, 1.0 (docs/metrics.md).
 ENTROPY_BUCKETS: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(1, 21))
-# An entropy below this counts as a "zero-entropy" layer (CONTRACT, BRIEF).
+# An entropy below this counts as a "zero-entropy" layer (docs/metrics.md: layerwatch_entropy_zero_total).
 ZERO_ENTROPY_LIMIT = 0.01
 
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -29,7 +31,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 class MetricSpec:
     name: str  # exposed name; counters end in _total
     kind: str  # "counter" | "gauge" | "histogram"
-    labels: tuple[str, ...]  # bounded labels only (CONTRACT)
+    labels: tuple[str, ...]  # bounded labels only (no request ids, prompts or the like)
     help: str
     component: str  # SHIM or EXPORTER
     buckets: tuple[float, ...] | None = None  # histograms only; None = per-model (layers 0..L)

@@ -1,6 +1,7 @@
 """The gate-frame wire format: one UDP datagram per decode step, all rows of the batch.
 
-The shim encodes, the exporter decodes. The byte layout is documented in docs/wire-format.md;
+The shim encodes and sends to `--exporter-address`, the exporter receives on `--listen` and decodes;
+both addresses are read by `parse_address`. The byte layout is documented in docs/wire-format.md;
 everything is little-endian:
 
     offset  size  field
@@ -33,6 +34,8 @@ VERSION = 1
 # One UDP datagram on loopback carries at most 65,507 bytes; stay clear of it.
 MAX_FRAME_BYTES = 65_000
 MAX_NAME_BYTES = 255
+# Where the shim sends frames and the exporter listens for them, unless told otherwise.
+DEFAULT_FRAMES_ADDRESS = "127.0.0.1:9410"
 
 _HEADER = struct.Struct("<4sBBHHQBB")
 HEADER_BYTES = _HEADER.size  # 20
@@ -54,6 +57,21 @@ class GateFrame:
     sequence: int  # u64, +1 per frame sent by that shim
     entropies: np.ndarray  # float32 [rows, layers], values in [0, 1]
     skipped: np.ndarray  # bool [rows, layers]; True = the layer did not run for that row's token
+
+
+def parse_address(text: str, *, listening: bool = False) -> tuple[str, int]:
+    """`host:port` (IPv6 as `[::1]:port`) -> (host, port); raises ValueError.
+
+    Port 0 asks the kernel for any free port: a listener may bind it (`listening=True`, as the
+    exporter's `--listen` and `--http` do in tests), but nothing can be sent to it, so a destination
+    (the shim's `--exporter-address`) needs a real port.
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    if int(port) == 0 and not listening:
+        raise ValueError(f"{text!r}: port 0 can only be listened on, not sent to")
+    return host.strip("[]"), int(port)
 
 
 def frame_bytes(rows: int, layers: int, model_name: str, shim_id: str) -> int:

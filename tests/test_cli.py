@@ -63,3 +63,26 @@ def test_light_commands_never_import_torch(command):
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_serve_flags_take_their_defaults_and_choices_from_the_service():
+    """One source per default: `serve` derives every flag default from ServeSettings."""
+    import dataclasses
+    from pathlib import Path
+
+    from entrypoints.serve import settings_from_arguments
+    from inference_shim.runtime.checkpoint import DTYPES
+    from inference_shim.runtime.model import KV_POLICIES
+    from inference_shim.service.shim import ServeSettings
+
+    parser = build_parser(["serve"], environ={})
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    actions = {a.dest: a for a in serve._actions}
+    for field in dataclasses.fields(ServeSettings):
+        assert field.name in actions, f"no serve flag sets ServeSettings.{field.name}"
+        if field.default is not dataclasses.MISSING:
+            assert actions[field.name].default == field.default, field.name
+    assert tuple(actions["kv_policy"].choices) == KV_POLICIES and tuple(actions["dtype"].choices) == tuple(DTYPES)
+    assert settings_from_arguments(serve.parse_args(["--model", "m"])) == ServeSettings(model_dir=Path("m"))
+    demo = settings_from_arguments(serve.parse_args([]))
+    assert (demo.model_name, demo.model_dir.name) == ("layerwatch-demo", "demo_model")

@@ -6,7 +6,8 @@ Two update paths, chosen so that the decode loop does no label lookups or string
     /metrics is scraped;
   - per finished request, `RequestMetrics.finish` updates counters and latency histograms whose
     children were bound once at start-up, from the same numbers the client got in `usage`.
-Names, help texts and label names come from the catalog; no metric name is spelled here.
+Every metric is built from its catalog spec by layerwatch/prometheus.py (docs/metrics.md lists them);
+every custom collector describes itself, so registering it checks its names for clashes.
 """
 
 from __future__ import annotations
@@ -17,42 +18,30 @@ from dataclasses import dataclass
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.core import Metric
 from prometheus_client.utils import floatToGoString
 
-from layerwatch import catalog
+from layerwatch import prometheus
+from layerwatch.catalog import SHIM
 
 REQUEST_STATUSES = ("ok", "client_error", "server_error", "cancelled")
 FALLBACK_REASON = "high_skipping"
 
 
-def shim_spec(name: str) -> catalog.MetricSpec:
-    spec = catalog.BY_NAME[name]
-    if spec.component != catalog.SHIM:
-        raise ValueError(f"{name} is not a shim metric")
-    return spec
+def make_metric(name: str, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
+    """A prometheus_client metric object for a shim metric of the catalog, in `registry`."""
+    return prometheus.instrument(name, registry, SHIM)
 
 
-def make_metric(name: str, registry: CollectorRegistry, buckets: Sequence[float] | None = None):
-    """A prometheus_client metric object for a catalog spec (histograms use the spec's buckets)."""
-    spec = shim_spec(name)
-    common = dict(name=spec.base_name, documentation=spec.help, labelnames=spec.labels, registry=registry)
-    if spec.kind == "counter":
-        return Counter(**common)
-    if spec.kind == "gauge":
-        return Gauge(**common)
-    return Histogram(**common, buckets=buckets or spec.buckets)
+def family(name: str, bounds: Sequence[float] | None = None) -> Metric:
+    """An empty metric family for a shim metric of the catalog, filled at scrape time."""
+    return prometheus.family(name, SHIM, bounds)
 
 
-def counter_family(name: str) -> CounterMetricFamily:
-    spec = shim_spec(name)
-    return CounterMetricFamily(spec.base_name, spec.help, labels=spec.labels)
+class ShimCollector(prometheus.CatalogCollector):
+    """A custom collector of shim metrics (describes itself from `metric_names`)."""
 
-
-def histogram_family(name: str) -> HistogramMetricFamily:
-    spec = shim_spec(name)
-    return HistogramMetricFamily(spec.name, spec.help, labels=spec.labels)
+    component = SHIM
 
 
 # --- decode-step statistics -----------------------------------------------------------------------
@@ -118,14 +107,18 @@ class DecodeStatsSnapshot:
     fallbacks: int
 
 
-class DecodeStatsCollector(Collector):
+class DecodeStatsCollector(ShimCollector):
     """Exposes `DecodeStats` at scrape time: the only place per-layer label values are formatted."""
+
+    metric_names = ("layerwatch_layer_evaluations_total", "layerwatch_layer_skips_total",
+                    "layerwatch_batch_layer_steps_total", "layerwatch_batch_layer_skips_total",
+                    "layerwatch_layers_executed", "layerwatch_fallbacks_total")
 
     def __init__(self, stats: DecodeStats, model_name: str) -> None:
         self._stats = stats
         self._model_name = model_name
         self._layers = [str(l) for l in range(stats.num_layers)]
-        self._bucket_bounds = [floatToGoString(b) for b in range(stats.num_layers + 1)] + ["+Inf"]
+        self._executed_bounds = range(stats.num_layers + 1)  # 0..L layers ran
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats.snapshot()
@@ -137,15 +130,15 @@ class DecodeStatsCollector(Collector):
             "layerwatch_batch_layer_skips_total": s.batch_skips.tolist(),
         }
         for name, values in per_layer.items():
-            family = counter_family(name)
+            counter = family(name)
             for layer, value in zip(self._layers, values):
-                family.add_metric([m, layer], value)
-            yield family
-        executed = histogram_family("layerwatch_layers_executed")
-        cumulative = np.cumsum(s.executed_counts).tolist() + [s.rows]
-        executed.add_metric([m], list(zip(self._bucket_bounds, cumulative)), sum_value=s.executed_sum)
+                counter.add_metric([m, layer], value)
+            yield counter
+        # Every decoded row ran 0..L layers, so the last bucket holds all rows (= the +Inf bucket).
+        executed = family("layerwatch_layers_executed", bounds=self._executed_bounds)
+        executed.add_histograms([(m,)], s.executed_counts[np.newaxis, :], np.array([s.executed_sum]))
         yield executed
-        fallbacks = counter_family("layerwatch_fallbacks_total")
+        fallbacks = family("layerwatch_fallbacks_total")
         fallbacks.add_metric([m, FALLBACK_REASON], s.fallbacks)
         yield fallbacks
 
@@ -208,19 +201,20 @@ class ModelInfo:
     gates_sha256: str
 
 
-class ModelInfoCollector(Collector):
+class ModelInfoCollector(ShimCollector):
     """layerwatch_model_info from what is served at scrape time (a gate file reload changes it)."""
+
+    metric_names = ("layerwatch_model_info",)
 
     def __init__(self, current: Callable[[], ModelInfo]) -> None:
         self._current = current
 
     def collect(self) -> Iterator[Metric]:
-        spec = shim_spec("layerwatch_model_info")
         info = self._current()
-        family = GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
-        family.add_metric([info.model_name, str(info.layers), floatToGoString(info.threshold), str(info.patience),
-                           info.kv_policy, info.gates_sha256], 1)
-        yield family
+        gauge = family("layerwatch_model_info")
+        gauge.add_metric([info.model_name, str(info.layers), floatToGoString(info.threshold), str(info.patience),
+                         info.kv_policy, info.gates_sha256], 1)
+        yield gauge
 
 
 class GateReloadMetrics:

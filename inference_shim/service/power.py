@@ -16,10 +16,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.core import Metric
 
-from inference_shim.service.metrics import counter_family, shim_spec
+from inference_shim.service.metrics import ShimCollector, family
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +113,10 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-class NvmlCollector(Collector):
+class NvmlCollector(ShimCollector):
     """layerwatch_nvml_up, layerwatch_gpu_power_watts and layerwatch_gpu_energy_joules_total."""
+
+    metric_names = ("layerwatch_nvml_up", "layerwatch_gpu_power_watts", "layerwatch_gpu_energy_joules_total")
 
     def __init__(self, reader: Callable[[], list[GpuReading]] | None = None,
                  retry_seconds: float = NVML_RETRY_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
@@ -128,12 +129,9 @@ class NvmlCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         readings = self._read()
-        up = GaugeMetricFamily("layerwatch_nvml_up", shim_spec("layerwatch_nvml_up").help)
+        up, power, energy = map(family, self.metric_names)
         up.add_metric([], 1 if readings is not None else 0)
         yield up
-        power_spec = shim_spec("layerwatch_gpu_power_watts")
-        power = GaugeMetricFamily(power_spec.name, power_spec.help, labels=power_spec.labels)
-        energy = counter_family("layerwatch_gpu_energy_joules_total")
         for r in readings or ():
             labels = [str(r.index), r.uuid]
             power.add_metric(labels, r.power_watts)
@@ -187,19 +185,21 @@ def find_rapl_zones(root: Path = RAPL_ROOT) -> list[RaplZone]:
     return zones
 
 
-class RaplCollector(Collector):
+class RaplCollector(ShimCollector):
     """layerwatch_cpu_energy_joules_total{zone}; no samples where RAPL cannot be read."""
+
+    metric_names = ("layerwatch_cpu_energy_joules_total",)
 
     def __init__(self, zones: list[RaplZone] | None = None) -> None:
         self._zones = find_rapl_zones() if zones is None else zones
         self._energy = {z.name: WrappingEnergy(z.max_range_uj) for z in self._zones}
 
     def collect(self) -> Iterator[Metric]:
-        family = counter_family("layerwatch_cpu_energy_joules_total")
+        energy = family("layerwatch_cpu_energy_joules_total")
         for zone in self._zones:
             try:
                 microjoules = float(zone.energy_path.read_text())
             except (OSError, ValueError):
                 continue
-            family.add_metric([zone.name], self._energy[zone.name].update(microjoules) / 1e6)
-        yield family
+            energy.add_metric([zone.name], self._energy[zone.name].update(microjoules) / 1e6)
+        yield energy

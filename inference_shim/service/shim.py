@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from inference_shim.runtime.checkpoint import DTYPES, LoadedCheckpoint, load_checkpoint
 from inference_shim.runtime.gates import GATES_FILE, LoadedGates, load_gates, reset_gates
 from inference_shim.runtime.engine import GenerationEngine, StepHook
+from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.service.gate_watch import GateFileWatcher
 from inference_shim.service.metrics import (DecodeStats, DecodeStatsCollector, GateReloadMetrics, ModelInfo,
@@ -29,6 +30,7 @@ from inference_shim.service.engine_worker import EngineWorker
 from inference_shim.service.shadow import ShadowChecker
 from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, StepTelemetry
 from layerwatch.trace import TraceWriter
+from layerwatch.wire import DEFAULT_FRAMES_ADDRESS
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +49,13 @@ class ServeSettings:
     threshold: float | None = None  # None: the gate file's calibrated threshold
     patience: int | None = None  # None: the gate file's patience
     protected_layers: tuple[int, ...] | None = None  # None: first and last layer
-    kv_policy: str = "project"
+    kv_policy: str = KV_POLICIES[0]  # "project"
     max_batch_size: int = 8
     max_tokens_cap: int | None = None  # None: DEFAULT_MAX_TOKENS_CAP, shrunk to fit the context
     max_prompt_tokens: int | None = None  # None: DEFAULT_MAX_PROMPT_TOKENS, shrunk to fit the context
     max_body_bytes: int = 1 << 20
     body_timeout_seconds: float = 30.0  # a request body must arrive within this (slow clients get 408)
-    exporter_address: str = "127.0.0.1:9410"  # "" = no frames
+    exporter_address: str = DEFAULT_FRAMES_ADDRESS  # "" = no frames
     shim_id: str | None = None  # None: hostname-pid
     trace_file: Path | None = None
     trace_max_bytes: int = 100 << 20

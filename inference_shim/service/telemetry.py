@@ -14,24 +14,16 @@ from collections.abc import Iterator
 
 import numpy as np
 from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
 
 from layerwatch.trace import TraceWriter
-from layerwatch.wire import MAX_FRAME_BYTES, MAX_NAME_BYTES, FrameTooLarge, GateFrame, encode_frame, frame_bytes
+from layerwatch.wire import (MAX_FRAME_BYTES, MAX_NAME_BYTES, FrameTooLarge, GateFrame, encode_frame, frame_bytes,
+                            parse_address)
 
-from inference_shim.service.metrics import DecodeStats, counter_family
+from inference_shim.service.metrics import DecodeStats, ShimCollector, family
 
 log = logging.getLogger(__name__)
 
 DROP_REASONS = ("send_error", "too_large", "invalid")
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """"host:port" or "[v6]:port" -> (host, port)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"exporter address {address!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
 
 
 class FrameSender:
@@ -49,7 +41,10 @@ class FrameSender:
         for field, value in (("model name", model_name), ("shim id", shim_id)):
             if not 0 < len(value.encode("utf-8")) <= MAX_NAME_BYTES:
                 raise ValueError(f"the {field} must be 1..{MAX_NAME_BYTES} UTF-8 bytes to fit a gate frame")
-        host, port = parse_address(address)
+        try:
+            host, port = parse_address(address)  # a destination: port 0 is refused
+        except ValueError as exc:
+            raise ValueError(f"exporter address {exc}") from None
         family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
         self._socket = socket.socket(family, kind, proto)
         self._socket.setblocking(False)
@@ -91,18 +86,19 @@ class FrameSender:
         self.sent += 1
 
 
-class FrameSenderCollector(Collector):
+class FrameSenderCollector(ShimCollector):
     """layerwatch_telemetry_frames_sent_total / _dropped_total; zero when no exporter is configured."""
+
+    metric_names = ("layerwatch_telemetry_frames_sent_total", "layerwatch_telemetry_frames_dropped_total")
 
     def __init__(self, sender: FrameSender | None, model_name: str) -> None:
         self._sender = sender
         self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        sent = counter_family("layerwatch_telemetry_frames_sent_total")
+        sent, dropped = map(family, self.metric_names)
         sent.add_metric([self._model_name], self._sender.sent if self._sender else 0)
         yield sent
-        dropped = counter_family("layerwatch_telemetry_frames_dropped_total")
         for reason in DROP_REASONS:
             dropped.add_metric([self._model_name, reason], self._sender.dropped[reason] if self._sender else 0)
         yield dropped

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from layerwatch.wire import (HEADER_BYTES, MAX_FRAME_BYTES, FrameTooLarge, GateFrame, MalformedFrame,
-                             decode_frame, encode_frame, frame_bytes)
+                             decode_frame, encode_frame, frame_bytes, parse_address)
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -149,3 +149,26 @@ def test_encode_refuses_invalid_frames(change: dict, reason: str) -> None:
                   entropies=np.full((2, 3), 0.5, np.float32), skipped=np.zeros((2, 3), bool))
     with pytest.raises(ValueError, match=reason):
         encode_frame(GateFrame(**(fields | change)))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("127.0.0.1:9410", ("127.0.0.1", 9410)), ("localhost:1", ("localhost", 1)), ("[::1]:65535", ("::1", 65535)),
+    ("exporter:9410", ("exporter", 9410))])
+def test_addresses_parse_for_listeners_and_destinations_alike(text: str, expected: tuple[str, int]) -> None:
+    assert parse_address(text) == parse_address(text, listening=True) == expected
+
+
+@pytest.mark.parametrize("text", ["127.0.0.1", ":9410", "127.0.0.1:", "127.0.0.1:65536", "127.0.0.1:-1",
+                                  "127.0.0.1:http", ""])
+def test_malformed_addresses_are_refused(text: str) -> None:
+    for listening in (False, True):
+        with pytest.raises(ValueError, match="is not HOST:PORT"):
+            parse_address(text, listening=listening)
+
+
+def test_port_zero_is_for_listeners_only() -> None:
+    """The exporter may bind port 0 (any free port: `--listen 127.0.0.1:0`, as its tests start it); the shim's
+    `--exporter-address` is a destination, and a datagram cannot be sent to port 0."""
+    assert parse_address("127.0.0.1:0", listening=True) == ("127.0.0.1", 0)
+    with pytest.raises(ValueError, match="port 0"):
+        parse_address("127.0.0.1:0")

@@ -1,0 +1,60 @@
+"""The shim's custom collectors describe themselves from the catalog, so registering one checks its
+names: a clash with a metric already in the registry is refused, not exposed twice."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from inference_shim.service.metrics import (DecodeStats, DecodeStatsCollector, GateReloadMetrics, ModelInfo,
+                                            ModelInfoCollector, RequestMetrics, ShadowMetrics, make_metric)
+from inference_shim.service.power import GpuReading, NvmlCollector, RaplCollector
+from inference_shim.service.telemetry import FrameSender, FrameSenderCollector
+from layerwatch import catalog
+
+
+def shim_collectors() -> list:
+    stats = DecodeStats(3)
+    stats.observe(np.array([[True, False, False]]), np.array([True, False, False]), np.array([False]))
+    return [DecodeStatsCollector(stats, "m"),
+            ModelInfoCollector(lambda: ModelInfo("m", 3, 0.18, 3, "project", "0" * 64)),
+            FrameSenderCollector(None, "m"),
+            NvmlCollector(reader=lambda: [GpuReading(0, "GPU-0", 120.0, 5.0)]),
+            RaplCollector(zones=[])]
+
+
+@pytest.mark.parametrize("index", range(len(shim_collectors())))
+def test_each_collector_describes_what_it_collects(index):
+    collector = shim_collectors()[index]
+    described = [(m.name, m.type) for m in collector.describe()]
+    collected = [(m.name, m.type) for m in collector.collect()]
+    assert set(collected) <= set(described) and len(described) == len(set(described))
+
+
+def test_a_full_shim_registry_covers_the_catalog_and_refuses_clashes():
+    registry = CollectorRegistry()
+    collectors = shim_collectors()
+    for collector in collectors:
+        registry.register(collector)
+    RequestMetrics(registry, "m")
+    ShadowMetrics(registry, "m")
+    GateReloadMetrics(registry, "m")
+    exposed = {m.name for m in registry.collect()}
+    assert exposed == {spec.base_name for spec in catalog.for_component(catalog.SHIM)}
+
+    for collector in shim_collectors():  # a second copy of any collector
+        with pytest.raises(ValueError, match="Duplicated timeseries"):
+            registry.register(collector)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):  # an instrument named like a collector's metric
+        make_metric("layerwatch_fallbacks_total", registry)
+    fresh = CollectorRegistry()
+    make_metric("layerwatch_telemetry_frames_sent_total", fresh)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):  # and the other way round
+        fresh.register(FrameSenderCollector(None, "m"))
+
+
+def test_the_frame_sender_refuses_port_zero():
+    """A destination needs a real port (the exporter may listen on port 0, the shim cannot send there)."""
+    with pytest.raises(ValueError, match="exporter address '127.0.0.1:0'"):
+        FrameSender("127.0.0.1:0", "m", "shim", 4)
