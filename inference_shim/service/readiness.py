@@ -1,6 +1,6 @@
 """Readiness: a real one-token generation through the gated path, cached for a few seconds.
 
-A health check that bypasses the model proves nothing (BRIEF): `/readyz` succeeds only when the
+A health check that bypasses the model proves nothing (docs/service.md, "Readiness"): `/readyz` succeeds only when the
 probe went through the engine and its decode step produced a layer-activity record, i.e. every
 layer's gate scored the token. Probes run one at a time; concurrent callers share the result.
 """

@@ -84,7 +84,7 @@ def test_bimodality_coefficient_matches_sarles_formula_and_the_brief() -> None:
     g1, g2 = stats.skew(values, bias=False), stats.kurtosis(values, bias=False)
     expected = (g1**2 + 1) / (g2 + 3 * (n - 1) ** 2 / ((n - 2) * (n - 3)))
     assert bimodality_coefficient(values) == pytest.approx(expected, rel=1e-9)
-    # BRIEF: mixture 0.77, normal 0.34 (the theoretical normal value is 1/3), uniform 0.55.
+    # docs/exporter.md: mixture 0.77, normal 0.34 (the theoretical normal value is 1/3), uniform 0.55.
     assert bimodality_coefficient(two_humps(1)) == pytest.approx(0.77, abs=0.02)
     assert bimodality_coefficient(SINGLE_PEAK["normal"]) == pytest.approx(0.335, abs=0.02)
     assert bimodality_coefficient(SINGLE_PEAK["uniform"]) == pytest.approx(0.555, abs=0.02)
@@ -112,7 +112,7 @@ def test_binnings_differ_only_on_edges() -> None:
     values = np.array([0.0, 0.05, 0.0999, 0.25, 0.5, 0.75, 0.9999, 1.0], dtype=np.float32)
     # Prometheus: value <= le. float32(0.05) is slightly above 0.05, so it is not in le=0.05.
     assert le_bucket_index(values).tolist() == [0, 1, 1, 4, 9, 14, 19, 19]
-    # CONTRACT: left-closed bins, the last one closed: 0.25 starts bin 5.
+    # replay's bins (docs/interfaces.md): left-closed, the last one closed: 0.25 starts bin 5.
     assert bin_index(values).tolist() == [0, 1, 1, 5, 10, 15, 19, 19]
     assert histogram20(values).sum() == len(values)
 
