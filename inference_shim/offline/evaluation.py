@@ -100,11 +100,9 @@ def _decode_batch(model: Transformer, batch: torch.Tensor, prefill_len: int,
     cache = KVCache(model.config, slots=rows, max_len=window_len, dtype=model.embed_tokens.weight.dtype,
                     device=batch.device)
     context = prefill_len - 1  # the last prompt token is the first decode step's input
-    for slot in range(rows):
-        if context > 0:
-            model(batch[slot:slot + 1, :context], cache=cache, slot=slot)
-        else:
-            cache.reset_slot(slot)
+    if context > 0:  # a fresh cache: no slot needs a reset
+        for slot in range(rows):
+            model.prefill(batch[slot, :context], cache, slot)
     slots = np.arange(rows)
     policy = SkipPolicy(policy_config, num_layers, rows) if policy_config is not None else None
     for position in range(context, window_len - 1):

@@ -240,11 +240,11 @@ class GenerationEngine:
         self.skip_policy.reset(sequence.slot)
         entropies = np.full((len(context), self.num_layers), np.nan, dtype=np.float32)
         if context:
-            tokens = torch.tensor([context], device=self.device)
+            tokens = torch.tensor(context, device=self.device)
             with torch.inference_mode():
-                _, prompt_entropies = self.model(tokens, cache=self.cache, slot=sequence.slot)
+                _, prompt_entropies = self.model.prefill(tokens, self.cache, sequence.slot)
             if prompt_entropies is not None:
-                entropies = prompt_entropies[0].float().cpu().numpy()
+                entropies = prompt_entropies.float().cpu().numpy()
         sequence.position = len(context)
         sequence.next_input = sequence.prompt_ids[-1]
         if self.prefill_hook is not None:
