@@ -34,7 +34,7 @@ class Baseline:
     entropies: list[np.ndarray] = field(default_factory=list)  # float32 [B, L] per step
     skipped: list[np.ndarray] = field(default_factory=list)  # bool [B, L] per step
 
-    def record(self, step) -> None:  # an evaluation.DecodeStep
+    def record(self, step) -> None:  # an engine StepRecord
         self.entropies.append(step.entropies)
         self.skipped.append(step.skipped)
 

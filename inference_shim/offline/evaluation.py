@@ -2,9 +2,9 @@
 
 Held-out text is cut into windows. Each window's first `prefill_len - 1` tokens are prefilled at
 full depth (as the engine prefills a prompt but its last token); then every remaining token is
-fed through `Transformer.decode_step` one step at a time, exactly as the generation engine does:
-the run mask comes from the SkipPolicy before the step (patience, protected layers, fallback),
-the KV policy applies to skipped layers, and the policy observes the step's entropies after it.
+fed one step at a time through the generation engine's own step, `gated_decode_step`: the run
+mask comes from the SkipPolicy before the step (patience, protected layers, fallback), the KV
+policy applies to skipped layers, and the policy observes the step's entropies after it.
 Only the fed token is the text's own rather than a sampled one, so the next token's probability
 is the text's: that gives perplexity under the decode semantics, not under a one-shot mask.
 
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_shim.offline.gated_model import GatedModel
+from inference_shim.runtime.engine import gated_decode_step
 from inference_shim.runtime.model import KVCache, Transformer
 from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig
 
@@ -96,36 +97,29 @@ def _decode_batch(model: Transformer, batch: torch.Tensor, prefill_len: int,
                   policy_config: SkipPolicyConfig | None, kv_policy: str, totals: DecodeTotals,
                   on_step: Callable[[DecodeStep], None] | None) -> None:
     rows, window_len = batch.shape
-    num_layers = model.config.num_layers
     cache = KVCache(model.config, slots=rows, max_len=window_len, dtype=model.embed_tokens.weight.dtype,
                     device=batch.device)
     context = prefill_len - 1  # the last prompt token is the first decode step's input
-    for slot in range(rows):
-        if context > 0:
-            model(batch[slot:slot + 1, :context], cache=cache, slot=slot)
-        else:
-            cache.reset_slot(slot)
+    if context > 0:  # a fresh cache: no slot needs a reset
+        for slot in range(rows):
+            model.prefill(batch[slot, :context], cache, slot)
     slots = np.arange(rows)
-    policy = SkipPolicy(policy_config, num_layers, rows) if policy_config is not None else None
+    policy = SkipPolicy(policy_config, model.config.num_layers, rows) if policy_config is not None else None
     for position in range(context, window_len - 1):
-        run_mask = policy.run_mask(slots) if policy is not None else None
         started = time.perf_counter()
-        logits, entropies = model.decode_step(batch[:, position], cache, slots, [position] * rows,
-                                              run_mask, kv_policy)
-        # The host needs the next token (and the engine the entropies) before the next step: one sync.
-        logits.argmax(dim=-1).cpu()
-        host_entropies = entropies.float().cpu().numpy() if entropies is not None else None
+        # Greedy `choose`: the text's own token is fed next, but the step still brings a token to
+        # the host, as a generating step does.
+        step = gated_decode_step(model, cache, policy, batch[:, position], slots, [position] * rows, kv_policy,
+                                 choose=lambda logits: logits.argmax(dim=-1))
         totals.decode_seconds += time.perf_counter() - started
-        nll = F.cross_entropy(logits.float(), batch[:, position + 1], reduction="sum")
+        nll = F.cross_entropy(step.logits.float(), batch[:, position + 1], reduction="sum")
         totals.nll_sum += nll.item()
         totals.tokens += rows
-        skipped = np.zeros((rows, num_layers), dtype=bool) if run_mask is None else ~run_mask
+        skipped = ~step.run_mask
         totals.skips_per_layer += skipped.sum(axis=0)
-        if policy is not None:
-            decision = policy.observe(slots, host_entropies, run_mask)
-            totals.fallbacks += int(decision.fallback_started.sum())
+        totals.fallbacks += int(step.fallback_started.sum())
         if on_step is not None:
-            on_step(DecodeStep(entropies=host_entropies, skipped=skipped))
+            on_step(DecodeStep(entropies=step.entropies if model.gates is not None else None, skipped=skipped))
 
 
 def decode_windows(gated: GatedModel, windows: torch.Tensor, threshold: float | None, *, prefill: int,

@@ -5,6 +5,7 @@ active rows. Each row is a sequence in its own KV-cache slot. The step's run mas
 skip policy's host-side state, so it is known before the step starts; the step then does exactly
 one device->host transfer, after the last layer (next tokens and entropies together), which
 feeds the policy for the *next* step. Nothing inside a step waits on the device to decide a skip.
+That step is `gated_decode_step`; teacher-forced evaluation calls it too, so both share its semantics.
 
 Token accounting: prefill runs the prompt except its last token. Decode step i of a sequence
 feeds its (i-1)-th generated token (the prompt's last token at i = 0) and produces the i-th, so
@@ -240,11 +241,11 @@ class GenerationEngine:
         self.skip_policy.reset(sequence.slot)
         entropies = np.full((len(context), self.num_layers), np.nan, dtype=np.float32)
         if context:
-            tokens = torch.tensor([context], device=self.device)
+            tokens = torch.tensor(context, device=self.device)
             with torch.inference_mode():
-                _, prompt_entropies = self.model(tokens, cache=self.cache, slot=sequence.slot)
+                _, prompt_entropies = self.model.prefill(tokens, self.cache, sequence.slot)
             if prompt_entropies is not None:
-                entropies = prompt_entropies[0].float().cpu().numpy()
+                entropies = prompt_entropies.float().cpu().numpy()
         sequence.position = len(context)
         sequence.next_input = sequence.prompt_ids[-1]
         if self.prefill_hook is not None:
@@ -258,43 +259,22 @@ class GenerationEngine:
         rows = [self._active[slot] for slot in sorted(self._active)]
         slots = np.array([s.slot for s in rows])
         fed = np.array([s.next_input for s in rows], dtype=np.int64)
-        gated = self.model.gates is not None
-        # Decided from earlier steps only, before anything runs on the device.
-        fallback = self.skip_policy.in_fallback(slots) if gated else np.zeros(len(rows), dtype=bool)
-        run_mask = self.skip_policy.run_mask(slots) if gated else np.ones((len(rows), self.num_layers), dtype=bool)
-        produced, host_entropies = self._run_on_device(rows, fed, run_mask if gated else None)
-
-        fallback_started = np.zeros(len(rows), dtype=bool)
-        if gated:
-            fallback_started = self.skip_policy.observe(slots, host_entropies, run_mask).fallback_started
+        step = gated_decode_step(self.model, self.cache, self.skip_policy if self.model.gates is not None else None,
+                                 torch.as_tensor(fed, device=self.device), slots, [s.position for s in rows],
+                                 self.kv_policy, choose=lambda logits: self._sample(logits, rows))
         self.steps += 1
-        for sequence in (s for s, started_now in zip(rows, fallback_started) if started_now):
+        for sequence in (s for s, started_now in zip(rows, step.fallback_started) if started_now):
             log.warning("[FALLBACK: HIGH_SKIPPING] model=%s sequence=%d step=%d",
                         self.model_name, sequence.id, self.steps)
-        updates = [self._advance(sequence, int(token), run_mask[i]) for i, (sequence, token)
-                   in enumerate(zip(rows, produced))]
+        updates = [self._advance(sequence, int(token), step.run_mask[i]) for i, (sequence, token)
+                   in enumerate(zip(rows, step.next_tokens))]
         if self.step_hook is not None:
             self.step_hook(StepRecord(
                 step=self.steps, sequence_ids=np.array([s.id for s in rows], dtype=np.int64), token_ids=fed,
-                next_token_ids=produced, entropies=host_entropies, skipped=~run_mask,
-                batch_skipped=~run_mask.any(axis=0), fallback=fallback, fallback_started=fallback_started,
-                step_seconds=time.perf_counter() - started))
+                next_token_ids=step.next_tokens, entropies=step.entropies, skipped=~step.run_mask,
+                batch_skipped=~step.run_mask.any(axis=0), fallback=step.fallback,
+                fallback_started=step.fallback_started, step_seconds=time.perf_counter() - started))
         return updates
-
-    @torch.inference_mode()  # cheaper per op than no_grad: a small model's step is many small ops
-    def _run_on_device(self, rows: list[_Sequence], fed: np.ndarray,
-                       run_mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """The step's device work -> (next tokens int64 [B], entropies float32 [B, L], NaN without gates)."""
-        logits, entropies = self.model.decode_step(
-            torch.as_tensor(fed, device=self.device), self.cache, [s.slot for s in rows],
-            [s.position for s in rows], run_mask, self.kv_policy)
-        next_tokens = self._sample(logits, rows)
-        if entropies is None:
-            entropies = torch.full((len(rows), self.num_layers), float("nan"), device=self.device)
-        # The step's one device->host transfer: tokens and entropies packed together (float64
-        # holds token ids exactly).
-        packed = torch.cat([next_tokens[:, None].double(), entropies.double()], dim=1).cpu().numpy()
-        return packed[:, 0].astype(np.int64), packed[:, 1:].astype(np.float32)
 
     def _sample(self, logits: torch.Tensor, rows: list[_Sequence]) -> torch.Tensor:
         """Next token per row, on the device: argmax, or a draw from that row's own generator."""
@@ -355,6 +335,49 @@ class GenerationEngine:
         return SequenceUpdate(sequence_id=sequence.id, new_token_ids=tokens, text_delta=delta,
                               finished=sequence.finish_reason is not None, finish_reason=sequence.finish_reason,
                               layers_executed=sequence.layers_executed, layers_skipped=sequence.layers_skipped)
+
+
+@dataclass
+class DecodedStep:
+    """What one `gated_decode_step` did, per row; host arrays but for the logits."""
+
+    logits: torch.Tensor  # [B, V] on the device
+    next_tokens: np.ndarray  # int64 [B]: what `choose` picked
+    entropies: np.ndarray  # float32 [B, L]: every layer's gate entropy (NaN: no gates)
+    run_mask: np.ndarray  # bool [B, L]: True = the layer ran for that row
+    fallback: np.ndarray  # bool [B]: the row ran full depth because of a fallback episode
+    fallback_started: np.ndarray  # bool [B]: a fallback episode begins after this step
+
+
+def gated_decode_step(model: Transformer, cache: KVCache, policy: SkipPolicy | None, tokens: torch.Tensor,
+                      slots: np.ndarray, positions: list[int], kv_policy: str,
+                      choose: Callable[[torch.Tensor], torch.Tensor]) -> DecodedStep:
+    """One decode step with the skip semantics: run mask from the policy -> `model.decode_step` -> the
+    policy observes the step's entropies (which shape only later steps).
+
+    tokens: [B] on the device, fed at `positions` of cache `slots` (host, [B]). policy None runs
+    full depth and observes nothing (no gates attached, or full-depth evaluation). choose: logits
+    [B, V] -> next tokens [B] on the device.
+    """
+    B, L = len(slots), model.config.num_layers
+    # Decided from earlier steps only, before anything runs on the device.
+    fallback = policy.in_fallback(slots) if policy is not None else np.zeros(B, dtype=bool)
+    run_mask = policy.run_mask(slots) if policy is not None else None
+    with torch.inference_mode():  # cheaper per op than no_grad: a small model's step is many small ops
+        logits, entropies = model.decode_step(tokens, cache, slots.tolist(), positions, run_mask, kv_policy)
+        next_tokens = choose(logits)
+        if entropies is None:
+            entropies = torch.full((B, L), float("nan"), device=logits.device)
+        # The step's one device->host transfer: tokens and entropies packed together (float64
+        # holds token ids exactly).
+        packed = torch.cat([next_tokens[:, None].double(), entropies.double()], dim=1).cpu().numpy()
+    host_entropies = packed[:, 1:].astype(np.float32)
+    if policy is None:
+        run_mask, fallback_started = np.ones((B, L), dtype=bool), np.zeros(B, dtype=bool)
+    else:
+        fallback_started = policy.observe(slots, host_entropies, run_mask).fallback_started
+    return DecodedStep(logits=logits, next_tokens=packed[:, 0].astype(np.int64), entropies=host_entropies,
+                       run_mask=run_mask, fallback=fallback, fallback_started=fallback_started)
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 KV_POLICIES = ("project", "evict")
-GATE_HIDDEN = 16  # width of the gate head's hidden layer (BRIEF: Linear(d->16) -> GELU -> Linear(16->1))
+GATE_HIDDEN = 16  # width of the gate head's hidden layer: Linear(d->16) -> GELU -> Linear(16->1)
 
 
 @dataclass
@@ -132,6 +132,13 @@ class KVCache(nn.Module):
     def reset_slot(self, slot: int) -> None:
         self.valid[:, slot].fill_(False)
 
+    def fill_prefix(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        # Prefill: positions 0..T-1 of one slot. k, v: [Hkv, T, D]
+        T = k.shape[1]
+        self.k[layer, slot, :, :T] = k
+        self.v[layer, slot, :, :T] = v
+        self.valid[layer, slot, :T] = True
+
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
         # slots, positions: [B]; k, v: [B, Hkv, D]
@@ -206,12 +213,46 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
+    """One transformer layer. Callers apply `input_layernorm` themselves: the layer's gate reads
+    that normed input too, so it is computed once and passed in as `x`."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
+
+    def forward(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                scale: torch.Tensor | None = None):
+        # Every position, causal. h: residual [B, T, d]; x = input_layernorm(h)
+        # -> h [B, T, d], k, v [B, Hkv, T, D] (for a cache to keep)
+        attn, k, v = self.self_attn.forward_full(x, cos, sin)
+        return self._residual_updates(h, attn, scale), k, v
+
+    def decode(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+               layer: int, slots: torch.Tensor, positions: torch.Tensor, length: int,
+               read_slots: torch.Tensor | slice | None = None) -> torch.Tensor:
+        # One new token per row, its K/V written to the cache. h, x: [B, d] -> h [B, d]
+        attn = self.self_attn.forward_decode(x, cos, sin, cache, layer, slots, positions, length, read_slots)
+        return self._residual_updates(h, attn)
+
+    def decode_skipped(self, rows: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       cache: KVCache, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+                       kv_policy: str) -> None:
+        # The batch's `rows` [R] skip the layer: their residual passes through unchanged, and the
+        # cache keeps what the KV policy says for their positions. x: [B, d]
+        if kv_policy == "evict":
+            cache.evict(layer, slots[rows], positions[rows])
+            return
+        k, v = self.self_attn.project_kv(x[rows][:, None, :], cos[rows], sin[rows])
+        cache.write(layer, slots[rows], positions[rows], k[:, :, 0], v[:, :, 0])
+
+    def _residual_updates(self, h: torch.Tensor, attn: torch.Tensor, scale: torch.Tensor | None = None):
+        # h + attention, then + MLP; training's `scale` weighs both updates (see UpdateScale).
+        h = h + (attn if scale is None else scale * attn)
+        mlp = self.mlp(self.post_attention_layernorm(h))
+        return h + (mlp if scale is None else scale * mlp)
 
 
 class Gate(nn.Module):
@@ -305,38 +346,42 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    # Full-sequence forward: training, perplexity at full depth, prefill. -------------------------
+    # Full sequence, full depth: training, scoring, prefill. ------------------------------------
 
-    def forward(self, tokens: torch.Tensor, update_scale: UpdateScale | None = None,
-                cache: KVCache | None = None, slot: int | None = None):
-        """tokens: [B, T] -> (logits [B, T, V], entropies [B, T, L] or None when no gates are attached).
+    def forward(self, tokens: torch.Tensor, update_scale: UpdateScale | None = None):
+        """tokens: [B, T] -> (logits [B, T, V], entropies [B, T, L] or None when no gates are attached)."""
+        h, entropies = self._full_depth(tokens, update_scale)
+        return self.lm_head(self.norm(h)), entropies
 
-        Always full depth. With `cache` and `slot` (B must be 1) the keys and values of every
-        position are written to that slot: this is prefill.
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, cache: KVCache, slot: int):
+        """One sequence's tokens [T] at full depth, their keys and values written to positions
+        0..T-1 of cache slot `slot` (reset it first when a new sequence takes it).
+
+        -> (logits [V] of the last position only, entropies [T, L] or None without gates)
         """
+        h, entropies = self._full_depth(tokens[None], cache=cache, slot=slot)
+        logits = self.lm_head(self.norm(h[0, -1]))
+        return logits, (entropies[0] if entropies is not None else None)
+
+    def _full_depth(self, tokens: torch.Tensor, update_scale: UpdateScale | None = None,
+                    cache: KVCache | None = None, slot: int | None = None):
+        # tokens: [B, T] -> final hidden states [B, T, d] (before the norm), entropies [B, T, L] or None
         B, T = tokens.shape
         h = self.embed_tokens(tokens)
         positions = torch.arange(T, device=tokens.device).expand(B, T)
         cos, sin = self.rope(positions, h.dtype)
         entropies = []
-        if cache is not None:
-            cache.reset_slot(slot)
         for l, block in enumerate(self.layers):
             x = block.input_layernorm(h)
             if self.gates is not None:
                 entropies.append(self.gates[l](x))
             scale = update_scale(l, x) if update_scale is not None else None
-            attn, k, v = block.self_attn.forward_full(x, cos, sin)
+            h, k, v = block(h, x, cos, sin, scale)
             if cache is not None:
-                cache.k[l, slot, :, :T] = k[0]
-                cache.v[l, slot, :, :T] = v[0]
-                cache.valid[l, slot, :T] = True
-            h = h + (attn if scale is None else scale * attn)
-            mlp = block.mlp(block.post_attention_layernorm(h))
-            h = h + (mlp if scale is None else scale * mlp)
+                cache.fill_prefix(l, slot, k[0], v[0])
             self.layer_rows_executed[l] += B * T
-        logits = self.lm_head(self.norm(h))
-        return logits, (torch.stack(entropies, dim=-1) if entropies else None)
+        return h, (torch.stack(entropies, dim=-1) if entropies else None)
 
     # One decode step, layers skipped per row. ---------------------------------------------------
 
@@ -369,31 +414,17 @@ class Transformer(nn.Module):
                 normed_inputs.append(x)
             run, skip = plan.rows(l)  # None = all rows / no rows
             if skip is not None:
-                self._skipped_rows_kv(block, l, x, cos, sin, cache, slot_t, pos_t, skip, kv_policy)
-            if run is not None and run.numel() == 0:
-                continue
-            hr, xr = (h, x) if run is None else (h[run], x[run])
-            cr, sr = (cos, sin) if run is None else (cos[run], sin[run])
-            sl, ps = (slot_t, pos_t) if run is None else (slot_t[run], pos_t[run])
-            hr = hr + block.self_attn.forward_decode(xr, cr, sr, cache, l, sl, ps, length,
-                                                     read_slots=all_slots if run is None else None)
-            hr = hr + block.mlp(block.post_attention_layernorm(hr))
+                block.decode_skipped(skip, x, cos, sin, cache, l, slot_t, pos_t, kv_policy)
             if run is None:
-                h = hr
-            else:
+                h = block.decode(h, x, cos, sin, cache, l, slot_t, pos_t, length, read_slots=all_slots)
+                self.layer_rows_executed[l] += B
+            elif run.numel():
+                hr = block.decode(h[run], x[run], cos[run], sin[run], cache, l, slot_t[run], pos_t[run], length)
                 h = h.index_copy(0, run, hr)
-            self.layer_rows_executed[l] += B if run is None else int(run.numel())
+                self.layer_rows_executed[l] += int(run.numel())
         logits = self.lm_head(self.norm(h))
         entropies = self.gates.scores(torch.stack(normed_inputs)).float() if normed_inputs else None
         return logits, entropies
-
-    def _skipped_rows_kv(self, block: Block, layer: int, x, cos, sin, cache: KVCache,
-                         slots, positions, rows: torch.Tensor, kv_policy: str) -> None:
-        if kv_policy == "evict":
-            cache.evict(layer, slots[rows], positions[rows])
-            return
-        k, v = block.self_attn.project_kv(x[rows][:, None, :], cos[rows], sin[rows])
-        cache.write(layer, slots[rows], positions[rows], k[:, :, 0], v[:, :, 0])
 
     def reset_counters(self) -> None:
         self.layer_rows_executed = [0] * self.config.num_layers

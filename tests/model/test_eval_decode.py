@@ -7,9 +7,11 @@ import json
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from inference_shim.runtime.checkpoint import save_checkpoint
 from inference_shim.offline.evaluation import heldout_windows, teacher_forced_decode
+from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
@@ -57,6 +59,39 @@ def test_skipping_everything_triggers_fallback_episodes():
     # 3 full steps (patience), 2 all-skipped steps trigger, then 4 fallback steps at full depth, repeat.
     assert skipped_per_step[:12] == [0, 0, 0, 4, 4, 0, 0, 0, 0, 4, 4, 0]
     assert totals.fallbacks == 3
+
+
+@pytest.mark.parametrize("kv_policy", ["project", "evict"])
+def test_teacher_forcing_the_engine_output_replays_its_steps(backend_tokenizer, kv_policy):
+    # Fed the engine's own greedy tokens, eval must take the engine's every step: same masks,
+    # same entropies, and logits that give the same per-token loss.
+    model = random_model(tiny_config(num_layers=6, eos_token_ids=()))
+    model.attach_gates(random_gates(model.config))
+    policy = SkipPolicyConfig(threshold=0.5, patience=2)  # random gates score around 0.5: patterns switch
+    records, logits = [], []
+    decode_step = model.decode_step
+
+    def spy(*args):
+        out = decode_step(*args)
+        logits.append(out[0])
+        return out
+
+    model.decode_step = spy
+    engine = GenerationEngine(model, Tokenizer(backend_tokenizer), model_name="tiny", policy=policy,
+                              kv_policy=kv_policy, step_hook=records.append)
+    prompt = [0, 17, 54, 120, 9]
+    result = engine.generate(prompt, SamplingParams(max_tokens=40))
+    del model.decode_step
+    expected_nll = F.cross_entropy(torch.cat(logits), torch.tensor(result.token_ids), reduction="sum").item()
+
+    steps = []
+    totals = teacher_forced_decode(model, torch.tensor([prompt + result.token_ids]), len(prompt), policy,
+                                   kv_policy=kv_policy, batch_size=1, on_step=steps.append)
+    skipped = np.concatenate([s.skipped for s in steps])
+    assert skipped.any() and not skipped.all()
+    assert np.array_equal(skipped, np.concatenate([r.skipped for r in records]))
+    assert np.array_equal(np.concatenate([s.entropies for s in steps]), np.concatenate([r.entropies for r in records]))
+    assert totals.nll_sum == pytest.approx(expected_nll, rel=1e-6)
 
 
 def test_a_policy_without_gates_is_refused():

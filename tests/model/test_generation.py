@@ -189,6 +189,17 @@ def _has_bool_tensor(index) -> bool:
     return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
 
 
+def test_prefill_computes_logits_for_the_last_position_only(model, no_eos):
+    head_rows = []  # positions the LM head computed, per call
+    model.lm_head.register_forward_hook(lambda _, __, logits: head_rows.append(logits.numel() // logits.shape[-1]))
+    prefills = []
+    eng = engine(model, no_eos, prefill_hook=prefills.append)
+    eng.submit(PROMPT, SamplingParams(max_tokens=1))
+    eng.step()
+    assert len(prefills[0].token_ids) == len(PROMPT) - 1 > 1
+    assert head_rows == [1, 1]  # prefill's last position, then the one decode step
+
+
 def test_a_decode_step_reads_the_device_exactly_once(model, no_eos):
     # The skip decision must never wait on the device: within a step, the only device read is the
     # packed tokens + entropies after the last layer (here: `.cpu()` and then `.numpy()` of its copy).

@@ -113,8 +113,8 @@ def test_cached_decoding_matches_transformers_cached_decoding(pair):
     model = ours.model
     cache = KVCache(model.config, slots=2, max_len=64, dtype=torch.float32, device="cpu")
     with torch.no_grad():
-        prefill_logits, _ = model(tokens[:, :prompt], cache=cache, slot=1)
-    got = [prefill_logits[0, -1]]
+        prefill_logits, _ = model.prefill(tokens[0, :prompt], cache, slot=1)
+    got = [prefill_logits]
     for t in range(prompt, SEQUENCE_LENGTH):
         logits, _ = model.decode_step(tokens[0, t:t + 1], cache, slots=[1], positions=[t], run_mask=None)
         got.append(logits[0])
@@ -131,8 +131,8 @@ def test_batched_decoding_of_unequal_sequences_matches_transformers(pair):
     model = ours.model
     cache = KVCache(model.config, slots=2, max_len=64, dtype=torch.float32, device="cpu")
     with torch.no_grad():
-        model(long[None, :20], cache=cache, slot=0)
-        model(short[None, :1], cache=cache, slot=1)
+        model.prefill(long[:20], cache, slot=0)
+        model.prefill(short[:1], cache, slot=1)
     worst = 0.0
     for step in range(19):
         positions = [20 + step, 1 + step]
