@@ -13,6 +13,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from exporter.collectors import build_registry
 from exporter.exposition import TextEncoder
+from exporter.routing_collector import RoutingCollector
 from exporter.state import ExporterState
 from layerwatch.wire import MAX_FRAME_BYTES
 
@@ -124,7 +125,9 @@ class ExporterServer:
     def __init__(self, state: ExporterState, frames_address: tuple[str, int],
                  http_address: tuple[str, int]) -> None:
         self.receiver = FrameReceiver(frames_address, state)
-        self.http = _HTTPServer(http_address, _handler_class(build_registry(state), self.receiver))
+        registry = build_registry(state)
+        registry.register(RoutingCollector(state))
+        self.http = _HTTPServer(http_address, _handler_class(registry, self.receiver))
         self._http_thread = threading.Thread(target=self.http.serve_forever, name="http", daemon=True)
 
     @property
