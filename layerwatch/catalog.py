@@ -166,7 +166,7 @@ METRICS: tuple[MetricSpec, ...] = (
        "Share of the window's tokens for which the layer was skipped (lags the low ratio by patience).",
        EXPORTER),
     _m("layerwatch_routing_layer_static", "gauge", ("model_name", "layer"),
-       "1 = static (below the threshold for >= 95% of tokens, by a 95% confidence bound), -1 = static-run "
+       "1 = static (below the threshold for >= 95% of tokens, by a 90% confidence bound), -1 = static-run "
        "(below for <= 5%), 0 = token-dependent; absent while the routing verdict is withheld.", EXPORTER),
     _m("layerwatch_exporter_frames_without_threshold_total", "counter", ("model_name",),
        "Gate frames without a threshold (wire version 1, an older shim): their routing statistics use "
