@@ -43,7 +43,7 @@ def encoded_frames(rows: int, layers: int, count: int, model: str = "bench", shi
     frames = []
     for sequence in range(count):
         entropies = two_hump_entropies(rng, rows, layers)
-        frames.append(encode_frame(GateFrame(model, shim, sequence, entropies, entropies < 0.18)))
+        frames.append(encode_frame(GateFrame(model, shim, sequence, entropies, entropies < 0.18, 0.18)))
     return frames
 
 
@@ -141,7 +141,7 @@ def bench_live_exporter() -> dict[str, float]:
         _, _, cpu_before, _ = scrape()
         sent, start = 0, time.perf_counter()
         while time.perf_counter() - start < 2.0:  # sequence numbers run on, so drops count as lost
-            sender.sendto(encode_frame(GateFrame("throughput", "bench", sent, entropies, entropies < 0.18)), address)
+            sender.sendto(encode_frame(GateFrame("throughput", "bench", sent, entropies, entropies < 0.18, 0.18)), address)
             sent += 1
         time.sleep(1.0)
         received, lost, cpu_after, _ = scrape()

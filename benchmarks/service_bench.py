@@ -63,7 +63,7 @@ def load_model(folder: Path) -> tuple[Transformer, Tokenizer]:
 
 def telemetry_hook(model_name: str, num_layers: int, exporter: str) -> tuple[StepHook, FrameSender]:
     """The service's step-hook work for client rows (see EngineWorker._on_step), trace off."""
-    sender = FrameSender(exporter, model_name, "bench", num_layers)
+    sender = FrameSender(exporter, model_name, "bench", num_layers, threshold=0.18)
     telemetry = StepTelemetry(model_name, DecodeStats(num_layers), sender, trace=None)
 
     def hook(record: StepRecord) -> None:

@@ -34,6 +34,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _unit_interval(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
 def _address(text: str) -> tuple[str, int]:
     try:
         return parse_address(text, listening=True)  # port 0: any free port
@@ -64,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--statistics-cache-seconds", type=_non_negative_float,
                         default=defaults.statistics_cache_seconds,
                         help="reuse the window statistics for this long across scrapes (default %(default)s)")
+    parser.add_argument("--default-threshold", type=_unit_interval, default=defaults.default_threshold,
+                        metavar="TAU",
+                        help="skip threshold assumed for gate frames that carry none (wire version 1, older "
+                             "shims); such frames are counted (default %(default)s)")
+    parser.add_argument("--min-routing-tokens", type=_positive(int), default=defaults.min_routing_tokens,
+                        help="below this many tokens in the window the routing verdict is withheld "
+                             "(default %(default)s)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="(default %(default)s)")
 
@@ -83,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     config = ExporterConfig(
         window_seconds=args.window_seconds, window_max_observations=args.window_max_observations,
         min_window_observations=args.min_window_observations, per_layer=args.per_layer,
-        max_models=args.max_models, statistics_cache_seconds=args.statistics_cache_seconds)
+        max_models=args.max_models, statistics_cache_seconds=args.statistics_cache_seconds,
+        default_threshold=args.default_threshold, min_routing_tokens=args.min_routing_tokens)
     try:
         server = ExporterServer(ExporterState(config), args.listen, args.http)
     except OSError as exc:

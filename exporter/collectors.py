@@ -16,6 +16,7 @@ from prometheus_client.metrics_core import Metric
 from exporter.state import ExporterState
 from layerwatch import prometheus
 from layerwatch.catalog import EXPORTER
+from layerwatch.routing import DYNAMIC
 from layerwatch.statistics import DECISIONS
 
 
@@ -89,23 +90,54 @@ class WindowCollector(_StateCollector):
         yield from (observations, bimodal, coefficient, dip, dip_p_value, peaks)
 
 
-class IngestCollector(_StateCollector):
-    """Frames received, malformed, lost (sequence gaps) and rejected (too many models)."""
+class RoutingCollector(_StateCollector):
+    """The routing statistics (layerwatch/routing.py) over each model's window, like the bimodality
+    statistics. Per-layer series are bounded by the model's layer count. The verdict, the share and
+    the per-layer states are absent while the verdict is withheld, so an alert on
+    `layerwatch_routing_dynamic == 0` cannot fire on a quiet model."""
 
-    metric_names = ("layerwatch_exporter_frames_received_total", "layerwatch_exporter_frames_malformed_total",
-                    "layerwatch_exporter_frames_lost_total", "layerwatch_exporter_frames_rejected_total")
+    metric_names = ("layerwatch_routing_window_tokens", "layerwatch_routing_threshold", "layerwatch_routing_dynamic",
+                    "layerwatch_routing_token_dependent_share", "layerwatch_routing_layer_low_ratio",
+                    "layerwatch_routing_layer_skip_ratio", "layerwatch_routing_layer_static")
 
     def collect(self) -> Iterator[Metric]:
-        received = family("layerwatch_exporter_frames_received_total")
-        lost = family("layerwatch_exporter_frames_lost_total")
+        tokens, threshold, dynamic, share, low, skip, static = map(family, self.metric_names)
+        for model in self._state.snapshot():
+            name = model.model_name
+            if model.threshold is not None:
+                threshold.add_metric([name], model.threshold)
+            routing = self._state.routing(name)
+            tokens.add_metric([name], routing.tokens)
+            layers = [(name, str(layer)) for layer in range(len(routing.low_rates))]
+            for labels, low_rate, skip_rate in zip(layers, routing.low_rates.tolist(), routing.skip_rates.tolist()):
+                low.add_metric(labels, low_rate)
+                skip.add_metric(labels, skip_rate)
+            if routing.withheld:
+                continue
+            dynamic.add_metric([name], 1 if routing.verdict == DYNAMIC else 0)
+            share.add_metric([name], routing.token_dependent_share)
+            for labels, state in zip(layers, routing.layer_states().tolist()):
+                static.add_metric(labels, state)
+        yield from (tokens, threshold, dynamic, share, low, skip, static)
+
+
+class IngestCollector(_StateCollector):
+    """Frames received, malformed, lost (sequence gaps), rejected (too many models) and received
+    without a threshold (version 1: judged against the exporter's default)."""
+
+    metric_names = ("layerwatch_exporter_frames_received_total", "layerwatch_exporter_frames_malformed_total",
+                    "layerwatch_exporter_frames_lost_total", "layerwatch_exporter_frames_rejected_total",
+                    "layerwatch_exporter_frames_without_threshold_total")
+
+    def collect(self) -> Iterator[Metric]:
+        received, malformed, lost, rejected, without_threshold = map(family, self.metric_names)
         for model in self._state.snapshot():
             received.add_metric([model.model_name], model.frames_received)
             lost.add_metric([model.model_name], model.frames_lost)
-        malformed = family("layerwatch_exporter_frames_malformed_total")
+            without_threshold.add_metric([model.model_name], model.frames_without_threshold)
         malformed.add_metric([], self._state.frames_malformed)
-        rejected = family("layerwatch_exporter_frames_rejected_total")
         rejected.add_metric([], self._state.frames_rejected)
-        yield from (received, malformed, lost, rejected)
+        yield from (received, malformed, lost, rejected, without_threshold)
 
 
 class TimedCollectors(prometheus.CatalogCollector):
@@ -133,6 +165,7 @@ def build_registry(state: ExporterState, registry: CollectorRegistry | None = No
     """The exporter's collectors in `registry` (a new one by default; never the global one)."""
     registry = CollectorRegistry() if registry is None else registry
     registry.register(TimedCollectors([
-        EntropyCollector(state), LayerCollector(state), WindowCollector(state), IngestCollector(state)]))
+        EntropyCollector(state), LayerCollector(state), WindowCollector(state), RoutingCollector(state),
+        IngestCollector(state)]))
     ProcessCollector(registry=registry)  # process_resident_memory_bytes etc.
     return registry

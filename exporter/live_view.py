@@ -1,8 +1,8 @@
 """A live exporter's /metrics read back into the report `layerwatch replay` prints.
 
 It reads the page like Prometheus would: per model, the verdict and the window statistics, mean / std /
-zero ratio / skip ratio, and the 20-bin histogram (counts since the exporter started, from the
-`layerwatch_entropy` buckets). `layerwatch top` and `layerwatch demo` show it.
+zero ratio / skip ratio, the routing verdict, and the 20-bin histogram (counts since the exporter
+started, from the `layerwatch_entropy` buckets). `layerwatch top` and `layerwatch demo` show it.
 """
 
 from __future__ import annotations
@@ -65,7 +65,34 @@ def model_report(samples: Samples, model: str) -> dict[str, object]:
         dip=_value(samples, "layerwatch_entropy_dip", window),
         dip_p_value=_value(samples, "layerwatch_entropy_dip_p_value", window),
         peaks=None if peaks is None else int(peaks))
-    return report(model, totals, totals.buckets.sum(axis=0), bimodality)
+    return report(model, totals, totals.buckets.sum(axis=0), bimodality) | routing_from_samples(samples, model)
+
+
+def routing_from_samples(samples: Samples, model: str) -> dict[str, object]:
+    """The routing keys of `layerwatch replay --json`, from the `layerwatch_routing_*` gauges
+    (empty when the exporter does not export them)."""
+    window = {"model_name": model}
+    tokens = _value(samples, "layerwatch_routing_window_tokens", window)
+    if tokens is None:
+        return {}
+
+    def per_layer(name: str) -> list[float]:
+        found = sorted((int(l["layer"]), v) for l, v in _matching(samples, name, window))
+        return [v for _, v in found]
+
+    dynamic = _value(samples, "layerwatch_routing_dynamic", window)
+    states = per_layer("layerwatch_routing_layer_static")
+    withheld = dynamic is None
+    return {
+        "routing_verdict": "withheld" if withheld else "dynamic" if dynamic == 1 else "static",
+        "token_dependent_share": _value(samples, "layerwatch_routing_token_dependent_share", window),
+        "static_layers": None if withheld else [l for l, s in enumerate(states) if s == 1],
+        "static_run_layers": None if withheld else [l for l, s in enumerate(states) if s == -1],
+        "per_layer_low_rate": per_layer("layerwatch_routing_layer_low_ratio"),
+        "per_layer_skip_rate": per_layer("layerwatch_routing_layer_skip_ratio"),
+        "routing_tokens": int(tokens),
+        "threshold": _value(samples, "layerwatch_routing_threshold", window),
+    }
 
 
 def _matching(samples: Samples, name: str, labels: dict[str, str]) -> list[tuple[dict[str, str], float]]:

@@ -2,7 +2,9 @@
 
 The trace is fed through the same per-model statistics the live exporter keeps; the window is
 bounded by `window_max_observations` only (a trace has no clock), so the verdict is the one a
-live exporter would give after receiving the whole trace within one window.
+live exporter would give after receiving the whole trace within one window. Lines without a
+"threshold" key are judged against `config.default_threshold` (`replay --threshold`), as the
+exporter judges frames without one.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import numpy as np
 
 from exporter.state import ExporterConfig, ModelStatistics
+from layerwatch.routing import routing_report
 from layerwatch.statistics import BINS, check_bimodality, histogram20, report
 from layerwatch.trace import read_trace_batches
 
@@ -24,8 +27,11 @@ def replay_trace(path: str | os.PathLike[str], config: ExporterConfig) -> list[d
         if batch.model_name not in models:
             models[batch.model_name] = ModelStatistics(config)
             histograms[batch.model_name] = np.zeros(BINS, dtype=np.int64)
-        models[batch.model_name].add(batch.entropies, batch.skipped, now=0.0)
+        threshold = config.default_threshold if batch.threshold is None else batch.threshold
+        models[batch.model_name].add(batch.entropies, batch.skipped, now=0.0, threshold=threshold,
+                                     model_name=batch.model_name)
         histograms[batch.model_name] += histogram20(batch.entropies)
-    return [report(name, model.totals, histograms[name],
-                   check_bimodality(model.window.values(), config.min_window_observations))
+    return [{**report(name, model.totals, histograms[name],
+                      check_bimodality(model.window.values(), config.min_window_observations)),
+             **routing_report(model.routing_window.statistics(config.min_routing_tokens), model.threshold)}
             for name, model in models.items()]

@@ -116,7 +116,8 @@ class ExporterServer:
     def __init__(self, state: ExporterState, frames_address: tuple[str, int],
                  http_address: tuple[str, int]) -> None:
         self.receiver = FrameReceiver(frames_address, state)
-        self.http = _HTTPServer(http_address, _handler_class(build_registry(state), self.receiver))
+        registry = build_registry(state)
+        self.http = _HTTPServer(http_address, _handler_class(registry, self.receiver))
         self._http_thread = threading.Thread(target=self.http.serve_forever, name="http", daemon=True)
 
     @property

@@ -1,8 +1,9 @@
 """What the exporter knows: per-model statistics fed by gate frames, and ingest health.
 
-The UDP receiver thread calls `ingest_datagram`; scrapes read through `snapshot` and `bimodality`.
-One lock guards the counters; the bimodality check runs outside it, at scrape time, cached (see
-`bimodality`), so frames keep flowing while a scrape computes the dip test.
+The UDP receiver thread calls `ingest_datagram`; scrapes read through `snapshot`, `bimodality` and
+`routing`. One lock guards the counters; the bimodality check runs outside it, at scrape time, cached
+(see `bimodality`), so frames keep flowing while a scrape computes the dip test. The routing
+statistics are cached the same way.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import numpy as np
 
 from layerwatch.statistics import (DEFAULT_MIN_WINDOW_OBSERVATIONS, DEFAULT_WINDOW_OBSERVATIONS, Bimodality, EntropyTotals,
                                    LayerTotals, check_bimodality, le_bucket_index)
+from exporter.routing_window import RoutingWindow
 from exporter.window import SlidingWindow
+from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS, DEFAULT_THRESHOLD, Routing, check_routing
 from layerwatch.wire import GateFrame, MalformedFrame, decode_frame
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,8 @@ class ExporterConfig:
     per_layer: bool = False  # per-layer histograms (20 buckets × layers × models series)
     max_models: int = 64  # frames naming further models are rejected: label cardinality
     statistics_cache_seconds: float = 2.0
+    default_threshold: float = DEFAULT_THRESHOLD  # τ for frames that do not carry one (wire version 1)
+    min_routing_tokens: int = DEFAULT_MIN_ROUTING_TOKENS  # below this the routing verdict is withheld
 
 
 class ModelStatistics:
@@ -45,15 +50,21 @@ class ModelStatistics:
         self.totals = EntropyTotals()
         self.layers = LayerTotals(with_buckets=config.per_layer)
         self.window = SlidingWindow(config.window_max_observations, config.window_seconds)
+        self.routing_window = RoutingWindow(config.window_max_observations, config.window_seconds)
+        self.threshold: float | None = None  # τ of the latest frame (the default for a frame without one)
         self.frames_received = 0
         self.frames_lost = 0
+        self.frames_without_threshold = 0
 
-    def add(self, entropies: np.ndarray, skipped: np.ndarray, now: float) -> None:
-        """entropies float32 [rows, layers], skipped bool [rows, layers]."""
+    def add(self, entropies: np.ndarray, skipped: np.ndarray, now: float,
+            threshold: float = DEFAULT_THRESHOLD, model_name: str = "") -> None:
+        """entropies float32 [rows, layers], skipped bool [rows, layers], the τ they were decided with."""
         buckets = le_bucket_index(entropies)
         self.totals.add(entropies.ravel(), skipped.ravel(), buckets.ravel())
         self.layers.add(entropies, buckets)
         self.window.add(entropies, now)
+        self.routing_window.add(entropies, skipped, threshold, now, model_name)
+        self.threshold = threshold
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,8 @@ class ModelSnapshot:
     layer_buckets: np.ndarray | None  # [layers, 20] with --per-layer
     frames_received: int
     frames_lost: int
+    frames_without_threshold: int = 0
+    threshold: float | None = None  # τ of the latest frame
 
 
 @dataclass
@@ -76,6 +89,13 @@ class _CachedBimodality:
     window_version: int
     computed_at: float
     result: Bimodality
+
+
+@dataclass
+class _CachedRouting:
+    window_version: tuple[int, int]
+    computed_at: float
+    result: Routing
 
 
 class ExporterState:
@@ -90,6 +110,8 @@ class ExporterState:
         # One bimodality computation at a time: concurrent scrapes wait for it and reuse the result.
         self._bimodality_lock = threading.Lock()
         self._bimodality_cache: dict[str, _CachedBimodality] = {}
+        self._routing_lock = threading.Lock()
+        self._routing_cache: dict[str, _CachedRouting] = {}
 
     def ingest_datagram(self, data: bytes) -> None:
         try:
@@ -112,7 +134,15 @@ class ExporterState:
                 model = self._models[frame.model_name] = ModelStatistics(self.config)
             model.frames_received += 1
             model.frames_lost += self._sequence_gap(frame.shim_id, frame.sequence)
-            model.add(frame.entropies, frame.skipped, now)
+            threshold = frame.threshold
+            if threshold is None:  # wire version 1: an older shim that does not send τ
+                threshold = self.config.default_threshold
+                if model.frames_without_threshold == 0:
+                    log.warning("model %r: gate frames without a threshold (wire version 1, shim %r); routing "
+                                "statistics assume the default threshold %g", frame.model_name, frame.shim_id,
+                                threshold)
+                model.frames_without_threshold += 1
+            model.add(frame.entropies, frame.skipped, now, threshold, frame.model_name)
 
     def _sequence_gap(self, shim_id: str, sequence: int) -> int:
         """Frames missing since this shim's previous frame.
@@ -144,7 +174,8 @@ class ExporterState:
             squares=totals.squares.copy(), zeros=totals.zeros.copy(),
             layer_sums=layers.sums.copy(), layer_counts=layers.counts.copy(),
             layer_buckets=None if layers.buckets is None else layers.buckets.copy(),
-            frames_received=model.frames_received, frames_lost=model.frames_lost)
+            frames_received=model.frames_received, frames_lost=model.frames_lost,
+            frames_without_threshold=model.frames_without_threshold, threshold=model.threshold)
 
     def bimodality(self, model_name: str) -> Bimodality:
         """The window's statistics, recomputed only when the window changed and the cached result
@@ -162,4 +193,23 @@ class ExporterState:
                 version, values = window.version, window.values()
             result = check_bimodality(values, self.config.min_window_observations)
             self._bimodality_cache[model_name] = _CachedBimodality(version, now, result)
+            return result
+
+    def routing(self, model_name: str) -> Routing:
+        """The routing statistics over the model's window (layerwatch/routing.py), cached like
+        `bimodality`: recomputed only when the window changed and the result is older than
+        `statistics_cache_seconds`."""
+        with self._routing_lock:
+            now = self._clock()
+            with self._lock:
+                window = self._models[model_name].routing_window
+                window.expire(now)
+                cached = self._routing_cache.get(model_name)
+                if cached is not None and (
+                        cached.window_version == window.version
+                        or now - cached.computed_at < self.config.statistics_cache_seconds):
+                    return cached.result
+                version, counts = window.version, window.counts()
+            result = check_routing(*counts, min_tokens=self.config.min_routing_tokens)
+            self._routing_cache[model_name] = _CachedRouting(version, now, result)
             return result

@@ -1,4 +1,5 @@
-"""The sliding window of raw entropies that feeds the bimodality check.
+"""The sliding window of raw entropies that feeds the bimodality check (and, with dtype uint8, the
+per-token routing codes that feed the routing statistics).
 
 A ring buffer of float32 values, bounded two ways: at most `capacity` values, and nothing older
 than `max_age_seconds`. Ages are tracked per chunk, not per value: values arriving within
@@ -15,13 +16,14 @@ import numpy as np
 
 
 class SlidingWindow:
-    def __init__(self, capacity: int, max_age_seconds: float = math.inf, granularity: float = 1.0) -> None:
+    def __init__(self, capacity: int, max_age_seconds: float = math.inf, granularity: float = 1.0,
+                 dtype: np.dtype | type = np.float32) -> None:
         if capacity <= 0:
             raise ValueError(f"window capacity must be positive, got {capacity}")
         self.capacity = capacity
         self.max_age_seconds = max_age_seconds
         self.granularity = granularity
-        self._ring = np.empty(capacity, dtype=np.float32)
+        self._ring = np.empty(capacity, dtype=dtype)
         self._end = 0  # next write position
         self._size = 0
         self._chunks: collections.deque[list] = collections.deque()  # [start time, value count]

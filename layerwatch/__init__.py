@@ -4,6 +4,7 @@
 - wire: the gate-frame datagram the shim sends and the exporter receives;
 - trace: the JSON Lines trace format `serve --trace-file` writes and `replay` reads;
 - statistics: entropy histograms and the bimodality verdict;
+- routing: per-layer below-threshold rates and the routing verdict (static pruning or per-token);
 - promql: which metric names a query reads, checked against the catalog.
 
 It imports nothing else of the project (tests/test_architecture.py holds it to that).

@@ -149,6 +149,30 @@ METRICS: tuple[MetricSpec, ...] = (
        EXPORTER),
     _m("layerwatch_exporter_scrape_duration_seconds", "gauge", (),
        "Time this scrape spent collecting (and rendering) the exporter's metrics.", EXPORTER),
+    # --- exporter: routing (static pruning vs per-token routing; layerwatch/routing.py) ----------
+    _m("layerwatch_routing_window_tokens", "gauge", ("model_name",),
+       "Decoded tokens (frame rows) in the routing window, the tokens behind the entropy window.", EXPORTER),
+    _m("layerwatch_routing_threshold", "gauge", ("model_name",),
+       "Skip threshold tau of the model's latest frame (the exporter's --default-threshold for a frame "
+       "without one).", EXPORTER),
+    _m("layerwatch_routing_dynamic", "gauge", ("model_name",),
+       "Routing verdict on the window: 1 = skipping depends on the token, 0 = static pruning (most "
+       "below-threshold mass in static layers); absent while withheld (too few tokens, nothing below tau).",
+       EXPORTER),
+    _m("layerwatch_routing_token_dependent_share", "gauge", ("model_name",),
+       "Share of the window's below-threshold layer evaluations outside static layers (0-1); absent while "
+       "the routing verdict is withheld.", EXPORTER),
+    _m("layerwatch_routing_layer_low_ratio", "gauge", ("model_name", "layer"),
+       "Share of the window's tokens whose gate score for the layer was below the threshold.", EXPORTER),
+    _m("layerwatch_routing_layer_skip_ratio", "gauge", ("model_name", "layer"),
+       "Share of the window's tokens for which the layer was skipped (lags the low ratio by patience).",
+       EXPORTER),
+    _m("layerwatch_routing_layer_static", "gauge", ("model_name", "layer"),
+       "1 = static (below the threshold for >= 95% of tokens, by a 90% confidence bound), -1 = static-run "
+       "(below for <= 5%), 0 = token-dependent; absent while the routing verdict is withheld.", EXPORTER),
+    _m("layerwatch_exporter_frames_without_threshold_total", "counter", ("model_name",),
+       "Gate frames without a threshold (wire version 1, an older shim): their routing statistics use "
+       "the exporter's --default-threshold.", EXPORTER),
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}

@@ -3,7 +3,9 @@
     {"model_name": "demo", "scores": [0.91, 0.07, ...], "skipped": [0, 1, ...]}
 
 `scores` holds one gate entropy in [0, 1] per layer, `skipped` 0/1 per layer (1 = the layer did not
-run). Unknown keys are ignored. `layerwatch serve --trace-file` writes it, `layerwatch replay` reads it.
+run). Optional `"threshold"`: the skip policy's τ in [0, 1] that the line was decided with (the shim
+writes it; `layerwatch replay --threshold` stands in for lines without it). Unknown keys are
+ignored. `layerwatch serve --trace-file` writes it, `layerwatch replay` reads it.
 """
 
 from __future__ import annotations
@@ -30,14 +32,16 @@ class TraceRecord:
     model_name: str
     scores: np.ndarray  # float32 [layers]
     skipped: np.ndarray  # bool [layers]
+    threshold: float | None = None  # the optional "threshold" key
 
 
 @dataclass(frozen=True, eq=False)
 class TraceBatch:
-    """Consecutive records of one model with the same layer count, stacked."""
+    """Consecutive records of one model with the same layer count and threshold, stacked."""
     model_name: str
     entropies: np.ndarray  # float32 [rows, layers]
     skipped: np.ndarray  # bool [rows, layers]
+    threshold: float | None = None
 
 
 class TraceWriter:
@@ -45,14 +49,18 @@ class TraceWriter:
 
     Once a line does not fit, writing stops for good (a trace with holes would misrepresent the
     sequences it holds); every line not written is counted in `dropped`. Safe to call from
-    several threads. Appends to an existing file, whose size counts toward the cap.
+    several threads. Appends to an existing file, whose size counts toward the cap. With a
+    `threshold`, every line carries it (the optional "threshold" key).
     """
 
-    def __init__(self, path: str | os.PathLike[str], max_bytes: int) -> None:
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int, threshold: float | None = None) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        if threshold is not None and not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
         self.path = Path(path)
         self.max_bytes = max_bytes
+        self.threshold = threshold
         self.dropped = 0
         self._lock = threading.Lock()
         self._file = open(self.path, "ab")
@@ -62,7 +70,7 @@ class TraceWriter:
     def write_rows(self, model_name: str, entropies: np.ndarray, skipped: np.ndarray) -> None:
         """Write one line per row: entropies float [rows, layers], skipped 0/1 [rows, layers]."""
         entropies, skipped = check_gate_arrays(entropies, skipped)
-        lines = [_format_line(model_name, e, s) for e, s in zip(entropies, skipped)]
+        lines = [_format_line(model_name, e, s, self.threshold) for e, s in zip(entropies, skipped)]
         with self._lock:
             if self._file.closed:
                 raise ValueError(f"trace writer for {self.path} is closed")
@@ -89,12 +97,13 @@ class TraceWriter:
         self.close()
 
 
-def _format_line(model_name: str, scores: np.ndarray, skipped: np.ndarray) -> bytes:
+def _format_line(model_name: str, scores: np.ndarray, skipped: np.ndarray, threshold: float | None) -> bytes:
     # str(np.float32) is the shortest text that reads back to the same float32.
     numbers = ", ".join(map(str, scores))
     bits = ", ".join("1" if s else "0" for s in skipped)
     name = json.dumps(model_name)
-    return f'{{"model_name": {name}, "scores": [{numbers}], "skipped": [{bits}]}}\n'.encode()
+    tau = "" if threshold is None else f', "threshold": {json.dumps(float(threshold))}'
+    return f'{{"model_name": {name}, "scores": [{numbers}], "skipped": [{bits}]{tau}}}\n'.encode()
 
 
 def read_trace(path: str | os.PathLike[str]) -> Iterator[TraceRecord]:
@@ -107,17 +116,18 @@ def read_trace(path: str | os.PathLike[str]) -> Iterator[TraceRecord]:
 
 def read_trace_batches(path: str | os.PathLike[str], max_rows: int = 4096) -> Iterator[TraceBatch]:
     """Like read_trace, stacked into per-model arrays so statistics run vectorised."""
-    model, scores, skipped = None, [], []
+    model, threshold, scores, skipped = None, None, [], []
     for record in read_trace(path):
-        key_changed = model != record.model_name or (scores and len(scores[0]) != len(record.scores))
+        key_changed = (model != record.model_name or threshold != record.threshold
+                       or (scores and len(scores[0]) != len(record.scores)))
         if scores and (key_changed or len(scores) == max_rows):
-            yield TraceBatch(model, np.stack(scores), np.stack(skipped))
+            yield TraceBatch(model, np.stack(scores), np.stack(skipped), threshold)
             scores, skipped = [], []
-        model = record.model_name
+        model, threshold = record.model_name, record.threshold
         scores.append(record.scores)
         skipped.append(record.skipped)
     if scores:
-        yield TraceBatch(model, np.stack(scores), np.stack(skipped))
+        yield TraceBatch(model, np.stack(scores), np.stack(skipped), threshold)
 
 
 def _parse_line(path: str | os.PathLike[str], line_number: int, raw: bytes) -> TraceRecord:
@@ -148,7 +158,12 @@ def _parse_line(path: str | os.PathLike[str], line_number: int, raw: bytes) -> T
         raise fail("skipped must hold only 0 and 1")
     if not ((scores >= 0) & (scores <= 1)).all():
         raise fail(f"scores outside [0, 1]: min {scores.min()}, max {scores.max()}")
-    return TraceRecord(line_number, model_name, scores.astype(np.float32), skipped.astype(bool))
+    threshold = obj.get("threshold")
+    if threshold is not None:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
+            raise fail(f"threshold must be a number in [0, 1], got {json.dumps(threshold)}")
+        threshold = float(threshold)
+    return TraceRecord(line_number, model_name, scores.astype(np.float32), skipped.astype(bool), threshold)
 
 
 def _number_array(value: object, kinds: str) -> np.ndarray | None:

@@ -6,17 +6,23 @@ everything is little-endian:
 
     offset  size  field
     0       4     magic b"LWGF"
-    4       1     version (1)
+    4       1     version (2; 1 is still read)
     5       1     flags (0; reserved, a decoder rejects unknown bits)
     6       2     rows   (u16, > 0)
     8       2     layers (u16, > 0)
     10      8     sequence (u64, +1 per frame sent by one shim)
     18      1     model_name length in bytes (u8, > 0)
     19      1     shim_id length in bytes (u8, > 0)
-    20      n     model_name (UTF-8), then shim_id (UTF-8)
+    20      4     threshold τ, float32 in [0, 1] (version 2 only; version 1 has no such field)
+    24 (20) n     model_name (UTF-8), then shim_id (UTF-8)
     ...     4·R·L entropies, float32, row-major
     ...     R·⌈L/8⌉ skip bits, np.packbits of each row (first layer = most significant bit),
                   padding bits zero
+
+Version 2 adds the skip policy's threshold τ, so the exporter can tell below-τ scores from the
+rest (routing statistics, layerwatch/routing.py). A version-1 frame (an older shim) decodes with
+`threshold=None` and the exporter falls back to its default τ. `encode_frame` writes version 2 for
+a frame with a threshold and version 1 for one without, so every frame has exactly one encoding.
 
 The decoder trusts nothing: it checks the total size against the header before touching the
 payload, so a hostile header cannot make it allocate, and every entropy must be finite and in [0, 1].
@@ -30,7 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"LWGF"
-VERSION = 1
+VERSION = 2  # what a frame with a threshold is written as
+VERSION_WITHOUT_THRESHOLD = 1  # the previous version: still decoded, written for frames without one
+SUPPORTED_VERSIONS = (VERSION_WITHOUT_THRESHOLD, VERSION)
 # One UDP datagram on loopback carries at most 65,507 bytes; stay clear of it.
 MAX_FRAME_BYTES = 65_000
 MAX_NAME_BYTES = 255
@@ -38,7 +46,9 @@ MAX_NAME_BYTES = 255
 DEFAULT_FRAMES_ADDRESS = "127.0.0.1:9410"
 
 _HEADER = struct.Struct("<4sBBHHQBB")
-HEADER_BYTES = _HEADER.size  # 20
+HEADER_BYTES = _HEADER.size  # 20: the fields every version starts with (all of version 1's header)
+_THRESHOLD = struct.Struct("<f")
+HEADER_BYTES_V2 = HEADER_BYTES + _THRESHOLD.size  # 24: version 2 adds the threshold
 _ENTROPY_DTYPE = np.dtype("<f4")
 
 
@@ -57,6 +67,9 @@ class GateFrame:
     sequence: int  # u64, +1 per frame sent by that shim
     entropies: np.ndarray  # float32 [rows, layers], values in [0, 1]
     skipped: np.ndarray  # bool [rows, layers]; True = the layer did not run for that row's token
+    # The skip policy's τ (an entropy below it counts toward skipping), float32 in [0, 1];
+    # None for a version-1 frame, which does not carry it.
+    threshold: float | None = None
 
 
 def parse_address(text: str, *, listening: bool = False) -> tuple[str, int]:
@@ -74,10 +87,14 @@ def parse_address(text: str, *, listening: bool = False) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def frame_bytes(rows: int, layers: int, model_name: str, shim_id: str) -> int:
-    """Encoded size of a frame, so a sender can split a batch before encoding."""
+def frame_bytes(rows: int, layers: int, model_name: str, shim_id: str, threshold: float | None = None) -> int:
+    """Encoded size of a frame, so a sender can split a batch before encoding.
+
+    A frame with a threshold (version 2) is 4 bytes longer than one without (version 1).
+    """
     names = len(model_name.encode("utf-8")) + len(shim_id.encode("utf-8"))
-    return HEADER_BYTES + names + rows * layers * 4 + rows * _packed_row_bytes(layers)
+    header = HEADER_BYTES if threshold is None else HEADER_BYTES_V2
+    return header + names + rows * layers * 4 + rows * _packed_row_bytes(layers)
 
 
 def check_gate_arrays(entropies: np.ndarray, skipped: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -108,14 +125,16 @@ def encode_frame(frame: GateFrame) -> bytes:
     shim = _encode_name("shim_id", frame.shim_id)
     if not 0 <= frame.sequence < 2**64:
         raise ValueError(f"sequence {frame.sequence} is not a u64")
-    size = frame_bytes(rows, layers, frame.model_name, frame.shim_id)
+    threshold = b"" if frame.threshold is None else _THRESHOLD.pack(_check_threshold(frame.threshold, ValueError))
+    size = frame_bytes(rows, layers, frame.model_name, frame.shim_id, frame.threshold)
     if size > MAX_FRAME_BYTES:
         raise FrameTooLarge(f"frame of {rows} rows x {layers} layers needs {size} bytes, "
                             f"limit {MAX_FRAME_BYTES}: send fewer rows per frame")
-    header = _HEADER.pack(MAGIC, VERSION, 0, rows, layers, frame.sequence, len(model), len(shim))
+    version = VERSION_WITHOUT_THRESHOLD if frame.threshold is None else VERSION
+    header = _HEADER.pack(MAGIC, version, 0, rows, layers, frame.sequence, len(model), len(shim))
     bits = np.packbits(skipped, axis=1)
-    return b"".join((header, model, shim, entropies.astype(_ENTROPY_DTYPE, copy=False).tobytes(),
-                     bits.tobytes()))
+    return b"".join((header, threshold, model, shim,
+                     entropies.astype(_ENTROPY_DTYPE, copy=False).tobytes(), bits.tobytes()))
 
 
 def decode_frame(data: bytes) -> GateFrame:
@@ -130,21 +149,27 @@ def decode_frame(data: bytes) -> GateFrame:
     magic, version, flags, rows, layers, sequence, model_len, shim_len = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise MalformedFrame(f"bad magic {magic!r}, expected {MAGIC!r}")
-    if version != VERSION:
-        raise MalformedFrame(f"unsupported version {version}, this decoder reads {VERSION}")
+    if version not in SUPPORTED_VERSIONS:
+        raise MalformedFrame(f"unsupported version {version}, this decoder reads "
+                             f"{' and '.join(map(str, SUPPORTED_VERSIONS))}")
     if flags != 0:
         raise MalformedFrame(f"unknown flags 0x{flags:02x}")
     if rows == 0 or layers == 0:
         raise MalformedFrame(f"empty frame: {rows} rows x {layers} layers")
     if model_len == 0 or shim_len == 0:
         raise MalformedFrame("model_name and shim_id must not be empty")
+    header_bytes = HEADER_BYTES if version == VERSION_WITHOUT_THRESHOLD else HEADER_BYTES_V2
     row_bits = _packed_row_bytes(layers)
-    expected = HEADER_BYTES + model_len + shim_len + rows * layers * 4 + rows * row_bits
+    expected = header_bytes + model_len + shim_len + rows * layers * 4 + rows * row_bits
     if len(data) != expected:
-        raise MalformedFrame(f"{len(data)} bytes, but the header ({rows} rows x {layers} layers, "
-                             f"names {model_len}+{shim_len} bytes) describes {expected}")
+        raise MalformedFrame(f"{len(data)} bytes, but the header (version {version}, {rows} rows x "
+                             f"{layers} layers, names {model_len}+{shim_len} bytes) describes {expected}")
 
-    offset = HEADER_BYTES
+    threshold = None
+    if version != VERSION_WITHOUT_THRESHOLD:
+        (threshold,) = _THRESHOLD.unpack_from(data, HEADER_BYTES)
+        _check_threshold(threshold, MalformedFrame)
+    offset = header_bytes
     model_name = _decode_name("model_name", data[offset:offset + model_len])
     offset += model_len
     shim_id = _decode_name("shim_id", data[offset:offset + shim_len])
@@ -158,7 +183,7 @@ def decode_frame(data: bytes) -> GateFrame:
     if bits[:, layers:].any():
         raise MalformedFrame("padding bits after the last layer are set")
     skipped = bits[:, :layers].view(bool)
-    return GateFrame(model_name, shim_id, sequence, entropies, skipped)
+    return GateFrame(model_name, shim_id, sequence, entropies, skipped, threshold)
 
 
 def _packed_row_bytes(layers: int) -> int:
@@ -172,6 +197,14 @@ def _check_entropy_values(entropies: np.ndarray, error: type[ValueError]) -> Non
     if not np.isfinite(entropies).all():
         raise error("entropies contain NaN or infinity")
     raise error(f"entropies outside [0, 1]: min {entropies.min()}, max {entropies.max()}")
+
+
+def _check_threshold(threshold: float, error: type[ValueError]) -> float:
+    """τ as it travels: a float32 in [0, 1] (NaN fails the comparison)."""
+    value = float(np.float32(threshold))
+    if not 0.0 <= value <= 1.0:
+        raise error(f"threshold {threshold} is not in [0, 1]")
+    return value
 
 
 def _encode_name(field: str, value: str) -> bytes:

@@ -131,13 +131,15 @@ class ShimService:
         self.decode_stats = DecodeStats(config.num_layers)
         self.registry.register(DecodeStatsCollector(self.decode_stats, self.model_name))
         shim_id = settings.shim_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.sender = (FrameSender(settings.exporter_address, self.model_name, shim_id, config.num_layers)
+        self.sender = (FrameSender(settings.exporter_address, self.model_name, shim_id, config.num_layers,
+                                   threshold=self.policy.threshold)
                        if settings.exporter_address else None)
         self.registry.register(FrameSenderCollector(self.sender, self.model_name))
         self.registry.register(NvmlCollector())
         self.registry.register(RaplCollector())
         shadow_metrics = ShadowMetrics(self.registry, self.model_name)
-        self.trace = TraceWriter(settings.trace_file, settings.trace_max_bytes) if settings.trace_file else None
+        self.trace = (TraceWriter(settings.trace_file, settings.trace_max_bytes, threshold=self.policy.threshold)
+                      if settings.trace_file else None)
 
         shadow = (ShadowChecker(model, shadow_metrics, settings.shadow_rate)
                   if settings.shadow_rate > 0 else None)

@@ -34,10 +34,12 @@ class FrameSender:
     "Service"). The socket is non-blocking and connected, so a missing exporter shows up as send
     errors (ICMP port unreachable, reported on the next send) in
     `layerwatch_telemetry_frames_dropped_total` rather than anywhere else. Every frame takes the
-    next sequence number, sent or not, so the exporter sees dropped frames as gaps.
+    next sequence number, sent or not, so the exporter sees dropped frames as gaps. Every frame
+    carries the skip policy's `threshold` (wire version 2), which the exporter's routing
+    statistics need to tell below-threshold scores from the rest.
     """
 
-    def __init__(self, address: str, model_name: str, shim_id: str, num_layers: int) -> None:
+    def __init__(self, address: str, model_name: str, shim_id: str, num_layers: int, *, threshold: float) -> None:
         for field, value in (("model name", model_name), ("shim id", shim_id)):
             if not 0 < len(value.encode("utf-8")) <= MAX_NAME_BYTES:
                 raise ValueError(f"the {field} must be 1..{MAX_NAME_BYTES} UTF-8 bytes to fit a gate frame")
@@ -49,14 +51,18 @@ class FrameSender:
         self._socket = socket.socket(family, kind, proto)
         self._socket.setblocking(False)
         self._socket.connect(sockaddr)
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
         self.model_name = model_name
         self.shim_id = shim_id
+        self.threshold = threshold
         self.sequence = 0
         self.sent = 0
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         # A batch whose frame would exceed the datagram limit goes out in several frames.
-        per_row = frame_bytes(1, num_layers, model_name, shim_id) - frame_bytes(0, num_layers, model_name, shim_id)
-        overhead = frame_bytes(0, num_layers, model_name, shim_id)
+        per_row = (frame_bytes(1, num_layers, model_name, shim_id, threshold)
+                   - frame_bytes(0, num_layers, model_name, shim_id, threshold))
+        overhead = frame_bytes(0, num_layers, model_name, shim_id, threshold)
         self.rows_per_frame = max(1, (MAX_FRAME_BYTES - overhead) // per_row)
 
     def send(self, entropies: np.ndarray, skipped: np.ndarray) -> None:
@@ -71,7 +77,8 @@ class FrameSender:
         sequence = self.sequence
         self.sequence += 1
         try:
-            data = encode_frame(GateFrame(self.model_name, self.shim_id, sequence, entropies, skipped))
+            data = encode_frame(GateFrame(self.model_name, self.shim_id, sequence, entropies, skipped,
+                                          self.threshold))
         except FrameTooLarge:
             self.dropped["too_large"] += 1
             return

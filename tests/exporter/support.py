@@ -79,12 +79,17 @@ class RunningExporter:
         return self.process.wait(timeout=10)
 
 
-def trace_frames(path: Path, rows_per_frame: int = 8, shim_id: str = "golden-shim") -> list[bytes]:
-    """The trace as the shim would send it: consecutive rows of one model batched into frames."""
+def trace_frames(path: Path, rows_per_frame: int = 8, shim_id: str = "golden-shim",
+                 threshold: float | None = None) -> list[bytes]:
+    """The trace as the shim would send it: consecutive rows of one model batched into frames.
+
+    Frames carry `threshold`, else the trace's own (wire version 2); neither: version 1.
+    """
     frames = []
     for batch in read_trace_batches(path, max_rows=rows_per_frame):
+        tau = batch.threshold if threshold is None else threshold
         frames.append(encode_frame(GateFrame(batch.model_name, shim_id, len(frames),
-                                             batch.entropies, batch.skipped)))
+                                             batch.entropies, batch.skipped, tau)))
     return frames
 
 

@@ -68,7 +68,7 @@ def test_hostile_datagrams_are_counted_and_never_stop_the_exporter(start_exporte
 def test_metrics_pass_promtool_and_match_the_catalog(start_exporter) -> None:
     promtool = shutil.which("promtool")
     assert promtool, "promtool (Debian package prometheus) is required"
-    exporter = start_exporter("--per-layer", "--min-window-observations", "10")
+    exporter = start_exporter("--per-layer", "--min-window-observations", "10", "--min-routing-tokens", "5")
     rng = np.random.default_rng(3)
     exporter.send_frames([encode_frame(random_frame(rng, i, model=m)) for i, m in enumerate(["a", "b"] * 5)])
     text = exporter.metrics_text()

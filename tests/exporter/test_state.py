@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from exporter.state import ExporterConfig, ExporterState
-from layerwatch.wire import encode_frame
+from layerwatch.wire import GateFrame, encode_frame
 
 from tests.exporter.support import random_frame
 
@@ -101,3 +101,71 @@ def test_any_frame_shape_is_accepted(rows: int, layers: int) -> None:
     state = make_state()
     state.ingest(random_frame(np.random.default_rng(0), 0, rows=rows, layers=layers))
     assert by_model(state)["demo"].layer_counts.tolist() == [rows] * layers
+
+
+# --- routing window ---------------------------------------------------------------------------
+
+def _frame(rows: int, layers: int, low_layers: list[int], sequence: int, threshold: float | None = 0.18,
+           model: str = "demo") -> GateFrame:
+    entropies = np.full((rows, layers), 0.3, np.float32)
+    entropies[:, low_layers] = 0.1
+    return GateFrame(model, "shim", sequence, entropies, entropies < 0.18, threshold)
+
+
+def test_the_routing_window_keeps_whole_recent_tokens() -> None:
+    # 1,000 observations at 16 layers: the last 62 tokens (992 values), whole rows only.
+    state = make_state(window_max_observations=1000, min_routing_tokens=50)
+    for sequence in range(10):
+        state.ingest(_frame(7, 16, [3], sequence))  # 70 tokens with layer 3 low ...
+    for sequence in range(10, 20):
+        state.ingest(_frame(7, 16, [9], sequence))  # ... then 70 with layer 9 low
+    routing = state.routing("demo")
+    assert routing.tokens == 62
+    assert routing.low_counts.tolist() == [62 if layer == 9 else 0 for layer in range(16)]
+    assert routing.static_layers == (9,) and routing.verdict == "static"
+
+
+def test_a_new_layer_count_starts_the_routing_window_over() -> None:
+    state = make_state(min_routing_tokens=5)
+    state.ingest(_frame(100, 16, [3], 0))
+    state.ingest(_frame(60, 8, [5], 1))
+    routing = state.routing("demo")
+    assert routing.tokens == 60 and routing.layers == 8 and routing.static_layers == (5,)
+
+
+def test_the_routing_window_expires_with_the_entropy_window() -> None:
+    clock = Clock()
+    state = make_state(clock, window_seconds=60, min_routing_tokens=5, statistics_cache_seconds=0)
+    state.ingest(_frame(10, 4, [1], 0))
+    assert state.routing("demo").tokens == 10
+    clock.now += 61
+    routing = state.routing("demo")
+    assert routing.tokens == 0 and routing.withheld and routing.low_rates.size == 0
+    assert state.bimodality("demo").observations == 0
+
+
+def test_frames_without_a_threshold_use_the_default_and_are_counted() -> None:
+    state = make_state(default_threshold=0.05, min_routing_tokens=5, statistics_cache_seconds=0)
+    state.ingest(_frame(60, 4, [1], 0, threshold=None, model="old"))
+    state.ingest(_frame(60, 4, [1], 0, threshold=0.18, model="new"))
+    models = by_model(state)
+    assert (models["old"].frames_without_threshold, models["old"].threshold) == (1, 0.05)
+    assert (models["new"].frames_without_threshold, models["new"].threshold) == (0, pytest.approx(0.18))
+    assert state.routing("old").withheld  # 0.1 is not below 0.05: nothing to judge
+    assert state.routing("new").static_layers == (1,)
+    # the window judges each frame by its own threshold
+    state.ingest(_frame(10, 4, [1], 1, threshold=None, model="new"))
+    routing = state.routing("new")
+    assert routing.tokens == 70 and routing.low_counts.tolist() == [0, 60, 0, 0]
+    assert by_model(state)["new"].frames_without_threshold == 1
+
+
+def test_the_routing_statistics_are_cached_like_the_bimodality() -> None:
+    clock = Clock()
+    state = make_state(clock, min_routing_tokens=5, statistics_cache_seconds=2)
+    state.ingest(_frame(10, 4, [1], 0))
+    first = state.routing("demo")
+    state.ingest(_frame(10, 4, [2], 1))
+    assert state.routing("demo") is first  # changed, but younger than the cache time
+    clock.now += 3
+    assert state.routing("demo").tokens == 20

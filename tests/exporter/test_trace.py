@@ -100,6 +100,10 @@ def test_unknown_keys_and_blank_lines_are_ignored(tmp_path: Path) -> None:
     ('{"model_name": "m", "scores": [-0.1], "skipped": [0]}', "scores outside [0, 1]"),
     ('{"model_name": "m", "scores": [0.5], "skipped": [2]}', "skipped must hold only 0 and 1"),
     ('{"model_name": "m", "scores": [0.5], "skipped": "1"}', "skipped must be a list"),
+    ('{"model_name": "m", "scores": [0.5], "skipped": [0], "threshold": 1.5}', "threshold must be a number in [0, 1]"),
+    ('{"model_name": "m", "scores": [0.5], "skipped": [0], "threshold": "0.18"}', "threshold must be a number"),
+    ('{"model_name": "m", "scores": [0.5], "skipped": [0], "threshold": true}', "threshold must be a number"),
+    ('{"model_name": "m", "scores": [0.5], "skipped": [0], "threshold": NaN}', "threshold must be a number"),
 ])
 def test_bad_lines_name_file_and_line(tmp_path: Path, line: str, reason: str) -> None:
     path = tmp_path / "bad.jsonl"
@@ -118,3 +122,24 @@ def test_batches_group_consecutive_rows_of_one_model(tmp_path: Path) -> None:
     batches = list(read_trace_batches(path, max_rows=2))
     assert [(b.model_name, b.entropies.shape) for b in batches] == [
         ("a", (2, 2)), ("b", (1, 2)), ("a", (1, 2)), ("a", (2, 3)), ("a", (1, 3))]
+
+
+def test_the_optional_threshold_is_written_and_read_back(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    with TraceWriter(path, max_bytes=1 << 20, threshold=0.18) as writer:
+        writer.write_rows("demo", np.array([[0.1, 0.5]], np.float32), np.array([[0, 1]]))
+    with TraceWriter(path, max_bytes=1 << 20) as writer:  # a shim that does not know τ
+        writer.write_rows("demo", np.array([[0.1, 0.5]], np.float32), np.array([[0, 1]]))
+    first, second = path.read_text().splitlines()
+    assert json.loads(first)["threshold"] == 0.18 and "threshold" not in json.loads(second)
+    assert [r.threshold for r in read_trace(path)] == [0.18, None]
+    with pytest.raises(ValueError, match="threshold must be in"):
+        TraceWriter(path, max_bytes=100, threshold=1.2)
+
+
+def test_batches_break_where_the_threshold_changes(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    thresholds = [0.18, 0.18, None, 0.2, 0.2]
+    path.write_text("".join(json.dumps({"model_name": "a", "scores": [0.5], "skipped": [0]}
+                                       | ({} if t is None else {"threshold": t})) + "\n" for t in thresholds))
+    assert [(b.threshold, len(b.entropies)) for b in read_trace_batches(path)] == [(0.18, 2), (None, 1), (0.2, 2)]

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from layerwatch.wire import (HEADER_BYTES, MAX_FRAME_BYTES, FrameTooLarge, GateFrame, MalformedFrame,
-                             decode_frame, encode_frame, frame_bytes, parse_address)
+from layerwatch.wire import (HEADER_BYTES, HEADER_BYTES_V2, MAX_FRAME_BYTES, FrameTooLarge, GateFrame,
+                             MalformedFrame, decode_frame, encode_frame, frame_bytes, parse_address)
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -24,23 +24,28 @@ def gate_frames(draw: st.DrawFn) -> GateFrame:
                                 elements=st.floats(0, 1, width=32, allow_subnormal=False)))
     skipped = draw(hnp.arrays(np.bool_, (rows, layers)))
     name = st.text(min_size=1, max_size=20).filter(lambda s: len(s.encode()) <= 255)
-    return GateFrame(draw(name), draw(name), draw(st.integers(0, 2**64 - 1)), entropies, skipped)
+    # None: a version-1 frame (no threshold); else version 2 with a float32 threshold.
+    threshold = draw(st.none() | st.floats(0, 1, width=32, allow_subnormal=False))
+    return GateFrame(draw(name), draw(name), draw(st.integers(0, 2**64 - 1)), entropies, skipped, threshold)
 
 
-def frame(rows: int = 3, layers: int = 10, model: str = "demo", shim: str = "shim-1", sequence: int = 7) -> GateFrame:
+def frame(rows: int = 3, layers: int = 10, model: str = "demo", shim: str = "shim-1", sequence: int = 7,
+          threshold: float | None = None) -> GateFrame:
     rng = np.random.default_rng(rows * 1000 + layers)
     entropies = rng.random((rows, layers), dtype=np.float32)
-    return GateFrame(model, shim, sequence, entropies, entropies < 0.3)
+    return GateFrame(model, shim, sequence, entropies, entropies < 0.3, threshold)
 
 
 @FUZZ
 @given(gate_frames())
 def test_round_trip_keeps_every_field(original: GateFrame) -> None:
     data = encode_frame(original)
-    assert len(data) == frame_bytes(*original.entropies.shape, original.model_name, original.shim_id)
+    assert len(data) == frame_bytes(*original.entropies.shape, original.model_name, original.shim_id,
+                                    original.threshold)
+    assert data[4] == (1 if original.threshold is None else 2)
     decoded = decode_frame(data)
-    assert (decoded.model_name, decoded.shim_id, decoded.sequence) == (
-        original.model_name, original.shim_id, original.sequence)
+    assert (decoded.model_name, decoded.shim_id, decoded.sequence, decoded.threshold) == (
+        original.model_name, original.shim_id, original.sequence, original.threshold)
     assert decoded.entropies.dtype == np.float32 and decoded.skipped.dtype == np.bool_
     np.testing.assert_array_equal(decoded.entropies, original.entropies)
     np.testing.assert_array_equal(decoded.skipped, original.skipped)
@@ -68,7 +73,8 @@ def test_mutated_frames_decode_canonically_or_raise_malformed(original: GateFram
     elif mutation == "extend":
         raw += data.draw(st.binary(min_size=1, max_size=64))
     else:  # rewrite a header field with any value of its width
-        offset, width = data.draw(st.sampled_from([(4, 1), (5, 1), (6, 2), (8, 2), (18, 1), (19, 1)]))
+        # version 1 <-> 2 rewrites shift the names by the 4 threshold bytes; (20, 4) is v2's threshold
+        offset, width = data.draw(st.sampled_from([(4, 1), (5, 1), (6, 2), (8, 2), (18, 1), (19, 1), (20, 4)]))
         raw[offset:offset + width] = data.draw(st.binary(min_size=width, max_size=width))
     try:
         decoded = decode_frame(bytes(raw))
@@ -77,15 +83,42 @@ def test_mutated_frames_decode_canonically_or_raise_malformed(original: GateFram
     # Whatever decodes is a well-formed frame that encodes back to exactly these bytes.
     assert encode_frame(decoded) == bytes(raw)
     assert ((decoded.entropies >= 0) & (decoded.entropies <= 1)).all()
+    assert decoded.threshold is None or 0 <= decoded.threshold <= 1
 
 
 def test_layout_matches_the_documented_header() -> None:
-    data = encode_frame(frame(rows=2, layers=9, model="m", shim="s", sequence=2**40 + 5))
+    data = encode_frame(frame(rows=2, layers=9, model="m", shim="s", sequence=2**40 + 5, threshold=0.18))
     assert data[:4] == b"LWGF"
+    assert struct.unpack_from("<BBHHQBBf", data, 4) == (2, 0, 2, 9, 2**40 + 5, 1, 1, np.float32(0.18))
+    assert HEADER_BYTES_V2 == 24 and data[HEADER_BYTES_V2:HEADER_BYTES_V2 + 2] == b"ms"
+    # 9 layers pack into 2 bytes per row; the first layer is the most significant bit.
+    assert len(data) == HEADER_BYTES_V2 + 2 + 2 * 9 * 4 + 2 * 2
+
+
+def test_version_1_layout_has_no_threshold() -> None:
+    data = encode_frame(frame(rows=2, layers=9, model="m", shim="s", sequence=2**40 + 5))
     assert struct.unpack_from("<BBHHQBB", data, 4) == (1, 0, 2, 9, 2**40 + 5, 1, 1)
     assert data[HEADER_BYTES:HEADER_BYTES + 2] == b"ms"
-    # 9 layers pack into 2 bytes per row; the first layer is the most significant bit.
     assert len(data) == HEADER_BYTES + 2 + 2 * 9 * 4 + 2 * 2
+
+
+def test_version_1_frames_from_an_older_shim_still_decode_without_a_threshold() -> None:
+    # Built by hand as a version-1 shim writes it, not by this encoder.
+    entropies = np.array([[0.1, 0.5, 0.9]], np.float32)
+    old = struct.pack("<4sBBHHQBB", b"LWGF", 1, 0, 1, 3, 42, 4, 3) + b"demoold" + entropies.tobytes() + b"\x40"
+    decoded = decode_frame(old)
+    assert decoded.threshold is None and (decoded.model_name, decoded.shim_id, decoded.sequence) == ("demo", "old", 42)
+    np.testing.assert_array_equal(decoded.entropies, entropies)
+    assert decoded.skipped.tolist() == [[False, True, False]]
+    new = decode_frame(encode_frame(GateFrame("demo", "old", 42, entropies, decoded.skipped, 0.18)))
+    assert new.threshold == np.float32(0.18)
+    np.testing.assert_array_equal(new.entropies, entropies)
+
+
+def test_the_threshold_survives_as_float32() -> None:
+    for threshold in (0.0, 0.18, 0.5, 1.0):
+        decoded = decode_frame(encode_frame(frame(threshold=threshold)))
+        assert decoded.threshold == float(np.float32(threshold))
 
 
 def _header(rows: int = 1, layers: int = 1, version: int = 1, flags: int = 0, model_len: int = 1,
@@ -97,11 +130,23 @@ def _valid_body(entropy: float = 0.5) -> bytes:
     return b"ms" + struct.pack("<f", entropy) + b"\x80"
 
 
+def _v2(threshold: float = 0.18, **header) -> bytes:
+    return _header(version=2, **header) + struct.pack("<f", threshold)
+
+
 @pytest.mark.parametrize("data, reason", [
     (b"", "shorter than the 20-byte header"),
     (_header()[:19], "shorter than the 20-byte header"),
     (_header(magic=b"XXXX") + _valid_body(), "bad magic"),
-    (_header(version=2) + _valid_body(), "unsupported version 2"),
+    (_header(version=0) + _valid_body(), "unsupported version 0"),
+    (_header(version=3) + _valid_body(), "unsupported version 3"),
+    (_header(version=2) + _valid_body(), "describes 31"),  # a version-1 body under a version-2 header
+    (_v2()[:23], "describes 31"),
+    (_v2(float("nan")) + _valid_body(), r"threshold nan is not in [0, 1]"),
+    (_v2(float("inf")) + _valid_body(), "threshold inf is not in"),
+    (_v2(1.5) + _valid_body(), "threshold 1.5 is not in"),
+    (_v2(-0.25) + _valid_body(), "threshold -0.25 is not in"),
+    (_v2() + _valid_body(1.5), "outside [0, 1]"),
     (_header(flags=1) + _valid_body(), "unknown flags"),
     (_header(rows=0) + _valid_body(), "empty frame"),
     (_header(layers=0) + _valid_body(), "empty frame"),
@@ -125,6 +170,9 @@ def test_malformed_frames_are_rejected_with_the_reason(data: bytes, reason: str)
 def test_the_smallest_valid_frame_decodes() -> None:
     decoded = decode_frame(_header() + _valid_body(0.25))
     assert decoded.entropies.tolist() == [[0.25]] and decoded.skipped.tolist() == [[True]]
+    assert decoded.threshold is None
+    decoded = decode_frame(_v2(0.25) + _valid_body(0.25))
+    assert decoded.threshold == 0.25 and decoded.entropies.tolist() == [[0.25]]
 
 
 def test_encode_refuses_frames_over_the_limit() -> None:
@@ -143,6 +191,8 @@ def test_encode_refuses_frames_over_the_limit() -> None:
     (dict(model_name=""), "model_name must be 1..255"),
     (dict(shim_id="é" * 128), "shim_id must be 1..255"),
     (dict(sequence=-1), "not a u64"),
+    (dict(threshold=1.5), r"threshold 1.5 is not in \[0, 1\]"),
+    (dict(threshold=float("nan")), "threshold nan"),
 ])
 def test_encode_refuses_invalid_frames(change: dict, reason: str) -> None:
     fields = dict(model_name="demo", shim_id="s", sequence=0,

@@ -57,4 +57,4 @@ def test_a_full_shim_registry_covers_the_catalog_and_refuses_clashes():
 def test_the_frame_sender_refuses_port_zero():
     """A destination needs a real port (the exporter may listen on port 0, the shim cannot send there)."""
     with pytest.raises(ValueError, match="exporter address '127.0.0.1:0'"):
-        FrameSender("127.0.0.1:0", "m", "shim", 4)
+        FrameSender("127.0.0.1:0", "m", "shim", 4, threshold=0.18)

@@ -28,12 +28,16 @@ def test_frames_decode_to_the_same_entropies_and_masks_as_the_trace(server):
     frames = server.capture.frames()
     assert [f.sequence for f in frames] == list(range(len(frames)))  # none lost, none dropped
     assert {(f.model_name, f.shim_id) for f in frames} == {(MODEL_NAME, "test-shim")}
+    (info,) = [dict(labels) for name, labels in server.metrics() if name == "layerwatch_model_info"]
+    threshold = float(info["threshold"])  # the skip policy's τ (0.18 in the tiny gates)
+    assert [f.threshold for f in frames] == [float(np.float32(threshold))] * len(frames)  # wire version 2
     assert sample_sum(server.metrics(), "layerwatch_telemetry_frames_sent_total") == len(frames)
     frame_entropies = np.concatenate([f.entropies for f in frames])
     frame_skipped = np.concatenate([f.skipped for f in frames])
 
     trace = list(read_trace(server.trace_path))
     assert len(trace) == len(frame_entropies) == decoded  # one row per decoded token, probes excluded
+    assert {r.threshold for r in trace} == {threshold}
     assert {r.model_name for r in trace} == {MODEL_NAME}
     np.testing.assert_array_equal(np.stack([r.scores for r in trace]), frame_entropies)
     np.testing.assert_array_equal(np.stack([r.skipped for r in trace]), frame_skipped)
@@ -42,7 +46,7 @@ def test_frames_decode_to_the_same_entropies_and_masks_as_the_trace(server):
 
 def test_a_missing_exporter_only_moves_the_dropped_counter():
     port = free_port(socket.SOCK_DGRAM)  # nobody listens: loopback answers with ICMP port unreachable
-    sender = FrameSender(f"127.0.0.1:{port}", MODEL_NAME, "test", NUM_LAYERS)
+    sender = FrameSender(f"127.0.0.1:{port}", MODEL_NAME, "test", NUM_LAYERS, threshold=0.18)
     entropies = np.full((3, NUM_LAYERS), 0.5, dtype=np.float32)
     skipped = np.zeros((3, NUM_LAYERS), dtype=bool)
     for _ in range(20):
@@ -58,7 +62,7 @@ def test_a_batch_too_large_for_one_datagram_is_split_and_round_trips():
     receiver.bind(("127.0.0.1", 0))
     receiver.settimeout(5)
     layers = 200
-    sender = FrameSender("127.0.0.1:%d" % receiver.getsockname()[1], MODEL_NAME, "test", layers)
+    sender = FrameSender("127.0.0.1:%d" % receiver.getsockname()[1], MODEL_NAME, "test", layers, threshold=0.25)
     rng = np.random.default_rng(0)
     rows = sender.rows_per_frame + 5
     entropies = rng.random((rows, layers), dtype=np.float32)
@@ -67,7 +71,7 @@ def test_a_batch_too_large_for_one_datagram_is_split_and_round_trips():
     frames = [decode_frame(receiver.recv(65536)) for _ in range(2)]
     receiver.close()
     sender.close()
-    assert [f.sequence for f in frames] == [0, 1]
+    assert [f.sequence for f in frames] == [0, 1] and {f.threshold for f in frames} == {0.25}
     assert all(len(f.entropies) <= sender.rows_per_frame for f in frames)
     np.testing.assert_array_equal(np.concatenate([f.entropies for f in frames]), entropies)
     np.testing.assert_array_equal(np.concatenate([f.skipped for f in frames]), skipped)
@@ -76,7 +80,7 @@ def test_a_batch_too_large_for_one_datagram_is_split_and_round_trips():
 
 def test_invalid_entropies_are_dropped_not_raised():
     port = free_port(socket.SOCK_DGRAM)
-    sender = FrameSender(f"127.0.0.1:{port}", MODEL_NAME, "test", NUM_LAYERS)
+    sender = FrameSender(f"127.0.0.1:{port}", MODEL_NAME, "test", NUM_LAYERS, threshold=0.18)
     nan = np.full((2, NUM_LAYERS), np.nan, dtype=np.float32)  # what a model without gates reports
     sender.send(nan, np.zeros((2, NUM_LAYERS), dtype=bool))
     sender.close()

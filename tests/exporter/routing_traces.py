@@ -1,0 +1,65 @@
+"""Constructed traces for the routing statistics: static pruning, per-token routing, and mixes.
+
+Scores come from a per-token, per-layer state: a layer that is "redundant" for a token scores
+N(0.10, sigma), otherwise N(0.30, sigma); the probability of "redundant" per layer is the layer's
+intended low rate. Skip decisions follow the skip policy: per sequence, a layer is skipped once its
+score stayed below the threshold for PATIENCE tokens, never the first and last layer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+THRESHOLD, PATIENCE = 0.18, 3
+# The demo model's served trace: per-layer share of tokens below the threshold.
+DEMO_LOW_RATES = (0, .48, .40, .45, .51, .56, .17, .32, .31, .72, .51, .92, 1.0, .97, .99, 0)
+
+
+def scores_for_rates(rng: np.random.Generator, rates, tokens: int, sigma: float = 0.03,
+                     low: float = 0.10, high: float = 0.30) -> np.ndarray:
+    rates = np.asarray(rates, dtype=np.float64)
+    redundant = rng.random((tokens, len(rates))) < rates
+    centres = np.where(redundant, low, high)
+    return np.clip(rng.normal(centres, sigma), 0, 1).astype(np.float32)
+
+
+def static_rates(layers: int, static: list[int]) -> np.ndarray:
+    rates = np.zeros(layers)
+    rates[static] = 1.0
+    return rates
+
+
+def patience_skips(scores: np.ndarray, sequence_length: int, threshold: float = THRESHOLD,
+                   patience: int = PATIENCE) -> np.ndarray:
+    """bool [tokens, layers]: the skip policy's decisions, sequences of `sequence_length` tokens."""
+    below = scores < np.float32(threshold)
+    skipped = np.zeros_like(below)
+    streak = np.zeros(scores.shape[1], dtype=int)
+    for token, row in enumerate(below):
+        if token % sequence_length == 0:
+            streak[:] = 0  # a new sequence: no history
+        skipped[token] = streak >= patience
+        streak = np.where(row, streak + 1, 0)
+    skipped[:, [0, -1]] = False  # protected layers
+    return skipped
+
+
+def write_trace(path: Path, models: dict[str, np.ndarray], sequence_length: int = 64,
+                threshold: float | None = None, skip_threshold: float = THRESHOLD) -> Path:
+    """One JSONL trace; models {name: scores [tokens, layers]}, their tokens interleaved."""
+    models = {name: np.round(scores, 4).astype(np.float32) for name, scores in models.items()}
+    skipped = {name: patience_skips(scores, sequence_length, skip_threshold) for name, scores in models.items()}
+    lines = []
+    for token in range(max(len(scores) for scores in models.values())):
+        for name, scores in models.items():
+            if token < len(scores):
+                line = {"model_name": name, "scores": [round(float(x), 4) for x in scores[token]],  # as stored
+                        "skipped": skipped[name][token].astype(int).tolist()}
+                if threshold is not None:
+                    line["threshold"] = threshold
+                lines.append(json.dumps(line) + "\n")
+    path.write_text("".join(lines))
+    return path
