@@ -119,7 +119,7 @@ def bench_live_exporter() -> dict[str, float]:
     it, syscalls included. Memory: its RSS after four 80-layer models have filled their windows.
     """
     process = subprocess.Popen(
-        [sys.executable, "-m", "entrypoints.main", "exporter", "--per-layer", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "layerwatch_cli.main", "exporter", "--per-layer", "--listen", "127.0.0.1:0",
          "--http", "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         line = process.stderr.readline()

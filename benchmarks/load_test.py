@@ -30,7 +30,7 @@ from inference_shim.runtime.demo_model import DEMO_MODEL_DIR  # noqa: E402
 from demo.loadgen import run_load  # noqa: E402
 from demo.processes import ManagedProcess, free_port  # noqa: E402
 
-LAYERWATCH = [sys.executable, "-m", "entrypoints.main"]
+LAYERWATCH = [sys.executable, "-m", "layerwatch_cli.main"]
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:

@@ -35,7 +35,7 @@ class DemoStack:
 
     def start_core(self, *, port: int, exporter_port: int, shadow_rate: float,
                    model: str | None) -> tuple[str, str]:
-        cli = [sys.executable, "-m", "entrypoints.main"]
+        cli = [sys.executable, "-m", "layerwatch_cli.main"]
         udp_port = free_port(socket.SOCK_DGRAM)
         exporter_url = f"http://127.0.0.1:{exporter_port}"
         exporter = self._start("exporter", cli + ["exporter", "--listen", f"127.0.0.1:{udp_port}",

@@ -11,7 +11,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY layerwatch ./layerwatch
 COPY mixin ./mixin
-COPY entrypoints ./entrypoints
+COPY layerwatch_cli ./layerwatch_cli
 COPY exporter ./exporter
 COPY alerts ./alerts
 COPY dashboards ./dashboards

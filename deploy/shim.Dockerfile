@@ -18,7 +18,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY layerwatch ./layerwatch
 COPY mixin ./mixin
-COPY entrypoints ./entrypoints
+COPY layerwatch_cli ./layerwatch_cli
 COPY inference_shim ./inference_shim
 COPY exporter ./exporter
 COPY alerts ./alerts

@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "demo": {"layerwatch", "mixin", "alerts", "deploy"},
 }
 # The commands sit on top: they may import every library package, and nothing imports them.
-ENTRYPOINTS = "entrypoints"
+COMMANDS = "layerwatch_cli"
 # What the exporter's container and the generators install: no torch, no model.
 TORCH_FREE = ("layerwatch", "mixin", "exporter", "alerts", "dashboards", "deploy", "demo")
 
@@ -40,12 +40,12 @@ def package_of(module: str) -> str | None:
     if module.startswith("inference_shim."):
         return ".".join(module.split(".")[:2])
     top = module.split(".")[0]
-    return top if top in ALLOWED or top == ENTRYPOINTS or top == "inference_shim" else None
+    return top if top in ALLOWED or top == COMMANDS or top == "inference_shim" else None
 
 
 def source_modules() -> dict[str, Path]:
     modules = {}
-    for package in [*{p.split(".")[0] for p in ALLOWED}, ENTRYPOINTS]:
+    for package in [*{p.split(".")[0] for p in ALLOWED}, COMMANDS]:
         for path in sorted((REPO / package).rglob("*.py")):
             relative = path.relative_to(REPO).with_suffix("")
             modules[".".join(relative.parts).removesuffix(".__init__")] = path
@@ -89,9 +89,9 @@ def test_the_allowed_map_has_no_cycle() -> None:
 def test_imports_go_one_way_between_packages() -> None:
     wrong = []
     for (source, target), where in sorted(package_edges().items()):
-        if source == ENTRYPOINTS:
+        if source == COMMANDS:
             continue
-        if target == ENTRYPOINTS or target not in ALLOWED.get(source, set()):
+        if target == COMMANDS or target not in ALLOWED.get(source, set()):
             wrong.append(f"{source} -> {target} (in {', '.join(sorted(set(where)))})")
     assert not wrong, "imports against the package direction:\n  " + "\n  ".join(wrong)
 
@@ -115,7 +115,7 @@ def test_the_light_packages_never_import_torch() -> None:
 def test_the_exporter_command_runs_without_torch() -> None:
     """Importing the exporter's command and its whole server leaves torch unloaded (the sidecar
     image has no torch at all)."""
-    code = ("import sys; import entrypoints.exporter, entrypoints.replay, entrypoints.top, exporter.server; "
+    code = ("import sys; import layerwatch_cli.exporter, layerwatch_cli.replay, layerwatch_cli.top, exporter.server; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr or "torch was imported"

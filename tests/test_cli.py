@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from entrypoints.main import COMMANDS, apply_environment, build_parser
+from layerwatch_cli.main import COMMANDS, apply_environment, build_parser
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,7 +59,7 @@ def test_every_command_has_help(command):
 
 @pytest.mark.parametrize("command", ["exporter", "replay", "top", "generate"])
 def test_light_commands_never_import_torch(command):
-    code = (f"import sys; from entrypoints.main import build_parser; build_parser([{command!r}]); "
+    code = (f"import sys; from layerwatch_cli.main import build_parser; build_parser([{command!r}]); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -70,7 +70,7 @@ def test_serve_flags_take_their_defaults_and_choices_from_the_service():
     import dataclasses
     from pathlib import Path
 
-    from entrypoints.serve import settings_from_arguments
+    from layerwatch_cli.serve import settings_from_arguments
     from inference_shim.runtime.checkpoint import DTYPES
     from inference_shim.runtime.model import KV_POLICIES
     from inference_shim.service.shim import ServeSettings

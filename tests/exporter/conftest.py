@@ -35,7 +35,7 @@ def start_exporter(tmp_path: Path) -> Iterator[Callable[..., RunningExporter]]:
         log = tmp_path / f"exporter-{len(running)}.log"
         with open(log, "wb") as stderr:
             process = subprocess.Popen(
-                [sys.executable, "-m", "entrypoints.main", "exporter", "--listen", "127.0.0.1:0",
+                [sys.executable, "-m", "layerwatch_cli.main", "exporter", "--listen", "127.0.0.1:0",
                  "--http", "127.0.0.1:0", *args], stdout=subprocess.DEVNULL, stderr=stderr)
         deadline = time.monotonic() + 20
         while not (match := _READY.search(log.read_text())):

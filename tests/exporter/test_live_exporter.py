@@ -100,7 +100,7 @@ def stable_lines(page: str) -> str:
 def test_live_exporter_agrees_with_replay(start_exporter) -> None:
     exporter = start_exporter("--statistics-cache-seconds", "0")
     exporter.send_frames(trace_frames(GOLDEN_TRACE))
-    replay = subprocess.run([sys.executable, "-m", "entrypoints.main", "replay", str(GOLDEN_TRACE), "--json"],
+    replay = subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "replay", str(GOLDEN_TRACE), "--json"],
                             capture_output=True, text=True, check=True)
     reports = {r["model_name"]: r for r in map(json.loads, replay.stdout.splitlines())}
     assert {name: r["bimodal"] for name, r in reports.items()} == {"demo": True, "flat": False}
@@ -131,7 +131,7 @@ def test_the_verdict_is_withheld_until_the_window_is_large_enough(start_exporter
 def test_top_shows_histogram_verdict_and_statistics(start_exporter) -> None:
     exporter = start_exporter("--statistics-cache-seconds", "0")
     exporter.send_frames(trace_frames(GOLDEN_TRACE))
-    top = subprocess.run([sys.executable, "-m", "entrypoints.main", "top", "--url", exporter.url, "--once"],
+    top = subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "top", "--url", exporter.url, "--once"],
                          capture_output=True, text=True, check=True)
     assert "\x1b" not in top.stdout
     assert "demo: bimodal  (6,000 observations, window 6,000)" in top.stdout
@@ -142,7 +142,7 @@ def test_top_shows_histogram_verdict_and_statistics(start_exporter) -> None:
 
 
 def test_top_reports_an_unreachable_exporter() -> None:
-    top = subprocess.run([sys.executable, "-m", "entrypoints.main", "top", "--url", "http://127.0.0.1:9", "--once"],
+    top = subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "top", "--url", "http://127.0.0.1:9", "--once"],
                          capture_output=True, text=True)
     assert top.returncode == 1 and "cannot read http://127.0.0.1:9/metrics" in top.stderr
 
@@ -150,7 +150,7 @@ def test_top_reports_an_unreachable_exporter() -> None:
 def test_unknown_paths_are_404_and_bad_flags_are_refused(start_exporter) -> None:
     exporter = start_exporter()
     assert exporter.get("/nope")[0] == 404
-    refused = subprocess.run([sys.executable, "-m", "entrypoints.main", "exporter",
+    refused = subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "exporter",
                               "--window-max-observations", "100000"], capture_output=True, text=True)
     assert refused.returncode == 2 and "p-values stop being valid" in refused.stderr
 

@@ -16,7 +16,7 @@ from tests.exporter.support import trace_frames
 
 
 def replay(path: Path, *args: str) -> dict:
-    result = subprocess.run([sys.executable, "-m", "entrypoints.main", "replay", str(path), "--json", *args],
+    result = subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "replay", str(path), "--json", *args],
                             capture_output=True, text=True, check=True)
     (report,) = map(json.loads, result.stdout.splitlines())
     return report
@@ -95,7 +95,7 @@ def test_routing_gauges_are_withheld_on_a_short_window(start_exporter, traces: d
 def test_top_shows_the_routing_verdict(start_exporter, traces: dict[str, Path]) -> None:
     exporter = start_exporter("--statistics-cache-seconds", "0")
     exporter.send_frames(trace_frames(traces["mix"], threshold=0.18))
-    top = subprocess.run([sys.executable, "-m", "entrypoints.main", "top", "--url", exporter.url, "--once"],
+    top = subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "top", "--url", exporter.url, "--once"],
                          capture_output=True, text=True, check=True)
     assert "  routing: dynamic  token-dependent share 0.6" in top.stdout
     assert "(2,000 tokens, τ 0.18)" in top.stdout

@@ -18,7 +18,7 @@ CONTRACT_KEYS = {"model_name", "observations", "histogram", "mean", "std", "zero
 
 
 def replay(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "entrypoints.main", "replay", *args],
+    return subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "replay", *args],
                           capture_output=True, text=True)
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from alerts.profile import load_profile
 from inference_shim.offline.calibration import agreement_floor, ascii_histogram, build_profile
-from entrypoints.main import main
+from layerwatch_cli.main import main
 from tests.model.test_eval_decode import model_dir, text_file  # noqa: F401 (fixtures)
 
 

@@ -15,7 +15,7 @@ from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
-from entrypoints.main import main
+from layerwatch_cli.main import main
 from tests.model.conftest import (TRAINING_TEXT, build_backend_tokenizer, constant_gates, random_gates,
                                   random_model, tiny_config)
 

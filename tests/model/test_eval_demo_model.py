@@ -8,7 +8,7 @@ from alerts.profile import load_profile
 from inference_shim.runtime.checkpoint import load_checkpoint
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from inference_shim.runtime.gates import load_gates
-from entrypoints.main import main
+from layerwatch_cli.main import main
 
 PROFILE = DEMO_MODEL_DIR.parents[1] / "alerts" / "profiles" / "demo.yaml"
 MAX_FOLDER_BYTES = 40 * 1024 * 1024

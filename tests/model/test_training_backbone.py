@@ -10,7 +10,7 @@ import torch
 from inference_shim.offline import corpus
 from inference_shim.offline import training
 from inference_shim.runtime.checkpoint import load_checkpoint
-from entrypoints.main import main
+from layerwatch_cli.main import main
 from tests.model.conftest import tiny_config
 
 FAKE_BIBLE = "\n".join(

@@ -12,7 +12,7 @@ from inference_shim.offline.gate_training import GateSchedule, init_gates, patie
 from inference_shim.runtime.gates import load_gates
 from inference_shim.runtime.tokenizer import Tokenizer
 from inference_shim.offline.training import text_file_stream
-from entrypoints.main import main
+from layerwatch_cli.main import main
 from tests.model.conftest import TRAINING_TEXT, build_backend_tokenizer, random_model
 
 

@@ -24,7 +24,7 @@ from demo.processes import ManagedProcess, free_port
 from tests.service.conftest import (MODEL_NAME, TinyCheckpoint, in_process, sample_sum, scrape,  # noqa: F401
                                     tiny_checkpoint)
 
-LAYERWATCH = [sys.executable, "-m", "entrypoints.main"]
+LAYERWATCH = [sys.executable, "-m", "layerwatch_cli.main"]
 # One torch thread per process: the tests run on a shared 2-core machine.
 QUIET_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from demo.processes import ManagedProcess
 
-LAYERWATCH = [sys.executable, "-m", "entrypoints.main"]
+LAYERWATCH = [sys.executable, "-m", "layerwatch_cli.main"]
 DEBUG_HEADER = "x-layerwatch-debug"
 
 

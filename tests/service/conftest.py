@@ -193,7 +193,7 @@ def server(tiny_checkpoint, tmp_path_factory) -> Iterator[LiveServer]:
     port = free_port()
     trace_path = work / "trace.jsonl"
     caps = dict(max_tokens_cap=48, max_prompt_tokens=96, max_body_bytes=8192)
-    argv = [sys.executable, "-m", "entrypoints.main", "serve", "--model", str(tiny_checkpoint.path),
+    argv = [sys.executable, "-m", "layerwatch_cli.main", "serve", "--model", str(tiny_checkpoint.path),
             "--model-name", MODEL_NAME, "--port", str(port), "--exporter-address", capture.address,
             "--trace-file", str(trace_path), "--allow-debug", "--shadow-rate", "1", "--max-batch-size", "4",
             "--max-tokens-cap", str(caps["max_tokens_cap"]), "--max-prompt-tokens", str(caps["max_prompt_tokens"]),

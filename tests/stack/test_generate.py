@@ -17,7 +17,7 @@ from .conftest import REPO
 
 
 def layerwatch(*args: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "entrypoints.main", "generate", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "generate", *map(str, args)],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
 
 
@@ -72,7 +72,7 @@ def test_broken_profile_fails_with_a_clear_message(tree: Path) -> None:
 
 
 def test_generate_never_imports_torch() -> None:
-    code = ("import sys; from entrypoints.main import main; rc = main(['generate', '--check']); "
+    code = ("import sys; from layerwatch_cli.main import main; rc = main(['generate', '--check']); "
             "assert 'torch' not in sys.modules and 'inference_shim' not in sys.modules; sys.exit(rc)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                             timeout=60)

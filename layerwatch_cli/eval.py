@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from entrypoints.model_arguments import add_model_arguments, load_from_arguments, report_errors
+from layerwatch_cli.model_arguments import add_model_arguments, load_from_arguments, report_errors
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import random
 import sys
 from pathlib import Path
 
-from entrypoints.model_arguments import add_model_arguments, load_from_arguments, report_errors
+from layerwatch_cli.model_arguments import add_model_arguments, load_from_arguments, report_errors
 from inference_shim.runtime.demo_model import DEMO_MODEL_NAME
 
 

@@ -17,21 +17,21 @@ import sys
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("entrypoints.serve",
+    "serve": ("layerwatch_cli.serve",
               "run the gated model behind an OpenAI-compatible API with metrics and gate frames"),
-    "exporter": ("entrypoints.exporter",
+    "exporter": ("layerwatch_cli.exporter",
                  "receive gate frames and serve entropy histograms and bimodality checks"),
-    "replay": ("entrypoints.replay", "run the exporter's statistics offline over a trace file"),
-    "top": ("entrypoints.top", "live terminal view of an exporter: histogram, verdict, statistics"),
-    "train-gates": ("entrypoints.train_gates", "train gate heads for a frozen model on a text file"),
-    "eval": ("entrypoints.eval", "perplexity full vs gated, skip rates and speed on a text file"),
-    "calibrate": ("entrypoints.calibrate",
+    "replay": ("layerwatch_cli.replay", "run the exporter's statistics offline over a trace file"),
+    "top": ("layerwatch_cli.top", "live terminal view of an exporter: histogram, verdict, statistics"),
+    "train-gates": ("layerwatch_cli.train_gates", "train gate heads for a frozen model on a text file"),
+    "eval": ("layerwatch_cli.eval", "perplexity full vs gated, skip rates and speed on a text file"),
+    "calibrate": ("layerwatch_cli.calibrate",
                   "measure a healthy baseline run and write the model's profile YAML"),
-    "train-demo": ("entrypoints.train_demo",
+    "train-demo": ("layerwatch_cli.train_demo",
                    "train the embedded demo model (tokenizer, backbone) from the KJV text"),
-    "generate": ("entrypoints.generate",
+    "generate": ("layerwatch_cli.generate",
                  "write dashboards, alert/recording rules and docs/metrics.md from code (--check)"),
-    "demo": ("entrypoints.demo", "run the whole stack on the demo model and show the live histogram"),
+    "demo": ("layerwatch_cli.demo", "run the whole stack on the demo model and show the live histogram"),
 }
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -1,6 +1,6 @@
 """`layerwatch serve`: the gated model behind an OpenAI-compatible API, with metrics and gate frames.
 
-Every flag is also read from LAYERWATCH_<FLAG> (see entrypoints/main.py). docs/service.md has the
+Every flag is also read from LAYERWATCH_<FLAG> (see layerwatch_cli/main.py). docs/service.md has the
 details: API, metrics semantics, gate frames, shadow checks, readiness and security notes.
 """
 
