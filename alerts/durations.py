@@ -18,8 +18,7 @@ def parse_duration(text: str) -> float:
     match = _DURATION.match(text)
     if not text or not match or not any(match.groups()):
         raise ValueError(f"{text!r} is not a duration like 30s, 5m, 1h30m")
-    return sum(_UNITS[unit] * int(value)
-               for unit, value in zip(("d", "h", "m", "s", "ms"), match.groups()) if value)
+    return sum(_UNITS[unit] * int(value) for unit, value in zip(("d", "h", "m", "s", "ms"), match.groups()) if value)
 
 
 def format_duration(seconds: float) -> str:
@@ -40,6 +39,7 @@ def format_duration(seconds: float) -> str:
 @dataclass(frozen=True)
 class Timing:
     """Multiplies every window and `for:` (1.0 in production, e.g. 0.01 in an end-to-end test)."""
+
     scale: float = 1.0
 
     def __call__(self, seconds: float) -> str:

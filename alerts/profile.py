@@ -43,6 +43,7 @@ class ProfileError(ValueError):
 @dataclass(frozen=True)
 class Band:
     """A healthy range [low, high]."""
+
     low: float = field(metadata=_FRACTION)
     high: float = field(metadata=_FRACTION)
 
@@ -53,6 +54,7 @@ class BimodalityProfile:
 
     Not the verdict itself (that is layerwatch.statistics.Bimodality): the profile's expectations of it.
     """
+
     # The single-peak alert waits until the exporter's window holds at least this many entropies
     # (the exporter itself withholds the verdict below its own, possibly smaller, minimum).
     min_observations: int
@@ -66,6 +68,7 @@ class BimodalityProfile:
 @dataclass(frozen=True)
 class Drift:
     """The field's drift alarm: stddev of the entropy mean over `window` above `limit`."""
+
     limit: float = field(default=0.18, metadata=_FRACTION)
     window: Seconds = Seconds(600.0)
 
@@ -132,6 +135,7 @@ def dump_profile(profile: Profile, path: str | Path) -> None:
 
 # --- YAML -> dataclass --------------------------------------------------------------------------
 
+
 def _yaml_key(f: dataclasses.Field) -> str:
     return f.metadata.get("yaml_key", f.name)
 
@@ -194,6 +198,7 @@ def _convert(hint: Any, value: Any, where: str, metadata: typing.Mapping[str, An
 
 # --- checks across fields -----------------------------------------------------------------------
 
+
 def _check(p: Profile, where: str) -> None:
     def fail(key: str, problem: str) -> typing.NoReturn:
         raise ProfileError(f"{where}: {key}: {problem}")
@@ -209,11 +214,9 @@ def _check(p: Profile, where: str) -> None:
     if p.bimodality.min_observations < 1:
         fail("bimodality.min_observations", f"{p.bimodality.min_observations} must be at least 1")
     if p.zero_ratio_page < p.zero_ratio.high:
-        fail("zero_ratio_page", f"{p.zero_ratio_page} is below the healthy band's high end "
-                                f"{p.zero_ratio.high}")
+        fail("zero_ratio_page", f"{p.zero_ratio_page} is below the healthy band's high end {p.zero_ratio.high}")
     if p.runaway_skip_ratio <= p.skip_ratio_normal:
-        fail("runaway_skip_ratio", f"{p.runaway_skip_ratio} is not above skip_ratio_normal "
-                                   f"{p.skip_ratio_normal}")
+        fail("runaway_skip_ratio", f"{p.runaway_skip_ratio} is not above skip_ratio_normal {p.skip_ratio_normal}")
     if p.skip_surge_factor <= 1.0:
         fail("skip_surge_factor", f"{p.skip_surge_factor} must be above 1 (a factor over the baseline)")
     if p.runaway_fallbacks_per_minute < 0:
@@ -226,6 +229,7 @@ def _check(p: Profile, where: str) -> None:
 
 
 # --- dataclass -> YAML --------------------------------------------------------------------------
+
 
 def _to_yaml(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):

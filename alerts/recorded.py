@@ -20,6 +20,7 @@ BY_MODEL = f"{BY_TARGET}, model_name"
 @dataclass(frozen=True)
 class Recorded:
     """Names of the recorded series for one timing."""
+
     entropy_mean: str
     entropy_std: str
     entropy_zero_ratio: str

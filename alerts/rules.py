@@ -46,6 +46,7 @@ def profile_series(profile: Profile) -> dict[str, float]:
 
 # --- recording rules ----------------------------------------------------------------------------
 
+
 def _rate(metric: str, selector: str, window: str, by: str) -> str:
     return f"sum by ({by}) (rate({metric}{{{selector}}}[{window}]))"
 
@@ -64,37 +65,52 @@ def recording_rules(timing: Timing) -> list[dict]:
     # against rounding.
     for by, mean, std, zero in (
         (BY_MODEL, r.entropy_mean, r.entropy_std, r.entropy_zero_ratio),
-        (f"{BY_MODEL}, decision", r.entropy_mean_by_decision, r.entropy_std_by_decision,
-         r.entropy_zero_ratio_by_decision),
+        (
+            f"{BY_MODEL}, decision",
+            r.entropy_mean_by_decision,
+            r.entropy_std_by_decision,
+            r.entropy_zero_ratio_by_decision,
+        ),
     ):
         count = _rate("layerwatch_entropy_count", exp, w, by)
         record(mean, f"{_rate('layerwatch_entropy_sum', exp, w, by)}\n/\n{count}")
-        record(std, f"sqrt(clamp_min(\n  {_rate('layerwatch_entropy_squares_total', exp, w, by)}\n"
-                    f"  /\n  {count}\n  - {mean} ^ 2,\n  0\n))")
+        record(
+            std,
+            f"sqrt(clamp_min(\n  {_rate('layerwatch_entropy_squares_total', exp, w, by)}\n"
+            f"  /\n  {count}\n  - {mean} ^ 2,\n  0\n))",
+        )
         record(zero, f"{_rate('layerwatch_entropy_zero_total', exp, w, by)}\n/\n{count}")
 
     # Skipping: share of decode-time layer evaluations that skipped, overall and per layer.
     for by, name in ((BY_MODEL, r.skip_ratio), (f"{BY_MODEL}, layer", r.skip_ratio_by_layer)):
-        record(name, f"{_rate('layerwatch_layer_skips_total', shim, w, by)}\n/\n"
-                     f"{_rate('layerwatch_layer_evaluations_total', shim, w, by)}")
-    record(r.skip_ratio_baseline,
-           f"avg_over_time({r.skip_ratio}[{timing(config.SKIP_BASELINE_WINDOW)}])")
-    record(r.layers_executed_mean, f"{_rate('layerwatch_layers_executed_sum', shim, w, BY_MODEL)}\n/\n"
-                                   f"{_rate('layerwatch_layers_executed_count', shim, w, BY_MODEL)}")
+        record(
+            name,
+            f"{_rate('layerwatch_layer_skips_total', shim, w, by)}\n/\n"
+            f"{_rate('layerwatch_layer_evaluations_total', shim, w, by)}",
+        )
+    record(r.skip_ratio_baseline, f"avg_over_time({r.skip_ratio}[{timing(config.SKIP_BASELINE_WINDOW)}])")
+    record(
+        r.layers_executed_mean,
+        f"{_rate('layerwatch_layers_executed_sum', shim, w, BY_MODEL)}\n/\n"
+        f"{_rate('layerwatch_layers_executed_count', shim, w, BY_MODEL)}",
+    )
     record(r.fallbacks_rate, _rate("layerwatch_fallbacks_total", shim, w, BY_MODEL))
 
     # Energy has no model_name (it belongs to the host's GPUs or CPU packages): join it to the
     # tokens the shim on the same target generated. An idle shim has no joules per token (not +Inf).
     decode_tokens = _rate("layerwatch_tokens_total", f'{shim}, phase="decode"', w, BY_MODEL)
     decode_tokens = f"({decode_tokens} > 0)"
-    for name, metric in ((r.gpu_joules_per_token, "layerwatch_gpu_energy_joules_total"),
-                         (r.cpu_joules_per_token, "layerwatch_cpu_energy_joules_total")):
-        record(name, f"{_rate(metric, shim, w, BY_TARGET)}\n/ on ({BY_TARGET}) group_right ()\n"
-                     f"{decode_tokens}")
+    for name, metric in (
+        (r.gpu_joules_per_token, "layerwatch_gpu_energy_joules_total"),
+        (r.cpu_joules_per_token, "layerwatch_cpu_energy_joules_total"),
+    ):
+        record(name, f"{_rate(metric, shim, w, BY_TARGET)}\n/ on ({BY_TARGET}) group_right ()\n{decode_tokens}")
 
-    record(r.shadow_agreement_ratio,
-           f"{_rate('layerwatch_shadow_agreements_total', shim, w, BY_MODEL)}\n/\n"
-           f"{_rate('layerwatch_shadow_tokens_total', shim, w, BY_MODEL)}")
+    record(
+        r.shadow_agreement_ratio,
+        f"{_rate('layerwatch_shadow_agreements_total', shim, w, BY_MODEL)}\n/\n"
+        f"{_rate('layerwatch_shadow_tokens_total', shim, w, BY_MODEL)}",
+    )
     lost = _rate("layerwatch_exporter_frames_lost_total", exp, w, BY_MODEL)
     received = _rate("layerwatch_exporter_frames_received_total", exp, w, BY_MODEL)
     record(r.telemetry_loss_ratio, f"{lost}\n/\n(\n  {received}\n  +\n  {lost}\n)")
@@ -103,6 +119,7 @@ def recording_rules(timing: Timing) -> list[dict]:
 
 # --- alerts ----------------------------------------------------------------------------------------
 
+
 def common_alerts(timing: Timing) -> list[dict]:
     """The alerts that need no profile (alerts/specs.py), once for every model."""
     recorded = Recorded.for_timing(timing)
@@ -110,15 +127,16 @@ def common_alerts(timing: Timing) -> list[dict]:
 
 
 def _profile_series_rules(profile: Profile) -> list[dict]:
-    return [{"record": name, "expr": f"vector({value})", "labels": {"model_name": profile.model_name}}
-            for name, value in profile_series(profile).items()]
+    return [
+        {"record": name, "expr": f"vector({value})", "labels": {"model_name": profile.model_name}}
+        for name, value in profile_series(profile).items()
+    ]
 
 
 def model_rules(profile: Profile, timing: Timing) -> list[dict]:
     """The profile's bands as series, then every per-model alert with this model's numbers."""
     recorded = Recorded.for_timing(timing)
-    alerts = [rule for spec in PER_MODEL_ALERTS
-              for rule in spec.build(AlertBuild(spec, timing, recorded, profile))]
+    alerts = [rule for spec in PER_MODEL_ALERTS for rule in spec.build(AlertBuild(spec, timing, recorded, profile))]
     # The model as a static label as well: the series carry the same value, and it keeps the alerts
     # of two profiles apart for promtool's duplicate-rule check (same name and static labels).
     for rule in alerts:
@@ -128,12 +146,13 @@ def model_rules(profile: Profile, timing: Timing) -> list[dict]:
 
 def rule_groups(profiles: list[Profile], timing: Timing = Timing()) -> dict:
     """The whole rule file, as data. Groups are evaluated in order: recording rules first."""
-    return {"groups": [
-        {"name": "layerwatch.recording", "rules": recording_rules(timing)},
-        {"name": "layerwatch.common", "rules": common_alerts(timing)},
-        *({"name": f"layerwatch.model.{p.model_name}", "rules": model_rules(p, timing)}
-          for p in profiles),
-    ]}
+    return {
+        "groups": [
+            {"name": "layerwatch.recording", "rules": recording_rules(timing)},
+            {"name": "layerwatch.common", "rules": common_alerts(timing)},
+            *({"name": f"layerwatch.model.{p.model_name}", "rules": model_rules(p, timing)} for p in profiles),
+        ]
+    }
 
 
 def recorded_names(groups: dict) -> set[str]:
@@ -158,6 +177,8 @@ def to_yaml(data: dict, header: str) -> str:
 
 def render_rules(profiles: list[Profile], timing: Timing = Timing()) -> str:
     names = ", ".join(p.model_name for p in profiles)
-    header = (f"# Generated by `layerwatch generate` from alerts/profiles ({names}). Do not edit:\n"
-              "# change a profile, alerts/specs.py or alerts/rules.py and regenerate.\n")
+    header = (
+        f"# Generated by `layerwatch generate` from alerts/profiles ({names}). Do not edit:\n"
+        "# change a profile, alerts/specs.py or alerts/rules.py and regenerate.\n"
+    )
     return to_yaml(rule_groups(profiles, timing), header)

@@ -39,6 +39,7 @@ RATIO_FORMAT = "%.3f"
 @dataclass(frozen=True)
 class AlertSpec:
     """One alert. Its rules are `build(AlertBuild(spec, timing, recorded, profile))`."""
+
     name: str
     severities: tuple[str, ...]  # one; or the tiers of a tiered alert, lowest first
     default_for: float  # seconds; a profile may override it for a per-model alert
@@ -65,6 +66,7 @@ class AlertSpec:
 class AlertBuild:
     """What a builder gets: its own spec, the timing, the recorded names and, for a per-model
     alert, the model's profile. `rule` fills in what the spec fixes (name, `for:`, runbook)."""
+
     spec: AlertSpec
     timing: Timing
     recorded: Recorded
@@ -90,8 +92,15 @@ class AlertBuild:
         seconds = self.profile.for_duration(spec.name) if spec.per_model else spec.default_for
         return self.timing(seconds)
 
-    def rule(self, expr: str, summary: str, description: str, *, severity: str | None = None,
-             labels: dict[str, str] | None = None) -> dict:
+    def rule(
+        self,
+        expr: str,
+        summary: str,
+        description: str,
+        *,
+        severity: str | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> dict:
         spec = self.spec
         if severity is None:
             if len(spec.severities) != 1:
@@ -115,19 +124,23 @@ class AlertBuild:
 _SPECS: list[AlertSpec] = []
 
 
-def alert(name: str, *, severities: tuple[str, ...], default_for: str,
-          reads: tuple[str, ...] = ()) -> Callable[[Callable[[AlertBuild], list[dict]]], AlertSpec]:
+def alert(
+    name: str, *, severities: tuple[str, ...], default_for: str, reads: tuple[str, ...] = ()
+) -> Callable[[Callable[[AlertBuild], list[dict]]], AlertSpec]:
     """Declare an alert: the decorated builder becomes its spec, registered in definition order."""
+
     def register(build: Callable[[AlertBuild], list[dict]]) -> AlertSpec:
         if any(spec.name == name for spec in _SPECS):
             raise ValueError(f"alert {name} is declared twice")
         spec = AlertSpec(name, severities, parse_duration(default_for), build, reads)
         _SPECS.append(spec)
         return spec
+
     return register
 
 
 # --- alert text helpers (Go templates, expanded by Prometheus) -------------------------------------
+
 
 def _value(fmt: str = RATIO_FORMAT) -> str:
     return '{{ $value | printf "' + fmt + '" }}'
@@ -136,8 +149,10 @@ def _value(fmt: str = RATIO_FORMAT) -> str:
 def _lookup(metric: str, fmt: str = RATIO_FORMAT, matchers: str = "") -> str:
     """The value of `metric` for the alert's target and model, or "n/a"."""
     selector = metric + "{" + matchers + "instance=%q,model_name=%q}"
-    return ("{{ with printf `" + selector + "` $labels.instance $labels.model_name | query }}"
-            "{{ . | first | value | printf \"" + fmt + "\" }}{{ else }}n/a{{ end }}")
+    return (
+        "{{ with printf `" + selector + "` $labels.instance $labels.model_name | query }}"
+        '{{ . | first | value | printf "' + fmt + '" }}{{ else }}n/a{{ end }}'
+    )
 
 
 _MODEL_ON_TARGET = "{{ $labels.model_name }} on {{ $labels.instance }}"
@@ -145,22 +160,28 @@ _WHERE = f"model {_MODEL_ON_TARGET}"
 
 
 def _most_skipped_layers(b: AlertBuild) -> str:
-    return ("{{ range printf `topk(3, " + b.recorded.skip_ratio_by_layer
-            + "{instance=%q,model_name=%q})` $labels.instance $labels.model_name | query }}"
-            "{{ .Labels.layer }} ({{ .Value | printf \"" + RATIO_FORMAT + "\" }}) {{ end }}")
+    return (
+        "{{ range printf `topk(3, "
+        + b.recorded.skip_ratio_by_layer
+        + "{instance=%q,model_name=%q})` $labels.instance $labels.model_name | query }}"
+        '{{ .Labels.layer }} ({{ .Value | printf "' + RATIO_FORMAT + '" }}) {{ end }}'
+    )
 
 
 # --- common alerts (no profile) -------------------------------------------------------------------
 
+
 @alert("LayerwatchTargetDown", severities=(PAGE,), default_for="2m")
 def target_down(b: AlertBuild) -> list[dict]:
     jobs = "|".join((config.SHIM_JOB, config.EXPORTER_JOB))
-    return [b.rule(
-        f'up{{job=~"{jobs}"}} == 0',
-        "A layerwatch shim or exporter cannot be scraped.",
-        "Prometheus cannot scrape {{ $labels.job }} at {{ $labels.instance }}; the other "
-        "layerwatch alerts of this target are inhibited while it is down.",
-    )]
+    return [
+        b.rule(
+            f'up{{job=~"{jobs}"}} == 0',
+            "A layerwatch shim or exporter cannot be scraped.",
+            "Prometheus cannot scrape {{ $labels.job }} at {{ $labels.instance }}; the other "
+            "layerwatch alerts of this target are inhibited while it is down.",
+        )
+    ]
 
 
 # A change is an event: notify at once (the alert stays up for the change window).
@@ -168,77 +189,103 @@ def target_down(b: AlertBuild) -> list[dict]:
 def gate_weights_changed(b: AlertBuild) -> list[dict]:
     change_window = b.timing(config.GATE_CHANGE_WINDOW)
     served = f"max_over_time(layerwatch_model_info{{{config.SHIM_SELECTOR}}}[{change_window}])"
-    hashes_query = (f"max by (instance, gates_sha256) (max_over_time(layerwatch_model_info"
-                    f"{{{config.SHIM_SELECTOR},model_name=%q}}[{change_window}]))")
-    return [b.rule(
-        # Counted across instances, so that a rolling deploy (new instances) is seen too; a
-        # restart with the same weights keeps one gates_sha256 and does not fire.
-        f"count by (model_name) (\n  count by (model_name, gates_sha256) ({served})\n) > 1",
-        "The gate weights served for a model changed.",
-        "Model {{ $labels.model_name }} served {{ $value }} different gate weights within "
-        f"{change_window}: "
-        "{{ range printf `" + hashes_query + "` $labels.model_name | query }}"
-        "{{ .Labels.instance }}={{ .Labels.gates_sha256 }} {{ end }}"
-        "- check that the change was intended.",
-    )]
+    hashes_query = (
+        f"max by (instance, gates_sha256) (max_over_time(layerwatch_model_info"
+        f"{{{config.SHIM_SELECTOR},model_name=%q}}[{change_window}]))"
+    )
+    return [
+        b.rule(
+            # Counted across instances, so that a rolling deploy (new instances) is seen too; a
+            # restart with the same weights keeps one gates_sha256 and does not fire.
+            f"count by (model_name) (\n  count by (model_name, gates_sha256) ({served})\n) > 1",
+            "The gate weights served for a model changed.",
+            "Model {{ $labels.model_name }} served {{ $value }} different gate weights within "
+            f"{change_window}: "
+            "{{ range printf `" + hashes_query + "` $labels.model_name | query }}"
+            "{{ .Labels.instance }}={{ .Labels.gates_sha256 }} {{ end }}"
+            "- check that the change was intended.",
+        )
+    ]
 
 
 # An addition to the field's alert set (docs/alerting.md): a gate file replaced on disk that the
 # shim refused to load.
 @alert("LayerwatchGateFileRejected", severities=(TICKET,), default_for="5m")
 def gate_file_rejected(b: AlertBuild) -> list[dict]:
-    return [b.rule(
-        f"max by (job, instance, model_name) (layerwatch_gate_file_rejected{{{config.SHIM_SELECTOR}}}) == 1",
-        "A replaced gate file was rejected; the shim keeps serving the gates it had.",
-        "The gate file of model {{ $labels.model_name }} at {{ $labels.instance }} was replaced on "
-        "disk with one the shim refused (incomplete, invalid, or for another model or policy); the "
-        "previously loaded gates keep serving, and a restart would fail to start. See the shim's log.",
-    )]
+    return [
+        b.rule(
+            f"max by (job, instance, model_name) (layerwatch_gate_file_rejected{{{config.SHIM_SELECTOR}}}) == 1",
+            "A replaced gate file was rejected; the shim keeps serving the gates it had.",
+            "The gate file of model {{ $labels.model_name }} at {{ $labels.instance }} was replaced on "
+            "disk with one the shim refused (incomplete, invalid, or for another model or policy); the "
+            "previously loaded gates keep serving, and a restart would fail to start. See the shim's log.",
+        )
+    ]
 
 
 # --- per-model alerts (thresholds from the profile) -------------------------------------------------
+
 
 @alert("LayerwatchEntropySinglePeak", severities=(PAGE,), default_for="10m", reads=("bimodality",))
 def entropy_single_peak(b: AlertBuild) -> list[dict]:
     bp = b.profile.bimodality
     exporter = f"{config.EXPORTER_SELECTOR}, {b.selector}"
-    baseline = ", ".join(
-        f"{label} {value}" for label, value in (
-            ("peaks", bp.peaks), ("bimodality coefficient", bp.bimodality_coefficient),
-            ("dip", bp.dip), ("dip p-value", bp.dip_p_value)) if value is not None
-    ) or "not recorded in the profile"
-    return [b.rule(
-        # The exporter withholds the verdict below its own minimum window; the profile may ask for more.
-        f"layerwatch_entropy_bimodal{{{exporter}}} == 0\n"
-        f"and on ({BY_MODEL})\n"
-        f"layerwatch_entropy_window_observations{{{exporter}}} >= {bp.min_observations}",
-        "The gate entropy distribution is no longer bimodal (a single peak).",
-        f"The entropy window of {_WHERE} holds "
-        + _lookup("layerwatch_entropy_window_observations", "%.0f")
-        + " entropies and is not bimodal: bimodality coefficient "
-        + _lookup("layerwatch_entropy_bimodality_coefficient")
-        + ", dip " + _lookup("layerwatch_entropy_dip")
-        + " (p = " + _lookup("layerwatch_entropy_dip_p_value") + "), "
-        + _lookup("layerwatch_entropy_peaks", "%.0f")
-        + f" peak(s). Healthy baseline: {baseline}. Gating has degraded into static "
-        "pruning or noise; the usual cause is gate weights overwritten or not loaded.",
-    )]
+    baseline = (
+        ", ".join(
+            f"{label} {value}"
+            for label, value in (
+                ("peaks", bp.peaks),
+                ("bimodality coefficient", bp.bimodality_coefficient),
+                ("dip", bp.dip),
+                ("dip p-value", bp.dip_p_value),
+            )
+            if value is not None
+        )
+        or "not recorded in the profile"
+    )
+    return [
+        b.rule(
+            # The exporter withholds the verdict below its own minimum window; the profile may ask for more.
+            f"layerwatch_entropy_bimodal{{{exporter}}} == 0\n"
+            f"and on ({BY_MODEL})\n"
+            f"layerwatch_entropy_window_observations{{{exporter}}} >= {bp.min_observations}",
+            "The gate entropy distribution is no longer bimodal (a single peak).",
+            f"The entropy window of {_WHERE} holds "
+            + _lookup("layerwatch_entropy_window_observations", "%.0f")
+            + " entropies and is not bimodal: bimodality coefficient "
+            + _lookup("layerwatch_entropy_bimodality_coefficient")
+            + ", dip "
+            + _lookup("layerwatch_entropy_dip")
+            + " (p = "
+            + _lookup("layerwatch_entropy_dip_p_value")
+            + "), "
+            + _lookup("layerwatch_entropy_peaks", "%.0f")
+            + f" peak(s). Healthy baseline: {baseline}. Gating has degraded into static "
+            "pruning or noise; the usual cause is gate weights overwritten or not loaded.",
+        )
+    ]
 
 
-@alert("LayerwatchRunawaySkipping", severities=(PAGE,), default_for="5m",
-       reads=("runaway_skip_ratio", "runaway_fallbacks_per_minute"))
+@alert(
+    "LayerwatchRunawaySkipping",
+    severities=(PAGE,),
+    default_for="5m",
+    reads=("runaway_skip_ratio", "runaway_fallbacks_per_minute"),
+)
 def runaway_skipping(b: AlertBuild) -> list[dict]:
     p, r = b.profile, b.recorded
     summary = "Almost every layer is being skipped."
     return [
         b.rule(
-            f"{r.skip_ratio}{{{b.selector}}} > {p.runaway_skip_ratio}", summary,
+            f"{r.skip_ratio}{{{b.selector}}} > {p.runaway_skip_ratio}",
+            summary,
             f"The skip ratio of {_WHERE} is {_value()}, above the runaway limit "
             f"{p.runaway_skip_ratio}. Most skipped layers: {_most_skipped_layers(b)}",
             labels={"trigger": "skip_ratio"},
         ),
         b.rule(
-            f"{r.fallbacks_rate}{{{b.selector}}} * 60 > {p.runaway_fallbacks_per_minute}", summary,
+            f"{r.fallbacks_rate}{{{b.selector}}} * 60 > {p.runaway_fallbacks_per_minute}",
+            summary,
             f"Model {_MODEL_ON_TARGET} keeps falling back to full depth: {_value('%.2f')} "
             f"fallbacks per minute (limit {p.runaway_fallbacks_per_minute}), sustained for "
             f"{b.for_}. Skip ratio: " + _lookup(r.skip_ratio) + ".",
@@ -247,46 +294,53 @@ def runaway_skipping(b: AlertBuild) -> list[dict]:
     ]
 
 
-@alert("LayerwatchSkipRateSurge", severities=(TICKET,), default_for="5m",
-       reads=("skip_surge_factor", "skip_ratio_normal"))
+@alert(
+    "LayerwatchSkipRateSurge", severities=(TICKET,), default_for="5m", reads=("skip_surge_factor", "skip_ratio_normal")
+)
 def skip_rate_surge(b: AlertBuild) -> list[dict]:
     p, r = b.profile, b.recorded
     # The floor at the normal skip ratio keeps a jump from 1 % to 3 % (3x, but harmless) quiet.
-    return [b.rule(
-        f"{r.skip_ratio}{{{b.selector}}}\n> {p.skip_surge_factor} * {r.skip_ratio_baseline}{{{b.selector}}}\n"
-        f"and\n{r.skip_ratio}{{{b.selector}}} > {p.skip_ratio_normal}",
-        "The skip ratio jumped far above its own recent baseline.",
-        f"The skip ratio of {_WHERE} is {_value()}, more than {p.skip_surge_factor}x its "
-        f"{b.timing(config.SKIP_BASELINE_WINDOW)} baseline " + _lookup(r.skip_ratio_baseline)
-        + f" (healthy: {p.skip_ratio_normal}). Most skipped layers: {_most_skipped_layers(b)}",
-    )]
+    return [
+        b.rule(
+            f"{r.skip_ratio}{{{b.selector}}}\n> {p.skip_surge_factor} * {r.skip_ratio_baseline}{{{b.selector}}}\n"
+            f"and\n{r.skip_ratio}{{{b.selector}}} > {p.skip_ratio_normal}",
+            "The skip ratio jumped far above its own recent baseline.",
+            f"The skip ratio of {_WHERE} is {_value()}, more than {p.skip_surge_factor}x its "
+            f"{b.timing(config.SKIP_BASELINE_WINDOW)} baseline "
+            + _lookup(r.skip_ratio_baseline)
+            + f" (healthy: {p.skip_ratio_normal}). Most skipped layers: {_most_skipped_layers(b)}",
+        )
+    ]
 
 
 def _entropy_band(b: AlertBuild, series: str, band_field: str, what: str) -> list[dict]:
     band = getattr(b.profile, band_field)
-    return [b.rule(
-        f"{series}{{{b.ran}}} < {band.low}\nor\n{series}{{{b.ran}}} > {band.high}",
-        f"The {what} of active-layer gate entropy left the model's healthy band.",
-        f"The entropy {what} of the layers that ran, {_WHERE}, is {_value()}; "
-        f"healthy band {band.low}-{band.high}.",
-    )]
+    return [
+        b.rule(
+            f"{series}{{{b.ran}}} < {band.low}\nor\n{series}{{{b.ran}}} > {band.high}",
+            f"The {what} of active-layer gate entropy left the model's healthy band.",
+            f"The entropy {what} of the layers that ran, {_WHERE}, is {_value()}; healthy band {band.low}-{band.high}.",
+        )
+    ]
 
 
-@alert("LayerwatchEntropyMeanOutOfBand", severities=(TICKET,), default_for="15m",
-       reads=("entropy_mean",))
+@alert("LayerwatchEntropyMeanOutOfBand", severities=(TICKET,), default_for="15m", reads=("entropy_mean",))
 def entropy_mean_out_of_band(b: AlertBuild) -> list[dict]:
     return _entropy_band(b, b.recorded.entropy_mean_by_decision, "entropy_mean", "mean")
 
 
-@alert("LayerwatchEntropySpreadOutOfBand", severities=(TICKET,), default_for="15m",
-       reads=("entropy_std",))
+@alert("LayerwatchEntropySpreadOutOfBand", severities=(TICKET,), default_for="15m", reads=("entropy_std",))
 def entropy_spread_out_of_band(b: AlertBuild) -> list[dict]:
     return _entropy_band(b, b.recorded.entropy_std_by_decision, "entropy_std", "standard deviation")
 
 
 # Two tiers of one alert: Alertmanager's critical-inhibits-warning rule keeps one notification.
-@alert("LayerwatchZeroEntropyRatioHigh", severities=(TICKET, PAGE), default_for="10m",
-       reads=("zero_ratio", "zero_ratio_page"))
+@alert(
+    "LayerwatchZeroEntropyRatioHigh",
+    severities=(TICKET, PAGE),
+    default_for="10m",
+    reads=("zero_ratio", "zero_ratio_page"),
+)
 def zero_entropy_ratio_high(b: AlertBuild) -> list[dict]:
     p = b.profile
     return [
@@ -309,38 +363,43 @@ def zero_entropy_ratio_high(b: AlertBuild) -> list[dict]:
 def entropy_drift(b: AlertBuild) -> list[dict]:
     p, r = b.profile, b.recorded
     window = b.timing(p.drift.window)
-    return [b.rule(
-        f"stddev_over_time({r.entropy_mean_by_decision}{{{b.ran}}}[{window}]) > {p.drift.limit}",
-        "The active-layer entropy mean is drifting.",
-        f"The {window} standard deviation of the entropy mean of {_WHERE} is {_value()}, "
-        f"above {p.drift.limit}. Current mean: "
-        + _lookup(r.entropy_mean_by_decision, matchers='decision="run",') + ".",
-    )]
+    return [
+        b.rule(
+            f"stddev_over_time({r.entropy_mean_by_decision}{{{b.ran}}}[{window}]) > {p.drift.limit}",
+            "The active-layer entropy mean is drifting.",
+            f"The {window} standard deviation of the entropy mean of {_WHERE} is {_value()}, "
+            f"above {p.drift.limit}. Current mean: "
+            + _lookup(r.entropy_mean_by_decision, matchers='decision="run",')
+            + ".",
+        )
+    ]
 
 
-@alert("LayerwatchShadowAgreementLow", severities=(PAGE,), default_for="10m",
-       reads=("shadow_agreement_min",))
+@alert("LayerwatchShadowAgreementLow", severities=(PAGE,), default_for="10m", reads=("shadow_agreement_min",))
 def shadow_agreement_low(b: AlertBuild) -> list[dict]:
     p, r = b.profile, b.recorded
-    return [b.rule(
-        f"{r.shadow_agreement_ratio}{{{b.selector}}} < {p.shadow_agreement_min}",
-        "Full-depth re-checks disagree with the gated output too often.",
-        f"Only {_value()} of the shadow-checked tokens of {_WHERE} had the same top-1 token at "
-        f"full depth (minimum {p.shadow_agreement_min}). Skip ratio: " + _lookup(r.skip_ratio) + ".",
-    )]
+    return [
+        b.rule(
+            f"{r.shadow_agreement_ratio}{{{b.selector}}} < {p.shadow_agreement_min}",
+            "Full-depth re-checks disagree with the gated output too often.",
+            f"Only {_value()} of the shadow-checked tokens of {_WHERE} had the same top-1 token at "
+            f"full depth (minimum {p.shadow_agreement_min}). Skip ratio: " + _lookup(r.skip_ratio) + ".",
+        )
+    ]
 
 
-@alert("LayerwatchTelemetryLoss", severities=(TICKET,), default_for="10m",
-       reads=("telemetry_loss_max",))
+@alert("LayerwatchTelemetryLoss", severities=(TICKET,), default_for="10m", reads=("telemetry_loss_max",))
 def telemetry_loss(b: AlertBuild) -> list[dict]:
     p = b.profile
-    return [b.rule(
-        f"{b.recorded.telemetry_loss_ratio}{{{b.selector}}} > {p.telemetry_loss_max}",
-        "Gate frames are lost between the shim and the exporter.",
-        "The exporter at {{ $labels.instance }} missed " + _value() + " of the gate frames of "
-        f"model {{{{ $labels.model_name }}}} (limit {p.telemetry_loss_max}); entropy statistics "
-        "are incomplete.",
-    )]
+    return [
+        b.rule(
+            f"{b.recorded.telemetry_loss_ratio}{{{b.selector}}} > {p.telemetry_loss_max}",
+            "Gate frames are lost between the shim and the exporter.",
+            "The exporter at {{ $labels.instance }} missed " + _value() + " of the gate frames of "
+            f"model {{{{ $labels.model_name }}}} (limit {p.telemetry_loss_max}); entropy statistics "
+            "are incomplete.",
+        )
+    ]
 
 
 # --- derived from the specs above ------------------------------------------------------------------

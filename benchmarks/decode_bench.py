@@ -29,18 +29,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepRecord  # noqa: E402
-from inference_shim.runtime.model import KV_POLICIES, GateBank, ModelConfig, Transformer  # noqa: E402
-from inference_shim.runtime.skip_policy import SkipPolicyConfig  # noqa: E402
-from inference_shim.runtime.tokenizer import Tokenizer  # noqa: E402
-from tokenizers import Tokenizer as BackendTokenizer  # noqa: E402
-from tokenizers import models  # noqa: E402
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import models
+
+from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepRecord
+from inference_shim.runtime.model import KV_POLICIES, GateBank, ModelConfig, Transformer
+from inference_shim.runtime.skip_policy import SkipPolicyConfig
+from inference_shim.runtime.tokenizer import Tokenizer
 
 
 def build_model(layers: int, hidden: int, vocab: int) -> Transformer:
-    config = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                         num_layers=layers, num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256),
-                         head_dim=64, max_position_embeddings=4096)
+    config = ModelConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_layers=layers,
+        num_heads=hidden // 64,
+        num_kv_heads=max(1, hidden // 256),
+        head_dim=64,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     model = Transformer(config).eval()
     with torch.no_grad():
@@ -63,15 +71,24 @@ def forced_policy(num_layers: int, fraction: float) -> SkipPolicyConfig:
     return SkipPolicyConfig(threshold=1.0, patience=1, protected_layers=protected)
 
 
-def decode_steps(model: Transformer, tokenizer: Tokenizer, policy: SkipPolicyConfig, kv_policy: str,
-                 prompt: list[int], tokens: int) -> tuple[list[float], list[float], float]:
+def decode_steps(
+    model: Transformer, tokenizer: Tokenizer, policy: SkipPolicyConfig, kv_policy: str, prompt: list[int], tokens: int
+) -> tuple[list[float], list[float], float]:
     """-> (wall seconds and CPU seconds of each decode step after the first, mean layers run per token).
 
     The first step is left out: it holds the prefill and runs full depth (patience).
     """
     records: list[StepRecord] = []
-    engine = GenerationEngine(model, tokenizer, model_name="bench", policy=policy, kv_policy=kv_policy,
-                              max_batch_size=1, max_seq_len=len(prompt) + tokens + 1, step_hook=records.append)
+    engine = GenerationEngine(
+        model,
+        tokenizer,
+        model_name="bench",
+        policy=policy,
+        kv_policy=kv_policy,
+        max_batch_size=1,
+        max_seq_len=len(prompt) + tokens + 1,
+        step_hook=records.append,
+    )
     engine.submit(prompt, SamplingParams(max_tokens=tokens))
     cpu: list[float] = []
     while engine.has_work():
@@ -92,14 +109,22 @@ def skippable_share(model: Transformer, tokenizer: Tokenizer, prompt: list[int],
     starts: list[float] = []
     ends: list[float] = []
     clock = time.thread_time
-    handles = [block.self_attn.q_proj.register_forward_pre_hook(lambda *_: starts.append(clock()))
-               for block in model.layers]
-    handles += [block.input_layernorm.register_forward_pre_hook(lambda *_: ends.append(clock()))
-                for block in model.layers[1:]]
+    handles = [
+        block.self_attn.q_proj.register_forward_pre_hook(lambda *_: starts.append(clock())) for block in model.layers
+    ]
+    handles += [
+        block.input_layernorm.register_forward_pre_hook(lambda *_: ends.append(clock())) for block in model.layers[1:]
+    ]
     handles.append(model.norm.register_forward_pre_hook(lambda *_: ends.append(clock())))
     L = len(model.layers)
-    engine = GenerationEngine(model, tokenizer, model_name="bench", policy=SkipPolicyConfig(threshold=0.0),
-                              max_batch_size=1, max_seq_len=len(prompt) + tokens + 1)
+    engine = GenerationEngine(
+        model,
+        tokenizer,
+        model_name="bench",
+        policy=SkipPolicyConfig(threshold=0.0),
+        max_batch_size=1,
+        max_seq_len=len(prompt) + tokens + 1,
+    )
     engine.submit(prompt, SamplingParams(max_tokens=tokens))
     shares: list[float] = []
     try:
@@ -130,8 +155,10 @@ def main() -> int:
     prompt = list(range(1, 17))
     L = args.layers
 
-    configs = [("no gates", None, SkipPolicyConfig(threshold=0.0), "project"),
-               ("gates, tau=0", gates, SkipPolicyConfig(threshold=0.0), "project")]
+    configs = [
+        ("no gates", None, SkipPolicyConfig(threshold=0.0), "project"),
+        ("gates, tau=0", gates, SkipPolicyConfig(threshold=0.0), "project"),
+    ]
     for fraction in (0.25, 0.5):
         for kv_policy in KV_POLICIES:
             configs.append((f"skip {fraction:.0%} ({kv_policy})", gates, forced_policy(L, fraction), kv_policy))
@@ -153,8 +180,10 @@ def main() -> int:
     cpu_rate = {name: 1.0 / statistics.median(values) for name, values in cpu.items()}
 
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: {L} layers, d={args.hidden}, {params / 1e6:.1f} M parameters (fp32), vocab {args.vocab}; "
-          f"batch 1, {args.repeats} x {args.tokens} decode steps, median step time, one torch thread")
+    print(
+        f"model: {L} layers, d={args.hidden}, {params / 1e6:.1f} M parameters (fp32), vocab {args.vocab}; "
+        f"batch 1, {args.repeats} x {args.tokens} decode steps, median step time, one torch thread"
+    )
     print(f"w (share of a full-depth step in attention + FFN, per-layer profile) = {w:.3f}")
     print()
     header = f"{'configuration':<24} {'tokens/s':>9} {'tokens/cpu-s':>12} {'layers run':>10}"
@@ -168,8 +197,10 @@ def main() -> int:
             line += f" {speedup:>9.3f} {ideal:>7.3f} {speedup / ideal:>15.3f}"
         print(line)
     print()
-    print(f"gate overhead: tokens/s(gates, tau=0) / tokens/s(no gates) = {base / cpu_rate['no gates']:.3f} "
-          f"(goal >= 0.97; wall clock: {wall_rate['gates, tau=0'] / wall_rate['no gates']:.3f})")
+    print(
+        f"gate overhead: tokens/s(gates, tau=0) / tokens/s(no gates) = {base / cpu_rate['no gates']:.3f} "
+        f"(goal >= 0.97; wall clock: {wall_rate['gates, tau=0'] / wall_rate['no gates']:.3f})"
+    )
     print("speed-up: against gates with tau=0, CPU clock; realised/ideal goal >= 0.90")
     return 0
 

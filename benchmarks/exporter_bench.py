@@ -23,11 +23,11 @@ from prometheus_client import generate_latest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from exporter.collectors import build_registry  # noqa: E402
-from exporter.exposition import TextEncoder  # noqa: E402
-from exporter.state import ExporterConfig, ExporterState  # noqa: E402
-from layerwatch.statistics import check_bimodality  # noqa: E402
-from layerwatch.wire import GateFrame, encode_frame  # noqa: E402
+from exporter.collectors import build_registry
+from exporter.exposition import TextEncoder
+from exporter.state import ExporterConfig, ExporterState
+from layerwatch.statistics import check_bimodality
+from layerwatch.wire import GateFrame, encode_frame
 
 MODELS, LAYERS, WINDOW = 4, 80, 50_000
 
@@ -87,9 +87,11 @@ def bench_render() -> dict[str, tuple[float, float]]:
     warm_registry = build_registry(filled_state(per_layer=True, cache_seconds=3600))
     encoder = TextEncoder()
     encoder.encode(warm_registry)  # the first scrape renders and remembers every series' text
-    results = {"page KiB": (len(encoder.encode(warm_registry)) / 1024, 0.0),
-               "cached window statistics": median_ms(lambda: encoder.encode(warm_registry), 30),
-               "prometheus_client generate_latest": median_ms(lambda: generate_latest(warm_registry), 5)}
+    results = {
+        "page KiB": (len(encoder.encode(warm_registry)) / 1024, 0.0),
+        "cached window statistics": median_ms(lambda: encoder.encode(warm_registry), 30),
+        "prometheus_client generate_latest": median_ms(lambda: generate_latest(warm_registry), 5),
+    }
 
     cold_state = filled_state(per_layer=True, cache_seconds=0)
     cold_registry = build_registry(cold_state)
@@ -119,8 +121,21 @@ def bench_live_exporter() -> dict[str, float]:
     it, syscalls included. Memory: its RSS after four 80-layer models have filled their windows.
     """
     process = subprocess.Popen(
-        [sys.executable, "-m", "layerwatch_cli.main", "exporter", "--per-layer", "--listen", "127.0.0.1:0",
-         "--http", "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "layerwatch_cli.main",
+            "exporter",
+            "--per-layer",
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = process.stderr.readline()
         udp_port, http_port = map(int, re.search(r"udp://[\d.]+:(\d+), serving http://[\d.]+:(\d+)", line).groups())
@@ -128,8 +143,13 @@ def bench_live_exporter() -> dict[str, float]:
 
         def scrape() -> tuple[float, float, float, float]:
             page = urllib.request.urlopen(url, timeout=10).read().decode()
-            received, lost = (sum(float(v) for v in re.findall(
-                rf"^layerwatch_exporter_frames_{kind}_total\{{.*\}} (\S+)$", page, re.M)) for kind in ("received", "lost"))
+            received, lost = (
+                sum(
+                    float(v)
+                    for v in re.findall(rf"^layerwatch_exporter_frames_{kind}_total\{{.*\}} (\S+)$", page, re.M)
+                )
+                for kind in ("received", "lost")
+            )
             cpu = float(re.search(r"^process_cpu_seconds_total (\S+)$", page, re.M)[1])
             rss = float(re.search(r"^process_resident_memory_bytes (\S+)$", page, re.M)[1])
             return received, lost, cpu, rss
@@ -141,12 +161,18 @@ def bench_live_exporter() -> dict[str, float]:
         _, _, cpu_before, _ = scrape()
         sent, start = 0, time.perf_counter()
         while time.perf_counter() - start < 2.0:  # sequence numbers run on, so drops count as lost
-            sender.sendto(encode_frame(GateFrame("throughput", "bench", sent, entropies, entropies < 0.18, 0.18)), address)
+            sender.sendto(
+                encode_frame(GateFrame("throughput", "bench", sent, entropies, entropies < 0.18, 0.18)), address
+            )
             sent += 1
         time.sleep(1.0)
         received, lost, cpu_after, _ = scrape()
-        results = {"sent": sent, "received": received, "lost": lost,
-                   "entropies per exporter CPU second": received * rows * layers / (cpu_after - cpu_before)}
+        results = {
+            "sent": sent,
+            "received": received,
+            "lost": lost,
+            "entropies per exporter CPU second": received * rows * layers / (cpu_after - cpu_before),
+        }
 
         for model in range(MODELS):
             for data in encoded_frames(8, LAYERS, WINDOW // (8 * LAYERS) + 1, model=f"model-{model}"):
@@ -166,21 +192,28 @@ def main() -> None:
     print("ingest (decode + statistics, one thread, per CPU second):")
     for rows, layers, per_layer in [(1, 32, False), (2, 32, False), (8, 32, False), (32, 80, False), (8, 80, True)]:
         rate, frames = bench_ingest(rows, layers, per_layer)
-        print(f"  {rows:>2} rows x {layers} layers{' --per-layer' if per_layer else '':12}: "
-              f"{rate / 1e6:6.2f} M entropies/s  ({frames:,.0f} frames/s)")
+        print(
+            f"  {rows:>2} rows x {layers} layers{' --per-layer' if per_layer else '':12}: "
+            f"{rate / 1e6:6.2f} M entropies/s  ({frames:,.0f} frames/s)"
+        )
     render = bench_render()
-    print(f"/metrics render, --per-layer, {MODELS} models x {LAYERS} layers, "
-          f"{render.pop('page KiB')[0]:.0f} KiB (median wall / CPU ms):")
+    print(
+        f"/metrics render, --per-layer, {MODELS} models x {LAYERS} layers, "
+        f"{render.pop('page KiB')[0]:.0f} KiB (median wall / CPU ms):"
+    )
     for case, (wall, cpu) in render.items():
         print(f"  {case:36}: {wall:6.1f} / {cpu:6.1f}")
     wall, cpu = bench_bimodality()
     print(f"bimodality check, {WINDOW:,}-observation window (wall / CPU ms): {wall:.1f} / {cpu:.1f}")
     live = bench_live_exporter()
-    print(f"live exporter over loopback UDP, 8 x 32 frames: {live['sent']:,.0f} sent, {live['received']:,.0f} "
-          f"received, {live['lost']:,.0f} counted lost;\n  {live['entropies per exporter CPU second'] / 1e6:.2f} M entropies "
-          f"per exporter CPU second")
-    print(f"resident memory, --per-layer, {MODELS} models x {LAYERS} layers, full windows: "
-          f"{live['resident MB']:.0f} MB")
+    print(
+        f"live exporter over loopback UDP, 8 x 32 frames: {live['sent']:,.0f} sent, {live['received']:,.0f} "
+        f"received, {live['lost']:,.0f} counted lost;\n  "
+        f"{live['entropies per exporter CPU second'] / 1e6:.2f} M entropies per exporter CPU second"
+    )
+    print(
+        f"resident memory, --per-layer, {MODELS} models x {LAYERS} layers, full windows: {live['resident MB']:.0f} MB"
+    )
 
 
 if __name__ == "__main__":

@@ -28,19 +28,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR  # noqa: E402
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepHook, StepRecord  # noqa: E402
-from inference_shim.runtime.model import GateBank, Transformer  # noqa: E402
-from inference_shim.service.metrics import DecodeStats  # noqa: E402
-from inference_shim.service.telemetry import FrameSender, StepTelemetry  # noqa: E402
-from inference_shim.runtime.skip_policy import SkipPolicyConfig  # noqa: E402
-from inference_shim.runtime.tokenizer import Tokenizer  # noqa: E402
+from decode_bench import bench_tokenizer, build_model
 
-from decode_bench import bench_tokenizer, build_model  # noqa: E402  (benchmarks/ is on sys.path)
+from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepHook, StepRecord
+from inference_shim.runtime.model import GateBank, Transformer
+from inference_shim.runtime.skip_policy import SkipPolicyConfig
+from inference_shim.runtime.tokenizer import Tokenizer
+from inference_shim.service.metrics import DecodeStats
+from inference_shim.service.telemetry import FrameSender, StepTelemetry
 
 # The exporter stand-in: binds a loopback UDP port, prints it, discards what arrives.
-RECEIVER = ("import socket,sys\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\ns.bind(('127.0.0.1',0))\n"
-            "print(s.getsockname()[1],flush=True)\nwhile True: s.recv(65536)\n")
+RECEIVER = (
+    "import socket,sys\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\ns.bind(('127.0.0.1',0))\n"
+    "print(s.getsockname()[1],flush=True)\nwhile True: s.recv(65536)\n"
+)
 
 
 def random_model(layers: int, hidden: int, vocab: int) -> tuple[Transformer, Tokenizer]:
@@ -55,8 +57,11 @@ def load_model(folder: Path) -> tuple[Transformer, Tokenizer]:
 
     loaded = load_checkpoint(folder)
     gates_path = folder / "gates.safetensors"
-    gates = load_gates(gates_path, loaded.model).gates if gates_path.is_file() else \
-        GateBank(loaded.config.num_layers, loaded.config.hidden_size).eval()
+    gates = (
+        load_gates(gates_path, loaded.model).gates
+        if gates_path.is_file()
+        else GateBank(loaded.config.num_layers, loaded.config.hidden_size).eval()
+    )
     loaded.model.attach_gates(gates)
     return loaded.model, loaded.tokenizer
 
@@ -78,10 +83,18 @@ class Run:
     cpu: float  # tokens per CPU second of this process (all its threads): immune to preemption
 
 
-def decode_run(model: Transformer, tokenizer: Tokenizer, hook: StepHook | None, batch: int,
-               tokens: int, prompt: list[int]) -> Run:
-    engine = GenerationEngine(model, tokenizer, model_name="bench", policy=SkipPolicyConfig(),
-                              max_batch_size=batch, max_seq_len=len(prompt) + tokens + 1, step_hook=hook)
+def decode_run(
+    model: Transformer, tokenizer: Tokenizer, hook: StepHook | None, batch: int, tokens: int, prompt: list[int]
+) -> Run:
+    engine = GenerationEngine(
+        model,
+        tokenizer,
+        model_name="bench",
+        policy=SkipPolicyConfig(),
+        max_batch_size=batch,
+        max_seq_len=len(prompt) + tokens + 1,
+        step_hook=hook,
+    )
     for _ in range(batch):
         engine.submit(prompt, SamplingParams(max_tokens=tokens))
     engine.step()  # admission (prefill) and the first step are outside the timed part
@@ -94,8 +107,9 @@ def decode_run(model: Transformer, tokenizer: Tokenizer, hook: StepHook | None, 
     return Run(decoded / (time.perf_counter() - wall), decoded / (time.process_time() - cpu))
 
 
-def hook_cost(model: Transformer, tokenizer: Tokenizer, hook: StepHook, batch: int, tokens: int,
-              prompt: list[int]) -> tuple[float, float]:
+def hook_cost(
+    model: Transformer, tokenizer: Tokenizer, hook: StepHook, batch: int, tokens: int, prompt: list[int]
+) -> tuple[float, float]:
     """-> (median seconds inside the hook per step, median seconds of the step without it)."""
     hook_times: list[float] = []
     step_times: list[float] = []
@@ -112,8 +126,12 @@ def hook_cost(model: Transformer, tokenizer: Tokenizer, hook: StepHook, batch: i
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the demo model "
-                                                                  "if trained, else a random model)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="checkpoint folder (default: the demo model if trained, else a random model)",
+    )
     parser.add_argument("--layers", type=int, default=12, help="random model: layers")
     parser.add_argument("--hidden", type=int, default=512, help="random model: width")
     parser.add_argument("--batch", type=int, default=4, help="concurrent sequences")
@@ -140,25 +158,33 @@ def main() -> int:
         for repetition in range(args.repetitions):
             order = ("off", "on") if repetition % 2 == 0 else ("on", "off")
             for mode in order:
-                runs[mode].append(decode_run(model, tokenizer, hook if mode == "on" else None,
-                                             args.batch, args.tokens, prompt))
+                runs[mode].append(
+                    decode_run(model, tokenizer, hook if mode == "on" else None, args.batch, args.tokens, prompt)
+                )
         hook_seconds, step_seconds = hook_cost(model, tokenizer, hook, args.batch, args.tokens, prompt)
     finally:
         receiver.kill()
     sender.close()
-    print(f"{described}; batch {args.batch}, {args.tokens} tokens per sequence, {args.repetitions} "
-          f"interleaved repetitions, torch threads {args.threads}")
+    print(
+        f"{described}; batch {args.batch}, {args.tokens} tokens per sequence, {args.repetitions} "
+        f"interleaved repetitions, torch threads {args.threads}"
+    )
     for mode in ("off", "on"):
         wall = [r.wall for r in runs[mode]]
-        print(f"telemetry {mode:3}: median {statistics.median(wall):7.1f} tokens/s, best {max(wall):7.1f} "
-              f"(runs {', '.join(f'{v:.0f}' for v in wall)}); "
-              f"{statistics.median(r.cpu for r in runs[mode]):7.1f} tokens per CPU second")
+        print(
+            f"telemetry {mode:3}: median {statistics.median(wall):7.1f} tokens/s, best {max(wall):7.1f} "
+            f"(runs {', '.join(f'{v:.0f}' for v in wall)}); "
+            f"{statistics.median(r.cpu for r in runs[mode]):7.1f} tokens per CPU second"
+        )
     print(f"frames sent {sender.sent}, dropped {sum(sender.dropped.values())}")
-    print(f"hook cost in the engine thread: {hook_seconds * 1e6:.0f} us per step of {step_seconds * 1e3:.2f} ms "
-          f"-> ratio {step_seconds / (step_seconds + hook_seconds):.4f}")
+    print(
+        f"hook cost in the engine thread: {hook_seconds * 1e6:.0f} us per step of {step_seconds * 1e3:.2f} ms "
+        f"-> ratio {step_seconds / (step_seconds + hook_seconds):.4f}"
+    )
     for measure in ("wall", "cpu"):
-        paired = statistics.median(getattr(on, measure) / getattr(off, measure)
-                                   for on, off in zip(runs["on"], runs["off"]))
+        paired = statistics.median(
+            getattr(on, measure) / getattr(off, measure) for on, off in zip(runs["on"], runs["off"])
+        )
         best = max(getattr(r, measure) for r in runs["on"]) / max(getattr(r, measure) for r in runs["off"])
         label = "tokens/s" if measure == "wall" else "tokens per CPU second"
         print(f"ratio on/off, {label}: median of paired runs {paired:.4f}, best runs {best:.4f} (goal >= 0.99)")

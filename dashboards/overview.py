@@ -11,10 +11,20 @@ from __future__ import annotations
 import json
 
 from grafana_foundation_sdk.builders import (
-    barchart, common as common_builders, dashboard, heatmap, prometheus, stat, table, timeseries,
+    barchart,
+    dashboard,
+    heatmap,
+    prometheus,
+    stat,
+    table,
+    timeseries,
+)
+from grafana_foundation_sdk.builders import (
+    common as common_builders,
 )
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models import common, dashboard as dashboard_models
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models import dashboard as dashboard_models
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from alerts.durations import Timing
@@ -37,12 +47,24 @@ class Panels:
         self.queries: list[tuple[str, str]] = []  # (panel title, expr)
         self._next_id = 1
 
-    def query(self, title: str, expr: str, legend: str = "", ref: str = "A",
-              fmt: PromQueryFormat = PromQueryFormat.TIME_SERIES,
-              instant: bool = False) -> prometheus.Dataquery:
+    def query(
+        self,
+        title: str,
+        expr: str,
+        legend: str = "",
+        ref: str = "A",
+        fmt: PromQueryFormat = PromQueryFormat.TIME_SERIES,
+        instant: bool = False,
+    ) -> prometheus.Dataquery:
         self.queries.append((title, expr))
-        q = (prometheus.Dataquery().expr(expr).ref_id(ref).datasource(DATASOURCE).format(fmt)
-             .legend_format(legend or "__auto"))
+        q = (
+            prometheus.Dataquery()
+            .expr(expr)
+            .ref_id(ref)
+            .datasource(DATASOURCE)
+            .format(fmt)
+            .legend_format(legend or "__auto")
+        )
         return q.instant() if instant else q.range()
 
     def row(self, title: str) -> dashboard.Row:
@@ -53,55 +75,114 @@ class Panels:
         return self._next_id - 1
 
     def _targets(self, title: str, targets: list[tuple[str, str]]) -> list[prometheus.Dataquery]:
-        return [self.query(title, expr, legend, chr(ord("A") + i))
-                for i, (expr, legend) in enumerate(targets)]
+        return [self.query(title, expr, legend, chr(ord("A") + i)) for i, (expr, legend) in enumerate(targets)]
 
-    def timeseries(self, title: str, description: str, unit: str,
-                   targets: list[tuple[str, str]], width: int = 12, limits: str = "",
-                   right_axis_ref: str | None = None, bars: bool = False) -> timeseries.Panel:
+    def timeseries(
+        self,
+        title: str,
+        description: str,
+        unit: str,
+        targets: list[tuple[str, str]],
+        width: int = 12,
+        limits: str = "",
+        right_axis_ref: str | None = None,
+        bars: bool = False,
+    ) -> timeseries.Panel:
         """A time series; series whose legend starts with `limits` are drawn as dashed lines."""
-        panel = (timeseries.Panel().id(self._id()).title(title).description(description)
-                 .datasource(DATASOURCE).unit(unit).span(width).height(8)
-                 .targets(self._targets(title, targets))
-                 .legend(common_builders.VizLegendOptions().show_legend(True)
-                         .display_mode(common.LegendDisplayMode.LIST)
-                         .placement(common.LegendPlacement.BOTTOM)))
+        panel = (
+            timeseries.Panel()
+            .id(self._id())
+            .title(title)
+            .description(description)
+            .datasource(DATASOURCE)
+            .unit(unit)
+            .span(width)
+            .height(8)
+            .targets(self._targets(title, targets))
+            .legend(
+                common_builders.VizLegendOptions()
+                .show_legend(True)
+                .display_mode(common.LegendDisplayMode.LIST)
+                .placement(common.LegendPlacement.BOTTOM)
+            )
+        )
         if bars:
             panel = panel.draw_style(common.GraphDrawStyle.BARS).fill_opacity(60)
         if limits:
-            panel = panel.override_by_regexp(f"^{limits}.*", [
-                dashboard_models.DynamicConfigValue("custom.lineStyle", {"fill": "dash", "dash": [10, 10]}),
-                dashboard_models.DynamicConfigValue("color", {"mode": "fixed", "fixedColor": "orange"}),
-            ])
+            panel = panel.override_by_regexp(
+                f"^{limits}.*",
+                [
+                    dashboard_models.DynamicConfigValue("custom.lineStyle", {"fill": "dash", "dash": [10, 10]}),
+                    dashboard_models.DynamicConfigValue("color", {"mode": "fixed", "fixedColor": "orange"}),
+                ],
+            )
         if right_axis_ref:
-            panel = panel.override_by_query(right_axis_ref, [
-                dashboard_models.DynamicConfigValue("custom.axisPlacement", "right"),
-                dashboard_models.DynamicConfigValue("unit", "percentunit"),
-            ])
+            panel = panel.override_by_query(
+                right_axis_ref,
+                [
+                    dashboard_models.DynamicConfigValue("custom.axisPlacement", "right"),
+                    dashboard_models.DynamicConfigValue("unit", "percentunit"),
+                ],
+            )
         return panel
 
-    def heatmap(self, title: str, description: str, expr: str, legend: str, cell_unit: str,
-                fmt: PromQueryFormat, width: int = 12) -> heatmap.Panel:
-        return (heatmap.Panel().id(self._id()).title(title).description(description)
-                .datasource(DATASOURCE).span(width).height(9)
-                .with_target(self.query(title, expr, legend, fmt=fmt))
-                .calculate(False)
-                .color(heatmap.HeatmapColorOptions().mode("scheme").scheme("Spectral")
-                       .scale("exponential").exponent(0.5).steps(64))
-                .cell_values(heatmap.CellValues().unit(cell_unit))
-                .y_axis(heatmap.YAxisConfig().axis_placement(common.AxisPlacement.LEFT))
-                .rows_frame(heatmap.RowsHeatmapOptions().layout(common.HeatmapCellLayout.AUTO)))
+    def heatmap(
+        self,
+        title: str,
+        description: str,
+        expr: str,
+        legend: str,
+        cell_unit: str,
+        fmt: PromQueryFormat,
+        width: int = 12,
+    ) -> heatmap.Panel:
+        return (
+            heatmap.Panel()
+            .id(self._id())
+            .title(title)
+            .description(description)
+            .datasource(DATASOURCE)
+            .span(width)
+            .height(9)
+            .with_target(self.query(title, expr, legend, fmt=fmt))
+            .calculate(False)
+            .color(
+                heatmap.HeatmapColorOptions()
+                .mode("scheme")
+                .scheme("Spectral")
+                .scale("exponential")
+                .exponent(0.5)
+                .steps(64)
+            )
+            .cell_values(heatmap.CellValues().unit(cell_unit))
+            .y_axis(heatmap.YAxisConfig().axis_placement(common.AxisPlacement.LEFT))
+            .rows_frame(heatmap.RowsHeatmapOptions().layout(common.HeatmapCellLayout.AUTO))
+        )
 
-    def stat(self, title: str, description: str, targets: list[tuple[str, str]],
-             unit: str = "none", width: int = 6,
-             mappings: list[dashboard_models.ValueMapping] | None = None,
-             no_value: str = "") -> stat.Panel:
-        panel = (stat.Panel().id(self._id()).title(title).description(description)
-                 .datasource(DATASOURCE).unit(unit).span(width).height(5)
-                 .targets(self._targets(title, targets))
-                 .reduce_options(common_builders.ReduceDataOptions().calcs(["lastNotNull"]))
-                 .color_mode(common.BigValueColorMode.VALUE)
-                 .graph_mode(common.BigValueGraphMode.NONE))
+    def stat(
+        self,
+        title: str,
+        description: str,
+        targets: list[tuple[str, str]],
+        unit: str = "none",
+        width: int = 6,
+        mappings: list[dashboard_models.ValueMapping] | None = None,
+        no_value: str = "",
+    ) -> stat.Panel:
+        panel = (
+            stat.Panel()
+            .id(self._id())
+            .title(title)
+            .description(description)
+            .datasource(DATASOURCE)
+            .unit(unit)
+            .span(width)
+            .height(5)
+            .targets(self._targets(title, targets))
+            .reduce_options(common_builders.ReduceDataOptions().calcs(["lastNotNull"]))
+            .color_mode(common.BigValueColorMode.VALUE)
+            .graph_mode(common.BigValueGraphMode.NONE)
+        )
         if mappings:
             panel = panel.mappings(mappings)
         if no_value:
@@ -110,183 +191,357 @@ class Panels:
 
 
 def _verdict_mappings() -> list[dashboard_models.ValueMapping]:
-    return [dashboard_models.ValueMap(options={
-        "1": dashboard_models.ValueMappingResult(text="bimodal (healthy)", color="green", index=0),
-        "0": dashboard_models.ValueMappingResult(text="single peak", color="red", index=1),
-    })]
+    return [
+        dashboard_models.ValueMap(
+            options={
+                "1": dashboard_models.ValueMappingResult(text="bimodal (healthy)", color="green", index=0),
+                "0": dashboard_models.ValueMappingResult(text="single peak", color="red", index=1),
+            }
+        )
+    ]
 
 
 def build() -> tuple[dict, list[tuple[str, str]]]:
     """The dashboard as JSON-ready data, and every (panel, query) it holds."""
     r = Recorded.for_timing(Timing())
     p = Panels()
-    d = (dashboard.Dashboard(TITLE).uid(UID).tags(["layerwatch"]).editable()
-         .description("Dynamic layer skipping: how much is skipped, whether the gates still decide "
-                      "(two entropy humps), what it saves and what it costs.")
-         .time("now-3h", "now").refresh("30s").timezone("browser")
-         .tooltip(dashboard_models.DashboardCursorSync.CROSSHAIR))
+    d = (
+        dashboard.Dashboard(TITLE)
+        .uid(UID)
+        .tags(["layerwatch"])
+        .editable()
+        .description(
+            "Dynamic layer skipping: how much is skipped, whether the gates still decide "
+            "(two entropy humps), what it saves and what it costs."
+        )
+        .time("now-3h", "now")
+        .refresh("30s")
+        .timezone("browser")
+        .tooltip(dashboard_models.DashboardCursorSync.CROSSHAIR)
+    )
     d = d.with_variable(
-        dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus")
-        .current(dashboard_models.VariableOption(text="Prometheus", value=config.GRAFANA_DATASOURCE_UID)))
+        dashboard.DatasourceVariable("datasource")
+        .label("Data source")
+        .type("prometheus")
+        .current(dashboard_models.VariableOption(text="Prometheus", value=config.GRAFANA_DATASOURCE_UID))
+    )
     model_query = "label_values(layerwatch_model_info, model_name)"
     instance_query = f"label_values(layerwatch_model_info{{{MODEL}}}, instance)"
-    p.queries += [("variable model", "layerwatch_model_info"),
-                  ("variable instance", f"layerwatch_model_info{{{MODEL}}}")]
+    p.queries += [
+        ("variable model", "layerwatch_model_info"),
+        ("variable instance", f"layerwatch_model_info{{{MODEL}}}"),
+    ]
     d = d.with_variable(
-        dashboard.QueryVariable("model").label("Model").datasource(DATASOURCE).query(model_query)
+        dashboard.QueryVariable("model")
+        .label("Model")
+        .datasource(DATASOURCE)
+        .query(model_query)
         .refresh(dashboard_models.VariableRefresh.ON_TIME_RANGE_CHANGED)
-        .sort(dashboard_models.VariableSort.ALPHABETICAL_ASC))
+        .sort(dashboard_models.VariableSort.ALPHABETICAL_ASC)
+    )
     d = d.with_variable(
-        dashboard.QueryVariable("instance").label("Shim instance").datasource(DATASOURCE)
-        .query(instance_query).multi(True).include_all(True).all_value(".*")
+        dashboard.QueryVariable("instance")
+        .label("Shim instance")
+        .datasource(DATASOURCE)
+        .query(instance_query)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
         .current(dashboard_models.VariableOption(text="All", value="$__all"))
         .refresh(dashboard_models.VariableRefresh.ON_TIME_RANGE_CHANGED)
-        .sort(dashboard_models.VariableSort.ALPHABETICAL_ASC))
+        .sort(dashboard_models.VariableSort.ALPHABETICAL_ASC)
+    )
 
     # --- skipping ---------------------------------------------------------------------------
     d = d.with_row(p.row("Skipping"))
-    d = d.with_panel(p.timeseries(
-        "Skip ratio", "Share of decode-time layer evaluations that skipped the layer, its 1h "
-        "baseline (LayerwatchSkipRateSurge) and the runaway limit of the model's profile.",
-        "percentunit", [
-            (f"{r.skip_ratio}{{{SHIM}}}", "{{instance}}"),
-            (f"{r.skip_ratio_baseline}{{{SHIM}}}", "1h baseline {{instance}}"),
-            (f"model_name:layerwatch_profile_skip_ratio:runaway{{{MODEL}}}", "limit: runaway"),
-            (f"model_name:layerwatch_profile_skip_ratio:normal{{{MODEL}}}", "limit: normal"),
-        ], width=8, limits="limit"))
-    d = d.with_panel(p.timeseries(
-        "Layers executed per token", "Mean and p95 of the layers that ran per decoded token.",
-        "none", [
-            (f"{r.layers_executed_mean}{{{SHIM}}}", "mean {{instance}}"),
-            (f"histogram_quantile(0.95, sum by (instance, le) (rate(layerwatch_layers_executed_bucket"
-             f"{{{SHIM}}}{RATE})))", "p95 {{instance}}"),
-        ], width=8))
-    d = d.with_panel(p.timeseries(
-        "Fallbacks", "Forced full-depth episodes per minute, by reason (LayerwatchRunawaySkipping).",
-        "none", [(f"sum by (reason) (rate(layerwatch_fallbacks_total{{{SHIM}}}{RATE})) * 60",
-                  "{{reason}} / min")], width=8, bars=True))
-    d = d.with_panel(p.heatmap(
-        "Per-layer skip ratio (layer × time)", "Skip ratio of every layer over time. An incident "
-        "shows as a few layers (rows) lighting up, like layers 8, 11 and 16 in the field's 21 % → "
-        "53 % surge. Layer numbers are zero-padded so that rows sort numerically.",
-        f'avg by (layer) (label_replace({r.skip_ratio_by_layer}{{{SHIM}}}, "layer", "0$1", "layer", '
-        f'"([0-9])"))', "{{layer}}", "percentunit", PromQueryFormat.TIME_SERIES, width=24))
+    d = d.with_panel(
+        p.timeseries(
+            "Skip ratio",
+            "Share of decode-time layer evaluations that skipped the layer, its 1h "
+            "baseline (LayerwatchSkipRateSurge) and the runaway limit of the model's profile.",
+            "percentunit",
+            [
+                (f"{r.skip_ratio}{{{SHIM}}}", "{{instance}}"),
+                (f"{r.skip_ratio_baseline}{{{SHIM}}}", "1h baseline {{instance}}"),
+                (f"model_name:layerwatch_profile_skip_ratio:runaway{{{MODEL}}}", "limit: runaway"),
+                (f"model_name:layerwatch_profile_skip_ratio:normal{{{MODEL}}}", "limit: normal"),
+            ],
+            width=8,
+            limits="limit",
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Layers executed per token",
+            "Mean and p95 of the layers that ran per decoded token.",
+            "none",
+            [
+                (f"{r.layers_executed_mean}{{{SHIM}}}", "mean {{instance}}"),
+                (
+                    f"histogram_quantile(0.95, sum by (instance, le) (rate(layerwatch_layers_executed_bucket"
+                    f"{{{SHIM}}}{RATE})))",
+                    "p95 {{instance}}",
+                ),
+            ],
+            width=8,
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Fallbacks",
+            "Forced full-depth episodes per minute, by reason (LayerwatchRunawaySkipping).",
+            "none",
+            [(f"sum by (reason) (rate(layerwatch_fallbacks_total{{{SHIM}}}{RATE})) * 60", "{{reason}} / min")],
+            width=8,
+            bars=True,
+        )
+    )
+    d = d.with_panel(
+        p.heatmap(
+            "Per-layer skip ratio (layer × time)",
+            "Skip ratio of every layer over time. An incident "
+            "shows as a few layers (rows) lighting up, like layers 8, 11 and 16 in the field's 21 % → "
+            "53 % surge. Layer numbers are zero-padded so that rows sort numerically.",
+            f'avg by (layer) (label_replace({r.skip_ratio_by_layer}{{{SHIM}}}, "layer", "0$1", "layer", "([0-9])"))',
+            "{{layer}}",
+            "percentunit",
+            PromQueryFormat.TIME_SERIES,
+            width=24,
+        )
+    )
 
     # --- gate entropy -----------------------------------------------------------------------
     d = d.with_row(p.row("Gate entropy"))
-    d = d.with_panel(p.timeseries(
-        "Entropy mean vs healthy band", "Mean gate entropy of the layers that ran (the band of "
-        "LayerwatchEntropyMeanOutOfBand) and of all layers, with the profile's band.", "none", [
-            (f'{r.entropy_mean_by_decision}{{{EXPORTER}, decision="run"}}', "mean (ran)"),
-            (f"{r.entropy_mean}{{{EXPORTER}}}", "mean (all layers)"),
-            (f"model_name:layerwatch_profile_entropy_mean:low{{{MODEL}}}", "band low"),
-            (f"model_name:layerwatch_profile_entropy_mean:high{{{MODEL}}}", "band high"),
-        ], width=8, limits="band"))
-    d = d.with_panel(p.timeseries(
-        "Entropy std vs healthy band", "Standard deviation of the gate entropy of the layers that "
-        "ran (LayerwatchEntropySpreadOutOfBand), with the profile's band.", "none", [
-            (f'{r.entropy_std_by_decision}{{{EXPORTER}, decision="run"}}', "std (ran)"),
-            (f"{r.entropy_std}{{{EXPORTER}}}", "std (all layers)"),
-            (f"model_name:layerwatch_profile_entropy_std:low{{{MODEL}}}", "band low"),
-            (f"model_name:layerwatch_profile_entropy_std:high{{{MODEL}}}", "band high"),
-        ], width=8, limits="band"))
-    d = d.with_panel(p.timeseries(
-        "Zero-entropy ratio", "Share of gate entropies below 0.01, all layers "
-        "(LayerwatchZeroEntropyRatioHigh: warning above the band, page above the page limit).",
-        "percentunit", [
-            (f"{r.entropy_zero_ratio}{{{EXPORTER}}}", "zero-entropy ratio"),
-            (f"model_name:layerwatch_profile_zero_ratio:low{{{MODEL}}}", "band low"),
-            (f"model_name:layerwatch_profile_zero_ratio:high{{{MODEL}}}", "band high"),
-            (f"model_name:layerwatch_profile_zero_ratio:page{{{MODEL}}}", "band page"),
-        ], width=8, limits="band"))
-    d = d.with_panel(p.stat(
-        "Bimodality verdict", "The exporter's verdict on its sliding window: two humps is healthy; "
-        "a single peak means gating degraded into static pruning or noise "
-        "(LayerwatchEntropySinglePeak). No value while the window is too small.",
-        [(f"layerwatch_entropy_bimodal{{{EXPORTER}}}", "")], mappings=_verdict_mappings(),
-        no_value="collecting (window too small)", width=6))
-    d = d.with_panel(p.stat(
-        "Bimodality statistics", "Sarle's bimodality coefficient (above 5/9 suggests two humps), "
-        "Hartigan's dip and its p-value, peaks in the 20-bin histogram, entropies in the window.",
-        [(f"layerwatch_entropy_bimodality_coefficient{{{EXPORTER}}}", "BC"),
-         (f"layerwatch_entropy_dip{{{EXPORTER}}}", "dip"),
-         (f"layerwatch_entropy_dip_p_value{{{EXPORTER}}}", "dip p-value"),
-         (f"layerwatch_entropy_peaks{{{EXPORTER}}}", "peaks"),
-         (f"layerwatch_entropy_window_observations{{{EXPORTER}}}", "window")], width=18))
-    d = d.with_panel(p.heatmap(
-        "Entropy distribution over time", "Gate entropies per 0.05-wide bin over time. Healthy: "
-        "two bands (redundant layers near 0.05–0.15, key layers near 0.25–0.35).",
-        f"sum by (le) (increase(layerwatch_entropy_bucket{{{EXPORTER}}}{RATE}))", "{{le}}",
-        "none", PromQueryFormat.HEATMAP, width=16))
+    d = d.with_panel(
+        p.timeseries(
+            "Entropy mean vs healthy band",
+            "Mean gate entropy of the layers that ran (the band of "
+            "LayerwatchEntropyMeanOutOfBand) and of all layers, with the profile's band.",
+            "none",
+            [
+                (f'{r.entropy_mean_by_decision}{{{EXPORTER}, decision="run"}}', "mean (ran)"),
+                (f"{r.entropy_mean}{{{EXPORTER}}}", "mean (all layers)"),
+                (f"model_name:layerwatch_profile_entropy_mean:low{{{MODEL}}}", "band low"),
+                (f"model_name:layerwatch_profile_entropy_mean:high{{{MODEL}}}", "band high"),
+            ],
+            width=8,
+            limits="band",
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Entropy std vs healthy band",
+            "Standard deviation of the gate entropy of the layers that "
+            "ran (LayerwatchEntropySpreadOutOfBand), with the profile's band.",
+            "none",
+            [
+                (f'{r.entropy_std_by_decision}{{{EXPORTER}, decision="run"}}', "std (ran)"),
+                (f"{r.entropy_std}{{{EXPORTER}}}", "std (all layers)"),
+                (f"model_name:layerwatch_profile_entropy_std:low{{{MODEL}}}", "band low"),
+                (f"model_name:layerwatch_profile_entropy_std:high{{{MODEL}}}", "band high"),
+            ],
+            width=8,
+            limits="band",
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Zero-entropy ratio",
+            "Share of gate entropies below 0.01, all layers "
+            "(LayerwatchZeroEntropyRatioHigh: warning above the band, page above the page limit).",
+            "percentunit",
+            [
+                (f"{r.entropy_zero_ratio}{{{EXPORTER}}}", "zero-entropy ratio"),
+                (f"model_name:layerwatch_profile_zero_ratio:low{{{MODEL}}}", "band low"),
+                (f"model_name:layerwatch_profile_zero_ratio:high{{{MODEL}}}", "band high"),
+                (f"model_name:layerwatch_profile_zero_ratio:page{{{MODEL}}}", "band page"),
+            ],
+            width=8,
+            limits="band",
+        )
+    )
+    d = d.with_panel(
+        p.stat(
+            "Bimodality verdict",
+            "The exporter's verdict on its sliding window: two humps is healthy; "
+            "a single peak means gating degraded into static pruning or noise "
+            "(LayerwatchEntropySinglePeak). No value while the window is too small.",
+            [(f"layerwatch_entropy_bimodal{{{EXPORTER}}}", "")],
+            mappings=_verdict_mappings(),
+            no_value="collecting (window too small)",
+            width=6,
+        )
+    )
+    d = d.with_panel(
+        p.stat(
+            "Bimodality statistics",
+            "Sarle's bimodality coefficient (above 5/9 suggests two humps), "
+            "Hartigan's dip and its p-value, peaks in the 20-bin histogram, entropies in the window.",
+            [
+                (f"layerwatch_entropy_bimodality_coefficient{{{EXPORTER}}}", "BC"),
+                (f"layerwatch_entropy_dip{{{EXPORTER}}}", "dip"),
+                (f"layerwatch_entropy_dip_p_value{{{EXPORTER}}}", "dip p-value"),
+                (f"layerwatch_entropy_peaks{{{EXPORTER}}}", "peaks"),
+                (f"layerwatch_entropy_window_observations{{{EXPORTER}}}", "window"),
+            ],
+            width=18,
+        )
+    )
+    d = d.with_panel(
+        p.heatmap(
+            "Entropy distribution over time",
+            "Gate entropies per 0.05-wide bin over time. Healthy: "
+            "two bands (redundant layers near 0.05–0.15, key layers near 0.25–0.35).",
+            f"sum by (le) (increase(layerwatch_entropy_bucket{{{EXPORTER}}}{RATE}))",
+            "{{le}}",
+            "none",
+            PromQueryFormat.HEATMAP,
+            width=16,
+        )
+    )
     shape_title = "Entropy histogram, last 5 minutes"
     d = d.with_panel(
-        barchart.Panel().id(p._id()).title(shape_title)
+        barchart.Panel()
+        .id(p._id())
+        .title(shape_title)
         .description("The latest 20-bin shape of the gate entropy (bin upper bounds on the x axis).")
-        .datasource(DATASOURCE).span(8).height(9)
-        .with_target(p.query(shape_title, f'sum by (le) (increase(layerwatch_entropy_bucket'
-                                          f'{{{EXPORTER}, le!="+Inf"}}[5m]))', "{{le}}",
-                             fmt=PromQueryFormat.HEATMAP, instant=True))
-        .with_transformation(dashboard_models.DataTransformerConfig(
-            id_val="reduce", options={"reducers": ["lastNotNull"], "mode": "seriesToRows"}))
-        .x_field("Field").show_value(common.VisibilityMode.NEVER).unit("none"))
+        .datasource(DATASOURCE)
+        .span(8)
+        .height(9)
+        .with_target(
+            p.query(
+                shape_title,
+                f'sum by (le) (increase(layerwatch_entropy_bucket{{{EXPORTER}, le!="+Inf"}}[5m]))',
+                "{{le}}",
+                fmt=PromQueryFormat.HEATMAP,
+                instant=True,
+            )
+        )
+        .with_transformation(
+            dashboard_models.DataTransformerConfig(
+                id_val="reduce", options={"reducers": ["lastNotNull"], "mode": "seriesToRows"}
+            )
+        )
+        .x_field("Field")
+        .show_value(common.VisibilityMode.NEVER)
+        .unit("none")
+    )
 
     # --- energy -----------------------------------------------------------------------------
     d = d.with_row(p.row("Energy"))
-    d = d.with_panel(p.timeseries(
-        "Joules per generated token", "Energy of the host's GPUs (NVML) and CPU packages (RAPL), "
-        "divided by the tokens the shim generated. Empty where the host exposes neither.", "J", [
-            (f"{r.gpu_joules_per_token}{{{SHIM}}}", "GPU {{instance}}"),
-            (f"{r.cpu_joules_per_token}{{{SHIM}}}", "CPU {{instance}}"),
-        ]))
-    d = d.with_panel(p.timeseries(
-        "Power and skip ratio", "GPU power draw next to the skip ratio (right axis): skipping "
-        "should lower the energy per token, not only the layer count.", "watt", [
-            ('sum by (instance) (layerwatch_gpu_power_watts{instance=~"$instance"})', "GPU W {{instance}}"),
-            (f"{r.skip_ratio}{{{SHIM}}}", "skip ratio {{instance}}"),
-        ], right_axis_ref="B"))
+    d = d.with_panel(
+        p.timeseries(
+            "Joules per generated token",
+            "Energy of the host's GPUs (NVML) and CPU packages (RAPL), "
+            "divided by the tokens the shim generated. Empty where the host exposes neither.",
+            "J",
+            [
+                (f"{r.gpu_joules_per_token}{{{SHIM}}}", "GPU {{instance}}"),
+                (f"{r.cpu_joules_per_token}{{{SHIM}}}", "CPU {{instance}}"),
+            ],
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Power and skip ratio",
+            "GPU power draw next to the skip ratio (right axis): skipping "
+            "should lower the energy per token, not only the layer count.",
+            "watt",
+            [
+                ('sum by (instance) (layerwatch_gpu_power_watts{instance=~"$instance"})', "GPU W {{instance}}"),
+                (f"{r.skip_ratio}{{{SHIM}}}", "skip ratio {{instance}}"),
+            ],
+            right_axis_ref="B",
+        )
+    )
 
     # --- latency ----------------------------------------------------------------------------
     d = d.with_row(p.row("Latency"))
-    for title, metric in (("Time to first token", "layerwatch_time_to_first_token_seconds"),
-                          ("Inter-token latency", "layerwatch_inter_token_latency_seconds")):
-        d = d.with_panel(p.timeseries(title, f"p50, p95 and p99 of {metric}.", "s", [
-            (f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{{{SHIM}}}{RATE})))", f"p{label}")
-            for q, label in ((0.5, "50"), (0.95, "95"), (0.99, "99"))]))
+    for title, metric in (
+        ("Time to first token", "layerwatch_time_to_first_token_seconds"),
+        ("Inter-token latency", "layerwatch_inter_token_latency_seconds"),
+    ):
+        d = d.with_panel(
+            p.timeseries(
+                title,
+                f"p50, p95 and p99 of {metric}.",
+                "s",
+                [
+                    (f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{{{SHIM}}}{RATE})))", f"p{label}")
+                    for q, label in ((0.5, "50"), (0.95, "95"), (0.99, "99"))
+                ],
+            )
+        )
 
     # --- quality and telemetry --------------------------------------------------------------
     d = d.with_row(p.row("Quality and telemetry"))
-    d = d.with_panel(p.timeseries(
-        "Shadow agreement", "Share of shadow-checked tokens whose full-depth top-1 token equals "
-        "the gated output (LayerwatchShadowAgreementLow), with the profile's minimum.",
-        "percentunit", [
-            (f"{r.shadow_agreement_ratio}{{{SHIM}}}", "agreement {{instance}}"),
-            (f"model_name:layerwatch_profile_shadow_agreement:min{{{MODEL}}}", "limit: minimum"),
-        ], width=8, limits="limit"))
-    d = d.with_panel(p.timeseries(
-        "Telemetry loss", "Share of gate frames the exporter missed (sequence gaps; "
-        "LayerwatchTelemetryLoss).", "percentunit",
-        [(f"{r.telemetry_loss_ratio}{{{EXPORTER}}}", "lost {{instance}}")], width=8))
-    d = d.with_panel(p.timeseries(
-        "Gate frames", "Frames per second sent by the shims, received, lost and malformed at the "
-        "exporter, and dropped by the shims (never blocking decoding).", "none", [
-            (f"sum(rate(layerwatch_telemetry_frames_sent_total{{{SHIM}}}{RATE}))", "sent"),
-            (f"sum(rate(layerwatch_exporter_frames_received_total{{{EXPORTER}}}{RATE}))", "received"),
-            (f"sum(rate(layerwatch_exporter_frames_lost_total{{{EXPORTER}}}{RATE}))", "lost"),
-            (f"sum by (reason) (rate(layerwatch_telemetry_frames_dropped_total{{{SHIM}}}{RATE}))",
-             "dropped: {{reason}}"),
-            (f"sum(rate(layerwatch_exporter_frames_malformed_total{RATE}))", "malformed"),
-        ], width=8))
+    d = d.with_panel(
+        p.timeseries(
+            "Shadow agreement",
+            "Share of shadow-checked tokens whose full-depth top-1 token equals "
+            "the gated output (LayerwatchShadowAgreementLow), with the profile's minimum.",
+            "percentunit",
+            [
+                (f"{r.shadow_agreement_ratio}{{{SHIM}}}", "agreement {{instance}}"),
+                (f"model_name:layerwatch_profile_shadow_agreement:min{{{MODEL}}}", "limit: minimum"),
+            ],
+            width=8,
+            limits="limit",
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Telemetry loss",
+            "Share of gate frames the exporter missed (sequence gaps; LayerwatchTelemetryLoss).",
+            "percentunit",
+            [(f"{r.telemetry_loss_ratio}{{{EXPORTER}}}", "lost {{instance}}")],
+            width=8,
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Gate frames",
+            "Frames per second sent by the shims, received, lost and malformed at the "
+            "exporter, and dropped by the shims (never blocking decoding).",
+            "none",
+            [
+                (f"sum(rate(layerwatch_telemetry_frames_sent_total{{{SHIM}}}{RATE}))", "sent"),
+                (f"sum(rate(layerwatch_exporter_frames_received_total{{{EXPORTER}}}{RATE}))", "received"),
+                (f"sum(rate(layerwatch_exporter_frames_lost_total{{{EXPORTER}}}{RATE}))", "lost"),
+                (
+                    f"sum by (reason) (rate(layerwatch_telemetry_frames_dropped_total{{{SHIM}}}{RATE}))",
+                    "dropped: {{reason}}",
+                ),
+                (f"sum(rate(layerwatch_exporter_frames_malformed_total{RATE}))", "malformed"),
+            ],
+            width=8,
+        )
+    )
     alerts_title = "Firing alerts"
     d = d.with_panel(
-        table.Panel().id(p._id()).title(alerts_title)
+        table.Panel()
+        .id(p._id())
+        .title(alerts_title)
         .description("layerwatch alerts firing now; see docs/runbooks.md for each.")
-        .datasource(DATASOURCE).span(24).height(7)
-        .with_target(p.query(alerts_title, 'ALERTS{alertstate="firing", alertname=~"Layerwatch.+"}',
-                             fmt=PromQueryFormat.TABLE, instant=True))
-        .with_transformation(dashboard_models.DataTransformerConfig(
-            id_val="organize", options={"excludeByName": {"Time": True, "Value": True,
-                                                          "__name__": True, "alertstate": True}}))
-        .no_value("nothing firing"))
+        .datasource(DATASOURCE)
+        .span(24)
+        .height(7)
+        .with_target(
+            p.query(
+                alerts_title,
+                'ALERTS{alertstate="firing", alertname=~"Layerwatch.+"}',
+                fmt=PromQueryFormat.TABLE,
+                instant=True,
+            )
+        )
+        .with_transformation(
+            dashboard_models.DataTransformerConfig(
+                id_val="organize",
+                options={"excludeByName": {"Time": True, "Value": True, "__name__": True, "alertstate": True}},
+            )
+        )
+        .no_value("nothing firing")
+    )
 
     data = json.loads(JSONEncoder(sort_keys=True).encode(d.build()))
     return data, p.queries

@@ -54,9 +54,11 @@ class LoadReport:
 
     def summary(self) -> str:
         rate = self.completion_tokens / self.elapsed if self.elapsed else 0.0
-        return (f"{self.requests} requests in {self.elapsed:.1f}s, statuses {dict(sorted(self.by_status.items()))}, "
-                f"{self.completion_tokens} tokens ({rate:.1f} tok/s), "
-                f"p50 {self.percentile(0.5) * 1000:.0f} ms, p99 {self.percentile(0.99) * 1000:.0f} ms")
+        return (
+            f"{self.requests} requests in {self.elapsed:.1f}s, statuses {dict(sorted(self.by_status.items()))}, "
+            f"{self.completion_tokens} tokens ({rate:.1f} tok/s), "
+            f"p50 {self.percentile(0.5) * 1000:.0f} ms, p99 {self.percentile(0.99) * 1000:.0f} ms"
+        )
 
 
 class _Merge:
@@ -77,8 +79,9 @@ class _Merge:
                 r.latencies.append(latency)
 
 
-def _one_request(host: str, port: int, model: str, rng: random.Random, max_tokens: int, stream: bool,
-                 greedy: bool, timeout: float) -> tuple[int, dict | None]:
+def _one_request(
+    host: str, port: int, model: str, rng: random.Random, max_tokens: int, stream: bool, greedy: bool, timeout: float
+) -> tuple[int, dict | None]:
     body = {"model": model, "prompt": rng.choice(PROMPTS), "max_tokens": max_tokens, "stream": stream}
     if greedy:
         body["temperature"] = 0.0
@@ -98,7 +101,7 @@ def _one_request(host: str, port: int, model: str, rng: random.Random, max_token
         usage = None
         for line in payload.decode().splitlines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                event = json.loads(line[len("data: "):])
+                event = json.loads(line[len("data: ") :])
                 usage = event.get("usage") or usage
         return 200, usage
     except (OSError, http.client.HTTPException, ValueError, KeyError):
@@ -107,9 +110,20 @@ def _one_request(host: str, port: int, model: str, rng: random.Random, max_token
         conn.close()
 
 
-def run_load(base_url: str, model: str, *, duration: float, concurrency: int = 4, max_tokens: int = 32,
-             stream_fraction: float = 0.5, greedy_fraction: float = 0.25, max_requests: int = 100_000,
-             seed: int = 0, stop: threading.Event | None = None, timeout: float = 120.0) -> LoadReport:
+def run_load(
+    base_url: str,
+    model: str,
+    *,
+    duration: float,
+    concurrency: int = 4,
+    max_tokens: int = 32,
+    stream_fraction: float = 0.5,
+    greedy_fraction: float = 0.25,
+    max_requests: int = 100_000,
+    seed: int = 0,
+    stop: threading.Event | None = None,
+    timeout: float = 120.0,
+) -> LoadReport:
     """Send completions from `concurrency` threads until `duration` seconds, `max_requests` or `stop`.
 
     A `greedy_fraction` of the requests decode greedily (the shim shadow-checks only those, since a
@@ -130,8 +144,16 @@ def run_load(base_url: str, model: str, *, duration: float, concurrency: int = 4
                 if next(issued, None) is None:
                     return
             started = time.monotonic()
-            status, usage = _one_request(host, port, model, rng, max_tokens, rng.random() < stream_fraction,
-                                         rng.random() < greedy_fraction, timeout)
+            status, usage = _one_request(
+                host,
+                port,
+                model,
+                rng,
+                max_tokens,
+                rng.random() < stream_fraction,
+                rng.random() < greedy_fraction,
+                timeout,
+            )
             merge.add(status, usage, time.monotonic() - started)
             if status == 0:
                 stop.wait(0.2)  # server not reachable: back off instead of spinning

@@ -6,6 +6,7 @@ anything it spawned and nothing is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -28,9 +29,15 @@ class ManagedProcess:
         self.name = name
         self.argv = argv
         self.log_path = log_path
-        self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        self._log = open(log_path, "ab")  # noqa: SIM115 -- the child writes to it until stop() closes it
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
 
     def running(self) -> bool:
         return self.proc.poll() is None
@@ -74,7 +81,5 @@ class ManagedProcess:
         return self.proc.returncode
 
     def _signal(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass

@@ -33,15 +33,22 @@ class DemoStack:
         self.processes.append(proc)
         return proc
 
-    def start_core(self, *, port: int, exporter_port: int, shadow_rate: float,
-                   model: str | None) -> tuple[str, str]:
+    def start_core(self, *, port: int, exporter_port: int, shadow_rate: float, model: str | None) -> tuple[str, str]:
         cli = [sys.executable, "-m", "layerwatch_cli.main"]
         udp_port = free_port(socket.SOCK_DGRAM)
         exporter_url = f"http://127.0.0.1:{exporter_port}"
-        exporter = self._start("exporter", cli + ["exporter", "--listen", f"127.0.0.1:{udp_port}",
-                                                  "--http", f"127.0.0.1:{exporter_port}"])
-        shim_argv = cli + ["serve", "--port", str(port), "--exporter-address", f"127.0.0.1:{udp_port}",
-                           "--shadow-rate", str(shadow_rate)]
+        exporter = self._start(
+            "exporter", cli + ["exporter", "--listen", f"127.0.0.1:{udp_port}", "--http", f"127.0.0.1:{exporter_port}"]
+        )
+        shim_argv = cli + [
+            "serve",
+            "--port",
+            str(port),
+            "--exporter-address",
+            f"127.0.0.1:{udp_port}",
+            "--shadow-rate",
+            str(shadow_rate),
+        ]
         if model:
             shim_argv += ["--model", model]
         shim = self._start("shim", shim_argv)
@@ -51,23 +58,41 @@ class DemoStack:
         self.model_name = served_model_name(shim_url)
         return shim_url, exporter_url
 
-    def start_prometheus(self, shim_url: str, exporter_url: str, *, prometheus_port: int,
-                         alertmanager_port: int) -> list[str]:
+    def start_prometheus(
+        self, shim_url: str, exporter_url: str, *, prometheus_port: int, alertmanager_port: int
+    ) -> list[str]:
         if not (shutil.which("prometheus") and shutil.which("prometheus-alertmanager")):
             return ["prometheus         not installed: skipped (Debian packages prometheus, prometheus-alertmanager)"]
-        paths = render_stack(self.workdir / "config", profiles=load_profiles(PROFILES_DIR),
-                             shim_targets=[host_port(shim_url)], exporter_targets=[host_port(exporter_url)],
-                             alertmanager_target=f"127.0.0.1:{alertmanager_port}",
-                             pager_url=config.PAGER_URL, ticket_url=config.TICKET_URL)
+        paths = render_stack(
+            self.workdir / "config",
+            profiles=load_profiles(PROFILES_DIR),
+            shim_targets=[host_port(shim_url)],
+            exporter_targets=[host_port(exporter_url)],
+            alertmanager_target=f"127.0.0.1:{alertmanager_port}",
+            pager_url=config.PAGER_URL,
+            ticket_url=config.TICKET_URL,
+        )
         am_url = f"http://127.0.0.1:{alertmanager_port}"
         prom_url = f"http://127.0.0.1:{prometheus_port}"
-        am = self._start("alertmanager", ["prometheus-alertmanager", f"--config.file={paths.alertmanager_config}",
-                                          f"--storage.path={self.workdir / 'alertmanager-data'}",
-                                          f"--web.listen-address=127.0.0.1:{alertmanager_port}",
-                                          "--cluster.listen-address="])
-        prom = self._start("prometheus", ["prometheus", f"--config.file={paths.prometheus_config}",
-                                          f"--storage.tsdb.path={self.workdir / 'prometheus-data'}",
-                                          f"--web.listen-address=127.0.0.1:{prometheus_port}"])
+        am = self._start(
+            "alertmanager",
+            [
+                "prometheus-alertmanager",
+                f"--config.file={paths.alertmanager_config}",
+                f"--storage.path={self.workdir / 'alertmanager-data'}",
+                f"--web.listen-address=127.0.0.1:{alertmanager_port}",
+                "--cluster.listen-address=",
+            ],
+        )
+        prom = self._start(
+            "prometheus",
+            [
+                "prometheus",
+                f"--config.file={paths.prometheus_config}",
+                f"--storage.tsdb.path={self.workdir / 'prometheus-data'}",
+                f"--web.listen-address=127.0.0.1:{prometheus_port}",
+            ],
+        )
         am.wait_http(am_url + "/-/ready", timeout=30)
         prom.wait_http(prom_url + "/-/ready", timeout=30)
         return [f"prometheus         {prom_url}/alerts", f"alertmanager       {am_url}"]

@@ -41,8 +41,9 @@ def rule_queries(groups: dict) -> list[tuple[str, str]]:
             name = rule.get("record") or rule["alert"]
             queries.append((f"rule {name}", rule["expr"]))
             for text in rule.get("annotations", {}).values():
-                queries += [(f"rule {name} (annotation)", q.replace("%q", '"x"'))
-                            for q in _TEMPLATE_QUERY.findall(text)]
+                queries += [
+                    (f"rule {name} (annotation)", q.replace("%q", '"x"')) for q in _TEMPLATE_QUERY.findall(text)
+                ]
     return queries
 
 
@@ -54,9 +55,10 @@ def generated_files(root: Path) -> dict[str, str]:
     profiles = load_profiles(root / PROFILES_DIR)
     groups = rule_groups(profiles)
     dashboard_json, dashboard_queries = overview.render()
-    check_queries(rule_queries(groups) + [(f"dashboard panel {title!r}", expr)
-                                          for title, expr in dashboard_queries],
-                  known_series(recorded_names(groups)))
+    check_queries(
+        rule_queries(groups) + [(f"dashboard panel {title!r}", expr) for title, expr in dashboard_queries],
+        known_series(recorded_names(groups)),
+    )
     return {
         RULES_PATH: render_rules(profiles),
         DASHBOARD_PATH: dashboard_json,
@@ -73,8 +75,10 @@ def metrics_doc(groups: dict) -> str:
         "(alerts/rules.py). Do not edit.",
         "",
     ]
-    for component, title in ((catalog.SHIM, "Shim (`layerwatch serve`)"),
-                             (catalog.EXPORTER, "Exporter (`layerwatch exporter`)")):
+    for component, title in (
+        (catalog.SHIM, "Shim (`layerwatch serve`)"),
+        (catalog.EXPORTER, "Exporter (`layerwatch exporter`)"),
+    ):
         lines += [f"## {title}", "", "| metric | type | labels | meaning |", "|---|---|---|---|"]
         for m in catalog.for_component(component):
             labels = ", ".join(f"`{label}`" for label in m.labels) or "-"
@@ -112,14 +116,15 @@ def metrics_doc(groups: dict) -> str:
     ]
     for spec in ALERTS:
         reads = ", ".join(f"`{field}`" for field in spec.reads) or "- (common)"
-        lines.append(f"| [{spec.name}](runbooks.md#{spec.runbook_anchor}) | {' / '.join(spec.severities)} | "
-                     f"{format_duration(spec.default_for)} | {reads} |")
+        lines.append(
+            f"| [{spec.name}](runbooks.md#{spec.runbook_anchor}) | {' / '.join(spec.severities)} | "
+            f"{format_duration(spec.default_for)} | {reads} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def stale_files(root: Path, files: dict[str, str]) -> list[str]:
-    stale = [path for path, text in files.items()
-             if not (root / path).is_file() or (root / path).read_text() != text]
+    stale = [path for path, text in files.items() if not (root / path).is_file() or (root / path).read_text() != text]
     for directory in GENERATED_DIRS:
         for path in sorted((root / directory).glob("*")):
             relative = path.relative_to(root).as_posix()

@@ -28,10 +28,15 @@ PAGE_REPEAT_INTERVAL = 3600.0
 TICKET_REPEAT_INTERVAL = 4 * 3600.0
 
 
-def prometheus_config(*, shim_targets: list[str], exporter_targets: list[str],
-                      alertmanager_targets: list[str], rule_files: list[str],
-                      scrape_interval: float = config.SCRAPE_INTERVAL,
-                      evaluation_interval: float = config.EVALUATION_INTERVAL) -> dict:
+def prometheus_config(
+    *,
+    shim_targets: list[str],
+    exporter_targets: list[str],
+    alertmanager_targets: list[str],
+    rule_files: list[str],
+    scrape_interval: float = config.SCRAPE_INTERVAL,
+    evaluation_interval: float = config.EVALUATION_INTERVAL,
+) -> dict:
     return {
         "global": {
             "scrape_interval": format_duration(scrape_interval),
@@ -54,6 +59,7 @@ def alertmanager_config(*, pager_url: str, ticket_url: str, timing: Timing = Tim
     stale, so whatever they say is noise), and a critical alert silences the warning of the same
     alert for the same model and target (the zero-entropy ratio has both).
     """
+
     def webhook(url: str) -> dict:
         return {"webhook_configs": [{"url": url, "send_resolved": True}]}
 
@@ -65,83 +71,114 @@ def alertmanager_config(*, pager_url: str, ticket_url: str, timing: Timing = Tim
             "group_interval": timing(GROUP_INTERVAL),
             "repeat_interval": timing(TICKET_REPEAT_INTERVAL),
             "routes": [
-                {"matchers": [f'severity="{config.SEVERITY_PAGE}"'], "receiver": "pager",
-                 "repeat_interval": timing(PAGE_REPEAT_INTERVAL)},
+                {
+                    "matchers": [f'severity="{config.SEVERITY_PAGE}"'],
+                    "receiver": "pager",
+                    "repeat_interval": timing(PAGE_REPEAT_INTERVAL),
+                },
                 {"matchers": [f'severity="{config.SEVERITY_TICKET}"'], "receiver": "ticket"},
             ],
         },
-        "receivers": [{"name": "pager", **webhook(pager_url)},
-                      {"name": "ticket", **webhook(ticket_url)}],
+        "receivers": [{"name": "pager", **webhook(pager_url)}, {"name": "ticket", **webhook(ticket_url)}],
         "inhibit_rules": [
-            {"source_matchers": [f'alertname="{target_down.name}"'],
-             "target_matchers": ['alertname=~"Layerwatch.+"', f'alertname!="{target_down.name}"'],
-             "equal": ["instance"]},
-            {"source_matchers": [f'severity="{config.SEVERITY_PAGE}"'],
-             "target_matchers": [f'severity="{config.SEVERITY_TICKET}"'],
-             "equal": ["alertname", "model_name", "instance"]},
+            {
+                "source_matchers": [f'alertname="{target_down.name}"'],
+                "target_matchers": ['alertname=~"Layerwatch.+"', f'alertname!="{target_down.name}"'],
+                "equal": ["instance"],
+            },
+            {
+                "source_matchers": [f'severity="{config.SEVERITY_PAGE}"'],
+                "target_matchers": [f'severity="{config.SEVERITY_TICKET}"'],
+                "equal": ["alertname", "model_name", "instance"],
+            },
         ],
     }
 
 
-def grafana_datasource(prometheus_url: str = config.COMPOSE_PROMETHEUS_URL,
-                       scrape_interval: float = config.SCRAPE_INTERVAL) -> dict:
+def grafana_datasource(
+    prometheus_url: str = config.COMPOSE_PROMETHEUS_URL, scrape_interval: float = config.SCRAPE_INTERVAL
+) -> dict:
     # A fixed uid keeps the dashboards' datasource default valid; timeInterval = the scrape
     # interval makes $__rate_interval at least four scrapes wide.
-    return {"apiVersion": 1, "datasources": [{
-        "name": "Prometheus",
-        "uid": config.GRAFANA_DATASOURCE_UID,
-        "type": "prometheus",
-        "access": "proxy",
-        "url": prometheus_url,
-        "isDefault": True,
-        "editable": False,
-        "jsonData": {"timeInterval": format_duration(scrape_interval)},
-    }]}
+    return {
+        "apiVersion": 1,
+        "datasources": [
+            {
+                "name": "Prometheus",
+                "uid": config.GRAFANA_DATASOURCE_UID,
+                "type": "prometheus",
+                "access": "proxy",
+                "url": prometheus_url,
+                "isDefault": True,
+                "editable": False,
+                "jsonData": {"timeInterval": format_duration(scrape_interval)},
+            }
+        ],
+    }
 
 
 def grafana_dashboard_provider(path: str = config.GRAFANA_DASHBOARD_DIR) -> dict:
-    return {"apiVersion": 1, "providers": [{
-        "name": "layerwatch",
-        "folder": "layerwatch",
-        "type": "file",
-        "disableDeletion": True,
-        "allowUiUpdates": False,  # the JSON in git is the source; edit dashboards/overview.py
-        "options": {"path": path, "foldersFromFilesStructure": False},
-    }]}
+    return {
+        "apiVersion": 1,
+        "providers": [
+            {
+                "name": "layerwatch",
+                "folder": "layerwatch",
+                "type": "file",
+                "disableDeletion": True,
+                "allowUiUpdates": False,  # the JSON in git is the source; edit dashboards/overview.py
+                "options": {"path": path, "foldersFromFilesStructure": False},
+            }
+        ],
+    }
 
 
 def compose_files() -> dict[str, str]:
     """deploy/ files of the docker-compose stack, by path relative to the repository root."""
     return {
-        "deploy/prometheus/prometheus.yml": HEADER + to_yaml(prometheus_config(
-            shim_targets=[config.COMPOSE_SHIM_TARGET],
-            exporter_targets=[config.COMPOSE_EXPORTER_TARGET],
-            alertmanager_targets=[config.COMPOSE_ALERTMANAGER_TARGET],
-            rule_files=[f"/etc/prometheus/rules/{RULES_GLOB}"]), ""),
-        "deploy/alertmanager/alertmanager.yml": HEADER + (
+        "deploy/prometheus/prometheus.yml": HEADER
+        + to_yaml(
+            prometheus_config(
+                shim_targets=[config.COMPOSE_SHIM_TARGET],
+                exporter_targets=[config.COMPOSE_EXPORTER_TARGET],
+                alertmanager_targets=[config.COMPOSE_ALERTMANAGER_TARGET],
+                rule_files=[f"/etc/prometheus/rules/{RULES_GLOB}"],
+            ),
+            "",
+        ),
+        "deploy/alertmanager/alertmanager.yml": HEADER
+        + (
             "# Receivers: replace the .invalid URLs (RFC 2606, they never resolve) with your pager\n"
-            "# and ticket webhook bridges; see docs/alerting.md.\n") + to_yaml(alertmanager_config(
-                pager_url=config.PAGER_URL, ticket_url=config.TICKET_URL), ""),
-        "deploy/grafana/provisioning/datasources/layerwatch.yaml":
-            HEADER + to_yaml(grafana_datasource(), ""),
-        "deploy/grafana/provisioning/dashboards/layerwatch.yaml":
-            HEADER + to_yaml(grafana_dashboard_provider(), ""),
+            "# and ticket webhook bridges; see docs/alerting.md.\n"
+        )
+        + to_yaml(alertmanager_config(pager_url=config.PAGER_URL, ticket_url=config.TICKET_URL), ""),
+        "deploy/grafana/provisioning/datasources/layerwatch.yaml": HEADER + to_yaml(grafana_datasource(), ""),
+        "deploy/grafana/provisioning/dashboards/layerwatch.yaml": HEADER + to_yaml(grafana_dashboard_provider(), ""),
     }
 
 
 @dataclass(frozen=True)
 class Stack:
     """Paths of a rendered stack configuration."""
+
     prometheus_config: Path
     alertmanager_config: Path
     rules: Path
 
 
-def render_stack(dest: str | Path, *, profiles: list[Profile], shim_targets: list[str],
-                 exporter_targets: list[str], alertmanager_target: str, pager_url: str,
-                 ticket_url: str, scrape_interval: float = config.SCRAPE_INTERVAL,
-                 evaluation_interval: float = config.EVALUATION_INTERVAL,
-                 time_scale: float = 1.0) -> Stack:
+def render_stack(
+    dest: str | Path,
+    *,
+    profiles: list[Profile],
+    shim_targets: list[str],
+    exporter_targets: list[str],
+    alertmanager_target: str,
+    pager_url: str,
+    ticket_url: str,
+    scrape_interval: float = config.SCRAPE_INTERVAL,
+    evaluation_interval: float = config.EVALUATION_INTERVAL,
+    time_scale: float = 1.0,
+) -> Stack:
     """Write prometheus.yml, rules/layerwatch.rules.yaml and alertmanager.yml into `dest`.
 
     `time_scale` multiplies every rule window, `for:` and Alertmanager wait (0.01 turns 5m into
@@ -153,11 +190,22 @@ def render_stack(dest: str | Path, *, profiles: list[Profile], shim_targets: lis
     rules.parent.mkdir(parents=True, exist_ok=True)
     rules.write_text(render_rules(profiles, timing))
     prometheus = dest / "prometheus.yml"
-    prometheus.write_text(HEADER + to_yaml(prometheus_config(
-        shim_targets=shim_targets, exporter_targets=exporter_targets,
-        alertmanager_targets=[alertmanager_target], rule_files=[f"rules/{RULES_GLOB}"],
-        scrape_interval=scrape_interval, evaluation_interval=evaluation_interval), ""))
+    prometheus.write_text(
+        HEADER
+        + to_yaml(
+            prometheus_config(
+                shim_targets=shim_targets,
+                exporter_targets=exporter_targets,
+                alertmanager_targets=[alertmanager_target],
+                rule_files=[f"rules/{RULES_GLOB}"],
+                scrape_interval=scrape_interval,
+                evaluation_interval=evaluation_interval,
+            ),
+            "",
+        )
+    )
     alertmanager = dest / "alertmanager.yml"
-    alertmanager.write_text(HEADER + to_yaml(
-        alertmanager_config(pager_url=pager_url, ticket_url=ticket_url, timing=timing), ""))
+    alertmanager.write_text(
+        HEADER + to_yaml(alertmanager_config(pager_url=pager_url, ticket_url=ticket_url, timing=timing), "")
+    )
     return Stack(prometheus, alertmanager, rules)

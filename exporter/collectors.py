@@ -51,8 +51,11 @@ class EntropyCollector(_StateCollector):
 class LayerCollector(_StateCollector):
     """Per-layer sums and counts (means are always derivable); per-layer histograms with --per-layer."""
 
-    metric_names = ("layerwatch_layer_entropy_sum_total", "layerwatch_layer_entropy_count_total",
-                    "layerwatch_entropy_per_layer")
+    metric_names = (
+        "layerwatch_layer_entropy_sum_total",
+        "layerwatch_layer_entropy_count_total",
+        "layerwatch_entropy_per_layer",
+    )
 
     def collect(self) -> Iterator[Metric]:
         sums, counts, histograms = map(family, self.metric_names)
@@ -71,9 +74,14 @@ class LayerCollector(_StateCollector):
 class WindowCollector(_StateCollector):
     """The sliding window's bimodality statistics; withheld (absent) below the minimum window."""
 
-    metric_names = ("layerwatch_entropy_window_observations", "layerwatch_entropy_bimodal",
-                    "layerwatch_entropy_bimodality_coefficient", "layerwatch_entropy_dip",
-                    "layerwatch_entropy_dip_p_value", "layerwatch_entropy_peaks")
+    metric_names = (
+        "layerwatch_entropy_window_observations",
+        "layerwatch_entropy_bimodal",
+        "layerwatch_entropy_bimodality_coefficient",
+        "layerwatch_entropy_dip",
+        "layerwatch_entropy_dip_p_value",
+        "layerwatch_entropy_peaks",
+    )
 
     def collect(self) -> Iterator[Metric]:
         observations, bimodal, coefficient, dip, dip_p_value, peaks = map(family, self.metric_names)
@@ -96,9 +104,15 @@ class RoutingCollector(_StateCollector):
     the per-layer states are absent while the verdict is withheld, so an alert on
     `layerwatch_routing_dynamic == 0` cannot fire on a quiet model."""
 
-    metric_names = ("layerwatch_routing_window_tokens", "layerwatch_routing_threshold", "layerwatch_routing_dynamic",
-                    "layerwatch_routing_token_dependent_share", "layerwatch_routing_layer_low_ratio",
-                    "layerwatch_routing_layer_skip_ratio", "layerwatch_routing_layer_static")
+    metric_names = (
+        "layerwatch_routing_window_tokens",
+        "layerwatch_routing_threshold",
+        "layerwatch_routing_dynamic",
+        "layerwatch_routing_token_dependent_share",
+        "layerwatch_routing_layer_low_ratio",
+        "layerwatch_routing_layer_skip_ratio",
+        "layerwatch_routing_layer_static",
+    )
 
     def collect(self) -> Iterator[Metric]:
         tokens, threshold, dynamic, share, low, skip, static = map(family, self.metric_names)
@@ -125,9 +139,13 @@ class IngestCollector(_StateCollector):
     """Frames received, malformed, lost (sequence gaps), rejected (too many models) and received
     without a threshold (version 1: judged against the exporter's default)."""
 
-    metric_names = ("layerwatch_exporter_frames_received_total", "layerwatch_exporter_frames_malformed_total",
-                    "layerwatch_exporter_frames_lost_total", "layerwatch_exporter_frames_rejected_total",
-                    "layerwatch_exporter_frames_without_threshold_total")
+    metric_names = (
+        "layerwatch_exporter_frames_received_total",
+        "layerwatch_exporter_frames_malformed_total",
+        "layerwatch_exporter_frames_lost_total",
+        "layerwatch_exporter_frames_rejected_total",
+        "layerwatch_exporter_frames_without_threshold_total",
+    )
 
     def collect(self) -> Iterator[Metric]:
         received, malformed, lost, rejected, without_threshold = map(family, self.metric_names)
@@ -164,8 +182,16 @@ class TimedCollectors(prometheus.CatalogCollector):
 def build_registry(state: ExporterState, registry: CollectorRegistry | None = None) -> CollectorRegistry:
     """The exporter's collectors in `registry` (a new one by default; never the global one)."""
     registry = CollectorRegistry() if registry is None else registry
-    registry.register(TimedCollectors([
-        EntropyCollector(state), LayerCollector(state), WindowCollector(state), RoutingCollector(state),
-        IngestCollector(state)]))
+    registry.register(
+        TimedCollectors(
+            [
+                EntropyCollector(state),
+                LayerCollector(state),
+                WindowCollector(state),
+                RoutingCollector(state),
+                IngestCollector(state),
+            ]
+        )
+    )
     ProcessCollector(registry=registry)  # process_resident_memory_bytes etc.
     return registry

@@ -26,10 +26,12 @@ def render_screen(url: str) -> str:
     with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5) as response:
         samples = parse_samples(response.read().decode("utf-8"))
     models = sorted({labels["model_name"] for labels, _ in samples.get("layerwatch_entropy_count", [])})
-    header = (f"layerwatch top  {url}  {time.strftime('%H:%M:%S')}  "
-              f"frames received {_total(samples, 'layerwatch_exporter_frames_received_total'):,.0f}  "
-              f"malformed {_total(samples, 'layerwatch_exporter_frames_malformed_total'):,.0f}  "
-              f"lost {_total(samples, 'layerwatch_exporter_frames_lost_total'):,.0f}")
+    header = (
+        f"layerwatch top  {url}  {time.strftime('%H:%M:%S')}  "
+        f"frames received {_total(samples, 'layerwatch_exporter_frames_received_total'):,.0f}  "
+        f"malformed {_total(samples, 'layerwatch_exporter_frames_malformed_total'):,.0f}  "
+        f"lost {_total(samples, 'layerwatch_exporter_frames_lost_total'):,.0f}"
+    )
     if not models:
         return header + "\n\nno gate frames received yet"
     return "\n\n".join([header] + [format_report(model_report(samples, model)) for model in models])
@@ -48,9 +50,13 @@ def model_report(samples: Samples, model: str) -> dict[str, object]:
     totals = EntropyTotals()
     for index, decision in enumerate(DECISIONS):
         labels = {"model_name": model, "decision": decision}
-        cumulative = [value for le, value in sorted(
-            (float(l["le"]), v) for l, v in _matching(samples, "layerwatch_entropy_bucket", labels))
-            if le <= 1.0]
+        cumulative = [
+            value
+            for le, value in sorted(
+                (float(l["le"]), v) for l, v in _matching(samples, "layerwatch_entropy_bucket", labels)
+            )
+            if le <= 1.0
+        ]
         totals.buckets[index] = np.diff(cumulative, prepend=0)
         totals.sums[index] = _value(samples, "layerwatch_entropy_sum", labels)
         totals.squares[index] = _value(samples, "layerwatch_entropy_squares_total", labels)
@@ -64,7 +70,8 @@ def model_report(samples: Samples, model: str) -> dict[str, object]:
         bimodality_coefficient=_value(samples, "layerwatch_entropy_bimodality_coefficient", window),
         dip=_value(samples, "layerwatch_entropy_dip", window),
         dip_p_value=_value(samples, "layerwatch_entropy_dip_p_value", window),
-        peaks=None if peaks is None else int(peaks))
+        peaks=None if peaks is None else int(peaks),
+    )
     return report(model, totals, totals.buckets.sum(axis=0), bimodality) | routing_from_samples(samples, model)
 
 

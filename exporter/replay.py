@@ -28,10 +28,19 @@ def replay_trace(path: str | os.PathLike[str], config: ExporterConfig) -> list[d
             models[batch.model_name] = ModelStatistics(config)
             histograms[batch.model_name] = np.zeros(BINS, dtype=np.int64)
         threshold = config.default_threshold if batch.threshold is None else batch.threshold
-        models[batch.model_name].add(batch.entropies, batch.skipped, now=0.0, threshold=threshold,
-                                     model_name=batch.model_name)
+        models[batch.model_name].add(
+            batch.entropies, batch.skipped, now=0.0, threshold=threshold, model_name=batch.model_name
+        )
         histograms[batch.model_name] += histogram20(batch.entropies)
-    return [{**report(name, model.totals, histograms[name],
-                      check_bimodality(model.window.values(), config.min_window_observations)),
-             **routing_report(model.routing_window.statistics(config.min_routing_tokens), model.threshold)}
-            for name, model in models.items()]
+    return [
+        {
+            **report(
+                name,
+                model.totals,
+                histograms[name],
+                check_bimodality(model.window.values(), config.min_window_observations),
+            ),
+            **routing_report(model.routing_window.statistics(config.min_routing_tokens), model.threshold),
+        }
+        for name, model in models.items()
+    ]

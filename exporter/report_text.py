@@ -9,13 +9,15 @@ BAR_WIDTH = 40
 
 def format_report(report: dict[str, object]) -> str:
     """A few lines per model: verdict, statistics, then the 20-bin histogram as bars."""
-    lines = [f"{report['model_name']}: {report['verdict']}  "
-             f"({report['observations']:,} observations, window {report['window_observations']:,})",
-             f"  mean {_number(report['mean'])}  std {_number(report['std'])}  "
-             f"zero ratio {_number(report['zero_ratio'])}  skip ratio {_number(report['skip_ratio'])}",
-             f"  dip {_number(report['dip'], 4)} (p {_number(report['dip_p_value'], 4)})  "
-             f"bimodality coefficient {_number(report['bimodality_coefficient'])}  "
-             f"peaks {'-' if report['peaks'] is None else report['peaks']}"]
+    lines = [
+        f"{report['model_name']}: {report['verdict']}  "
+        f"({report['observations']:,} observations, window {report['window_observations']:,})",
+        f"  mean {_number(report['mean'])}  std {_number(report['std'])}  "
+        f"zero ratio {_number(report['zero_ratio'])}  skip ratio {_number(report['skip_ratio'])}",
+        f"  dip {_number(report['dip'], 4)} (p {_number(report['dip_p_value'], 4)})  "
+        f"bimodality coefficient {_number(report['bimodality_coefficient'])}  "
+        f"peaks {'-' if report['peaks'] is None else report['peaks']}",
+    ]
     if "routing_verdict" in report:
         lines += routing_lines(report)
     lines += histogram_bars(report["histogram"])
@@ -26,12 +28,16 @@ def routing_lines(report: dict[str, object]) -> list[str]:
     """The routing verdict (layerwatch/routing.py): static pruning or per-token routing."""
     tokens = report.get("routing_tokens")
     threshold = report.get("threshold")
-    lines = [f"  routing: {report['routing_verdict']}  "
-             f"token-dependent share {_number(report.get('token_dependent_share'))}  "
-             f"({'-' if tokens is None else f'{tokens:,}'} tokens, τ {_number(threshold, 2)})"]
+    lines = [
+        f"  routing: {report['routing_verdict']}  "
+        f"token-dependent share {_number(report.get('token_dependent_share'))}  "
+        f"({'-' if tokens is None else f'{tokens:,}'} tokens, τ {_number(threshold, 2)})"
+    ]
     if report.get("static_layers") is not None:
-        lines.append(f"  static layers (below τ for ≥95% of tokens) {_layers(report['static_layers'])}  "
-                     f"static-run layers {_layers(report.get('static_run_layers') or [])}")
+        lines.append(
+            f"  static layers (below τ for ≥95% of tokens) {_layers(report['static_layers'])}  "
+            f"static-run layers {_layers(report.get('static_run_layers') or [])}"
+        )
     rates = report.get("per_layer_low_rate") or []
     if rates:
         lines.append("  below τ per layer " + " ".join(f"{rate:.2f}" for rate in rates))

@@ -42,14 +42,19 @@ class RoutingWindow:
     def tokens(self) -> int:
         return 0 if self._window is None else len(self._window) // self.layers
 
-    def add(self, entropies: np.ndarray, skipped: np.ndarray, threshold: float, now: float,
-            model_name: str = "") -> None:
+    def add(
+        self, entropies: np.ndarray, skipped: np.ndarray, threshold: float, now: float, model_name: str = ""
+    ) -> None:
         """entropies float32 [rows, layers], skipped bool [rows, layers], the frame's τ."""
         layers = entropies.shape[1]
         if layers != self.layers:
             if self.layers:
-                log.warning("model %r: frames now have %d layers instead of %d; the routing window starts over",
-                            model_name, layers, self.layers)
+                log.warning(
+                    "model %r: frames now have %d layers instead of %d; the routing window starts over",
+                    model_name,
+                    layers,
+                    self.layers,
+                )
             tokens = max(1, self.max_observations // layers)
             self._window = SlidingWindow(tokens * layers, self.max_age_seconds, dtype=np.uint8)
             self.layers = layers

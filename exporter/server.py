@@ -83,9 +83,11 @@ def _handler_class(registry: CollectorRegistry, receiver: FrameReceiver) -> type
                 else:
                     self._reply(503, "text/plain; charset=utf-8", b"frame receiver stopped\n")
             elif path == "/":
-                self._reply(200, "text/html; charset=utf-8",
-                            b'<h1>layerwatch exporter</h1><a href="/metrics">/metrics</a> '
-                            b'<a href="/healthz">/healthz</a>\n')
+                self._reply(
+                    200,
+                    "text/html; charset=utf-8",
+                    b'<h1>layerwatch exporter</h1><a href="/metrics">/metrics</a> <a href="/healthz">/healthz</a>\n',
+                )
             else:
                 self._reply(404, "text/plain; charset=utf-8", b"not found\n")
 
@@ -113,8 +115,7 @@ class _HTTPServer(ThreadingHTTPServer):
 class ExporterServer:
     """Binds both sockets on construction (so the real ports are known), serves after start()."""
 
-    def __init__(self, state: ExporterState, frames_address: tuple[str, int],
-                 http_address: tuple[str, int]) -> None:
+    def __init__(self, state: ExporterState, frames_address: tuple[str, int], http_address: tuple[str, int]) -> None:
         self.receiver = FrameReceiver(frames_address, state)
         registry = build_registry(state)
         self.http = _HTTPServer(http_address, _handler_class(registry, self.receiver))

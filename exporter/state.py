@@ -17,11 +17,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from layerwatch.statistics import (DEFAULT_MIN_WINDOW_OBSERVATIONS, DEFAULT_WINDOW_OBSERVATIONS, Bimodality, EntropyTotals,
-                                   LayerTotals, check_bimodality, le_bucket_index)
 from exporter.routing_window import RoutingWindow
 from exporter.window import SlidingWindow
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS, DEFAULT_THRESHOLD, Routing, check_routing
+from layerwatch.statistics import (
+    DEFAULT_MIN_WINDOW_OBSERVATIONS,
+    DEFAULT_WINDOW_OBSERVATIONS,
+    Bimodality,
+    EntropyTotals,
+    LayerTotals,
+    check_bimodality,
+    le_bucket_index,
+)
 from layerwatch.wire import GateFrame, MalformedFrame, decode_frame
 
 log = logging.getLogger(__name__)
@@ -56,8 +63,14 @@ class ModelStatistics:
         self.frames_lost = 0
         self.frames_without_threshold = 0
 
-    def add(self, entropies: np.ndarray, skipped: np.ndarray, now: float,
-            threshold: float = DEFAULT_THRESHOLD, model_name: str = "") -> None:
+    def add(
+        self,
+        entropies: np.ndarray,
+        skipped: np.ndarray,
+        now: float,
+        threshold: float = DEFAULT_THRESHOLD,
+        model_name: str = "",
+    ) -> None:
         """entropies float32 [rows, layers], skipped bool [rows, layers], the τ they were decided with."""
         buckets = le_bucket_index(entropies)
         self.totals.add(entropies.ravel(), skipped.ravel(), buckets.ravel())
@@ -70,6 +83,7 @@ class ModelStatistics:
 @dataclass(frozen=True)
 class ModelSnapshot:
     """A consistent copy of one model's counters, taken under the lock, rendered outside it."""
+
     model_name: str
     buckets: np.ndarray  # [2, 20] not cumulative, decision run/skip
     sums: np.ndarray  # [2]
@@ -138,9 +152,13 @@ class ExporterState:
             if threshold is None:  # wire version 1: an older shim that does not send τ
                 threshold = self.config.default_threshold
                 if model.frames_without_threshold == 0:
-                    log.warning("model %r: gate frames without a threshold (wire version 1, shim %r); routing "
-                                "statistics assume the default threshold %g", frame.model_name, frame.shim_id,
-                                threshold)
+                    log.warning(
+                        "model %r: gate frames without a threshold (wire version 1, shim %r); routing "
+                        "statistics assume the default threshold %g",
+                        frame.model_name,
+                        frame.shim_id,
+                        threshold,
+                    )
                 model.frames_without_threshold += 1
             model.add(frame.entropies, frame.skipped, now, threshold, frame.model_name)
 
@@ -170,12 +188,19 @@ class ExporterState:
     def _snapshot(name: str, model: ModelStatistics) -> ModelSnapshot:
         totals, layers = model.totals, model.layers
         return ModelSnapshot(
-            model_name=name, buckets=totals.buckets.copy(), sums=totals.sums.copy(),
-            squares=totals.squares.copy(), zeros=totals.zeros.copy(),
-            layer_sums=layers.sums.copy(), layer_counts=layers.counts.copy(),
+            model_name=name,
+            buckets=totals.buckets.copy(),
+            sums=totals.sums.copy(),
+            squares=totals.squares.copy(),
+            zeros=totals.zeros.copy(),
+            layer_sums=layers.sums.copy(),
+            layer_counts=layers.counts.copy(),
             layer_buckets=None if layers.buckets is None else layers.buckets.copy(),
-            frames_received=model.frames_received, frames_lost=model.frames_lost,
-            frames_without_threshold=model.frames_without_threshold, threshold=model.threshold)
+            frames_received=model.frames_received,
+            frames_lost=model.frames_lost,
+            frames_without_threshold=model.frames_without_threshold,
+            threshold=model.threshold,
+        )
 
     def bimodality(self, model_name: str) -> Bimodality:
         """The window's statistics, recomputed only when the window changed and the cached result
@@ -187,8 +212,9 @@ class ExporterState:
                 window.expire(now)
                 cached = self._bimodality_cache.get(model_name)
                 if cached is not None and (
-                        cached.window_version == window.version
-                        or now - cached.computed_at < self.config.statistics_cache_seconds):
+                    cached.window_version == window.version
+                    or now - cached.computed_at < self.config.statistics_cache_seconds
+                ):
                     return cached.result
                 version, values = window.version, window.values()
             result = check_bimodality(values, self.config.min_window_observations)
@@ -206,8 +232,9 @@ class ExporterState:
                 window.expire(now)
                 cached = self._routing_cache.get(model_name)
                 if cached is not None and (
-                        cached.window_version == window.version
-                        or now - cached.computed_at < self.config.statistics_cache_seconds):
+                    cached.window_version == window.version
+                    or now - cached.computed_at < self.config.statistics_cache_seconds
+                ):
                     return cached.result
                 version, counts = window.version, window.counts()
             result = check_routing(*counts, min_tokens=self.config.min_routing_tokens)

@@ -16,8 +16,13 @@ import numpy as np
 
 
 class SlidingWindow:
-    def __init__(self, capacity: int, max_age_seconds: float = math.inf, granularity: float = 1.0,
-                 dtype: np.dtype | type = np.float32) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        max_age_seconds: float = math.inf,
+        granularity: float = 1.0,
+        dtype: np.dtype | type = np.float32,
+    ) -> None:
         if capacity <= 0:
             raise ValueError(f"window capacity must be positive, got {capacity}")
         self.capacity = capacity
@@ -33,13 +38,13 @@ class SlidingWindow:
         return self._size
 
     def add(self, values: np.ndarray, now: float) -> None:
-        values = values.ravel()[-self.capacity:]
+        values = values.ravel()[-self.capacity :]
         n = len(values)
         if n == 0:
             return
         first = min(n, self.capacity - self._end)
-        self._ring[self._end:self._end + first] = values[:first]
-        self._ring[:n - first] = values[first:]
+        self._ring[self._end : self._end + first] = values[:first]
+        self._ring[: n - first] = values[first:]
         self._end = (self._end + n) % self.capacity
         if self._chunks and now - self._chunks[-1][0] < self.granularity:
             self._chunks[-1][1] += n
@@ -64,8 +69,8 @@ class SlidingWindow:
         """A copy of the values held, oldest first."""
         start = (self._end - self._size) % self.capacity
         if start + self._size <= self.capacity:
-            return self._ring[start:start + self._size].copy()
-        return np.concatenate((self._ring[start:], self._ring[:self._end]))
+            return self._ring[start : start + self._size].copy()
+        return np.concatenate((self._ring[start:], self._ring[: self._end]))
 
     def _drop_oldest(self, excess: int) -> None:
         """The ring overwrote the oldest values: take them off the oldest chunks' counts."""

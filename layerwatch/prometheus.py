@@ -106,8 +106,7 @@ class HistogramArrays(Metric):
         self._cumulative: list[list[int]] = []  # per series, with the +Inf bucket
         self._sums: list[float] = []
 
-    def add_histograms(self, label_values: Sequence[Sequence[str]], buckets: np.ndarray,
-                       sums: np.ndarray) -> None:
+    def add_histograms(self, label_values: Sequence[Sequence[str]], buckets: np.ndarray, sums: np.ndarray) -> None:
         """label_values: one tuple per series; buckets [series, len(le)]; sums [series]."""
         cumulative = np.cumsum(buckets, axis=1)
         self._cumulative += np.concatenate((cumulative, cumulative[:, -1:]), axis=1).tolist()
@@ -123,8 +122,10 @@ class HistogramArrays(Metric):
         samples = []
         for values, cumulative, total in self.series():
             labels = dict(zip(self.label_names, values))
-            samples += [Sample(self.name + "_bucket", {**labels, "le": le}, float(count))
-                        for le, count in zip(self.le, cumulative)]
+            samples += [
+                Sample(self.name + "_bucket", {**labels, "le": le}, float(count))
+                for le, count in zip(self.le, cumulative)
+            ]
             samples.append(Sample(self.name + "_count", labels, float(cumulative[-1])))
             samples.append(Sample(self.name + "_sum", labels, total))
         return samples

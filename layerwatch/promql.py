@@ -18,10 +18,28 @@ from layerwatch import catalog
 # Series Prometheus itself writes, which queries may read.
 PROMETHEUS_SERIES = frozenset({"up", "ALERTS", "ALERTS_FOR_STATE"})
 
-_KEYWORDS = frozenset({
-    "and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right",
-    "offset", "bool", "inf", "nan", "Inf", "NaN", "start", "end", "atan2",
-})
+_KEYWORDS = frozenset(
+    {
+        "and",
+        "or",
+        "unless",
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "offset",
+        "bool",
+        "inf",
+        "nan",
+        "Inf",
+        "NaN",
+        "start",
+        "end",
+        "atan2",
+    }
+)
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
 _GRAFANA_VARIABLES = re.compile(r"\$\{[^}]*\}|\$\w+|\[\[\w+\]\]")
 _MATCHERS = re.compile(r"\{[^}]*\}")
@@ -39,7 +57,7 @@ def metric_names(expr: str) -> set[str]:
     text = _LABEL_LISTS.sub(" ", text)
     names = set()
     for match in _IDENTIFIER.finditer(text):
-        rest = text[match.end():].lstrip()
+        rest = text[match.end() :].lstrip()
         if rest.startswith("(") or match.group() in _KEYWORDS:
             continue
         names.add(match.group())
@@ -65,4 +83,5 @@ def check_queries(queries: list[tuple[str, str]], known: set[str]) -> None:
     if problems:
         raise UnknownMetricError(
             "queries read series that neither layerwatch/catalog.py nor a recording rule defines:\n  "
-            + "\n  ".join(problems))
+            + "\n  ".join(problems)
+        )

@@ -60,6 +60,7 @@ STATE_STATIC, STATE_TOKEN_DEPENDENT, STATE_STATIC_RUN = 1, 0, -1
 @dataclass(frozen=True, eq=False)  # eq=False: ndarray fields
 class Routing:
     """The routing statistics of one window; the judgements are None while withheld."""
+
     tokens: int
     low_counts: np.ndarray  # int [layers]: tokens whose score was below τ
     skip_counts: np.ndarray  # int [layers]: tokens for which the layer was skipped
@@ -111,8 +112,9 @@ def below_threshold(entropies: np.ndarray, threshold: float) -> np.ndarray:
     return entropies < np.float32(threshold)
 
 
-def check_routing(tokens: int, low_counts: np.ndarray, skip_counts: np.ndarray,
-                  min_tokens: int = DEFAULT_MIN_ROUTING_TOKENS) -> Routing:
+def check_routing(
+    tokens: int, low_counts: np.ndarray, skip_counts: np.ndarray, min_tokens: int = DEFAULT_MIN_ROUTING_TOKENS
+) -> Routing:
     """The statistics and verdict from per-layer counts over `tokens` tokens (see the module docstring)."""
     low_counts = np.asarray(low_counts, dtype=np.int64)
     skip_counts = np.asarray(skip_counts, dtype=np.int64)
@@ -126,12 +128,18 @@ def check_routing(tokens: int, low_counts: np.ndarray, skip_counts: np.ndarray,
     static = lower >= STATIC_LOW_RATE
     static_run = upper <= STATIC_RUN_LOW_RATE
     share = token_dependent_share(low_counts, static)
-    return Routing(tokens, low_counts, skip_counts, DYNAMIC if share >= DYNAMIC_SHARE else STATIC, share,
-                   tuple(np.flatnonzero(static).tolist()), tuple(np.flatnonzero(static_run).tolist()))
+    return Routing(
+        tokens,
+        low_counts,
+        skip_counts,
+        DYNAMIC if share >= DYNAMIC_SHARE else STATIC,
+        share,
+        tuple(np.flatnonzero(static).tolist()),
+        tuple(np.flatnonzero(static_run).tolist()),
+    )
 
 
-def routing_from_rows(below: np.ndarray, skipped: np.ndarray,
-                      min_tokens: int = DEFAULT_MIN_ROUTING_TOKENS) -> Routing:
+def routing_from_rows(below: np.ndarray, skipped: np.ndarray, min_tokens: int = DEFAULT_MIN_ROUTING_TOKENS) -> Routing:
     """Convenience: the statistics of bool [tokens, layers] below-τ and skip masks."""
     below = np.asarray(below, dtype=bool)
     skipped = np.asarray(skipped, dtype=bool)

@@ -86,8 +86,12 @@ class EntropyTotals:
             return {"mean": None, "std": None, "zero_ratio": None, "skip_ratio": None}
         mean = float(self.sums.sum()) / n
         variance = max(0.0, float(self.squares.sum()) / n - mean * mean)
-        return {"mean": mean, "std": math.sqrt(variance), "zero_ratio": int(self.zeros.sum()) / n,
-                "skip_ratio": int(self.counts[SKIP]) / n}
+        return {
+            "mean": mean,
+            "std": math.sqrt(variance),
+            "zero_ratio": int(self.zeros.sum()) / n,
+            "skip_ratio": int(self.counts[SKIP]) / n,
+        }
 
 
 class LayerTotals:
@@ -120,6 +124,7 @@ class LayerTotals:
 @dataclass(frozen=True)
 class Bimodality:
     """The window's bimodality statistics; all but `observations` are None while withheld."""
+
     observations: int
     bimodal: bool | None
     bimodality_coefficient: float | None  # NaN when undefined (zero variance)
@@ -180,9 +185,9 @@ def count_peaks(histogram: np.ndarray) -> int:
         while end + 1 < len(h) - 1 and h[end + 1] == h[start]:
             end += 1  # a flat top spans start..end
         height = h[start]
-        if h[start - 1] < height > h[end + 1] and height >= MIN_PEAK_FRACTION:
-            if start <= tallest <= end or _prominence(h, start, end) >= VALLEY_DEPTH * height:
-                peaks += 1
+        is_local_maximum = h[start - 1] < height > h[end + 1] and height >= MIN_PEAK_FRACTION
+        if is_local_maximum and (start <= tallest <= end or _prominence(h, start, end) >= VALLEY_DEPTH * height):
+            peaks += 1
         start = end + 1
     return peaks
 
@@ -202,8 +207,7 @@ def _prominence(h: list[float], start: int, end: int) -> float:
     return height - max(left_low, right_low)
 
 
-def report(model_name: str, totals: EntropyTotals, histogram: np.ndarray,
-           bimodality: Bimodality) -> dict[str, object]:
+def report(model_name: str, totals: EntropyTotals, histogram: np.ndarray, bimodality: Bimodality) -> dict[str, object]:
     """The CONTRACT's per-model keys (plus a few), as printed by `layerwatch replay --json`."""
     bc = bimodality.bimodality_coefficient
     return {

@@ -38,6 +38,7 @@ class TraceRecord:
 @dataclass(frozen=True, eq=False)
 class TraceBatch:
     """Consecutive records of one model with the same layer count and threshold, stacked."""
+
     model_name: str
     entropies: np.ndarray  # float32 [rows, layers]
     skipped: np.ndarray  # bool [rows, layers]
@@ -63,7 +64,7 @@ class TraceWriter:
         self.threshold = threshold
         self.dropped = 0
         self._lock = threading.Lock()
-        self._file = open(self.path, "ab")
+        self._file = open(self.path, "ab")  # noqa: SIM115 -- open for the writer's lifetime, closed by close()
         self._written = self._file.tell()
         self._full = False
 
@@ -118,8 +119,11 @@ def read_trace_batches(path: str | os.PathLike[str], max_rows: int = 4096) -> It
     """Like read_trace, stacked into per-model arrays so statistics run vectorised."""
     model, threshold, scores, skipped = None, None, [], []
     for record in read_trace(path):
-        key_changed = (model != record.model_name or threshold != record.threshold
-                       or (scores and len(scores[0]) != len(record.scores)))
+        key_changed = (
+            model != record.model_name
+            or threshold != record.threshold
+            or (scores and len(scores[0]) != len(record.scores))
+        )
         if scores and (key_changed or len(scores) == max_rows):
             yield TraceBatch(model, np.stack(scores), np.stack(skipped), threshold)
             scores, skipped = [], []

@@ -128,13 +128,16 @@ def encode_frame(frame: GateFrame) -> bytes:
     threshold = b"" if frame.threshold is None else _THRESHOLD.pack(_check_threshold(frame.threshold, ValueError))
     size = frame_bytes(rows, layers, frame.model_name, frame.shim_id, frame.threshold)
     if size > MAX_FRAME_BYTES:
-        raise FrameTooLarge(f"frame of {rows} rows x {layers} layers needs {size} bytes, "
-                            f"limit {MAX_FRAME_BYTES}: send fewer rows per frame")
+        raise FrameTooLarge(
+            f"frame of {rows} rows x {layers} layers needs {size} bytes, "
+            f"limit {MAX_FRAME_BYTES}: send fewer rows per frame"
+        )
     version = VERSION_WITHOUT_THRESHOLD if frame.threshold is None else VERSION
     header = _HEADER.pack(MAGIC, version, 0, rows, layers, frame.sequence, len(model), len(shim))
     bits = np.packbits(skipped, axis=1)
-    return b"".join((header, threshold, model, shim,
-                     entropies.astype(_ENTROPY_DTYPE, copy=False).tobytes(), bits.tobytes()))
+    return b"".join(
+        (header, threshold, model, shim, entropies.astype(_ENTROPY_DTYPE, copy=False).tobytes(), bits.tobytes())
+    )
 
 
 def decode_frame(data: bytes) -> GateFrame:
@@ -150,8 +153,9 @@ def decode_frame(data: bytes) -> GateFrame:
     if magic != MAGIC:
         raise MalformedFrame(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version not in SUPPORTED_VERSIONS:
-        raise MalformedFrame(f"unsupported version {version}, this decoder reads "
-                             f"{' and '.join(map(str, SUPPORTED_VERSIONS))}")
+        raise MalformedFrame(
+            f"unsupported version {version}, this decoder reads {' and '.join(map(str, SUPPORTED_VERSIONS))}"
+        )
     if flags != 0:
         raise MalformedFrame(f"unknown flags 0x{flags:02x}")
     if rows == 0 or layers == 0:
@@ -162,17 +166,19 @@ def decode_frame(data: bytes) -> GateFrame:
     row_bits = _packed_row_bytes(layers)
     expected = header_bytes + model_len + shim_len + rows * layers * 4 + rows * row_bits
     if len(data) != expected:
-        raise MalformedFrame(f"{len(data)} bytes, but the header (version {version}, {rows} rows x "
-                             f"{layers} layers, names {model_len}+{shim_len} bytes) describes {expected}")
+        raise MalformedFrame(
+            f"{len(data)} bytes, but the header (version {version}, {rows} rows x "
+            f"{layers} layers, names {model_len}+{shim_len} bytes) describes {expected}"
+        )
 
     threshold = None
     if version != VERSION_WITHOUT_THRESHOLD:
         (threshold,) = _THRESHOLD.unpack_from(data, HEADER_BYTES)
         _check_threshold(threshold, MalformedFrame)
     offset = header_bytes
-    model_name = _decode_name("model_name", data[offset:offset + model_len])
+    model_name = _decode_name("model_name", data[offset : offset + model_len])
     offset += model_len
-    shim_id = _decode_name("shim_id", data[offset:offset + shim_len])
+    shim_id = _decode_name("shim_id", data[offset : offset + shim_len])
     offset += shim_len
     entropies = np.frombuffer(data, dtype=_ENTROPY_DTYPE, count=rows * layers, offset=offset)
     entropies = entropies.reshape(rows, layers)

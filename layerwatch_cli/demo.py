@@ -29,8 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prometheus", action="store_true", help="do not start Prometheus and Alertmanager")
     parser.add_argument("--concurrency", type=int, default=2, help="load generator clients (default %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per generated completion")
-    parser.add_argument("--shadow-rate", type=float, default=0.5,
-                        help="share of greedy requests the shim re-checks at full depth (default %(default)s)")
+    parser.add_argument(
+        "--shadow-rate",
+        type=float,
+        default=0.5,
+        help="share of greedy requests the shim re-checks at full depth (default %(default)s)",
+    )
     parser.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0 = until Ctrl-C)")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between screen refreshes")
     parser.add_argument("--workdir", default=None, help="where configs and logs go (default: a temporary folder)")
@@ -42,20 +46,27 @@ def run(args: argparse.Namespace) -> int:
     stack = DemoStack(workdir)
     stop = threading.Event()
     try:
-        shim_url, exporter_url = stack.start_core(port=args.port, exporter_port=args.exporter_port,
-                                                   shadow_rate=args.shadow_rate, model=args.model)
-        lines = [f"shim (OpenAI API)  {shim_url}/v1   metrics {shim_url}/metrics",
-                 f"exporter           {exporter_url}/metrics"]
+        shim_url, exporter_url = stack.start_core(
+            port=args.port, exporter_port=args.exporter_port, shadow_rate=args.shadow_rate, model=args.model
+        )
+        lines = [
+            f"shim (OpenAI API)  {shim_url}/v1   metrics {shim_url}/metrics",
+            f"exporter           {exporter_url}/metrics",
+        ]
         if not args.no_prometheus:
-            lines += stack.start_prometheus(shim_url, exporter_url, prometheus_port=args.prometheus_port,
-                                            alertmanager_port=args.alertmanager_port)
+            lines += stack.start_prometheus(
+                shim_url, exporter_url, prometheus_port=args.prometheus_port, alertmanager_port=args.alertmanager_port
+            )
         lines.append(f"logs and configs   {workdir}")
         banner = "\n".join(lines)
         print(banner, flush=True)
 
-        load = threading.Thread(target=run_load, args=(shim_url, stack.model_name),
-                                kwargs=dict(duration=float("inf"), concurrency=args.concurrency,
-                                            max_tokens=args.max_tokens, stop=stop), daemon=True)
+        load = threading.Thread(
+            target=run_load,
+            args=(shim_url, stack.model_name),
+            kwargs=dict(duration=float("inf"), concurrency=args.concurrency, max_tokens=args.max_tokens, stop=stop),
+            daemon=True,
+        )
         load.start()
         _show(exporter_url, banner, args, stack)
     except KeyboardInterrupt:

@@ -17,10 +17,16 @@ from layerwatch_cli.model_arguments import add_model_arguments, load_from_argume
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--data", type=Path, required=True, help="held-out plain UTF-8 text")
-    parser.add_argument("--threshold", type=float, default=None,
-                        help="tau (default: the threshold the gates were trained for)")
-    parser.add_argument("--sweep", type=_thresholds, default=None, metavar="T1,T2,...",
-                        help="evaluate these thresholds and print the trade-off table")
+    parser.add_argument(
+        "--threshold", type=float, default=None, help="tau (default: the threshold the gates were trained for)"
+    )
+    parser.add_argument(
+        "--sweep",
+        type=_thresholds,
+        default=None,
+        metavar="T1,T2,...",
+        help="evaluate these thresholds and print the trade-off table",
+    )
     parser.add_argument("--max-tokens", type=int, default=4096, help="decoded (predicted) tokens to evaluate")
     parser.add_argument("--window", type=int, default=128, help="tokens per held-out window")
     parser.add_argument("--prefill", type=int, default=16, help="window tokens given as the full-depth prompt")
@@ -55,21 +61,37 @@ def run(args: argparse.Namespace) -> int:
     full = decode_windows(gated, windows, None, **decoding)
     results = [gated_result(full, decode_windows(gated, windows, t, **decoding), t) for t in thresholds]
     header = {
-        "model": str(args.model), "gates": str(gated.gates_path), "gates_sha256": gated.gates.sha256,
-        "data": str(args.data), "windows": len(windows), "window": args.window, "prefill": args.prefill,
-        "batch_size": args.batch_size, "patience": gated.patience, "kv_policy": args.kv_policy,
+        "model": str(args.model),
+        "gates": str(gated.gates_path),
+        "gates_sha256": gated.gates.sha256,
+        "data": str(args.data),
+        "windows": len(windows),
+        "window": args.window,
+        "prefill": args.prefill,
+        "batch_size": args.batch_size,
+        "patience": gated.patience,
+        "kv_policy": args.kv_policy,
         "decoded_tokens": full.tokens,
     }
     if args.json:
-        body = {**header, **results[0]} if args.sweep is None else {**header, "perplexity_full": full.perplexity,
-                                                                     "tokens_per_second_full": full.tokens_per_second,
-                                                                     "sweep": results}
+        body = (
+            {**header, **results[0]}
+            if args.sweep is None
+            else {
+                **header,
+                "perplexity_full": full.perplexity,
+                "tokens_per_second_full": full.tokens_per_second,
+                "sweep": results,
+            }
+        )
         print(json.dumps(body, indent=2))
         return 0
     print(f"model {args.model}  gates {gated.gates_path} (sha256 {gated.gates.sha256[:12]})")
-    print(f"data {args.data}: {len(windows)} windows of {args.window} tokens, prefill {args.prefill}, "
-          f"{full.tokens} decoded tokens, batch {args.batch_size}, patience {gated.patience}, "
-          f"kv policy {args.kv_policy}")
+    print(
+        f"data {args.data}: {len(windows)} windows of {args.window} tokens, prefill {args.prefill}, "
+        f"{full.tokens} decoded tokens, batch {args.batch_size}, patience {gated.patience}, "
+        f"kv policy {args.kv_policy}"
+    )
     if args.sweep is None:
         print(format_single(results[0]))
     else:
@@ -79,23 +101,30 @@ def run(args: argparse.Namespace) -> int:
 
 def format_single(r: dict) -> str:
     layers = " ".join(f"{l}:{rate:.2f}" for l, rate in enumerate(r["per_layer_skip_rate"]))
-    return "\n".join([
-        f"threshold {r['threshold']:g}",
-        f"perplexity full {r['perplexity_full']:.3f}  gated {r['perplexity_gated']:.3f} "
-        f"({r['perplexity_increase']:+.2%})",
-        f"decode layer evaluations skipped {r['skip_fraction']:.1%}  fallbacks {r['fallbacks']}",
-        f"per-layer skip rate {layers}",
-        f"tokens/s full {r['tokens_per_second_full']:.0f}  gated {r['tokens_per_second_gated']:.0f}",
-    ])
+    return "\n".join(
+        [
+            f"threshold {r['threshold']:g}",
+            f"perplexity full {r['perplexity_full']:.3f}  gated {r['perplexity_gated']:.3f} "
+            f"({r['perplexity_increase']:+.2%})",
+            f"decode layer evaluations skipped {r['skip_fraction']:.1%}  fallbacks {r['fallbacks']}",
+            f"per-layer skip rate {layers}",
+            f"tokens/s full {r['tokens_per_second_full']:.0f}  gated {r['tokens_per_second_gated']:.0f}",
+        ]
+    )
 
 
 def format_sweep(results: list[dict]) -> str:
     """A Markdown table (pasted as is into the model card)."""
-    lines = [f"full-depth perplexity {results[0]['perplexity_full']:.3f}, "
-             f"{results[0]['tokens_per_second_full']:.0f} tokens/s", "",
-             "| threshold | layer evaluations skipped | perplexity | increase | fallbacks | tokens/s |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"full-depth perplexity {results[0]['perplexity_full']:.3f}, "
+        f"{results[0]['tokens_per_second_full']:.0f} tokens/s",
+        "",
+        "| threshold | layer evaluations skipped | perplexity | increase | fallbacks | tokens/s |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
-        lines.append(f"| {r['threshold']:g} | {r['skip_fraction']:.1%} | {r['perplexity_gated']:.3f} | "
-                     f"{r['perplexity_increase']:+.2%} | {r['fallbacks']} | {r['tokens_per_second_gated']:.0f} |")
+        lines.append(
+            f"| {r['threshold']:g} | {r['skip_fraction']:.1%} | {r['perplexity_gated']:.3f} | "
+            f"{r['perplexity_increase']:+.2%} | {r['fallbacks']} | {r['tokens_per_second_gated']:.0f} |"
+        )
     return "\n".join(lines)

@@ -23,6 +23,7 @@ def _positive(kind: type) -> Callable[[str], float]:
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
         return value
+
     parse.__name__ = kind.__name__  # argparse names the type in its error messages
     return parse
 
@@ -50,55 +51,103 @@ def _address(text: str) -> tuple[str, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ExporterConfig()
-    parser.add_argument("--listen", type=_address, default=DEFAULT_FRAMES_ADDRESS, metavar="HOST:PORT",
-                        help="UDP address gate frames arrive on (default %(default)s)")
-    parser.add_argument("--http", type=_address, default="127.0.0.1:9411", metavar="HOST:PORT",
-                        help="HTTP address for /metrics and /healthz (default %(default)s)")
-    parser.add_argument("--window-seconds", type=_positive(float), default=defaults.window_seconds,
-                        help="the bimodality window forgets entropies older than this (default %(default)s)")
-    parser.add_argument("--window-max-observations", type=_positive(int),
-                        default=defaults.window_max_observations,
-                        help=f"the window holds at most this many entropies per model, at most "
-                             f"{MAX_WINDOW_OBSERVATIONS} (default %(default)s)")
-    parser.add_argument("--min-window-observations", type=_positive(int),
-                        default=defaults.min_window_observations,
-                        help="below this many entropies in the window the verdict is withheld "
-                             "(default %(default)s)")
-    parser.add_argument("--per-layer", action="store_true",
-                        help="also export a 20-bucket histogram per layer (layers x models x 23 series)")
-    parser.add_argument("--max-models", type=_positive(int), default=defaults.max_models,
-                        help="frames naming more distinct models than this are rejected (default %(default)s)")
-    parser.add_argument("--statistics-cache-seconds", type=_non_negative_float,
-                        default=defaults.statistics_cache_seconds,
-                        help="reuse the window statistics for this long across scrapes (default %(default)s)")
-    parser.add_argument("--default-threshold", type=_unit_interval, default=defaults.default_threshold,
-                        metavar="TAU",
-                        help="skip threshold assumed for gate frames that carry none (wire version 1, older "
-                             "shims); such frames are counted (default %(default)s)")
-    parser.add_argument("--min-routing-tokens", type=_positive(int), default=defaults.min_routing_tokens,
-                        help="below this many tokens in the window the routing verdict is withheld "
-                             "(default %(default)s)")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="(default %(default)s)")
+    parser.add_argument(
+        "--listen",
+        type=_address,
+        default=DEFAULT_FRAMES_ADDRESS,
+        metavar="HOST:PORT",
+        help="UDP address gate frames arrive on (default %(default)s)",
+    )
+    parser.add_argument(
+        "--http",
+        type=_address,
+        default="127.0.0.1:9411",
+        metavar="HOST:PORT",
+        help="HTTP address for /metrics and /healthz (default %(default)s)",
+    )
+    parser.add_argument(
+        "--window-seconds",
+        type=_positive(float),
+        default=defaults.window_seconds,
+        help="the bimodality window forgets entropies older than this (default %(default)s)",
+    )
+    parser.add_argument(
+        "--window-max-observations",
+        type=_positive(int),
+        default=defaults.window_max_observations,
+        help=f"the window holds at most this many entropies per model, at most "
+        f"{MAX_WINDOW_OBSERVATIONS} (default %(default)s)",
+    )
+    parser.add_argument(
+        "--min-window-observations",
+        type=_positive(int),
+        default=defaults.min_window_observations,
+        help="below this many entropies in the window the verdict is withheld (default %(default)s)",
+    )
+    parser.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="also export a 20-bucket histogram per layer (layers x models x 23 series)",
+    )
+    parser.add_argument(
+        "--max-models",
+        type=_positive(int),
+        default=defaults.max_models,
+        help="frames naming more distinct models than this are rejected (default %(default)s)",
+    )
+    parser.add_argument(
+        "--statistics-cache-seconds",
+        type=_non_negative_float,
+        default=defaults.statistics_cache_seconds,
+        help="reuse the window statistics for this long across scrapes (default %(default)s)",
+    )
+    parser.add_argument(
+        "--default-threshold",
+        type=_unit_interval,
+        default=defaults.default_threshold,
+        metavar="TAU",
+        help="skip threshold assumed for gate frames that carry none (wire version 1, older "
+        "shims); such frames are counted (default %(default)s)",
+    )
+    parser.add_argument(
+        "--min-routing-tokens",
+        type=_positive(int),
+        default=defaults.min_routing_tokens,
+        help="below this many tokens in the window the routing verdict is withheld (default %(default)s)",
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default %(default)s)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if args.window_max_observations > MAX_WINDOW_OBSERVATIONS:
-        print(f"layerwatch exporter: --window-max-observations {args.window_max_observations} is above "
-              f"{MAX_WINDOW_OBSERVATIONS}, where the dip test's p-values stop being valid", file=sys.stderr)
+        print(
+            f"layerwatch exporter: --window-max-observations {args.window_max_observations} is above "
+            f"{MAX_WINDOW_OBSERVATIONS}, where the dip test's p-values stop being valid",
+            file=sys.stderr,
+        )
         return 2
     if args.min_window_observations > args.window_max_observations:
-        print(f"layerwatch exporter: --min-window-observations {args.min_window_observations} is above "
-              f"--window-max-observations {args.window_max_observations}: no verdict could ever be given",
-              file=sys.stderr)
+        print(
+            f"layerwatch exporter: --min-window-observations {args.min_window_observations} is above "
+            f"--window-max-observations {args.window_max_observations}: no verdict could ever be given",
+            file=sys.stderr,
+        )
         return 2
     config = ExporterConfig(
-        window_seconds=args.window_seconds, window_max_observations=args.window_max_observations,
-        min_window_observations=args.min_window_observations, per_layer=args.per_layer,
-        max_models=args.max_models, statistics_cache_seconds=args.statistics_cache_seconds,
-        default_threshold=args.default_threshold, min_routing_tokens=args.min_routing_tokens)
+        window_seconds=args.window_seconds,
+        window_max_observations=args.window_max_observations,
+        min_window_observations=args.min_window_observations,
+        per_layer=args.per_layer,
+        max_models=args.max_models,
+        statistics_cache_seconds=args.statistics_cache_seconds,
+        default_threshold=args.default_threshold,
+        min_routing_tokens=args.min_routing_tokens,
+    )
     try:
         server = ExporterServer(ExporterState(config), args.listen, args.http)
     except OSError as exc:
@@ -111,10 +160,14 @@ def run(args: argparse.Namespace) -> int:
     server.start()
     frames_host, frames_port = server.frames_address
     http_host, http_port = server.http_address
-    log.info("receiving gate frames on udp://%s:%d, serving http://%s:%d/metrics",
-             frames_host, frames_port, http_host, http_port)
+    log.info(
+        "receiving gate frames on udp://%s:%d, serving http://%s:%d/metrics",
+        frames_host,
+        frames_port,
+        http_host,
+        http_port,
+    )
     stop.wait()
     log.info("stopping")
     server.stop()
     return 0
-

@@ -17,10 +17,15 @@ from layerwatch.promql import UnknownMetricError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 if any committed generated file is stale")
-    parser.add_argument("--root", type=Path, default=REPOSITORY_ROOT,
-                        help="repository root to read profiles from and write into (default: %(default)s)")
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if any committed generated file is stale"
+    )
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=REPOSITORY_ROOT,
+        help="repository root to read profiles from and write into (default: %(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,8 +33,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         files = generated_files(root)
     except ModuleNotFoundError as exc:
-        print(f"layerwatch generate: {exc}: install the `generate` extra (pip install '.[generate]')",
-              file=sys.stderr)
+        print(f"layerwatch generate: {exc}: install the `generate` extra (pip install '.[generate]')", file=sys.stderr)
         return 2
     except (ProfileError, UnknownMetricError) as exc:
         print(f"layerwatch generate: {exc}", file=sys.stderr)

@@ -17,20 +17,24 @@ import sys
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("layerwatch_cli.serve",
-              "run the gated model behind an OpenAI-compatible API with metrics and gate frames"),
-    "exporter": ("layerwatch_cli.exporter",
-                 "receive gate frames and serve entropy histograms and bimodality checks"),
+    "serve": (
+        "layerwatch_cli.serve",
+        "run the gated model behind an OpenAI-compatible API with metrics and gate frames",
+    ),
+    "exporter": ("layerwatch_cli.exporter", "receive gate frames and serve entropy histograms and bimodality checks"),
     "replay": ("layerwatch_cli.replay", "run the exporter's statistics offline over a trace file"),
     "top": ("layerwatch_cli.top", "live terminal view of an exporter: histogram, verdict, statistics"),
     "train-gates": ("layerwatch_cli.train_gates", "train gate heads for a frozen model on a text file"),
     "eval": ("layerwatch_cli.eval", "perplexity full vs gated, skip rates and speed on a text file"),
-    "calibrate": ("layerwatch_cli.calibrate",
-                  "measure a healthy baseline run and write the model's profile YAML"),
-    "train-demo": ("layerwatch_cli.train_demo",
-                   "train the embedded demo model (tokenizer, backbone) from the KJV text"),
-    "generate": ("layerwatch_cli.generate",
-                 "write dashboards, alert/recording rules and docs/metrics.md from code (--check)"),
+    "calibrate": ("layerwatch_cli.calibrate", "measure a healthy baseline run and write the model's profile YAML"),
+    "train-demo": (
+        "layerwatch_cli.train_demo",
+        "train the embedded demo model (tokenizer, backbone) from the KJV text",
+    ),
+    "generate": (
+        "layerwatch_cli.generate",
+        "write dashboards, alert/recording rules and docs/metrics.md from code (--check)",
+    ),
     "demo": ("layerwatch_cli.demo", "run the whole stack on the demo model and show the live histogram"),
 }
 
@@ -70,8 +74,10 @@ def apply_environment(parser: argparse.ArgumentParser, environ: dict[str, str]) 
 def build_parser(argv: list[str], environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
     environ = dict(os.environ) if environ is None else environ
     parser = argparse.ArgumentParser(
-        prog="layerwatch", description="Observability for LLM inference with dynamic layer skipping.",
-        epilog="Every flag can also be set as LAYERWATCH_<FLAG> in the environment.")
+        prog="layerwatch",
+        description="Observability for LLM inference with dynamic layer skipping.",
+        epilog="Every flag can also be set as LAYERWATCH_<FLAG> in the environment.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     wanted = _requested_command(argv)
     for name, (module_name, help_line) in COMMANDS.items():

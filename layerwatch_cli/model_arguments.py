@@ -17,10 +17,15 @@ T = TypeVar("T")
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared with `layerwatch calibrate`: the gated model and how it decodes."""
-    parser.add_argument("--model", type=Path, default=DEMO_MODEL_DIR,
-                        help="Hugging Face checkpoint folder (default: the embedded demo model)")
-    parser.add_argument("--gates", type=Path, default=None,
-                        help=f"gate file (default: {GATES_FILE} in the model folder)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=DEMO_MODEL_DIR,
+        help="Hugging Face checkpoint folder (default: the embedded demo model)",
+    )
+    parser.add_argument(
+        "--gates", type=Path, default=None, help=f"gate file (default: {GATES_FILE} in the model folder)"
+    )
     parser.add_argument("--patience", type=int, default=None, help="default: the gates' own")
     parser.add_argument("--kv-policy", choices=KV_POLICIES, default=KV_POLICIES[0])
     parser.add_argument("--batch-size", type=int, default=8, help="sequences decoded together")
@@ -32,14 +37,13 @@ def load_from_arguments(args: argparse.Namespace):
     """The gated model the shared flags name (see add_model_arguments)."""
     from inference_shim.offline.gated_model import load_gated_model
 
-    return load_gated_model(args.model, args.gates, patience=args.patience, device=args.device,
-                            threads=args.threads)
+    return load_gated_model(args.model, args.gates, patience=args.patience, device=args.device, threads=args.threads)
 
 
 def report_errors(action: Callable[[], T]) -> T | None:
     """Run `action()`; on bad input print the error and return None (the caller exits with 2)."""
-    from inference_shim.runtime.checkpoint import CheckpointError
     from inference_shim.offline.corpus import CorpusError
+    from inference_shim.runtime.checkpoint import CheckpointError
     from inference_shim.runtime.gates import GateFileError
 
     try:

@@ -36,26 +36,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ExporterConfig()
     parser.add_argument("trace", metavar="TRACE.jsonl", help="trace file (JSON Lines, CONTRACT format)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per model")
-    parser.add_argument("--window-max-observations", type=int, default=defaults.window_max_observations,
-                        help="the bimodality check uses the last this-many entropies (default %(default)s)")
-    parser.add_argument("--min-window-observations", type=int, default=defaults.min_window_observations,
-                        help="below this the verdict is withheld (default %(default)s)")
-    parser.add_argument("--threshold", type=_unit_interval, default=DEFAULT_THRESHOLD, metavar="TAU",
-                        help="skip threshold for trace lines without a \"threshold\" key: scores below it "
-                             "count toward skipping in the routing statistics (default %(default)s)")
-    parser.add_argument("--min-routing-tokens", type=_positive_int, default=defaults.min_routing_tokens,
-                        help="below this many tokens (trace lines) in the window the routing verdict is "
-                             "withheld (default %(default)s)")
+    parser.add_argument(
+        "--window-max-observations",
+        type=int,
+        default=defaults.window_max_observations,
+        help="the bimodality check uses the last this-many entropies (default %(default)s)",
+    )
+    parser.add_argument(
+        "--min-window-observations",
+        type=int,
+        default=defaults.min_window_observations,
+        help="below this the verdict is withheld (default %(default)s)",
+    )
+    parser.add_argument(
+        "--threshold",
+        type=_unit_interval,
+        default=DEFAULT_THRESHOLD,
+        metavar="TAU",
+        help='skip threshold for trace lines without a "threshold" key: scores below it '
+        "count toward skipping in the routing statistics (default %(default)s)",
+    )
+    parser.add_argument(
+        "--min-routing-tokens",
+        type=_positive_int,
+        default=defaults.min_routing_tokens,
+        help="below this many tokens (trace lines) in the window the routing verdict is withheld (default %(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.window_max_observations <= MAX_WINDOW_OBSERVATIONS:
-        print(f"layerwatch replay: --window-max-observations must be 1..{MAX_WINDOW_OBSERVATIONS} "
-              f"(the dip test's p-values are not valid beyond)", file=sys.stderr)
+        print(
+            f"layerwatch replay: --window-max-observations must be 1..{MAX_WINDOW_OBSERVATIONS} "
+            f"(the dip test's p-values are not valid beyond)",
+            file=sys.stderr,
+        )
         return 2
-    config = ExporterConfig(window_seconds=math.inf, window_max_observations=args.window_max_observations,
-                            min_window_observations=args.min_window_observations,
-                            default_threshold=args.threshold, min_routing_tokens=args.min_routing_tokens)
+    config = ExporterConfig(
+        window_seconds=math.inf,
+        window_max_observations=args.window_max_observations,
+        min_window_observations=args.min_window_observations,
+        default_threshold=args.threshold,
+        min_routing_tokens=args.min_routing_tokens,
+    )
     try:
         reports = replay_trace(args.trace, config)
     except (TraceError, OSError) as exc:

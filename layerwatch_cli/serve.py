@@ -19,8 +19,9 @@ from inference_shim.service.shim import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_T
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Every flag below that sets a ServeSettings field has that field's name as its dest and its default
 # as its default: ServeSettings is the one source of both (tests/test_cli.py holds serve to that).
-SETTINGS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeSettings)
-                     if f.default is not dataclasses.MISSING}
+SETTINGS_DEFAULTS = {
+    f.name: f.default for f in dataclasses.fields(ServeSettings) if f.default is not dataclasses.MISSING
+}
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -39,67 +40,142 @@ def _fraction(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
-    model.add_argument("--model", dest="model_dir", type=Path, default=None, metavar="DIR",
-                       help="Hugging Face checkpoint folder (default: the embedded demo model)")
-    model.add_argument("--gates", dest="gates_path", type=Path, default=SETTINGS_DEFAULTS["gates_path"],
-                       metavar="FILE", help="gate weights (default: DIR/gates.safetensors)")
-    model.add_argument("--model-name", default=SETTINGS_DEFAULTS["model_name"],
-                       help=f"name clients use and metrics carry (default: the folder's name; "
-                            f"{DEMO_MODEL_NAME} for the demo model)")
-    model.add_argument("--reset-gates", action="store_true",
-                       help="serve freshly initialised gates instead of the gate file: simulates the 'gate "
-                            "weights overwritten' incident (layerwatch_model_info's gates_sha256 changes)")
-    model.add_argument("--gates-watch-seconds", type=float, default=SETTINGS_DEFAULTS["gates_watch_seconds"],
-                       metavar="S",
-                       help="check the gate file for a replacement this often: a complete, valid one is swapped in "
-                            "between decode steps, anything else is rejected and the loaded gates keep serving "
-                            "(0: never; default %(default)s)")
+    model.add_argument(
+        "--model",
+        dest="model_dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="Hugging Face checkpoint folder (default: the embedded demo model)",
+    )
+    model.add_argument(
+        "--gates",
+        dest="gates_path",
+        type=Path,
+        default=SETTINGS_DEFAULTS["gates_path"],
+        metavar="FILE",
+        help="gate weights (default: DIR/gates.safetensors)",
+    )
+    model.add_argument(
+        "--model-name",
+        default=SETTINGS_DEFAULTS["model_name"],
+        help=f"name clients use and metrics carry (default: the folder's name; {DEMO_MODEL_NAME} for the demo model)",
+    )
+    model.add_argument(
+        "--reset-gates",
+        action="store_true",
+        help="serve freshly initialised gates instead of the gate file: simulates the 'gate "
+        "weights overwritten' incident (layerwatch_model_info's gates_sha256 changes)",
+    )
+    model.add_argument(
+        "--gates-watch-seconds",
+        type=float,
+        default=SETTINGS_DEFAULTS["gates_watch_seconds"],
+        metavar="S",
+        help="check the gate file for a replacement this often: a complete, valid one is swapped in "
+        "between decode steps, anything else is rejected and the loaded gates keep serving "
+        "(0: never; default %(default)s)",
+    )
     model.add_argument("--device", default=SETTINGS_DEFAULTS["device"], help="torch device: cpu, cuda, cuda:1, ...")
     model.add_argument("--dtype", default=SETTINGS_DEFAULTS["dtype"], choices=tuple(DTYPES))
 
     policy = parser.add_argument_group("skipping")
-    policy.add_argument("--threshold", type=_fraction, default=SETTINGS_DEFAULTS["threshold"],
-                        help="skip threshold on the gate entropy (default: the gate file's calibrated value)")
-    policy.add_argument("--patience", type=int, default=SETTINGS_DEFAULTS["patience"],
-                        help="consecutive tokens below the threshold before a layer is skipped (default: the "
-                             "gate file's)")
-    policy.add_argument("--protected-layers", type=_layers, default=SETTINGS_DEFAULTS["protected_layers"],
-                        metavar="L,L,...",
-                        help="layers never skipped (default: the first and the last)")
-    policy.add_argument("--kv-policy", default=SETTINGS_DEFAULTS["kv_policy"], choices=KV_POLICIES,
-                        help="what the KV cache holds for a skipped layer: K/V projected from its input, or "
-                             "nothing (the position is left out of that layer's attention)")
+    policy.add_argument(
+        "--threshold",
+        type=_fraction,
+        default=SETTINGS_DEFAULTS["threshold"],
+        help="skip threshold on the gate entropy (default: the gate file's calibrated value)",
+    )
+    policy.add_argument(
+        "--patience",
+        type=int,
+        default=SETTINGS_DEFAULTS["patience"],
+        help="consecutive tokens below the threshold before a layer is skipped (default: the gate file's)",
+    )
+    policy.add_argument(
+        "--protected-layers",
+        type=_layers,
+        default=SETTINGS_DEFAULTS["protected_layers"],
+        metavar="L,L,...",
+        help="layers never skipped (default: the first and the last)",
+    )
+    policy.add_argument(
+        "--kv-policy",
+        default=SETTINGS_DEFAULTS["kv_policy"],
+        choices=KV_POLICIES,
+        help="what the KV cache holds for a skipped layer: K/V projected from its input, or "
+        "nothing (the position is left out of that layer's attention)",
+    )
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--max-batch-size", type=int, default=SETTINGS_DEFAULTS["max_batch_size"],
-                        help="sequences decoded together; new requests join at step boundaries")
-    server.add_argument("--max-tokens-cap", type=int, default=SETTINGS_DEFAULTS["max_tokens_cap"],
-                        help=f"largest max_tokens a request may ask for (default: {DEFAULT_MAX_TOKENS_CAP}, or "
-                             f"less to fit the model's context)")
-    server.add_argument("--max-prompt-tokens", type=int, default=SETTINGS_DEFAULTS["max_prompt_tokens"],
-                        help=f"longest prompt accepted, in tokens (default: {DEFAULT_MAX_PROMPT_TOKENS}, or less "
-                             f"to fit the model's context with the cap)")
-    server.add_argument("--max-body-bytes", type=int, default=SETTINGS_DEFAULTS["max_body_bytes"],
-                        help="largest request body accepted")
-    server.add_argument("--body-timeout-seconds", type=float, default=SETTINGS_DEFAULTS["body_timeout_seconds"],
-                        help="a request body must arrive within this many seconds, else 408 (slow clients)")
-    server.add_argument("--allow-debug", action="store_true",
-                        help="honour the x-layerwatch-debug request header (returns per-token layer activity)")
+    server.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=SETTINGS_DEFAULTS["max_batch_size"],
+        help="sequences decoded together; new requests join at step boundaries",
+    )
+    server.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=SETTINGS_DEFAULTS["max_tokens_cap"],
+        help=f"largest max_tokens a request may ask for (default: {DEFAULT_MAX_TOKENS_CAP}, or "
+        f"less to fit the model's context)",
+    )
+    server.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=SETTINGS_DEFAULTS["max_prompt_tokens"],
+        help=f"longest prompt accepted, in tokens (default: {DEFAULT_MAX_PROMPT_TOKENS}, or less "
+        f"to fit the model's context with the cap)",
+    )
+    server.add_argument(
+        "--max-body-bytes", type=int, default=SETTINGS_DEFAULTS["max_body_bytes"], help="largest request body accepted"
+    )
+    server.add_argument(
+        "--body-timeout-seconds",
+        type=float,
+        default=SETTINGS_DEFAULTS["body_timeout_seconds"],
+        help="a request body must arrive within this many seconds, else 408 (slow clients)",
+    )
+    server.add_argument(
+        "--allow-debug",
+        action="store_true",
+        help="honour the x-layerwatch-debug request header (returns per-token layer activity)",
+    )
     server.add_argument("--log-level", default="info", choices=LOG_LEVELS)
 
     telemetry = parser.add_argument_group("telemetry")
-    telemetry.add_argument("--exporter-address", default=SETTINGS_DEFAULTS["exporter_address"], metavar="HOST:PORT",
-                           help="where gate frames go over UDP (empty: no frames)")
-    telemetry.add_argument("--shim-id", default=SETTINGS_DEFAULTS["shim_id"],
-                           help="identifies this process in gate frames (default: hostname-pid)")
-    telemetry.add_argument("--trace-file", type=Path, default=SETTINGS_DEFAULTS["trace_file"],
-                           help="also write every decoded token's scores and skips as a JSON Lines trace")
-    telemetry.add_argument("--trace-max-bytes", type=int, default=SETTINGS_DEFAULTS["trace_max_bytes"],
-                           help="stop writing the trace file at this size")
-    telemetry.add_argument("--shadow-rate", type=_fraction, default=SETTINGS_DEFAULTS["shadow_rate"],
-                           help="share of finished greedy requests re-scored at full depth (quality guard)")
+    telemetry.add_argument(
+        "--exporter-address",
+        default=SETTINGS_DEFAULTS["exporter_address"],
+        metavar="HOST:PORT",
+        help="where gate frames go over UDP (empty: no frames)",
+    )
+    telemetry.add_argument(
+        "--shim-id",
+        default=SETTINGS_DEFAULTS["shim_id"],
+        help="identifies this process in gate frames (default: hostname-pid)",
+    )
+    telemetry.add_argument(
+        "--trace-file",
+        type=Path,
+        default=SETTINGS_DEFAULTS["trace_file"],
+        help="also write every decoded token's scores and skips as a JSON Lines trace",
+    )
+    telemetry.add_argument(
+        "--trace-max-bytes",
+        type=int,
+        default=SETTINGS_DEFAULTS["trace_max_bytes"],
+        help="stop writing the trace file at this size",
+    )
+    telemetry.add_argument(
+        "--shadow-rate",
+        type=_fraction,
+        default=SETTINGS_DEFAULTS["shadow_rate"],
+        help="share of finished greedy requests re-scored at full depth (quality guard)",
+    )
 
 
 def settings_from_arguments(args: argparse.Namespace) -> ServeSettings:
@@ -123,16 +199,25 @@ def run(args: argparse.Namespace) -> int:
 
     settings = settings_from_arguments(args)
     if args.model_dir is None and not (DEMO_MODEL_DIR / "config.json").is_file():
-        log.error("cannot start: the demo model is not in %s; build it with `layerwatch train-demo` or pass "
-                  "--model DIR", DEMO_MODEL_DIR)
+        log.error(
+            "cannot start: the demo model is not in %s; build it with `layerwatch train-demo` or pass --model DIR",
+            DEMO_MODEL_DIR,
+        )
         return 2
     try:
         service = ShimService.load(settings)
     except (CheckpointError, GateFileError, ValueError, OSError) as exc:
         log.error("cannot start: %s", exc)
         return 2
-    log.info("serving %s (%d layers, gates_sha256=%s) on http://%s:%d", service.model_name,
-             service.model.config.num_layers, service.gates_sha256, args.host, args.port)
-    uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    log.info(
+        "serving %s (%d layers, gates_sha256=%s) on http://%s:%d",
+        service.model_name,
+        service.model.config.num_layers,
+        service.gates_sha256,
+        args.host,
+        args.port,
+    )
+    uvicorn.run(
+        create_app(service), host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    )
     return 0

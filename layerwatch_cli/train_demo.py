@@ -14,16 +14,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 
     shape, schedule = DemoShape(), DEMO_SCHEDULE
-    parser.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
-                        help="corpus, tokenizer and resumable training state (default: runs/demo)")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=DEFAULT_WORKDIR,
+        help="corpus, tokenizer and resumable training state (default: runs/demo)",
+    )
     parser.add_argument("--out", type=Path, default=DEMO_MODEL_DIR, help="the exported model folder")
-    parser.add_argument("--steps", type=int, default=schedule.steps,
-                        help="optimiser steps (may change when resuming: the schedule's horizon moves)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=schedule.steps,
+        help="optimiser steps (may change when resuming: the schedule's horizon moves)",
+    )
     parser.add_argument("--batch-size", type=int, default=schedule.batch_size)
     parser.add_argument("--seq-len", type=int, default=schedule.seq_len)
     parser.add_argument("--learning-rate", type=float, default=schedule.learning_rate)
-    parser.add_argument("--max-layer-drop", type=float, default=schedule.max_layer_drop,
-                        help="layer dropout of the deepest unprotected layer; rises linearly with depth")
+    parser.add_argument(
+        "--max-layer-drop",
+        type=float,
+        default=schedule.max_layer_drop,
+        help="layer dropout of the deepest unprotected layer; rises linearly with depth",
+    )
     parser.add_argument("--layers", type=int, default=shape.layers)
     parser.add_argument("--hidden-size", type=int, default=shape.hidden_size)
     parser.add_argument("--intermediate-size", type=int, default=shape.intermediate_size)
@@ -31,11 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=shape.kv_heads)
     parser.add_argument("--vocab-size", type=int, default=shape.vocab_size)
     parser.add_argument("--seed", type=int, default=schedule.seed)
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch CPU threads (0: torch's default; on a busy shared CPU 1 is often fastest)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads (0: torch's default; on a busy shared CPU 1 is often fastest)",
+    )
     parser.add_argument("--checkpoint-every", type=float, default=180.0, help="seconds between state saves")
-    parser.add_argument("--export-only", action="store_true",
-                        help="export the saved training state as it is (e.g. to stop a run early)")
+    parser.add_argument(
+        "--export-only", action="store_true", help="export the saved training state as it is (e.g. to stop a run early)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,15 +64,32 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    shape = DemoShape(layers=args.layers, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-                      heads=args.heads, kv_heads=args.kv_heads, vocab_size=args.vocab_size)
+    shape = DemoShape(
+        layers=args.layers,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        vocab_size=args.vocab_size,
+    )
     schedule = BackboneSchedule(
-        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, learning_rate=args.learning_rate,
-        max_layer_drop=args.max_layer_drop, seed=args.seed)
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        learning_rate=args.learning_rate,
+        max_layer_drop=args.max_layer_drop,
+        seed=args.seed,
+    )
     try:
-        state = train_demo(args.workdir, args.out, shape, schedule, export_only=args.export_only,
-                           checkpoint_every_seconds=args.checkpoint_every,
-                           log=lambda line: print(line, flush=True))
+        state = train_demo(
+            args.workdir,
+            args.out,
+            shape,
+            schedule,
+            export_only=args.export_only,
+            checkpoint_every_seconds=args.checkpoint_every,
+            log=lambda line: print(line, flush=True),
+        )
     except (CorpusError, DemoTrainingError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

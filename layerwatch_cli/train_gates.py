@@ -12,12 +12,16 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
     from inference_shim.offline.gate_training import GateSchedule
+    from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 
     d = GateSchedule()
-    parser.add_argument("--model", type=Path, default=DEMO_MODEL_DIR,
-                        help="Hugging Face checkpoint folder (default: the embedded demo model)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=DEMO_MODEL_DIR,
+        help="Hugging Face checkpoint folder (default: the embedded demo model)",
+    )
     parser.add_argument("--data", type=Path, required=True, help="plain UTF-8 text; blank lines separate documents")
     parser.add_argument("--out", type=Path, required=True, help="gate file to write (safetensors)")
     parser.add_argument("--steps", type=int, default=d.steps)
@@ -26,11 +30,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learning-rate", type=float, default=d.learning_rate)
     parser.add_argument("--threshold", type=float, default=d.threshold, help="tau the gates are trained for")
     parser.add_argument("--patience", type=int, default=d.patience)
-    parser.add_argument("--target-skip", type=float, default=d.target_skip,
-                        help="share of (token, skippable layer) pairs the gates should skip")
+    parser.add_argument(
+        "--target-skip",
+        type=float,
+        default=d.target_skip,
+        help="share of (token, skippable layer) pairs the gates should skip",
+    )
     parser.add_argument("--sparsity-weight", type=float, default=d.sparsity_weight)
-    parser.add_argument("--commit-weight", type=float, default=d.commit_weight,
-                        help="weight of the double-well penalty that pulls scores to --low-score/--high-score")
+    parser.add_argument(
+        "--commit-weight",
+        type=float,
+        default=d.commit_weight,
+        help="weight of the double-well penalty that pulls scores to --low-score/--high-score",
+    )
     parser.add_argument("--low-score", type=float, default=d.low_score)
     parser.add_argument("--high-score", type=float, default=d.high_score)
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -43,12 +55,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from inference_shim.runtime.checkpoint import CheckpointError, load_checkpoint
     from inference_shim.offline.corpus import CorpusError
     from inference_shim.offline.gate_training import GateSchedule, init_gates, train_gates
+    from inference_shim.offline.training import resolve_device, text_file_stream
+    from inference_shim.runtime.checkpoint import CheckpointError, load_checkpoint
     from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
     from inference_shim.runtime.skip_policy import SkipPolicyConfig
-    from inference_shim.offline.training import resolve_device, text_file_stream
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -58,11 +70,20 @@ def run(args: argparse.Namespace) -> int:
         stream = text_file_stream(loaded.tokenizer, args.data, min_tokens=args.seq_len + 2)
         policy = SkipPolicyConfig(threshold=args.threshold, patience=args.patience)
         schedule = GateSchedule(
-            steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-            learning_rate=args.learning_rate, threshold=args.threshold, patience=args.patience,
-            protected_layers=policy.protected(loaded.config.num_layers), target_skip=args.target_skip,
-            sparsity_weight=args.sparsity_weight, commit_weight=args.commit_weight,
-            low_score=args.low_score, high_score=args.high_score, seed=args.seed)
+            steps=args.steps,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            learning_rate=args.learning_rate,
+            threshold=args.threshold,
+            patience=args.patience,
+            protected_layers=policy.protected(loaded.config.num_layers),
+            target_skip=args.target_skip,
+            sparsity_weight=args.sparsity_weight,
+            commit_weight=args.commit_weight,
+            low_score=args.low_score,
+            high_score=args.high_score,
+            seed=args.seed,
+        )
     except (CheckpointError, CorpusError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -70,16 +91,25 @@ def run(args: argparse.Namespace) -> int:
     model, config = loaded.model, loaded.config
     gates = init_gates(config.num_layers, config.hidden_size, schedule)
     with tqdm(total=schedule.steps, desc="train-gates", disable=args.quiet, file=sys.stderr) as bar:
+
         def progress(stats) -> None:
             bar.update(1)
-            bar.set_postfix(loss=f"{stats.loss:.3f}", lm=f"{stats.lm_loss:.3f}",
-                            skip=f"{stats.skip_fraction:.2f}", temp=f"{stats.temperature:.2f}")
+            bar.set_postfix(
+                loss=f"{stats.loss:.3f}",
+                lm=f"{stats.lm_loss:.3f}",
+                skip=f"{stats.skip_fraction:.2f}",
+                temp=f"{stats.temperature:.2f}",
+            )
 
         train_gates(model, gates, stream, schedule, on_step=progress)
 
-    metadata = GateMetadata(num_layers=config.num_layers, hidden_size=config.hidden_size,
-                            threshold=args.threshold, patience=args.patience,
-                            base_fingerprint=model_fingerprint(model))
+    metadata = GateMetadata(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        threshold=args.threshold,
+        patience=args.patience,
+        base_fingerprint=model_fingerprint(model),
+    )
     sha256 = save_gates(args.out, gates, metadata)
     print(f"wrote {args.out} (sha256 {sha256})")
     return 0

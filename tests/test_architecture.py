@@ -59,7 +59,7 @@ def imported_modules(path: Path, module: str) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolve against the importing module's package
-                base = module.split(".")[: -node.level] if not path.name == "__init__.py" else module.split(".")
+                base = module.split(".")[: -node.level] if path.name != "__init__.py" else module.split(".")
                 names.add(".".join(base + ([node.module] if node.module else [])))
             elif node.module:
                 names.add(node.module)
@@ -97,8 +97,11 @@ def test_imports_go_one_way_between_packages() -> None:
 
 
 def test_every_module_belongs_to_a_known_package() -> None:
-    stray = [m for m in source_modules() if package_of(m) is None or package_of(m) == "inference_shim"
-             and m != "inference_shim"]
+    stray = [
+        m
+        for m in source_modules()
+        if package_of(m) is None or package_of(m) == "inference_shim" and m != "inference_shim"
+    ]
     assert not stray, f"modules outside the package map (add them to a layer): {stray}"
 
 
@@ -107,15 +110,18 @@ def test_the_light_packages_never_import_torch() -> None:
     found = []
     for module, path in source_modules().items():
         if package_of(module) in TORCH_FREE:
-            found += [f"{module} imports {name}" for name in imported_modules(path, module)
-                      if name.split(".")[0] in heavy]
+            found += [
+                f"{module} imports {name}" for name in imported_modules(path, module) if name.split(".")[0] in heavy
+            ]
     assert not found, "\n".join(found)
 
 
 def test_the_exporter_command_runs_without_torch() -> None:
     """Importing the exporter's command and its whole server leaves torch unloaded (the sidecar
     image has no torch at all)."""
-    code = ("import sys; import layerwatch_cli.exporter, layerwatch_cli.replay, layerwatch_cli.top, exporter.server; "
-            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    code = (
+        "import sys; import layerwatch_cli.exporter, layerwatch_cli.replay, layerwatch_cli.top, exporter.server; "
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr or "torch was imported"

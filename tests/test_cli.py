@@ -22,8 +22,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def test_environment_supplies_defaults_and_the_command_line_wins():
     p = _parser()
-    apply_environment(p, {"LAYERWATCH_MAX_BATCH_SIZE": "16", "LAYERWATCH_ALLOW_DEBUG": "yes",
-                          "LAYERWATCH_PROTECTED_LAYERS": "0,5"})
+    apply_environment(
+        p, {"LAYERWATCH_MAX_BATCH_SIZE": "16", "LAYERWATCH_ALLOW_DEBUG": "yes", "LAYERWATCH_PROTECTED_LAYERS": "0,5"}
+    )
     args = p.parse_args(["t.jsonl"])
     assert (args.max_batch_size, args.allow_debug, args.protected_layers) == (16, True, [0, 5])
     assert p.parse_args(["t.jsonl", "--max-batch-size", "2"]).max_batch_size == 2
@@ -59,8 +60,10 @@ def test_every_command_has_help(command):
 
 @pytest.mark.parametrize("command", ["exporter", "replay", "top", "generate"])
 def test_light_commands_never_import_torch(command):
-    code = (f"import sys; from layerwatch_cli.main import build_parser; build_parser([{command!r}]); "
-            "print('torch' in sys.modules)")
+    code = (
+        f"import sys; from layerwatch_cli.main import build_parser; build_parser([{command!r}]); "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -70,10 +73,10 @@ def test_serve_flags_take_their_defaults_and_choices_from_the_service():
     import dataclasses
     from pathlib import Path
 
-    from layerwatch_cli.serve import settings_from_arguments
     from inference_shim.runtime.checkpoint import DTYPES
     from inference_shim.runtime.model import KV_POLICIES
     from inference_shim.service.shim import ServeSettings
+    from layerwatch_cli.serve import settings_from_arguments
 
     parser = build_parser(["serve"], environ={})
     serve = parser._subparsers._group_actions[0].choices["serve"]

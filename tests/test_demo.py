@@ -19,8 +19,10 @@ def _port_closed(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-@pytest.mark.skipif(not (shutil.which("prometheus") and shutil.which("prometheus-alertmanager")),
-                    reason="the demo starts Prometheus and Alertmanager when they are installed")
+@pytest.mark.skipif(
+    not (shutil.which("prometheus") and shutil.which("prometheus-alertmanager")),
+    reason="the demo starts Prometheus and Alertmanager when they are installed",
+)
 def test_demo_shows_the_live_histogram_and_leaves_nothing_behind_on_ctrl_c(tmp_path):
     ports = {name: free_port() for name in ("port", "exporter-port", "prometheus-port", "alertmanager-port")}
     argv = [sys.executable, "-m", "layerwatch_cli.main", "demo", "--workdir", str(tmp_path), "--interval", "1"]

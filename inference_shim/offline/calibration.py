@@ -24,13 +24,13 @@ from inference_shim.offline.gated_model import GatedModel
 from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
-from layerwatch.statistics import (DEFAULT_WINDOW_OBSERVATIONS, ZERO_ENTROPY_LIMIT, check_bimodality,
-                                   histogram20)
+from layerwatch.statistics import DEFAULT_WINDOW_OBSERVATIONS, ZERO_ENTROPY_LIMIT, check_bimodality, histogram20
 
 
 @dataclass
 class Baseline:
     """Decode-time gate entropies and skip decisions, one row per decoded token."""
+
     entropies: list[np.ndarray] = field(default_factory=list)  # float32 [B, L] per step
     skipped: list[np.ndarray] = field(default_factory=list)  # bool [B, L] per step
 
@@ -71,9 +71,14 @@ def summarize(entropies: np.ndarray, skipped: np.ndarray, min_observations: int)
     mean, std, zero = _chunk_stats(entropies, skipped)
     window = entropies.ravel()[-DEFAULT_WINDOW_OBSERVATIONS:]  # the exporter's window size
     return BaselineStatistics(
-        observations=int(entropies.size), histogram=[int(c) for c in histogram20(entropies.ravel())],
-        active_mean=mean, active_std=std, zero_ratio=zero, skip_ratio=float(skipped.mean()),
-        bimodality=check_bimodality(window, min_observations))
+        observations=int(entropies.size),
+        histogram=[int(c) for c in histogram20(entropies.ravel())],
+        active_mean=mean,
+        active_std=std,
+        zero_ratio=zero,
+        skip_ratio=float(skipped.mean()),
+        bimodality=check_bimodality(window, min_observations),
+    )
 
 
 def agreement_floor(checks: list[tuple[int, int]], chunk_tokens: int, margin: float) -> float:
@@ -92,15 +97,27 @@ def agreement_floor(checks: list[tuple[int, int]], chunk_tokens: int, margin: fl
     return round(max(0.0, min(ratios) - margin), 3)
 
 
-def build_profile(model_name: str, threshold: float, patience: int, runaway_skip_ratio: float,
-                  entropies: np.ndarray, skipped: np.ndarray, shadow_agreement_min: float, *,
-                  chunk_tokens: int, margin: float, min_observations: int,
-                  source: str) -> tuple[Profile, BaselineStatistics]:
+def build_profile(
+    model_name: str,
+    threshold: float,
+    patience: int,
+    runaway_skip_ratio: float,
+    entropies: np.ndarray,
+    skipped: np.ndarray,
+    shadow_agreement_min: float,
+    *,
+    chunk_tokens: int,
+    margin: float,
+    min_observations: int,
+    source: str,
+) -> tuple[Profile, BaselineStatistics]:
     """entropies float [N, L] and skipped bool [N, L], one row per decoded token."""
     if len(entropies) < chunk_tokens:
         raise ValueError(f"the baseline decoded {len(entropies)} tokens, fewer than one chunk of {chunk_tokens}")
-    chunks = [_chunk_stats(entropies[i:i + chunk_tokens], skipped[i:i + chunk_tokens])
-              for i in range(0, len(entropies) - chunk_tokens + 1, chunk_tokens)]
+    chunks = [
+        _chunk_stats(entropies[i : i + chunk_tokens], skipped[i : i + chunk_tokens])
+        for i in range(0, len(entropies) - chunk_tokens + 1, chunk_tokens)
+    ]
     means, stds, zeros = zip(*chunks)
     stats = summarize(entropies, skipped, min_observations)
     zero_band = chunk_band(list(zeros), margin)
@@ -108,15 +125,25 @@ def build_profile(model_name: str, threshold: float, patience: int, runaway_skip
     bc = b.bimodality_coefficient
     bc = None if bc is None or np.isnan(bc) else round(float(bc), 4)
     profile = Profile(
-        model_name=model_name, threshold=threshold, patience=patience,
-        entropy_mean=chunk_band(list(means), margin), entropy_std=chunk_band(list(stds), margin),
-        zero_ratio=zero_band, zero_ratio_page=max(0.40, zero_band.high),
-        skip_ratio_normal=round(stats.skip_ratio, 4), runaway_skip_ratio=runaway_skip_ratio,
+        model_name=model_name,
+        threshold=threshold,
+        patience=patience,
+        entropy_mean=chunk_band(list(means), margin),
+        entropy_std=chunk_band(list(stds), margin),
+        zero_ratio=zero_band,
+        zero_ratio_page=max(0.40, zero_band.high),
+        skip_ratio_normal=round(stats.skip_ratio, 4),
+        runaway_skip_ratio=runaway_skip_ratio,
         shadow_agreement_min=shadow_agreement_min,
-        bimodality=BimodalityProfile(min_observations=min_observations, peaks=b.peaks,
-                                     dip=_rounded(b.dip, 5), dip_p_value=_rounded(b.dip_p_value, 6),
-                                     bimodality_coefficient=bc),
-        source=source)
+        bimodality=BimodalityProfile(
+            min_observations=min_observations,
+            peaks=b.peaks,
+            dip=_rounded(b.dip, 5),
+            dip_p_value=_rounded(b.dip_p_value, 6),
+            bimodality_coefficient=bc,
+        ),
+        source=source,
+    )
     return profile, stats
 
 
@@ -140,12 +167,23 @@ def line_prompts(documents: list[str], count: int, rng: random.Random) -> list[s
     lines = [words for words in lines if len(words) >= 3]
     if not lines:
         raise ValueError("the text has no line of three words or more to cut prompts from")
-    return [" ".join(words[:rng.randint(2, min(6, len(words) - 1))]) for words in rng.choices(lines, k=count)]
+    return [" ".join(words[: rng.randint(2, min(6, len(words) - 1))]) for words in rng.choices(lines, k=count)]
 
 
-def generate_baseline(gated: GatedModel, policy: SkipPolicyConfig, prompts: list[str], baseline: Baseline, *,
-                      model_name: str, kv_policy: str, batch_size: int, max_new_tokens: int,
-                      temperature: float, top_p: float, seed: int) -> int:
+def generate_baseline(
+    gated: GatedModel,
+    policy: SkipPolicyConfig,
+    prompts: list[str],
+    baseline: Baseline,
+    *,
+    model_name: str,
+    kv_policy: str,
+    batch_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+) -> int:
     """Complete every prompt with the GenerationEngine, recording each decode step; returns fallbacks."""
     fallbacks = 0
 
@@ -156,23 +194,41 @@ def generate_baseline(gated: GatedModel, policy: SkipPolicyConfig, prompts: list
 
     gated.model.attach_gates(gated.gates.gates)
     tokenizer = gated.loaded.tokenizer
-    engine = GenerationEngine(gated.model, tokenizer, model_name=model_name, policy=policy,
-                              kv_policy=kv_policy, max_batch_size=batch_size, step_hook=record)
+    engine = GenerationEngine(
+        gated.model,
+        tokenizer,
+        model_name=model_name,
+        policy=policy,
+        kv_policy=kv_policy,
+        max_batch_size=batch_size,
+        step_hook=record,
+    )
     for i, prompt in enumerate(prompts):
-        engine.submit(tokenizer.encode(prompt), SamplingParams(
-            max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + i))
+        engine.submit(
+            tokenizer.encode(prompt),
+            SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + i),
+        )
     while engine.has_work():
         engine.step()
     return fallbacks
 
 
-def shadow_checks(gated: GatedModel, policy: SkipPolicyConfig, prompts: list[str], *, model_name: str,
-                  kv_policy: str, batch_size: int, max_new_tokens: int) -> list[tuple[int, int]]:
+def shadow_checks(
+    gated: GatedModel,
+    policy: SkipPolicyConfig,
+    prompts: list[str],
+    *,
+    model_name: str,
+    kv_policy: str,
+    batch_size: int,
+    max_new_tokens: int,
+) -> list[tuple[int, int]]:
     """(tokens, agreements) per prompt: greedy gated completions re-scored at full depth, as the
     service's quality guard (`--shadow-rate`) does it."""
     tokenizer = gated.loaded.tokenizer
-    engine = GenerationEngine(gated.model, tokenizer, model_name=model_name, policy=policy,
-                              kv_policy=kv_policy, max_batch_size=batch_size)
+    engine = GenerationEngine(
+        gated.model, tokenizer, model_name=model_name, policy=policy, kv_policy=kv_policy, max_batch_size=batch_size
+    )
     checks = []
     for prompt in prompts:
         prompt_ids = tokenizer.encode(prompt)

@@ -33,8 +33,9 @@ class Corpus:
 def read_bible() -> str:
     """The whole KJV as printed by the `bible` program (Debian package bible-kjv)."""
     if shutil.which(BIBLE_COMMAND[0]) is None:
-        raise CorpusError("the `bible` program is missing: install the Debian package bible-kjv "
-                          "(apt-get install bible-kjv)")
+        raise CorpusError(
+            "the `bible` program is missing: install the Debian package bible-kjv (apt-get install bible-kjv)"
+        )
     result = subprocess.run(BIBLE_COMMAND, capture_output=True, text=True, check=False)
     if result.returncode != 0 or not result.stdout.strip():
         raise CorpusError(f"`{' '.join(BIBLE_COMMAND)}` failed (exit {result.returncode}): {result.stderr.strip()}")

@@ -28,6 +28,7 @@ class DemoTrainingError(ValueError):
 @dataclass(frozen=True)
 class DemoShape:
     """The demo backbone's architecture and tokenizer size."""
+
     layers: int = 16
     hidden_size: int = 128
     intermediate_size: int = 384
@@ -40,9 +41,16 @@ class DemoShape:
 DEMO_SCHEDULE = training.BackboneSchedule(steps=2500, batch_size=8, seq_len=256)
 
 
-def train_demo(workdir: Path, out: Path, shape: DemoShape, schedule: training.BackboneSchedule, *,
-               export_only: bool = False, checkpoint_every_seconds: float = 180.0,
-               log: Callable[[str], None] = print) -> training.TrainState:
+def train_demo(
+    workdir: Path,
+    out: Path,
+    shape: DemoShape,
+    schedule: training.BackboneSchedule,
+    *,
+    export_only: bool = False,
+    checkpoint_every_seconds: float = 180.0,
+    log: Callable[[str], None] = print,
+) -> training.TrainState:
     """Corpus, tokenizer, backbone (resumed when WORKDIR holds a state), export to `out`.
     Raises CorpusError when the KJV text is missing, DemoTrainingError on a state that does not match."""
     train_path, heldout_path = prepare_corpus(workdir)
@@ -51,22 +59,33 @@ def train_demo(workdir: Path, out: Path, shape: DemoShape, schedule: training.Ba
     bos, eos = tokenizer.token_to_id(training.BOS_TOKEN), tokenizer.token_to_id(training.EOS_TOKEN)
     stream = training.token_stream(training.encode_documents(tokenizer, train_docs), bos, eos)
     heldout = training.token_stream(training.encode_documents(tokenizer, heldout_docs), bos, eos)
-    log(f"corpus: {len(train_docs)} train chapters ({len(stream)} tokens), "
-        f"{len(heldout_docs)} held-out chapters ({len(heldout)} tokens)")
+    log(
+        f"corpus: {len(train_docs)} train chapters ({len(stream)} tokens), "
+        f"{len(heldout_docs)} held-out chapters ({len(heldout)} tokens)"
+    )
 
     config = ModelConfig(
-        vocab_size=tokenizer.get_vocab_size(), hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size, num_layers=shape.layers, num_heads=shape.heads,
-        num_kv_heads=shape.kv_heads, head_dim=shape.hidden_size // shape.heads,
-        max_position_embeddings=4 * schedule.seq_len, tie_word_embeddings=False,
-        bos_token_id=bos, eos_token_ids=(eos,))
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_layers=shape.layers,
+        num_heads=shape.heads,
+        num_kv_heads=shape.kv_heads,
+        head_dim=shape.hidden_size // shape.heads,
+        max_position_embeddings=4 * schedule.seq_len,
+        tie_word_embeddings=False,
+        bos_token_id=bos,
+        eos_token_ids=(eos,),
+    )
     state_path = workdir / "backbone.pt"
     if state_path.exists():
         state, saved_schedule = training.load_state(state_path)
         # The step count may change on resume (the schedule's horizon moves, e.g. to stop a run early).
         if replace(saved_schedule, steps=schedule.steps) != schedule or state.model.config != config:
-            raise DemoTrainingError(f"{state_path} was trained with other settings ({asdict(saved_schedule)}); "
-                                    f"delete it or use another workdir")
+            raise DemoTrainingError(
+                f"{state_path} was trained with other settings ({asdict(saved_schedule)}); "
+                f"delete it or use another workdir"
+            )
         log(f"resuming at step {state.step}")
     elif export_only:
         raise DemoTrainingError(f"export only: no training state at {state_path}")
@@ -75,8 +94,9 @@ def train_demo(workdir: Path, out: Path, shape: DemoShape, schedule: training.Ba
     params = sum(p.numel() for p in state.model.parameters())
     log(f"model: {config.num_layers} layers, d={config.hidden_size}, {params / 1e6:.2f} M parameters")
     if not export_only:
-        training.train_backbone(state, schedule, stream, heldout, state_path,
-                                checkpoint_every_seconds=checkpoint_every_seconds, log=log)
+        training.train_backbone(
+            state, schedule, stream, heldout, state_path, checkpoint_every_seconds=checkpoint_every_seconds, log=log
+        )
     export(state.model, workdir / "tokenizer.json", out)
     return state
 

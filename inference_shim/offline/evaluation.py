@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig
 @dataclass
 class DecodeStep:
     """One teacher-forced decode step over a batch of windows (host arrays)."""
+
     entropies: np.ndarray | None  # float32 [B, L], None without gates
     skipped: np.ndarray  # bool [B, L]
 
@@ -74,13 +75,19 @@ def heldout_windows(stream: torch.Tensor, window_len: int, max_decode_tokens: in
     if available == 0:
         raise ValueError(f"the text has {len(stream)} tokens, fewer than one window of {window_len}")
     count = min(available, math.ceil(max_decode_tokens / per_window))
-    return stream[:count * window_len].view(count, window_len)
+    return stream[: count * window_len].view(count, window_len)
 
 
 @torch.no_grad()
-def teacher_forced_decode(model: Transformer, windows: torch.Tensor, prefill_len: int,
-                          policy_config: SkipPolicyConfig | None, kv_policy: str = "project",
-                          batch_size: int = 8, on_step: Callable[[DecodeStep], None] | None = None) -> DecodeTotals:
+def teacher_forced_decode(
+    model: Transformer,
+    windows: torch.Tensor,
+    prefill_len: int,
+    policy_config: SkipPolicyConfig | None,
+    kv_policy: str = "project",
+    batch_size: int = 8,
+    on_step: Callable[[DecodeStep], None] | None = None,
+) -> DecodeTotals:
     """Decode every window after its prefill; `policy_config=None` runs full depth."""
     if policy_config is not None and model.gates is None:
         raise ValueError("a skip policy needs gates: attach them to the model first")
@@ -88,17 +95,24 @@ def teacher_forced_decode(model: Transformer, windows: torch.Tensor, prefill_len
     device = model.embed_tokens.weight.device
     totals = DecodeTotals(num_layers=config.num_layers)
     for start in range(0, len(windows), batch_size):
-        batch = windows[start:start + batch_size].to(device)
+        batch = windows[start : start + batch_size].to(device)
         _decode_batch(model, batch, prefill_len, policy_config, kv_policy, totals, on_step)
     return totals
 
 
-def _decode_batch(model: Transformer, batch: torch.Tensor, prefill_len: int,
-                  policy_config: SkipPolicyConfig | None, kv_policy: str, totals: DecodeTotals,
-                  on_step: Callable[[DecodeStep], None] | None) -> None:
+def _decode_batch(
+    model: Transformer,
+    batch: torch.Tensor,
+    prefill_len: int,
+    policy_config: SkipPolicyConfig | None,
+    kv_policy: str,
+    totals: DecodeTotals,
+    on_step: Callable[[DecodeStep], None] | None,
+) -> None:
     rows, window_len = batch.shape
-    cache = KVCache(model.config, slots=rows, max_len=window_len, dtype=model.embed_tokens.weight.dtype,
-                    device=batch.device)
+    cache = KVCache(
+        model.config, slots=rows, max_len=window_len, dtype=model.embed_tokens.weight.dtype, device=batch.device
+    )
     context = prefill_len - 1  # the last prompt token is the first decode step's input
     if context > 0:  # a fresh cache: no slot needs a reset
         for slot in range(rows):
@@ -109,8 +123,16 @@ def _decode_batch(model: Transformer, batch: torch.Tensor, prefill_len: int,
         started = time.perf_counter()
         # Greedy `choose`: the text's own token is fed next, but the step still brings a token to
         # the host, as a generating step does.
-        step = gated_decode_step(model, cache, policy, batch[:, position], slots, [position] * rows, kv_policy,
-                                 choose=lambda logits: logits.argmax(dim=-1))
+        step = gated_decode_step(
+            model,
+            cache,
+            policy,
+            batch[:, position],
+            slots,
+            [position] * rows,
+            kv_policy,
+            choose=lambda logits: logits.argmax(dim=-1),
+        )
         totals.decode_seconds += time.perf_counter() - started
         nll = F.cross_entropy(step.logits.float(), batch[:, position + 1], reduction="sum")
         totals.nll_sum += nll.item()
@@ -122,13 +144,13 @@ def _decode_batch(model: Transformer, batch: torch.Tensor, prefill_len: int,
             on_step(DecodeStep(entropies=step.entropies if model.gates is not None else None, skipped=skipped))
 
 
-def decode_windows(gated: GatedModel, windows: torch.Tensor, threshold: float | None, *, prefill: int,
-                   kv_policy: str, batch_size: int) -> DecodeTotals:
+def decode_windows(
+    gated: GatedModel, windows: torch.Tensor, threshold: float | None, *, prefill: int, kv_policy: str, batch_size: int
+) -> DecodeTotals:
     """Teacher-forced decode; threshold None = full depth with the gates detached (the ungated model)."""
     policy = None if threshold is None else SkipPolicyConfig(threshold=threshold, patience=gated.patience)
     gated.model.attach_gates(None if policy is None else gated.gates.gates)
-    return teacher_forced_decode(gated.model, windows, prefill, policy, kv_policy=kv_policy,
-                                 batch_size=batch_size)
+    return teacher_forced_decode(gated.model, windows, prefill, policy, kv_policy=kv_policy, batch_size=batch_size)
 
 
 def gated_result(full: DecodeTotals, gated: DecodeTotals, threshold: float) -> dict:

@@ -23,14 +23,14 @@ score.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from inference_shim.runtime.model import GateBank, Transformer
 from inference_shim.offline.training import lm_loss, sample_windows
+from inference_shim.runtime.model import GateBank, Transformer
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,14 @@ def patience_skip(high: torch.Tensor, patience: int) -> torch.Tensor:
 class GatedForward:
     """The `update_scale` hook of one training step; remembers the gate logits and relaxed skips."""
 
-    def __init__(self, gates: GateBank, schedule: GateSchedule, protected: set[int], temperature: float,
-                 generator: torch.Generator) -> None:
+    def __init__(
+        self,
+        gates: GateBank,
+        schedule: GateSchedule,
+        protected: set[int],
+        temperature: float,
+        generator: torch.Generator,
+    ) -> None:
         self.gates, self.schedule, self.protected = gates, schedule, protected
         self.temperature, self.generator = temperature, generator
         self.logits: list[torch.Tensor] = []
@@ -139,8 +145,13 @@ class GateStepStats:
     temperature: float
 
 
-def train_gates(model: Transformer, gates: GateBank, stream: torch.Tensor, schedule: GateSchedule,
-                on_step: Callable[[GateStepStats], None] | None = None) -> GateBank:
+def train_gates(
+    model: Transformer,
+    gates: GateBank,
+    stream: torch.Tensor,
+    schedule: GateSchedule,
+    on_step: Callable[[GateStepStats], None] | None = None,
+) -> GateBank:
     """Train `gates` in place on a frozen `model` over random windows of the token stream."""
     device = next(model.parameters()).device
     model.eval()  # no dropout in the model; gates are the only thing that learns
@@ -161,8 +172,11 @@ def train_gates(model: Transformer, gates: GateBank, stream: torch.Tensor, sched
         logits, _ = model(batch[:, :-1], update_scale=hook)
         language = lm_loss(logits, batch[:, 1:])
         skip = hook.skip_fraction()
-        loss = (language + schedule.sparsity_weight * (skip - schedule.target_skip) ** 2
-                + schedule.commit_weight_at(step) * hook.double_well())
+        loss = (
+            language
+            + schedule.sparsity_weight * (skip - schedule.target_skip) ** 2
+            + schedule.commit_weight_at(step) * hook.double_well()
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

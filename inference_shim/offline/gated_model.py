@@ -25,8 +25,14 @@ class GatedModel:
         return self.loaded.model
 
 
-def load_gated_model(model_dir: Path, gates_path: Path | None = None, *, patience: int | None = None,
-                     device: str = "cpu", threads: int = 0) -> GatedModel:
+def load_gated_model(
+    model_dir: Path,
+    gates_path: Path | None = None,
+    *,
+    patience: int | None = None,
+    device: str = "cpu",
+    threads: int = 0,
+) -> GatedModel:
     """The checkpoint and its gates (default: GATES_FILE in the model folder); patience defaults to
     the gates' own. Raises ValueError subclasses on bad input."""
     if threads > 0:

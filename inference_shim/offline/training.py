@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +42,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
 
@@ -63,7 +68,7 @@ def token_stream(documents: Iterable[list[int]], bos_id: int | None, eos_id: int
     return torch.tensor(ids, dtype=torch.long)
 
 
-def text_file_stream(tokenizer: "TextTokenizer", path: Path, min_tokens: int) -> torch.Tensor:
+def text_file_stream(tokenizer: TextTokenizer, path: Path, min_tokens: int) -> torch.Tensor:
     """A plain-text file as one stream for a checkpoint's tokenizer; fails clearly when unusable."""
     documents = read_documents(path)
     eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
@@ -83,11 +88,10 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def sample_windows(stream: torch.Tensor, batch_size: int, seq_len: int,
-                   generator: torch.Generator) -> torch.Tensor:
+def sample_windows(stream: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
     """[batch_size, seq_len + 1] random windows: inputs are [:, :-1], targets [:, 1:]."""
     starts = torch.randint(0, len(stream) - seq_len - 1, (batch_size,), generator=generator)
-    return torch.stack([stream[s:s + seq_len + 1] for s in starts.tolist()])
+    return torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()])
 
 
 # --- layer dropout ---------------------------------------------------------------------------------
@@ -214,16 +218,24 @@ def evaluate_loss(model: Transformer, stream: torch.Tensor, seq_len: int, max_wi
     usable = (len(stream) - 1) // seq_len
     losses = []
     for i in range(min(usable, max_windows)):
-        window = stream[i * seq_len:(i + 1) * seq_len + 1][None]
+        window = stream[i * seq_len : (i + 1) * seq_len + 1][None]
         logits, _ = model(window[:, :-1])
         losses.append(lm_loss(logits, window[:, 1:]).item())
     model.train()
     return sum(losses) / len(losses)
 
 
-def train_backbone(state: TrainState, schedule: BackboneSchedule, stream: torch.Tensor,
-                   heldout: torch.Tensor, checkpoint_path: Path, *, checkpoint_every_seconds: float = 180.0,
-                   log: Callable[[str], None] = print, log_every: int = 50) -> TrainState:
+def train_backbone(
+    state: TrainState,
+    schedule: BackboneSchedule,
+    stream: torch.Tensor,
+    heldout: torch.Tensor,
+    checkpoint_path: Path,
+    *,
+    checkpoint_every_seconds: float = 180.0,
+    log: Callable[[str], None] = print,
+    log_every: int = 50,
+) -> TrainState:
     """Train until `schedule.steps`, checkpointing every few minutes and at the end."""
     model = state.model
     model.train()
@@ -250,8 +262,10 @@ def train_backbone(state: TrainState, schedule: BackboneSchedule, stream: torch.
         window_steps += 1
         if state.step % log_every == 0 or state.step == schedule.steps:
             rate = window_steps * schedule.batch_size * schedule.seq_len / (time.monotonic() - window_start)
-            log(f"step {state.step}/{schedule.steps} loss {window_loss / window_steps:.4f} lr {lr:.2e} "
-                f"tokens/s {rate:.0f} elapsed {state.elapsed_seconds / 60:.1f} min")
+            log(
+                f"step {state.step}/{schedule.steps} loss {window_loss / window_steps:.4f} lr {lr:.2e} "
+                f"tokens/s {rate:.0f} elapsed {state.elapsed_seconds / 60:.1f} min"
+            )
             window_start, window_loss, window_steps = time.monotonic(), 0.0, 0
         if time.monotonic() - last_save >= checkpoint_every_seconds or state.step == schedule.steps:
             save_state(state, schedule, checkpoint_path)

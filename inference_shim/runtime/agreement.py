@@ -36,6 +36,6 @@ def full_depth_agreement(model: Transformer, job: ShadowJob) -> ShadowResult:
     # The logits at position i predict token i + 1: the generated tokens are predicted from the
     # last prompt position onwards.
     first = len(job.prompt_ids) - 1
-    predicted = logits[0, first:first + len(job.generated_ids)].argmax(dim=-1)
+    predicted = logits[0, first : first + len(job.generated_ids)].argmax(dim=-1)
     expected = torch.tensor(job.generated_ids, device=device)
     return ShadowResult(tokens=len(job.generated_ids), agreements=int((predicted == expected).sum()))

@@ -48,8 +48,9 @@ class LoadedCheckpoint:
     tokenizer: Tokenizer
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = torch.float32) -> LoadedCheckpoint:
+def load_checkpoint(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.float32
+) -> LoadedCheckpoint:
     """Load a checkpoint folder. `dtype=None` keeps the dtype config.json declares."""
     folder = Path(path)
     if not folder.is_dir():
@@ -61,14 +62,19 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
     state = _load_weights(folder, config, torch.device(device), dtype)
     model = _build_model(config, state, torch.device(device))
     try:
-        tokenizer = Tokenizer.from_files(folder / TOKENIZER_FILE, folder / TOKENIZER_CONFIG_FILE,
-                                         extra_eos_token_ids=config.eos_token_ids,
-                                         bos_token_id=config.bos_token_id)
+        tokenizer = Tokenizer.from_files(
+            folder / TOKENIZER_FILE,
+            folder / TOKENIZER_CONFIG_FILE,
+            extra_eos_token_ids=config.eos_token_ids,
+            bos_token_id=config.bos_token_id,
+        )
     except TokenizerError as exc:
         raise CheckpointError(str(exc)) from exc
     if tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(f"{folder / TOKENIZER_FILE}: {tokenizer.vocab_size} tokens, but the model's "
-                              f"embedding has only vocab_size={config.vocab_size} rows ({CONFIG_FILE})")
+        raise CheckpointError(
+            f"{folder / TOKENIZER_FILE}: {tokenizer.vocab_size} tokens, but the model's "
+            f"embedding has only vocab_size={config.vocab_size} rows ({CONFIG_FILE})"
+        )
     return LoadedCheckpoint(path=folder, config=config, model=model.eval(), tokenizer=tokenizer)
 
 
@@ -117,13 +123,20 @@ def config_from_hf(raw: dict, source: Path, extra_eos_ids: tuple[int, ...] = ())
         raise fail(f"bos_token_id must be an integer or null, found {bos!r}")
     try:
         return ModelConfig(
-            vocab_size=integer("vocab_size"), hidden_size=hidden,
-            intermediate_size=integer("intermediate_size"), num_layers=integer("num_hidden_layers"),
-            num_heads=heads, num_kv_heads=integer("num_key_value_heads", heads),
-            head_dim=integer("head_dim", hidden // heads), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta, rope_scaling=rope_scaling, max_position_embeddings=max_positions,
+            vocab_size=integer("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=integer("intermediate_size"),
+            num_layers=integer("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=integer("num_key_value_heads", heads),
+            head_dim=integer("head_dim", hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=ARCHITECTURES[architecture], bos_token_id=bos,
+            attention_bias=ARCHITECTURES[architecture],
+            bos_token_id=bos,
             eos_token_ids=tuple(dict.fromkeys(eos_ids + list(extra_eos_ids))),
         )
     except ValueError as exc:  # e.g. heads not a multiple of kv heads
@@ -145,8 +158,17 @@ def _rope(raw: dict, fail) -> tuple[float, dict | None]:
             scaling = None
     try:
         theta = float(theta)
-        probe = ModelConfig(vocab_size=1, hidden_size=2, intermediate_size=1, num_layers=1, num_heads=1,
-                            num_kv_heads=1, head_dim=2, rope_theta=theta, rope_scaling=scaling)
+        probe = ModelConfig(
+            vocab_size=1,
+            hidden_size=2,
+            intermediate_size=1,
+            num_layers=1,
+            num_heads=1,
+            num_kv_heads=1,
+            head_dim=2,
+            rope_theta=theta,
+            rope_scaling=scaling,
+        )
         rope_inverse_frequencies(probe)  # a missing scaling field fails here, not at the first request
     except (KeyError, TypeError, ValueError) as exc:
         raise fail(f"bad RoPE settings rope_theta={theta!r} rope_scaling={scaling!r}: {exc!r}") from exc
@@ -219,13 +241,16 @@ def _shard_files(folder: Path) -> dict[str, list[str]]:
     single = folder / WEIGHTS_FILE
     if not single.is_file():
         found = sorted(p.name for p in folder.iterdir())
-        raise CheckpointError(f"{single}: file not found, and no {WEIGHTS_INDEX_FILE} either "
-                              f"(only safetensors weights are supported; the folder holds {found})")
+        raise CheckpointError(
+            f"{single}: file not found, and no {WEIGHTS_INDEX_FILE} either "
+            f"(only safetensors weights are supported; the folder holds {found})"
+        )
     return {WEIGHTS_FILE: []}  # [] = whatever the file holds
 
 
-def _load_weights(folder: Path, config: ModelConfig, device: torch.device,
-                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _load_weights(
+    folder: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     expected = expected_shapes(config)
     state: dict[str, torch.Tensor] = {}
     for file, listed in _shard_files(folder).items():
@@ -235,25 +260,30 @@ def _load_weights(folder: Path, config: ModelConfig, device: torch.device,
                 names = list(reader.keys())
                 missing_listed = sorted(set(listed) - set(names))
                 if missing_listed:
-                    raise CheckpointError(f"{path}: {WEIGHTS_INDEX_FILE} lists {missing_listed[:3]} in this "
-                                          f"shard, but the file does not hold them")
+                    raise CheckpointError(
+                        f"{path}: {WEIGHTS_INDEX_FILE} lists {missing_listed[:3]} in this "
+                        f"shard, but the file does not hold them"
+                    )
                 for name in names:
                     if name not in expected:
                         if HARMLESS_TENSOR.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
                             continue
-                        raise CheckpointError(f"{path}: unexpected tensor {name!r} (not part of this "
-                                              f"{config.num_layers}-layer model as {CONFIG_FILE} describes it)")
+                        raise CheckpointError(
+                            f"{path}: unexpected tensor {name!r} (not part of this "
+                            f"{config.num_layers}-layer model as {CONFIG_FILE} describes it)"
+                        )
                     shape = tuple(reader.get_slice(name).get_shape())
                     if shape != expected[name]:
-                        raise CheckpointError(f"{path}: tensor {name!r} has shape {list(shape)}, "
-                                              f"expected {list(expected[name])} from {CONFIG_FILE}")
+                        raise CheckpointError(
+                            f"{path}: tensor {name!r} has shape {list(shape)}, "
+                            f"expected {list(expected[name])} from {CONFIG_FILE}"
+                        )
                     state[name] = reader.get_tensor(name).to(device=device, dtype=dtype)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from exc
     missing = [name for name in expected if name not in state]
     if missing:
-        raise CheckpointError(f"{folder}: {len(missing)} tensors missing from the weights files, "
-                              f"e.g. {missing[:3]}")
+        raise CheckpointError(f"{folder}: {len(missing)} tensors missing from the weights files, e.g. {missing[:3]}")
     return state
 
 
@@ -262,7 +292,7 @@ def _build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: to
     # random initialisation that would be overwritten.
     with torch.device("meta"):
         model = Transformer(config)
-    ours = {name[len("model."):] if name.startswith("model.") else name: t for name, t in state.items()}
+    ours = {name[len("model.") :] if name.startswith("model.") else name: t for name, t in state.items()}
     if config.tie_word_embeddings:
         ours["lm_head.weight"] = ours["embed_tokens.weight"]
     model.load_state_dict(ours, strict=True, assign=True)
@@ -288,11 +318,14 @@ def save_checkpoint(model: Transformer, tokenizer: Tokenizer | str | Path, out_d
         backend = Tokenizer.from_files(Path(tokenizer)).backend
         id_to_token = backend.id_to_token
         tokenizer = Tokenizer(
-            backend, bos_token=id_to_token(config.bos_token_id) if config.bos_token_id is not None else None,
-            eos_tokens=[id_to_token(i) for i in config.eos_token_ids])
+            backend,
+            bos_token=id_to_token(config.bos_token_id) if config.bos_token_id is not None else None,
+            eos_tokens=[id_to_token(i) for i in config.eos_token_ids],
+        )
     (out / CONFIG_FILE).write_text(json.dumps(hf_config(model), indent=2) + "\n")
-    state = {hf_name(n): t.detach().contiguous().cpu() for n, t in model.state_dict().items()
-             if not n.startswith("gates.")}
+    state = {
+        hf_name(n): t.detach().contiguous().cpu() for n, t in model.state_dict().items() if not n.startswith("gates.")
+    }
     if config.tie_word_embeddings:
         del state["lm_head.weight"]
     save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -306,13 +339,25 @@ def hf_config(model: Transformer) -> dict:
     dtype = next(model.parameters()).dtype
     eos = list(c.eos_token_ids)
     return {
-        "architectures": [architecture], "model_type": model_type,
-        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
-        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling,
-        "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": c.tie_word_embeddings,
-        "attention_bias": False if model_type == "llama" else True, "mlp_bias": False,
-        "bos_token_id": c.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-        "torch_dtype": str(dtype).removeprefix("torch."), "use_cache": True,
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "attention_bias": model_type != "llama",
+        "mlp_bias": False,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "use_cache": True,
     }

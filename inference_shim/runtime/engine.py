@@ -21,8 +21,8 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -127,10 +127,19 @@ class _Sequence:
 
 
 class GenerationEngine:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, *, model_name: str,
-                 policy: SkipPolicyConfig, kv_policy: str = "project", max_batch_size: int = 8,
-                 max_seq_len: int | None = None, step_hook: StepHook | None = None,
-                 prefill_hook: PrefillHook | None = None) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        *,
+        model_name: str,
+        policy: SkipPolicyConfig,
+        kv_policy: str = "project",
+        max_batch_size: int = 8,
+        max_seq_len: int | None = None,
+        step_hook: StepHook | None = None,
+        prefill_hook: PrefillHook | None = None,
+    ) -> None:
         if kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
         if max_batch_size < 1:
@@ -139,8 +148,9 @@ class GenerationEngine:
         limit = config.max_position_embeddings
         max_seq_len = min(limit, DEFAULT_MAX_SEQ_LEN) if max_seq_len is None else max_seq_len
         if not 2 <= max_seq_len <= limit:
-            raise ValueError(f"max_seq_len must be in 2..{limit} (the model's max_position_embeddings), "
-                             f"got {max_seq_len}")
+            raise ValueError(
+                f"max_seq_len must be in 2..{limit} (the model's max_position_embeddings), got {max_seq_len}"
+            )
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -191,10 +201,15 @@ class GenerationEngine:
         while sequence.finish_reason is None:
             self.step()
         return GenerationResult(
-            token_ids=list(sequence.generated), text=sequence.text, finish_reason=sequence.finish_reason,
-            prompt_tokens=len(sequence.prompt_ids), completion_tokens=len(sequence.generated),
-            layers_executed=sequence.layers_executed, layers_skipped=sequence.layers_skipped,
-            activity=np.array(sequence.activity, dtype=bool).reshape(len(sequence.generated), self.num_layers))
+            token_ids=list(sequence.generated),
+            text=sequence.text,
+            finish_reason=sequence.finish_reason,
+            prompt_tokens=len(sequence.prompt_ids),
+            completion_tokens=len(sequence.generated),
+            layers_executed=sequence.layers_executed,
+            layers_skipped=sequence.layers_skipped,
+            activity=np.array(sequence.activity, dtype=bool).reshape(len(sequence.generated), self.num_layers),
+        )
 
     # --- admission and prefill -------------------------------------------------------------------
 
@@ -211,8 +226,13 @@ class GenerationEngine:
         if params.temperature > 0:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
-        sequence = _Sequence(id=self._next_id, prompt_ids=[int(t) for t in prompt_ids], params=params,
-                             decoder=self.tokenizer.incremental_decoder(), generator=generator)
+        sequence = _Sequence(
+            id=self._next_id,
+            prompt_ids=[int(t) for t in prompt_ids],
+            params=params,
+            decoder=self.tokenizer.incremental_decoder(),
+            generator=generator,
+        )
         self._next_id += 1
         self._waiting.append(sequence)
         self._by_id[sequence.id] = sequence
@@ -249,8 +269,14 @@ class GenerationEngine:
         sequence.position = len(context)
         sequence.next_input = sequence.prompt_ids[-1]
         if self.prefill_hook is not None:
-            self.prefill_hook(PrefillRecord(sequence_id=sequence.id, token_ids=np.array(context, dtype=np.int64),
-                                            entropies=entropies, seconds=time.perf_counter() - started))
+            self.prefill_hook(
+                PrefillRecord(
+                    sequence_id=sequence.id,
+                    token_ids=np.array(context, dtype=np.int64),
+                    entropies=entropies,
+                    seconds=time.perf_counter() - started,
+                )
+            )
 
     # --- one decode step -------------------------------------------------------------------------
 
@@ -259,21 +285,40 @@ class GenerationEngine:
         rows = [self._active[slot] for slot in sorted(self._active)]
         slots = np.array([s.slot for s in rows])
         fed = np.array([s.next_input for s in rows], dtype=np.int64)
-        step = gated_decode_step(self.model, self.cache, self.skip_policy if self.model.gates is not None else None,
-                                 torch.as_tensor(fed, device=self.device), slots, [s.position for s in rows],
-                                 self.kv_policy, choose=lambda logits: self._sample(logits, rows))
+        step = gated_decode_step(
+            self.model,
+            self.cache,
+            self.skip_policy if self.model.gates is not None else None,
+            torch.as_tensor(fed, device=self.device),
+            slots,
+            [s.position for s in rows],
+            self.kv_policy,
+            choose=lambda logits: self._sample(logits, rows),
+        )
         self.steps += 1
         for sequence in (s for s, started_now in zip(rows, step.fallback_started) if started_now):
-            log.warning("[FALLBACK: HIGH_SKIPPING] model=%s sequence=%d step=%d",
-                        self.model_name, sequence.id, self.steps)
-        updates = [self._advance(sequence, int(token), step.run_mask[i]) for i, (sequence, token)
-                   in enumerate(zip(rows, step.next_tokens))]
+            log.warning(
+                "[FALLBACK: HIGH_SKIPPING] model=%s sequence=%d step=%d", self.model_name, sequence.id, self.steps
+            )
+        updates = [
+            self._advance(sequence, int(token), step.run_mask[i])
+            for i, (sequence, token) in enumerate(zip(rows, step.next_tokens))
+        ]
         if self.step_hook is not None:
-            self.step_hook(StepRecord(
-                step=self.steps, sequence_ids=np.array([s.id for s in rows], dtype=np.int64), token_ids=fed,
-                next_token_ids=step.next_tokens, entropies=step.entropies, skipped=~step.run_mask,
-                batch_skipped=~step.run_mask.any(axis=0), fallback=step.fallback,
-                fallback_started=step.fallback_started, step_seconds=time.perf_counter() - started))
+            self.step_hook(
+                StepRecord(
+                    step=self.steps,
+                    sequence_ids=np.array([s.id for s in rows], dtype=np.int64),
+                    token_ids=fed,
+                    next_token_ids=step.next_tokens,
+                    entropies=step.entropies,
+                    skipped=~step.run_mask,
+                    batch_skipped=~step.run_mask.any(axis=0),
+                    fallback=step.fallback,
+                    fallback_started=step.fallback_started,
+                    step_seconds=time.perf_counter() - started,
+                )
+            )
         return updates
 
     def _sample(self, logits: torch.Tensor, rows: list[_Sequence]) -> torch.Tensor:
@@ -281,8 +326,9 @@ class GenerationEngine:
         tokens = logits.argmax(dim=-1)
         for i, sequence in enumerate(rows):
             if sequence.generator is not None:
-                tokens[i] = sample_token(logits[i], sequence.params.temperature, sequence.params.top_p,
-                                         sequence.generator)
+                tokens[i] = sample_token(
+                    logits[i], sequence.params.temperature, sequence.params.top_p, sequence.generator
+                )
         return tokens
 
     def _advance(self, sequence: _Sequence, token: int, ran: np.ndarray) -> SequenceUpdate:
@@ -316,11 +362,11 @@ class GenerationEngine:
         pending = sequence.held + delta
         hits = [i for i in (pending.find(s) for s in stops) if i >= 0]
         if hits:
-            emitted, sequence.held = pending[:min(hits)], ""
+            emitted, sequence.held = pending[: min(hits)], ""
             sequence.text += emitted
             return emitted, True
         hold = 0 if final else _longest_stop_prefix_suffix(pending, stops)
-        emitted, sequence.held = pending[:len(pending) - hold], pending[len(pending) - hold:]
+        emitted, sequence.held = pending[: len(pending) - hold], pending[len(pending) - hold :]
         sequence.text += emitted
         return emitted, False
 
@@ -332,9 +378,15 @@ class GenerationEngine:
 
     @staticmethod
     def _update(sequence: _Sequence, tokens: list[int], delta: str) -> SequenceUpdate:
-        return SequenceUpdate(sequence_id=sequence.id, new_token_ids=tokens, text_delta=delta,
-                              finished=sequence.finish_reason is not None, finish_reason=sequence.finish_reason,
-                              layers_executed=sequence.layers_executed, layers_skipped=sequence.layers_skipped)
+        return SequenceUpdate(
+            sequence_id=sequence.id,
+            new_token_ids=tokens,
+            text_delta=delta,
+            finished=sequence.finish_reason is not None,
+            finish_reason=sequence.finish_reason,
+            layers_executed=sequence.layers_executed,
+            layers_skipped=sequence.layers_skipped,
+        )
 
 
 @dataclass
@@ -349,9 +401,16 @@ class DecodedStep:
     fallback_started: np.ndarray  # bool [B]: a fallback episode begins after this step
 
 
-def gated_decode_step(model: Transformer, cache: KVCache, policy: SkipPolicy | None, tokens: torch.Tensor,
-                      slots: np.ndarray, positions: list[int], kv_policy: str,
-                      choose: Callable[[torch.Tensor], torch.Tensor]) -> DecodedStep:
+def gated_decode_step(
+    model: Transformer,
+    cache: KVCache,
+    policy: SkipPolicy | None,
+    tokens: torch.Tensor,
+    slots: np.ndarray,
+    positions: list[int],
+    kv_policy: str,
+    choose: Callable[[torch.Tensor], torch.Tensor],
+) -> DecodedStep:
     """One decode step with the skip semantics: run mask from the policy -> `model.decode_step` -> the
     policy observes the step's entropies (which shape only later steps).
 
@@ -376,8 +435,14 @@ def gated_decode_step(model: Transformer, cache: KVCache, policy: SkipPolicy | N
         run_mask, fallback_started = np.ones((B, L), dtype=bool), np.zeros(B, dtype=bool)
     else:
         fallback_started = policy.observe(slots, host_entropies, run_mask).fallback_started
-    return DecodedStep(logits=logits, next_tokens=packed[:, 0].astype(np.int64), entropies=host_entropies,
-                       run_mask=run_mask, fallback=fallback, fallback_started=fallback_started)
+    return DecodedStep(
+        logits=logits,
+        next_tokens=packed[:, 0].astype(np.int64),
+        entropies=host_entropies,
+        run_mask=run_mask,
+        fallback=fallback,
+        fallback_started=fallback_started,
+    )
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:

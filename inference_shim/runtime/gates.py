@@ -91,13 +91,17 @@ def load_gates(path: str | Path, model: Transformer) -> LoadedGates:
     metadata = _read_metadata(path, data)
     config = model.config
     if (metadata.num_layers, metadata.hidden_size) != (config.num_layers, config.hidden_size):
-        raise GateFileError(f"{path}: gates for a model with {metadata.num_layers} layers and hidden size "
-                            f"{metadata.hidden_size}; this model has {config.num_layers} layers and hidden "
-                            f"size {config.hidden_size}")
+        raise GateFileError(
+            f"{path}: gates for a model with {metadata.num_layers} layers and hidden size "
+            f"{metadata.hidden_size}; this model has {config.num_layers} layers and hidden "
+            f"size {config.hidden_size}"
+        )
     fingerprint = model_fingerprint(model)
     if metadata.base_fingerprint != fingerprint:
-        raise GateFileError(f"{path}: gates were trained on another base model (fingerprint "
-                            f"{metadata.base_fingerprint[:12]}, this model is {fingerprint[:12]})")
+        raise GateFileError(
+            f"{path}: gates were trained on another base model (fingerprint "
+            f"{metadata.base_fingerprint[:12]}, this model is {fingerprint[:12]})"
+        )
     gates = GateBank(config.num_layers, config.hidden_size)
     try:
         gates.load_state_dict(tensors, strict=True)
@@ -112,9 +116,13 @@ def reset_gates(model: Transformer, seed: int) -> LoadedGates:
         torch.manual_seed(seed)
         gates = GateBank(model.config.num_layers, model.config.hidden_size)
     defaults = SkipPolicyConfig()
-    metadata = GateMetadata(num_layers=model.config.num_layers, hidden_size=model.config.hidden_size,
-                            threshold=defaults.threshold, patience=defaults.patience,
-                            base_fingerprint=model_fingerprint(model))
+    metadata = GateMetadata(
+        num_layers=model.config.num_layers,
+        hidden_size=model.config.hidden_size,
+        threshold=defaults.threshold,
+        patience=defaults.patience,
+        base_fingerprint=model_fingerprint(model),
+    )
     sha256 = hashlib.sha256(_serialize(gates, metadata)).hexdigest()
     return LoadedGates(gates=_placed(gates, model), metadata=metadata, sha256=sha256)
 
@@ -129,7 +137,7 @@ def _serialize(gates: GateBank, metadata: GateMetadata) -> bytes:
 
 def _read_metadata(path: Path, data: bytes) -> GateMetadata:
     # safetensors layout: 8-byte little-endian header length, then the JSON header.
-    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
     raw = header.get("__metadata__", {}).get(METADATA_KEY)
     if raw is None:
         raise GateFileError(f"{path}: not a layerwatch gate file (no '{METADATA_KEY}' metadata)")
@@ -138,9 +146,13 @@ def _read_metadata(path: Path, data: bytes) -> GateMetadata:
         if values.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"format_version {values.get('format_version')!r}, expected {FORMAT_VERSION}")
         metadata = GateMetadata(**{f.name: values[f.name] for f in fields(GateMetadata)})
-        types_ok = (isinstance(metadata.num_layers, int) and isinstance(metadata.hidden_size, int)
-                    and isinstance(metadata.threshold, (int, float)) and isinstance(metadata.patience, int)
-                    and isinstance(metadata.base_fingerprint, str))
+        types_ok = (
+            isinstance(metadata.num_layers, int)
+            and isinstance(metadata.hidden_size, int)
+            and isinstance(metadata.threshold, (int, float))
+            and isinstance(metadata.patience, int)
+            and isinstance(metadata.base_fingerprint, str)
+        )
         if not types_ok:
             raise ValueError("a field has the wrong type")
     except (KeyError, TypeError, ValueError) as exc:

@@ -19,8 +19,8 @@ This file knows nothing of telemetry: callers read the returned entropies.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -119,14 +119,16 @@ class KVCache(nn.Module):
     `evict` policy clears it for skipped (token, layer) pairs; unwritten positions are never valid.
     """
 
-    def __init__(self, config: ModelConfig, slots: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, config: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         super().__init__()
         shape = (config.num_layers, slots, config.num_kv_heads, max_len, config.head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("valid", torch.zeros(shape[:2] + (max_len,), dtype=torch.bool, device=device),
-                             persistent=False)
+        self.register_buffer(
+            "valid", torch.zeros(shape[:2] + (max_len,), dtype=torch.bool, device=device), persistent=False
+        )
         self.max_len = max_len
 
     def reset_slot(self, slot: int) -> None:
@@ -139,8 +141,7 @@ class KVCache(nn.Module):
         self.v[layer, slot, :, :T] = v
         self.valid[layer, slot, :T] = True
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots, positions: [B]; k, v: [B, Hkv, D]
         self.k[layer, slots, :, positions] = k
         self.v[layer, slots, :, positions] = v
@@ -183,9 +184,18 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self._gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
 
-    def forward_decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                       layer: int, slots: torch.Tensor, positions: torch.Tensor, length: int,
-                       read_slots: torch.Tensor | slice | None = None) -> torch.Tensor:
+    def forward_decode(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        length: int,
+        read_slots: torch.Tensor | slice | None = None,
+    ) -> torch.Tensor:
         # One new token per row. x: [B, d] -> [B, d]
         B = x.shape[0]
         q = apply_rope(self.q_proj(x).view(B, 1, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
@@ -223,23 +233,43 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                scale: torch.Tensor | None = None):
+    def forward(
+        self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor | None = None
+    ):
         # Every position, causal. h: residual [B, T, d]; x = input_layernorm(h)
         # -> h [B, T, d], k, v [B, Hkv, T, D] (for a cache to keep)
         attn, k, v = self.self_attn.forward_full(x, cos, sin)
         return self._residual_updates(h, attn, scale), k, v
 
-    def decode(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-               layer: int, slots: torch.Tensor, positions: torch.Tensor, length: int,
-               read_slots: torch.Tensor | slice | None = None) -> torch.Tensor:
+    def decode(
+        self,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        length: int,
+        read_slots: torch.Tensor | slice | None = None,
+    ) -> torch.Tensor:
         # One new token per row, its K/V written to the cache. h, x: [B, d] -> h [B, d]
         attn = self.self_attn.forward_decode(x, cos, sin, cache, layer, slots, positions, length, read_slots)
         return self._residual_updates(h, attn)
 
-    def decode_skipped(self, rows: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       cache: KVCache, layer: int, slots: torch.Tensor, positions: torch.Tensor,
-                       kv_policy: str) -> None:
+    def decode_skipped(
+        self,
+        rows: torch.Tensor,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        kv_policy: str,
+    ) -> None:
         # The batch's `rows` [R] skip the layer: their residual passes through unchanged, and the
         # cache keeps what the KV policy says for their positions. x: [B, d]
         if kv_policy == "evict":
@@ -301,14 +331,20 @@ class GateBank(nn.Module):
         # until a parameter is replaced, moved (`.to()` swaps its storage) or updated in place
         # (which bumps its `_version`). The key walks the module dicts directly: it runs every
         # decode step, and `self.parameters()` costs four times as much (~70 us at 16 layers).
-        key = tuple((id(p), p.data_ptr(), p._version) for gate in self.gates._modules.values()
-                    for linear in gate._modules.values() for p in linear._parameters.values())
+        key = tuple(
+            (id(p), p.data_ptr(), p._version)
+            for gate in self.gates._modules.values()
+            for linear in gate._modules.values()
+            for p in linear._parameters.values()
+        )
         if getattr(self, "_stack_key", None) != key:
             gates = self.gates
-            self._stacks = (torch.stack([g.fc1.weight for g in gates]).transpose(1, 2).contiguous(),  # [L, d, 16]
-                            torch.stack([g.fc1.bias for g in gates])[:, None, :],  # [L, 1, 16]
-                            torch.stack([g.fc2.weight for g in gates]).transpose(1, 2).contiguous(),  # [L, 16, 1]
-                            torch.stack([g.fc2.bias for g in gates])[:, None, :])  # [L, 1, 1]
+            self._stacks = (
+                torch.stack([g.fc1.weight for g in gates]).transpose(1, 2).contiguous(),  # [L, d, 16]
+                torch.stack([g.fc1.bias for g in gates])[:, None, :],  # [L, 1, 16]
+                torch.stack([g.fc2.weight for g in gates]).transpose(1, 2).contiguous(),  # [L, 16, 1]
+                torch.stack([g.fc2.bias for g in gates])[:, None, :],
+            )  # [L, 1, 1]
             self._stack_key = key
         return self._stacks
 
@@ -364,8 +400,13 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.norm(h[0, -1]))
         return logits, (entropies[0] if entropies is not None else None)
 
-    def _full_depth(self, tokens: torch.Tensor, update_scale: UpdateScale | None = None,
-                    cache: KVCache | None = None, slot: int | None = None):
+    def _full_depth(
+        self,
+        tokens: torch.Tensor,
+        update_scale: UpdateScale | None = None,
+        cache: KVCache | None = None,
+        slot: int | None = None,
+    ):
         # tokens: [B, T] -> final hidden states [B, T, d] (before the norm), entropies [B, T, L] or None
         B, T = tokens.shape
         h = self.embed_tokens(tokens)
@@ -386,8 +427,15 @@ class Transformer(nn.Module):
     # One decode step, layers skipped per row. ---------------------------------------------------
 
     @torch.no_grad()
-    def decode_step(self, tokens: torch.Tensor, cache: KVCache, slots: Sequence[int],
-                    positions: Sequence[int], run_mask: np.ndarray | None, kv_policy: str = "project"):
+    def decode_step(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        slots: Sequence[int],
+        positions: Sequence[int],
+        run_mask: np.ndarray | None,
+        kv_policy: str = "project",
+    ):
         """One new token per row, each row a sequence in its own cache slot.
 
         tokens: [B] on the model's device; slots, positions: host ints, [B]; run_mask: host bool

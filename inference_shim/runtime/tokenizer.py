@@ -14,8 +14,8 @@ concatenation is the text of all tokens, never emitting half a UTF-8 character.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 import tokenizers
 
@@ -32,9 +32,16 @@ class TokenizerError(ValueError):
 
 
 class Tokenizer:
-    def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_token: str | None = None,
-                 eos_tokens: Sequence[str] = (), extra_eos_token_ids: Iterable[int] = (),
-                 chat_template: str | None = None, add_bos_token: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_tokens: Sequence[str] = (),
+        extra_eos_token_ids: Iterable[int] = (),
+        chat_template: str | None = None,
+        add_bos_token: bool = True,
+    ) -> None:
         self.backend = tokenizer
         self.bos_token = bos_token
         self.bos_token_id = self._id_of(bos_token) if bos_token is not None else None
@@ -46,8 +53,13 @@ class Tokenizer:
         self._template = None  # compiled lazily (needs jinja2): most callers never render a chat
 
     @classmethod
-    def from_files(cls, tokenizer_json: Path, tokenizer_config_json: Path | None = None,
-                   extra_eos_token_ids: Iterable[int] = (), bos_token_id: int | None = None) -> "Tokenizer":
+    def from_files(
+        cls,
+        tokenizer_json: Path,
+        tokenizer_config_json: Path | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+        bos_token_id: int | None = None,
+    ) -> Tokenizer:
         """Load tokenizer.json (required) and tokenizer_config.json (optional, may be None or absent).
 
         Without a tokenizer_config.json, `bos_token_id` (the model config's) names the BOS token.
@@ -66,10 +78,14 @@ class Tokenizer:
         bos = _token_content(settings.get("bos_token"))
         eos = _token_content(settings.get("eos_token"))
         try:
-            return cls(backend, bos_token=bos, eos_tokens=(eos,) if eos else (),
-                       extra_eos_token_ids=extra_eos_token_ids,
-                       chat_template=_chat_template(settings.get("chat_template")),
-                       add_bos_token=settings.get("add_bos_token", True) is not False)
+            return cls(
+                backend,
+                bos_token=bos,
+                eos_tokens=(eos,) if eos else (),
+                extra_eos_token_ids=extra_eos_token_ids,
+                chat_template=_chat_template(settings.get("chat_template")),
+                add_bos_token=settings.get("add_bos_token", True) is not False,
+            )
         except TokenizerError as exc:
             raise TokenizerError(f"{tokenizer_config_json}: {exc}") from exc
 
@@ -95,21 +111,27 @@ class Tokenizer:
             return plain_chat_prompt(messages, add_generation_prompt)
         if self._template is None:
             self._template = _compile_template(self.chat_template)
-        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "",
-                                     eos_token=self.eos_tokens[0] if self.eos_tokens else "")
+        return self._template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_tokens[0] if self.eos_tokens else "",
+        )
 
-    def incremental_decoder(self) -> "IncrementalDecoder":
+    def incremental_decoder(self) -> IncrementalDecoder:
         return IncrementalDecoder(self)
 
     def save(self, out_dir: Path) -> None:
         """Write tokenizer.json and tokenizer_config.json into out_dir."""
         out_dir = Path(out_dir)
         self.backend.save(str(out_dir / "tokenizer.json"))
-        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token,
-                    "eos_token": self.eos_tokens[0] if self.eos_tokens else None,
-                    "add_bos_token": self.add_bos_token and self.bos_token is not None,
-                    "clean_up_tokenization_spaces": False}
+        settings = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_tokens[0] if self.eos_tokens else None,
+            "add_bos_token": self.add_bos_token and self.bos_token is not None,
+            "clean_up_tokenization_spaces": False,
+        }
         if self.chat_template is not None:
             settings["chat_template"] = self.chat_template
         (out_dir / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
@@ -137,19 +159,19 @@ class IncrementalDecoder:
     def push(self, ids: Sequence[int]) -> str:
         """Add tokens; return the new text they complete ('' while a character is incomplete)."""
         self.ids.extend(ids)
-        prefix_text = self._tokenizer.decode(self.ids[self._prefix_offset:self._read_offset])
-        new_text = self._tokenizer.decode(self.ids[self._prefix_offset:])
+        prefix_text = self._tokenizer.decode(self.ids[self._prefix_offset : self._read_offset])
+        new_text = self._tokenizer.decode(self.ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
         """Whatever text is still held back (an incomplete character decodes as U+FFFD)."""
-        prefix_text = self._tokenizer.decode(self.ids[self._prefix_offset:self._read_offset])
-        new_text = self._tokenizer.decode(self.ids[self._prefix_offset:])
+        prefix_text = self._tokenizer.decode(self.ids[self._prefix_offset : self._read_offset])
+        new_text = self._tokenizer.decode(self.ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self.ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
 
 def _read_json_object(path: Path) -> dict:

@@ -29,8 +29,14 @@ from starlette.requests import ClientDisconnect, Request
 from inference_shim.runtime.engine import SamplingParams
 from inference_shim.service.completions import ACTIVITY_HEADER, Generation, Prepared, run_to_end, stream_events
 from inference_shim.service.metrics import FinishedRequest
-from inference_shim.service.schemas import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
-                                            parse_request, read_json_body)
+from inference_shim.service.schemas import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    parse_request,
+    read_json_body,
+)
 from inference_shim.service.shim import ShimService
 
 log = logging.getLogger(__name__)
@@ -58,8 +64,11 @@ def create_app(service: ShimService) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if err.status_code == 404 else "method_not_allowed" if err.status_code == 405 else None
-        return JSONResponse(APIError(err.status_code, str(err.detail), code=code).body(), status_code=err.status_code,
-                            headers=err.headers)
+        return JSONResponse(
+            APIError(err.status_code, str(err.detail), code=code).body(),
+            status_code=err.status_code,
+            headers=err.headers,
+        )
 
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, err: Exception) -> JSONResponse:
@@ -83,8 +92,12 @@ def create_app(service: ShimService) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": service.model_name, "object": "model", "created": started, "owned_by": "layerwatch"}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": service.model_name, "object": "model", "created": started, "owned_by": "layerwatch"}],
+            }
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -107,16 +120,27 @@ async def _generate(service: ShimService, request: Request, kind: str) -> Respon
     except ClientDisconnect:  # gone before its body was read: nothing to answer
         service.request_metrics.finish(FinishedRequest("cancelled"))
         return Response(status_code=499)
-    log.info("%s: %s, %d prompt tokens, max_tokens=%d, stream=%s", prepared.request_id, kind,
-             len(prepared.prompt_ids), prepared.params.max_tokens, prepared.stream)
+    log.info(
+        "%s: %s, %d prompt tokens, max_tokens=%d, stream=%s",
+        prepared.request_id,
+        kind,
+        len(prepared.prompt_ids),
+        prepared.params.max_tokens,
+        prepared.stream,
+    )
     generation = Generation(service, prepared, arrived)
     generation.start()
     if prepared.stream:
+
         async def settle() -> None:  # runs however the stream ended, even before its first event
             generation.abandon()
 
-        return StreamingResponse(stream_events(generation), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"}, background=BackgroundTask(settle))
+        return StreamingResponse(
+            stream_events(generation),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache"},
+            background=BackgroundTask(settle),
+        )
     text = await run_to_end(generation, request)
     headers = {ACTIVITY_HEADER: generation.activity_json()} if prepared.debug else None
     return JSONResponse(generation.response(text), headers=headers)
@@ -127,28 +151,47 @@ async def _prepare(service: ShimService, request: Request, kind: str) -> Prepare
     data = await read_json_body(request, limits.max_body_bytes, limits.body_timeout_seconds)
     body = parse_request(ChatCompletionRequest if kind == "chat" else CompletionRequest, data)
     if body.model != service.model_name:
-        raise APIError(404, f"The model '{body.model}' does not exist; this server serves '{service.model_name}'.",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model '{body.model}' does not exist; this server serves '{service.model_name}'.",
+            param="model",
+            code="model_not_found",
+        )
     prompt = _prompt_text(service, body)
     if not prompt:
-        raise APIError(400, "The prompt is empty.", param="prompt" if kind == "completion" else "messages",
-                       code="empty_prompt")
+        raise APIError(
+            400, "The prompt is empty.", param="prompt" if kind == "completion" else "messages", code="empty_prompt"
+        )
     log.debug("prompt: %r", prompt)
     prompt_ids = await asyncio.to_thread(service.tokenizer.encode, prompt)
     if len(prompt_ids) > limits.max_prompt_tokens:
-        raise APIError(400, f"The prompt has {len(prompt_ids)} tokens; this server accepts at most "
-                            f"{limits.max_prompt_tokens}.", param="prompt" if kind == "completion" else "messages",
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"The prompt has {len(prompt_ids)} tokens; this server accepts at most {limits.max_prompt_tokens}.",
+            param="prompt" if kind == "completion" else "messages",
+            code="context_length_exceeded",
+        )
     default_max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else limits.max_tokens_cap
     max_tokens = min(default_max_tokens, limits.max_tokens_cap) if body.max_tokens is None else body.max_tokens
     if max_tokens > limits.max_tokens_cap:
-        raise APIError(400, f"max_tokens={max_tokens} exceeds this server's cap of {limits.max_tokens_cap}.",
-                       param="max_tokens", code="max_tokens_exceeded")
+        raise APIError(
+            400,
+            f"max_tokens={max_tokens} exceeds this server's cap of {limits.max_tokens_cap}.",
+            param="max_tokens",
+            code="max_tokens_exceeded",
+        )
     debug = service.allow_debug and request.headers.get(DEBUG_HEADER, "").strip().lower() == "true"
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    return Prepared(kind=kind, request_id=f"{prefix}-{uuid.uuid4().hex[:24]}", model_name=service.model_name,
-                    prompt_ids=prompt_ids, params=_sampling(body, max_tokens), stream=body.stream,
-                    include_usage=body.include_usage(), debug=debug)
+    return Prepared(
+        kind=kind,
+        request_id=f"{prefix}-{uuid.uuid4().hex[:24]}",
+        model_name=service.model_name,
+        prompt_ids=prompt_ids,
+        params=_sampling(body, max_tokens),
+        stream=body.stream,
+        include_usage=body.include_usage(),
+        debug=debug,
+    )
 
 
 def _prompt_text(service: ShimService, body: SamplingFields) -> str:
@@ -158,10 +201,12 @@ def _prompt_text(service: ShimService, body: SamplingFields) -> str:
     try:
         return service.tokenizer.apply_chat_template(messages)
     except TemplateError as exc:  # the checkpoint's template refuses the conversation (e.g. role order)
-        raise APIError(400, f"The chat template refused the messages: {exc}", param="messages",
-                       code="invalid_messages") from None
+        raise APIError(
+            400, f"The chat template refused the messages: {exc}", param="messages", code="invalid_messages"
+        ) from None
 
 
 def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                          stop=body.stop_strings())
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop_strings()
+    )

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from starlette.requests import Request
 
 from inference_shim.runtime.engine import SamplingParams, SequenceUpdate
-from inference_shim.service.metrics import FinishedRequest
 from inference_shim.service.engine_worker import EngineFailure, RequestHandle
+from inference_shim.service.metrics import FinishedRequest
 from inference_shim.service.schemas import APIError, server_error
 
 if TYPE_CHECKING:
@@ -57,8 +57,9 @@ class Generation:
         self.prepared = prepared
         self.arrived = arrived
         self.created = int(time.time())
-        self.handle = RequestHandle(prepared.prompt_ids, prepared.params, asyncio.get_running_loop(),
-                                    capture_activity=prepared.debug)
+        self.handle = RequestHandle(
+            prepared.prompt_ids, prepared.params, asyncio.get_running_loop(), capture_activity=prepared.debug
+        )
         self.completion_tokens = 0
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -119,22 +120,36 @@ class Generation:
         self.recorded = True
         # A prompt the engine refused was never prefilled.
         prompt_tokens = 0 if status == "client_error" else len(self.prepared.prompt_ids)
-        log.info("%s: %s, %d prompt + %d completion tokens", self.prepared.request_id, status, prompt_tokens,
-                 self.completion_tokens)
-        self.service.request_metrics.finish(FinishedRequest(
-            status=status, prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens,
-            time_to_first_token=None if self.first_token_at is None else self.first_token_at - self.arrived,
-            inter_token_latencies=self.gaps, duration=time.monotonic() - self.arrived))
+        log.info(
+            "%s: %s, %d prompt + %d completion tokens",
+            self.prepared.request_id,
+            status,
+            prompt_tokens,
+            self.completion_tokens,
+        )
+        self.service.request_metrics.finish(
+            FinishedRequest(
+                status=status,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=self.completion_tokens,
+                time_to_first_token=None if self.first_token_at is None else self.first_token_at - self.arrived,
+                inter_token_latencies=self.gaps,
+                duration=time.monotonic() - self.arrived,
+            )
+        )
 
     # --- what the client gets ----------------------------------------------------------------------
 
     def usage(self) -> dict[str, int]:
         final = self.final
         prompt = len(self.prepared.prompt_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens,
-                "layers_executed": final.layers_executed if final else 0,
-                "layers_skipped": final.layers_skipped if final else 0}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+            "layers_executed": final.layers_executed if final else 0,
+            "layers_skipped": final.layers_skipped if final else 0,
+        }
 
     def activity_json(self) -> str:
         rows = [[int(ran) for ran in token] for token in self.handle.activity]
@@ -142,17 +157,18 @@ class Generation:
 
     def envelope(self, chunk: bool) -> dict[str, Any]:
         p = self.prepared
-        if p.kind == "chat":
-            kind = "chat.completion.chunk" if chunk else "chat.completion"
-        else:
-            kind = "text_completion"
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if p.kind == "chat" else "text_completion"
         return {"id": p.request_id, "object": kind, "created": self.created, "model": p.model_name}
 
     def response(self, text: str) -> dict[str, Any]:
         reason = self.final.finish_reason
         if self.prepared.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                      "logprobs": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": reason,
+                "logprobs": None,
+            }
         else:
             choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
         return {**self.envelope(chunk=False), "choices": [choice], "usage": self.usage()}
@@ -205,7 +221,7 @@ async def stream_events(generation: Generation) -> AsyncIterator[str]:
         if p.include_usage:
             yield _sse({**generation.envelope(chunk=True), "choices": [], "usage": generation.usage()})
         if p.debug:
-            yield f"event: {ACTIVITY_EVENT}\ndata: {{\"layer_activity\": {generation.activity_json()}}}\n\n"
+            yield f'event: {ACTIVITY_EVENT}\ndata: {{"layer_activity": {generation.activity_json()}}}\n\n'
         yield "data: [DONE]\n\n"
     except APIError as err:
         yield _sse(err.body())

@@ -16,6 +16,7 @@ each readiness probe on its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -58,10 +59,9 @@ class RequestHandle:
     activity: list[np.ndarray] = field(default_factory=list)  # bool [L] per token, True = the layer ran
 
     def deliver(self, item: SequenceUpdate | EngineFailure) -> None:
-        try:
+        # RuntimeError: the event loop is closed; the server is gone and nobody is waiting.
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.updates.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: the server is gone, nobody is waiting
-            pass
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,13 @@ _STOP = object()
 
 
 class EngineWorker:
-    def __init__(self, engine_factory: EngineFactory, probe_prompt_ids: list[int],
-                 telemetry: StepTelemetry | None = None, shadow: ShadowChecker | None = None) -> None:
+    def __init__(
+        self,
+        engine_factory: EngineFactory,
+        probe_prompt_ids: list[int],
+        telemetry: StepTelemetry | None = None,
+        shadow: ShadowChecker | None = None,
+    ) -> None:
         self._engine_factory = engine_factory
         self._probe_prompt_ids = probe_prompt_ids
         self._telemetry = telemetry
@@ -192,8 +197,7 @@ class EngineWorker:
         try:
             updates = self._engine.step()
         except Exception as exc:
-            log.exception("decode step failed; failing %d request(s) and rebuilding the engine",
-                          len(self._handles))
+            log.exception("decode step failed; failing %d request(s) and rebuilding the engine", len(self._handles))
             self._fail_all(f"the model failed to run: {type(exc).__name__}: {exc}")
             self._engine = self._engine_factory(self._on_step)
             return

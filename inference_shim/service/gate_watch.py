@@ -22,8 +22,8 @@ from pathlib import Path
 
 from inference_shim.runtime.gates import GateFileError, LoadedGates, load_gates
 from inference_shim.runtime.model import Transformer
-from inference_shim.service.metrics import GateReloadMetrics
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
+from inference_shim.service.metrics import GateReloadMetrics
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +46,17 @@ def file_signature(path: Path) -> FileSignature | None:
 class GateFileWatcher:
     """Polls one gate file; `apply` (blocking until the engine swapped) is called with valid new gates."""
 
-    def __init__(self, path: Path, model: Transformer, policy: SkipPolicyConfig, policy_from_file: tuple[bool, bool],
-                 served_sha256: str, apply: Callable[[LoadedGates], None], metrics: GateReloadMetrics,
-                 interval: float) -> None:
+    def __init__(
+        self,
+        path: Path,
+        model: Transformer,
+        policy: SkipPolicyConfig,
+        policy_from_file: tuple[bool, bool],
+        served_sha256: str,
+        apply: Callable[[LoadedGates], None],
+        metrics: GateReloadMetrics,
+        interval: float,
+    ) -> None:
         self.path = path
         self._model = model
         self._policy = policy
@@ -101,11 +109,15 @@ class GateFileWatcher:
     def _check_policy(self, loaded: LoadedGates) -> None:
         metadata, policy = loaded.metadata, self._policy
         if self._threshold_from_file and metadata.threshold != policy.threshold:
-            raise GateFileError(f"calibrated for threshold {metadata.threshold}, serving {policy.threshold}: "
-                                f"restart to apply a new threshold")
+            raise GateFileError(
+                f"calibrated for threshold {metadata.threshold}, serving {policy.threshold}: "
+                f"restart to apply a new threshold"
+            )
         if self._patience_from_file and metadata.patience != policy.patience:
-            raise GateFileError(f"calibrated for patience {metadata.patience}, serving {policy.patience}: "
-                                f"restart to apply a new patience")
+            raise GateFileError(
+                f"calibrated for patience {metadata.patience}, serving {policy.patience}: "
+                f"restart to apply a new patience"
+            )
 
     def _reject(self, reason: str) -> None:
         self._metrics.rejected.inc()

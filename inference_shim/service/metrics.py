@@ -64,9 +64,14 @@ class DecodeStats:
         self._lock = threading.Lock()
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._totals = DecodeStatsSnapshot(
-            rows=0, steps=0, skips=np.zeros(num_layers, dtype=np.int64),
+            rows=0,
+            steps=0,
+            skips=np.zeros(num_layers, dtype=np.int64),
             batch_skips=np.zeros(num_layers, dtype=np.int64),
-            executed_counts=np.zeros(num_layers + 1, dtype=np.int64), executed_sum=0, fallbacks=0)
+            executed_counts=np.zeros(num_layers + 1, dtype=np.int64),
+            executed_sum=0,
+            fallbacks=0,
+        )
 
     def observe(self, skipped: np.ndarray, batch_skipped: np.ndarray, fallback_started: np.ndarray) -> None:
         """skipped bool [B, L]; batch_skipped bool [L]; fallback_started bool [B]. Not modified later."""
@@ -75,7 +80,7 @@ class DecodeStats:
             if len(self._pending) >= self.FOLD_STEPS:
                 self._fold()
 
-    def snapshot(self) -> "DecodeStatsSnapshot":
+    def snapshot(self) -> DecodeStatsSnapshot:
         with self._lock:
             self._fold()
             return self._totals
@@ -89,10 +94,14 @@ class DecodeStats:
         executed = self.num_layers - skipped.sum(axis=1)
         t = self._totals
         self._totals = DecodeStatsSnapshot(
-            rows=t.rows + len(skipped), steps=t.steps + len(self._pending), skips=t.skips + skipped.sum(axis=0),
+            rows=t.rows + len(skipped),
+            steps=t.steps + len(self._pending),
+            skips=t.skips + skipped.sum(axis=0),
             batch_skips=t.batch_skips + batch_skipped.sum(axis=0),
             executed_counts=t.executed_counts + np.bincount(executed, minlength=self.num_layers + 1),
-            executed_sum=t.executed_sum + int(executed.sum()), fallbacks=t.fallbacks + fallbacks)
+            executed_sum=t.executed_sum + int(executed.sum()),
+            fallbacks=t.fallbacks + fallbacks,
+        )
         self._pending = []
 
 
@@ -110,9 +119,14 @@ class DecodeStatsSnapshot:
 class DecodeStatsCollector(ShimCollector):
     """Exposes `DecodeStats` at scrape time: the only place per-layer label values are formatted."""
 
-    metric_names = ("layerwatch_layer_evaluations_total", "layerwatch_layer_skips_total",
-                    "layerwatch_batch_layer_steps_total", "layerwatch_batch_layer_skips_total",
-                    "layerwatch_layers_executed", "layerwatch_fallbacks_total")
+    metric_names = (
+        "layerwatch_layer_evaluations_total",
+        "layerwatch_layer_skips_total",
+        "layerwatch_batch_layer_steps_total",
+        "layerwatch_batch_layer_skips_total",
+        "layerwatch_layers_executed",
+        "layerwatch_fallbacks_total",
+    )
 
     def __init__(self, stats: DecodeStats, model_name: str) -> None:
         self._stats = stats
@@ -212,8 +226,17 @@ class ModelInfoCollector(ShimCollector):
     def collect(self) -> Iterator[Metric]:
         info = self._current()
         gauge = family("layerwatch_model_info")
-        gauge.add_metric([info.model_name, str(info.layers), floatToGoString(info.threshold), str(info.patience),
-                         info.kv_policy, info.gates_sha256], 1)
+        gauge.add_metric(
+            [
+                info.model_name,
+                str(info.layers),
+                floatToGoString(info.threshold),
+                str(info.patience),
+                info.kv_policy,
+                info.gates_sha256,
+            ],
+            1,
+        )
         yield gauge
 
 

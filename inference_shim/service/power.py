@@ -9,6 +9,7 @@ absent. Both energy sources are turned into counters that never go backwards:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -88,12 +89,14 @@ class NvmlReader:
             readings = []
             for index in range(nvml.nvmlDeviceGetCount()):
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                readings.append(GpuReading(
-                    index=index,
-                    uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
-                    power_watts=nvml.nvmlDeviceGetPowerUsage(handle) / 1e3,  # mW
-                    energy_joules=nvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3,  # mJ
-                ))
+                readings.append(
+                    GpuReading(
+                        index=index,
+                        uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+                        power_watts=nvml.nvmlDeviceGetPowerUsage(handle) / 1e3,  # mW
+                        energy_joules=nvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3,  # mJ
+                    )
+                )
             return readings
         except nvml.NVMLError:
             self._shutdown()
@@ -103,10 +106,8 @@ class NvmlReader:
         # After a driver reload the old handles are stale: start over with a fresh nvmlInit.
         if self._initialised:
             self._initialised = False
-            try:
+            with contextlib.suppress(self._nvml.NVMLError):
                 self._nvml.nvmlShutdown()
-            except self._nvml.NVMLError:
-                pass
 
 
 def _text(value: str | bytes) -> str:
@@ -118,8 +119,12 @@ class NvmlCollector(ShimCollector):
 
     metric_names = ("layerwatch_nvml_up", "layerwatch_gpu_power_watts", "layerwatch_gpu_energy_joules_total")
 
-    def __init__(self, reader: Callable[[], list[GpuReading]] | None = None,
-                 retry_seconds: float = NVML_RETRY_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        reader: Callable[[], list[GpuReading]] | None = None,
+        retry_seconds: float = NVML_RETRY_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._reader = reader
         self._retry_seconds = retry_seconds
         self._clock = clock
@@ -149,8 +154,11 @@ class NvmlCollector(ShimCollector):
         except Exception as exc:  # pynvml.NVMLError, or the package missing: both mean "no readings"
             self._next_try = self._clock() + self._retry_seconds
             if not self._logged_failure:
-                log.info("NVML readings unavailable (%s); layerwatch_nvml_up=0, retrying every %.0f s",
-                         exc, self._retry_seconds)
+                log.info(
+                    "NVML readings unavailable (%s); layerwatch_nvml_up=0, retrying every %.0f s",
+                    exc,
+                    self._retry_seconds,
+                )
                 self._logged_failure = True
             return None
         self._logged_failure = False

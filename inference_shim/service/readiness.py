@@ -17,8 +17,9 @@ PROBE_TIMEOUT_SECONDS = 15.0  # a probe waits behind a full batch; longer than t
 
 
 class Readiness:
-    def __init__(self, worker: EngineWorker, cache_seconds: float = CACHE_SECONDS,
-                 timeout_seconds: float = PROBE_TIMEOUT_SECONDS) -> None:
+    def __init__(
+        self, worker: EngineWorker, cache_seconds: float = CACHE_SECONDS, timeout_seconds: float = PROBE_TIMEOUT_SECONDS
+    ) -> None:
         self._worker = worker
         self._cache_seconds = cache_seconds
         self._timeout_seconds = timeout_seconds
@@ -34,7 +35,7 @@ class Readiness:
                 return ProbeResult(False, "the engine thread is not running")
             try:
                 result = await asyncio.wait_for(asyncio.wrap_future(self._worker.probe()), self._timeout_seconds)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 result = ProbeResult(False, f"the probe generation did not finish within {self._timeout_seconds:.0f} s")
             self._last, self._last_at = result, time.monotonic()
             return result

@@ -16,8 +16,15 @@ from starlette.requests import Request
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -52,21 +59,24 @@ async def read_json_body(request: Request, max_bytes: int, timeout: float) -> An
                     raise body_too_large(max_bytes)
                 chunks.append(chunk)
     except TimeoutError:
-        raise APIError(408, f"The request body did not arrive within {timeout:g} s.",
-                       code="request_timeout") from None
+        raise APIError(408, f"The request body did not arrive within {timeout:g} s.", code="request_timeout") from None
     raw = b"".join(chunks)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise APIError(400, f"The request body is not valid UTF-8 (byte {exc.start}).",
-                       code="invalid_encoding") from None
+        raise APIError(
+            400, f"The request body is not valid UTF-8 (byte {exc.start}).", code="invalid_encoding"
+        ) from None
     if not text.strip():
         raise APIError(400, "The request body is empty; expected a JSON object.", code="invalid_json")
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise APIError(400, f"The request body is not valid JSON: {exc.msg} (line {exc.lineno}, "
-                            f"column {exc.colno}).", code="invalid_json") from None
+        raise APIError(
+            400,
+            f"The request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}).",
+            code="invalid_json",
+        ) from None
 
 
 def body_too_large(max_bytes: int) -> APIError:
@@ -75,15 +85,18 @@ def body_too_large(max_bytes: int) -> APIError:
 
 def parse_request(model: type[BaseModel], data: Any) -> BaseModel:
     if not isinstance(data, dict):
-        raise APIError(400, f"The request body must be a JSON object, not {type(data).__name__}.",
-                       code="invalid_json")
+        raise APIError(400, f"The request body must be a JSON object, not {type(data).__name__}.", code="invalid_json")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = _param(first["loc"])
-        raise APIError(400, f"Invalid request: {param}: {first['msg']}" if param else first["msg"],
-                       param=param, code="invalid_value") from None
+        raise APIError(
+            400,
+            f"Invalid request: {param}: {first['msg']}" if param else first["msg"],
+            param=param,
+            code="invalid_value",
+        ) from None
 
 
 def _param(loc: tuple[str | int, ...]) -> str | None:
@@ -96,6 +109,7 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "none", "literal", "TextPart"}
 
 
 # --- request models ----------------------------------------------------------------------------------
+
 
 def _encodable(text: str) -> str:
     # JSON may carry lone surrogates ("\ud800"), which are not text: refuse them here, not in the tokenizer.

@@ -17,16 +17,23 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from inference_shim.runtime.checkpoint import DTYPES, LoadedCheckpoint, load_checkpoint
-from inference_shim.runtime.gates import GATES_FILE, LoadedGates, load_gates, reset_gates
 from inference_shim.runtime.engine import GenerationEngine, StepHook
+from inference_shim.runtime.gates import GATES_FILE, LoadedGates, load_gates, reset_gates
 from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
+from inference_shim.service.engine_worker import EngineWorker
 from inference_shim.service.gate_watch import GateFileWatcher
-from inference_shim.service.metrics import (DecodeStats, DecodeStatsCollector, GateReloadMetrics, ModelInfo,
-                                            ModelInfoCollector, RequestMetrics, ShadowMetrics)
+from inference_shim.service.metrics import (
+    DecodeStats,
+    DecodeStatsCollector,
+    GateReloadMetrics,
+    ModelInfo,
+    ModelInfoCollector,
+    RequestMetrics,
+    ShadowMetrics,
+)
 from inference_shim.service.power import NvmlCollector, RaplCollector
 from inference_shim.service.readiness import Readiness
-from inference_shim.service.engine_worker import EngineWorker
 from inference_shim.service.shadow import ShadowChecker
 from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, StepTelemetry
 from layerwatch.trace import TraceWriter
@@ -98,14 +105,20 @@ def resolve_limits(settings: ServeSettings, context: int) -> Limits:
     if prompt is None:
         prompt = min(DEFAULT_MAX_PROMPT_TOKENS, context - cap)
     if prompt + cap > context:
-        raise ValueError(f"--max-prompt-tokens {prompt} + --max-tokens-cap {cap} exceed the model's "
-                         f"{context}-token context")
+        raise ValueError(
+            f"--max-prompt-tokens {prompt} + --max-tokens-cap {cap} exceed the model's {context}-token context"
+        )
     return Limits(prompt, cap, settings.max_body_bytes, settings.body_timeout_seconds)
 
 
 class ShimService:
-    def __init__(self, checkpoint: LoadedCheckpoint, gates: LoadedGates, settings: ServeSettings,
-                 registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        checkpoint: LoadedCheckpoint,
+        gates: LoadedGates,
+        settings: ServeSettings,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         model, config = checkpoint.model, checkpoint.config
         model.attach_gates(gates.gates)
         self.model = model
@@ -116,7 +129,8 @@ class ShimService:
         self.policy = SkipPolicyConfig(
             threshold=gates.metadata.threshold if settings.threshold is None else settings.threshold,
             patience=gates.metadata.patience if settings.patience is None else settings.patience,
-            protected_layers=settings.protected_layers)
+            protected_layers=settings.protected_layers,
+        )
         self.policy.protected(config.num_layers)  # refuse out-of-range protected layers at start-up
         if settings.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be >= 1, got {settings.max_batch_size}")
@@ -124,25 +138,37 @@ class ShimService:
         self.max_batch_size = settings.max_batch_size
 
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.model_info = ModelInfo(self.model_name, config.num_layers, self.policy.threshold, self.policy.patience,
-                                    self.kv_policy, gates.sha256)
+        self.model_info = ModelInfo(
+            self.model_name,
+            config.num_layers,
+            self.policy.threshold,
+            self.policy.patience,
+            self.kv_policy,
+            gates.sha256,
+        )
         self.registry.register(ModelInfoCollector(lambda: self.model_info))
         self.request_metrics = RequestMetrics(self.registry, self.model_name)
         self.decode_stats = DecodeStats(config.num_layers)
         self.registry.register(DecodeStatsCollector(self.decode_stats, self.model_name))
         shim_id = settings.shim_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.sender = (FrameSender(settings.exporter_address, self.model_name, shim_id, config.num_layers,
-                                   threshold=self.policy.threshold)
-                       if settings.exporter_address else None)
+        self.sender = (
+            FrameSender(
+                settings.exporter_address, self.model_name, shim_id, config.num_layers, threshold=self.policy.threshold
+            )
+            if settings.exporter_address
+            else None
+        )
         self.registry.register(FrameSenderCollector(self.sender, self.model_name))
         self.registry.register(NvmlCollector())
         self.registry.register(RaplCollector())
         shadow_metrics = ShadowMetrics(self.registry, self.model_name)
-        self.trace = (TraceWriter(settings.trace_file, settings.trace_max_bytes, threshold=self.policy.threshold)
-                      if settings.trace_file else None)
+        self.trace = (
+            TraceWriter(settings.trace_file, settings.trace_max_bytes, threshold=self.policy.threshold)
+            if settings.trace_file
+            else None
+        )
 
-        shadow = (ShadowChecker(model, shadow_metrics, settings.shadow_rate)
-                  if settings.shadow_rate > 0 else None)
+        shadow = ShadowChecker(model, shadow_metrics, settings.shadow_rate) if settings.shadow_rate > 0 else None
         telemetry = StepTelemetry(self.model_name, self.decode_stats, self.sender, self.trace)
         probe_prompt = self.tokenizer.encode(PROBE_TEXT)
         self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow)
@@ -150,7 +176,7 @@ class ShimService:
         self.gate_watcher = self._gate_watcher(settings, gates)
 
     @classmethod
-    def load(cls, settings: ServeSettings, registry: CollectorRegistry | None = None) -> "ShimService":
+    def load(cls, settings: ServeSettings, registry: CollectorRegistry | None = None) -> ShimService:
         if settings.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {settings.device}: CUDA is not available on this host")
         if settings.dtype not in DTYPES:
@@ -173,10 +199,16 @@ class ShimService:
         metrics = GateReloadMetrics(self.registry, self.model_name)  # exposed (at 0) even when not watching
         if settings.reset_gates or settings.gates_watch_seconds == 0:
             return None
-        return GateFileWatcher(gates_file(settings), self.model, self.policy,
-                               policy_from_file=(settings.threshold is None, settings.patience is None),
-                               served_sha256=gates.sha256, apply=self._swap_gates, metrics=metrics,
-                               interval=settings.gates_watch_seconds)
+        return GateFileWatcher(
+            gates_file(settings),
+            self.model,
+            self.policy,
+            policy_from_file=(settings.threshold is None, settings.patience is None),
+            served_sha256=gates.sha256,
+            apply=self._swap_gates,
+            metrics=metrics,
+            interval=settings.gates_watch_seconds,
+        )
 
     def _swap_gates(self, loaded: LoadedGates) -> None:
         """Validated gates from the watcher: returns once the engine serves them."""
@@ -194,9 +226,16 @@ class ShimService:
         return self.limits.max_prompt_tokens + self.limits.max_tokens_cap
 
     def _engine_factory(self, step_hook: StepHook) -> GenerationEngine:
-        return GenerationEngine(self.model, self.tokenizer, model_name=self.model_name, policy=self.policy,
-                                kv_policy=self.kv_policy, max_batch_size=self.max_batch_size,
-                                max_seq_len=self.max_seq_len, step_hook=step_hook)
+        return GenerationEngine(
+            self.model,
+            self.tokenizer,
+            model_name=self.model_name,
+            policy=self.policy,
+            kv_policy=self.kv_policy,
+            max_batch_size=self.max_batch_size,
+            max_seq_len=self.max_seq_len,
+            step_hook=step_hook,
+        )
 
     def start(self) -> None:
         self.worker.start()

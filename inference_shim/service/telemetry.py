@@ -15,11 +15,17 @@ from collections.abc import Iterator
 import numpy as np
 from prometheus_client.core import Metric
 
-from layerwatch.trace import TraceWriter
-from layerwatch.wire import (MAX_FRAME_BYTES, MAX_NAME_BYTES, FrameTooLarge, GateFrame, encode_frame, frame_bytes,
-                            parse_address)
-
 from inference_shim.service.metrics import DecodeStats, ShimCollector, family
+from layerwatch.trace import TraceWriter
+from layerwatch.wire import (
+    MAX_FRAME_BYTES,
+    MAX_NAME_BYTES,
+    FrameTooLarge,
+    GateFrame,
+    encode_frame,
+    frame_bytes,
+    parse_address,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +66,9 @@ class FrameSender:
         self.sent = 0
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         # A batch whose frame would exceed the datagram limit goes out in several frames.
-        per_row = (frame_bytes(1, num_layers, model_name, shim_id, threshold)
-                   - frame_bytes(0, num_layers, model_name, shim_id, threshold))
+        per_row = frame_bytes(1, num_layers, model_name, shim_id, threshold) - frame_bytes(
+            0, num_layers, model_name, shim_id, threshold
+        )
         overhead = frame_bytes(0, num_layers, model_name, shim_id, threshold)
         self.rows_per_frame = max(1, (MAX_FRAME_BYTES - overhead) // per_row)
 
@@ -77,8 +84,7 @@ class FrameSender:
         sequence = self.sequence
         self.sequence += 1
         try:
-            data = encode_frame(GateFrame(self.model_name, self.shim_id, sequence, entropies, skipped,
-                                          self.threshold))
+            data = encode_frame(GateFrame(self.model_name, self.shim_id, sequence, entropies, skipped, self.threshold))
         except FrameTooLarge:
             self.dropped["too_large"] += 1
             return
@@ -118,15 +124,17 @@ class StepTelemetry:
     readiness probes), so every count here agrees with the `usage` clients receive.
     """
 
-    def __init__(self, model_name: str, stats: DecodeStats, sender: FrameSender | None = None,
-                 trace: TraceWriter | None = None) -> None:
+    def __init__(
+        self, model_name: str, stats: DecodeStats, sender: FrameSender | None = None, trace: TraceWriter | None = None
+    ) -> None:
         self.model_name = model_name
         self.stats = stats
         self.sender = sender
         self.trace = trace
 
-    def __call__(self, entropies: np.ndarray, skipped: np.ndarray, batch_skipped: np.ndarray,
-                 fallback_started: np.ndarray) -> None:
+    def __call__(
+        self, entropies: np.ndarray, skipped: np.ndarray, batch_skipped: np.ndarray, fallback_started: np.ndarray
+    ) -> None:
         self.stats.observe(skipped, batch_skipped, fallback_started)
         if self.sender is not None:
             self.sender.send(entropies, skipped)

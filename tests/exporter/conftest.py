@@ -17,8 +17,12 @@ _READY = re.compile(r"udp://127\.0\.0\.1:(\d+), serving http://127\.0\.0\.1:(\d+
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--update-golden", action="store_true", default=False,
-                     help="rewrite the golden files under tests/exporter/data instead of comparing")
+    parser.addoption(
+        "--update-golden",
+        action="store_true",
+        default=False,
+        help="rewrite the golden files under tests/exporter/data instead of comparing",
+    )
 
 
 @pytest.fixture
@@ -35,8 +39,20 @@ def start_exporter(tmp_path: Path) -> Iterator[Callable[..., RunningExporter]]:
         log = tmp_path / f"exporter-{len(running)}.log"
         with open(log, "wb") as stderr:
             process = subprocess.Popen(
-                [sys.executable, "-m", "layerwatch_cli.main", "exporter", "--listen", "127.0.0.1:0",
-                 "--http", "127.0.0.1:0", *args], stdout=subprocess.DEVNULL, stderr=stderr)
+                [
+                    sys.executable,
+                    "-m",
+                    "layerwatch_cli.main",
+                    "exporter",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--http",
+                    "127.0.0.1:0",
+                    *args,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+            )
         deadline = time.monotonic() + 20
         while not (match := _READY.search(log.read_text())):
             assert process.poll() is None, f"exporter exited early:\n{log.read_text()}"

@@ -15,11 +15,12 @@ import numpy as np
 
 THRESHOLD, PATIENCE = 0.18, 3
 # The demo model's served trace: per-layer share of tokens below the threshold.
-DEMO_LOW_RATES = (0, .48, .40, .45, .51, .56, .17, .32, .31, .72, .51, .92, 1.0, .97, .99, 0)
+DEMO_LOW_RATES = (0, 0.48, 0.40, 0.45, 0.51, 0.56, 0.17, 0.32, 0.31, 0.72, 0.51, 0.92, 1.0, 0.97, 0.99, 0)
 
 
-def scores_for_rates(rng: np.random.Generator, rates, tokens: int, sigma: float = 0.03,
-                     low: float = 0.10, high: float = 0.30) -> np.ndarray:
+def scores_for_rates(
+    rng: np.random.Generator, rates, tokens: int, sigma: float = 0.03, low: float = 0.10, high: float = 0.30
+) -> np.ndarray:
     rates = np.asarray(rates, dtype=np.float64)
     redundant = rng.random((tokens, len(rates))) < rates
     centres = np.where(redundant, low, high)
@@ -32,8 +33,9 @@ def static_rates(layers: int, static: list[int]) -> np.ndarray:
     return rates
 
 
-def patience_skips(scores: np.ndarray, sequence_length: int, threshold: float = THRESHOLD,
-                   patience: int = PATIENCE) -> np.ndarray:
+def patience_skips(
+    scores: np.ndarray, sequence_length: int, threshold: float = THRESHOLD, patience: int = PATIENCE
+) -> np.ndarray:
     """bool [tokens, layers]: the skip policy's decisions, sequences of `sequence_length` tokens."""
     below = scores < np.float32(threshold)
     skipped = np.zeros_like(below)
@@ -47,8 +49,13 @@ def patience_skips(scores: np.ndarray, sequence_length: int, threshold: float = 
     return skipped
 
 
-def write_trace(path: Path, models: dict[str, np.ndarray], sequence_length: int = 64,
-                threshold: float | None = None, skip_threshold: float = THRESHOLD) -> Path:
+def write_trace(
+    path: Path,
+    models: dict[str, np.ndarray],
+    sequence_length: int = 64,
+    threshold: float | None = None,
+    skip_threshold: float = THRESHOLD,
+) -> Path:
     """One JSONL trace; models {name: scores [tokens, layers]}, their tokens interleaved."""
     models = {name: np.round(scores, 4).astype(np.float32) for name, scores in models.items()}
     skipped = {name: patience_skips(scores, sequence_length, skip_threshold) for name, scores in models.items()}
@@ -56,8 +63,11 @@ def write_trace(path: Path, models: dict[str, np.ndarray], sequence_length: int 
     for token in range(max(len(scores) for scores in models.values())):
         for name, scores in models.items():
             if token < len(scores):
-                line = {"model_name": name, "scores": [round(float(x), 4) for x in scores[token]],  # as stored
-                        "skipped": skipped[name][token].astype(int).tolist()}
+                line = {
+                    "model_name": name,
+                    "scores": [round(float(x), 4) for x in scores[token]],  # as stored
+                    "skipped": skipped[name][token].astype(int).tolist(),
+                }
                 if threshold is not None:
                     line["threshold"] = threshold
                 lines.append(json.dumps(line) + "\n")

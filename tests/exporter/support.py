@@ -47,8 +47,11 @@ class RunningExporter:
 
     def samples(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """{(sample name, sorted labels): value} of the current /metrics page."""
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(self.metrics_text()) for s in family.samples}
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(self.metrics_text())
+            for s in family.samples
+        }
 
     def value(self, name: str, **labels: str) -> float | None:
         return self.samples().get((name, tuple(sorted(labels.items()))))
@@ -67,10 +70,10 @@ class RunningExporter:
         """Send in bursts, waiting for each to be counted, so the kernel buffer never overflows."""
         start = self.received_frames()
         for offset in range(0, len(frames), burst):
-            for frame in frames[offset:offset + burst]:
+            for frame in frames[offset : offset + burst]:
                 self.send(frame)
             expected = start + min(offset + burst, len(frames))
-            self.wait_for(lambda: self.received_frames() >= expected)
+            self.wait_for(lambda expected=expected: self.received_frames() >= expected)
 
     def stop(self) -> int:
         self._socket.close()
@@ -79,8 +82,9 @@ class RunningExporter:
         return self.process.wait(timeout=10)
 
 
-def trace_frames(path: Path, rows_per_frame: int = 8, shim_id: str = "golden-shim",
-                 threshold: float | None = None) -> list[bytes]:
+def trace_frames(
+    path: Path, rows_per_frame: int = 8, shim_id: str = "golden-shim", threshold: float | None = None
+) -> list[bytes]:
     """The trace as the shim would send it: consecutive rows of one model batched into frames.
 
     Frames carry `threshold`, else the trace's own (wire version 2); neither: version 1.
@@ -88,12 +92,14 @@ def trace_frames(path: Path, rows_per_frame: int = 8, shim_id: str = "golden-shi
     frames = []
     for batch in read_trace_batches(path, max_rows=rows_per_frame):
         tau = batch.threshold if threshold is None else threshold
-        frames.append(encode_frame(GateFrame(batch.model_name, shim_id, len(frames),
-                                             batch.entropies, batch.skipped, tau)))
+        frames.append(
+            encode_frame(GateFrame(batch.model_name, shim_id, len(frames), batch.entropies, batch.skipped, tau))
+        )
     return frames
 
 
-def random_frame(rng: np.random.Generator, sequence: int, model: str = "demo", shim: str = "shim-a",
-                 rows: int = 4, layers: int = 6) -> GateFrame:
+def random_frame(
+    rng: np.random.Generator, sequence: int, model: str = "demo", shim: str = "shim-a", rows: int = 4, layers: int = 6
+) -> GateFrame:
     entropies = rng.random((rows, layers), dtype=np.float32)
     return GateFrame(model, shim, sequence, entropies, entropies < 0.18)

@@ -8,14 +8,21 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.collectors import (EntropyCollector, IngestCollector, LayerCollector, RoutingCollector, TimedCollectors,
-                                 WindowCollector, build_registry)
-
+from exporter.collectors import (
+    EntropyCollector,
+    IngestCollector,
+    LayerCollector,
+    RoutingCollector,
+    TimedCollectors,
+    WindowCollector,
+    build_registry,
+)
 from exporter.state import ExporterConfig, ExporterState
 from layerwatch import catalog, prometheus
 from tests.exporter.support import random_frame
 
 EXPORTER_COLLECTORS = (EntropyCollector, LayerCollector, WindowCollector, RoutingCollector, IngestCollector)
+
 
 @pytest.mark.parametrize("spec", catalog.METRICS, ids=lambda s: s.name)
 def test_every_spec_becomes_a_family_with_its_name_type_labels_and_help(spec: catalog.MetricSpec) -> None:
@@ -28,8 +35,8 @@ def test_every_spec_becomes_a_family_with_its_name_type_labels_and_help(spec: ca
     assert {s.name for s in parsed.samples} == set(spec.series_names)
     assert {k for s in parsed.samples for k in s.labels} - {"le"} == set(spec.labels)
     if spec.buckets is not None:
-        assert [float(s.labels["le"]) for s in parsed.samples if s.name.endswith("_bucket")][:-1] == \
-            list(spec.buckets)
+        assert [float(s.labels["le"]) for s in parsed.samples if s.name.endswith("_bucket")][:-1] == list(spec.buckets)
+
 
 class _Fixed(prometheus.CatalogCollector):
     """One family with one series, for the test above."""
@@ -48,6 +55,7 @@ class _Fixed(prometheus.CatalogCollector):
             self._family.add_metric(values, 1)
         yield self._family
 
+
 def test_instruments_are_registered_in_the_given_registry_only() -> None:
     registry = CollectorRegistry()
     requests = prometheus.instrument("layerwatch_requests_total", registry, catalog.SHIM)
@@ -57,10 +65,13 @@ def test_instruments_are_registered_in_the_given_registry_only() -> None:
     requests.labels("m", "ok").inc()
     assert registry.get_sample_value("layerwatch_requests_total", {"model_name": "m", "status": "ok"}) == 1
     latency.labels("m").observe(0.003)
-    assert registry.get_sample_value("layerwatch_time_to_first_token_seconds_bucket",
-                                     {"model_name": "m", "le": "0.005"}) == 1  # the catalog's buckets
+    assert (
+        registry.get_sample_value("layerwatch_time_to_first_token_seconds_bucket", {"model_name": "m", "le": "0.005"})
+        == 1
+    )  # the catalog's buckets
     with pytest.raises(ValueError, match="per-model buckets"):
         prometheus.instrument("layerwatch_layers_executed", registry, catalog.SHIM)
+
 
 def test_a_component_cannot_build_the_other_components_metrics() -> None:
     with pytest.raises(ValueError, match="exporter metric"):
@@ -70,12 +81,14 @@ def test_a_component_cannot_build_the_other_components_metrics() -> None:
     with pytest.raises(KeyError, match="catalog"):
         prometheus.family("layerwatch_no_such_metric")
 
+
 def _state() -> ExporterState:
     state = ExporterState(ExporterConfig(per_layer=True, min_window_observations=10, statistics_cache_seconds=0))
     rng = np.random.default_rng(1)
     for sequence in range(4):
         state.ingest(random_frame(rng, sequence, model="demo", rows=5, layers=6))
     return state
+
 
 @pytest.mark.parametrize("collector_class", EXPORTER_COLLECTORS, ids=lambda c: c.__name__)
 def test_exporter_collectors_describe_what_they_collect(collector_class) -> None:
@@ -84,6 +97,7 @@ def test_exporter_collectors_describe_what_they_collect(collector_class) -> None
     collected = [(m.name, m.type) for m in collector.collect()]
     assert set(collected) <= set(described) and len(described) == len(set(described))
     assert {name for name, _ in described} <= {s.base_name for s in catalog.for_component(catalog.EXPORTER)}
+
 
 def test_the_exporter_registry_describes_every_exporter_metric_and_refuses_duplicates() -> None:
     state = _state()

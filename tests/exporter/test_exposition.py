@@ -9,7 +9,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 from exporter.collectors import EntropyCollector, IngestCollector, LayerCollector, WindowCollector
 from exporter.exposition import HistogramArrays, TextEncoder
 from exporter.state import ExporterConfig, ExporterState
-
 from tests.exporter.support import random_frame
 
 
@@ -43,9 +42,16 @@ def test_histogram_arrays_expose_the_same_samples_to_generic_consumers() -> None
     metric = HistogramArrays("h", "help", ("a",), ["0.5", "1.0"])
     metric.add_histograms([("x",), ("y",)], np.array([[1, 2], [0, 3]]), np.array([1.5, 2.25]))
     assert [(s.name, s.labels, s.value) for s in metric.samples] == [
-        ("h_bucket", {"a": "x", "le": "0.5"}, 1.0), ("h_bucket", {"a": "x", "le": "1.0"}, 3.0),
-        ("h_bucket", {"a": "x", "le": "+Inf"}, 3.0), ("h_count", {"a": "x"}, 3.0), ("h_sum", {"a": "x"}, 1.5),
-        ("h_bucket", {"a": "y", "le": "0.5"}, 0.0), ("h_bucket", {"a": "y", "le": "1.0"}, 3.0),
-        ("h_bucket", {"a": "y", "le": "+Inf"}, 3.0), ("h_count", {"a": "y"}, 3.0), ("h_sum", {"a": "y"}, 2.25)]
+        ("h_bucket", {"a": "x", "le": "0.5"}, 1.0),
+        ("h_bucket", {"a": "x", "le": "1.0"}, 3.0),
+        ("h_bucket", {"a": "x", "le": "+Inf"}, 3.0),
+        ("h_count", {"a": "x"}, 3.0),
+        ("h_sum", {"a": "x"}, 1.5),
+        ("h_bucket", {"a": "y", "le": "0.5"}, 0.0),
+        ("h_bucket", {"a": "y", "le": "1.0"}, 3.0),
+        ("h_bucket", {"a": "y", "le": "+Inf"}, 3.0),
+        ("h_count", {"a": "y"}, 3.0),
+        ("h_sum", {"a": "y"}, 2.25),
+    ]
     with pytest.raises(AttributeError):
         metric.samples = [metric.samples[0]]

@@ -14,7 +14,6 @@ import pytest
 
 from layerwatch.catalog import EXPORTER, for_component
 from layerwatch.wire import MAX_FRAME_BYTES, encode_frame
-
 from tests.exporter.support import DATA, GOLDEN_TRACE, random_frame, trace_frames
 
 GOLDEN_METRICS = DATA / "golden-metrics.txt"
@@ -28,14 +27,14 @@ def hostile_datagrams(rng: np.random.Generator) -> list[bytes]:
     wrong_version[4] = 9
     nan_frame = bytearray(valid)
     first_entropy = len(valid) - 4 - 4 * 6 * 4  # 4 rows x 6 layers, then one skip byte per row
-    nan_frame[first_entropy:first_entropy + 4] = struct.pack("<f", float("nan"))
+    nan_frame[first_entropy : first_entropy + 4] = struct.pack("<f", float("nan"))
     huge_header = struct.pack("<4sBBHHQBB", b"LWGF", 1, 0, 65535, 65535, 0, 1, 1) + b"ms"
     return [
         b"",
         b"\x00",
         b"GET /metrics HTTP/1.1\r\n\r\n",
         rng.bytes(512),
-        valid[:len(valid) // 2],
+        valid[: len(valid) // 2],
         valid + b"\x00",
         bytes(wrong_version),
         bytes(nan_frame),
@@ -53,15 +52,22 @@ def test_hostile_datagrams_are_counted_and_never_stop_the_exporter(start_exporte
     for index, datagram in enumerate(hostile):
         exporter.send(datagram)
         exporter.send(valid[index])
-    for datagram in valid[len(hostile):]:
+    for datagram in valid[len(hostile) :]:
         exporter.send(datagram)
-    exporter.wait_for(lambda: (exporter.value("layerwatch_exporter_frames_malformed_total") == len(hostile)
-                               and exporter.received_frames() == len(valid)))
+    exporter.wait_for(
+        lambda: (
+            exporter.value("layerwatch_exporter_frames_malformed_total") == len(hostile)
+            and exporter.received_frames() == len(valid)
+        )
+    )
     assert exporter.process.poll() is None
     assert exporter.get("/healthz") == (200, "ok\n")
     assert exporter.value("layerwatch_exporter_frames_lost_total", model_name="demo") == 0
-    assert exporter.value("layerwatch_entropy_count", model_name="demo", decision="run") + exporter.value(
-        "layerwatch_entropy_count", model_name="demo", decision="skip") == 20 * 4 * 6
+    assert (
+        exporter.value("layerwatch_entropy_count", model_name="demo", decision="run")
+        + exporter.value("layerwatch_entropy_count", model_name="demo", decision="skip")
+        == 20 * 4 * 6
+    )
     assert exporter.stop() == 0  # SIGTERM: clean exit
 
 
@@ -87,21 +93,28 @@ def test_golden_metrics_for_a_fixed_trace(start_exporter, update_golden: bool) -
         GOLDEN_METRICS.write_text(page)
         pytest.skip(f"rewrote {GOLDEN_METRICS}")
     assert page == GOLDEN_METRICS.read_text(), (
-        "the /metrics page changed; if intended, rerun with --update-golden and review the diff")
+        "the /metrics page changed; if intended, rerun with --update-golden and review the diff"
+    )
 
 
 def stable_lines(page: str) -> str:
     """The page without the volatile families (their HELP, TYPE and samples)."""
+
     def name(line: str) -> str:
         return line.split()[2] if line.startswith("# ") else line.split("{")[0].split()[0]
+
     return "".join(line + "\n" for line in page.splitlines() if not name(line).startswith(VOLATILE_PREFIXES))
 
 
 def test_live_exporter_agrees_with_replay(start_exporter) -> None:
     exporter = start_exporter("--statistics-cache-seconds", "0")
     exporter.send_frames(trace_frames(GOLDEN_TRACE))
-    replay = subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "replay", str(GOLDEN_TRACE), "--json"],
-                            capture_output=True, text=True, check=True)
+    replay = subprocess.run(
+        [sys.executable, "-m", "layerwatch_cli.main", "replay", str(GOLDEN_TRACE), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     reports = {r["model_name"]: r for r in map(json.loads, replay.stdout.splitlines())}
     assert {name: r["bimodal"] for name, r in reports.items()} == {"demo": True, "flat": False}
     for name, report in reports.items():
@@ -112,7 +125,8 @@ def test_live_exporter_agrees_with_replay(start_exporter) -> None:
         assert exporter.value("layerwatch_entropy_dip", **model) == pytest.approx(report["dip"], rel=1e-9)
         assert exporter.value("layerwatch_entropy_dip_p_value", **model) == pytest.approx(report["dip_p_value"])
         assert exporter.value("layerwatch_entropy_bimodality_coefficient", **model) == pytest.approx(
-            report["bimodality_coefficient"], rel=1e-9)
+            report["bimodality_coefficient"], rel=1e-9
+        )
         count = sum(exporter.value("layerwatch_entropy_count", model_name=name, decision=d) for d in ("run", "skip"))
         skips = exporter.value("layerwatch_entropy_count", model_name=name, decision="skip")
         assert count == report["observations"] and skips / count == pytest.approx(report["skip_ratio"])
@@ -131,8 +145,12 @@ def test_the_verdict_is_withheld_until_the_window_is_large_enough(start_exporter
 def test_top_shows_histogram_verdict_and_statistics(start_exporter) -> None:
     exporter = start_exporter("--statistics-cache-seconds", "0")
     exporter.send_frames(trace_frames(GOLDEN_TRACE))
-    top = subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "top", "--url", exporter.url, "--once"],
-                         capture_output=True, text=True, check=True)
+    top = subprocess.run(
+        [sys.executable, "-m", "layerwatch_cli.main", "top", "--url", exporter.url, "--once"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "\x1b" not in top.stdout
     assert "demo: bimodal  (6,000 observations, window 6,000)" in top.stdout
     assert "flat: single-peak  (2,000 observations, window 2,000)" in top.stdout
@@ -142,22 +160,30 @@ def test_top_shows_histogram_verdict_and_statistics(start_exporter) -> None:
 
 
 def test_top_reports_an_unreachable_exporter() -> None:
-    top = subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "top", "--url", "http://127.0.0.1:9", "--once"],
-                         capture_output=True, text=True)
+    top = subprocess.run(
+        [sys.executable, "-m", "layerwatch_cli.main", "top", "--url", "http://127.0.0.1:9", "--once"],
+        capture_output=True,
+        text=True,
+    )
     assert top.returncode == 1 and "cannot read http://127.0.0.1:9/metrics" in top.stderr
 
 
 def test_unknown_paths_are_404_and_bad_flags_are_refused(start_exporter) -> None:
     exporter = start_exporter()
     assert exporter.get("/nope")[0] == 404
-    refused = subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "exporter",
-                              "--window-max-observations", "100000"], capture_output=True, text=True)
+    refused = subprocess.run(
+        [sys.executable, "-m", "layerwatch_cli.main", "exporter", "--window-max-observations", "100000"],
+        capture_output=True,
+        text=True,
+    )
     assert refused.returncode == 2 and "p-values stop being valid" in refused.stderr
 
 
 def test_the_exporter_never_imports_torch_or_the_shim() -> None:
-    code = ("import sys, pkgutil, importlib, exporter, layerwatch.wire, layerwatch.trace\n"
-            "for m in pkgutil.iter_modules(exporter.__path__): importlib.import_module('exporter.' + m.name)\n"
-            "print(sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'inference_shim')))")
+    code = (
+        "import sys, pkgutil, importlib, exporter, layerwatch.wire, layerwatch.trace\n"
+        "for m in pkgutil.iter_modules(exporter.__path__): importlib.import_module('exporter.' + m.name)\n"
+        "print(sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'inference_shim')))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

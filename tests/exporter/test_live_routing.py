@@ -16,8 +16,12 @@ from tests.exporter.support import trace_frames
 
 
 def replay(path: Path, *args: str) -> dict:
-    result = subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "replay", str(path), "--json", *args],
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "layerwatch_cli.main", "replay", str(path), "--json", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     (report,) = map(json.loads, result.stdout.splitlines())
     return report
 
@@ -31,8 +35,9 @@ def traces(tmp_path: Path) -> dict[str, Path]:
     rng = np.random.default_rng(12)
     return {
         "mix": write_trace(tmp_path / "mix.jsonl", {"mix": scores_for_rates(rng, DEMO_LOW_RATES, tokens=2000)}),
-        "pruned": write_trace(tmp_path / "pruned.jsonl",
-                              {"pruned": scores_for_rates(rng, static_rates(16, [11, 12, 13, 14]), tokens=600)}),
+        "pruned": write_trace(
+            tmp_path / "pruned.jsonl", {"pruned": scores_for_rates(rng, static_rates(16, [11, 12, 13, 14]), tokens=600)}
+        ),
     }
 
 
@@ -50,20 +55,24 @@ def test_routing_gauges_match_replay_for_new_and_old_shims(start_exporter, trace
         labels = {"model_name": model}
         assert exporter.value("layerwatch_routing_dynamic", **labels) == dynamic
         assert exporter.value("layerwatch_routing_token_dependent_share", **labels) == pytest.approx(
-            report["token_dependent_share"], abs=1e-12)
+            report["token_dependent_share"], abs=1e-12
+        )
         assert exporter.value("layerwatch_routing_window_tokens", **labels) == report["routing_tokens"]
         assert per_layer(exporter, "layerwatch_routing_layer_low_ratio", model, 16) == pytest.approx(
-            report["per_layer_low_rate"], abs=1e-12)
+            report["per_layer_low_rate"], abs=1e-12
+        )
         assert per_layer(exporter, "layerwatch_routing_layer_skip_ratio", model, 16) == pytest.approx(
-            report["per_layer_skip_rate"], abs=1e-12)
+            report["per_layer_skip_rate"], abs=1e-12
+        )
         assert per_layer(exporter, "layerwatch_routing_layer_static", model, 16) == expected_states[model]
         assert exporter.value("layerwatch_routing_layer_low_ratio", model_name=model, layer="16") is None
         assert exporter.value("layerwatch_routing_threshold", **labels) == pytest.approx(0.18)
     mix_share = exporter.value("layerwatch_routing_token_dependent_share", model_name="mix")
     assert 0.58 < mix_share < 0.70
     assert exporter.value("layerwatch_exporter_frames_without_threshold_total", model_name="mix") == 0
-    assert exporter.value("layerwatch_exporter_frames_without_threshold_total",
-                          model_name="pruned") == len(pruned_frames)
+    assert exporter.value("layerwatch_exporter_frames_without_threshold_total", model_name="pruned") == len(
+        pruned_frames
+    )
 
 
 def test_old_frames_are_judged_by_the_default_threshold(start_exporter, traces: dict[str, Path]) -> None:
@@ -95,8 +104,12 @@ def test_routing_gauges_are_withheld_on_a_short_window(start_exporter, traces: d
 def test_top_shows_the_routing_verdict(start_exporter, traces: dict[str, Path]) -> None:
     exporter = start_exporter("--statistics-cache-seconds", "0")
     exporter.send_frames(trace_frames(traces["mix"], threshold=0.18))
-    top = subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "top", "--url", exporter.url, "--once"],
-                         capture_output=True, text=True, check=True)
+    top = subprocess.run(
+        [sys.executable, "-m", "layerwatch_cli.main", "top", "--url", exporter.url, "--once"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "  routing: dynamic  token-dependent share 0.6" in top.stdout
     assert "(2,000 tokens, τ 0.18)" in top.stdout
     assert "static layers (below τ for ≥95% of tokens) 12,13,14  static-run layers 0,15" in top.stdout

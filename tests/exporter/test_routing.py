@@ -12,16 +12,23 @@ import numpy as np
 import pytest
 from scipy.stats import binomtest
 
-from layerwatch.routing import (DYNAMIC, STATIC, WITHHELD, check_routing, routing_from_rows, token_dependent_share,
-                                wilson_bounds)
-
+from layerwatch.routing import (
+    DYNAMIC,
+    STATIC,
+    WITHHELD,
+    check_routing,
+    routing_from_rows,
+    token_dependent_share,
+    wilson_bounds,
+)
 from tests.exporter.routing_traces import DEMO_LOW_RATES, scores_for_rates, static_rates, write_trace
 from tests.exporter.support import GOLDEN_TRACE
 
 
 def replay(*args: str) -> list[dict]:
-    result = subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "replay", *args, "--json"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "layerwatch_cli.main", "replay", *args, "--json"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     return [json.loads(line) for line in result.stdout.splitlines()]
 
@@ -32,6 +39,7 @@ def replay_one(path: Path, *args: str) -> dict:
 
 
 # --- the core ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("successes, trials", [(200, 200), (194, 200), (970, 1000), (3, 1000), (0, 50), (25, 50)])
 def test_wilson_bounds_are_the_one_sided_90_percent_wilson_interval(successes: int, trials: int) -> None:
@@ -48,7 +56,7 @@ def test_the_demo_numbers_give_three_static_layers_and_a_share_of_0_64() -> None
     assert routing.verdict == DYNAMIC
     assert routing.static_layers == (12, 13, 14)
     assert routing.static_run_layers == (0, 15)
-    assert routing.token_dependent_share == pytest.approx(1 - (1.0 + .97 + .99) / sum(DEMO_LOW_RATES))
+    assert routing.token_dependent_share == pytest.approx(1 - (1.0 + 0.97 + 0.99) / sum(DEMO_LOW_RATES))
     assert routing.token_dependent_share == pytest.approx(0.644, abs=0.001)
     assert routing.layer_states().tolist() == [-1] + [0] * 11 + [1, 1, 1, -1]
 
@@ -92,14 +100,18 @@ def test_uniform_high_rates_are_routing_not_pruning() -> None:
 
 # --- replay on constructed traces ---------------------------------------------------------------
 
-@pytest.mark.parametrize("layers, static", [
-    (16, [11, 12, 13, 14]),
-    (16, [1]),
-    (16, [2, 5, 6, 9]),
-    (16, list(range(1, 15))),
-    (8, [3, 4]),
-    (32, [1, 7, 8, 20, 30]),
-])
+
+@pytest.mark.parametrize(
+    "layers, static",
+    [
+        (16, [11, 12, 13, 14]),
+        (16, [1]),
+        (16, [2, 5, 6, 9]),
+        (16, list(range(1, 15))),
+        (8, [3, 4]),
+        (32, [1, 7, 8, 20, 30]),
+    ],
+)
 def test_static_pruning_at_any_set_of_layers_is_static(tmp_path: Path, layers: int, static: list[int]) -> None:
     rng = np.random.default_rng(layers * 100 + len(static))
     scores = scores_for_rates(rng, static_rates(layers, static), tokens=1500, sigma=0.035)
@@ -157,9 +169,13 @@ def test_a_mix_like_the_demo_model_is_dynamic_with_its_static_layers_named(tmp_p
 
 def test_two_models_in_one_trace_get_their_own_verdicts(tmp_path: Path) -> None:
     rng = np.random.default_rng(5)
-    trace = write_trace(tmp_path / "two.jsonl", {
-        "pruned": scores_for_rates(rng, static_rates(12, [4, 5, 6]), tokens=800),
-        "routed": scores_for_rates(rng, np.r_[0, [0.4] * 10, 0], tokens=800)})
+    trace = write_trace(
+        tmp_path / "two.jsonl",
+        {
+            "pruned": scores_for_rates(rng, static_rates(12, [4, 5, 6]), tokens=800),
+            "routed": scores_for_rates(rng, np.r_[0, [0.4] * 10, 0], tokens=800),
+        },
+    )
     verdicts = {r["model_name"]: (r["routing_verdict"], r["static_layers"]) for r in replay(str(trace))}
     assert verdicts == {"pruned": ("static", [4, 5, 6]), "routed": ("dynamic", [])}
 
@@ -207,19 +223,24 @@ def test_the_threshold_comes_from_the_trace_else_from_the_flag(tmp_path: Path) -
 def test_bad_threshold_values_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"model_name": "m", "scores": [0.1, 0.2], "skipped": [0, 0], "threshold": 1.5}\n')
-    result = subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "replay", str(path)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "layerwatch_cli.main", "replay", str(path)], capture_output=True, text=True
+    )
     assert result.returncode == 1 and f"{path}:1: threshold must be a number in [0, 1], got 1.5" in result.stderr
-    result = subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "replay", str(GOLDEN_TRACE),
-                             "--threshold", "2"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "layerwatch_cli.main", "replay", str(GOLDEN_TRACE), "--threshold", "2"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2 and "must be in [0, 1]" in result.stderr
 
 
 def test_text_output_shows_the_routing_verdict(tmp_path: Path) -> None:
     rng = np.random.default_rng(9)
     trace = write_trace(tmp_path / "mix.jsonl", {"m": scores_for_rates(rng, DEMO_LOW_RATES, tokens=1000)})
-    text = subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "replay", str(trace)],
-                          capture_output=True, text=True, check=True).stdout
+    text = subprocess.run(
+        [sys.executable, "-m", "layerwatch_cli.main", "replay", str(trace)], capture_output=True, text=True, check=True
+    ).stdout
     assert "  routing: dynamic  token-dependent share 0.6" in text
     assert "(1,000 tokens, τ 0.18)" in text
     assert "static layers (below τ for ≥95% of tokens) 12,13,14  static-run layers 0,15" in text

@@ -7,7 +7,6 @@ import pytest
 
 from exporter.state import ExporterConfig, ExporterState
 from layerwatch.wire import GateFrame, encode_frame
-
 from tests.exporter.support import random_frame
 
 
@@ -105,8 +104,10 @@ def test_any_frame_shape_is_accepted(rows: int, layers: int) -> None:
 
 # --- routing window ---------------------------------------------------------------------------
 
-def _frame(rows: int, layers: int, low_layers: list[int], sequence: int, threshold: float | None = 0.18,
-           model: str = "demo") -> GateFrame:
+
+def _frame(
+    rows: int, layers: int, low_layers: list[int], sequence: int, threshold: float | None = 0.18, model: str = "demo"
+) -> GateFrame:
     entropies = np.full((rows, layers), 0.3, np.float32)
     entropies[:, low_layers] = 0.1
     return GateFrame(model, "shim", sequence, entropies, entropies < 0.18, threshold)

@@ -8,8 +8,16 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from layerwatch.statistics import (EntropyTotals, LayerTotals, bimodality_coefficient, bin_index,
-                                 check_bimodality, count_peaks, histogram20, le_bucket_index)
+from layerwatch.statistics import (
+    EntropyTotals,
+    LayerTotals,
+    bimodality_coefficient,
+    bin_index,
+    check_bimodality,
+    count_peaks,
+    histogram20,
+    le_bucket_index,
+)
 
 N = 20_000
 MIN_WINDOW = 1_000
@@ -33,8 +41,7 @@ BIMODAL = {
     "humps at 0.1 and 0.3 (60/40)": two_humps(1),
     "humps at 0.1 and 0.3 (50/50, wider)": two_humps(2, 0.5, 0.045),
     "humps at 0.1 and 0.3 (80/20)": two_humps(3, 0.8),
-    "zero-entropy pile and a hump at 0.3": _clip(np.where(_rng(4).random(N) < 0.2, 0.0,
-                                                          _rng(5).normal(0.3, 0.05, N))),
+    "zero-entropy pile and a hump at 0.3": _clip(np.where(_rng(4).random(N) < 0.2, 0.0, _rng(5).normal(0.3, 0.05, N))),
 }
 
 SINGLE_PEAK = {
@@ -44,8 +51,10 @@ SINGLE_PEAK = {
     "uniform": _clip(_rng(13).random(N)),
     "all zeros": np.zeros(N, np.float32),
     "all ones": np.ones(N, np.float32),
-    **{f"hump at {centre:.2f}": _clip(_rng(20 + i).normal(centre, 0.04, N))
-       for i, centre in enumerate(np.linspace(0.0, 1.0, 11))},
+    **{
+        f"hump at {centre:.2f}": _clip(_rng(20 + i).normal(centre, 0.04, N))
+        for i, centre in enumerate(np.linspace(0.0, 1.0, 11))
+    },
 }
 
 
@@ -71,7 +80,7 @@ def test_uniform_noise_never_makes_two_peaks_across_seeds(n: int) -> None:
 
 
 def test_the_verdict_is_withheld_below_the_minimum_window() -> None:
-    result = check_bimodality(two_humps(1)[:MIN_WINDOW - 1], MIN_WINDOW)
+    result = check_bimodality(two_humps(1)[: MIN_WINDOW - 1], MIN_WINDOW)
     assert result.withheld and result.bimodal is None
     assert result.observations == MIN_WINDOW - 1
     assert (result.dip, result.bimodality_coefficient, result.peaks) == (None, None, None)
@@ -91,19 +100,22 @@ def test_bimodality_coefficient_matches_sarles_formula_and_the_brief() -> None:
     assert math.isnan(bimodality_coefficient(np.zeros(100)))
 
 
-@pytest.mark.parametrize("histogram, peaks", [
-    ([0] * 20, 0),
-    ([100] + [0] * 19, 1),  # all zeros
-    ([0] * 19 + [100], 1),  # all ones
-    ([50] * 20, 1),  # flat top counts once
-    ([0, 30, 30, 0, 0, 0, 20, 20, 0] + [0] * 11, 2),  # flat-topped humps
-    ([0, 40, 10, 30, 0] + [0] * 15, 2),  # valley 10 ≤ half of 30
-    ([0, 40, 20, 30, 0] + [0] * 15, 1),  # valley 20 > half of 30: a shoulder, not a peak
-    ([0, 40, 10, 40, 0] + [0] * 15, 2),  # equal peaks with a deep valley
-    ([0, 40, 39, 40, 0] + [0] * 15, 1),  # equal peaks with a shallow valley: one hump
-    ([0, 97, 0, 2] + [0] * 16, 1),  # a second peak below the minimum height is noise
-    ([0, 94, 0, 3, 0, 3] + [0] * 14, 3),  # at the minimum height
-])
+@pytest.mark.parametrize(
+    "histogram, peaks",
+    [
+        ([0] * 20, 0),
+        ([100] + [0] * 19, 1),  # all zeros
+        ([0] * 19 + [100], 1),  # all ones
+        ([50] * 20, 1),  # flat top counts once
+        ([0, 30, 30, 0, 0, 0, 20, 20, 0] + [0] * 11, 2),  # flat-topped humps
+        ([0, 40, 10, 30, 0] + [0] * 15, 2),  # valley 10 ≤ half of 30
+        ([0, 40, 20, 30, 0] + [0] * 15, 1),  # valley 20 > half of 30: a shoulder, not a peak
+        ([0, 40, 10, 40, 0] + [0] * 15, 2),  # equal peaks with a deep valley
+        ([0, 40, 39, 40, 0] + [0] * 15, 1),  # equal peaks with a shallow valley: one hump
+        ([0, 97, 0, 2] + [0] * 16, 1),  # a second peak below the minimum height is noise
+        ([0, 94, 0, 3, 0, 3] + [0] * 14, 3),  # at the minimum height
+    ],
+)
 def test_count_peaks(histogram: list[int], peaks: int) -> None:
     assert count_peaks(np.asarray(histogram)) == peaks
 

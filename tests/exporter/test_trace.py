@@ -86,25 +86,31 @@ def test_unknown_keys_and_blank_lines_are_ignored(tmp_path: Path) -> None:
     assert record.scores.tolist() == [0.5] and record.skipped.tolist() == [True]
 
 
-@pytest.mark.parametrize("line, reason", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "expected a JSON object"),
-    ('{"model_name": "m", "scores": [0.5]}', "missing key(s) skipped"),
-    ('{"model_name": "", "scores": [0.5], "skipped": [0]}', "model_name must be a non-empty string"),
-    ('{"model_name": "m", "scores": [], "skipped": []}', "scores must be a non-empty list"),
-    ('{"model_name": "m", "scores": ["0.5"], "skipped": [0]}', "scores must be a non-empty list of numbers"),
-    ('{"model_name": "m", "scores": [[0.5]], "skipped": [0]}', "scores must be a non-empty list of numbers"),
-    ('{"model_name": "m", "scores": [0.5, null], "skipped": [0, 0]}', "scores must be"),
-    ('{"model_name": "m", "scores": [0.5, 0.1], "skipped": [0]}', "2 scores but 1 skipped flags"),
-    ('{"model_name": "m", "scores": [1.5], "skipped": [0]}', "scores outside [0, 1]"),
-    ('{"model_name": "m", "scores": [-0.1], "skipped": [0]}', "scores outside [0, 1]"),
-    ('{"model_name": "m", "scores": [0.5], "skipped": [2]}', "skipped must hold only 0 and 1"),
-    ('{"model_name": "m", "scores": [0.5], "skipped": "1"}', "skipped must be a list"),
-    ('{"model_name": "m", "scores": [0.5], "skipped": [0], "threshold": 1.5}', "threshold must be a number in [0, 1]"),
-    ('{"model_name": "m", "scores": [0.5], "skipped": [0], "threshold": "0.18"}', "threshold must be a number"),
-    ('{"model_name": "m", "scores": [0.5], "skipped": [0], "threshold": true}', "threshold must be a number"),
-    ('{"model_name": "m", "scores": [0.5], "skipped": [0], "threshold": NaN}', "threshold must be a number"),
-])
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"model_name": "m", "scores": [0.5]}', "missing key(s) skipped"),
+        ('{"model_name": "", "scores": [0.5], "skipped": [0]}', "model_name must be a non-empty string"),
+        ('{"model_name": "m", "scores": [], "skipped": []}', "scores must be a non-empty list"),
+        ('{"model_name": "m", "scores": ["0.5"], "skipped": [0]}', "scores must be a non-empty list of numbers"),
+        ('{"model_name": "m", "scores": [[0.5]], "skipped": [0]}', "scores must be a non-empty list of numbers"),
+        ('{"model_name": "m", "scores": [0.5, null], "skipped": [0, 0]}', "scores must be"),
+        ('{"model_name": "m", "scores": [0.5, 0.1], "skipped": [0]}', "2 scores but 1 skipped flags"),
+        ('{"model_name": "m", "scores": [1.5], "skipped": [0]}', "scores outside [0, 1]"),
+        ('{"model_name": "m", "scores": [-0.1], "skipped": [0]}', "scores outside [0, 1]"),
+        ('{"model_name": "m", "scores": [0.5], "skipped": [2]}', "skipped must hold only 0 and 1"),
+        ('{"model_name": "m", "scores": [0.5], "skipped": "1"}', "skipped must be a list"),
+        (
+            '{"model_name": "m", "scores": [0.5], "skipped": [0], "threshold": 1.5}',
+            "threshold must be a number in [0, 1]",
+        ),
+        ('{"model_name": "m", "scores": [0.5], "skipped": [0], "threshold": "0.18"}', "threshold must be a number"),
+        ('{"model_name": "m", "scores": [0.5], "skipped": [0], "threshold": true}', "threshold must be a number"),
+        ('{"model_name": "m", "scores": [0.5], "skipped": [0], "threshold": NaN}', "threshold must be a number"),
+    ],
+)
 def test_bad_lines_name_file_and_line(tmp_path: Path, line: str, reason: str) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"model_name": "m", "scores": [0.5], "skipped": [0]}\n' + line + "\n")
@@ -117,11 +123,17 @@ def test_bad_lines_name_file_and_line(tmp_path: Path, line: str, reason: str) ->
 def test_batches_group_consecutive_rows_of_one_model(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     lines = [("a", 2), ("a", 2), ("b", 2), ("a", 2), ("a", 3), ("a", 3), ("a", 3)]
-    path.write_text("".join(json.dumps({"model_name": m, "scores": [0.5] * n, "skipped": [0] * n}) + "\n"
-                            for m, n in lines))
+    path.write_text(
+        "".join(json.dumps({"model_name": m, "scores": [0.5] * n, "skipped": [0] * n}) + "\n" for m, n in lines)
+    )
     batches = list(read_trace_batches(path, max_rows=2))
     assert [(b.model_name, b.entropies.shape) for b in batches] == [
-        ("a", (2, 2)), ("b", (1, 2)), ("a", (1, 2)), ("a", (2, 3)), ("a", (1, 3))]
+        ("a", (2, 2)),
+        ("b", (1, 2)),
+        ("a", (1, 2)),
+        ("a", (2, 3)),
+        ("a", (1, 3)),
+    ]
 
 
 def test_the_optional_threshold_is_written_and_read_back(tmp_path: Path) -> None:
@@ -140,6 +152,11 @@ def test_the_optional_threshold_is_written_and_read_back(tmp_path: Path) -> None
 def test_batches_break_where_the_threshold_changes(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     thresholds = [0.18, 0.18, None, 0.2, 0.2]
-    path.write_text("".join(json.dumps({"model_name": "a", "scores": [0.5], "skipped": [0]}
-                                       | ({} if t is None else {"threshold": t})) + "\n" for t in thresholds))
+    path.write_text(
+        "".join(
+            json.dumps({"model_name": "a", "scores": [0.5], "skipped": [0]} | ({} if t is None else {"threshold": t}))
+            + "\n"
+            for t in thresholds
+        )
+    )
     assert [(b.threshold, len(b.entropies)) for b in read_trace_batches(path)] == [(0.18, 2), (None, 1), (0.2, 2)]

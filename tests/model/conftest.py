@@ -30,8 +30,12 @@ def build_backend_tokenizer() -> BackendTokenizer:
     backend = BackendTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     backend.train_from_iterator(TRAINING_TEXT * 4, trainer)
     return backend
 
@@ -47,8 +51,18 @@ def tokenizer(backend_tokenizer) -> Tokenizer:
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    values = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
-                  num_kv_heads=2, head_dim=8, max_position_embeddings=512, bos_token_id=0, eos_token_ids=(1,))
+    values = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_ids=(1,),
+    )
     values.update(overrides)
     return ModelConfig(**values)
 

@@ -57,8 +57,13 @@ def test_dtype_comes_from_the_caller_or_from_config(folder):
 
 
 def test_transformers_5_rope_parameters_and_eos_lists_are_read(folder):
-    edit_config(folder, rope_theta=None, rope_scaling=None, eos_token_id=[1, 2],
-                rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1234.0})
+    edit_config(
+        folder,
+        rope_theta=None,
+        rope_scaling=None,
+        eos_token_id=[1, 2],
+        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1234.0},
+    )
     del_keys(folder / "config.json", "rope_theta", "rope_scaling")
     config = load_checkpoint(folder).config
     assert config.rope_theta == 1234.0
@@ -105,16 +110,20 @@ def test_config_is_not_json(folder):
     expect_error(folder, "config.json", "not valid JSON")
 
 
-@pytest.mark.parametrize("changes, fragment", [
-    ({"architectures": ["GPT2LMHeadModel"]}, "architectures=['GPT2LMHeadModel'] is not supported"),
-    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "bad RoPE settings"),
-    ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
-    ({"num_key_value_heads": 3}, "not a multiple of num_kv_heads=3"),
-    ({"attention_bias": True}, "attention_bias=true is not supported for Llama"),
-    ({"eos_token_id": "</s>"}, "eos_token_id must be an integer or a list"),
-], ids=["architecture", "activation", "rope-type", "rope-fields", "layers", "gqa", "llama-bias", "eos"])
+@pytest.mark.parametrize(
+    "changes, fragment",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "architectures=['GPT2LMHeadModel'] is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "bad RoPE settings"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_kv_heads=3"),
+        ({"attention_bias": True}, "attention_bias=true is not supported for Llama"),
+        ({"eos_token_id": "</s>"}, "eos_token_id must be an integer or a list"),
+    ],
+    ids=["architecture", "activation", "rope-type", "rope-fields", "layers", "gqa", "llama-bias", "eos"],
+)
 def test_unsupported_config(folder, changes, fragment):
     edit_config(folder, **changes)
     expect_error(folder, "config.json", fragment)
@@ -154,8 +163,10 @@ def sharded(folder: Path) -> Path:
     """Split model.safetensors into two shards with an index."""
     state = load_file(folder / "model.safetensors")
     names = sorted(state)
-    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    halves = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for file, part in halves.items():
         save_file({n: state[n] for n in part}, folder / file, metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {n: f for f, part in halves.items() for n in part}}

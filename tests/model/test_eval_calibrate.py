@@ -13,9 +13,29 @@ from tests.model.test_eval_decode import model_dir, text_file  # noqa: F401 (fix
 
 def test_calibrate_writes_a_loadable_profile(model_dir, text_file, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "tiny.yaml"
-    code = main(["calibrate", "--model", str(model_dir), "--data", str(text_file), "--out", str(out),
-                 "--prompts", "6", "--max-new-tokens", "12", "--threads", "1", "--chunk-tokens", "16",
-                 "--min-observations", "50", "--model-name", "tiny"])
+    code = main(
+        [
+            "calibrate",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(text_file),
+            "--out",
+            str(out),
+            "--prompts",
+            "6",
+            "--max-new-tokens",
+            "12",
+            "--threads",
+            "1",
+            "--chunk-tokens",
+            "16",
+            "--min-observations",
+            "50",
+            "--model-name",
+            "tiny",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     profile = load_profile(out)
     assert profile.model_name == "tiny" and profile.threshold == 0.18 and profile.patience == 3
@@ -33,8 +53,22 @@ def test_calibrate_writes_a_loadable_profile(model_dir, text_file, tmp_path, cap
 def test_calibrate_refuses_a_text_without_prompts(model_dir, tmp_path, capsys):  # noqa: F811
     text = tmp_path / "words.txt"
     text.write_text("one\ntwo words\n")
-    assert main(["calibrate", "--model", str(model_dir), "--data", str(text), "--out", str(tmp_path / "p.yaml"),
-                 "--threads", "1"]) == 2
+    assert (
+        main(
+            [
+                "calibrate",
+                "--model",
+                str(model_dir),
+                "--data",
+                str(text),
+                "--out",
+                str(tmp_path / "p.yaml"),
+                "--threads",
+                "1",
+            ]
+        )
+        == 2
+    )
     assert "no line of three words" in capsys.readouterr().err
     assert not (tmp_path / "p.yaml").exists()
 
@@ -44,9 +78,10 @@ def test_bands_cover_every_chunk_with_the_margin():
     # Layers 0-3 redundant (~0.1), layers 4-7 key (~0.3), 400 decoded tokens.
     entropies = np.concatenate([rng.normal(0.1, 0.02, (400, 4)), rng.normal(0.3, 0.02, (400, 4))], axis=1)
     skipped = entropies < 0.18
-    profile, stats = build_profile("m", 0.18, 3, 0.85, entropies, skipped, 0.8, chunk_tokens=100, margin=0.01,
-                                   min_observations=100, source="test")
-    active_means = [entropies[i:i + 100][~skipped[i:i + 100]].mean() for i in range(0, 400, 100)]
+    profile, stats = build_profile(
+        "m", 0.18, 3, 0.85, entropies, skipped, 0.8, chunk_tokens=100, margin=0.01, min_observations=100, source="test"
+    )
+    active_means = [entropies[i : i + 100][~skipped[i : i + 100]].mean() for i in range(0, 400, 100)]
     assert profile.entropy_mean.low == pytest.approx(min(active_means) - 0.01, abs=1e-4)
     assert profile.entropy_mean.high == pytest.approx(max(active_means) + 0.01, abs=1e-4)
     assert profile.skip_ratio_normal == pytest.approx(0.5, abs=0.01)
@@ -56,8 +91,19 @@ def test_bands_cover_every_chunk_with_the_margin():
 
 def test_too_short_a_baseline_is_refused():
     with pytest.raises(ValueError, match="fewer than one chunk"):
-        build_profile("m", 0.18, 3, 0.85, np.zeros((5, 4)), np.zeros((5, 4), bool), 0.9, chunk_tokens=10,
-                      margin=0.0, min_observations=1, source="")
+        build_profile(
+            "m",
+            0.18,
+            3,
+            0.85,
+            np.zeros((5, 4)),
+            np.zeros((5, 4), bool),
+            0.9,
+            chunk_tokens=10,
+            margin=0.0,
+            min_observations=1,
+            source="",
+        )
 
 
 def test_ascii_histogram_scales_bars_to_the_tallest_bin():

@@ -9,15 +9,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference_shim.runtime.checkpoint import save_checkpoint
 from inference_shim.offline.evaluation import heldout_windows, teacher_forced_decode
+from inference_shim.runtime.checkpoint import save_checkpoint
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch_cli.main import main
-from tests.model.conftest import (TRAINING_TEXT, build_backend_tokenizer, constant_gates, random_gates,
-                                  random_model, tiny_config)
+from tests.model.conftest import (
+    TRAINING_TEXT,
+    build_backend_tokenizer,
+    constant_gates,
+    random_gates,
+    random_model,
+    tiny_config,
+)
 
 WINDOW, PREFILL = 24, 6
 DECODE_STEPS = WINDOW - PREFILL  # per window
@@ -54,8 +60,14 @@ def test_skipping_everything_triggers_fallback_episodes():
     model.attach_gates(constant_gates(model.config, entropy_logit=-30.0))
     policy = SkipPolicyConfig(protected_layers=(), fallback_trigger_steps=2, fallback_steps=4)
     skipped_per_step = []
-    totals = teacher_forced_decode(model, windows(count=1), PREFILL, policy, batch_size=1,
-                                   on_step=lambda step: skipped_per_step.append(int(step.skipped.sum())))
+    totals = teacher_forced_decode(
+        model,
+        windows(count=1),
+        PREFILL,
+        policy,
+        batch_size=1,
+        on_step=lambda step: skipped_per_step.append(int(step.skipped.sum())),
+    )
     # 3 full steps (patience), 2 all-skipped steps trigger, then 4 fallback steps at full depth, repeat.
     assert skipped_per_step[:12] == [0, 0, 0, 4, 4, 0, 0, 0, 0, 4, 4, 0]
     assert totals.fallbacks == 3
@@ -77,16 +89,29 @@ def test_teacher_forcing_the_engine_output_replays_its_steps(backend_tokenizer, 
         return out
 
     model.decode_step = spy
-    engine = GenerationEngine(model, Tokenizer(backend_tokenizer), model_name="tiny", policy=policy,
-                              kv_policy=kv_policy, step_hook=records.append)
+    engine = GenerationEngine(
+        model,
+        Tokenizer(backend_tokenizer),
+        model_name="tiny",
+        policy=policy,
+        kv_policy=kv_policy,
+        step_hook=records.append,
+    )
     prompt = [0, 17, 54, 120, 9]
     result = engine.generate(prompt, SamplingParams(max_tokens=40))
     del model.decode_step
     expected_nll = F.cross_entropy(torch.cat(logits), torch.tensor(result.token_ids), reduction="sum").item()
 
     steps = []
-    totals = teacher_forced_decode(model, torch.tensor([prompt + result.token_ids]), len(prompt), policy,
-                                   kv_policy=kv_policy, batch_size=1, on_step=steps.append)
+    totals = teacher_forced_decode(
+        model,
+        torch.tensor([prompt + result.token_ids]),
+        len(prompt),
+        policy,
+        kv_policy=kv_policy,
+        batch_size=1,
+        on_step=steps.append,
+    )
     skipped = np.concatenate([s.skipped for s in steps])
     assert skipped.any() and not skipped.all()
     assert np.array_equal(skipped, np.concatenate([r.skipped for r in records]))
@@ -116,8 +141,9 @@ def model_dir(tmp_path_factory):
     gates = constant_gates(model.config, entropy_logit=-30.0)
     with torch.no_grad():
         gates[2].fc2.bias.fill_(30.0)  # layer 2 always matters
-    metadata = GateMetadata(num_layers=4, hidden_size=32, threshold=0.18, patience=3,
-                            base_fingerprint=model_fingerprint(model))
+    metadata = GateMetadata(
+        num_layers=4, hidden_size=32, threshold=0.18, patience=3, base_fingerprint=model_fingerprint(model)
+    )
     save_gates(directory / "gates.safetensors", gates, metadata)
     return directory
 
@@ -130,15 +156,39 @@ def text_file(tmp_path_factory):
 
 
 def run_eval(model_dir, text_file, *extra: str) -> int:
-    return main(["eval", "--model", str(model_dir), "--data", str(text_file), "--window", str(WINDOW),
-                 "--prefill", str(PREFILL), "--max-tokens", "60", "--threads", "1", *extra])
+    return main(
+        [
+            "eval",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(text_file),
+            "--window",
+            str(WINDOW),
+            "--prefill",
+            str(PREFILL),
+            "--max-tokens",
+            "60",
+            "--threads",
+            "1",
+            *extra,
+        ]
+    )
 
 
 def test_eval_json_reports_the_contract_keys(model_dir, text_file, capsys):
     assert run_eval(model_dir, text_file, "--json") == 0
     report = json.loads(capsys.readouterr().out)
-    for key in ("perplexity_full", "perplexity_gated", "skip_fraction", "per_layer_skip_rate", "fallbacks",
-                "tokens_per_second_full", "tokens_per_second_gated", "threshold"):
+    for key in (
+        "perplexity_full",
+        "perplexity_gated",
+        "skip_fraction",
+        "per_layer_skip_rate",
+        "fallbacks",
+        "tokens_per_second_full",
+        "tokens_per_second_gated",
+        "threshold",
+    ):
         assert key in report
     assert report["threshold"] == 0.18  # the gates' own
     rates = report["per_layer_skip_rate"]
@@ -156,8 +206,9 @@ def test_eval_sweep_prints_one_row_per_threshold(model_dir, text_file, capsys):
 
 def test_eval_refuses_gates_of_another_model(model_dir, text_file, tmp_path, capsys):
     other = random_model(tiny_config(), seed=5)
-    metadata = GateMetadata(num_layers=4, hidden_size=32, threshold=0.18, patience=3,
-                            base_fingerprint=model_fingerprint(other))
+    metadata = GateMetadata(
+        num_layers=4, hidden_size=32, threshold=0.18, patience=3, base_fingerprint=model_fingerprint(other)
+    )
     save_gates(tmp_path / "other.safetensors", random_gates(other.config), metadata)
     assert run_eval(model_dir, text_file, "--gates", str(tmp_path / "other.safetensors")) == 2
     assert "another base model" in capsys.readouterr().err

@@ -16,8 +16,14 @@ MAX_FOLDER_BYTES = 40 * 1024 * 1024
 
 def test_folder_is_small_and_complete():
     names = {p.name for p in DEMO_MODEL_DIR.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "gates.safetensors", "README.md"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "gates.safetensors",
+        "README.md",
+    } <= names
     assert sum(p.stat().st_size for p in DEMO_MODEL_DIR.iterdir()) <= MAX_FOLDER_BYTES
 
 
@@ -34,8 +40,7 @@ def test_gates_and_profile_belong_to_the_model():
 def test_eval_without_model_uses_the_demo(tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text("In the beginning God created the heaven and the earth. " * 20)
-    assert main(["eval", "--data", str(text), "--max-tokens", "32", "--window", "48", "--threads", "1",
-                 "--json"]) == 0
+    assert main(["eval", "--data", str(text), "--max-tokens", "32", "--window", "48", "--threads", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["model"] == str(DEMO_MODEL_DIR)
     assert len(report["per_layer_skip_rate"]) == load_checkpoint(DEMO_MODEL_DIR).config.num_layers

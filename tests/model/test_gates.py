@@ -9,8 +9,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from inference_shim.runtime.gates import (GateFileError, GateMetadata, load_gates, model_fingerprint, reset_gates,
-                                  save_gates)
+from inference_shim.runtime.gates import (
+    GateFileError,
+    GateMetadata,
+    load_gates,
+    model_fingerprint,
+    reset_gates,
+    save_gates,
+)
 
 from .conftest import random_gates, random_model, tiny_config
 
@@ -21,8 +27,13 @@ def model():
 
 
 def metadata_for(model, **changes) -> GateMetadata:
-    values = dict(num_layers=model.config.num_layers, hidden_size=model.config.hidden_size, threshold=0.18,
-                  patience=3, base_fingerprint=model_fingerprint(model))
+    values = dict(
+        num_layers=model.config.num_layers,
+        hidden_size=model.config.hidden_size,
+        threshold=0.18,
+        patience=3,
+        base_fingerprint=model_fingerprint(model),
+    )
     values.update(changes)
     return GateMetadata(**values)
 

@@ -76,12 +76,12 @@ def test_eos_stops_and_counts_as_a_generated_token(model, backend_tokenizer, no_
     stopping = Tokenizer(backend_tokenizer, bos_token="<s>", extra_eos_token_ids=[eos])
     result = engine(model, stopping).generate(PROMPT, SamplingParams(max_tokens=20))
     assert result.finish_reason == "stop"
-    assert result.token_ids == free[:first + 1] and result.completion_tokens == first + 1
+    assert result.token_ids == free[: first + 1] and result.completion_tokens == first + 1
 
 
 def test_stop_string_cuts_the_text_and_is_never_streamed(model, no_eos):
     text = engine(model, no_eos).generate(PROMPT, SamplingParams(max_tokens=40)).text
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     cut = text.find(stop)
     updates = stream(engine(model, no_eos), PROMPT, SamplingParams(max_tokens=40, stop=("never seen", stop)))
     streamed = "".join(u.text_delta for u in updates)
@@ -102,8 +102,7 @@ def test_sampling_is_reproducible_per_seed_and_batch_independent(model, no_eos):
 
 def test_tiny_top_p_is_greedy(model, no_eos):
     greedy = engine(model, no_eos).generate(PROMPT, SamplingParams(max_tokens=20)).token_ids
-    nucleus = engine(model, no_eos).generate(PROMPT, SamplingParams(max_tokens=20, temperature=1.5, top_p=1e-6,
-                                                                    seed=1))
+    nucleus = engine(model, no_eos).generate(PROMPT, SamplingParams(max_tokens=20, temperature=1.5, top_p=1e-6, seed=1))
     assert nucleus.token_ids == greedy
 
 
@@ -141,15 +140,18 @@ def test_model_without_gates_runs_full_depth(no_eos):
     assert all(np.isnan(r.entropies).all() and not r.skipped.any() for r in records)
 
 
-@pytest.mark.parametrize("prompt, params, message", [
-    ([], SamplingParams(), "at least one token"),
-    ([0, 300], SamplingParams(), "token ids must be in 0..299"),
-    (list(range(70)), SamplingParams(), "exceeds max_seq_len=64"),
-    (PROMPT, SamplingParams(max_tokens=0), "max_tokens"),
-    (PROMPT, SamplingParams(temperature=-1.0), "temperature"),
-    (PROMPT, SamplingParams(top_p=0.0), "top_p"),
-    (PROMPT, SamplingParams(stop=("",)), "stop strings"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([], SamplingParams(), "at least one token"),
+        ([0, 300], SamplingParams(), "token ids must be in 0..299"),
+        (list(range(70)), SamplingParams(), "exceeds max_seq_len=64"),
+        (PROMPT, SamplingParams(max_tokens=0), "max_tokens"),
+        (PROMPT, SamplingParams(temperature=-1.0), "temperature"),
+        (PROMPT, SamplingParams(top_p=0.0), "top_p"),
+        (PROMPT, SamplingParams(stop=("",)), "stop strings"),
+    ],
+)
 def test_bad_requests_are_refused_at_submit(model, no_eos, prompt, params, message):
     eng = engine(model, no_eos, max_seq_len=64)
     with pytest.raises(ValueError, match=message):
@@ -167,8 +169,20 @@ def test_engine_settings_are_checked(model, no_eos):
 class DeviceReads(TorchFunctionMode):
     """Records every torch call that makes the host wait for a tensor's value."""
 
-    WAITING = {"cpu", "item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
-               "nonzero", "masked_select", "any", "all"}
+    WAITING = {
+        "cpu",
+        "item",
+        "tolist",
+        "numpy",
+        "__bool__",
+        "__int__",
+        "__float__",
+        "__index__",
+        "nonzero",
+        "masked_select",
+        "any",
+        "all",
+    }
 
     def __init__(self) -> None:
         super().__init__()

@@ -28,8 +28,11 @@ PROMPTS = [[0, 17, 54, 120, 9], [0, 250, 3], [0, 77, 78, 79, 80, 81, 82, 83, 84]
 
 def gated_model(gates: str = "random", seed: int = 0, **config) -> Transformer:
     model = random_model(tiny_config(num_layers=6, **config), seed=seed)
-    model.attach_gates(random_gates(model.config, seed=seed + 1) if gates == "random"
-                       else constant_gates(model.config, entropy_logit=-30.0))
+    model.attach_gates(
+        random_gates(model.config, seed=seed + 1)
+        if gates == "random"
+        else constant_gates(model.config, entropy_logit=-30.0)
+    )
     return model
 
 
@@ -74,7 +77,7 @@ def reference_logits(model: Transformer, tokens: list[int], ran: np.ndarray, kv_
 def check_against_reference(model, prompt, result, captured, kv_policy):
     fed = prompt + result.token_ids[:-1]
     ran = np.concatenate([np.ones((len(prompt) - 1, model.config.num_layers), dtype=bool), result.activity])
-    expected = reference_logits(model, fed, ran, kv_policy)[len(prompt) - 1:]
+    expected = reference_logits(model, fed, ran, kv_policy)[len(prompt) - 1 :]
     got = torch.cat(captured)
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() <= 1e-4
@@ -138,7 +141,7 @@ def test_engine_skips_exactly_by_the_previous_k_steps(tokenizer):
     for t in range(len(records)):
         expected = np.zeros(model.config.num_layers, dtype=bool)
         if t >= k and not records[t].fallback[0]:
-            expected = (entropies[t - k:t] < MIXED.threshold).all(axis=0)
+            expected = (entropies[t - k : t] < MIXED.threshold).all(axis=0)
             expected[protected] = False
         assert skipped[t].tolist() == expected.tolist(), f"step {t}"
     assert 0.1 < skipped.mean() < 0.6 and all(switches(~skipped))  # a non-trivial, switching pattern
@@ -155,6 +158,7 @@ def test_skipped_layers_execute_neither_attention_nor_ffn(tokenizer):
         def hook(module, inputs, output):
             if inputs[0].dim() == 2:  # decode: [rows, features]; prefill is [1, T, features]
                 decode_rows[name][layer] += inputs[0].shape[0]
+
         return hook
 
     for l, block in enumerate(model.layers):
@@ -190,8 +194,9 @@ def test_threshold_zero_is_exactly_the_ungated_model(tokenizer, kv_policy):
     plain = engine_for(ungated, tokenizer, policy=SkipPolicyConfig(threshold=0.0)).generate(PROMPTS[0], params)
     gated = gated_model()
     gated_logits = capture_logits(gated)
-    result = engine_for(gated, tokenizer, policy=SkipPolicyConfig(threshold=0.0),
-                        kv_policy=kv_policy).generate(PROMPTS[0], params)
+    result = engine_for(gated, tokenizer, policy=SkipPolicyConfig(threshold=0.0), kv_policy=kv_policy).generate(
+        PROMPTS[0], params
+    )
     assert result.token_ids == plain.token_ids
     assert torch.equal(torch.cat(gated_logits), torch.cat(plain_logits))
     assert result.layers_skipped == 0
@@ -217,7 +222,7 @@ def test_all_skippable_layers_skipped_match_the_reference(tokenizer, kv_policy):
     assert (result.activity[3:] == np.array([True] + [False] * (L - 2) + [True])).all()
     check_against_reference(model, PROMPTS[0], result, captured, kv_policy)
     positions = np.arange(len(PROMPTS[0]) - 1 + 3, len(PROMPTS[0]) - 1 + 20)
-    valid = engine.cache.valid[1:L - 1, 0, positions]  # what the skipped positions left in the cache
+    valid = engine.cache.valid[1 : L - 1, 0, positions]  # what the skipped positions left in the cache
     assert bool(valid.all()) if kv_policy == "project" else not bool(valid.any())
 
 
@@ -237,8 +242,12 @@ def test_long_generation_stops_at_the_cache_length(backend_tokenizer, kv_policy)
 
 @pytest.mark.parametrize("kv_policy", ["project", "evict"])
 def test_batched_rows_match_running_alone(tokenizer, kv_policy):
-    params = [SamplingParams(max_tokens=40), SamplingParams(max_tokens=25, temperature=1.0, seed=5),
-              SamplingParams(max_tokens=40), SamplingParams(max_tokens=30)]
+    params = [
+        SamplingParams(max_tokens=40),
+        SamplingParams(max_tokens=25, temperature=1.0, seed=5),
+        SamplingParams(max_tokens=40),
+        SamplingParams(max_tokens=30),
+    ]
     prompts = PROMPTS + [[0, 5, 6]]
     model = gated_model()
     alone = [engine_for(model, tokenizer, kv_policy=kv_policy).generate(p, s) for p, s in zip(prompts, params)]
@@ -256,8 +265,11 @@ def test_batched_rows_match_running_alone(tokenizer, kv_policy):
         assert recorder.tokens[sequence_id] == single.token_ids
         assert np.array_equal(np.array(recorder.activity[sequence_id]), single.activity)
     records = recorder.records
-    mixed_steps = [r for r in records if len(r.sequence_ids) > 1 and r.skipped.any(axis=0).any()
-                   and (r.skipped != r.skipped[0]).any()]
+    mixed_steps = [
+        r
+        for r in records
+        if len(r.sequence_ids) > 1 and r.skipped.any(axis=0).any() and (r.skipped != r.skipped[0]).any()
+    ]
     assert mixed_steps  # rows really had different masks in one step
     for r in records:
         assert r.batch_skipped.tolist() == r.skipped.all(axis=0).tolist()
@@ -283,8 +295,10 @@ def test_fallback_after_sustained_high_skipping(tokenizer, caplog):
     started = [r.step for r in records if r.fallback_started[0]]
     assert started == [6, 25]
     messages = [r.getMessage() for r in caplog.records if "FALLBACK" in r.getMessage()]
-    assert messages == ["[FALLBACK: HIGH_SKIPPING] model=tiny sequence=0 step=6",
-                        "[FALLBACK: HIGH_SKIPPING] model=tiny sequence=0 step=25"]
+    assert messages == [
+        "[FALLBACK: HIGH_SKIPPING] model=tiny sequence=0 step=6",
+        "[FALLBACK: HIGH_SKIPPING] model=tiny sequence=0 step=25",
+    ]
 
 
 def test_fallback_settings_are_configurable(tokenizer):

@@ -32,8 +32,15 @@ def test_plain_chat_template(tokenizer):
 def test_checkpoint_chat_template_is_used(tmp_path, backend_tokenizer):
     backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
     template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ eos_token }}{% endfor %}"
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": {"content": "<s>"}, "eos_token": "</s>", "chat_template": [{"name": "default", "template": template}]}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {"content": "<s>"},
+                "eos_token": "</s>",
+                "chat_template": [{"name": "default", "template": template}],
+            }
+        )
+    )
     loaded = Tokenizer.from_files(tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json")
     assert loaded.apply_chat_template([{"role": "user", "content": "hi"}]) == "<s>[user]hi</s>"
     assert loaded.eos_token_ids == (1,)

@@ -7,15 +7,16 @@ import shutil
 import pytest
 import torch
 
-from inference_shim.offline import corpus
-from inference_shim.offline import training
+from inference_shim.offline import corpus, training
 from inference_shim.runtime.checkpoint import load_checkpoint
 from layerwatch_cli.main import main
 from tests.model.conftest import tiny_config
 
 FAKE_BIBLE = "\n".join(
     f"{book}{chapter}:{verse} Verse {verse} of {book} {chapter}."
-    for book in ("Ge", "1Sm") for chapter in range(1, 21) for verse in range(1, 3)
+    for book in ("Ge", "1Sm")
+    for chapter in range(1, 21)
+    for verse in range(1, 3)
 )
 
 
@@ -51,11 +52,13 @@ def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
     stream = torch.randint(0, config.vocab_size, (500,), generator=torch.Generator().manual_seed(1))
     quiet = dict(log=lambda line: None, checkpoint_every_seconds=1e9)
 
-    straight = training.train_backbone(training.new_state(config, schedule), schedule, stream, stream[:100],
-                                       tmp_path / "a.pt", **quiet)
+    straight = training.train_backbone(
+        training.new_state(config, schedule), schedule, stream, stream[:100], tmp_path / "a.pt", **quiet
+    )
     half = training.BackboneSchedule(**{**schedule.__dict__, "steps": 2})
-    first = training.train_backbone(training.new_state(config, schedule), half, stream, stream[:100],
-                                    tmp_path / "b.pt", **quiet)
+    first = training.train_backbone(
+        training.new_state(config, schedule), half, stream, stream[:100], tmp_path / "b.pt", **quiet
+    )
     assert first.step == 2
     resumed, _ = training.load_state(tmp_path / "b.pt")
     resumed = training.train_backbone(resumed, schedule, stream, stream[:100], tmp_path / "b.pt", **quiet)
@@ -67,14 +70,40 @@ def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
 @pytest.mark.skipif(shutil.which("bible") is None, reason="needs the Debian package bible-kjv")
 def test_train_demo_builds_a_loadable_checkpoint(tmp_path, capsys):
     out = tmp_path / "model"
-    args = ["train-demo", "--workdir", str(tmp_path / "work"), "--out", str(out), "--steps", "2",
-            "--batch-size", "2", "--seq-len", "16", "--layers", "2", "--hidden-size", "16",
-            "--intermediate-size", "32", "--heads", "2", "--kv-heads", "1", "--vocab-size", "300", "--threads", "1"]
+    args = [
+        "train-demo",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--layers",
+        "2",
+        "--hidden-size",
+        "16",
+        "--intermediate-size",
+        "32",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--vocab-size",
+        "300",
+        "--threads",
+        "1",
+    ]
     assert main(args) == 0
     loaded = load_checkpoint(out)
     assert loaded.config.num_layers == 2 and loaded.config.vocab_size == 300
     assert loaded.tokenizer.decode(loaded.tokenizer.encode("In the beginning")) == "In the beginning"
-    assert (tmp_path / "work" / "heldout.txt").read_text().startswith("And God remembered Noah")  # Genesis 8 is held out
+    assert (
+        (tmp_path / "work" / "heldout.txt").read_text().startswith("And God remembered Noah")
+    )  # Genesis 8 is held out
     # Same settings again: the finished state is found and only exported.
     assert main(args) == 0
     assert "resuming at step 2" in capsys.readouterr().out

@@ -7,11 +7,11 @@ import hashlib
 import pytest
 import torch
 
-from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint
 from inference_shim.offline.gate_training import GateSchedule, init_gates, patience_skip, train_gates
+from inference_shim.offline.training import text_file_stream
+from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint
 from inference_shim.runtime.gates import load_gates
 from inference_shim.runtime.tokenizer import Tokenizer
-from inference_shim.offline.training import text_file_stream
 from layerwatch_cli.main import main
 from tests.model.conftest import TRAINING_TEXT, build_backend_tokenizer, random_model
 
@@ -32,8 +32,27 @@ def text_file(tmp_path_factory):
 
 
 def train(model_dir, text_file, out, *extra: str) -> int:
-    return main(["train-gates", "--model", str(model_dir), "--data", str(text_file), "--out", str(out),
-                 "--steps", "6", "--batch-size", "2", "--seq-len", "16", "--threads", "1", "--quiet", *extra])
+    return main(
+        [
+            "train-gates",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(text_file),
+            "--out",
+            str(out),
+            "--steps",
+            "6",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--threads",
+            "1",
+            "--quiet",
+            *extra,
+        ]
+    )
 
 
 def sha256(path) -> str:
@@ -62,11 +81,24 @@ def test_training_moves_the_skip_rate_towards_the_target(model_dir, text_file):
     stream = text_file_stream(loaded.tokenizer, text_file, min_tokens=18)
     rates = []
     for target in (0.1, 0.7):
-        schedule = GateSchedule(steps=40, batch_size=2, seq_len=16, learning_rate=0.05, target_skip=target,
-                                protected_layers=(0, 3), commit_weight=0.0, end_temperature=0.5)
+        schedule = GateSchedule(
+            steps=40,
+            batch_size=2,
+            seq_len=16,
+            learning_rate=0.05,
+            target_skip=target,
+            protected_layers=(0, 3),
+            commit_weight=0.0,
+            end_temperature=0.5,
+        )
         seen = []
-        train_gates(loaded.model, init_gates(4, 32, schedule), stream, schedule,
-                    on_step=lambda s: seen.append(s.skip_fraction))
+        train_gates(
+            loaded.model,
+            init_gates(4, 32, schedule),
+            stream,
+            schedule,
+            on_step=lambda s, seen=seen: seen.append(s.skip_fraction),
+        )
         rates.append(sum(seen[-10:]) / 10)
     assert rates[0] < 0.2 < 0.4 < rates[1]
 
@@ -80,12 +112,15 @@ def test_patience_skip_needs_all_previous_tokens_low():
     assert torch.equal(patience_skip(torch.zeros(1, 4), patience=3), torch.tensor([[0.0, 0, 0, 1]]))
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "no such text file"),
-    (b"\xff\xfe\x00bad bytes", "not UTF-8"),
-    (b"  \n\n \n", "holds no text"),
-    (b"Too short.", "tokens, at least"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "no such text file"),
+        (b"\xff\xfe\x00bad bytes", "not UTF-8"),
+        (b"  \n\n \n", "holds no text"),
+        (b"Too short.", "tokens, at least"),
+    ],
+)
 def test_bad_text_file_fails_clearly_and_writes_nothing(model_dir, tmp_path, capsys, content, message):
     data = tmp_path / "data.txt"
     if content is not None:

@@ -23,29 +23,49 @@ from .conftest import VOCAB_SIZE, random_model, tiny_config  # noqa: E402
 TOLERANCE = 1e-4
 SEQUENCE_LENGTH = 40  # crosses the llama3 case's original_max_position_embeddings=16
 
-LLAMA = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-             bos_token_id=0, eos_token_id=1)
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
+LLAMA = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 CASES = {
     "llama-gqa": ("llama", dict(LLAMA), {}),
     "llama-sharded": ("llama", dict(LLAMA), {"max_shard_size": "20KB"}),
     "llama-tied": ("llama", dict(LLAMA, tie_word_embeddings=True), {}),
     "llama3-rope-scaling": ("llama", dict(LLAMA, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0), {}),
-    "llama-linear-rope-mha": ("llama", dict(LLAMA, num_key_value_heads=4,
-                                            rope_scaling={"rope_type": "linear", "factor": 2.0}), {}),
+    "llama-linear-rope-mha": (
+        "llama",
+        dict(LLAMA, num_key_value_heads=4, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+        {},
+    ),
     "qwen2-biases": ("qwen2", dict(LLAMA, num_key_value_heads=1), {}),
     "mistral": ("mistral", dict(LLAMA, sliding_window=64), {}),
 }
-REFERENCE_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                     "mistral": ("MistralConfig", "MistralForCausalLM")}
+REFERENCE_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
 
 
 # transformers 5 renamed `past_key_values` to `cache` (argument and output).
-CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters \
-    else "past_key_values"
+CACHE_ARGUMENT = (
+    "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else "past_key_values"
+)
 
 
 def reference_cache(output):
@@ -106,7 +126,7 @@ def test_cached_decoding_matches_transformers_cached_decoding(pair):
         out = reference(tokens[:, :prompt], use_cache=True)
         past, expected = reference_cache(out), [out.logits[0, -1]]
         for t in range(prompt, SEQUENCE_LENGTH):
-            out = reference(tokens[:, t:t + 1], use_cache=True, **{CACHE_ARGUMENT: past})
+            out = reference(tokens[:, t : t + 1], use_cache=True, **{CACHE_ARGUMENT: past})
             past = reference_cache(out)
             expected.append(out.logits[0, -1])
 
@@ -116,7 +136,7 @@ def test_cached_decoding_matches_transformers_cached_decoding(pair):
         prefill_logits, _ = model.prefill(tokens[0, :prompt], cache, slot=1)
     got = [prefill_logits]
     for t in range(prompt, SEQUENCE_LENGTH):
-        logits, _ = model.decode_step(tokens[0, t:t + 1], cache, slots=[1], positions=[t], run_mask=None)
+        logits, _ = model.decode_step(tokens[0, t : t + 1], cache, slots=[1], positions=[t], run_mask=None)
         got.append(logits[0])
     assert (torch.stack(got) - torch.stack(expected)).abs().max().item() <= TOLERANCE
 
@@ -138,14 +158,19 @@ def test_batched_decoding_of_unequal_sequences_matches_transformers(pair):
         positions = [20 + step, 1 + step]
         fed = torch.stack([long[positions[0]], short[positions[1]]])
         logits, _ = model.decode_step(fed, cache, slots=[0, 1], positions=positions, run_mask=None)
-        worst = max(worst, (logits[0] - expected_long[positions[0]]).abs().max().item(),
-                    (logits[1] - expected_short[positions[1]]).abs().max().item())
+        worst = max(
+            worst,
+            (logits[0] - expected_long[positions[0]]).abs().max().item(),
+            (logits[1] - expected_short[positions[1]]).abs().max().item(),
+        )
     assert worst <= TOLERANCE
 
 
-@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True}, {"attention_bias": True},
-                                       {"rope_scaling": LLAMA3_ROPE}],
-                         ids=["llama", "tied", "qwen2-biases", "llama3-rope"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"tie_word_embeddings": True}, {"attention_bias": True}, {"rope_scaling": LLAMA3_ROPE}],
+    ids=["llama", "tied", "qwen2-biases", "llama3-rope"],
+)
 def test_saved_checkpoint_loads_in_transformers_with_same_logits(tmp_path, tokenizer, overrides):
     model = random_model(tiny_config(**overrides), seed=5)
     save_checkpoint(model, tokenizer, tmp_path)

@@ -21,8 +21,7 @@ import yaml
 
 from demo.loadgen import LoadReport, run_load
 from demo.processes import ManagedProcess, free_port
-from tests.service.conftest import (MODEL_NAME, TinyCheckpoint, in_process, sample_sum, scrape,  # noqa: F401
-                                    tiny_checkpoint)
+from tests.service.conftest import MODEL_NAME, TinyCheckpoint, in_process, sample_sum, scrape, tiny_checkpoint  # noqa: F401
 
 LAYERWATCH = [sys.executable, "-m", "layerwatch_cli.main"]
 # One torch thread per process: the tests run on a shared 2-core machine.
@@ -57,9 +56,17 @@ class Exporter(_Restartable):
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.process: ManagedProcess | None = None
 
-    def start(self) -> "Exporter":
-        argv = [*LAYERWATCH, "exporter", "--listen", self.frames_address, "--http", f"127.0.0.1:{self.http_port}",
-                "--min-window-observations", "100"]
+    def start(self) -> Exporter:
+        argv = [
+            *LAYERWATCH,
+            "exporter",
+            "--listen",
+            self.frames_address,
+            "--http",
+            f"127.0.0.1:{self.http_port}",
+            "--min-window-observations",
+            "100",
+        ]
         self.process = ManagedProcess("exporter", argv, self.workdir / "exporter.log", env=QUIET_ENV)
         self.process.wait_http(f"{self.url}/healthz", timeout=30)
         return self
@@ -68,8 +75,9 @@ class Exporter(_Restartable):
 class Shim(_Restartable):
     """`layerwatch serve` on the tiny checkpoint, on a fixed loopback port; restartable."""
 
-    def __init__(self, workdir: Path, checkpoint: TinyCheckpoint, *extra_args: str,
-                 exporter: Exporter | None = None) -> None:
+    def __init__(
+        self, workdir: Path, checkpoint: TinyCheckpoint, *extra_args: str, exporter: Exporter | None = None
+    ) -> None:
         self.workdir = workdir
         self.checkpoint = checkpoint
         self.port = free_port()
@@ -79,11 +87,24 @@ class Shim(_Restartable):
         self.process: ManagedProcess | None = None
         self.starts = 0
 
-    def start(self, *more_args: str) -> "Shim":
+    def start(self, *more_args: str) -> Shim:
         self.starts += 1
-        argv = [*LAYERWATCH, "serve", "--model", str(self.checkpoint.path), "--model-name", MODEL_NAME,
-                "--port", str(self.port), "--exporter-address", self.exporter_address,
-                "--log-level", "warning", *self.extra_args, *more_args]
+        argv = [
+            *LAYERWATCH,
+            "serve",
+            "--model",
+            str(self.checkpoint.path),
+            "--model-name",
+            MODEL_NAME,
+            "--port",
+            str(self.port),
+            "--exporter-address",
+            self.exporter_address,
+            "--log-level",
+            "warning",
+            *self.extra_args,
+            *more_args,
+        ]
         self.process = ManagedProcess("serve", argv, self.workdir / f"serve-{self.starts}.log", env=QUIET_ENV)
         self.process.wait_http(f"{self.url}/healthz", timeout=90)
         return self
@@ -101,15 +122,22 @@ class Prometheus(_Restartable):
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-                  "scrape_configs": [{"job_name": "layerwatch", "static_configs": [{"targets": targets}]}]}
+        config = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [{"job_name": "layerwatch", "static_configs": [{"targets": targets}]}],
+        }
         self.config_path = workdir / "prometheus.yml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.process: ManagedProcess | None = None
 
-    def start(self) -> "Prometheus":
-        argv = ["prometheus", f"--config.file={self.config_path}", f"--storage.tsdb.path={self.workdir / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"]
+    def start(self) -> Prometheus:
+        argv = [
+            "prometheus",
+            f"--config.file={self.config_path}",
+            f"--storage.tsdb.path={self.workdir / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--log.level=warn",
+        ]
         self.process = ManagedProcess("prometheus", argv, self.workdir / "prometheus.log")
         self.process.wait_http(f"{self.url}/-/ready", timeout=30)
         return self

@@ -32,7 +32,7 @@ def listening_sockets(pid: int) -> list[dict[str, str | int]]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     found = []
     for proto in ("tcp", "tcp6", "udp", "udp6"):
         lines = Path(f"/proc/{pid}/net/{proto}").read_text().splitlines()[1:]
@@ -49,8 +49,8 @@ def _address(hex_address: str) -> str:
     raw = bytes.fromhex(hex_address.split(":")[0])
     if len(raw) == 4:
         return ".".join(str(b) for b in reversed(raw))
-    words = [raw[i:i + 4][::-1].hex() for i in range(0, 16, 4)]  # each 32-bit word is little-endian
-    return ":".join("".join(words)[i:i + 4] for i in range(0, 32, 4))
+    words = [raw[i : i + 4][::-1].hex() for i in range(0, 16, 4)]  # each 32-bit word is little-endian
+    return ":".join("".join(words)[i : i + 4] for i in range(0, 32, 4))
 
 
 def main(model_dir: str) -> None:
@@ -65,21 +65,29 @@ def main(model_dir: str) -> None:
         exporter.wait_http("http://127.0.0.1:9411/healthz", timeout=30)
         serve.wait_http("http://127.0.0.1:8000/healthz", timeout=90)
         body = json.dumps({"model": Path(model_dir).name, "prompt": "In the beginning", "max_tokens": 3}).encode()
-        request = urllib.request.Request("http://127.0.0.1:8000/v1/completions", body,
-                                         {"content-type": "application/json", DEBUG_HEADER: "true"})
+        request = urllib.request.Request(
+            "http://127.0.0.1:8000/v1/completions", body, {"content-type": "application/json", DEBUG_HEADER: "true"}
+        )
         with urllib.request.urlopen(request, timeout=30) as response:
-            headers = {k.lower() for k in response.headers.keys()}
+            headers = {k.lower() for k in response.headers}
             usage = json.loads(response.read())["usage"]
         with urllib.request.urlopen("http://127.0.0.1:8000/metrics", timeout=30) as response:
             metrics = response.read().decode()
-        print(json.dumps({
-            "serve": listening_sockets(serve.proc.pid),
-            "exporter": listening_sockets(exporter.proc.pid),
-            "response_headers": sorted(headers),
-            "usage": usage,
-            "nvml_up": next(float(line.split()[-1]) for line in metrics.splitlines()
-                            if line.startswith("layerwatch_nvml_up ")),
-        }))
+        print(
+            json.dumps(
+                {
+                    "serve": listening_sockets(serve.proc.pid),
+                    "exporter": listening_sockets(exporter.proc.pid),
+                    "response_headers": sorted(headers),
+                    "usage": usage,
+                    "nvml_up": next(
+                        float(line.split()[-1])
+                        for line in metrics.splitlines()
+                        if line.startswith("layerwatch_nvml_up ")
+                    ),
+                }
+            )
+        )
     finally:
         serve.stop()
         exporter.stop()

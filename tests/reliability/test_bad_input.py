@@ -17,7 +17,6 @@ import json
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,9 +30,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
 from demo.loadgen import run_load
 from demo.processes import free_port
+from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
 from layerwatch.wire import GateFrame, encode_frame
 from tests.reliability.conftest import LAYERWATCH, MODEL_NAME, QUIET_ENV, Shim, sample_sum
 from tests.service.conftest import tiny_gates, tiny_model
@@ -41,14 +40,25 @@ from tests.service.conftest import tiny_gates, tiny_model
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS_CAP = 8  # accepted fuzz requests stay cheap
 MAX_BODY_BYTES = 4096
-FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @pytest.fixture(scope="module")
 def fuzz_shim(tiny_checkpoint, tmp_path_factory) -> Iterator[Shim]:
-    shim = Shim(tmp_path_factory.mktemp("fuzz"), tiny_checkpoint, "--max-tokens-cap", str(MAX_TOKENS_CAP),
-                "--max-prompt-tokens", "64", "--max-body-bytes", str(MAX_BODY_BYTES), "--log-level", "info")
+    shim = Shim(
+        tmp_path_factory.mktemp("fuzz"),
+        tiny_checkpoint,
+        "--max-tokens-cap",
+        str(MAX_TOKENS_CAP),
+        "--max-prompt-tokens",
+        "64",
+        "--max-body-bytes",
+        str(MAX_BODY_BYTES),
+        "--log-level",
+        "info",
+    )
     shim.start()
     yield shim
     shim.stop()
@@ -56,9 +66,12 @@ def fuzz_shim(tiny_checkpoint, tmp_path_factory) -> Iterator[Shim]:
 
 # --- fuzzing the HTTP API -------------------------------------------------------------------------
 
-json_scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=40)
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=10), inner, max_size=4), max_leaves=12)
+json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=40)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
 
 
 def field(valid: st.SearchStrategy) -> st.SearchStrategy:
@@ -77,11 +90,20 @@ sampling_fields = {
     "n": field(st.integers(0, 3)),
 }
 prompts = st.text(min_size=1, max_size=200) | st.lists(st.text(max_size=20), max_size=3)
-messages = st.lists(st.fixed_dictionaries({
-    "role": st.sampled_from(["system", "user", "assistant", "developer", "tool", "wizard"]),
-    "content": st.text(min_size=1, max_size=60) | st.lists(st.fixed_dictionaries(
-        {"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=20)}), max_size=2),
-}), min_size=1, max_size=4)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["system", "user", "assistant", "developer", "tool", "wizard"]),
+            "content": st.text(min_size=1, max_size=60)
+            | st.lists(
+                st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=20)}),
+                max_size=2,
+            ),
+        }
+    ),
+    min_size=1,
+    max_size=4,
+)
 
 models = field(st.sampled_from([MODEL_NAME, MODEL_NAME, MODEL_NAME, "gpt-4", ""]))
 completion_bodies = st.fixed_dictionaries({"model": models, "prompt": field(prompts)}, optional=sampling_fields)
@@ -108,19 +130,38 @@ def test_fuzzed_generation_requests_never_fail_the_server(fuzz_shim, path, data)
     body = data.draw(completion_bodies if path == "/v1/completions" else chat_bodies)
     # Python's json (the server's parser too) writes and reads NaN and Infinity: a hostile client may send them.
     content = json.dumps(body, allow_nan=True).encode()
-    check_response(httpx.post(f"{fuzz_shim.url}{path}", content=content, timeout=30,
-                              headers={"content-type": "application/json"}))
+    check_response(
+        httpx.post(f"{fuzz_shim.url}{path}", content=content, timeout=30, headers={"content-type": "application/json"})
+    )
 
 
 @FUZZ
-@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", "/healthz",
-                             "/v1/../metrics", "/%00", "/v1/completions?x=%ff", "/" + "a" * 2000]),
-       method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
-       body=st.binary(max_size=MAX_BODY_BYTES + 64),
-       content_type=st.sampled_from(["application/json", "text/plain", "", "application/json; charset=latin-1"]))
+@given(
+    path=st.sampled_from(
+        [
+            "/v1/completions",
+            "/v1/chat/completions",
+            "/v1/models",
+            "/metrics",
+            "/healthz",
+            "/v1/../metrics",
+            "/%00",
+            "/v1/completions?x=%ff",
+            "/" + "a" * 2000,
+        ]
+    ),
+    method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
+    body=st.binary(max_size=MAX_BODY_BYTES + 64),
+    content_type=st.sampled_from(["application/json", "text/plain", "", "application/json; charset=latin-1"]),
+)
 def test_fuzzed_raw_requests_never_fail_the_server(fuzz_shim, path, method, body, content_type):
-    response = httpx.request(method, f"{fuzz_shim.url}{path}", content=body, timeout=30,
-                             headers={"content-type": content_type} if content_type else {})
+    response = httpx.request(
+        method,
+        f"{fuzz_shim.url}{path}",
+        content=body,
+        timeout=30,
+        headers={"content-type": content_type} if content_type else {},
+    )
     assert response.status_code < 500, response.text
     if response.status_code >= 400 and path != "/healthz":
         assert response.json()["error"]["message"]
@@ -150,7 +191,7 @@ def test_oversized_bodies_get_413_however_they_arrive(fuzz_shim):
     url = f"{fuzz_shim.url}/v1/completions"
     big = json.dumps({"model": MODEL_NAME, "prompt": "x" * (2 * MAX_BODY_BYTES)}).encode()
     declared = httpx.post(url, content=big, timeout=30)
-    chunked = httpx.post(url, content=iter([big[i:i + 512] for i in range(0, len(big), 512)]), timeout=30)
+    chunked = httpx.post(url, content=iter([big[i : i + 512] for i in range(0, len(big), 512)]), timeout=30)
     for response in (declared, chunked):
         assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -174,12 +215,18 @@ def test_slow_clients_do_not_stall_other_clients(fuzz_shim):
     request is queued), so the other clients are served at their usual latency meanwhile.
     """
     stalled = [slow_client(fuzz_shim.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") for _ in range(10)]
-    stalled += [slow_client(fuzz_shim.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                                             b"application/json\r\nContent-Length: 400\r\n\r\n{\"mo")
-                for _ in range(10)]
+    stalled += [
+        slow_client(
+            fuzz_shim.port,
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            b'application/json\r\nContent-Length: 400\r\n\r\n{"mo',
+        )
+        for _ in range(10)
+    ]
     try:
-        report = run_load(fuzz_shim.url, MODEL_NAME, duration=3.0, concurrency=3, max_tokens=MAX_TOKENS_CAP, seed=1,
-                          timeout=10)
+        report = run_load(
+            fuzz_shim.url, MODEL_NAME, duration=3.0, concurrency=3, max_tokens=MAX_TOKENS_CAP, seed=1, timeout=10
+        )
         assert report.requests > 0 and report.by_status == {200: report.requests}
         assert report.percentile(0.99) < 2.0, report.summary()
         for connection in stalled:  # still waiting for their request to complete: no answer was sent
@@ -199,8 +246,11 @@ def test_a_stalled_body_is_cut_off_with_408(make_shim):
     --body-timeout-seconds has passed; meanwhile others are served."""
     shim = make_shim("--body-timeout-seconds", "1")
     started = time.monotonic()
-    stalled = slow_client(shim.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                                     b"application/json\r\nContent-Length: 400\r\n\r\n{\"mo")
+    stalled = slow_client(
+        shim.port,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        b'application/json\r\nContent-Length: 400\r\n\r\n{"mo',
+    )
     try:
         assert shim.complete(max_tokens=2).status_code == 200
         stalled.settimeout(10)
@@ -227,10 +277,11 @@ def test_hostile_datagrams_do_not_disturb_the_shims_accounting(make_shim, export
     malformed, and the real frames still reconcile exactly with the tokens served."""
     shim = make_shim("--max-batch-size", "4", exporter=exporter)
     rng = np.random.default_rng(0)
-    valid = encode_frame(GateFrame(MODEL_NAME, "real-shim-id-for-shape", 0, np.full((2, 6), 0.5, np.float32),
-                                   np.zeros((2, 6), bool)))
+    valid = encode_frame(
+        GateFrame(MODEL_NAME, "real-shim-id-for-shape", 0, np.full((2, 6), 0.5, np.float32), np.zeros((2, 6), bool))
+    )
     garbage = [rng.bytes(int(n)) for n in rng.integers(0, 3000, 150)]
-    garbage += [valid[:int(n)] for n in rng.integers(0, len(valid) - 1, 100)]  # truncated frames
+    garbage += [valid[: int(n)] for n in rng.integers(0, len(valid) - 1, 100)]  # truncated frames
     garbage += [b"LWGF" + rng.bytes(40) for _ in range(100)]  # a plausible magic, then noise
     stop = threading.Event()
 
@@ -253,8 +304,10 @@ def test_hostile_datagrams_do_not_disturb_the_shims_accounting(make_shim, export
     sent = sample_sum(shim_samples, "layerwatch_telemetry_frames_sent_total")
     assert sample_sum(exporter_samples, "layerwatch_exporter_frames_received_total", model_name=MODEL_NAME) == sent
     assert sample_sum(exporter_samples, "layerwatch_exporter_frames_lost_total") == 0
-    assert sample_sum(exporter_samples, "layerwatch_entropy_count", model_name=MODEL_NAME) == \
-        report.completion_tokens * shim.checkpoint.num_layers
+    assert (
+        sample_sum(exporter_samples, "layerwatch_entropy_count", model_name=MODEL_NAME)
+        == report.completion_tokens * shim.checkpoint.num_layers
+    )
     malformed = sample_sum(exporter_samples, "layerwatch_exporter_frames_malformed_total")
     assert 0 < malformed <= len(garbage)  # an empty datagram may be dropped by the kernel; the rest count
     assert httpx.get(f"{exporter.url}/healthz", timeout=10).status_code == 200
@@ -284,9 +337,17 @@ def truncated_weights(folder: Path) -> str:
 
 def gates_of_another_model(folder: Path) -> str:
     other = tiny_model(seed=42)  # same shapes, other weights: only the fingerprint tells them apart
-    save_gates(folder / "gates.safetensors", tiny_gates(other), GateMetadata(
-        num_layers=other.config.num_layers, hidden_size=other.config.hidden_size, threshold=0.18, patience=3,
-        base_fingerprint=model_fingerprint(other)))
+    save_gates(
+        folder / "gates.safetensors",
+        tiny_gates(other),
+        GateMetadata(
+            num_layers=other.config.num_layers,
+            hidden_size=other.config.hidden_size,
+            threshold=0.18,
+            patience=3,
+            base_fingerprint=model_fingerprint(other),
+        ),
+    )
     return "gates.safetensors"
 
 
@@ -314,8 +375,13 @@ def test_serve_refuses_broken_checkpoints_quickly_naming_the_file(tiny_checkpoin
         culprit = breakage(folder)
         port = free_port()
         argv = [*LAYERWATCH, "serve", "--model", str(folder), "--port", str(port), "--exporter-address", ""]
-        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   env={**QUIET_ENV, "PATH": "/usr/bin:/bin"})
+        process = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**QUIET_ENV, "PATH": "/usr/bin:/bin"},
+        )
         runs.append((breakage.__name__, folder / culprit, port, process, time.monotonic()))
     for name, culprit, port, process, started in runs:
         output, _ = process.communicate(timeout=60)
@@ -341,22 +407,27 @@ def test_generate_refuses_a_malformed_profile_and_writes_nothing(tmp_path):
     }
     for name, text in cases.items():
         profile.write_text(text)
-        result = subprocess.run([*LAYERWATCH, "generate", "--root", str(tree)], capture_output=True, text=True,
-                                timeout=60, cwd=REPO)
+        result = subprocess.run(
+            [*LAYERWATCH, "generate", "--root", str(tree)], capture_output=True, text=True, timeout=60, cwd=REPO
+        )
         assert result.returncode == 2, f"{name}: {result.stdout}{result.stderr}"
         assert "reference.yaml" in result.stderr and "Traceback" not in result.stderr, f"{name}: {result.stderr}"
         written = set(tree.rglob("*")) - inputs
         assert written == set(), f"{name}: partial output {written}"
 
 
-@pytest.mark.parametrize("content", [
-    b"\x00\xff\xfe garbage \x80\n",
-    b'{"model_name": "m", "scores": [NaN, 0.1], "skipped": [0, 0]}\n',
-    b'{"model_name": "m", "scores": [0.1, 0.2], "skipped": [0]}\n',
-    b'{"model_name": "m", "scores": "0.1", "skipped": [0]}\n',
-    b'[1, 2, 3]\n',
-    b'{"model_name": "m", "scores": [' + b"0.5, " * 200_000 + b'0.5], "skipped": [0]}\n',
-], ids=["binary", "nan", "ragged", "string-scores", "not-an-object", "huge-line"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\x00\xff\xfe garbage \x80\n",
+        b'{"model_name": "m", "scores": [NaN, 0.1], "skipped": [0, 0]}\n',
+        b'{"model_name": "m", "scores": [0.1, 0.2], "skipped": [0]}\n',
+        b'{"model_name": "m", "scores": "0.1", "skipped": [0]}\n',
+        b"[1, 2, 3]\n",
+        b'{"model_name": "m", "scores": [' + b"0.5, " * 200_000 + b'0.5], "skipped": [0]}\n',
+    ],
+    ids=["binary", "nan", "ragged", "string-scores", "not-an-object", "huge-line"],
+)
 def test_replay_refuses_a_malformed_trace_with_file_and_line(tmp_path, content):
     good = b'{"model_name": "m", "scores": [0.1, 0.9], "skipped": [1, 0]}\n'
     path = tmp_path / "trace.jsonl"

@@ -18,8 +18,14 @@ import httpx
 import pytest
 
 from demo.loadgen import run_load
-from tests.reliability.conftest import (MODEL_NAME, BackgroundLoad, Prometheus, exporter_entropy_count,
-                                         require_binary, sample_sum)
+from tests.reliability.conftest import (
+    MODEL_NAME,
+    BackgroundLoad,
+    Prometheus,
+    exporter_entropy_count,
+    require_binary,
+    sample_sum,
+)
 
 
 def test_exporter_killed_and_restarted_mid_load(make_shim, exporter):
@@ -55,8 +61,10 @@ def test_exporter_killed_and_restarted_mid_load(make_shim, exporter):
     layers = shim.checkpoint.num_layers
     entropies = exporter_entropy_count(after)  # whole rows only, and never more than were decoded
     assert 0 < entropies < report.completion_tokens * layers and entropies % layers == 0
-    print(f"frames: {sent:.0f} sent, {dropped:.0f} dropped (send_error), exporter received {received_before:.0f} "
-          f"before the kill + {received:.0f} after the restart")
+    print(
+        f"frames: {sent:.0f} sent, {dropped:.0f} dropped (send_error), exporter received {received_before:.0f} "
+        f"before the kill + {received:.0f} after the restart"
+    )
 
 
 @pytest.fixture
@@ -122,8 +130,10 @@ def test_shim_restart_keeps_prometheus_increase_exact(make_shim, prometheus_for)
     [resets] = prometheus.query(f"resets({selector}[{window}s])", at=at)
     [increase] = prometheus.query(f"increase({selector}[{window}s])", at=at)
     [rate] = prometheus.query(f"rate({selector}[{window}s])", at=at)
-    print(f"\nshim restart: {expected} tokens served, Prometheus increase {increase['value'][1]}, "
-          f"rate {float(rate['value'][1]):.2f}/s over {window}s, resets {resets['value'][1]}")
+    print(
+        f"\nshim restart: {expected} tokens served, Prometheus increase {increase['value'][1]}, "
+        f"rate {float(rate['value'][1]):.2f}/s over {window}s, resets {resets['value'][1]}"
+    )
     assert float(resets["value"][1]) == 1
     assert float(increase["value"][1]) == pytest.approx(expected, rel=1e-9)
     # `rate` divides by the sampled interval after extrapolation; with none it is increase / window.
@@ -161,12 +171,17 @@ class SimulatedNvml:
             def call(*_args):
                 self._check()
                 return value
+
             return call
 
         for name, function in {
-            "nvmlInit": checked(None), "nvmlShutdown": lambda: None, "nvmlDeviceGetCount": checked(1),
-            "nvmlDeviceGetHandleByIndex": checked("handle-0"), "nvmlDeviceGetUUID": checked("GPU-simulated-0"),
-            "nvmlDeviceGetPowerUsage": checked(250_000), "nvmlDeviceGetTotalEnergyConsumption": energy,
+            "nvmlInit": checked(None),
+            "nvmlShutdown": lambda: None,
+            "nvmlDeviceGetCount": checked(1),
+            "nvmlDeviceGetHandleByIndex": checked("handle-0"),
+            "nvmlDeviceGetUUID": checked("GPU-simulated-0"),
+            "nvmlDeviceGetPowerUsage": checked(250_000),
+            "nvmlDeviceGetTotalEnergyConsumption": energy,
         }.items():
             monkeypatch.setattr(self.pynvml, name, function)
 

@@ -50,8 +50,9 @@ def gate_file_bytes(tmp_path: Path, *, bias: float, threshold: float = 0.18, mod
         for gate in gates.gates:
             gate.fc2.bias.fill_(bias)
     path = tmp_path / f"gates-{bias}-{threshold}-{model_seed}.safetensors"
-    save_gates(path, gates.eval(), GateMetadata(NUM_LAYERS, model.config.hidden_size, threshold, 3,
-                                                model_fingerprint(model)))
+    save_gates(
+        path, gates.eval(), GateMetadata(NUM_LAYERS, model.config.hidden_size, threshold, 3, model_fingerprint(model))
+    )
     return path.read_bytes()
 
 
@@ -130,14 +131,14 @@ def test_a_half_written_file_is_never_loaded(watched_shim, tmp_path):
         with open(path, "wb") as writer:  # truncates, then writes a third at a time
             third = len(data) // 3
             for start in (0, third):
-                writer.write(data[start:start + third])
+                writer.write(data[start : start + third])
                 writer.flush()
                 time.sleep(4 * WATCH_SECONDS)
             mid_write = shim.metrics()
             assert gates_sha256(mid_write) == old_sha and rejected_flag(mid_write) == 1
             assert reloads(mid_write, "rejected") >= 1 and reloads(mid_write, "loaded") == 0
             assert skipped_layers(shim) > 0  # still the old gates
-            writer.write(data[2 * third:])
+            writer.write(data[2 * third :])
         done = wait_until(shim, lambda s: gates_sha256(s) == new_sha)
     finally:
         report = load.result()
@@ -155,16 +156,20 @@ def test_bad_replacements_are_rejected_and_the_old_gates_keep_serving(watched_sh
     old_sha, original = shim.checkpoint.gates_sha256, path.read_bytes()
     cases = {
         "truncated": (lambda: replace_atomically(path, original[:-64]), "not a readable safetensors file"),
-        "another model": (lambda: replace_atomically(path, gate_file_bytes(tmp_path, bias=4.0, model_seed=42)),
-                          "another base model"),
-        "another threshold": (lambda: replace_atomically(path, gate_file_bytes(tmp_path, bias=4.0, threshold=0.3)),
-                              "restart to apply a new threshold"),
+        "another model": (
+            lambda: replace_atomically(path, gate_file_bytes(tmp_path, bias=4.0, model_seed=42)),
+            "another base model",
+        ),
+        "another threshold": (
+            lambda: replace_atomically(path, gate_file_bytes(tmp_path, bias=4.0, threshold=0.3)),
+            "restart to apply a new threshold",
+        ),
         "deleted": (path.unlink, "gate file not found"),
     }
     load = BackgroundLoad(shim.url, duration=5.0, concurrency=2, max_tokens=8, seed=23)
     for count, (name, (break_it, reason)) in enumerate(cases.items(), start=1):
         break_it()
-        samples = wait_until(shim, lambda s: reloads(s, "rejected") >= count)
+        samples = wait_until(shim, lambda s, count=count: reloads(s, "rejected") >= count)
         assert gates_sha256(samples) == old_sha and rejected_flag(samples) == 1, name
         assert reloads(samples, "loaded") == 0, name
         assert skipped_layers(shim) > 0, name  # the old gates serve on

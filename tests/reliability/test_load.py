@@ -28,8 +28,9 @@ def wait_for_frames(shim, exporter, timeout: float = 10.0) -> tuple[dict, dict]:
     while True:
         shim_samples, exporter_samples = shim.metrics(), exporter.metrics()
         sent = sample_sum(shim_samples, "layerwatch_telemetry_frames_sent_total")
-        seen = (sample_sum(exporter_samples, "layerwatch_exporter_frames_received_total")
-                + sample_sum(exporter_samples, "layerwatch_exporter_frames_lost_total"))
+        seen = sample_sum(exporter_samples, "layerwatch_exporter_frames_received_total") + sample_sum(
+            exporter_samples, "layerwatch_exporter_frames_lost_total"
+        )
         if seen >= sent or time.monotonic() > deadline:
             return shim_samples, exporter_samples
         time.sleep(0.1)
@@ -37,8 +38,15 @@ def wait_for_frames(shim, exporter, timeout: float = 10.0) -> tuple[dict, dict]:
 
 def test_load_with_exporter_loses_nothing(make_shim, exporter):
     shim = make_shim("--max-batch-size", "4", exporter=exporter)
-    report = run_load(shim.url, MODEL_NAME, duration=LOAD_SECONDS, concurrency=CONCURRENCY, max_tokens=MAX_TOKENS,
-                      stream_fraction=0.5, seed=7)
+    report = run_load(
+        shim.url,
+        MODEL_NAME,
+        duration=LOAD_SECONDS,
+        concurrency=CONCURRENCY,
+        max_tokens=MAX_TOKENS,
+        stream_fraction=0.5,
+        seed=7,
+    )
     print(f"\nload: {report.summary()}")
 
     assert report.requests > 0 and report.by_status == {200: report.requests}, report.by_status
@@ -63,12 +71,13 @@ def test_load_with_exporter_loses_nothing(make_shim, exporter):
     # Lost frames carry entropies the exporter never saw; on loopback with an 8 MiB buffer there are none.
     assert lost == 0
     assert exporter_entropy_count(exporter_samples) == report.completion_tokens * layers
-    skipped_entropies = sample_sum(exporter_samples, "layerwatch_entropy_count", model_name=MODEL_NAME,
-                                   decision="skip")
+    skipped_entropies = sample_sum(exporter_samples, "layerwatch_entropy_count", model_name=MODEL_NAME, decision="skip")
     assert skipped_entropies == report.layers_skipped
 
     throughput = report.completion_tokens / report.elapsed
-    print(f"load: {report.requests} requests, {report.completion_tokens} tokens, {throughput:.0f} tokens/s, "
-          f"{report.requests / report.elapsed:.1f} requests/s, p50 {report.percentile(0.5) * 1e3:.0f} ms, "
-          f"p99 {report.percentile(0.99) * 1e3:.0f} ms, frames {sent:.0f} sent = {received:.0f} received "
-          f"+ {lost:.0f} lost")
+    print(
+        f"load: {report.requests} requests, {report.completion_tokens} tokens, {throughput:.0f} tokens/s, "
+        f"{report.requests / report.elapsed:.1f} requests/s, p50 {report.percentile(0.5) * 1e3:.0f} ms, "
+        f"p99 {report.percentile(0.99) * 1e3:.0f} ms, frames {sent:.0f} sent = {received:.0f} received "
+        f"+ {lost:.0f} lost"
+    )

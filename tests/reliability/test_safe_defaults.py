@@ -43,17 +43,21 @@ def test_serve_and_exporter_with_no_address_flags_listen_on_loopback_only(tiny_c
     here) and serving is unaffected."""
     if shutil.which("unshare") is None or subprocess.run(["unshare", "-n", "true"]).returncode != 0:
         pytest.skip("needs `unshare -n` (root or user namespaces) to free the default ports")
-    script = f"ip link set lo up && exec {sys.executable} -m tests.reliability.default_listeners " \
-             f"'{tiny_checkpoint.path}'"
-    result = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True, text=True, timeout=150,
-                            cwd=REPO)
+    script = (
+        f"ip link set lo up && exec {sys.executable} -m tests.reliability.default_listeners '{tiny_checkpoint.path}'"
+    )
+    result = subprocess.run(
+        ["unshare", "-n", "sh", "-c", script], capture_output=True, text=True, timeout=150, cwd=REPO
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     print(f"\n{seen}")
 
     assert seen["serve"] == [{"proto": "tcp", "address": "127.0.0.1", "port": 8000}]
     assert sorted(seen["exporter"], key=lambda s: s["proto"]) == [
-        {"proto": "tcp", "address": "127.0.0.1", "port": 9411}, {"proto": "udp", "address": "127.0.0.1", "port": 9410}]
+        {"proto": "tcp", "address": "127.0.0.1", "port": 9411},
+        {"proto": "udp", "address": "127.0.0.1", "port": 9410},
+    ]
     assert seen["usage"]["completion_tokens"] == 3
     assert "x-layerwatch-layer-activity" not in seen["response_headers"]  # debug header off by default
     assert seen["nvml_up"] == 0
@@ -71,19 +75,31 @@ SECRET_PATTERNS = {
     "URL with credentials": re.compile(r"\b[a-z][a-z0-9+.-]*://[^/\s:@]+:[^/\s:@]+@"),
     # A password or secret assigned a literal: "password: hunter2", GF_SECURITY_ADMIN_PASSWORD=x ...
     "assigned password": re.compile(
-        r"(?i)(?:password|passwd|secret|api_?key|auth_?token)[\"']?\s*[:=]\s*[\"']?([^\s\"',}?$]{4,})"),
+        r"(?i)(?:password|passwd|secret|api_?key|auth_?token)[\"']?\s*[:=]\s*[\"']?([^\s\"',}?$]{4,})"
+    ),
 }
 # Literal values that name a variable or are a documented placeholder rather than hold a secret.
-NOT_SECRETS = re.compile(r"^(?:\$|<|os\.environ|environ|None|null|true|false|\*+|only-for-this-test|choose-one"
-                         r"|change-?me|your-|example|placeholder)", re.I)
+NOT_SECRETS = re.compile(
+    r"^(?:\$|<|os\.environ|environ|None|null|true|false|\*+|only-for-this-test|choose-one"
+    r"|change-?me|your-|example|placeholder)",
+    re.I,
+)
 
 
 def repository_files() -> list[Path]:
     """What git tracks or would add (ignored files excluded); outside a git checkout, every file but
     the usual local ones."""
     try:
-        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                                capture_output=True, check=True).stdout.decode().split("\0")
+        listed = (
+            subprocess.run(
+                ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                cwd=REPO,
+                capture_output=True,
+                check=True,
+            )
+            .stdout.decode()
+            .split("\0")
+        )
         return [REPO / name for name in listed if name]
     except (OSError, subprocess.CalledProcessError):
         local = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis"}
@@ -122,8 +138,11 @@ def test_the_secret_scan_finds_planted_secrets():
     }
     for text, kind in planted.items():
         assert any(hit.startswith(kind) for hit in find_secrets(text)), text
-    for harmless in ('GF_SECURITY_ADMIN_PASSWORD: "${GRAFANA_ADMIN_PASSWORD:?set it}"', "password: $GRAFANA_PASSWORD",
-                     "the admin password comes from the environment"):
+    for harmless in (
+        'GF_SECURITY_ADMIN_PASSWORD: "${GRAFANA_ADMIN_PASSWORD:?set it}"',
+        "password: $GRAFANA_PASSWORD",
+        "the admin password comes from the environment",
+    ):
         assert find_secrets(harmless) == [], harmless
 
 
@@ -132,6 +151,10 @@ def test_no_secret_is_in_the_repository():
     files = tracked_text_files()
     assert len(files) > 50
     this_file = Path(__file__).resolve()
-    found = [f"{path.relative_to(REPO)}: {hit}" for path in files if path.resolve() != this_file
-             for hit in find_secrets(path.read_text(errors="replace"))]
+    found = [
+        f"{path.relative_to(REPO)}: {hit}"
+        for path in files
+        if path.resolve() != this_file
+        for hit in find_secrets(path.read_text(errors="replace"))
+    ]
     assert found == [], "\n".join(found)

@@ -25,10 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from demo.processes import ManagedProcess, free_port
 from inference_shim.runtime.checkpoint import save_checkpoint
 from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
 from inference_shim.runtime.model import GateBank, ModelConfig, Transformer
-from demo.processes import ManagedProcess, free_port
 from layerwatch.wire import GateFrame, decode_frame
 
 MODEL_NAME = "tiny-test"
@@ -57,16 +57,29 @@ def train_tokenizer(path: Path) -> None:
     backend = BackendTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=[BOS, EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     backend.train_from_iterator(TEXT.splitlines() * 8, trainer)
     backend.save(str(path))
 
 
 def tiny_model(seed: int = 0) -> Transformer:
-    config = ModelConfig(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_layers=NUM_LAYERS,
-                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
-                         bos_token_id=0, eos_token_ids=(1,))
+    config = ModelConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=NUM_LAYERS,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_ids=(1,),
+    )
     torch.manual_seed(seed)
     model = Transformer(config)
     with torch.no_grad():
@@ -101,8 +114,13 @@ def tiny_checkpoint(tmp_path_factory) -> TinyCheckpoint:
     model = tiny_model()
     save_checkpoint(model, tokenizer_json, folder)
     gates_path = folder / "gates.safetensors"
-    metadata = GateMetadata(num_layers=NUM_LAYERS, hidden_size=model.config.hidden_size, threshold=0.18,
-                            patience=3, base_fingerprint=model_fingerprint(model))
+    metadata = GateMetadata(
+        num_layers=NUM_LAYERS,
+        hidden_size=model.config.hidden_size,
+        threshold=0.18,
+        patience=3,
+        base_fingerprint=model_fingerprint(model),
+    )
     sha = save_gates(gates_path, tiny_gates(model), metadata)
     assert sha == hashlib.sha256(gates_path.read_bytes()).hexdigest()
     return TinyCheckpoint(folder, gates_path, sha, NUM_LAYERS)
@@ -119,7 +137,7 @@ class FrameCapture:
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)  # the kernel may cap it
         self.socket.bind(("127.0.0.1", 0))
         self.socket.settimeout(0.1)
-        self.address = "127.0.0.1:%d" % self.socket.getsockname()[1]
+        self.address = f"127.0.0.1:{self.socket.getsockname()[1]}"
         self.datagrams: list[bytes] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._receive, daemon=True)
@@ -166,8 +184,10 @@ class LiveServer:
         last = None
         while time.monotonic() < deadline:
             snapshot = self.metrics()
-            current = (sample_sum(snapshot, "layerwatch_requests_total"),
-                       sample_sum(snapshot, "layerwatch_layers_executed_count"))
+            current = (
+                sample_sum(snapshot, "layerwatch_requests_total"),
+                sample_sum(snapshot, "layerwatch_layers_executed_count"),
+            )
             if current == last:
                 return
             last = current
@@ -178,8 +198,11 @@ class LiveServer:
 def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample on /metrics as {(name, sorted labels): value}."""
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def sample_sum(snapshot: dict, name: str, **labels: str) -> float:
@@ -193,11 +216,35 @@ def server(tiny_checkpoint, tmp_path_factory) -> Iterator[LiveServer]:
     port = free_port()
     trace_path = work / "trace.jsonl"
     caps = dict(max_tokens_cap=48, max_prompt_tokens=96, max_body_bytes=8192)
-    argv = [sys.executable, "-m", "layerwatch_cli.main", "serve", "--model", str(tiny_checkpoint.path),
-            "--model-name", MODEL_NAME, "--port", str(port), "--exporter-address", capture.address,
-            "--trace-file", str(trace_path), "--allow-debug", "--shadow-rate", "1", "--max-batch-size", "4",
-            "--max-tokens-cap", str(caps["max_tokens_cap"]), "--max-prompt-tokens", str(caps["max_prompt_tokens"]),
-            "--shim-id", "test-shim", "--log-level", "info"]
+    argv = [
+        sys.executable,
+        "-m",
+        "layerwatch_cli.main",
+        "serve",
+        "--model",
+        str(tiny_checkpoint.path),
+        "--model-name",
+        MODEL_NAME,
+        "--port",
+        str(port),
+        "--exporter-address",
+        capture.address,
+        "--trace-file",
+        str(trace_path),
+        "--allow-debug",
+        "--shadow-rate",
+        "1",
+        "--max-batch-size",
+        "4",
+        "--max-tokens-cap",
+        str(caps["max_tokens_cap"]),
+        "--max-prompt-tokens",
+        str(caps["max_prompt_tokens"]),
+        "--shim-id",
+        "test-shim",
+        "--log-level",
+        "info",
+    ]
     env = {"LAYERWATCH_MAX_BODY_BYTES": str(caps["max_body_bytes"]), "OMP_NUM_THREADS": "1"}
     process = ManagedProcess("serve", argv, work / "serve.log", env=env)
     base_url = f"http://127.0.0.1:{port}"
@@ -225,7 +272,7 @@ class InProcessServer:
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
-    def __enter__(self) -> "InProcessServer":
+    def __enter__(self) -> InProcessServer:
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:
@@ -250,8 +297,14 @@ def in_process(tiny_checkpoint):
     started: list[InProcessServer] = []
 
     def start(**overrides) -> InProcessServer:
-        settings = ServeSettings(model_dir=tiny_checkpoint.path, model_name=MODEL_NAME, exporter_address="",
-                                 max_tokens_cap=32, max_prompt_tokens=64, **overrides)
+        settings = ServeSettings(
+            model_dir=tiny_checkpoint.path,
+            model_name=MODEL_NAME,
+            exporter_address="",
+            max_tokens_cap=32,
+            max_prompt_tokens=64,
+            **overrides,
+        )
         server = InProcessServer(ShimService.load(settings)).__enter__()
         started.append(server)
         return server

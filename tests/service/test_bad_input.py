@@ -29,9 +29,14 @@ CASES = [
     ("string-for-number", "/v1/completions", completion(max_tokens="5"), {}, 400, "invalid_value"),
     ("string-for-boolean", "/v1/completions", completion(stream="yes"), {}, 400, "invalid_value"),
     ("token-ids-prompt", "/v1/completions", completion(prompt=[1, 2]), {}, 400, "invalid_value"),
-    ("image-content", "/v1/chat/completions",
-     {"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
-     {}, 400, "invalid_value"),
+    (
+        "image-content",
+        "/v1/chat/completions",
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+        {},
+        400,
+        "invalid_value",
+    ),
     ("zero-max-tokens", "/v1/completions", completion(max_tokens=0), {}, 400, "invalid_value"),
     ("temperature-out-of-range", "/v1/completions", completion(temperature=7), {}, 400, "invalid_value"),
     ("seed-out-of-range", "/v1/completions", completion(seed=-1), {}, 400, "invalid_value"),
@@ -39,16 +44,27 @@ CASES = [
     ("two-prompts", "/v1/completions", completion(prompt=["a", "b"]), {}, 400, "invalid_value"),
     ("empty-stop", "/v1/completions", completion(stop=[""]), {}, 400, "invalid_value"),
     ("empty-prompt", "/v1/completions", completion(prompt=""), {}, 400, "empty_prompt"),
-    ("over-long-prompt", "/v1/completions", completion(prompt=LONG_PROMPT[:6000]), {}, 400,
-     "context_length_exceeded"),
+    ("over-long-prompt", "/v1/completions", completion(prompt=LONG_PROMPT[:6000]), {}, 400, "context_length_exceeded"),
     ("max-tokens-above-cap", "/v1/completions", completion(max_tokens=49), {}, 400, "max_tokens_exceeded"),
     ("unknown-model", "/v1/completions", completion(model="gpt-17"), {}, 404, "model_not_found"),
     ("body-too-large", "/v1/completions", completion(prompt="x" * 9000), {}, 413, "request_too_large"),
     ("no-messages", "/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, {}, 400, "invalid_value"),
-    ("bad-role", "/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "x"}]},
-     {}, 400, "invalid_value"),
-    ("chat-unknown-model", "/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": "x"}]},
-     {}, 404, "model_not_found"),
+    (
+        "bad-role",
+        "/v1/chat/completions",
+        {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "x"}]},
+        {},
+        400,
+        "invalid_value",
+    ),
+    (
+        "chat-unknown-model",
+        "/v1/chat/completions",
+        {"model": "x", "messages": [{"role": "user", "content": "x"}]},
+        {},
+        404,
+        "model_not_found",
+    ),
     ("unknown-route", "/v1/embeddings", completion(), {}, 404, "not_found"),
 ]
 
@@ -56,8 +72,9 @@ CASES = [
 @pytest.mark.parametrize("path,body,headers,status,code", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_gets_an_openai_error(server, path, body, headers, status, code):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = httpx.post(f"{server.base_url}{path}", content=content, timeout=30,
-                          headers={"content-type": "application/json", **headers})
+    response = httpx.post(
+        f"{server.base_url}{path}", content=content, timeout=30, headers={"content-type": "application/json", **headers}
+    )
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["code"] == code
@@ -69,8 +86,11 @@ def test_bad_input_gets_an_openai_error(server, path, body, headers, status, cod
 
 def test_a_body_announced_too_large_is_refused_before_it_is_read(server):
     with httpx.Client(timeout=30) as client:
-        response = client.post(f"{server.base_url}/v1/completions", content=b"{}",
-                               headers={"content-length": "2", "content-type": "application/json"})
+        response = client.post(
+            f"{server.base_url}/v1/completions",
+            content=b"{}",
+            headers={"content-length": "2", "content-type": "application/json"},
+        )
         assert response.status_code == 400  # a small body is read and judged on its content
         chunks = (b"x" * 4096 for _ in range(64))  # streamed without a length: 256 KiB
         response = client.post(f"{server.base_url}/v1/completions", content=chunks)

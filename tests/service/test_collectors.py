@@ -7,8 +7,16 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from inference_shim.service.metrics import (DecodeStats, DecodeStatsCollector, GateReloadMetrics, ModelInfo,
-                                            ModelInfoCollector, RequestMetrics, ShadowMetrics, make_metric)
+from inference_shim.service.metrics import (
+    DecodeStats,
+    DecodeStatsCollector,
+    GateReloadMetrics,
+    ModelInfo,
+    ModelInfoCollector,
+    RequestMetrics,
+    ShadowMetrics,
+    make_metric,
+)
 from inference_shim.service.power import GpuReading, NvmlCollector, RaplCollector
 from inference_shim.service.telemetry import FrameSender, FrameSenderCollector
 from layerwatch import catalog
@@ -17,11 +25,13 @@ from layerwatch import catalog
 def shim_collectors() -> list:
     stats = DecodeStats(3)
     stats.observe(np.array([[True, False, False]]), np.array([True, False, False]), np.array([False]))
-    return [DecodeStatsCollector(stats, "m"),
-            ModelInfoCollector(lambda: ModelInfo("m", 3, 0.18, 3, "project", "0" * 64)),
-            FrameSenderCollector(None, "m"),
-            NvmlCollector(reader=lambda: [GpuReading(0, "GPU-0", 120.0, 5.0)]),
-            RaplCollector(zones=[])]
+    return [
+        DecodeStatsCollector(stats, "m"),
+        ModelInfoCollector(lambda: ModelInfo("m", 3, 0.18, 3, "project", "0" * 64)),
+        FrameSenderCollector(None, "m"),
+        NvmlCollector(reader=lambda: [GpuReading(0, "GPU-0", 120.0, 5.0)]),
+        RaplCollector(zones=[]),
+    ]
 
 
 @pytest.mark.parametrize("index", range(len(shim_collectors())))

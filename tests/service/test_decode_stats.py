@@ -27,8 +27,7 @@ def test_collector_exposes_exact_per_layer_counts_and_the_executed_histogram():
         assert value("layerwatch_layer_evaluations_total", layer=str(layer)) == len(rows)
         assert value("layerwatch_layer_skips_total", layer=str(layer)) == rows[:, layer].sum()
         assert value("layerwatch_batch_layer_steps_total", layer=str(layer)) == len(steps)
-        assert value("layerwatch_batch_layer_skips_total", layer=str(layer)) == \
-            sum(s[:, layer].all() for s in steps)
+        assert value("layerwatch_batch_layer_skips_total", layer=str(layer)) == sum(s[:, layer].all() for s in steps)
     for bound in range(layers + 1):
         assert value("layerwatch_layers_executed_bucket", le=f"{bound}.0") == (executed <= bound).sum()
     assert value("layerwatch_layers_executed_bucket", le="+Inf") == len(rows)

@@ -8,8 +8,8 @@ import time
 import httpx
 import numpy as np
 
-from inference_shim.service.telemetry import FrameSender
 from demo.processes import free_port
+from inference_shim.service.telemetry import FrameSender
 from layerwatch.trace import read_trace
 from layerwatch.wire import MAX_FRAME_BYTES, decode_frame
 from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum
@@ -62,7 +62,7 @@ def test_a_batch_too_large_for_one_datagram_is_split_and_round_trips():
     receiver.bind(("127.0.0.1", 0))
     receiver.settimeout(5)
     layers = 200
-    sender = FrameSender("127.0.0.1:%d" % receiver.getsockname()[1], MODEL_NAME, "test", layers, threshold=0.25)
+    sender = FrameSender(f"127.0.0.1:{receiver.getsockname()[1]}", MODEL_NAME, "test", layers, threshold=0.25)
     rng = np.random.default_rng(0)
     rows = sender.rows_per_frame + 5
     entropies = rng.random((rows, layers), dtype=np.float32)

@@ -41,10 +41,25 @@ def test_model_info_carries_the_gate_files_sha256(server):
 def test_counters_agree_with_usage_under_concurrent_requests(server):
     server.wait_idle()
     before = server.metrics()
-    bodies = [("/v1/completions", {"model": MODEL_NAME, "prompt": f"And the evening {i}", "max_tokens": 5 + 3 * i,
-                                   "temperature": 0 if i % 2 else 0.9, "seed": i}) for i in range(6)]
-    bodies.append(("/v1/chat/completions", {"model": MODEL_NAME, "max_tokens": 11,
-                                            "messages": [{"role": "user", "content": "the first day"}]}))
+    bodies = [
+        (
+            "/v1/completions",
+            {
+                "model": MODEL_NAME,
+                "prompt": f"And the evening {i}",
+                "max_tokens": 5 + 3 * i,
+                "temperature": 0 if i % 2 else 0.9,
+                "seed": i,
+            },
+        )
+        for i in range(6)
+    ]
+    bodies.append(
+        (
+            "/v1/chat/completions",
+            {"model": MODEL_NAME, "max_tokens": 11, "messages": [{"role": "user", "content": "the first day"}]},
+        )
+    )
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:  # more requests than --max-batch-size 4
         usages = [r["usage"] for r in pool.map(lambda b: post(server, *b), bodies)]
     after = server.metrics()
@@ -71,14 +86,18 @@ def test_counters_agree_with_usage_under_concurrent_requests(server):
 
 
 def test_layers_executed_histogram_has_one_bucket_per_layer_count(server):
-    buckets = sorted(float(dict(labels)["le"]) for (name, labels), _ in server.metrics().items()
-                     if name == "layerwatch_layers_executed_bucket")
+    buckets = sorted(
+        float(dict(labels)["le"])
+        for (name, labels), _ in server.metrics().items()
+        if name == "layerwatch_layers_executed_bucket"
+    )
     assert buckets == [float(n) for n in range(NUM_LAYERS + 1)] + [float("inf")]
 
 
 def test_nvml_up_reports_whether_nvml_works_here(server):
     try:
         import pynvml
+
         pynvml.nvmlInit()
         pynvml.nvmlShutdown()
         expected = 1.0

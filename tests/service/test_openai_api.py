@@ -37,8 +37,12 @@ def test_completion(client):
 
 def test_chat_completion(client):
     result = client.chat.completions.create(
-        model=MODEL_NAME, max_tokens=10, temperature=0.7, seed=3,
-        messages=[{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Let there be light"}])
+        model=MODEL_NAME,
+        max_tokens=10,
+        temperature=0.7,
+        seed=3,
+        messages=[{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Let there be light"}],
+    )
     message = result.choices[0].message
     assert message.role == "assistant" and message.content
     assert result.choices[0].finish_reason == "length"
@@ -47,8 +51,16 @@ def test_chat_completion(client):
 
 def test_streaming_completion_matches_the_whole_one(client):
     whole = client.completions.create(model=MODEL_NAME, prompt="And God said", max_tokens=9, temperature=0)
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt="And God said", max_tokens=9, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt="And God said",
+            max_tokens=9,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -59,8 +71,14 @@ def test_streaming_completion_matches_the_whole_one(client):
 
 def test_streaming_chat(client):
     messages = [{"role": "user", "content": "darkness was upon the face of the deep"}]
-    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=7, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=7,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -6,12 +6,20 @@ from pathlib import Path
 
 import pytest
 
-from inference_shim.service.power import (GpuReading, MonotonicEnergy, NvmlCollector, RaplCollector,
-                                          WrappingEnergy, find_rapl_zones)
+from inference_shim.service.power import (
+    GpuReading,
+    MonotonicEnergy,
+    NvmlCollector,
+    RaplCollector,
+    WrappingEnergy,
+    find_rapl_zones,
+)
 
 
 def samples(collector) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in collector.collect() for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value for family in collector.collect() for s in family.samples
+    }
 
 
 def test_monotonic_energy_survives_a_driver_reload():
@@ -23,8 +31,14 @@ def test_monotonic_energy_survives_a_driver_reload():
 
 def test_rapl_energy_handles_wrap_around():
     energy = WrappingEnergy(max_range=1000.0)
-    assert [energy.update(r) for r in (900.0, 950.0, 50.0, 60.0, 990.0, 10.0)] == \
-        [900.0, 950.0, 1050.0, 1060.0, 1990.0, 2010.0]
+    assert [energy.update(r) for r in (900.0, 950.0, 50.0, 60.0, 990.0, 10.0)] == [
+        900.0,
+        950.0,
+        1050.0,
+        1060.0,
+        1990.0,
+        2010.0,
+    ]
 
 
 class ScriptedNvml:
@@ -43,8 +57,9 @@ class ScriptedNvml:
 def test_nvml_collector_exports_power_and_monotonic_energy_and_recovers():
     gpu = lambda power, energy: [GpuReading(0, "GPU-abc", power, energy)]  # noqa: E731
     clock = [0.0]
-    collector = NvmlCollector(ScriptedNvml([gpu(300.0, 1000.0), None, gpu(250.0, 20.0)]), retry_seconds=60,
-                              clock=lambda: clock[0])
+    collector = NvmlCollector(
+        ScriptedNvml([gpu(300.0, 1000.0), None, gpu(250.0, 20.0)]), retry_seconds=60, clock=lambda: clock[0]
+    )
     labels = (("gpu", "0"), ("uuid", "GPU-abc"))
     first = samples(collector)
     assert first[("layerwatch_nvml_up", ())] == 1
@@ -64,6 +79,7 @@ def test_nvml_collector_on_this_host():
     up = samples(NvmlCollector())[("layerwatch_nvml_up", ())]
     try:
         import pynvml
+
         pynvml.nvmlInit()
         pynvml.nvmlShutdown()
     except Exception:

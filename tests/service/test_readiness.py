@@ -31,8 +31,9 @@ def test_not_ready_when_the_model_cannot_run(in_process):
     response = httpx.get(f"{server.base_url}/readyz", timeout=30)
     assert response.status_code == 503
     assert "failed to run" in response.json()["reason"]
-    request = httpx.post(f"{server.base_url}/v1/completions", timeout=30,
-                         json={"model": MODEL_NAME, "prompt": "light", "max_tokens": 3})
+    request = httpx.post(
+        f"{server.base_url}/v1/completions", timeout=30, json={"model": MODEL_NAME, "prompt": "light", "max_tokens": 3}
+    )
     assert request.status_code == 500 and request.json()["error"]["type"] == "server_error"
     assert sample_sum(server.metrics(), "layerwatch_requests_total", status="server_error") == 1
     assert httpx.get(f"{server.base_url}/healthz", timeout=10).status_code == 200  # alive, just not ready

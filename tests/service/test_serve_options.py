@@ -45,7 +45,11 @@ def test_limits_fit_the_context_or_are_refused():
     assert (limits().max_prompt_tokens, limits().max_tokens_cap) == (128, 128)  # defaults shrink to fit
     assert limits(max_tokens_cap=56).max_prompt_tokens == 200
     assert limits(max_prompt_tokens=250).max_tokens_cap == 6
-    for bad in (dict(max_prompt_tokens=256), dict(max_tokens_cap=300), dict(max_prompt_tokens=200, max_tokens_cap=57),
-                dict(max_tokens_cap=0)):
+    for bad in (
+        dict(max_prompt_tokens=256),
+        dict(max_tokens_cap=300),
+        dict(max_prompt_tokens=200, max_tokens_cap=57),
+        dict(max_tokens_cap=0),
+    ):
         with pytest.raises(ValueError):
             limits(**bad)

@@ -7,9 +7,9 @@ import time
 import httpx
 import torch
 
+from inference_shim.runtime.agreement import ShadowJob, ShadowResult, full_depth_agreement
 from inference_shim.runtime.checkpoint import load_checkpoint
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
-from inference_shim.runtime.agreement import ShadowJob, ShadowResult, full_depth_agreement
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from tests.service.conftest import MODEL_NAME, sample_sum, tiny_gates
 
@@ -35,8 +35,10 @@ def test_full_depth_output_agrees_with_itself_and_a_changed_token_does_not(tiny_
 
 def shadow_tokens(server) -> tuple[float, float]:
     metrics = server.metrics()
-    return (sample_sum(metrics, "layerwatch_shadow_tokens_total"),
-            sample_sum(metrics, "layerwatch_shadow_agreements_total"))
+    return (
+        sample_sum(metrics, "layerwatch_shadow_tokens_total"),
+        sample_sum(metrics, "layerwatch_shadow_agreements_total"),
+    )
 
 
 def settled(server, timeout: float = 30.0) -> tuple[float, float]:

@@ -14,15 +14,15 @@ REPO = Path(__file__).resolve().parents[2]
 def require_binary(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        pytest.fail(f"{name} not found on PATH: install the Debian packages prometheus, "
-                    "prometheus-alertmanager and docker-compose (scripts/test.sh does)")
+        pytest.fail(
+            f"{name} not found on PATH: install the Debian packages prometheus, "
+            "prometheus-alertmanager and docker-compose (scripts/test.sh does)"
+        )
     return path
 
 
-def run_tool(*argv: str | Path, env: dict[str, str] | None = None,
-             cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=120,
-                          env=env, cwd=cwd)
+def run_tool(*argv: str | Path, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=120, env=env, cwd=cwd)
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +48,7 @@ def docker_compose() -> str:
 @pytest.fixture(scope="session")
 def reference_profiles():
     from alerts.profile import load_profiles
+
     return load_profiles(REPO / "alerts" / "profiles")
 
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mixin import config
 from dashboards import overview
+from mixin import config
 
 from .conftest import REPO
 
@@ -38,30 +38,37 @@ def test_every_query_uses_the_datasource_variable_and_panel_ids_are_unique(dashb
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
         for target in panel["targets"]:
             assert target["datasource"]["uid"] == "${datasource}", panel["title"]
-            assert "$model" in target["expr"] or "ALERTS" in target["expr"] \
-                or "power" in target["expr"] or "malformed" in target["expr"], panel["title"]
+            assert (
+                "$model" in target["expr"]
+                or "ALERTS" in target["expr"]
+                or "power" in target["expr"]
+                or "malformed" in target["expr"]
+            ), panel["title"]
 
 
-@pytest.mark.parametrize("title, kind, needle", [
-    ("Skip ratio", "timeseries", "layer_skips:ratio"),
-    ("Layers executed per token", "timeseries", "layers_executed"),
-    ("Per-layer skip ratio (layer × time)", "heatmap", "model_name_layer:layerwatch_layer_skips"),
-    ("Entropy mean vs healthy band", "timeseries", "profile_entropy_mean:low"),
-    ("Entropy std vs healthy band", "timeseries", "profile_entropy_std:high"),
-    ("Zero-entropy ratio", "timeseries", "profile_zero_ratio:page"),
-    ("Bimodality verdict", "stat", "layerwatch_entropy_bimodal"),
-    ("Bimodality statistics", "stat", "layerwatch_entropy_dip_p_value"),
-    ("Entropy distribution over time", "heatmap", "layerwatch_entropy_bucket"),
-    ("Entropy histogram, last 5 minutes", "barchart", "layerwatch_entropy_bucket"),
-    ("Joules per generated token", "timeseries", "joules_per_decode_token"),
-    ("Power and skip ratio", "timeseries", "layerwatch_gpu_power_watts"),
-    ("Time to first token", "timeseries", "time_to_first_token"),
-    ("Inter-token latency", "timeseries", "inter_token_latency"),
-    ("Fallbacks", "timeseries", "layerwatch_fallbacks_total"),
-    ("Shadow agreement", "timeseries", "shadow_agreements"),
-    ("Telemetry loss", "timeseries", "frames_lost"),
-    ("Firing alerts", "table", "ALERTS"),
-])
+@pytest.mark.parametrize(
+    "title, kind, needle",
+    [
+        ("Skip ratio", "timeseries", "layer_skips:ratio"),
+        ("Layers executed per token", "timeseries", "layers_executed"),
+        ("Per-layer skip ratio (layer × time)", "heatmap", "model_name_layer:layerwatch_layer_skips"),
+        ("Entropy mean vs healthy band", "timeseries", "profile_entropy_mean:low"),
+        ("Entropy std vs healthy band", "timeseries", "profile_entropy_std:high"),
+        ("Zero-entropy ratio", "timeseries", "profile_zero_ratio:page"),
+        ("Bimodality verdict", "stat", "layerwatch_entropy_bimodal"),
+        ("Bimodality statistics", "stat", "layerwatch_entropy_dip_p_value"),
+        ("Entropy distribution over time", "heatmap", "layerwatch_entropy_bucket"),
+        ("Entropy histogram, last 5 minutes", "barchart", "layerwatch_entropy_bucket"),
+        ("Joules per generated token", "timeseries", "joules_per_decode_token"),
+        ("Power and skip ratio", "timeseries", "layerwatch_gpu_power_watts"),
+        ("Time to first token", "timeseries", "time_to_first_token"),
+        ("Inter-token latency", "timeseries", "inter_token_latency"),
+        ("Fallbacks", "timeseries", "layerwatch_fallbacks_total"),
+        ("Shadow agreement", "timeseries", "shadow_agreements"),
+        ("Telemetry loss", "timeseries", "frames_lost"),
+        ("Firing alerts", "table", "ALERTS"),
+    ],
+)
 def test_panel_exists(dashboard: dict, title: str, kind: str, needle: str) -> None:
     (panel,) = [p for p in panels(dashboard) if p["title"] == title]
     assert panel["type"] == kind

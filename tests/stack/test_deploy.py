@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mixin import config
 from deploy import render as deploy
+from mixin import config
 
 from .conftest import REPO, require_binary, run_tool
 
@@ -30,14 +30,20 @@ COMPOSE_FILES = (REPO / "docker-compose.yml", REPO / "docker-compose.gpu.yml")
 @pytest.fixture()
 def stack(tmp_path: Path, reference_profiles) -> deploy.Stack:
     return deploy.render_stack(
-        tmp_path, profiles=reference_profiles, shim_targets=["127.0.0.1:18000"],
-        exporter_targets=["127.0.0.1:19411"], alertmanager_target="127.0.0.1:19093",
-        pager_url="http://127.0.0.1:1/pager", ticket_url="http://127.0.0.1:1/ticket",
-        scrape_interval=1, evaluation_interval=1, time_scale=0.01)
+        tmp_path,
+        profiles=reference_profiles,
+        shim_targets=["127.0.0.1:18000"],
+        exporter_targets=["127.0.0.1:19411"],
+        alertmanager_target="127.0.0.1:19093",
+        pager_url="http://127.0.0.1:1/pager",
+        ticket_url="http://127.0.0.1:1/ticket",
+        scrape_interval=1,
+        evaluation_interval=1,
+        time_scale=0.01,
+    )
 
 
-def test_rendered_prometheus_config_is_valid_and_loads_only_the_rules(
-        promtool: str, stack: deploy.Stack) -> None:
+def test_rendered_prometheus_config_is_valid_and_loads_only_the_rules(promtool: str, stack: deploy.Stack) -> None:
     result = run_tool(promtool, "check", "config", stack.prometheus_config)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 rule files found" in result.stdout
@@ -60,23 +66,41 @@ def test_amtool_check_config(amtool: str, stack: deploy.Stack, which: str) -> No
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("labels, receiver", [
-    (["severity=critical", "alertname=LayerwatchEntropySinglePeak", "model_name=demo"], "pager"),
-    (["severity=critical", "alertname=LayerwatchTargetDown", "instance=shim:8000"], "pager"),
-    (["severity=warning", "alertname=LayerwatchSkipRateSurge", "model_name=demo"], "ticket"),
-    (["alertname=SomethingWithoutSeverity"], "ticket"),
-])
+@pytest.mark.parametrize(
+    "labels, receiver",
+    [
+        (["severity=critical", "alertname=LayerwatchEntropySinglePeak", "model_name=demo"], "pager"),
+        (["severity=critical", "alertname=LayerwatchTargetDown", "instance=shim:8000"], "pager"),
+        (["severity=warning", "alertname=LayerwatchSkipRateSurge", "model_name=demo"], "ticket"),
+        (["alertname=SomethingWithoutSeverity"], "ticket"),
+    ],
+)
 def test_routes_by_severity(amtool: str, labels: list[str], receiver: str) -> None:
-    result = run_tool(amtool, "config", "routes", "test", f"--config.file={COMMITTED_ALERTMANAGER}",
-                      f"--verify.receivers={receiver}", *labels)
+    result = run_tool(
+        amtool,
+        "config",
+        "routes",
+        "test",
+        f"--config.file={COMMITTED_ALERTMANAGER}",
+        f"--verify.receivers={receiver}",
+        *labels,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     wrong = "ticket" if receiver == "pager" else "pager"
-    result = run_tool(amtool, "config", "routes", "test", f"--config.file={COMMITTED_ALERTMANAGER}",
-                      f"--verify.receivers={wrong}", *labels)
+    result = run_tool(
+        amtool,
+        "config",
+        "routes",
+        "test",
+        f"--config.file={COMMITTED_ALERTMANAGER}",
+        f"--verify.receivers={wrong}",
+        *labels,
+    )
     assert result.returncode != 0
 
 
 # --- a real Alertmanager: inhibition and notifications --------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -106,13 +130,14 @@ class Webhooks:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def names(self, path: str) -> set[tuple[str, str, str]]:
-        return {(a["labels"]["alertname"], a["labels"].get("instance", ""),
-                 a["labels"]["severity"]) for a in self.received[path]}
+        return {
+            (a["labels"]["alertname"], a["labels"].get("instance", ""), a["labels"]["severity"])
+            for a in self.received[path]
+        }
 
 
 def alert(name: str, severity: str, **labels: str) -> dict:
-    return {"labels": {"alertname": name, "severity": severity, **labels},
-            "annotations": {"summary": name}}
+    return {"labels": {"alertname": name, "severity": severity, **labels}, "annotations": {"summary": name}}
 
 
 def wait_for(predicate, timeout: float = 10.0):
@@ -125,19 +150,31 @@ def wait_for(predicate, timeout: float = 10.0):
     return predicate()
 
 
-def test_alertmanager_inhibits_and_notifies(alertmanager_binary: str, tmp_path: Path,
-                                            reference_profiles) -> None:
+def test_alertmanager_inhibits_and_notifies(alertmanager_binary: str, tmp_path: Path, reference_profiles) -> None:
     hooks = Webhooks()
     stack = deploy.render_stack(
-        tmp_path, profiles=reference_profiles, shim_targets=["x:1"], exporter_targets=["x:2"],
-        alertmanager_target="x:3", pager_url=f"{hooks.url}/pager", ticket_url=f"{hooks.url}/ticket",
-        time_scale=0.01)  # group_wait 30s -> 300ms
+        tmp_path,
+        profiles=reference_profiles,
+        shim_targets=["x:1"],
+        exporter_targets=["x:2"],
+        alertmanager_target="x:3",
+        pager_url=f"{hooks.url}/pager",
+        ticket_url=f"{hooks.url}/ticket",
+        time_scale=0.01,
+    )  # group_wait 30s -> 300ms
     port = free_port()
     api = f"http://127.0.0.1:{port}/api/v2"
     process = subprocess.Popen(
-        [alertmanager_binary, f"--config.file={stack.alertmanager_config}",
-         f"--storage.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-         "--cluster.listen-address="], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        [
+            alertmanager_binary,
+            f"--config.file={stack.alertmanager_config}",
+            f"--storage.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         assert wait_for(lambda: _ready(api)), "alertmanager did not start"
         alerts = [
@@ -150,8 +187,9 @@ def test_alertmanager_inhibits_and_notifies(alertmanager_binary: str, tmp_path: 
             # shim-c: a lone warning goes to the ticket receiver.
             alert("LayerwatchSkipRateSurge", "warning", model_name="demo", instance="shim-c"),
         ]
-        request = urllib.request.Request(f"{api}/alerts", json.dumps(alerts).encode(),
-                                         {"Content-Type": "application/json"}, method="POST")
+        request = urllib.request.Request(
+            f"{api}/alerts", json.dumps(alerts).encode(), {"Content-Type": "application/json"}, method="POST"
+        )
         urllib.request.urlopen(request, timeout=5).close()
 
         states = wait_for(lambda: _states(api) if len(_states(api)) == len(alerts) else None)
@@ -163,11 +201,14 @@ def test_alertmanager_inhibits_and_notifies(alertmanager_binary: str, tmp_path: 
             ("LayerwatchSkipRateSurge", "shim-c", "warning"): False,
         }  # (alertname, instance, severity) -> inhibited
 
-        expected_pager = {("LayerwatchTargetDown", "shim-a", "critical"),
-                          ("LayerwatchZeroEntropyRatioHigh", "exporter-b", "critical")}
+        expected_pager = {
+            ("LayerwatchTargetDown", "shim-a", "critical"),
+            ("LayerwatchZeroEntropyRatioHigh", "exporter-b", "critical"),
+        }
         expected_ticket = {("LayerwatchSkipRateSurge", "shim-c", "warning")}
-        assert wait_for(lambda: hooks.names("/pager") == expected_pager
-                        and hooks.names("/ticket") == expected_ticket), hooks.received
+        assert wait_for(
+            lambda: hooks.names("/pager") == expected_pager and hooks.names("/ticket") == expected_ticket
+        ), hooks.received
     finally:
         process.terminate()
         process.wait(timeout=10)
@@ -185,16 +226,22 @@ def _ready(api: str) -> bool:
 def _states(api: str) -> dict[tuple[str, str, str], bool]:
     with urllib.request.urlopen(f"{api}/alerts", timeout=5) as response:
         alerts = json.load(response)
-    return {(a["labels"]["alertname"], a["labels"].get("instance", ""), a["labels"]["severity"]):
-            bool(a["status"]["inhibitedBy"]) for a in alerts}
+    return {
+        (a["labels"]["alertname"], a["labels"].get("instance", ""), a["labels"]["severity"]): bool(
+            a["status"]["inhibitedBy"]
+        )
+        for a in alerts
+    }
 
 
 # --- Grafana provisioning and docker-compose ---------------------------------------------------------
 
+
 def test_grafana_datasource_interval_equals_the_scrape_interval() -> None:
     prometheus = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
-    datasources = yaml.safe_load(
-        (REPO / "deploy/grafana/provisioning/datasources/layerwatch.yaml").read_text())["datasources"]
+    datasources = yaml.safe_load((REPO / "deploy/grafana/provisioning/datasources/layerwatch.yaml").read_text())[
+        "datasources"
+    ]
     assert datasources[0]["uid"] == config.GRAFANA_DATASOURCE_UID
     assert datasources[0]["jsonData"]["timeInterval"] == prometheus["global"]["scrape_interval"]
 
@@ -208,8 +255,7 @@ def test_docker_compose_config_is_valid(docker_compose: str) -> None:
     env = compose_env(GRAFANA_ADMIN_PASSWORD="only-for-this-test")
     result = run_tool(docker_compose, "-f", COMPOSE_FILES[0], "config", "-q", env=env)
     assert result.returncode == 0, result.stderr
-    result = run_tool(docker_compose, *[a for f in COMPOSE_FILES for a in ("-f", f)],
-                      "config", "-q", env=env)
+    result = run_tool(docker_compose, *[a for f in COMPOSE_FILES for a in ("-f", f)], "config", "-q", env=env)
     assert result.returncode == 0, result.stderr
 
 
@@ -248,27 +294,46 @@ def test_dockerfiles_run_as_non_root_and_pin_torch_like_pyproject() -> None:
     assert "[serve]" not in (REPO / "deploy" / "exporter.Dockerfile").read_text()
 
 
-def test_rendered_stack_pages_on_a_down_target(tmp_path: Path, reference_profiles,
-                                               alertmanager_binary: str) -> None:
+def test_rendered_stack_pages_on_a_down_target(tmp_path: Path, reference_profiles, alertmanager_binary: str) -> None:
     """Real Prometheus + Alertmanager from render_stack: the shim target answers nothing, so
     LayerwatchTargetDown fires (for: 2m scaled to 1.2s) and reaches the pager webhook."""
     prometheus_binary = require_binary("prometheus")
     hooks = Webhooks()
     am_port, prom_port, dead_port = free_port(), free_port(), free_port()
     stack = deploy.render_stack(
-        tmp_path, profiles=reference_profiles, shim_targets=[f"127.0.0.1:{dead_port}"],
+        tmp_path,
+        profiles=reference_profiles,
+        shim_targets=[f"127.0.0.1:{dead_port}"],
         exporter_targets=[f"127.0.0.1:{am_port}"],  # answers /metrics: an "up" target
-        alertmanager_target=f"127.0.0.1:{am_port}", pager_url=f"{hooks.url}/pager",
-        ticket_url=f"{hooks.url}/ticket", scrape_interval=0.5, evaluation_interval=0.5,
-        time_scale=0.01)
+        alertmanager_target=f"127.0.0.1:{am_port}",
+        pager_url=f"{hooks.url}/pager",
+        ticket_url=f"{hooks.url}/ticket",
+        scrape_interval=0.5,
+        evaluation_interval=0.5,
+        time_scale=0.01,
+    )
     processes = [
-        subprocess.Popen([alertmanager_binary, f"--config.file={stack.alertmanager_config}",
-                          f"--storage.path={tmp_path / 'am'}", f"--web.listen-address=127.0.0.1:{am_port}",
-                          "--cluster.listen-address="], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-        subprocess.Popen([prometheus_binary, f"--config.file={stack.prometheus_config}",
-                          f"--storage.tsdb.path={tmp_path / 'prom'}",
-                          f"--web.listen-address=127.0.0.1:{prom_port}"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        subprocess.Popen(
+            [
+                alertmanager_binary,
+                f"--config.file={stack.alertmanager_config}",
+                f"--storage.path={tmp_path / 'am'}",
+                f"--web.listen-address=127.0.0.1:{am_port}",
+                "--cluster.listen-address=",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ),
+        subprocess.Popen(
+            [
+                prometheus_binary,
+                f"--config.file={stack.prometheus_config}",
+                f"--storage.tsdb.path={tmp_path / 'prom'}",
+                f"--web.listen-address=127.0.0.1:{prom_port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ),
     ]
     try:
         paged = wait_for(lambda: hooks.names("/pager"), timeout=30)

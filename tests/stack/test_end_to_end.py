@@ -41,11 +41,11 @@ import yaml
 from alerts.durations import Timing, parse_duration
 from alerts.profile import Profile, load_profiles
 from alerts.recorded import Recorded
-from mixin import config
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
-from deploy.render import render_stack
 from demo.loadgen import LoadReport, run_load
 from demo.processes import ManagedProcess, free_port
+from deploy.render import render_stack
+from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from mixin import config
 
 from .conftest import REPO
 
@@ -65,6 +65,7 @@ PROFILES_DIR = REPO / "alerts" / "profiles"
 
 
 # --- the pager and ticket bridges: a loopback webhook receiver --------------------------------------
+
 
 @dataclass(frozen=True)
 class Notification:
@@ -99,9 +100,16 @@ class WebhookReceiver:
 
     def first_firing(self, receiver: str, alertname: str) -> float | None:
         """When `receiver` was first notified of `alertname` firing (monotonic), or None."""
-        return next((n.received_at for n in list(self.notifications) if n.receiver == receiver
-                     for alert in n.payload["alerts"]
-                     if alert["labels"].get("alertname") == alertname and alert["status"] == "firing"), None)
+        return next(
+            (
+                n.received_at
+                for n in list(self.notifications)
+                if n.receiver == receiver
+                for alert in n.payload["alerts"]
+                if alert["labels"].get("alertname") == alertname and alert["status"] == "firing"
+            ),
+            None,
+        )
 
     def close(self) -> None:
         self._server.shutdown()
@@ -110,15 +118,30 @@ class WebhookReceiver:
 
 # --- load ----------------------------------------------------------------------------------------
 
+
 class Load:
     """Sampled and greedy completions in the background (only greedy ones are shadow-checked)."""
 
     def __init__(self, base_url: str, model_name: str) -> None:
         self.stop_event = threading.Event()
         self.reports: list[LoadReport] = []
-        self._threads = [threading.Thread(target=lambda: self.reports.append(run_load(
-            base_url, model_name, duration=math.inf, concurrency=LOAD_CONCURRENCY, max_tokens=LOAD_MAX_TOKENS,
-            greedy_fraction=0.5, stop=self.stop_event, timeout=30.0)), daemon=True)]
+        self._threads = [
+            threading.Thread(
+                target=lambda: self.reports.append(
+                    run_load(
+                        base_url,
+                        model_name,
+                        duration=math.inf,
+                        concurrency=LOAD_CONCURRENCY,
+                        max_tokens=LOAD_MAX_TOKENS,
+                        greedy_fraction=0.5,
+                        stop=self.stop_event,
+                        timeout=30.0,
+                    )
+                ),
+                daemon=True,
+            )
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -130,6 +153,7 @@ class Load:
 
 # --- the stack -----------------------------------------------------------------------------------
 
+
 def _get_json(url: str) -> dict | list:
     with urllib.request.urlopen(url, timeout=10) as response:
         return json.loads(response.read())
@@ -138,6 +162,7 @@ def _get_json(url: str) -> dict | list:
 @dataclass
 class Page:
     """How long one fault took to reach Alertmanager and its receiver."""
+
     fault: str
     alertname: str
     severity: str
@@ -149,9 +174,11 @@ class Page:
 
     def row(self) -> str:
         notified = "-" if self.notified_at is None else f"{self.notified_at - self.injected_at:.1f}"
-        return (f"| {self.fault} | {self.alertname} | {self.severity} | {self.for_seconds:g} | "
-                f"{self.serving_at - self.injected_at:.1f} | {self.in_alertmanager_at - self.injected_at:.1f} "
-                f"| {notified} |")
+        return (
+            f"| {self.fault} | {self.alertname} | {self.severity} | {self.for_seconds:g} | "
+            f"{self.serving_at - self.injected_at:.1f} | {self.in_alertmanager_at - self.injected_at:.1f} "
+            f"| {notified} |"
+        )
 
 
 @dataclass
@@ -189,11 +216,23 @@ class Stack:
         process.wait_http(ready_url, timeout)
 
     def start_shim(self, *extra: str) -> None:
-        self.start_process("shim", [
-            LAYERWATCH, "serve", "--port", str(self.shim_port),
-            "--exporter-address", f"127.0.0.1:{self.exporter_udp_port}", "--shadow-rate", "1.0",
-            "--log-level", "warning", *extra,
-        ], f"http://{self.shim_instance}/readyz")
+        self.start_process(
+            "shim",
+            [
+                LAYERWATCH,
+                "serve",
+                "--port",
+                str(self.shim_port),
+                "--exporter-address",
+                f"127.0.0.1:{self.exporter_udp_port}",
+                "--shadow-rate",
+                "1.0",
+                "--log-level",
+                "warning",
+                *extra,
+            ],
+            f"http://{self.shim_instance}/readyz",
+        )
 
     def restart_shim(self, *extra: str) -> tuple[float, float]:
         """Replace the shim by one started with `extra`, at the same address (the same target).
@@ -226,15 +265,21 @@ class Stack:
     def alert_rules(self) -> list[dict]:
         """The rendered alerting rules that apply to the served model."""
         groups = ("layerwatch.common", f"layerwatch.model.{self.model_name}")
-        return [rule for group in self.rules["groups"] if group["name"] in groups
-                for rule in group["rules"] if "alert" in rule]
+        return [
+            rule
+            for group in self.rules["groups"]
+            if group["name"] in groups
+            for rule in group["rules"]
+            if "alert" in rule
+        ]
 
     def for_seconds(self, alertname: str) -> float:
         (duration,) = {rule["for"] for rule in self.alert_rules() if rule["alert"] == alertname}
         return parse_duration(duration)
 
-    def wait_for_pages(self, fault: str, alertnames: list[str], injected_at: float,
-                       serving_at: float) -> dict[str, dict]:
+    def wait_for_pages(
+        self, fault: str, alertnames: list[str], injected_at: float, serving_at: float
+    ) -> dict[str, dict]:
         """Poll Alertmanager until every alert is active there (not inhibited) and its receiver was
         notified; record the times. Returns each alert as Alertmanager holds it."""
         deadline = time.monotonic() + FAULT_TIMEOUT
@@ -242,28 +287,43 @@ class Stack:
         while time.monotonic() < deadline:
             for name in alertnames:
                 if name not in arrived:
-                    active = [a for a in self.alertmanager_alerts(name) if a["status"]["state"] == "active"
-                              and a["labels"].get("model_name") == self.model_name]
+                    active = [
+                        a
+                        for a in self.alertmanager_alerts(name)
+                        if a["status"]["state"] == "active" and a["labels"].get("model_name") == self.model_name
+                    ]
                     if active:
                         arrived[name] = (time.monotonic(), active[0])
-            notified = {name: self.webhooks.first_firing(_receiver(alert), name)
-                        for name, (_, alert) in arrived.items()}
+            notified = {
+                name: self.webhooks.first_firing(_receiver(alert), name) for name, (_, alert) in arrived.items()
+            }
             if len(arrived) == len(alertnames) and all(t is not None for t in notified.values()):
                 break
             time.sleep(0.2)
         for name, (at, alert) in arrived.items():
-            self.pages.append(Page(fault, name, alert["labels"]["severity"], self.for_seconds(name),
-                                   injected_at, serving_at, at,
-                                   self.webhooks.first_firing(_receiver(alert), name)))
+            self.pages.append(
+                Page(
+                    fault,
+                    name,
+                    alert["labels"]["severity"],
+                    self.for_seconds(name),
+                    injected_at,
+                    serving_at,
+                    at,
+                    self.webhooks.first_firing(_receiver(alert), name),
+                )
+            )
         missing = sorted(set(alertnames) - set(arrived))
-        assert not missing, (f"{missing} not active in Alertmanager {FAULT_TIMEOUT:.0f}s after {fault}\n"
-                             f"{self.diagnostics()}")
+        assert not missing, (
+            f"{missing} not active in Alertmanager {FAULT_TIMEOUT:.0f}s after {fault}\n{self.diagnostics()}"
+        )
         return {name: alert for name, (_, alert) in arrived.items()}
 
     def layerwatch_alerts(self) -> list[dict]:
         """Every layerwatch alert Prometheus holds (pending or firing), as its API gives them."""
-        return [a for a in self.prometheus("/api/v1/alerts")["alerts"]
-                if a["labels"]["alertname"].startswith("Layerwatch")]
+        return [
+            a for a in self.prometheus("/api/v1/alerts")["alerts"] if a["labels"]["alertname"].startswith("Layerwatch")
+        ]
 
     def diagnostics(self) -> str:
         """What each side holds, and the tail of every log."""
@@ -275,9 +335,13 @@ class Stack:
     def timeline(self) -> str:
         """Restarts and every notification the receivers got, in seconds since the load started."""
         events = self.events + [
-            (n.received_at, f"{n.receiver} {n.payload['status']}: " + ", ".join(sorted(
-                {f"{a['labels']['alertname']} ({a['status']})" for a in n.payload["alerts"]})))
-            for n in self.webhooks.notifications]
+            (
+                n.received_at,
+                f"{n.receiver} {n.payload['status']}: "
+                + ", ".join(sorted({f"{a['labels']['alertname']} ({a['status']})" for a in n.payload["alerts"]})),
+            )
+            for n in self.webhooks.notifications
+        ]
         start = self.events[0][0]
         return "\n".join(f"{at - start:7.1f}s  {what}" for at, what in sorted(events))
 
@@ -305,43 +369,73 @@ def stack(tmp_path_factory, prometheus_binary: str, alertmanager_binary: str) ->
         pytest.fail(f"no profile for {DEMO_MODEL_NAME} in {PROFILES_DIR}")
     webhooks = WebhookReceiver()
     s = Stack(workdir, served[0], webhooks)
-    rendered = render_stack(workdir / "config", profiles=profiles, shim_targets=[s.shim_instance],
-                            exporter_targets=[s.exporter_instance],
-                            alertmanager_target=f"127.0.0.1:{s.alertmanager_port}",
-                            pager_url=webhooks.url("/pager"), ticket_url=webhooks.url("/ticket"),
-                            scrape_interval=SCRAPE_INTERVAL, evaluation_interval=EVALUATION_INTERVAL,
-                            time_scale=TIME_SCALE)
+    rendered = render_stack(
+        workdir / "config",
+        profiles=profiles,
+        shim_targets=[s.shim_instance],
+        exporter_targets=[s.exporter_instance],
+        alertmanager_target=f"127.0.0.1:{s.alertmanager_port}",
+        pager_url=webhooks.url("/pager"),
+        ticket_url=webhooks.url("/ticket"),
+        scrape_interval=SCRAPE_INTERVAL,
+        evaluation_interval=EVALUATION_INTERVAL,
+        time_scale=TIME_SCALE,
+    )
     s.rules = yaml.safe_load(rendered.rules.read_text())
     try:
-        s.start_process("alertmanager", [
-            alertmanager_binary, f"--config.file={rendered.alertmanager_config}",
-            f"--storage.path={workdir / 'alertmanager-data'}",
-            f"--web.listen-address=127.0.0.1:{s.alertmanager_port}", "--cluster.listen-address=",
-        ], f"http://127.0.0.1:{s.alertmanager_port}/-/ready")
-        s.start_process("exporter", [
-            LAYERWATCH, "exporter", "--listen", f"127.0.0.1:{s.exporter_udp_port}",
-            "--http", s.exporter_instance, "--window-seconds", str(EXPORTER_WINDOW_SECONDS),
-            "--statistics-cache-seconds", "0.5",
-        ], f"http://{s.exporter_instance}/healthz")
+        s.start_process(
+            "alertmanager",
+            [
+                alertmanager_binary,
+                f"--config.file={rendered.alertmanager_config}",
+                f"--storage.path={workdir / 'alertmanager-data'}",
+                f"--web.listen-address=127.0.0.1:{s.alertmanager_port}",
+                "--cluster.listen-address=",
+            ],
+            f"http://127.0.0.1:{s.alertmanager_port}/-/ready",
+        )
+        s.start_process(
+            "exporter",
+            [
+                LAYERWATCH,
+                "exporter",
+                "--listen",
+                f"127.0.0.1:{s.exporter_udp_port}",
+                "--http",
+                s.exporter_instance,
+                "--window-seconds",
+                str(EXPORTER_WINDOW_SECONDS),
+                "--statistics-cache-seconds",
+                "0.5",
+            ],
+            f"http://{s.exporter_instance}/healthz",
+        )
         s.start_shim()
         # Prometheus last: from its first scrape on, every target is up (no TargetDown at start).
-        s.start_process("prometheus", [
-            prometheus_binary, f"--config.file={rendered.prometheus_config}",
-            f"--storage.tsdb.path={workdir / 'prometheus-data'}",
-            f"--web.listen-address=127.0.0.1:{s.prometheus_port}",
-        ], f"http://127.0.0.1:{s.prometheus_port}/-/ready")
+        s.start_process(
+            "prometheus",
+            [
+                prometheus_binary,
+                f"--config.file={rendered.prometheus_config}",
+                f"--storage.tsdb.path={workdir / 'prometheus-data'}",
+                f"--web.listen-address=127.0.0.1:{s.prometheus_port}",
+            ],
+            f"http://127.0.0.1:{s.prometheus_port}/-/ready",
+        )
         s.load = Load(f"http://{s.shim_instance}", s.model_name)
         s.events.append((time.monotonic(), "load started"))
         yield s
     finally:
         s.stop()
         if s.pages:
-            print("\n\ntime to page (seconds after the restart that injected the fault; "
-                  f"time scale {TIME_SCALE}, scrape {SCRAPE_INTERVAL:g}s, evaluation {EVALUATION_INTERVAL:g}s, "
-                  f"exporter window {EXPORTER_WINDOW_SECONDS:g}s)\n"
-                  "| fault | alert | severity | scaled `for` (s) | shim serving | in Alertmanager "
-                  "| receiver notified |\n"
-                  "|---|---|---|---|---|---|---|\n" + "\n".join(p.row() for p in s.pages))
+            print(
+                "\n\ntime to page (seconds after the restart that injected the fault; "
+                f"time scale {TIME_SCALE}, scrape {SCRAPE_INTERVAL:g}s, evaluation {EVALUATION_INTERVAL:g}s, "
+                f"exporter window {EXPORTER_WINDOW_SECONDS:g}s)\n"
+                "| fault | alert | severity | scaled `for` (s) | shim serving | in Alertmanager "
+                "| receiver notified |\n"
+                "|---|---|---|---|---|---|---|\n" + "\n".join(p.row() for p in s.pages)
+            )
         if s.events:
             print(f"\ntimeline:\n{s.timeline()}")
         if s.load is not None:
@@ -351,11 +445,13 @@ def stack(tmp_path_factory, prometheus_binary: str, alertmanager_binary: str) ->
 
 # --- phase 1: a healthy baseline -----------------------------------------------------------------
 
+
 def _baseline_seconds(stack: Stack) -> float:
     """Long enough for every alert's scaled `for:` to pass over full windows."""
     longest_for = max(parse_duration(rule["for"]) for rule in stack.alert_rules())
-    longest_window = max(TIME_SCALE * config.RATE_WINDOW, TIME_SCALE * stack.profile.drift.window,
-                         EXPORTER_WINDOW_SECONDS)
+    longest_window = max(
+        TIME_SCALE * config.RATE_WINDOW, TIME_SCALE * stack.profile.drift.window, EXPORTER_WINDOW_SECONDS
+    )
     return longest_window + longest_for + 3 * EVALUATION_INTERVAL
 
 
@@ -363,23 +459,30 @@ def test_healthy_baseline_fires_no_alert(stack: Stack) -> None:
     deadline = time.monotonic() + _baseline_seconds(stack)
     fired: dict[str, str] = {}  # alertname -> its description (the evidence)
     while time.monotonic() < deadline:
-        fired.update((a["labels"]["alertname"], a["annotations"]["description"])
-                     for a in stack.layerwatch_alerts() if a["state"] == "firing")
+        fired.update(
+            (a["labels"]["alertname"], a["annotations"]["description"])
+            for a in stack.layerwatch_alerts()
+            if a["state"] == "firing"
+        )
         time.sleep(EVALUATION_INTERVAL)
 
     # The baseline was really watched: both targets up, every rule evaluates, traffic and skipping
     # are measured, and the exporter's window is full enough for a verdict, which is "bimodal".
     targets = stack.prometheus("/api/v1/targets")["activeTargets"]
     assert sorted((t["labels"]["job"], t["health"]) for t in targets) == [
-        (config.EXPORTER_JOB, "up"), (config.SHIM_JOB, "up")], targets
+        (config.EXPORTER_JOB, "up"),
+        (config.SHIM_JOB, "up"),
+    ], targets
     rules = [rule for group in stack.prometheus("/api/v1/rules")["groups"] for rule in group["rules"]]
     assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
     model = f'model_name="{stack.model_name}"'
     recorded = Recorded.for_timing(Timing(TIME_SCALE))
     skip_ratio = _values(stack.query(f"{recorded.skip_ratio}{{{model}}}"))
     assert skip_ratio and 0 < skip_ratio[0] < stack.profile.runaway_skip_ratio, skip_ratio
-    assert _values(stack.query(f"layerwatch_entropy_window_observations{{{model}}}"))[0] \
+    assert (
+        _values(stack.query(f"layerwatch_entropy_window_observations{{{model}}}"))[0]
         >= stack.profile.bimodality.min_observations
+    )
     assert _values(stack.query(f"layerwatch_entropy_bimodal{{{model}}}")) == [1.0]
 
     assert fired == {}, f"alerts fired on the healthy baseline: {fired}"
@@ -394,17 +497,22 @@ def _values(result: list[dict]) -> list[float]:
 
 # --- phase 2: gate weights overwritten ---------------------------------------------------------------
 
+
 def _served_hashes(stack: Stack) -> set[str]:
-    return {s["metric"]["gates_sha256"] for s in stack.query(
-        f'layerwatch_model_info{{instance="{stack.shim_instance}"}}')}
+    return {
+        s["metric"]["gates_sha256"] for s in stack.query(f'layerwatch_model_info{{instance="{stack.shim_instance}"}}')
+    }
 
 
 def test_reset_gates_page_single_peak_and_gate_weights_changed(stack: Stack) -> None:
     (healthy_sha,) = _served_hashes(stack)
     injected, serving = stack.restart_shim("--reset-gates")
-    alerts = stack.wait_for_pages("gates reset (`--reset-gates`)",
-                                  ["LayerwatchEntropySinglePeak", "LayerwatchGateWeightsChanged"],
-                                  injected, serving)
+    alerts = stack.wait_for_pages(
+        "gates reset (`--reset-gates`)",
+        ["LayerwatchEntropySinglePeak", "LayerwatchGateWeightsChanged"],
+        injected,
+        serving,
+    )
 
     single_peak = alerts["LayerwatchEntropySinglePeak"]
     assert single_peak["labels"]["severity"] == "critical"
@@ -416,10 +524,12 @@ def test_reset_gates_page_single_peak_and_gate_weights_changed(stack: Stack) -> 
 
 # --- phase 3: a threshold misconfigured to 0.95 -------------------------------------------------------
 
+
 def test_threshold_095_pages_runaway_skipping(stack: Stack) -> None:
     injected, serving = stack.restart_shim("--threshold", "0.95")
-    alerts = stack.wait_for_pages("threshold 0.95 (`--threshold 0.95`)", ["LayerwatchRunawaySkipping"],
-                                  injected, serving)
+    alerts = stack.wait_for_pages(
+        "threshold 0.95 (`--threshold 0.95`)", ["LayerwatchRunawaySkipping"], injected, serving
+    )
 
     runaway = alerts["LayerwatchRunawaySkipping"]
     assert runaway["labels"]["severity"] == "critical"
@@ -433,8 +543,11 @@ def test_threshold_095_pages_runaway_skipping(stack: Stack) -> None:
 DASHBOARD = json.loads((REPO / "dashboards" / "json" / "overview.json").read_text())
 PANELS = [panel for panel in DASHBOARD["panels"] if panel["type"] != "row"]
 # Series that exist only where the host exposes them: NVML (a GPU and its driver) and RAPL.
-HARDWARE_SERIES = {"gpu_energy": "a GPU with NVML", "gpu_power": "a GPU with NVML",
-                   "cpu_energy": "readable RAPL counters (/sys/class/powercap)"}
+HARDWARE_SERIES = {
+    "gpu_energy": "a GPU with NVML",
+    "gpu_power": "a GPU with NVML",
+    "cpu_energy": "readable RAPL counters (/sys/class/powercap)",
+}
 
 
 def _dashboard_expr(expr: str, stack: Stack) -> str:
@@ -443,8 +556,11 @@ def _dashboard_expr(expr: str, stack: Stack) -> str:
     scaled = astuple(Recorded.for_timing(Timing(TIME_SCALE)))
     for name, scaled_name in zip(production, scaled):
         expr = re.sub(rf"(?<![\w:]){re.escape(name)}(?![\w:])", scaled_name, expr)
-    for variable, value in (("$__rate_interval", f"{4 * SCRAPE_INTERVAL:g}s"),  # Grafana's: 4 scrapes
-                            ("$model", stack.model_name), ("$instance", stack.shim_instance)):
+    for variable, value in (
+        ("$__rate_interval", f"{4 * SCRAPE_INTERVAL:g}s"),  # Grafana's: 4 scrapes
+        ("$model", stack.model_name),
+        ("$instance", stack.shim_instance),
+    ):
         expr = expr.replace(variable, value)
     assert not re.search(r"\$[A-Za-z_{]", expr), f"a dashboard variable this test does not know: {expr}"
     return expr
@@ -464,16 +580,18 @@ def _wait_for_data(stack: Stack, expr: str, timeout: float = 15.0) -> list[dict]
 def _missing_hardware(expr: str, stack: Stack) -> str | None:
     """What the host lacks for `expr` to have data, if `expr` reads hardware-only series it lacks."""
     for needle, needs in HARDWARE_SERIES.items():
-        if needle in expr and not stack.query(f'{{__name__=~"layerwatch_{needle}.*", '
-                                              f'instance="{stack.shim_instance}"}}'):
+        if needle in expr and not stack.query(
+            f'{{__name__=~"layerwatch_{needle}.*", instance="{stack.shim_instance}"}}'
+        ):
             return needs
     return None
 
 
 def test_dashboard_variables_list_the_served_model_and_shim(stack: Stack) -> None:
     models = stack.prometheus("/api/v1/label/model_name/values", **{"match[]": "layerwatch_model_info"})
-    instances = stack.prometheus("/api/v1/label/instance/values", **{
-        "match[]": f'layerwatch_model_info{{model_name=~"{stack.model_name}"}}'})
+    instances = stack.prometheus(
+        "/api/v1/label/instance/values", **{"match[]": f'layerwatch_model_info{{model_name=~"{stack.model_name}"}}'}
+    )
     assert stack.model_name in models and instances == [stack.shim_instance]
 
 

@@ -9,16 +9,21 @@ from pathlib import Path
 
 import pytest
 
-from layerwatch import catalog
 from deploy import artifacts
+from layerwatch import catalog
 from layerwatch.promql import UnknownMetricError, check_queries, known_series, metric_names
 
 from .conftest import REPO
 
 
 def layerwatch(*args: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "layerwatch_cli.main", "generate", *map(str, args)],
-                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "layerwatch_cli.main", "generate", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
 
 
 @pytest.fixture()
@@ -72,25 +77,32 @@ def test_broken_profile_fails_with_a_clear_message(tree: Path) -> None:
 
 
 def test_generate_never_imports_torch() -> None:
-    code = ("import sys; from layerwatch_cli.main import main; rc = main(['generate', '--check']); "
-            "assert 'torch' not in sys.modules and 'inference_shim' not in sys.modules; sys.exit(rc)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                            timeout=60)
+    code = (
+        "import sys; from layerwatch_cli.main import main; rc = main(['generate', '--check']); "
+        "assert 'torch' not in sys.modules and 'inference_shim' not in sys.modules; sys.exit(rc)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert result.returncode == 0, result.stderr
 
 
 # --- the metric-name check -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("expr, names", [
-    ('sum by (job) (up{job="x"}) > 0', {"up"}),
-    ('histogram_quantile(0.95, sum by (le) (rate(a_bucket{model_name=~"$model"}[$__rate_interval])))',
-     {"a_bucket"}),
-    ('avg by (layer) (label_replace(x:y:z{a="b"}, "layer", "0$1", "layer", "([0-9])"))', {"x:y:z"}),
-    ("a / on (job, instance) group_right b * 1e3", {"a", "b"}),
-    ("sum(rate(x[5m])) by (le) and bool y unless z offset 1h", {"x", "y", "z"}),
-    ("stddev_over_time(m[10m:1m]) > 0.18 or vector(1)", {"m"}),
-    ("count(x) without (a, b)", {"x"}),
-])
+
+@pytest.mark.parametrize(
+    "expr, names",
+    [
+        ('sum by (job) (up{job="x"}) > 0', {"up"}),
+        (
+            'histogram_quantile(0.95, sum by (le) (rate(a_bucket{model_name=~"$model"}[$__rate_interval])))',
+            {"a_bucket"},
+        ),
+        ('avg by (layer) (label_replace(x:y:z{a="b"}, "layer", "0$1", "layer", "([0-9])"))', {"x:y:z"}),
+        ("a / on (job, instance) group_right b * 1e3", {"a", "b"}),
+        ("sum(rate(x[5m])) by (le) and bool y unless z offset 1h", {"x", "y", "z"}),
+        ("stddev_over_time(m[10m:1m]) > 0.18 or vector(1)", {"m"}),
+        ("count(x) without (a, b)", {"x"}),
+    ],
+)
 def test_metric_names(expr: str, names: set[str]) -> None:
     assert metric_names(expr) == names
 
@@ -105,8 +117,7 @@ def test_check_catches_a_bogus_metric() -> None:
 def test_generation_fails_when_a_panel_reads_an_undefined_metric(monkeypatch, tree: Path) -> None:
     """Drop a metric from the catalog: the dashboard panels that read it must stop generation."""
     real = catalog.all_series_names
-    monkeypatch.setattr(catalog, "all_series_names",
-                        lambda: real() - {"layerwatch_time_to_first_token_seconds_bucket"})
+    monkeypatch.setattr(catalog, "all_series_names", lambda: real() - {"layerwatch_time_to_first_token_seconds_bucket"})
     with pytest.raises(UnknownMetricError) as err:
         artifacts.generated_files(tree)
     assert "dashboard panel 'Time to first token'" in str(err.value)
@@ -115,7 +126,6 @@ def test_generation_fails_when_a_panel_reads_an_undefined_metric(monkeypatch, tr
 
 def test_generation_fails_when_a_rule_reads_an_undefined_metric(monkeypatch, tree: Path) -> None:
     real = catalog.all_series_names
-    monkeypatch.setattr(catalog, "all_series_names",
-                        lambda: real() - {"layerwatch_entropy_dip"})
+    monkeypatch.setattr(catalog, "all_series_names", lambda: real() - {"layerwatch_entropy_dip"})
     with pytest.raises(UnknownMetricError, match=r"rule LayerwatchEntropySinglePeak \(annotation\)"):
         artifacts.generated_files(tree)

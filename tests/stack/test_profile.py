@@ -44,35 +44,49 @@ def test_dump_then_load_gives_the_same_profile(tmp_path: Path) -> None:
 
 
 def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
-    data = {k: v for k, v in reference_data().items()
-            if k in ("model_name", "threshold", "patience", "entropy_mean", "entropy_std",
-                     "zero_ratio", "skip_ratio_normal", "bimodality")}
+    data = {
+        k: v
+        for k, v in reference_data().items()
+        if k
+        in (
+            "model_name",
+            "threshold",
+            "patience",
+            "entropy_mean",
+            "entropy_std",
+            "zero_ratio",
+            "skip_ratio_normal",
+            "bimodality",
+        )
+    }
     p = load_profile(write(tmp_path, data))
     assert p.runaway_skip_ratio == 0.85 and p.zero_ratio_page == 0.40
     assert p.for_duration("LayerwatchEntropySinglePeak") == 600
 
 
-@pytest.mark.parametrize("change, field, problem", [
-    ({"entropy_mean": {"low": 0.4, "high": 0.3}}, "entropy_mean", "above high"),
-    ({"threshold": 1.5}, "threshold", "outside [0, 1]"),
-    ({"zero_ratio": {"low": -0.1, "high": 0.2}}, "zero_ratio: low", "outside [0, 1]"),
-    ({"patience": "three"}, "patience", "expected an integer"),
-    ({"patience": 2.5}, "patience", "expected an integer"),
-    ({"threshold": True}, "threshold", "expected a number"),
-    ({"entropy_std": [0.08, 0.12]}, "entropy_std", "expected a mapping"),
-    ({"treshold": 0.18}, "unknown key(s) ['treshold']", "known:"),
-    ({"drift": {"limit": 0.18, "window": "ten minutes"}}, "drift: window", "not a duration"),
-    ({"for": {"LayerwatchNoSuchAlert": "5m"}}, "for", "unknown alert"),
-    ({"for": {"LayerwatchTargetDown": "5m"}}, "for", "unknown alert"),  # common: no override
-    ({"for": {"LayerwatchEntropyDrift": 300}}, "for.LayerwatchEntropyDrift", "expected a duration"),
-    ({"zero_ratio_page": 0.2}, "zero_ratio_page", "below the healthy band"),
-    ({"runaway_skip_ratio": 0.1}, "runaway_skip_ratio", "not above skip_ratio_normal"),
-    ({"skip_surge_factor": 1.0}, "skip_surge_factor", "must be above 1"),
-    ({"model_name": 'demo"} or vector(1)'}, "model_name", "must match"),
-    ({"bimodality": {"min_observations": 0}}, "bimodality.min_observations", "at least 1"),
-])
-def test_broken_profile_names_file_and_field(tmp_path: Path, change: dict, field: str,
-                                             problem: str) -> None:
+@pytest.mark.parametrize(
+    "change, field, problem",
+    [
+        ({"entropy_mean": {"low": 0.4, "high": 0.3}}, "entropy_mean", "above high"),
+        ({"threshold": 1.5}, "threshold", "outside [0, 1]"),
+        ({"zero_ratio": {"low": -0.1, "high": 0.2}}, "zero_ratio: low", "outside [0, 1]"),
+        ({"patience": "three"}, "patience", "expected an integer"),
+        ({"patience": 2.5}, "patience", "expected an integer"),
+        ({"threshold": True}, "threshold", "expected a number"),
+        ({"entropy_std": [0.08, 0.12]}, "entropy_std", "expected a mapping"),
+        ({"treshold": 0.18}, "unknown key(s) ['treshold']", "known:"),
+        ({"drift": {"limit": 0.18, "window": "ten minutes"}}, "drift: window", "not a duration"),
+        ({"for": {"LayerwatchNoSuchAlert": "5m"}}, "for", "unknown alert"),
+        ({"for": {"LayerwatchTargetDown": "5m"}}, "for", "unknown alert"),  # common: no override
+        ({"for": {"LayerwatchEntropyDrift": 300}}, "for.LayerwatchEntropyDrift", "expected a duration"),
+        ({"zero_ratio_page": 0.2}, "zero_ratio_page", "below the healthy band"),
+        ({"runaway_skip_ratio": 0.1}, "runaway_skip_ratio", "not above skip_ratio_normal"),
+        ({"skip_surge_factor": 1.0}, "skip_surge_factor", "must be above 1"),
+        ({"model_name": 'demo"} or vector(1)'}, "model_name", "must match"),
+        ({"bimodality": {"min_observations": 0}}, "bimodality.min_observations", "at least 1"),
+    ],
+)
+def test_broken_profile_names_file_and_field(tmp_path: Path, change: dict, field: str, problem: str) -> None:
     path = write(tmp_path, {**reference_data(), **change})
     with pytest.raises(ProfileError) as err:
         load_profile(path)
@@ -111,8 +125,7 @@ def test_dump_refuses_an_inconsistent_profile(tmp_path: Path) -> None:
     assert not (tmp_path / "x.yaml").exists()
 
 
-@pytest.mark.parametrize("text, seconds", [("30s", 30), ("5m", 300), ("1h30m", 5400),
-                                           ("500ms", 0.5), ("1d", 86400)])
+@pytest.mark.parametrize("text, seconds", [("30s", 30), ("5m", 300), ("1h30m", 5400), ("500ms", 0.5), ("1d", 86400)])
 def test_durations_parse_and_format_back(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
     assert parse_duration(format_duration(seconds)) == seconds

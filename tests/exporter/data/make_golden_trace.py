@@ -42,8 +42,7 @@ def main() -> None:
     demo_skipped = patience_skips(demo).astype(int)
     lines = []
     for token in range(500):
-        lines.append({"model_name": "demo", "scores": demo[token].tolist(),
-                      "skipped": demo_skipped[token].tolist()})
+        lines.append({"model_name": "demo", "scores": demo[token].tolist(), "skipped": demo_skipped[token].tolist()})
         if token % 2:
             lines.append({"model_name": "flat", "scores": flat[token // 2].tolist(), "skipped": [0] * 8})
     path = Path(__file__).with_name("golden-trace.jsonl")
