@@ -4,7 +4,7 @@ Generated: the alert and recording rules (from alerts/profiles/*.yaml), the Graf
 deploy files of the docker-compose stack and docs/metrics.md. Before anything is returned, every
 PromQL query of the rules (alert text included) and of the dashboard is checked against the metric
 catalog and the recording rules: a query of an undefined series raises UnknownMetricError.
-Never imports torch: it runs in CI and in the exporter's light install.
+Never imports torch: it runs in CI without the `serve` extra.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from deploy import render
 from layerwatch import catalog
 from layerwatch.promql import check_queries, known_series
 
-REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 PROFILES_DIR = "alerts/profiles"
 RULES_PATH = "alerts/generated/layerwatch.rules.yaml"
 DASHBOARD_PATH = "dashboards/json/overview.json"

@@ -9,12 +9,10 @@ RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin layerwatch
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# What `layerwatch exporter` imports: the core, the exporter and the command line.
 COPY layerwatch ./layerwatch
-COPY mixin ./mixin
-COPY layerwatch_cli ./layerwatch_cli
 COPY exporter ./exporter
-COPY alerts ./alerts
-COPY dashboards ./dashboards
+COPY layerwatch_cli ./layerwatch_cli
 RUN pip install . && rm -rf /src
 
 USER layerwatch

@@ -16,13 +16,10 @@ RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin layerwatch \
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# What `layerwatch serve` imports: the core, the model runtime and service, and the command line.
 COPY layerwatch ./layerwatch
-COPY mixin ./mixin
-COPY layerwatch_cli ./layerwatch_cli
 COPY inference_shim ./inference_shim
-COPY exporter ./exporter
-COPY alerts ./alerts
-COPY dashboards ./dashboards
+COPY layerwatch_cli ./layerwatch_cli
 RUN pip install ".[serve]" && rm -rf /src
 
 USER layerwatch

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from alerts.profile import ProfileError
-from deploy.artifacts import REPOSITORY_ROOT, generated_files, stale_files
+from deploy.artifacts import PROFILES_DIR, generated_files, stale_files
 from layerwatch.promql import UnknownMetricError
 
 
@@ -23,13 +23,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--root",
         type=Path,
-        default=REPOSITORY_ROOT,
-        help="repository root to read profiles from and write into (default: %(default)s)",
+        default=Path("."),
+        help="the repository checkout to read profiles from and write into (default: the current folder)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     root = args.root.resolve()
+    if not (root / PROFILES_DIR).is_dir():
+        # An installed package has no checkout to write into: generation is a repository tool.
+        print(
+            f"layerwatch generate: {root} is not a layerwatch checkout (no {PROFILES_DIR}/); "
+            f"run it from the repository root or pass --root",
+            file=sys.stderr,
+        )
+        return 2
     try:
         files = generated_files(root)
     except ModuleNotFoundError as exc:

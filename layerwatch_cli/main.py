@@ -84,8 +84,12 @@ def build_parser(argv: list[str], environ: dict[str, str] | None = None) -> argp
         p = sub.add_parser(name, help=help_line, description=help_line)
         if name != wanted:
             continue  # only the command that runs is imported
-        module = importlib.import_module(module_name)
-        module.add_arguments(p)
+        try:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+        except ModuleNotFoundError as exc:
+            # A slim install (the exporter's image ships no torch and no model code) lacks some commands.
+            parser.error(f"`layerwatch {name}` is not available in this installation: {exc}")
         apply_environment(p, environ)
         p.set_defaults(_module=module)
     return parser

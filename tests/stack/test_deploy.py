@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import tomllib
@@ -292,6 +294,47 @@ def test_dockerfiles_run_as_non_root_and_pin_torch_like_pyproject() -> None:
     shim = (REPO / "deploy" / "shim.Dockerfile").read_text()
     assert f"ARG TORCH_VERSION={torch_pin.split('==')[1]}" in shim
     assert "[serve]" not in (REPO / "deploy" / "exporter.Dockerfile").read_text()
+
+
+# Runs a command with only `folders` importable from the project: the editable install's finder,
+# which would find any package of the checkout, is taken off sys.meta_path first.
+_IMAGE_PYTHON = """
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+sys.path.insert(0, sys.argv[1])
+from layerwatch_cli.main import main
+sys.argv = ["layerwatch", *sys.argv[2:]]
+try:
+    main()
+except SystemExit as exc:
+    sys.exit(exc.code)
+"""
+
+
+@pytest.mark.parametrize(("dockerfile", "command"), [("exporter.Dockerfile", "exporter"), ("shim.Dockerfile", "serve")])
+def test_each_image_copies_every_package_its_command_imports(tmp_path: Path, dockerfile: str, command: str) -> None:
+    """The image's COPY lines are the whole project inside it: its command must start (--help
+    imports the command and its libraries) from those folders alone."""
+    copied = re.findall(r"^COPY (\w+) \./\1$", (REPO / "deploy" / dockerfile).read_text(), re.M)
+    assert copied, dockerfile
+    for folder in copied:
+        shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    result = subprocess.run(
+        [sys.executable, "-c", _IMAGE_PYTHON, str(tmp_path), command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    missing = subprocess.run(
+        [sys.executable, "-c", _IMAGE_PYTHON, str(tmp_path), "generate", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert missing.returncode == 2 and "not available in this installation" in missing.stderr
 
 
 def test_rendered_stack_pages_on_a_down_target(tmp_path: Path, reference_profiles, alertmanager_binary: str) -> None:
