@@ -9,7 +9,7 @@ One run measures, on the same model and prompt, through the real GenerationEngin
 Forced patterns use the real policy: tau = 1 (every entropy counts as low), patience 1, and the
 layers to keep marked protected, so from the second step on exactly those layers run.
 
-Printed ratios (issue 2 goals): gate overhead = tokens/s(tau = 0) / tokens/s(no gates), goal
+Printed ratios (goals in docs/performance.md): gate overhead = tokens/s(tau = 0) / tokens/s(no gates), goal
 >= 0.97; realised vs ideal speed-up, ideal = 1 / (1 - f*w) where f is the skipped fraction of
 layers and w the share of a full-depth step spent in attention + FFN (what a skip removes),
 measured by a per-layer profile.

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/exporter_bench.py
 
-Goals (issue 5): ingest ≥ 2 M entropies/s on one core; /metrics ≤ 20 ms with per-layer histograms
+Goals (docs/performance.md): ingest ≥ 2 M entropies/s on one core; /metrics ≤ 20 ms with per-layer histograms
 at 80 layers × 4 models; resident memory ≤ 100 MB. Results go into docs/performance.md.
 """
 

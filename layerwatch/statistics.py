@@ -3,7 +3,7 @@
 Two binnings of [0, 1] into 20 bins of width 0.05 exist, on purpose:
 - Prometheus buckets are cumulative `x <= le` (le = 0.05 … 1.0), so the exported histogram puts a
   value that sits exactly on an edge into the lower bucket (`le_bucket_index`);
-- the CONTRACT's 20-bin histogram (replay's `histogram`, the window's peak count) is left-closed:
+- the 20-bin histogram (replay's `histogram`, docs/interfaces.md; the window's peak count) is left-closed:
   [0, 0.05), [0.05, 0.10) … [0.95, 1.0] (`bin_index`).
 They differ only for values exactly on an edge that float32 can represent (0.25, 0.5, 0.75).
 
@@ -36,7 +36,7 @@ MIN_PEAK_FRACTION = 0.03
 VALLEY_DEPTH = 0.5
 # The dip test must reject unimodality at this level.
 DIP_ALPHA = 0.05
-# diptest's p-value table is valid up to n ≈ 72,000 (BRIEF): a larger window gets wrong p-values.
+# diptest's p-value table is valid up to n ≈ 72,000 (docs/exporter.md): a larger window gets wrong p-values.
 MAX_WINDOW_OBSERVATIONS = 72_000
 # The exporter's window: at most this many entropies per model, a verdict only from this many on.
 DEFAULT_WINDOW_OBSERVATIONS = 50_000
@@ -49,7 +49,7 @@ def le_bucket_index(entropies: np.ndarray) -> np.ndarray:
 
 
 def bin_index(entropies: np.ndarray) -> np.ndarray:
-    """CONTRACT bin of each value: [0, 0.05) → 0 … [0.95, 1.0] → 19."""
+    """Replay's bin of each value (docs/interfaces.md): [0, 0.05) → 0 … [0.95, 1.0] → 19."""
     return np.minimum(np.searchsorted(_UPPER_EDGES, entropies, side="right"), BINS - 1)
 
 
@@ -208,7 +208,7 @@ def _prominence(h: list[float], start: int, end: int) -> float:
 
 
 def report(model_name: str, totals: EntropyTotals, histogram: np.ndarray, bimodality: Bimodality) -> dict[str, object]:
-    """The CONTRACT's per-model keys (plus a few), as printed by `layerwatch replay --json`."""
+    """The per-model keys of docs/interfaces.md, as printed by `layerwatch replay --json`."""
     bc = bimodality.bimodality_coefficient
     return {
         "model_name": model_name,

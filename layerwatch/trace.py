@@ -1,4 +1,4 @@
-"""Trace files: JSON Lines, one line per decoded token of one sequence (CONTRACT "Trace format").
+"""Trace files: JSON Lines, one line per decoded token of one sequence (docs/interfaces.md, "Trace format").
 
     {"model_name": "demo", "scores": [0.91, 0.07, ...], "skipped": [0, 1, ...]}
 

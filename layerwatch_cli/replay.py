@@ -34,7 +34,7 @@ def _positive_int(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ExporterConfig()
-    parser.add_argument("trace", metavar="TRACE.jsonl", help="trace file (JSON Lines, CONTRACT format)")
+    parser.add_argument("trace", metavar="TRACE.jsonl", help="trace file (JSON Lines, as serve --trace-file writes it)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per model")
     parser.add_argument(
         "--window-max-observations",

@@ -1,4 +1,4 @@
-"""`layerwatch replay`: the CONTRACT keys per model, and clear errors for bad traces."""
+"""`layerwatch replay`: the keys of docs/interfaces.md per model, and clear errors for bad traces."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 from layerwatch.trace import read_trace
 from tests.exporter.support import GOLDEN_TRACE
 
-CONTRACT_KEYS = {
+DOCUMENTED_KEYS = {
     "model_name",
     "observations",
     "histogram",
@@ -41,7 +41,7 @@ def test_json_has_the_contract_keys_and_matches_the_trace() -> None:
     assert [r["model_name"] for r in reports] == ["demo", "flat"]
     records = list(read_trace(GOLDEN_TRACE))
     for report in reports:
-        assert set(report) >= CONTRACT_KEYS
+        assert set(report) >= DOCUMENTED_KEYS
         scores = np.concatenate([r.scores for r in records if r.model_name == report["model_name"]])
         skipped = np.concatenate([r.skipped for r in records if r.model_name == report["model_name"]])
         assert report["observations"] == scores.size == sum(report["histogram"])

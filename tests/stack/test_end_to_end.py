@@ -1,4 +1,4 @@
-"""Issue 6 end to end: real Prometheus and Alertmanager, configured by the repo's own deploy code,
+"""End to end: real Prometheus and Alertmanager, configured by the repo's own deploy code,
 scraping a real `layerwatch serve` and `layerwatch exporter` under generated load.
 
 One stack per module (`stack` fixture); the tests are phases and run in file order:
