@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from layerwatch.ports import EXPORTER_FRAMES_PORT, LOOPBACK
+
 MAGIC = b"LWGF"
 VERSION = 2  # what a frame with a threshold is written as
 VERSION_WITHOUT_THRESHOLD = 1  # the previous version: still decoded, written for frames without one
@@ -43,7 +45,7 @@ SUPPORTED_VERSIONS = (VERSION_WITHOUT_THRESHOLD, VERSION)
 MAX_FRAME_BYTES = 65_000
 MAX_NAME_BYTES = 255
 # Where the shim sends frames and the exporter listens for them, unless told otherwise.
-DEFAULT_FRAMES_ADDRESS = "127.0.0.1:9410"
+DEFAULT_FRAMES_ADDRESS = f"{LOOPBACK}:{EXPORTER_FRAMES_PORT}"
 
 _HEADER = struct.Struct("<4sBBHHQBB")
 HEADER_BYTES = _HEADER.size  # 20: the fields every version starts with (all of version 1's header)

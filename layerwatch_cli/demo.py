@@ -18,14 +18,17 @@ from pathlib import Path
 from demo.loadgen import run_load
 from demo.stack import DemoStack
 from exporter.live_view import CLEAR_SCREEN, render_screen
+from layerwatch import ports
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded demo model)")
-    parser.add_argument("--port", type=int, default=8000, help="shim HTTP port (default %(default)s)")
-    parser.add_argument("--exporter-port", type=int, default=9411, help="exporter HTTP port (default %(default)s)")
-    parser.add_argument("--prometheus-port", type=int, default=9090, help="(default %(default)s)")
-    parser.add_argument("--alertmanager-port", type=int, default=9093, help="(default %(default)s)")
+    parser.add_argument("--port", type=int, default=ports.SHIM_HTTP_PORT, help="shim HTTP port (default %(default)s)")
+    parser.add_argument(
+        "--exporter-port", type=int, default=ports.EXPORTER_HTTP_PORT, help="exporter HTTP port (default %(default)s)"
+    )
+    parser.add_argument("--prometheus-port", type=int, default=ports.PROMETHEUS_PORT, help="(default %(default)s)")
+    parser.add_argument("--alertmanager-port", type=int, default=ports.ALERTMANAGER_PORT, help="(default %(default)s)")
     parser.add_argument("--no-prometheus", action="store_true", help="do not start Prometheus and Alertmanager")
     parser.add_argument("--concurrency", type=int, default=2, help="load generator clients (default %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per generated completion")

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from exporter.server import ExporterServer
 from exporter.state import ExporterConfig, ExporterState
+from layerwatch.ports import EXPORTER_HTTP_PORT, LOOPBACK
 from layerwatch.statistics import MAX_WINDOW_OBSERVATIONS
 from layerwatch.wire import DEFAULT_FRAMES_ADDRESS, parse_address
 
@@ -61,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--http",
         type=_address,
-        default="127.0.0.1:9411",
+        default=f"{LOOPBACK}:{EXPORTER_HTTP_PORT}",
         metavar="HOST:PORT",
         help="HTTP address for /metrics and /healthz (default %(default)s)",
     )

@@ -15,6 +15,7 @@ from inference_shim.runtime.checkpoint import DTYPES
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.service.shim import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServeSettings
+from layerwatch.ports import SHIM_HTTP_PORT
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Every flag below that sets a ServeSettings field has that field's name as its dest and its default
@@ -109,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--port", type=int, default=SHIM_HTTP_PORT)
     server.add_argument(
         "--max-batch-size",
         type=int,

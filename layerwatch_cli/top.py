@@ -12,10 +12,13 @@ import time
 import urllib.error
 
 from exporter.live_view import CLEAR_SCREEN, render_screen
+from layerwatch.ports import EXPORTER_HTTP_PORT, LOOPBACK
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default="http://127.0.0.1:9411", help="the exporter (default %(default)s)")
+    parser.add_argument(
+        "--url", default=f"http://{LOOPBACK}:{EXPORTER_HTTP_PORT}", help="the exporter (default %(default)s)"
+    )
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default %(default)s)")
     parser.add_argument("--once", action="store_true", help="print one view without terminal control codes and exit")
 

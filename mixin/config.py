@@ -7,6 +7,8 @@ labels, windows, severities, where runbooks and receivers live, the compose stac
 
 from __future__ import annotations
 
+from layerwatch import ports
+
 # Scrape jobs. Rules select on these, so a Prometheus scraping layerwatch under other job names
 # needs only these two strings changed (and the deploy files regenerated).
 SHIM_JOB = "layerwatch-shim"
@@ -38,10 +40,10 @@ PAGER_URL = "http://pager.invalid/layerwatch"
 TICKET_URL = "http://ticket.invalid/layerwatch"
 
 # The docker-compose stack: service addresses and the scrape interval Grafana must agree with.
-COMPOSE_SHIM_TARGET = "shim:8000"
-COMPOSE_EXPORTER_TARGET = "exporter:9411"
-COMPOSE_ALERTMANAGER_TARGET = "alertmanager:9093"
-COMPOSE_PROMETHEUS_URL = "http://prometheus:9090"
+COMPOSE_SHIM_TARGET = f"shim:{ports.SHIM_HTTP_PORT}"
+COMPOSE_EXPORTER_TARGET = f"exporter:{ports.EXPORTER_HTTP_PORT}"
+COMPOSE_ALERTMANAGER_TARGET = f"alertmanager:{ports.ALERTMANAGER_PORT}"
+COMPOSE_PROMETHEUS_URL = f"http://prometheus:{ports.PROMETHEUS_PORT}"
 SCRAPE_INTERVAL = 15.0
 EVALUATION_INTERVAL = 15.0
 
