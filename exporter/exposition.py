@@ -20,8 +20,6 @@ from prometheus_client.utils import floatToGoString
 
 from layerwatch.prometheus import HistogramArrays
 
-__all__ = ["HistogramArrays", "TextEncoder"]
-
 # Series are bounded (models are capped by --max-models), but a long-lived process could still see
 # many come and go: start over rather than grow without bound.
 MAX_CACHED_SERIES = 100_000

@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
 
     from inference_shim.offline.corpus import CorpusError
     from inference_shim.offline.gate_training import GateSchedule, init_gates, train_gates
-    from inference_shim.offline.training import resolve_device, text_file_stream
-    from inference_shim.runtime.checkpoint import CheckpointError, load_checkpoint
+    from inference_shim.offline.training import text_file_stream
+    from inference_shim.runtime.checkpoint import CheckpointError, load_checkpoint, resolve_device
     from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
     from inference_shim.runtime.skip_policy import SkipPolicyConfig
 

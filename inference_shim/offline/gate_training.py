@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from inference_shim.offline.training import lm_loss, sample_windows
 from inference_shim.runtime.model import GateBank, Transformer
+from inference_shim.runtime.skip_policy import SkipPolicyConfig
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,8 @@ class GateSchedule:
     batch_size: int = 8
     seq_len: int = 128
     learning_rate: float = 5e-3
-    threshold: float = 0.18  # tau the gates are trained for (and stored with)
-    patience: int = 3
+    threshold: float = SkipPolicyConfig.threshold  # tau the gates are trained for (and stored with)
+    patience: int = SkipPolicyConfig.patience
     protected_layers: tuple[int, ...] = ()
     target_skip: float = 0.28  # share of (token, skippable layer) pairs to skip
     sparsity_weight: float = 20.0

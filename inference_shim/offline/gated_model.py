@@ -7,9 +7,8 @@ from pathlib import Path
 
 import torch
 
-from inference_shim.offline.training import resolve_device
-from inference_shim.runtime.checkpoint import LoadedCheckpoint, load_checkpoint
-from inference_shim.runtime.gates import GATES_FILE, LoadedGates, load_gates
+from inference_shim.runtime.checkpoint import LoadedCheckpoint, load_checkpoint, resolve_device
+from inference_shim.runtime.gates import LoadedGates, gates_path_for, load_gates
 from inference_shim.runtime.model import Transformer
 
 
@@ -33,11 +32,11 @@ def load_gated_model(
     device: str = "cpu",
     threads: int = 0,
 ) -> GatedModel:
-    """The checkpoint and its gates (default: GATES_FILE in the model folder); patience defaults to
+    """The checkpoint and its gates (default: the folder's gates.safetensors); patience defaults to
     the gates' own. Raises ValueError subclasses on bad input."""
     if threads > 0:
         torch.set_num_threads(threads)
     loaded = load_checkpoint(model_dir, device=resolve_device(device))
-    gates_path = gates_path if gates_path is not None else model_dir / GATES_FILE
+    gates_path = gates_path_for(model_dir, gates_path)
     gates = load_gates(gates_path, loaded.model)
     return GatedModel(loaded, gates, gates_path, patience if patience is not None else gates.metadata.patience)

@@ -78,16 +78,6 @@ def text_file_stream(tokenizer: TextTokenizer, path: Path, min_tokens: int) -> t
     return stream
 
 
-def resolve_device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise ValueError(f"--device {name!r}: {exc}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine")
-    return device
-
-
 def sample_windows(stream: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
     """[batch_size, seq_len + 1] random windows: inputs are [:, :-1], targets [:, 1:]."""
     starts = torch.randint(0, len(stream) - seq_len - 1, (batch_size,), generator=generator)

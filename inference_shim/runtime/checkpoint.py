@@ -48,6 +48,17 @@ class LoadedCheckpoint:
     tokenizer: Tokenizer
 
 
+def resolve_device(name: str) -> torch.device:
+    """A torch device from its name; ValueError for a malformed name or a GPU this machine lacks."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"--device {name!r}: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
 def load_checkpoint(
     path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.float32
 ) -> LoadedCheckpoint:

@@ -29,6 +29,11 @@ FORMAT_VERSION = 1
 FINGERPRINT_SAMPLES = 64  # values sampled from each tensor
 
 
+def gates_path_for(model_dir: str | Path, gates_path: str | Path | None = None) -> Path:
+    """The gate file to load: the one named, else GATES_FILE in the checkpoint folder."""
+    return Path(gates_path) if gates_path is not None else Path(model_dir) / GATES_FILE
+
+
 class GateFileError(ValueError):
     """A gate file is missing, malformed, or belongs to another model; the message names the file."""
 

@@ -13,12 +13,11 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from prometheus_client import CollectorRegistry
 
-from inference_shim.runtime.checkpoint import DTYPES, LoadedCheckpoint, load_checkpoint
+from inference_shim.runtime.checkpoint import DTYPES, LoadedCheckpoint, load_checkpoint, resolve_device
 from inference_shim.runtime.engine import GenerationEngine, StepHook
-from inference_shim.runtime.gates import GATES_FILE, LoadedGates, load_gates, reset_gates
+from inference_shim.runtime.gates import LoadedGates, gates_path_for, load_gates, reset_gates
 from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.service.engine_worker import EngineWorker
@@ -75,7 +74,7 @@ class ServeSettings:
 
 
 def gates_file(settings: ServeSettings) -> Path:
-    return settings.gates_path or Path(settings.model_dir) / GATES_FILE
+    return gates_path_for(settings.model_dir, settings.gates_path)
 
 
 @dataclass(frozen=True)
@@ -177,8 +176,7 @@ class ShimService:
 
     @classmethod
     def load(cls, settings: ServeSettings, registry: CollectorRegistry | None = None) -> ShimService:
-        if settings.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {settings.device}: CUDA is not available on this host")
+        resolve_device(settings.device)  # a clear error for a malformed name or a missing GPU
         if settings.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
         checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])

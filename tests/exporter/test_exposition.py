@@ -7,8 +7,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter.collectors import EntropyCollector, IngestCollector, LayerCollector, WindowCollector
-from exporter.exposition import HistogramArrays, TextEncoder
+from exporter.exposition import TextEncoder
 from exporter.state import ExporterConfig, ExporterState
+from layerwatch.prometheus import HistogramArrays
 from tests.exporter.support import random_frame
 
 
