@@ -27,10 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from demo.loadgen import run_load
-from demo.processes import ManagedProcess, free_port
+from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 
-LAYERWATCH = [sys.executable, "-m", "layerwatch_cli.main"]
+LAYERWATCH = LAYERWATCH_COMMAND
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:

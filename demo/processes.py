@@ -11,10 +11,14 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+# `layerwatch` in a child process, with the running interpreter (and so the same environment).
+LAYERWATCH_COMMAND = [sys.executable, "-m", "layerwatch_cli.main"]
 
 
 def free_port(kind: int = socket.SOCK_STREAM) -> int:

@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import sys
 import urllib.request
 from pathlib import Path
 
 from alerts.profile import PROFILES_DIR, load_profiles
-from demo.processes import ManagedProcess, free_port
+from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
 from deploy.render import render_stack
 from mixin import config
 
@@ -34,7 +33,7 @@ class DemoStack:
         return proc
 
     def start_core(self, *, port: int, exporter_port: int, shadow_rate: float, model: str | None) -> tuple[str, str]:
-        cli = [sys.executable, "-m", "layerwatch_cli.main"]
+        cli = LAYERWATCH_COMMAND
         udp_port = free_port(socket.SOCK_DGRAM)
         exporter_url = f"http://127.0.0.1:{exporter_port}"
         exporter = self._start(

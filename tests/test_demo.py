@@ -6,12 +6,11 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
 
-from demo.processes import free_port
+from demo.processes import LAYERWATCH_COMMAND, free_port
 
 
 def _port_closed(port: int) -> bool:
@@ -25,7 +24,7 @@ def _port_closed(port: int) -> bool:
 )
 def test_demo_shows_the_live_histogram_and_leaves_nothing_behind_on_ctrl_c(tmp_path):
     ports = {name: free_port() for name in ("port", "exporter-port", "prometheus-port", "alertmanager-port")}
-    argv = [sys.executable, "-m", "layerwatch_cli.main", "demo", "--workdir", str(tmp_path), "--interval", "1"]
+    argv = [*LAYERWATCH_COMMAND, "demo", "--workdir", str(tmp_path), "--interval", "1"]
     for name, port in ports.items():
         argv += [f"--{name}", str(port)]
     demo = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from demo.processes import LAYERWATCH_COMMAND
 from layerwatch.catalog import EXPORTER, for_component
 from layerwatch.wire import MAX_FRAME_BYTES, encode_frame
 from tests.exporter.support import DATA, GOLDEN_TRACE, random_frame, trace_frames
@@ -110,7 +111,7 @@ def test_live_exporter_agrees_with_replay(start_exporter) -> None:
     exporter = start_exporter("--statistics-cache-seconds", "0")
     exporter.send_frames(trace_frames(GOLDEN_TRACE))
     replay = subprocess.run(
-        [sys.executable, "-m", "layerwatch_cli.main", "replay", str(GOLDEN_TRACE), "--json"],
+        [*LAYERWATCH_COMMAND, "replay", str(GOLDEN_TRACE), "--json"],
         capture_output=True,
         text=True,
         check=True,
@@ -146,7 +147,7 @@ def test_top_shows_histogram_verdict_and_statistics(start_exporter) -> None:
     exporter = start_exporter("--statistics-cache-seconds", "0")
     exporter.send_frames(trace_frames(GOLDEN_TRACE))
     top = subprocess.run(
-        [sys.executable, "-m", "layerwatch_cli.main", "top", "--url", exporter.url, "--once"],
+        [*LAYERWATCH_COMMAND, "top", "--url", exporter.url, "--once"],
         capture_output=True,
         text=True,
         check=True,
@@ -161,7 +162,7 @@ def test_top_shows_histogram_verdict_and_statistics(start_exporter) -> None:
 
 def test_top_reports_an_unreachable_exporter() -> None:
     top = subprocess.run(
-        [sys.executable, "-m", "layerwatch_cli.main", "top", "--url", "http://127.0.0.1:9", "--once"],
+        [*LAYERWATCH_COMMAND, "top", "--url", "http://127.0.0.1:9", "--once"],
         capture_output=True,
         text=True,
     )
@@ -172,7 +173,7 @@ def test_unknown_paths_are_404_and_bad_flags_are_refused(start_exporter) -> None
     exporter = start_exporter()
     assert exporter.get("/nope")[0] == 404
     refused = subprocess.run(
-        [sys.executable, "-m", "layerwatch_cli.main", "exporter", "--window-max-observations", "100000"],
+        [*LAYERWATCH_COMMAND, "exporter", "--window-max-observations", "100000"],
         capture_output=True,
         text=True,
     )

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from demo.processes import LAYERWATCH_COMMAND
 from tests.exporter.routing_traces import DEMO_LOW_RATES, scores_for_rates, static_rates, write_trace
 from tests.exporter.support import trace_frames
 
 
 def replay(path: Path, *args: str) -> dict:
     result = subprocess.run(
-        [sys.executable, "-m", "layerwatch_cli.main", "replay", str(path), "--json", *args],
+        [*LAYERWATCH_COMMAND, "replay", str(path), "--json", *args],
         capture_output=True,
         text=True,
         check=True,
@@ -105,7 +105,7 @@ def test_top_shows_the_routing_verdict(start_exporter, traces: dict[str, Path]) 
     exporter = start_exporter("--statistics-cache-seconds", "0")
     exporter.send_frames(trace_frames(traces["mix"], threshold=0.18))
     top = subprocess.run(
-        [sys.executable, "-m", "layerwatch_cli.main", "top", "--url", exporter.url, "--once"],
+        [*LAYERWATCH_COMMAND, "top", "--url", exporter.url, "--once"],
         capture_output=True,
         text=True,
         check=True,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from demo.processes import LAYERWATCH_COMMAND
 from layerwatch.trace import read_trace
 from tests.exporter.support import GOLDEN_TRACE
 
@@ -29,9 +29,7 @@ DOCUMENTED_KEYS = {
 
 
 def replay(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "layerwatch_cli.main", "replay", *args], capture_output=True, text=True
-    )
+    return subprocess.run([*LAYERWATCH_COMMAND, "replay", *args], capture_output=True, text=True)
 
 
 def test_json_has_the_contract_keys_and_matches_the_trace() -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy.stats import binomtest
 
+from demo.processes import LAYERWATCH_COMMAND
 from layerwatch.routing import (
     DYNAMIC,
     STATIC,
@@ -26,9 +26,7 @@ from tests.exporter.support import GOLDEN_TRACE
 
 
 def replay(*args: str) -> list[dict]:
-    result = subprocess.run(
-        [sys.executable, "-m", "layerwatch_cli.main", "replay", *args, "--json"], capture_output=True, text=True
-    )
+    result = subprocess.run([*LAYERWATCH_COMMAND, "replay", *args, "--json"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return [json.loads(line) for line in result.stdout.splitlines()]
 
@@ -223,12 +221,10 @@ def test_the_threshold_comes_from_the_trace_else_from_the_flag(tmp_path: Path) -
 def test_bad_threshold_values_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"model_name": "m", "scores": [0.1, 0.2], "skipped": [0, 0], "threshold": 1.5}\n')
-    result = subprocess.run(
-        [sys.executable, "-m", "layerwatch_cli.main", "replay", str(path)], capture_output=True, text=True
-    )
+    result = subprocess.run([*LAYERWATCH_COMMAND, "replay", str(path)], capture_output=True, text=True)
     assert result.returncode == 1 and f"{path}:1: threshold must be a number in [0, 1], got 1.5" in result.stderr
     result = subprocess.run(
-        [sys.executable, "-m", "layerwatch_cli.main", "replay", str(GOLDEN_TRACE), "--threshold", "2"],
+        [*LAYERWATCH_COMMAND, "replay", str(GOLDEN_TRACE), "--threshold", "2"],
         capture_output=True,
         text=True,
     )
@@ -239,7 +235,7 @@ def test_text_output_shows_the_routing_verdict(tmp_path: Path) -> None:
     rng = np.random.default_rng(9)
     trace = write_trace(tmp_path / "mix.jsonl", {"m": scores_for_rates(rng, DEMO_LOW_RATES, tokens=1000)})
     text = subprocess.run(
-        [sys.executable, "-m", "layerwatch_cli.main", "replay", str(trace)], capture_output=True, text=True, check=True
+        [*LAYERWATCH_COMMAND, "replay", str(trace)], capture_output=True, text=True, check=True
     ).stdout
     assert "  routing: dynamic  token-dependent share 0.6" in text
     assert "(1,000 tokens, τ 0.18)" in text

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 import socket
-import sys
 import threading
 import time
 import urllib.parse
@@ -20,10 +19,10 @@ import pytest
 import yaml
 
 from demo.loadgen import LoadReport, run_load
-from demo.processes import ManagedProcess, free_port
+from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
 from tests.service.conftest import MODEL_NAME, TinyCheckpoint, in_process, sample_sum, scrape, tiny_checkpoint  # noqa: F401
 
-LAYERWATCH = [sys.executable, "-m", "layerwatch_cli.main"]
+LAYERWATCH = LAYERWATCH_COMMAND
 # One torch thread per process: the tests run on a shared 2-core machine.
 QUIET_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 

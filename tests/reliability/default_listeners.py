@@ -17,9 +17,9 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from demo.processes import ManagedProcess
+from demo.processes import LAYERWATCH_COMMAND, ManagedProcess
 
-LAYERWATCH = [sys.executable, "-m", "layerwatch_cli.main"]
+LAYERWATCH = LAYERWATCH_COMMAND
 DEBUG_HEADER = "x-layerwatch-debug"
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from demo.processes import LAYERWATCH_COMMAND
 from deploy import artifacts
 from layerwatch import catalog
 from layerwatch.promql import UnknownMetricError, check_queries, known_series, metric_names
@@ -18,7 +19,7 @@ from .conftest import REPO
 
 def layerwatch(*args: str | Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "layerwatch_cli.main", "generate", *map(str, args)],
+        [*LAYERWATCH_COMMAND, "generate", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=60,
