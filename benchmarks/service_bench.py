@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from decode_bench import bench_tokenizer, build_model
 
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, demo_model_present
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepHook, StepRecord
+from inference_shim.runtime.gates import gates_path_for
 from inference_shim.runtime.model import GateBank, Transformer
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
@@ -56,7 +57,7 @@ def load_model(folder: Path) -> tuple[Transformer, Tokenizer]:
     from inference_shim.runtime.gates import load_gates
 
     loaded = load_checkpoint(folder)
-    gates_path = folder / "gates.safetensors"
+    gates_path = gates_path_for(folder)
     gates = (
         load_gates(gates_path, loaded.model).gates
         if gates_path.is_file()
@@ -141,7 +142,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    folder = args.model or (DEMO_MODEL_DIR if (DEMO_MODEL_DIR / "config.json").is_file() else None)
+    folder = args.model or (DEMO_MODEL_DIR if demo_model_present() else None)
     if folder is not None:
         model, tokenizer = load_model(folder)
         described = f"checkpoint {folder}"

@@ -1,7 +1,7 @@
 """A bounded load generator for a layerwatch shim (or any OpenAI-compatible server).
 
 Used by `layerwatch demo`, the end-to-end alert tests and the load test. Standard library only, so it
-runs wherever the exporter runs. Every loop is bounded by a deadline and a request count, and stops by
+runs beside any install. Every loop is bounded by a deadline and a request count, and stops by
 itself; it targets whatever base URL it is given (tests and the demo give it loopback addresses).
 """
 

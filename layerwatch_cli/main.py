@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "generate": (
         "layerwatch_cli.generate",
-        "write dashboards, alert/recording rules and docs/metrics.md from code (--check)",
+        "write the rules, dashboards, deploy configs and docs/metrics.md from code (--check)",
     ),
     "demo": ("layerwatch_cli.demo", "run the whole stack on the demo model and show the live histogram"),
 }

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from inference_shim.runtime.checkpoint import DTYPES
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME, demo_model_present
 from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.service.shim import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServeSettings
 from layerwatch.ports import SHIM_HTTP_PORT
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     from inference_shim.service.shim import ShimService
 
     settings = settings_from_arguments(args)
-    if args.model_dir is None and not (DEMO_MODEL_DIR / "config.json").is_file():
+    if args.model_dir is None and not demo_model_present():
         log.error(
             "cannot start: the demo model is not in %s; build it with `layerwatch train-demo` or pass --model DIR",
             DEMO_MODEL_DIR,
