@@ -23,6 +23,7 @@ from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS, DEFAULT_THRESHOLD, Ro
 from layerwatch.statistics import (
     DEFAULT_MIN_WINDOW_OBSERVATIONS,
     DEFAULT_WINDOW_OBSERVATIONS,
+    MAX_WINDOW_OBSERVATIONS,
     Bimodality,
     EntropyTotals,
     LayerTotals,
@@ -48,6 +49,18 @@ class ExporterConfig:
     statistics_cache_seconds: float = 2.0
     default_threshold: float = DEFAULT_THRESHOLD  # τ for frames that do not carry one (wire version 1)
     min_routing_tokens: int = DEFAULT_MIN_ROUTING_TOKENS  # below this the routing verdict is withheld
+
+    def __post_init__(self) -> None:
+        if not 0 < self.window_max_observations <= MAX_WINDOW_OBSERVATIONS:
+            raise ValueError(
+                f"--window-max-observations {self.window_max_observations} must be 1..{MAX_WINDOW_OBSERVATIONS}: "
+                f"above, the dip test's p-values stop being valid"
+            )
+        if not 0 < self.min_window_observations <= self.window_max_observations:
+            raise ValueError(
+                f"--min-window-observations {self.min_window_observations} must be 1..--window-max-observations "
+                f"({self.window_max_observations}): above, no verdict could ever be given"
+            )
 
 
 class ModelStatistics:

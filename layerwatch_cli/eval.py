@@ -11,6 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
+from layerwatch_cli import argtypes
 from layerwatch_cli.model_arguments import add_model_arguments, load_from_arguments, report_errors
 
 
@@ -22,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--sweep",
-        type=_thresholds,
+        type=argtypes.fractions,
         default=None,
         metavar="T1,T2,...",
         help="evaluate these thresholds and print the trade-off table",
@@ -31,16 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=128, help="tokens per held-out window")
     parser.add_argument("--prefill", type=int, default=16, help="window tokens given as the full-depth prompt")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _thresholds(text: str) -> list[float]:
-    try:
-        values = [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or not all(0.0 <= v <= 1.0 for v in values):
-        raise argparse.ArgumentTypeError(f"thresholds must be in [0, 1], got {text!r}")
-    return values
 
 
 def run(args: argparse.Namespace) -> int:

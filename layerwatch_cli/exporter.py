@@ -7,81 +7,49 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable
 
 from exporter.server import ExporterServer
 from exporter.state import ExporterConfig, ExporterState
 from layerwatch.ports import EXPORTER_HTTP_PORT, LOOPBACK
 from layerwatch.statistics import MAX_WINDOW_OBSERVATIONS
-from layerwatch.wire import DEFAULT_FRAMES_ADDRESS, parse_address
+from layerwatch.wire import DEFAULT_FRAMES_ADDRESS
+from layerwatch_cli import argtypes
 
 log = logging.getLogger("layerwatch.exporter")
-
-
-def _positive(kind: type) -> Callable[[str], float]:
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its error messages
-    return parse
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
-    return value
-
-
-def _unit_interval(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
-
-
-def _address(text: str) -> tuple[str, int]:
-    try:
-        return parse_address(text, listening=True)  # port 0: any free port
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ExporterConfig()
     parser.add_argument(
         "--listen",
-        type=_address,
+        type=argtypes.listen_address,
         default=DEFAULT_FRAMES_ADDRESS,
         metavar="HOST:PORT",
         help="UDP address gate frames arrive on (default %(default)s)",
     )
     parser.add_argument(
         "--http",
-        type=_address,
+        type=argtypes.listen_address,
         default=f"{LOOPBACK}:{EXPORTER_HTTP_PORT}",
         metavar="HOST:PORT",
         help="HTTP address for /metrics and /healthz (default %(default)s)",
     )
     parser.add_argument(
         "--window-seconds",
-        type=_positive(float),
+        type=argtypes.positive(float),
         default=defaults.window_seconds,
         help="the bimodality window forgets entropies older than this (default %(default)s)",
     )
     parser.add_argument(
         "--window-max-observations",
-        type=_positive(int),
+        type=argtypes.positive(int),
         default=defaults.window_max_observations,
         help=f"the window holds at most this many entropies per model, at most "
         f"{MAX_WINDOW_OBSERVATIONS} (default %(default)s)",
     )
     parser.add_argument(
         "--min-window-observations",
-        type=_positive(int),
+        type=argtypes.positive(int),
         default=defaults.min_window_observations,
         help="below this many entropies in the window the verdict is withheld (default %(default)s)",
     )
@@ -92,19 +60,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-models",
-        type=_positive(int),
+        type=argtypes.positive(int),
         default=defaults.max_models,
         help="frames naming more distinct models than this are rejected (default %(default)s)",
     )
     parser.add_argument(
         "--statistics-cache-seconds",
-        type=_non_negative_float,
+        type=argtypes.non_negative,
         default=defaults.statistics_cache_seconds,
         help="reuse the window statistics for this long across scrapes (default %(default)s)",
     )
     parser.add_argument(
         "--default-threshold",
-        type=_unit_interval,
+        type=argtypes.fraction,
         default=defaults.default_threshold,
         metavar="TAU",
         help="skip threshold assumed for gate frames that carry none (wire version 1, older "
@@ -112,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--min-routing-tokens",
-        type=_positive(int),
+        type=argtypes.positive(int),
         default=defaults.min_routing_tokens,
         help="below this many tokens in the window the routing verdict is withheld (default %(default)s)",
     )
@@ -125,30 +93,20 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.window_max_observations > MAX_WINDOW_OBSERVATIONS:
-        print(
-            f"layerwatch exporter: --window-max-observations {args.window_max_observations} is above "
-            f"{MAX_WINDOW_OBSERVATIONS}, where the dip test's p-values stop being valid",
-            file=sys.stderr,
+    try:
+        config = ExporterConfig(
+            window_seconds=args.window_seconds,
+            window_max_observations=args.window_max_observations,
+            min_window_observations=args.min_window_observations,
+            per_layer=args.per_layer,
+            max_models=args.max_models,
+            statistics_cache_seconds=args.statistics_cache_seconds,
+            default_threshold=args.default_threshold,
+            min_routing_tokens=args.min_routing_tokens,
         )
+    except ValueError as exc:
+        print(f"layerwatch exporter: {exc}", file=sys.stderr)
         return 2
-    if args.min_window_observations > args.window_max_observations:
-        print(
-            f"layerwatch exporter: --min-window-observations {args.min_window_observations} is above "
-            f"--window-max-observations {args.window_max_observations}: no verdict could ever be given",
-            file=sys.stderr,
-        )
-        return 2
-    config = ExporterConfig(
-        window_seconds=args.window_seconds,
-        window_max_observations=args.window_max_observations,
-        min_window_observations=args.min_window_observations,
-        per_layer=args.per_layer,
-        max_models=args.max_models,
-        statistics_cache_seconds=args.statistics_cache_seconds,
-        default_threshold=args.default_threshold,
-        min_routing_tokens=args.min_routing_tokens,
-    )
     try:
         server = ExporterServer(ExporterState(config), args.listen, args.http)
     except OSError as exc:

@@ -14,22 +14,8 @@ from exporter.replay import replay_trace
 from exporter.report_text import format_report
 from exporter.state import ExporterConfig
 from layerwatch.routing import DEFAULT_THRESHOLD
-from layerwatch.statistics import MAX_WINDOW_OBSERVATIONS
 from layerwatch.trace import TraceError
-
-
-def _unit_interval(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
+from layerwatch_cli import argtypes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threshold",
-        type=_unit_interval,
+        type=argtypes.fraction,
         default=DEFAULT_THRESHOLD,
         metavar="TAU",
         help='skip threshold for trace lines without a "threshold" key: scores below it '
@@ -58,27 +44,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--min-routing-tokens",
-        type=_positive_int,
+        type=argtypes.positive(int),
         default=defaults.min_routing_tokens,
         help="below this many tokens (trace lines) in the window the routing verdict is withheld (default %(default)s)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 0 < args.window_max_observations <= MAX_WINDOW_OBSERVATIONS:
-        print(
-            f"layerwatch replay: --window-max-observations must be 1..{MAX_WINDOW_OBSERVATIONS} "
-            f"(the dip test's p-values are not valid beyond)",
-            file=sys.stderr,
+    try:
+        config = ExporterConfig(
+            window_seconds=math.inf,
+            window_max_observations=args.window_max_observations,
+            min_window_observations=args.min_window_observations,
+            default_threshold=args.threshold,
+            min_routing_tokens=args.min_routing_tokens,
         )
+    except ValueError as exc:
+        print(f"layerwatch replay: {exc}", file=sys.stderr)
         return 2
-    config = ExporterConfig(
-        window_seconds=math.inf,
-        window_max_observations=args.window_max_observations,
-        min_window_observations=args.min_window_observations,
-        default_threshold=args.threshold,
-        min_routing_tokens=args.min_routing_tokens,
-    )
     try:
         reports = replay_trace(args.trace, config)
     except (TraceError, OSError) as exc:

@@ -16,6 +16,7 @@ from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME, d
 from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.service.shim import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServeSettings
 from layerwatch.ports import SHIM_HTTP_PORT
+from layerwatch_cli import argtypes
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Every flag below that sets a ServeSettings field has that field's name as its dest and its default
@@ -23,20 +24,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 SETTINGS_DEFAULTS = {
     f.name: f.default for f in dataclasses.fields(ServeSettings) if f.default is not dataclasses.MISSING
 }
-
-
-def _layers(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     policy = parser.add_argument_group("skipping")
     policy.add_argument(
         "--threshold",
-        type=_fraction,
+        type=argtypes.fraction,
         default=SETTINGS_DEFAULTS["threshold"],
         help="skip threshold on the gate entropy (default: the gate file's calibrated value)",
     )
@@ -95,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     policy.add_argument(
         "--protected-layers",
-        type=_layers,
+        type=argtypes.layer_numbers,
         default=SETTINGS_DEFAULTS["protected_layers"],
         metavar="L,L,...",
         help="layers never skipped (default: the first and the last)",
@@ -173,7 +160,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     telemetry.add_argument(
         "--shadow-rate",
-        type=_fraction,
+        type=argtypes.fraction,
         default=SETTINGS_DEFAULTS["shadow_rate"],
         help="share of finished greedy requests re-scored at full depth (quality guard)",
     )

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from demo.processes import LAYERWATCH_COMMAND
 from layerwatch.trace import read_trace
@@ -32,7 +33,7 @@ def replay(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*LAYERWATCH_COMMAND, "replay", *args], capture_output=True, text=True)
 
 
-def test_json_has_the_contract_keys_and_matches_the_trace() -> None:
+def test_json_has_the_documented_keys_and_matches_the_trace() -> None:
     result = replay(str(GOLDEN_TRACE), "--json")
     assert result.returncode == 0, result.stderr
     reports = [json.loads(line) for line in result.stdout.splitlines()]
@@ -85,3 +86,16 @@ def test_missing_and_empty_traces_are_errors(tmp_path: Path) -> None:
     (tmp_path / "empty.jsonl").write_text("\n")
     empty = replay(str(tmp_path / "empty.jsonl"))
     assert empty.returncode == 1 and "holds no trace lines" in empty.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--window-max-observations", "100000"], "must be 1..72000"),
+        (["--window-max-observations", "500", "--min-window-observations", "600"], "no verdict could ever be given"),
+        (["--min-window-observations", "0"], "--min-window-observations 0 must be"),
+    ],
+)
+def test_impossible_windows_are_refused_like_the_exporter_does(flags: list[str], message: str) -> None:
+    result = replay(str(GOLDEN_TRACE), *flags)
+    assert result.returncode == 2 and message in result.stderr, result.stderr

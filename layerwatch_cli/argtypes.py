@@ -1,0 +1,64 @@
+"""argparse types the commands share: each parses one flag's text or raises ArgumentTypeError,
+which argparse reports as `argument --flag: <message>` with exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from layerwatch.wire import parse_address
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1] (thresholds, rates)."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def fractions(text: str) -> list[float]:
+    """Comma-separated numbers in [0, 1], at least one."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or not all(0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
+    return values
+
+
+def layer_numbers(text: str) -> tuple[int, ...]:
+    """Comma-separated layer indices."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
+
+
+def positive(kind: Callable[[str], int] | Callable[[str], float]) -> Callable[[str], float]:
+    """A number of `kind` (int or float) above zero."""
+
+    def parse(text: str) -> float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    parse.__name__ = getattr(kind, "__name__", "number")  # argparse names the type in its error messages
+    return parse
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+    return value
+
+
+def listen_address(text: str) -> tuple[str, int]:
+    """HOST:PORT to bind; port 0 asks for any free port."""
+    try:
+        return parse_address(text, listening=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
