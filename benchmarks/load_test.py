@@ -22,29 +22,14 @@ import time
 import urllib.request
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from demo.loadgen import run_load
 from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
+from exporter.live_view import scrape, total
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 
 LAYERWATCH = LAYERWATCH_COMMAND
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def total(samples: dict, name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in samples.items() if n == name and all((k, labels[k]) in ls for k in labels))
 
 
 def main() -> int:
@@ -104,12 +89,12 @@ def main() -> int:
             stream_fraction=args.stream_fraction,
         )
         time.sleep(1.0)  # the last frames in flight
-        shim_samples, exporter_samples = scrape(shim_url), scrape(exporter_url)
+        shim_samples, exporter_samples = scrape(shim_url, timeout=10), scrape(exporter_url, timeout=10)
     finally:
         shim.stop()
         exporter.stop()
 
-    [layers] = {int(dict(ls)["layers"]) for (n, ls), _ in shim_samples.items() if n == "layerwatch_model_info"}
+    [layers] = {int(labels["layers"]) for labels, _ in shim_samples["layerwatch_model_info"]}
     sent = total(shim_samples, "layerwatch_telemetry_frames_sent_total")
     received = total(exporter_samples, "layerwatch_exporter_frames_received_total")
     lost = total(exporter_samples, "layerwatch_exporter_frames_lost_total")

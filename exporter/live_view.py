@@ -23,18 +23,23 @@ Samples = dict[str, list[tuple[dict[str, str], float]]]  # sample name -> [(labe
 
 
 def render_screen(url: str) -> str:
-    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5) as response:
-        samples = parse_samples(response.read().decode("utf-8"))
+    samples = scrape(url)
     models = sorted({labels["model_name"] for labels, _ in samples.get("layerwatch_entropy_count", [])})
     header = (
         f"layerwatch top  {url}  {time.strftime('%H:%M:%S')}  "
-        f"frames received {_total(samples, 'layerwatch_exporter_frames_received_total'):,.0f}  "
-        f"malformed {_total(samples, 'layerwatch_exporter_frames_malformed_total'):,.0f}  "
-        f"lost {_total(samples, 'layerwatch_exporter_frames_lost_total'):,.0f}"
+        f"frames received {total(samples, 'layerwatch_exporter_frames_received_total'):,.0f}  "
+        f"malformed {total(samples, 'layerwatch_exporter_frames_malformed_total'):,.0f}  "
+        f"lost {total(samples, 'layerwatch_exporter_frames_lost_total'):,.0f}"
     )
     if not models:
         return header + "\n\nno gate frames received yet"
     return "\n\n".join([header] + [format_report(model_report(samples, model)) for model in models])
+
+
+def scrape(url: str, timeout: float = 5.0) -> Samples:
+    """Every sample of `url`/metrics (a shim or an exporter), by sample name."""
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as response:
+        return parse_samples(response.read().decode("utf-8"))
 
 
 def parse_samples(text: str) -> Samples:
@@ -111,5 +116,6 @@ def _value(samples: Samples, name: str, labels: dict[str, str]) -> float | None:
     return found[0][1] if found else None
 
 
-def _total(samples: Samples, name: str) -> float:
-    return sum(value for _, value in samples.get(name, []))
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(value for _, value in _matching(samples, name, labels))
