@@ -163,7 +163,7 @@ def _convert(hint: Any, value: Any, where: str, metadata: typing.Mapping[str, An
         if value is None:
             return None
         (hint,) = [h for h in typing.get_args(hint) if h is not type(None)]
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, where)
     if hint is Seconds:
         if not isinstance(value, str):

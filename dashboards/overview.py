@@ -22,9 +22,12 @@ from grafana_foundation_sdk.builders import (
 from grafana_foundation_sdk.builders import (
     common as common_builders,
 )
+from grafana_foundation_sdk.cog import variants
+from grafana_foundation_sdk.cog.builder import Builder
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as dashboard_models
+from grafana_foundation_sdk.models import heatmap as heatmap_models
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from alerts.durations import Timing
@@ -74,7 +77,7 @@ class Panels:
         self._next_id += 1
         return self._next_id - 1
 
-    def _targets(self, title: str, targets: list[tuple[str, str]]) -> list[prometheus.Dataquery]:
+    def _targets(self, title: str, targets: list[tuple[str, str]]) -> list[Builder[variants.Dataquery]]:
         return [self.query(title, expr, legend, chr(ord("A") + i)) for i, (expr, legend) in enumerate(targets)]
 
     def timeseries(
@@ -148,9 +151,9 @@ class Panels:
             .calculate(False)
             .color(
                 heatmap.HeatmapColorOptions()
-                .mode("scheme")
+                .mode(heatmap_models.HeatmapColorMode.SCHEME)
                 .scheme("Spectral")
-                .scale("exponential")
+                .scale(heatmap_models.HeatmapColorScale.EXPONENTIAL)
                 .exponent(0.5)
                 .steps(64)
             )

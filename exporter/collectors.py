@@ -11,18 +11,24 @@ import time
 from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from exporter.state import ExporterState
 from layerwatch import prometheus
 from layerwatch.catalog import EXPORTER
+from layerwatch.prometheus import HistogramArrays
 from layerwatch.routing import DYNAMIC
 from layerwatch.statistics import DECISIONS
 
 
-def family(name: str) -> Metric:
-    """An empty metric family for an exporter metric of the catalog."""
-    return prometheus.family(name, EXPORTER)
+def family(name: str) -> CounterMetricFamily | GaugeMetricFamily:
+    """An empty metric family for an exporter counter or gauge of the catalog."""
+    return prometheus.value_family(name, EXPORTER)
+
+
+def histogram_family(name: str) -> HistogramArrays:
+    """An empty metric family for an exporter histogram of the catalog."""
+    return prometheus.histogram_family(name, EXPORTER)
 
 
 class _StateCollector(prometheus.CatalogCollector):
@@ -38,7 +44,7 @@ class EntropyCollector(_StateCollector):
     metric_names = ("layerwatch_entropy", "layerwatch_entropy_squares_total", "layerwatch_entropy_zero_total")
 
     def collect(self) -> Iterator[Metric]:
-        histogram, squares, zeros = map(family, self.metric_names)
+        histogram, squares, zeros = histogram_family("layerwatch_entropy"), *map(family, self.metric_names[1:])
         for model in self._state.snapshot():
             labels = [(model.model_name, decision) for decision in DECISIONS]
             histogram.add_histograms(labels, model.buckets, model.sums)
@@ -58,7 +64,7 @@ class LayerCollector(_StateCollector):
     )
 
     def collect(self) -> Iterator[Metric]:
-        sums, counts, histograms = map(family, self.metric_names)
+        sums, counts, histograms = *map(family, self.metric_names[:2]), histogram_family("layerwatch_entropy_per_layer")
         for model in self._state.snapshot():
             labels = [(model.model_name, str(layer)) for layer in range(len(model.layer_sums))]
             for layer_labels, total, count in zip(labels, model.layer_sums.tolist(), model.layer_counts.tolist()):
@@ -88,7 +94,13 @@ class WindowCollector(_StateCollector):
         for name in self._state.model_names():
             result = self._state.bimodality(name)
             observations.add_metric([name], result.observations)
-            if result.withheld:
+            if (
+                result.withheld  # then all of these are None
+                or result.bimodality_coefficient is None
+                or result.dip is None
+                or result.dip_p_value is None
+                or result.peaks is None
+            ):
                 continue
             bimodal.add_metric([name], 1 if result.bimodal else 0)
             coefficient.add_metric([name], result.bimodality_coefficient)  # NaN if the window is constant
@@ -126,11 +138,12 @@ class RoutingCollector(_StateCollector):
             for labels, low_rate, skip_rate in zip(layers, routing.low_rates.tolist(), routing.skip_rates.tolist()):
                 low.add_metric(labels, low_rate)
                 skip.add_metric(labels, skip_rate)
-            if routing.withheld:
+            states = routing.layer_states()
+            if routing.withheld or routing.token_dependent_share is None or states is None:  # None when withheld
                 continue
             dynamic.add_metric([name], 1 if routing.verdict == DYNAMIC else 0)
             share.add_metric([name], routing.token_dependent_share)
-            for labels, state in zip(layers, routing.layer_states().tolist()):
+            for labels, state in zip(layers, states.tolist()):
                 static.add_metric(labels, state)
         yield from (tokens, threshold, dynamic, share, low, skip, static)
 

@@ -65,7 +65,10 @@ def model_report(samples: Samples, model: str) -> dict[str, object]:
         totals.buckets[index] = np.diff(cumulative, prepend=0)
         totals.sums[index] = _value(samples, "layerwatch_entropy_sum", labels)
         totals.squares[index] = _value(samples, "layerwatch_entropy_squares_total", labels)
-        totals.zeros[index] = _value(samples, "layerwatch_entropy_zero_total", labels)
+        zeros = _value(samples, "layerwatch_entropy_zero_total", labels)
+        if zeros is None:  # exported alongside every layerwatch_entropy series
+            raise ValueError(f"{model}: no layerwatch_entropy_zero_total for decision {decision!r}")
+        totals.zeros[index] = zeros
     window = {"model_name": model}
     bimodal = _value(samples, "layerwatch_entropy_bimodal", window)
     peaks = _value(samples, "layerwatch_entropy_peaks", window)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from layerwatch.statistics import BINS
 
 BAR_WIDTH = 40
@@ -20,7 +22,7 @@ def format_report(report: dict[str, object]) -> str:
     ]
     if "routing_verdict" in report:
         lines += routing_lines(report)
-    lines += histogram_bars(report["histogram"])
+    lines += histogram_bars(_list(report["histogram"]))
     return "\n".join(lines)
 
 
@@ -35,10 +37,10 @@ def routing_lines(report: dict[str, object]) -> list[str]:
     ]
     if report.get("static_layers") is not None:
         lines.append(
-            f"  static layers (below τ for ≥95% of tokens) {_layers(report['static_layers'])}  "
-            f"static-run layers {_layers(report.get('static_run_layers') or [])}"
+            f"  static layers (below τ for ≥95% of tokens) {_layers(_list(report['static_layers']))}  "
+            f"static-run layers {_layers(_list(report.get('static_run_layers') or []))}"
         )
-    rates = report.get("per_layer_low_rate") or []
+    rates = _list(report.get("per_layer_low_rate") or [])
     if rates:
         lines.append("  below τ per layer " + " ".join(f"{rate:.2f}" for rate in rates))
     return lines
@@ -56,6 +58,13 @@ def histogram_bars(counts: list[int], width: int = BAR_WIDTH) -> list[str]:
         bar = "█" * round(width * count / tallest)
         rows.append(f"  {low:4.2f}-{high:4.2f} {bar:<{width}} {count:,}")
     return rows
+
+
+def _list(value: object) -> list[Any]:
+    """A list-valued key of a report (reports are JSON-shaped: their values are typed `object`)."""
+    if not isinstance(value, list):
+        raise TypeError(f"expected a list in the report, got {type(value).__name__}")
+    return value
 
 
 def _number(value: object, digits: int = 3) -> str:

@@ -47,7 +47,7 @@ class RoutingWindow:
     ) -> None:
         """entropies float32 [rows, layers], skipped bool [rows, layers], the frame's τ."""
         layers = entropies.shape[1]
-        if layers != self.layers:
+        if self._window is None or layers != self.layers:
             if self.layers:
                 log.warning(
                     "model %r: frames now have %d layers instead of %d; the routing window starts over",

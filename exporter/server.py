@@ -6,6 +6,7 @@ import logging
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import cast
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
@@ -127,7 +128,8 @@ class ExporterServer:
 
     @property
     def http_address(self) -> tuple[str, int]:
-        return self.http.server_address[:2]
+        # typeshed allows a bytes host (bind() accepts one); an AF_INET/AF_INET6 server reports a str.
+        return cast(tuple[str, int], self.http.server_address[:2])
 
     def start(self) -> None:
         self.receiver.start()

@@ -7,6 +7,8 @@ label set, type or bucket layout can only come from layerwatch/catalog.py (docs/
   (injected) registry, for values updated as things happen (per request, per gate reload);
 - `family(name)`: an empty metric family, filled by a custom collector at scrape time. Histograms
   come as `HistogramArrays`, which takes per-bucket counts as arrays;
+- `counter`, `gauge`, `histogram`, `value_family` and `histogram_family`: the same, typed by
+  kind, for callers that know what they asked for (a spec of another kind is a TypeError);
 - `describe(names)`: the families a custom collector will yield, without samples: what its
   `describe()` returns, so that registering it checks its names against the registry's;
 - `CatalogCollector`: a base class for custom collectors that declares their catalog names once
@@ -19,6 +21,7 @@ spec of another component, so neither side can expose the other's metrics by mis
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -28,6 +31,8 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from layerwatch.catalog import BY_NAME, MetricSpec
+
+_M = TypeVar("_M")
 
 
 def spec(name: str, component: str | None = None) -> MetricSpec:
@@ -44,14 +49,28 @@ def spec(name: str, component: str | None = None) -> MetricSpec:
 def instrument(name: str, registry: CollectorRegistry, component: str | None = None) -> Counter | Gauge | Histogram:
     """A prometheus_client metric object for a spec, registered in `registry` (never the global one)."""
     s = spec(name, component)
-    common = dict(name=s.base_name, documentation=s.help, labelnames=s.labels, registry=registry)
     if s.kind == "counter":
-        return Counter(**common)
+        return Counter(name=s.base_name, documentation=s.help, labelnames=s.labels, registry=registry)
     if s.kind == "gauge":
-        return Gauge(**common)
+        return Gauge(name=s.base_name, documentation=s.help, labelnames=s.labels, registry=registry)
     if s.buckets is None:
         raise ValueError(f"{name} has per-model buckets: expose it from a collector with family(name, bounds=...)")
-    return Histogram(**common, buckets=s.buckets)
+    return Histogram(name=s.base_name, documentation=s.help, labelnames=s.labels, registry=registry, buckets=s.buckets)
+
+
+def counter(name: str, registry: CollectorRegistry, component: str | None = None) -> Counter:
+    """instrument() for a counter spec, typed as such."""
+    return _of_kind(Counter, name, instrument(name, registry, component))
+
+
+def gauge(name: str, registry: CollectorRegistry, component: str | None = None) -> Gauge:
+    """instrument() for a gauge spec, typed as such."""
+    return _of_kind(Gauge, name, instrument(name, registry, component))
+
+
+def histogram(name: str, registry: CollectorRegistry, component: str | None = None) -> Histogram:
+    """instrument() for a histogram spec, typed as such."""
+    return _of_kind(Histogram, name, instrument(name, registry, component))
 
 
 def family(name: str, component: str | None = None, bounds: Sequence[float] | None = None) -> Metric:
@@ -69,6 +88,25 @@ def family(name: str, component: str | None = None, bounds: Sequence[float] | No
     if bounds is None:
         raise ValueError(f"{name} has per-model buckets: pass bounds")
     return HistogramArrays(s.name, s.help, s.labels, [floatToGoString(b) for b in bounds])
+
+
+def value_family(name: str, component: str | None = None) -> CounterMetricFamily | GaugeMetricFamily:
+    """family() for a counter or gauge spec, typed as such."""
+    metric = family(name, component)
+    if not isinstance(metric, CounterMetricFamily | GaugeMetricFamily):
+        raise TypeError(f"{name} is a {metric.type} metric, not a counter or gauge")
+    return metric
+
+
+def histogram_family(name: str, component: str | None = None, bounds: Sequence[float] | None = None) -> HistogramArrays:
+    """family() for a histogram spec, typed as such."""
+    return _of_kind(HistogramArrays, name, family(name, component, bounds))
+
+
+def _of_kind(kind: type[_M], name: str, metric: object) -> _M:
+    if not isinstance(metric, kind):
+        raise TypeError(f"{name} is a {spec(name).kind} metric, not a {kind.__name__}")
+    return metric
 
 
 def describe(names: Iterable[str], component: str | None = None) -> list[Metric]:

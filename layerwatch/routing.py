@@ -88,7 +88,7 @@ class Routing:
 
     def layer_states(self) -> np.ndarray | None:
         """int [layers]: STATE_STATIC, STATE_TOKEN_DEPENDENT or STATE_STATIC_RUN; None while withheld."""
-        if self.static_layers is None:
+        if self.static_layers is None or self.static_run_layers is None:  # both None exactly when withheld
             return None
         states = np.full(self.layers, STATE_TOKEN_DEPENDENT, dtype=np.int64)
         states[list(self.static_layers)] = STATE_STATIC

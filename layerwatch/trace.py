@@ -117,7 +117,10 @@ def read_trace(path: str | os.PathLike[str]) -> Iterator[TraceRecord]:
 
 def read_trace_batches(path: str | os.PathLike[str], max_rows: int = 4096) -> Iterator[TraceBatch]:
     """Like read_trace, stacked into per-model arrays so statistics run vectorised."""
-    model, threshold, scores, skipped = None, None, [], []
+    model = ""  # set from the first record, before any batch is yielded
+    threshold: float | None = None
+    scores: list[np.ndarray] = []
+    skipped: list[np.ndarray] = []
     for record in read_trace(path):
         key_changed = (
             model != record.model_name

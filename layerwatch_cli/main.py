@@ -64,7 +64,7 @@ def apply_environment(parser: argparse.ArgumentParser, environ: dict[str, str]) 
             enabled = value in _TRUE
             action.default = enabled if isinstance(action, argparse._StoreTrueAction) else not enabled
         elif action.nargs in ("*", "+"):
-            action.default = [action.type(v) if action.type else v for v in raw.split(",") if v]
+            action.default = [action.type(v) if callable(action.type) else v for v in raw.split(",") if v]
         else:
             action.default = raw
         action.required = False

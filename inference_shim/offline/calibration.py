@@ -24,7 +24,13 @@ from inference_shim.offline.gated_model import GatedModel
 from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
-from layerwatch.statistics import DEFAULT_WINDOW_OBSERVATIONS, ZERO_ENTROPY_LIMIT, check_bimodality, histogram20
+from layerwatch.statistics import (
+    DEFAULT_WINDOW_OBSERVATIONS,
+    ZERO_ENTROPY_LIMIT,
+    Bimodality,
+    check_bimodality,
+    histogram20,
+)
 
 
 @dataclass
@@ -50,7 +56,7 @@ class BaselineStatistics:
     active_std: float
     zero_ratio: float
     skip_ratio: float
-    bimodality: object  # layerwatch.statistics.Bimodality
+    bimodality: Bimodality
 
 
 def chunk_band(values: list[float], margin: float) -> Band:

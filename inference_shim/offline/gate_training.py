@@ -74,9 +74,9 @@ def init_gates(num_layers: int, hidden_size: int, schedule: GateSchedule) -> Gat
         torch.manual_seed(schedule.seed)
         gates = GateBank(num_layers, hidden_size)
     with torch.no_grad():
-        for layer, gate in enumerate(gates.gates):
+        for layer in range(len(gates)):
             start = schedule.high_score if layer in schedule.protected_layers else schedule.threshold
-            gate.fc2.bias.fill_(_logit(start))
+            gates[layer].fc2.bias.fill_(_logit(start))
     return gates
 
 

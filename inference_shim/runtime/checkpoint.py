@@ -328,10 +328,17 @@ def save_checkpoint(model: Transformer, tokenizer: Tokenizer | str | Path, out_d
     if not isinstance(tokenizer, Tokenizer):
         backend = Tokenizer.from_files(Path(tokenizer)).backend
         id_to_token = backend.id_to_token
+
+        def eos_token(token_id: int) -> str:
+            token = id_to_token(token_id)
+            if token is None:
+                raise TokenizerError(f"{tokenizer}: eos_token_id {token_id} is not in the vocabulary")
+            return token
+
         tokenizer = Tokenizer(
             backend,
             bos_token=id_to_token(config.bos_token_id) if config.bos_token_id is not None else None,
-            eos_tokens=[id_to_token(i) for i in config.eos_token_ids],
+            eos_tokens=[eos_token(i) for i in config.eos_token_ids],
         )
     (out / CONFIG_FILE).write_text(json.dumps(hf_config(model), indent=2) + "\n")
     state = {

@@ -313,7 +313,8 @@ class GenerationEngine:
                     next_token_ids=step.next_tokens,
                     entropies=step.entropies,
                     skipped=~step.run_mask,
-                    batch_skipped=~step.run_mask.any(axis=0),
+                    # bool [L]; asarray: numpy types any(axis=0) as array or scalar
+                    batch_skipped=np.asarray(~step.run_mask.any(axis=0)),
                     fallback=step.fallback,
                     fallback_started=step.fallback_started,
                     step_seconds=time.perf_counter() - started,
@@ -431,7 +432,7 @@ def gated_decode_step(
         # holds token ids exactly).
         packed = torch.cat([next_tokens[:, None].double(), entropies.double()], dim=1).cpu().numpy()
     host_entropies = packed[:, 1:].astype(np.float32)
-    if policy is None:
+    if policy is None or run_mask is None:  # run_mask is None exactly when policy is
         run_mask, fallback_started = np.ones((B, L), dtype=bool), np.zeros(B, dtype=bool)
     else:
         fallback_started = policy.observe(slots, host_entropies, run_mask).fallback_started

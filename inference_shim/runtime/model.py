@@ -19,8 +19,9 @@ This file knows nothing of telemetry: callers read the returned entropies.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -118,6 +119,10 @@ class KVCache(nn.Module):
     `valid[l, s, t]` says whether position t of slot s takes part in layer l's attention: the
     `evict` policy clears it for skipped (token, layer) pairs; unwritten positions are never valid.
     """
+
+    k: torch.Tensor  # buffers, registered in __init__
+    v: torch.Tensor
+    valid: torch.Tensor
 
     def __init__(
         self, config: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str
@@ -309,7 +314,7 @@ class GateBank(nn.Module):
         self.gates = nn.ModuleList(Gate(hidden_size) for _ in range(num_layers))
 
     def __getitem__(self, layer: int) -> Gate:
-        return self.gates[layer]
+        return cast(Gate, self.gates[layer])  # nn.ModuleList is not generic
 
     def __len__(self) -> int:
         return len(self.gates)
@@ -334,11 +339,14 @@ class GateBank(nn.Module):
         key = tuple(
             (id(p), p.data_ptr(), p._version)
             for gate in self.gates._modules.values()
+            if gate is not None
             for linear in gate._modules.values()
+            if linear is not None
             for p in linear._parameters.values()
+            if p is not None
         )
         if getattr(self, "_stack_key", None) != key:
-            gates = self.gates
+            gates = cast("Iterable[Gate]", self.gates)  # nn.ModuleList is not generic
             self._stacks = (
                 torch.stack([g.fc1.weight for g in gates]).transpose(1, 2).contiguous(),  # [L, d, 16]
                 torch.stack([g.fc1.bias for g in gates])[:, None, :],  # [L, 1, 16]
@@ -357,6 +365,8 @@ UpdateScale = Callable[[int, torch.Tensor], "torch.Tensor | None"]
 
 
 class Transformer(nn.Module):
+    inv_freq: torch.Tensor  # a buffer, registered in __init__
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -413,13 +423,15 @@ class Transformer(nn.Module):
         positions = torch.arange(T, device=tokens.device).expand(B, T)
         cos, sin = self.rope(positions, h.dtype)
         entropies = []
-        for l, block in enumerate(self.layers):
+        for l, block in enumerate(cast("Iterable[Block]", self.layers)):  # nn.ModuleList is not generic
             x = block.input_layernorm(h)
             if self.gates is not None:
                 entropies.append(self.gates[l](x))
             scale = update_scale(l, x) if update_scale is not None else None
             h, k, v = block(h, x, cos, sin, scale)
             if cache is not None:
+                if slot is None:
+                    raise ValueError("filling a KV cache needs the slot to fill")
                 cache.fill_prefix(l, slot, k[0], v[0])
             self.layer_rows_executed[l] += B * T
         return h, (torch.stack(entropies, dim=-1) if entropies else None)
@@ -456,7 +468,7 @@ class Transformer(nn.Module):
         plan = _RowPlan(run_mask, B, self.config.num_layers, device)
         first = slots[0]
         all_slots = slice(first, first + B) if list(slots) == list(range(first, first + B)) else slot_t
-        for l, block in enumerate(self.layers):
+        for l, block in enumerate(cast("Iterable[Block]", self.layers)):  # nn.ModuleList is not generic
             x = block.input_layernorm(h)  # [B, d]
             if self.gates is not None:
                 normed_inputs.append(x)
@@ -471,7 +483,9 @@ class Transformer(nn.Module):
                 h = h.index_copy(0, run, hr)
                 self.layer_rows_executed[l] += int(run.numel())
         logits = self.lm_head(self.norm(h))
-        entropies = self.gates.scores(torch.stack(normed_inputs)).float() if normed_inputs else None
+        entropies = (
+            self.gates.scores(torch.stack(normed_inputs)).float() if normed_inputs and self.gates is not None else None
+        )
         return logits, entropies
 
     def reset_counters(self) -> None:

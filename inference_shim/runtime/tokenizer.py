@@ -16,8 +16,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import tokenizers
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 
 def plain_chat_prompt(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
@@ -50,7 +54,7 @@ class Tokenizer:
         self.eos_tokens = tuple(eos_tokens)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))  # ordered, no duplicates
         self.chat_template = chat_template
-        self._template = None  # compiled lazily (needs jinja2): most callers never render a chat
+        self._template: Template | None = None  # compiled lazily (needs jinja2): most callers never render a chat
 
     @classmethod
     def from_files(
@@ -97,8 +101,7 @@ class Tokenizer:
         # Special tokens are added here, not by the tokenizer's post-processor, so that a chat
         # template that already starts with the BOS token does not get a second one.
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        wants_bos = add_bos and self.add_bos_token and self.bos_token_id is not None
-        if wants_bos and ids[:1] != [self.bos_token_id]:
+        if add_bos and self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
 
@@ -202,7 +205,7 @@ def _chat_template(value) -> str | None:
     raise TokenizerError("chat_template is neither a string nor a list with a 'default' template")
 
 
-def _compile_template(source: str):
+def _compile_template(source: str) -> Template:
     # Sandboxed, as transformers does: a checkpoint's template is data, not trusted code.
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -17,6 +17,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from typing import Literal
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -110,7 +111,7 @@ def create_app(service: ShimService) -> FastAPI:
     return app
 
 
-async def _generate(service: ShimService, request: Request, kind: str) -> Response:
+async def _generate(service: ShimService, request: Request, kind: Literal["completion", "chat"]) -> Response:
     arrived = time.monotonic()
     try:
         prepared = await _prepare(service, request, kind)
@@ -146,10 +147,11 @@ async def _generate(service: ShimService, request: Request, kind: str) -> Respon
     return JSONResponse(generation.response(text), headers=headers)
 
 
-async def _prepare(service: ShimService, request: Request, kind: str) -> Prepared:
+async def _prepare(service: ShimService, request: Request, kind: Literal["completion", "chat"]) -> Prepared:
     limits = service.limits
     data = await read_json_body(request, limits.max_body_bytes, limits.body_timeout_seconds)
-    body = parse_request(ChatCompletionRequest if kind == "chat" else CompletionRequest, data)
+    body: CompletionRequest | ChatCompletionRequest
+    body = parse_request(ChatCompletionRequest, data) if kind == "chat" else parse_request(CompletionRequest, data)
     if body.model != service.model_name:
         raise APIError(
             404,
@@ -194,7 +196,7 @@ async def _prepare(service: ShimService, request: Request, kind: str) -> Prepare
     )
 
 
-def _prompt_text(service: ShimService, body: SamplingFields) -> str:
+def _prompt_text(service: ShimService, body: CompletionRequest | ChatCompletionRequest) -> str:
     if isinstance(body, CompletionRequest):
         return body.prompt_text()
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]

@@ -161,6 +161,8 @@ class Generation:
         return {"id": p.request_id, "object": kind, "created": self.created, "model": p.model_name}
 
     def response(self, text: str) -> dict[str, Any]:
+        if self.final is None:
+            raise RuntimeError(f"{self.prepared.request_id}: response() before the generation finished")
         reason = self.final.finish_reason
         if self.prepared.kind == "chat":
             choice = {

@@ -95,7 +95,7 @@ class EngineWorker:
         self._handles: dict[int, RequestHandle] = {}
         self._capturing: dict[int, RequestHandle] = {}
         self._probes: dict[int, _Probe] = {}
-        self._engine: GenerationEngine | None = None
+        self._engine: GenerationEngine  # built by start(), before the engine thread runs
         self._thread = threading.Thread(target=self._run, name="layerwatch-engine", daemon=True)
         self._telemetry_failed = False
 
@@ -243,7 +243,7 @@ class EngineWorker:
         fallback_started = record.fallback_started
         if self._probes:
             is_probe = np.isin(sequence_ids, np.fromiter(self._probes, dtype=np.int64))
-            for row in np.flatnonzero(is_probe):
+            for row in np.flatnonzero(is_probe).tolist():
                 # Layer activity = every layer's gate produced a finite entropy for this token.
                 self._probes[int(sequence_ids[row])].saw_layer_activity = bool(np.isfinite(entropies[row]).all())
             if is_probe.all():

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 from layerwatch import prometheus
 from layerwatch.catalog import SHIM
+from layerwatch.prometheus import HistogramArrays
 
 REQUEST_STATUSES = ("ok", "client_error", "server_error", "cancelled")
 FALLBACK_REASON = "high_skipping"
@@ -33,9 +34,26 @@ def make_metric(name: str, registry: CollectorRegistry) -> Counter | Gauge | His
     return prometheus.instrument(name, registry, SHIM)
 
 
-def family(name: str, bounds: Sequence[float] | None = None) -> Metric:
-    """An empty metric family for a shim metric of the catalog, filled at scrape time."""
-    return prometheus.family(name, SHIM, bounds)
+def make_counter(name: str, registry: CollectorRegistry) -> Counter:
+    return prometheus.counter(name, registry, SHIM)
+
+
+def make_gauge(name: str, registry: CollectorRegistry) -> Gauge:
+    return prometheus.gauge(name, registry, SHIM)
+
+
+def make_histogram(name: str, registry: CollectorRegistry) -> Histogram:
+    return prometheus.histogram(name, registry, SHIM)
+
+
+def family(name: str) -> CounterMetricFamily | GaugeMetricFamily:
+    """An empty metric family for a shim counter or gauge of the catalog, filled at scrape time."""
+    return prometheus.value_family(name, SHIM)
+
+
+def histogram_family(name: str, bounds: Sequence[float] | None = None) -> HistogramArrays:
+    """An empty metric family for a shim histogram of the catalog, filled at scrape time."""
+    return prometheus.histogram_family(name, SHIM, bounds)
 
 
 class ShimCollector(prometheus.CatalogCollector):
@@ -149,7 +167,7 @@ class DecodeStatsCollector(ShimCollector):
                 counter.add_metric([m, layer], value)
             yield counter
         # Every decoded row ran 0..L layers, so the last bucket holds all rows (= the +Inf bucket).
-        executed = family("layerwatch_layers_executed", bounds=self._executed_bounds)
+        executed = histogram_family("layerwatch_layers_executed", bounds=self._executed_bounds)
         executed.add_histograms([(m,)], s.executed_counts[np.newaxis, :], np.array([s.executed_sum]))
         yield executed
         fallbacks = family("layerwatch_fallbacks_total")
@@ -176,14 +194,14 @@ class RequestMetrics:
     """Counters and latency histograms updated once per finished request (children bound once)."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        requests = make_metric("layerwatch_requests_total", registry)
+        requests = make_counter("layerwatch_requests_total", registry)
         self._requests = {status: requests.labels(model_name, status) for status in REQUEST_STATUSES}
-        tokens = make_metric("layerwatch_tokens_total", registry)
+        tokens = make_counter("layerwatch_tokens_total", registry)
         self._prefill_tokens = tokens.labels(model_name, "prefill")
         self._decode_tokens = tokens.labels(model_name, "decode")
-        self._ttft = make_metric("layerwatch_time_to_first_token_seconds", registry).labels(model_name)
-        self._itl = make_metric("layerwatch_inter_token_latency_seconds", registry).labels(model_name)
-        self._duration = make_metric("layerwatch_request_duration_seconds", registry).labels(model_name)
+        self._ttft = make_histogram("layerwatch_time_to_first_token_seconds", registry).labels(model_name)
+        self._itl = make_histogram("layerwatch_inter_token_latency_seconds", registry).labels(model_name)
+        self._duration = make_histogram("layerwatch_request_duration_seconds", registry).labels(model_name)
 
     def finish(self, request: FinishedRequest) -> None:
         self._requests[request.status].inc()
@@ -201,8 +219,8 @@ class RequestMetrics:
 
 class ShadowMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        self.tokens = make_metric("layerwatch_shadow_tokens_total", registry).labels(model_name)
-        self.agreements = make_metric("layerwatch_shadow_agreements_total", registry).labels(model_name)
+        self.tokens = make_counter("layerwatch_shadow_tokens_total", registry).labels(model_name)
+        self.agreements = make_counter("layerwatch_shadow_agreements_total", registry).labels(model_name)
 
 
 @dataclass(frozen=True)
@@ -245,7 +263,7 @@ class GateReloadMetrics:
     is a rejected one right now (the previously loaded gates serve meanwhile)."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        reloads = make_metric("layerwatch_gate_file_reloads_total", registry)
+        reloads = make_counter("layerwatch_gate_file_reloads_total", registry)
         self.loaded = reloads.labels(model_name, "loaded")
         self.rejected = reloads.labels(model_name, "rejected")
-        self.file_rejected = make_metric("layerwatch_gate_file_rejected", registry).labels(model_name)
+        self.file_rejected = make_gauge("layerwatch_gate_file_rejected", registry).labels(model_name)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.requests import Request
+
+_Request = TypeVar("_Request", bound=BaseModel)
 
 
 class APIError(Exception):
@@ -83,7 +85,7 @@ def body_too_large(max_bytes: int) -> APIError:
     return APIError(413, f"The request body exceeds the limit of {max_bytes} bytes.", code="request_too_large")
 
 
-def parse_request(model: type[BaseModel], data: Any) -> BaseModel:
+def parse_request(model: type[_Request], data: Any) -> _Request:
     if not isinstance(data, dict):
         raise APIError(400, f"The request body must be a JSON object, not {type(data).__name__}.", code="invalid_json")
     try:

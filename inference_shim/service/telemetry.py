@@ -139,13 +139,13 @@ class StepTelemetry:
         if self.sender is not None:
             self.sender.send(entropies, skipped)
         if self.trace is not None:
-            self._write_trace(entropies, skipped)
+            self._write_trace(self.trace, entropies, skipped)
 
-    def _write_trace(self, entropies: np.ndarray, skipped: np.ndarray) -> None:
+    def _write_trace(self, trace: TraceWriter, entropies: np.ndarray, skipped: np.ndarray) -> None:
         try:
-            self.trace.write_rows(self.model_name, entropies, skipped)
+            trace.write_rows(self.model_name, entropies, skipped)
         except OSError as exc:  # disk full, file gone: the trace is best effort, decoding goes on
-            log.warning("trace file %s: %s; trace writing stopped", self.trace.path, exc)
+            log.warning("trace file %s: %s; trace writing stopped", trace.path, exc)
             self.trace = None
         except ValueError as exc:  # NaN entropies from a broken model: not representable in the format
-            log.warning("trace file %s: step not written: %s", self.trace.path, exc)
+            log.warning("trace file %s: step not written: %s", trace.path, exc)
