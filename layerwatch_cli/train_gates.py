@@ -56,60 +56,40 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from inference_shim.offline.corpus import CorpusError
-    from inference_shim.offline.gate_training import GateSchedule, init_gates, train_gates
-    from inference_shim.offline.training import text_file_stream
-    from inference_shim.runtime.checkpoint import CheckpointError, load_checkpoint, resolve_device
-    from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
-    from inference_shim.runtime.skip_policy import SkipPolicyConfig
+    from inference_shim.offline.gate_training import GateSchedule, GateStepStats, train_gate_file
+    from inference_shim.runtime.checkpoint import CheckpointError
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    schedule = GateSchedule(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        learning_rate=args.learning_rate,
+        threshold=args.threshold,
+        patience=args.patience,
+        target_skip=args.target_skip,
+        sparsity_weight=args.sparsity_weight,
+        commit_weight=args.commit_weight,
+        low_score=args.low_score,
+        high_score=args.high_score,
+        seed=args.seed,
+    )
     try:
-        device = resolve_device(args.device)
-        loaded = load_checkpoint(args.model, device=device)
-        stream = text_file_stream(loaded.tokenizer, args.data, min_tokens=args.seq_len + 2)
-        policy = SkipPolicyConfig(threshold=args.threshold, patience=args.patience)
-        schedule = GateSchedule(
-            steps=args.steps,
-            batch_size=args.batch_size,
-            seq_len=args.seq_len,
-            learning_rate=args.learning_rate,
-            threshold=args.threshold,
-            patience=args.patience,
-            protected_layers=policy.protected(loaded.config.num_layers),
-            target_skip=args.target_skip,
-            sparsity_weight=args.sparsity_weight,
-            commit_weight=args.commit_weight,
-            low_score=args.low_score,
-            high_score=args.high_score,
-            seed=args.seed,
-        )
+        with tqdm(total=schedule.steps, desc="train-gates", disable=args.quiet, file=sys.stderr) as bar:
+
+            def progress(stats: GateStepStats) -> None:
+                bar.update(1)
+                bar.set_postfix(
+                    loss=f"{stats.loss:.3f}",
+                    lm=f"{stats.lm_loss:.3f}",
+                    skip=f"{stats.skip_fraction:.2f}",
+                    temp=f"{stats.temperature:.2f}",
+                )
+
+            sha256 = train_gate_file(args.model, args.data, args.out, schedule, device=args.device, on_step=progress)
     except (CheckpointError, CorpusError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-
-    model, config = loaded.model, loaded.config
-    gates = init_gates(config.num_layers, config.hidden_size, schedule)
-    with tqdm(total=schedule.steps, desc="train-gates", disable=args.quiet, file=sys.stderr) as bar:
-
-        def progress(stats) -> None:
-            bar.update(1)
-            bar.set_postfix(
-                loss=f"{stats.loss:.3f}",
-                lm=f"{stats.lm_loss:.3f}",
-                skip=f"{stats.skip_fraction:.2f}",
-                temp=f"{stats.temperature:.2f}",
-            )
-
-        train_gates(model, gates, stream, schedule, on_step=progress)
-
-    metadata = GateMetadata(
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        threshold=args.threshold,
-        patience=args.patience,
-        base_fingerprint=model_fingerprint(model),
-    )
-    sha256 = save_gates(args.out, gates, metadata)
     print(f"wrote {args.out} (sha256 {sha256})")
     return 0

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from inference_shim.offline.training import lm_loss, sample_windows
+from inference_shim.offline.training import lm_loss, sample_windows, text_file_stream
+from inference_shim.runtime.checkpoint import load_checkpoint, resolve_device
+from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
 from inference_shim.runtime.model import GateBank, Transformer
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 
@@ -184,3 +187,34 @@ def train_gates(
         if on_step is not None:
             on_step(GateStepStats(step + 1, loss.item(), language.item(), skip.item(), temperature))
     return gates.eval()
+
+
+def train_gate_file(
+    model_dir: Path,
+    data: Path,
+    out: Path,
+    schedule: GateSchedule,
+    *,
+    device: str = "cpu",
+    on_step: Callable[[GateStepStats], None] | None = None,
+) -> str:
+    """Train gates for the frozen checkpoint in `model_dir` on the text file `data` and write them to
+    `out`, with the threshold and patience they were trained for; returns the file's sha256. With no
+    protected layers in the schedule, the skip policy's default ones (first and last) are kept at
+    full depth. Raises CheckpointError, CorpusError or ValueError on bad input."""
+    loaded = load_checkpoint(model_dir, device=resolve_device(device))
+    stream = text_file_stream(loaded.tokenizer, data, min_tokens=schedule.seq_len + 2)
+    model, config = loaded.model, loaded.config
+    if not schedule.protected_layers:
+        policy = SkipPolicyConfig(threshold=schedule.threshold, patience=schedule.patience)
+        schedule = replace(schedule, protected_layers=policy.protected(config.num_layers))
+    gates = init_gates(config.num_layers, config.hidden_size, schedule)
+    train_gates(model, gates, stream, schedule, on_step=on_step)
+    metadata = GateMetadata(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        threshold=schedule.threshold,
+        patience=schedule.patience,
+        base_fingerprint=model_fingerprint(model),
+    )
+    return save_gates(out, gates, metadata)
