@@ -15,5 +15,13 @@ fi
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"
 export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -q
-$sudo apt-get install -y -q --no-install-recommends $(printf '%s\n' "${need[@]}" | sort -u)
+packages="$(printf '%s\n' "${need[@]}" | sort -u | tr '\n' ' ')"
+echo "installing Debian packages: $packages"
+# apt's progress goes to a log that is shown only when the install fails.
+log="$(mktemp)"
+if ! { $sudo apt-get update -q && $sudo apt-get install -y -q --no-install-recommends $packages; } >"$log" 2>&1; then
+  cat "$log" >&2
+  echo "install-system-deps: installing $packages failed (log above)" >&2
+  exit 1
+fi
+rm -f "$log"
