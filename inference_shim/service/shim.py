@@ -23,6 +23,7 @@ from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.service.engine_worker import EngineWorker
 from inference_shim.service.gate_watch import GateFileWatcher
+from inference_shim.service.layer_signals import LayerSignalsCollector, LayerSignalStats
 from inference_shim.service.metrics import (
     DecodeStats,
     DecodeStatsCollector,
@@ -168,7 +169,13 @@ class ShimService:
             else None
         )
 
-        shadow = ShadowChecker(model, shadow_metrics, settings.shadow_rate) if settings.shadow_rate > 0 else None
+        self.layer_signals = LayerSignalStats(config.num_layers)
+        self.registry.register(LayerSignalsCollector(self.layer_signals, self.model_name))
+        shadow = (
+            ShadowChecker(model, shadow_metrics, settings.shadow_rate, self.layer_signals)
+            if settings.shadow_rate > 0
+            else None
+        )
         telemetry = StepTelemetry(self.model_name, self.decode_stats, self.sender, self.trace)
         probe_prompt = self.tokenizer.encode(PROBE_TEXT)
         self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow)
