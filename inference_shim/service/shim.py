@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from inference_shim.runtime.checkpoint import DTYPES, LoadedCheckpoint, load_checkpoint
 from inference_shim.runtime.engine import GenerationEngine, StepHook
-from inference_shim.runtime.gates import GATES_FILE, LoadedGates, load_gates, reset_gates
+from inference_shim.runtime.gates import GATES_FILE, LoadedGates, load_gates, reset_gates, shuffle_gates
 from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.service.engine_worker import EngineWorker
@@ -72,6 +72,7 @@ class ServeSettings:
     device: str = "cpu"
     dtype: str = "float32"
     reset_gates: bool = False
+    shuffle_gates: bool = False  # drill: each gate on another layer (a fixed derangement)
     gates_watch_seconds: float = 5.0  # how often the gate file is checked for a replacement; 0 = never
 
 
@@ -189,11 +190,16 @@ class ShimService:
         if settings.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
         checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])
+        if settings.reset_gates and settings.shuffle_gates:
+            raise ValueError("--reset-gates and --shuffle-gates exclude each other")
         if settings.reset_gates:
             gates = reset_gates(checkpoint.model, seed=RESET_GATES_SEED)
             log.warning("serving freshly initialised gates (--reset-gates), gates_sha256=%s", gates.sha256)
         else:
             gates = load_gates(gates_file(settings), checkpoint.model)
+        if settings.shuffle_gates:
+            gates = shuffle_gates(gates)
+            log.warning("serving the gates on the wrong layers (--shuffle-gates), gates_sha256=%s", gates.sha256)
         return cls(checkpoint, gates, settings, registry)
 
     @property
@@ -204,7 +210,7 @@ class ShimService:
         if settings.gates_watch_seconds < 0:
             raise ValueError(f"--gates-watch-seconds must be >= 0, got {settings.gates_watch_seconds}")
         metrics = GateReloadMetrics(self.registry, self.model_name)  # exposed (at 0) even when not watching
-        if settings.reset_gates or settings.gates_watch_seconds == 0:
+        if settings.reset_gates or settings.shuffle_gates or settings.gates_watch_seconds == 0:
             return None
         return GateFileWatcher(
             gates_file(settings),

@@ -1,8 +1,9 @@
 """Layer signals from the shadow check: the rank correlation, the reservoir, the collector, the
-shadow job that feeds them and the live shim."""
+shadow job that feeds them, the live shim, and the --shuffle-gates drill."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 
@@ -16,9 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inference_shim.runtime.agreement import LayerSignals
 from inference_shim.runtime.checkpoint import load_checkpoint
+from inference_shim.runtime.gates import gate_derangement, load_gates, shuffle_gates
 from inference_shim.service.layer_signals import LayerSignalsCollector, LayerSignalStats, spearman
 from inference_shim.service.metrics import ShadowMetrics
 from inference_shim.service.shadow import ShadowChecker
+from inference_shim.service.shim import ServeSettings, ShimService
 from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum, tiny_gates
 
 # --- Spearman's rank correlation ------------------------------------------------------------------------
@@ -170,3 +173,35 @@ def test_live_shim_measures_each_shadow_checked_token_on_every_layer(server):  #
         )
         assert update > 0
     assert sample_sum(after, "layerwatch_gate_importance_samples") >= 12 * NUM_LAYERS
+
+
+# --- the --shuffle-gates drill --------------------------------------------------------------------------
+
+
+def test_gate_derangement_moves_every_gate():
+    for layers in range(2, 40):
+        source = gate_derangement(layers)
+        assert sorted(source) == list(range(layers)) and all(s != layer for layer, s in enumerate(source))
+    with pytest.raises(ValueError):
+        gate_derangement(1)
+
+
+def test_shuffle_gates_serves_the_file_gates_on_other_layers(in_process, tiny_checkpoint):
+    file_sha = hashlib.sha256(tiny_checkpoint.gates_path.read_bytes()).hexdigest()
+    server = in_process(shuffle_gates=True)
+    [labels] = [dict(ls) for (name, ls), _ in server.metrics().items() if name == "layerwatch_model_info"]
+    assert labels["gates_sha256"] != file_sha
+    served = server.service.model.gates
+    original = load_gates(tiny_checkpoint.gates_path, server.service.model).gates
+    for layer, source in enumerate(gate_derangement(NUM_LAYERS)):
+        for name, tensor in served[layer].state_dict().items():
+            assert torch.equal(tensor, original[source].state_dict()[name])
+    again = shuffle_gates(load_gates(tiny_checkpoint.gates_path, server.service.model))
+    assert again.sha256 == labels["gates_sha256"]  # a fixed derangement: the same hash every time
+    assert server.service.gate_watcher is None  # a file watch would undo the drill
+
+
+def test_reset_and_shuffle_exclude_each_other(tiny_checkpoint):
+    settings = ServeSettings(model_dir=tiny_checkpoint.path, reset_gates=True, shuffle_gates=True)
+    with pytest.raises(ValueError, match="exclude each other"):
+        ShimService.load(settings)
