@@ -138,7 +138,8 @@ def gate_derangement(num_layers: int) -> list[int]:
 def shuffle_gates(loaded: LoadedGates) -> LoadedGates:
     """The same gates on the wrong layers (gate l gets layer `gate_derangement(L)[l]`'s weights): a
     drill for gates that no longer track their layers. Metadata (threshold, patience, fingerprint)
-    stays; the sha256 is that of the shuffled gates serialised as a gate file, so it changes."""
+    stays; the sha256 is that of the shuffled gates serialised as a gate file, so it changes (from
+    the served values: gates placed in bf16 give another hash than in fp32)."""
     source = gate_derangement(len(loaded.gates))
     shuffled = GateBank(loaded.metadata.num_layers, loaded.metadata.hidden_size)
     with torch.no_grad():
