@@ -89,6 +89,10 @@ class Profile:
     runaway_fallbacks_per_minute: float = 0.0  # fallbacks above this rate, sustained, are runaway
     drift: Drift = Drift()
     shadow_agreement_min: float = field(default=0.90, metadata=_FRACTION)
+    # Page below this Spearman correlation between gate score and relative residual update (in
+    # [-1, 1]; docs/service.md, "Layer signals"). Measure the model's healthy value with
+    # benchmarks/gate_signals.py; the default only catches gates unrelated to their layers.
+    gate_importance_correlation_min: float = 0.1
     telemetry_loss_max: float = field(default=0.01, metadata=_FRACTION)
     # Per-alert `for:` overrides of per-model alerts; the others use their spec's default.
     for_durations: dict[str, Seconds] = field(default_factory=dict, metadata={"yaml_key": "for"})
@@ -221,6 +225,8 @@ def _check(p: Profile, where: str) -> None:
         fail("skip_surge_factor", f"{p.skip_surge_factor} must be above 1 (a factor over the baseline)")
     if p.runaway_fallbacks_per_minute < 0:
         fail("runaway_fallbacks_per_minute", f"{p.runaway_fallbacks_per_minute} is negative")
+    if not -1.0 <= p.gate_importance_correlation_min <= 1.0:
+        fail("gate_importance_correlation_min", f"{p.gate_importance_correlation_min} is outside [-1, 1]")
     if p.drift.window <= 0:
         fail("drift.window", "must be longer than 0s")
     unknown = sorted(set(p.for_durations) - set(_DEFAULT_FOR))

@@ -388,6 +388,34 @@ def shadow_agreement_low(b: AlertBuild) -> list[dict]:
     ]
 
 
+# An addition to the field's alert set: the gates are judged against what the layers do. The shadow
+# check's full-depth pass measures each layer's relative residual update next to its gate score
+# (docs/service.md, "Layer signals"); healthy gates rank the layers that change the residual stream
+# most highest. Absent (too few samples, no shadow checks): silent.
+@alert(
+    "LayerwatchGateMiscalibrated",
+    severities=(PAGE,),
+    default_for="10m",
+    reads=("gate_importance_correlation_min",),
+)
+def gate_miscalibrated(b: AlertBuild) -> list[dict]:
+    p, r = b.profile, b.recorded
+    return [
+        b.rule(
+            f"layerwatch_gate_importance_correlation{{{config.SHIM_SELECTOR}, {b.selector}}}\n"
+            f"< {p.gate_importance_correlation_min}",
+            "The gates no longer track how much their layers matter.",
+            f"On the full-depth shadow checks of {_WHERE}, the rank correlation between gate score and "
+            f"the layer's relative residual update is {_value()} over the last "
+            + _lookup("layerwatch_gate_importance_samples", "%.0f")
+            + f" (token, layer) samples (floor {p.gate_importance_correlation_min}): skip decisions no "
+            "longer follow which layers matter. Shadow agreement: "
+            + _lookup(r.shadow_agreement_ratio)
+            + ". Usual causes: gates for another model or layer order, or edited gate weights.",
+        )
+    ]
+
+
 @alert("LayerwatchTelemetryLoss", severities=(TICKET,), default_for="10m", reads=("telemetry_loss_max",))
 def telemetry_loss(b: AlertBuild) -> list[dict]:
     p = b.profile

@@ -21,6 +21,9 @@ EXPORTER = "exporter"
 ENTROPY_BUCKETS: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(1, 21))
 # An entropy below this counts as a "zero-entropy" layer (docs/metrics.md: layerwatch_entropy_zero_total).
 ZERO_ENTROPY_LIMIT = 0.01
+# The gate-importance correlation is computed over the last this many (token, layer) samples of the
+# shadow check, and exported once that many were measured (docs/service.md, "Layer signals").
+GATE_IMPORTANCE_SAMPLES = 4096
 
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.001,
@@ -211,6 +214,48 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         ("model_name",),
         "Shadow-checked tokens whose full-depth top-1 token equals the gated output.",
+        SHIM,
+    ),
+    # --- shim: layer signals, measured on the shadow check's full-depth pass (docs/service.md) ---
+    _m(
+        "layerwatch_layer_signal_tokens_total",
+        "counter",
+        ("model_name", "layer"),
+        "Shadow-checked tokens whose layer signals were measured at full depth (the count behind the "
+        "layer's relative update and attention KL sums).",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_layer_relative_update_sum_total",
+        "counter",
+        ("model_name", "layer"),
+        "Sum over shadow-checked tokens of the layer's relative residual update norm(dh) / norm(h) (attention + "
+        "MLP contribution over the layer's input); mean = rate of this / rate of layerwatch_layer_signal_tokens_total.",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_layer_attention_kl_sum_total",
+        "counter",
+        ("model_name", "layer"),
+        "Sum over shadow-checked tokens of the layer's attention discreteness: KL divergence (nats) of each "
+        "head's attention from uniform over the attended positions, mean over heads; mean = rate of this / "
+        "rate of layerwatch_layer_signal_tokens_total.",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_gate_importance_correlation",
+        "gauge",
+        ("model_name",),
+        "Spearman rank correlation between gate score and relative residual update over the last "
+        f"{GATE_IMPORTANCE_SAMPLES} (token, layer) samples of the shadow check's full-depth pass; absent until "
+        "that many were measured.",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_gate_importance_samples",
+        "gauge",
+        ("model_name",),
+        f"(token, layer) samples the gate-importance correlation is computed over (at most {GATE_IMPORTANCE_SAMPLES}).",
         SHIM,
     ),
     _m("layerwatch_telemetry_frames_sent_total", "counter", ("model_name",), "Gate frames sent to the exporter.", SHIM),

@@ -56,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "weights overwritten' incident (layerwatch_model_info's gates_sha256 changes)",
     )
     model.add_argument(
+        "--shuffle-gates",
+        action="store_true",
+        help="serve the gate file's gates on the wrong layers (gate l gets layer (l + L/2) mod L's "
+        "weights): a drill for gates that no longer track how much their layer matters "
+        "(layerwatch_model_info's gates_sha256 changes; LayerwatchGateMiscalibrated should page)",
+    )
+    model.add_argument(
         "--gates-watch-seconds",
         type=float,
         default=SETTINGS_DEFAULTS["gates_watch_seconds"],

@@ -132,6 +132,30 @@ def reset_gates(model: Transformer, seed: int) -> LoadedGates:
     return LoadedGates(gates=_placed(gates, model), metadata=metadata, sha256=sha256)
 
 
+def gate_derangement(num_layers: int) -> list[int]:
+    """source[l]: the layer whose gate layer l gets from `shuffle_gates`, a fixed derangement (no
+    gate stays in place): a rotation by half the depth, so each gate lands far from its layer."""
+    if num_layers < 2:
+        raise ValueError(f"cannot move every gate of a {num_layers}-layer model to another layer")
+    return [(layer + num_layers // 2) % num_layers for layer in range(num_layers)]
+
+
+def shuffle_gates(loaded: LoadedGates) -> LoadedGates:
+    """The same gates on the wrong layers (gate l gets layer `gate_derangement(L)[l]`'s weights): a
+    drill for gates that no longer track their layers. Metadata (threshold, patience, fingerprint)
+    stays; the sha256 is that of the shuffled gates serialised as a gate file, so it changes (from
+    the served values: gates placed in bf16 give another hash than in fp32)."""
+    source = gate_derangement(len(loaded.gates))
+    shuffled = GateBank(loaded.metadata.num_layers, loaded.metadata.hidden_size)
+    with torch.no_grad():
+        for layer, gate in enumerate(shuffled.gates):
+            gate.load_state_dict(loaded.gates[source[layer]].state_dict())
+    reference = next(loaded.gates.parameters())
+    shuffled = shuffled.to(device=reference.device, dtype=reference.dtype).eval()
+    sha256 = hashlib.sha256(_serialize(shuffled, loaded.metadata)).hexdigest()
+    return LoadedGates(gates=shuffled, metadata=loaded.metadata, sha256=sha256)
+
+
 def _serialize(gates: GateBank, metadata: GateMetadata) -> bytes:
     if len(gates) != metadata.num_layers:
         raise ValueError(f"{len(gates)} gates but metadata says num_layers={metadata.num_layers}")

@@ -13,7 +13,9 @@ holds for it is the KV policy's choice:
     attend to that position;
   - "evict":   the position is left out of that layer's attention for later tokens.
 
-This file knows nothing of telemetry: callers read the returned entropies.
+This file knows nothing of telemetry: callers read the returned entropies. A full-depth forward
+can also fill a `LayerProbe` (per layer: relative residual update, gate score, attention
+discreteness) when one is passed; without one it computes nothing extra.
 """
 
 from __future__ import annotations
@@ -189,6 +191,27 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self._gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
 
+    def attention_kl(
+        self, x: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """KL(attention || uniform) of each query position from `start` on, averaged over heads.
+
+        x: the layer's normed input [B, T, d]; k: its rotated keys [B, Hkv, T, D] (from `forward_full`).
+        Query p attends positions 0..p, so KL = log(p + 1) - H(attention): 0 for attention spread
+        evenly, log(p + 1) for attention on one position. -> [B, T - start], fp32.
+        """
+        B, T, _ = x.shape
+        Q = T - start
+        q = self.q_proj(x[:, start:]).view(B, Q, self.num_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos[:, :, start:], sin[:, :, start:]).float()
+        keys = k.float().repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # [B, H, T, D]
+        scores = (q @ keys.transpose(-1, -2)) / math.sqrt(self.head_dim)  # [B, H, Q, T]
+        positions = torch.arange(start, T, device=x.device)
+        attended = torch.arange(T, device=x.device)[None, :] <= positions[:, None]  # [Q, T]
+        log_p = torch.log_softmax(scores.masked_fill(~attended, float("-inf")), dim=-1)
+        neg_entropy = torch.where(attended, log_p.exp() * log_p, 0.0).sum(-1)  # [B, H, Q]
+        return (neg_entropy + torch.log(positions.float() + 1.0)).mean(dim=1)
+
     def forward_decode(
         self,
         x: torch.Tensor,
@@ -357,6 +380,30 @@ class GateBank(nn.Module):
         return self._stacks
 
 
+# --- per-layer signals of a full-depth pass ----------------------------------------------------
+
+
+@dataclass
+class LayerProbe:
+    """Asks a full-depth forward (`Transformer.forward(..., probe=)`) for per-layer signals of the
+    positions `start` onwards; the forward fills the fields, each fp32 [B, T - start, L] on the
+    model's device (layer l in column l):
+
+      - `relative_update`: ||dh|| / ||h||, dh = layer l's attention + MLP contribution to the
+        residual stream, h = its input residual;
+      - `gate_score`: layer l's gate on the same token (its normed input), None without gates;
+      - `attention_kl`: KL divergence of each head's attention distribution from uniform over the
+        attended positions (0..p), averaged over the heads: how discrete the layer's attention is.
+
+    Without a probe the forward computes none of it.
+    """
+
+    start: int = 0
+    relative_update: torch.Tensor | None = None
+    gate_score: torch.Tensor | None = None
+    attention_kl: torch.Tensor | None = None
+
+
 # --- the transformer ---------------------------------------------------------------------------
 
 # A hook for training: (layer, normed input [B, T, d]) -> scale [B, T, 1] applied to the layer's
@@ -394,9 +441,12 @@ class Transformer(nn.Module):
 
     # Full sequence, full depth: training, scoring, prefill. ------------------------------------
 
-    def forward(self, tokens: torch.Tensor, update_scale: UpdateScale | None = None):
-        """tokens: [B, T] -> (logits [B, T, V], entropies [B, T, L] or None when no gates are attached)."""
-        h, entropies = self._full_depth(tokens, update_scale)
+    def forward(self, tokens: torch.Tensor, update_scale: UpdateScale | None = None, probe: LayerProbe | None = None):
+        """tokens: [B, T] -> (logits [B, T, V], entropies [B, T, L] or None when no gates are attached).
+
+        `probe`: filled with per-layer signals of the positions from `probe.start` on (see LayerProbe).
+        """
+        h, entropies = self._full_depth(tokens, update_scale, probe=probe)
         return self.lm_head(self.norm(h)), entropies
 
     @torch.no_grad()
@@ -416,6 +466,7 @@ class Transformer(nn.Module):
         update_scale: UpdateScale | None = None,
         cache: KVCache | None = None,
         slot: int | None = None,
+        probe: LayerProbe | None = None,
     ):
         # tokens: [B, T] -> final hidden states [B, T, d] (before the norm), entropies [B, T, L] or None
         B, T = tokens.shape
@@ -423,18 +474,30 @@ class Transformer(nn.Module):
         positions = torch.arange(T, device=tokens.device).expand(B, T)
         cos, sin = self.rope(positions, h.dtype)
         entropies = []
+        updates, kls = [], []  # only with a probe
         for l, block in enumerate(cast("Iterable[Block]", self.layers)):  # nn.ModuleList is not generic
             x = block.input_layernorm(h)
             if self.gates is not None:
                 entropies.append(self.gates[l](x))
             scale = update_scale(l, x) if update_scale is not None else None
+            h_in = h
             h, k, v = block(h, x, cos, sin, scale)
+            if probe is not None:
+                start = probe.start
+                h_in32 = h_in[:, start:].float()
+                updates.append((h[:, start:].float() - h_in32).norm(dim=-1) / h_in32.norm(dim=-1).clamp_min(1e-30))
+                kls.append(block.self_attn.attention_kl(x, k, cos, sin, start))
             if cache is not None:
                 if slot is None:
                     raise ValueError("filling a KV cache needs the slot to fill")
                 cache.fill_prefix(l, slot, k[0], v[0])
             self.layer_rows_executed[l] += B * T
-        return h, (torch.stack(entropies, dim=-1) if entropies else None)
+        stacked = torch.stack(entropies, dim=-1) if entropies else None
+        if probe is not None:
+            probe.relative_update = torch.stack(updates, dim=-1)
+            probe.attention_kl = torch.stack(kls, dim=-1)
+            probe.gate_score = stacked[:, probe.start :].float() if stacked is not None else None
+        return h, stacked
 
     # One decode step, layers skipped per row. ---------------------------------------------------
 

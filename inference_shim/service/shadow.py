@@ -9,6 +9,10 @@ sampled requests it would mostly measure the sampling.
 Jobs run in the engine thread (the model is not shared across threads), between decode steps and
 within a time budget (see `ShadowChecker.due`), so they never delay a step by more than one job
 and never hold a client response: the request has already been answered when its job is queued.
+
+With a `LayerSignalStats`, the same full-depth pass also measures every layer's signals (relative
+update, gate score, attention KL) and folds them in (layer_signals.py); that work is part of the
+job's time, so the duty cycle covers it too.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections import deque
 
 from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
 from inference_shim.runtime.model import Transformer
+from inference_shim.service.layer_signals import LayerSignalStats
 from inference_shim.service.metrics import ShadowMetrics
 
 log = logging.getLogger(__name__)
@@ -29,11 +34,14 @@ DUTY_CYCLE = 0.1  # while requests are decoding, shadow work takes at most this 
 
 
 class ShadowChecker:
-    def __init__(self, model: Transformer, metrics: ShadowMetrics, rate: float) -> None:
+    def __init__(
+        self, model: Transformer, metrics: ShadowMetrics, rate: float, signals: LayerSignalStats | None = None
+    ) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"shadow rate must be in [0, 1], got {rate}")
         self._model = model
         self._metrics = metrics
+        self._signals = signals
         self.rate = rate
         self._random = random.Random()
         self._jobs: deque[ShadowJob] = deque()
@@ -57,7 +65,9 @@ class ShadowChecker:
         job = self._jobs.popleft()
         started = time.monotonic()
         try:
-            result = full_depth_agreement(self._model, job)
+            result = full_depth_agreement(self._model, job, layer_signals=self._signals is not None)
+            if self._signals is not None and result.layer_signals is not None:
+                self._signals.observe(result.layer_signals)
         except Exception:  # a shadow failure must not take the engine thread down
             log.exception("shadow re-check failed")
             return

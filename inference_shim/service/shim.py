@@ -17,11 +17,12 @@ from prometheus_client import CollectorRegistry
 
 from inference_shim.runtime.checkpoint import DTYPES, LoadedCheckpoint, load_checkpoint, resolve_device
 from inference_shim.runtime.engine import GenerationEngine, StepHook
-from inference_shim.runtime.gates import LoadedGates, gates_path_for, load_gates, reset_gates
+from inference_shim.runtime.gates import LoadedGates, gates_path_for, load_gates, reset_gates, shuffle_gates
 from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.service.engine_worker import EngineWorker
 from inference_shim.service.gate_watch import GateFileWatcher
+from inference_shim.service.layer_signals import LayerSignalsCollector, LayerSignalStats
 from inference_shim.service.metrics import (
     DecodeStats,
     DecodeStatsCollector,
@@ -70,6 +71,7 @@ class ServeSettings:
     device: str = "cpu"
     dtype: str = "float32"
     reset_gates: bool = False
+    shuffle_gates: bool = False  # drill: each gate on another layer (a fixed derangement)
     gates_watch_seconds: float = 5.0  # how often the gate file is checked for a replacement; 0 = never
 
 
@@ -167,7 +169,13 @@ class ShimService:
             else None
         )
 
-        shadow = ShadowChecker(model, shadow_metrics, settings.shadow_rate) if settings.shadow_rate > 0 else None
+        self.layer_signals = LayerSignalStats(config.num_layers)
+        self.registry.register(LayerSignalsCollector(self.layer_signals, self.model_name))
+        shadow = (
+            ShadowChecker(model, shadow_metrics, settings.shadow_rate, self.layer_signals)
+            if settings.shadow_rate > 0
+            else None
+        )
         telemetry = StepTelemetry(self.model_name, self.decode_stats, self.sender, self.trace)
         probe_prompt = self.tokenizer.encode(PROBE_TEXT)
         self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow)
@@ -180,11 +188,16 @@ class ShimService:
         if settings.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
         checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])
+        if settings.reset_gates and settings.shuffle_gates:
+            raise ValueError("--reset-gates and --shuffle-gates exclude each other")
         if settings.reset_gates:
             gates = reset_gates(checkpoint.model, seed=RESET_GATES_SEED)
             log.warning("serving freshly initialised gates (--reset-gates), gates_sha256=%s", gates.sha256)
         else:
             gates = load_gates(gates_file(settings), checkpoint.model)
+        if settings.shuffle_gates:
+            gates = shuffle_gates(gates)
+            log.warning("serving the gates on the wrong layers (--shuffle-gates), gates_sha256=%s", gates.sha256)
         return cls(checkpoint, gates, settings, registry)
 
     @property
@@ -195,7 +208,7 @@ class ShimService:
         if settings.gates_watch_seconds < 0:
             raise ValueError(f"--gates-watch-seconds must be >= 0, got {settings.gates_watch_seconds}")
         metrics = GateReloadMetrics(self.registry, self.model_name)  # exposed (at 0) even when not watching
-        if settings.reset_gates or settings.gates_watch_seconds == 0:
+        if settings.reset_gates or settings.shuffle_gates or settings.gates_watch_seconds == 0:
             return None
         return GateFileWatcher(
             gates_file(settings),

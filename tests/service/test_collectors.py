@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from inference_shim.runtime.agreement import LayerSignals
+from inference_shim.service.layer_signals import LayerSignalsCollector, LayerSignalStats
 from inference_shim.service.metrics import (
     DecodeStats,
     DecodeStatsCollector,
@@ -25,7 +27,10 @@ from layerwatch import catalog
 def shim_collectors() -> list:
     stats = DecodeStats(3)
     stats.observe(np.array([[True, False, False]]), np.array([True, False, False]), np.array([False]))
+    signals = LayerSignalStats(3, reservoir=3)
+    signals.observe(LayerSignals(np.ones((1, 3)), np.zeros((1, 3)), np.array([[0.1, 0.2, 0.3]])))
     return [
+        LayerSignalsCollector(signals, "m"),
         DecodeStatsCollector(stats, "m"),
         ModelInfoCollector(lambda: ModelInfo("m", 3, 0.18, 3, "project", "0" * 64)),
         FrameSenderCollector(None, "m"),

@@ -6,6 +6,8 @@ One stack per module (`stack` fixture); the tests are phases and run in file ord
 2. the shim restarted with `--reset-gates` (the field's "gate weights overwritten" incident) pages
    LayerwatchEntropySinglePeak and tickets LayerwatchGateWeightsChanged;
 3. the shim restarted with `--threshold 0.95` pages LayerwatchRunawaySkipping;
+3b. the shim restarted with `--shuffle-gates` (every gate on another layer) pages
+   LayerwatchGateMiscalibrated from the shadow check's layer signals;
 4. every query of every dashboard panel returns data from this Prometheus.
 Arrival is asserted through Alertmanager's API v2 and through the webhook receivers the rendered
 alertmanager.yml routes to (a loopback HTTP server standing in for the pager and ticket bridges).
@@ -20,6 +22,7 @@ The shim serves the embedded demo model; its alerts come from its committed, cal
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -484,6 +487,10 @@ def test_healthy_baseline_fires_no_alert(stack: Stack) -> None:
         >= stack.profile.bimodality.min_observations
     )
     assert _values(stack.query(f"layerwatch_entropy_bimodal{{{model}}}")) == [1.0]
+    # The shadow check measured the gates against their layers, and they track them.
+    correlation = _values(stack.query(f"layerwatch_gate_importance_correlation{{{model}}}"))
+    assert correlation and correlation[0] > stack.profile.gate_importance_correlation_min, correlation
+    print(f"\nhealthy gates: gate-importance correlation {correlation[0]:.3f}")
 
     assert fired == {}, f"alerts fired on the healthy baseline: {fired}"
     assert stack.layerwatch_alerts() == []
@@ -536,6 +543,26 @@ def test_threshold_095_pages_runaway_skipping(stack: Stack) -> None:
     assert runaway["labels"]["instance"] == stack.shim_instance
     assert runaway["labels"]["trigger"] in ("skip_ratio", "fallbacks")
     assert stack.query(f'layerwatch_model_info{{instance="{stack.shim_instance}", threshold="0.95"}}')
+
+
+# --- phase 3b: gates on the wrong layers ---------------------------------------------------------------
+
+
+def test_shuffled_gates_page_gate_miscalibrated(stack: Stack) -> None:
+    file_sha = hashlib.sha256((DEMO_MODEL_DIR / "gates.safetensors").read_bytes()).hexdigest()
+    injected, serving = stack.restart_shim("--shuffle-gates")
+    alerts = stack.wait_for_pages(
+        "gates on the wrong layers (`--shuffle-gates`)", ["LayerwatchGateMiscalibrated"], injected, serving
+    )
+
+    miscalibrated = alerts["LayerwatchGateMiscalibrated"]
+    assert miscalibrated["labels"]["severity"] == "critical"
+    assert miscalibrated["labels"]["instance"] == stack.shim_instance  # the shim's own shadow check
+    correlation = _values(stack.query(f'layerwatch_gate_importance_correlation{{instance="{stack.shim_instance}"}}'))
+    assert correlation and correlation[0] < stack.profile.gate_importance_correlation_min, correlation
+    print(f"\nshuffled gates: gate-importance correlation {correlation[0]:.3f}")
+    served = _served_hashes(stack)
+    assert served and file_sha not in served, served
 
 
 # --- phase 4: the dashboard ----------------------------------------------------------------------------

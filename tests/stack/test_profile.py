@@ -61,6 +61,7 @@ def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
     }
     p = load_profile(write(tmp_path, data))
     assert p.runaway_skip_ratio == 0.85 and p.zero_ratio_page == 0.40
+    assert p.gate_importance_correlation_min == 0.1  # a correlation, not a fraction: [-1, 1]
     assert p.for_duration("LayerwatchEntropySinglePeak") == 600
 
 
@@ -84,6 +85,8 @@ def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
         ({"skip_surge_factor": 1.0}, "skip_surge_factor", "must be above 1"),
         ({"model_name": 'demo"} or vector(1)'}, "model_name", "must match"),
         ({"bimodality": {"min_observations": 0}}, "bimodality.min_observations", "at least 1"),
+        ({"gate_importance_correlation_min": -1.5}, "gate_importance_correlation_min", "outside [-1, 1]"),
+        ({"gate_importance_correlation_min": "high"}, "gate_importance_correlation_min", "expected a number"),
     ],
 )
 def test_broken_profile_names_file_and_field(tmp_path: Path, change: dict, field: str, problem: str) -> None:
