@@ -32,6 +32,8 @@ PROFILES_DIR = Path(__file__).resolve().parent / "profiles"  # the committed per
 _FRACTION = {"fraction": True}
 # model_name ends up inside PromQL selectors and label values: keep it to safe characters.
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+# Defaults of optional fields that `layerwatch calibrate` also starts from.
+DEFAULT_ZERO_RATIO_PAGE = 0.40  # the field's "a jump above 40 % means over-pruning"
 # The alerts whose `for:` a profile may override, and their defaults (alerts/specs.py).
 _DEFAULT_FOR = {spec.name: spec.default_for for spec in PER_MODEL_ALERTS}
 
@@ -83,7 +85,7 @@ class Profile:
     zero_ratio: Band  # share of entropies below 0.01, all layers
     skip_ratio_normal: float = field(metadata=_FRACTION)  # healthy share of skipped layer evaluations
     bimodality: BimodalityProfile
-    zero_ratio_page: float = field(default=0.40, metadata=_FRACTION)  # page above this
+    zero_ratio_page: float = field(default=DEFAULT_ZERO_RATIO_PAGE, metadata=_FRACTION)  # page above this
     skip_surge_factor: float = 2.0  # surge: skip ratio above factor x its own 1h baseline
     runaway_skip_ratio: float = field(default=0.85, metadata=_FRACTION)
     runaway_fallbacks_per_minute: float = 0.0  # fallbacks above this rate, sustained, are runaway

@@ -9,22 +9,54 @@ chunk + margin], clipped to [0, 1]. The bimodality statistics are the exporter's
 The shadow-agreement floor is measured the way the service's quality guard measures it (greedy
 requests re-scored at full depth), per chunk of requests: [lowest chunk - margin]. A model whose
 gates change the top-1 token for one token in five is healthy at 0.8, not at a generic 0.9.
+
+`calibrate` is the whole run `layerwatch calibrate` makes (the command only parses its flags and
+prints the result): prompts from the held-out text, the baseline decode, the shadow checks, the
+profile.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 import random
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from alerts.profile import Band, BimodalityProfile, Profile
+from alerts.profile import DEFAULT_ZERO_RATIO_PAGE, Band, BimodalityProfile, Profile
 from inference_shim.offline.gated_model import GatedModel
 from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
-from layerwatch.statistics import DEFAULT_WINDOW_OBSERVATIONS, ZERO_ENTROPY_LIMIT, check_bimodality, histogram20
+from layerwatch.statistics import (
+    DEFAULT_MIN_WINDOW_OBSERVATIONS,
+    DEFAULT_WINDOW_OBSERVATIONS,
+    ZERO_ENTROPY_LIMIT,
+    check_bimodality,
+    histogram20,
+)
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """How the baseline is decoded and how the bands are cut (the flags of `layerwatch calibrate`)."""
+
+    model_name: str
+    threshold: float | None = None  # None: the threshold the gates were trained for
+    prompts: int = 128  # requests in the baseline
+    max_new_tokens: int = 32  # tokens generated per request
+    temperature: float = 0.8  # the demo load generator's sampling
+    top_p: float = 0.95
+    seed: int = 0
+    chunk_tokens: int = 512  # decoded tokens per chunk when measuring how much window statistics vary
+    margin: float = 0.03  # added on both sides of each measured band
+    # Entropies the exporter's window needs before the single-peak alert may fire: the exporter's own
+    # minimum window.
+    min_observations: int = DEFAULT_MIN_WINDOW_OBSERVATIONS
+    kv_policy: str = KV_POLICIES[0]
+    batch_size: int = 8
 
 
 @dataclass
@@ -131,7 +163,7 @@ def build_profile(
         entropy_mean=chunk_band(list(means), margin),
         entropy_std=chunk_band(list(stds), margin),
         zero_ratio=zero_band,
-        zero_ratio_page=max(0.40, zero_band.high),
+        zero_ratio_page=max(DEFAULT_ZERO_RATIO_PAGE, zero_band.high),
         skip_ratio_normal=round(stats.skip_ratio, 4),
         runaway_skip_ratio=runaway_skip_ratio,
         shadow_agreement_min=shadow_agreement_min,
@@ -236,3 +268,63 @@ def shadow_checks(
         checked = full_depth_agreement(gated.model, ShadowJob(prompt_ids, result.token_ids))
         checks.append((checked.tokens, checked.agreements))
     return checks
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What `calibrate` measured: the profile, and the numbers behind it for the report."""
+
+    profile: Profile
+    stats: BaselineStatistics
+    requests: int
+    decoded_tokens: int
+    fallbacks: int
+    shadow_tokens: int  # greedy tokens re-scored at full depth
+    shadow_agreements: int  # of which the full-depth top-1 was the gated token
+
+
+def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSettings, *, data_name: str) -> Calibration:
+    """Measure a healthy baseline of `gated` on prompts cut from `documents` and build its profile.
+
+    `data_name` names the text in the profile's `source`. Raises ValueError on unusable input (no
+    prompt in the text, a baseline shorter than one chunk)."""
+    s = settings
+    prompts = line_prompts(documents, s.prompts, random.Random(s.seed))
+    threshold = s.threshold if s.threshold is not None else gated.gates.metadata.threshold
+    policy = SkipPolicyConfig(threshold=threshold, patience=gated.patience)
+    decoding = dict(
+        model_name=s.model_name, kv_policy=s.kv_policy, batch_size=s.batch_size, max_new_tokens=s.max_new_tokens
+    )
+    baseline = Baseline()
+    fallbacks = generate_baseline(
+        gated, policy, prompts, baseline, temperature=s.temperature, top_p=s.top_p, seed=s.seed, **decoding
+    )
+    entropies, skipped = baseline.arrays()
+    checks = shadow_checks(gated, policy, prompts, **decoding)
+    source = (
+        f"layerwatch calibrate {datetime.date.today().isoformat()}: {len(prompts)} prompts from {data_name}, "
+        f"{len(entropies)} decoded tokens (temperature {s.temperature:g}, top_p {s.top_p:g}), threshold "
+        f"{threshold:g}, gates sha256 {gated.gates.sha256[:12]}, kv policy {s.kv_policy}"
+    )
+    profile, stats = build_profile(
+        s.model_name,
+        threshold,
+        gated.patience,
+        policy.fallback_skip_fraction,
+        entropies,
+        skipped,
+        agreement_floor(checks, s.chunk_tokens, s.margin),
+        chunk_tokens=s.chunk_tokens,
+        margin=s.margin,
+        min_observations=s.min_observations,
+        source=source,
+    )
+    return Calibration(
+        profile=profile,
+        stats=stats,
+        requests=len(prompts),
+        decoded_tokens=len(entropies),
+        fallbacks=fallbacks,
+        shadow_tokens=sum(t for t, _ in checks),
+        shadow_agreements=sum(a for _, a in checks),
+    )
