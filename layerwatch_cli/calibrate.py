@@ -111,6 +111,13 @@ def run(args: argparse.Namespace) -> int:
         f"bimodality: {'bimodal' if b.bimodal else 'NOT bimodal'} (peaks {b.peaks}, dip {b.dip:.4f}, "
         f"p {b.dip_p_value:.4g}, BC {b.bimodality_coefficient:.3f}, window {b.observations})"
     )
+    routing, rp = stats.routing, profile.routing
+    share = "n/a" if routing.token_dependent_share is None else f"{routing.token_dependent_share:.3f}"
+    print(
+        f"routing: {routing.verdict}, token-dependent share {share} (page below {rp.share_floor}), static layers "
+        f"{list(rp.static_layers)} (whole baseline or any chunk); skipping collapsed below "
+        f"{profile.skip_collapse_fraction} x {profile.skip_ratio_normal}"
+    )
     print(
         f"shadow agreement (greedy, full-depth top-1): {result.shadow_agreements}/{result.shadow_tokens} = "
         f"{result.shadow_agreements / max(result.shadow_tokens, 1):.3f}; alert floor {profile.shadow_agreement_min}"

@@ -6,6 +6,13 @@ demo load), the statistic is computed per chunk, and the band is [lowest chunk -
 chunk + margin], clipped to [0, 1]. The bimodality statistics are the exporter's own
 (layerwatch/statistics.py), on at most as many entropies as the exporter's window keeps.
 
+The routing baseline uses the exporter's own statistics (layerwatch/routing.py) on the same chunks:
+the token-dependent share of the whole baseline (informational) and its floor, half the lowest
+chunk's share (LayerwatchRoutingStatic pages below it: "well below" every healthy window); the
+static layers are those static in the whole baseline or in any chunk (their turning static is
+expected, any other layer's pages). The skip-collapse fraction stays at the profile's default
+(0.5 of the normal skip ratio) unless a healthy chunk, less the margin, skipped less than that.
+
 The shadow-agreement floor is measured the way the service's quality guard measures it (greedy
 requests re-scored at full depth), per chunk of requests: [lowest chunk - margin]. A model whose
 gates change the top-1 token for one token in five is healthy at 0.8, not at a generic 0.9.
@@ -24,12 +31,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from alerts.profile import DEFAULT_ZERO_RATIO_PAGE, Band, BimodalityProfile, Profile
+from alerts.profile import (
+    DEFAULT_SKIP_COLLAPSE_FRACTION,
+    DEFAULT_ZERO_RATIO_PAGE,
+    Band,
+    BimodalityProfile,
+    Profile,
+    RoutingProfile,
+)
 from inference_shim.offline.gated_model import GatedModel
 from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
+from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS, Routing, below_threshold, routing_from_rows
 from layerwatch.statistics import (
     DEFAULT_MIN_WINDOW_OBSERVATIONS,
     DEFAULT_WINDOW_OBSERVATIONS,
@@ -59,6 +74,12 @@ class CalibrationSettings:
     batch_size: int = 8
 
 
+# LayerwatchRoutingStatic's floor: this fraction of the lowest healthy chunk's token-dependent share.
+SHARE_FLOOR_FRACTION = 0.5
+# The smallest skip-collapse fraction calibrate writes (a model whose healthy chunks barely skip).
+MIN_SKIP_COLLAPSE_FRACTION = 0.01
+
+
 @dataclass
 class Baseline:
     """Decode-time gate entropies and skip decisions, one row per decoded token."""
@@ -83,6 +104,16 @@ class BaselineStatistics:
     zero_ratio: float
     skip_ratio: float
     bimodality: object  # layerwatch.statistics.Bimodality
+    routing: Routing  # of the whole baseline, at the profile's threshold
+
+
+@dataclass(frozen=True)
+class RoutingBaseline:
+    """The routing statistics of the baseline's chunks, behind the profile's routing fields."""
+
+    chunk_shares: list[float]  # token-dependent share per chunk whose verdict was given
+    chunk_static_layers: list[tuple[int, ...]]  # static layers per such chunk
+    chunk_skip_ratios: list[float]  # skip ratio per chunk
 
 
 def chunk_band(values: list[float], margin: float) -> Band:
@@ -99,7 +130,14 @@ def _chunk_stats(entropies: np.ndarray, skipped: np.ndarray) -> tuple[float, flo
     return float(active.mean()), float(active.std()), zero_ratio
 
 
-def summarize(entropies: np.ndarray, skipped: np.ndarray, min_observations: int) -> BaselineStatistics:
+def _routing(entropies: np.ndarray, skipped: np.ndarray, threshold: float) -> Routing:
+    # No minimum window: the Wilson bounds already keep a short chunk's layers from looking static.
+    return routing_from_rows(below_threshold(entropies, threshold), skipped, min_tokens=1)
+
+
+def summarize(
+    entropies: np.ndarray, skipped: np.ndarray, min_observations: int, threshold: float
+) -> BaselineStatistics:
     mean, std, zero = _chunk_stats(entropies, skipped)
     window = entropies.ravel()[-DEFAULT_WINDOW_OBSERVATIONS:]  # the exporter's window size
     return BaselineStatistics(
@@ -110,7 +148,42 @@ def summarize(entropies: np.ndarray, skipped: np.ndarray, min_observations: int)
         zero_ratio=zero,
         skip_ratio=float(skipped.mean()),
         bimodality=check_bimodality(window, min_observations),
+        routing=_routing(entropies, skipped, threshold),
     )
+
+
+def routing_baseline(
+    entropies: np.ndarray, skipped: np.ndarray, threshold: float, chunk_tokens: int
+) -> RoutingBaseline:
+    """The routing statistics of every whole chunk of `chunk_tokens` decoded tokens."""
+    shares, static, skips = [], [], []
+    for i in range(0, len(entropies) - chunk_tokens + 1, chunk_tokens):
+        chunk = _routing(entropies[i : i + chunk_tokens], skipped[i : i + chunk_tokens], threshold)
+        skips.append(float(skipped[i : i + chunk_tokens].mean()))
+        if not chunk.withheld:  # nothing below tau in this chunk: no share to measure
+            shares.append(float(chunk.token_dependent_share))
+            static.append(chunk.static_layers)
+    return RoutingBaseline(shares, static, skips)
+
+
+def routing_profile(whole: Routing, chunks: RoutingBaseline) -> RoutingProfile:
+    """The profile's routing fields from the whole baseline and its chunks (see the module docstring)."""
+    shares = chunks.chunk_shares + ([] if whole.withheld else [float(whole.token_dependent_share)])
+    static = set(whole.static_layers or ()).union(*chunks.chunk_static_layers)
+    return RoutingProfile(
+        share_floor=round(SHARE_FLOOR_FRACTION * min(shares), 3) if shares else 0.0,
+        static_layers=tuple(sorted(static)),
+        min_tokens=DEFAULT_MIN_ROUTING_TOKENS,
+        token_dependent_share=None if whole.withheld else round(float(whole.token_dependent_share), 4),
+    )
+
+
+def skip_collapse_fraction(skip_ratio_normal: float, chunk_skip_ratios: list[float], margin: float) -> float:
+    """The default fraction, lowered if a healthy chunk (less the margin) skipped less than that."""
+    if skip_ratio_normal <= 0 or not chunk_skip_ratios:
+        return DEFAULT_SKIP_COLLAPSE_FRACTION
+    lowest = (min(chunk_skip_ratios) - margin) / skip_ratio_normal
+    return round(max(MIN_SKIP_COLLAPSE_FRACTION, min(DEFAULT_SKIP_COLLAPSE_FRACTION, lowest)), 3)
 
 
 def agreement_floor(checks: list[tuple[int, int]], chunk_tokens: int, margin: float) -> float:
@@ -151,7 +224,9 @@ def build_profile(
         for i in range(0, len(entropies) - chunk_tokens + 1, chunk_tokens)
     ]
     means, stds, zeros = zip(*chunks)
-    stats = summarize(entropies, skipped, min_observations)
+    stats = summarize(entropies, skipped, min_observations, threshold)
+    routing = routing_baseline(entropies, skipped, threshold, chunk_tokens)
+    skip_ratio_normal = round(stats.skip_ratio, 4)
     zero_band = chunk_band(list(zeros), margin)
     b = stats.bimodality
     bc = b.bimodality_coefficient
@@ -164,7 +239,8 @@ def build_profile(
         entropy_std=chunk_band(list(stds), margin),
         zero_ratio=zero_band,
         zero_ratio_page=max(DEFAULT_ZERO_RATIO_PAGE, zero_band.high),
-        skip_ratio_normal=round(stats.skip_ratio, 4),
+        skip_ratio_normal=skip_ratio_normal,
+        skip_collapse_fraction=skip_collapse_fraction(skip_ratio_normal, routing.chunk_skip_ratios, margin),
         runaway_skip_ratio=runaway_skip_ratio,
         shadow_agreement_min=shadow_agreement_min,
         bimodality=BimodalityProfile(
@@ -174,6 +250,7 @@ def build_profile(
             dip_p_value=_rounded(b.dip_p_value, 6),
             bimodality_coefficient=bc,
         ),
+        routing=routing_profile(stats.routing, routing),
         source=source,
     )
     return profile, stats
