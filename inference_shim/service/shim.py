@@ -21,6 +21,7 @@ from inference_shim.runtime.engine import GenerationEngine, StepHook
 from inference_shim.runtime.gates import GATES_FILE, LoadedGates, load_gates, reset_gates
 from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
+from inference_shim.runtime.static_gates import static_gates
 from inference_shim.service.engine_worker import EngineWorker
 from inference_shim.service.gate_watch import GateFileWatcher
 from inference_shim.service.metrics import (
@@ -71,6 +72,7 @@ class ServeSettings:
     device: str = "cpu"
     dtype: str = "float32"
     reset_gates: bool = False
+    static_gates: bool = False  # each gate a constant at its healthy mean score (runtime/static_gates.py)
     gates_watch_seconds: float = 5.0  # how often the gate file is checked for a replacement; 0 = never
 
 
@@ -182,9 +184,28 @@ class ShimService:
         if settings.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
         checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])
+        if settings.reset_gates and settings.static_gates:
+            raise ValueError("--reset-gates and --static-gates exclude each other")
         if settings.reset_gates:
             gates = reset_gates(checkpoint.model, seed=RESET_GATES_SEED)
             log.warning("serving freshly initialised gates (--reset-gates), gates_sha256=%s", gates.sha256)
+        elif settings.static_gates:
+            healthy = load_gates(gates_file(settings), checkpoint.model)
+            drill = static_gates(
+                checkpoint.model,
+                checkpoint.tokenizer,
+                healthy,
+                protected_layers=settings.protected_layers,
+                kv_policy=settings.kv_policy,
+            )
+            gates = drill.gates
+            log.warning(
+                "serving constant gates (--static-gates): layers %s skipped for every token; scores %s; "
+                "gates_sha256=%s",
+                list(drill.static_layers),
+                " ".join(f"{layer}:{c:.3f}" for layer, c in enumerate(drill.constants.tolist())),
+                gates.sha256,
+            )
         else:
             gates = load_gates(gates_file(settings), checkpoint.model)
         return cls(checkpoint, gates, settings, registry)
@@ -197,7 +218,7 @@ class ShimService:
         if settings.gates_watch_seconds < 0:
             raise ValueError(f"--gates-watch-seconds must be >= 0, got {settings.gates_watch_seconds}")
         metrics = GateReloadMetrics(self.registry, self.model_name)  # exposed (at 0) even when not watching
-        if settings.reset_gates or settings.gates_watch_seconds == 0:
+        if settings.reset_gates or settings.static_gates or settings.gates_watch_seconds == 0:
             return None
         return GateFileWatcher(
             gates_file(settings),
