@@ -23,6 +23,7 @@ import yaml
 
 from alerts.durations import format_duration, parse_duration
 from alerts.specs import PER_MODEL_ALERTS
+from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS
 
 Seconds = NewType("Seconds", float)  # written as a Prometheus duration in YAML
 
@@ -32,6 +33,9 @@ PROFILES_DIR = Path(__file__).resolve().parent / "profiles"  # the committed per
 _FRACTION = {"fraction": True}
 # model_name ends up inside PromQL selectors and label values: keep it to safe characters.
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+# Defaults of optional fields that `layerwatch calibrate` also starts from.
+DEFAULT_ZERO_RATIO_PAGE = 0.40  # the field's "a jump above 40 % means over-pruning"
+DEFAULT_SKIP_COLLAPSE_FRACTION = 0.5  # collapsed: skipping below half of its healthy ratio
 # The alerts whose `for:` a profile may override, and their defaults (alerts/specs.py).
 _DEFAULT_FOR = {spec.name: spec.default_for for spec in PER_MODEL_ALERTS}
 
@@ -66,6 +70,27 @@ class BimodalityProfile:
 
 
 @dataclass(frozen=True)
+class RoutingProfile:
+    """The healthy baseline's routing statistics (layerwatch/routing.py) and when they page.
+
+    LayerwatchRoutingStatic pages when the exporter's token-dependent share falls below
+    `share_floor`, or when a layer outside `static_layers` becomes static (below τ on almost every
+    token); both wait for the exporter's window to hold `min_tokens` tokens.
+    """
+
+    # Page below this token-dependent share ("well below" the baseline; calibrate: half of the
+    # lowest chunk's share).
+    share_floor: float = field(metadata=_FRACTION)
+    # Layers static in the healthy baseline (skipped whatever the token): expected, not paged.
+    static_layers: tuple[int, ...]
+    # The routing alerts wait until the exporter's window holds this many tokens (the exporter
+    # itself withholds the verdict below its own --min-routing-tokens).
+    min_tokens: int = DEFAULT_MIN_ROUTING_TOKENS
+    # The healthy baseline's share, for the alert text; informational.
+    token_dependent_share: float | None = field(default=None, metadata=_FRACTION)
+
+
+@dataclass(frozen=True)
 class Drift:
     """The field's drift alarm: stddev of the entropy mean over `window` above `limit`."""
 
@@ -83,8 +108,11 @@ class Profile:
     zero_ratio: Band  # share of entropies below 0.01, all layers
     skip_ratio_normal: float = field(metadata=_FRACTION)  # healthy share of skipped layer evaluations
     bimodality: BimodalityProfile
-    zero_ratio_page: float = field(default=0.40, metadata=_FRACTION)  # page above this
+    routing: RoutingProfile  # token-dependent share floor and the baseline's static layers
+    zero_ratio_page: float = field(default=DEFAULT_ZERO_RATIO_PAGE, metadata=_FRACTION)  # page above this
     skip_surge_factor: float = 2.0  # surge: skip ratio above factor x its own 1h baseline
+    # collapse: skip ratio below this fraction of skip_ratio_normal (cost and power up)
+    skip_collapse_fraction: float = field(default=DEFAULT_SKIP_COLLAPSE_FRACTION, metadata=_FRACTION)
     runaway_skip_ratio: float = field(default=0.85, metadata=_FRACTION)
     runaway_fallbacks_per_minute: float = 0.0  # fallbacks above this rate, sustained, are runaway
     drift: Drift = Drift()
@@ -176,6 +204,11 @@ def _convert(hint: Any, value: Any, where: str, metadata: typing.Mapping[str, An
             return Seconds(parse_duration(value))
         except ValueError as exc:
             raise ProfileError(f"{where}: {exc}") from None
+    if typing.get_origin(hint) is tuple:  # tuple[int, ...]: a YAML list
+        if not isinstance(value, list):
+            raise ProfileError(f"{where}: expected a list, got {value!r}")
+        (item_hint, _) = typing.get_args(hint)
+        return tuple(_convert(item_hint, item, f"{where}[{i}]", {}) for i, item in enumerate(value))
     if typing.get_origin(hint) is dict:
         if not isinstance(value, dict):
             raise ProfileError(f"{where}: expected a mapping, got {value!r}")
@@ -229,6 +262,20 @@ def _check(p: Profile, where: str) -> None:
         fail("gate_importance_correlation_min", f"{p.gate_importance_correlation_min} is outside [-1, 1]")
     if p.drift.window <= 0:
         fail("drift.window", "must be longer than 0s")
+    if not 0.0 < p.skip_collapse_fraction < 1.0:
+        fail("skip_collapse_fraction", f"{p.skip_collapse_fraction} must lie strictly between 0 and 1")
+    r = p.routing
+    if list(r.static_layers) != sorted(set(r.static_layers)) or any(layer < 0 for layer in r.static_layers):
+        fail("routing.static_layers", f"{list(r.static_layers)} must be distinct layer numbers >= 0, ascending")
+    if r.min_tokens < 1:
+        fail("routing.min_tokens", f"{r.min_tokens} must be at least 1")
+    # A floor at or above the baseline would page on the healthy baseline (0 and 0: a model that
+    # prunes statically by design, whose share never pages).
+    if r.token_dependent_share is not None and 0 < r.share_floor >= r.token_dependent_share:
+        fail(
+            "routing.share_floor",
+            f"{r.share_floor} is not below the baseline token_dependent_share {r.token_dependent_share}",
+        )
     unknown = sorted(set(p.for_durations) - set(_DEFAULT_FOR))
     if unknown:
         fail("for", f"unknown alert(s) {unknown}; per-model alerts: {sorted(_DEFAULT_FOR)}")
@@ -247,6 +294,8 @@ def _to_yaml(obj: Any) -> Any:
                 continue
             out[_yaml_key(f)] = _duration_or(hints[f.name], value)
         return out
+    if isinstance(obj, tuple):
+        return list(obj)
     return obj
 
 

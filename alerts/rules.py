@@ -16,31 +16,62 @@ of the production durations; recorded names follow their window (`mean_rate5m` -
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import yaml
 
 from alerts.durations import Timing
 from alerts.profile import Profile
 from alerts.recorded import BY_MODEL, BY_TARGET, Recorded
-from alerts.specs import COMMON_ALERTS, PER_MODEL_ALERTS, AlertBuild
+from alerts.specs import COMMON_ALERTS, PER_MODEL_ALERTS, AlertBuild, skip_collapse_limit
 from mixin import config
 
 
 # The profile's bands as constant series `model_name:layerwatch_profile_<what>:<bound>`, so that the
-# dashboard can draw the selected model's healthy band next to the measured value.
+# dashboard can draw the selected model's healthy band next to the measured value. The dashboard
+# reads the names from PROFILE_SERIES.
+def _profile_name(what: str, bound: str) -> str:
+    return f"model_name:layerwatch_profile_{what}:{bound}"
+
+
+@dataclass(frozen=True)
+class ProfileSeries:
+    """Names of the profile's constant series (one per value of `profile_series`)."""
+
+    entropy_mean_low: str = _profile_name("entropy_mean", "low")
+    entropy_mean_high: str = _profile_name("entropy_mean", "high")
+    entropy_std_low: str = _profile_name("entropy_std", "low")
+    entropy_std_high: str = _profile_name("entropy_std", "high")
+    zero_ratio_low: str = _profile_name("zero_ratio", "low")
+    zero_ratio_high: str = _profile_name("zero_ratio", "high")
+    zero_ratio_page: str = _profile_name("zero_ratio", "page")
+    skip_ratio_normal: str = _profile_name("skip_ratio", "normal")
+    skip_ratio_runaway: str = _profile_name("skip_ratio", "runaway")
+    skip_ratio_collapse: str = _profile_name("skip_ratio", "collapse")
+    token_dependent_share_floor: str = _profile_name("token_dependent_share", "floor")
+    shadow_agreement_min: str = _profile_name("shadow_agreement", "min")
+    threshold: str = _profile_name("threshold", "value")
+
+
+PROFILE_SERIES = ProfileSeries()
+
+
 def profile_series(profile: Profile) -> dict[str, float]:
-    p = profile
+    p, n = profile, PROFILE_SERIES
     return {
-        "model_name:layerwatch_profile_entropy_mean:low": p.entropy_mean.low,
-        "model_name:layerwatch_profile_entropy_mean:high": p.entropy_mean.high,
-        "model_name:layerwatch_profile_entropy_std:low": p.entropy_std.low,
-        "model_name:layerwatch_profile_entropy_std:high": p.entropy_std.high,
-        "model_name:layerwatch_profile_zero_ratio:low": p.zero_ratio.low,
-        "model_name:layerwatch_profile_zero_ratio:high": p.zero_ratio.high,
-        "model_name:layerwatch_profile_zero_ratio:page": p.zero_ratio_page,
-        "model_name:layerwatch_profile_skip_ratio:normal": p.skip_ratio_normal,
-        "model_name:layerwatch_profile_skip_ratio:runaway": p.runaway_skip_ratio,
-        "model_name:layerwatch_profile_shadow_agreement:min": p.shadow_agreement_min,
-        "model_name:layerwatch_profile_threshold:value": p.threshold,
+        n.entropy_mean_low: p.entropy_mean.low,
+        n.entropy_mean_high: p.entropy_mean.high,
+        n.entropy_std_low: p.entropy_std.low,
+        n.entropy_std_high: p.entropy_std.high,
+        n.zero_ratio_low: p.zero_ratio.low,
+        n.zero_ratio_high: p.zero_ratio.high,
+        n.zero_ratio_page: p.zero_ratio_page,
+        n.skip_ratio_normal: p.skip_ratio_normal,
+        n.skip_ratio_runaway: p.runaway_skip_ratio,
+        n.skip_ratio_collapse: skip_collapse_limit(p),
+        n.token_dependent_share_floor: p.routing.share_floor,
+        n.shadow_agreement_min: p.shadow_agreement_min,
+        n.threshold: p.threshold,
     }
 
 

@@ -168,6 +168,26 @@ def _most_skipped_layers(b: AlertBuild) -> str:
     )
 
 
+def _static_layers(b: AlertBuild, matchers: str = "") -> str:
+    """The layers static now, with the share of tokens whose score was below the threshold (ordered by
+    the layer label, as text: an `and` has no order of its own)."""
+    low = "layerwatch_routing_layer_low_ratio{instance=%q,model_name=%q" + matchers + "}"
+    static = "layerwatch_routing_layer_static{instance=%q,model_name=%q} == 1"
+    return (
+        "{{ range printf `" + low + " and on (layer) " + static + "` $labels.instance $labels.model_name "
+        '$labels.instance $labels.model_name | query | sortByLabel "layer" }}'
+        '{{ .Labels.layer }} ({{ .Value | printf "' + RATIO_FORMAT + '" }}) {{ end }}'
+    )
+
+
+def _lowest_layers() -> str:
+    """The three layers most often below the threshold in the exporter's window (any exporter)."""
+    return (
+        "{{ range printf `topk(3, layerwatch_routing_layer_low_ratio{model_name=%q})` $labels.model_name | query }}"
+        '{{ .Labels.layer }} ({{ .Value | printf "' + RATIO_FORMAT + '" }}) {{ end }}'
+    )
+
+
 # --- common alerts (no profile) -------------------------------------------------------------------
 
 
@@ -266,6 +286,44 @@ def entropy_single_peak(b: AlertBuild) -> list[dict]:
     ]
 
 
+# The pooled histogram stays bimodal when gating degrades into static pruning (docs/exporter.md,
+# "Static pruning and the routing verdict"); the routing statistics keep the layer axis and see it.
+@alert("LayerwatchRoutingStatic", severities=(PAGE,), default_for="10m", reads=("routing",))
+def routing_static(b: AlertBuild) -> list[dict]:
+    rp = b.profile.routing
+    exporter = f"{config.EXPORTER_SELECTOR}, {b.selector}"
+    # The exporter withholds the share and the layer states below its own minimum window (and while
+    # nothing scores below tau); the profile may ask for more tokens.
+    traffic = f"and on ({BY_MODEL})\nlayerwatch_routing_window_tokens{{{exporter}}} >= {rp.min_tokens}"
+    baseline_layers = ", ".join(map(str, rp.static_layers)) or "none"
+    unexpected = f', layer!~"{"|".join(map(str, rp.static_layers))}"' if rp.static_layers else ""
+    baseline_share = "not recorded" if rp.token_dependent_share is None else f"{rp.token_dependent_share}"
+    share = _lookup("layerwatch_routing_token_dependent_share")
+    tokens = _lookup("layerwatch_routing_window_tokens", "%.0f")
+    summary = "Layer skipping has turned into static pruning."
+    return [
+        b.rule(
+            f"layerwatch_routing_token_dependent_share{{{exporter}}} < {rp.share_floor}\n{traffic}",
+            summary,
+            f"Only {_value()} of the below-threshold gate scores of {_WHERE} lie in layers whose decision "
+            f"depends on the token (floor {rp.share_floor}; healthy baseline {baseline_share}): the same "
+            "layers are skipped for every token. Static layers now, with their share of tokens below the "
+            "threshold: " + _static_layers(b) + f"(healthy baseline: {baseline_layers}). Window: {tokens} tokens.",
+            labels={"trigger": "share"},
+        ),
+        b.rule(
+            f"count by ({BY_MODEL}) (\n  layerwatch_routing_layer_static{{{exporter}{unexpected}}} == 1\n)\n{traffic}",
+            summary,
+            f"{_value('%.0f')} layer(s) of {_WHERE} that route per token in the healthy baseline are now "
+            "static (below the threshold for almost every token): "
+            + _static_layers(b, unexpected)
+            + f"(static in the baseline: {baseline_layers}). Token-dependent share {share} (floor "
+            f"{rp.share_floor}). Window: {tokens} tokens.",
+            labels={"trigger": "new_static_layers"},
+        ),
+    ]
+
+
 @alert(
     "LayerwatchRunawaySkipping",
     severities=(PAGE,),
@@ -309,6 +367,44 @@ def skip_rate_surge(b: AlertBuild) -> list[dict]:
             f"{b.timing(config.SKIP_BASELINE_WINDOW)} baseline "
             + _lookup(r.skip_ratio_baseline)
             + f" (healthy: {p.skip_ratio_normal}). Most skipped layers: {_most_skipped_layers(b)}",
+        )
+    ]
+
+
+def skip_collapse_limit(profile: Profile) -> float:
+    """The skip ratio below which skipping has collapsed (rounded: it is printed into the rule)."""
+    return float(f"{profile.skip_collapse_fraction * profile.skip_ratio_normal:.6g}")
+
+
+# The mirror of runaway skipping: the gates keep (almost) every layer, so cost and power per token go
+# back up while quality looks fine.
+@alert(
+    "LayerwatchSkippingCollapsed",
+    severities=(TICKET,),
+    default_for="15m",
+    reads=("skip_collapse_fraction", "skip_ratio_normal", "routing"),
+)
+def skipping_collapsed(b: AlertBuild) -> list[dict]:
+    p, r = b.profile, b.recorded
+    limit = skip_collapse_limit(p)
+    exporter = f"{config.EXPORTER_SELECTOR}, {b.selector}"
+    tokens = (
+        "{{ with printf `max(layerwatch_routing_window_tokens{model_name=%q})` $labels.model_name | query }}"
+        '{{ . | first | value | printf "%.0f" }}{{ else }}n/a{{ end }}'
+    )
+    return [
+        b.rule(
+            # Traffic: the exporter's routing window holds the profile's minimum of tokens (a quiet model
+            # has no skip ratio at all, 0/0; a trickle of short requests is all patience warm-up).
+            f"{r.skip_ratio}{{{b.selector}}} < {limit}\n"
+            f"and on (model_name)\n"
+            f"max by (model_name) (layerwatch_routing_window_tokens{{{exporter}}}) >= {p.routing.min_tokens}",
+            "Layer skipping collapsed: (almost) every layer runs.",
+            f"The skip ratio of {_WHERE} is {_value()}, below {limit} ({p.skip_collapse_fraction} of the "
+            f"healthy {p.skip_ratio_normal}): cost and power per token are back near full depth. Gate "
+            "scores below the threshold in the exporter's window (share of tokens, most first): "
+            + _lowest_layers()
+            + f"over {tokens} tokens.",
         )
     ]
 

@@ -32,15 +32,27 @@ from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from alerts.durations import Timing
 from alerts.recorded import Recorded
+from alerts.rules import PROFILE_SERIES
 from mixin import config
 
 UID = "layerwatch-overview"
 TITLE = "layerwatch / Overview"
 DATASOURCE = dashboard_models.DataSourceRef(type_val="prometheus", uid="${datasource}")
 SHIM = 'model_name=~"$model", instance=~"$instance"'
-EXPORTER = 'model_name=~"$model"'
+# Exporter series and the profile's series: the model only (the exporter is one target that
+# aggregates every shim of a model).
 MODEL = 'model_name=~"$model"'
 RATE = "[$__rate_interval]"
+PROFILE = PROFILE_SERIES
+
+
+def _in_words(seconds: float) -> str:
+    """A window for a title, in words: 3600 -> "1 hour", 90 -> "90 seconds"."""
+    for unit, size in (("hour", 3600), ("minute", 60), ("second", 1)):
+        if seconds >= size and seconds % size == 0:
+            count = int(seconds // size)
+            return f"{count} {unit}{'' if count == 1 else 's'}"
+    return f"{seconds:g} seconds"
 
 
 class Panels:
@@ -204,6 +216,17 @@ def _verdict_mappings() -> list[dashboard_models.ValueMapping]:
     ]
 
 
+def _routing_mappings() -> list[dashboard_models.ValueMapping]:
+    return [
+        dashboard_models.ValueMap(
+            options={
+                "1": dashboard_models.ValueMappingResult(text="dynamic (routes per token)", color="green", index=0),
+                "0": dashboard_models.ValueMappingResult(text="static pruning", color="red", index=1),
+            }
+        )
+    ]
+
+
 def build() -> tuple[dict, list[tuple[str, str]]]:
     """The dashboard as JSON-ready data, and every (panel, query) it holds."""
     r = Recorded.for_timing(Timing())
@@ -261,13 +284,15 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
         p.timeseries(
             "Skip ratio",
             "Share of decode-time layer evaluations that skipped the layer, its 1h "
-            "baseline (LayerwatchSkipRateSurge) and the runaway limit of the model's profile.",
+            "baseline (LayerwatchSkipRateSurge), and the runaway limit (LayerwatchRunawaySkipping), "
+            "normal ratio and collapse limit (LayerwatchSkippingCollapsed) of the model's profile.",
             "percentunit",
             [
                 (f"{r.skip_ratio}{{{SHIM}}}", "{{instance}}"),
                 (f"{r.skip_ratio_baseline}{{{SHIM}}}", "1h baseline {{instance}}"),
-                (f"model_name:layerwatch_profile_skip_ratio:runaway{{{MODEL}}}", "limit: runaway"),
-                (f"model_name:layerwatch_profile_skip_ratio:normal{{{MODEL}}}", "limit: normal"),
+                (f"{PROFILE.skip_ratio_runaway}{{{MODEL}}}", "limit: runaway"),
+                (f"{PROFILE.skip_ratio_normal}{{{MODEL}}}", "limit: normal"),
+                (f"{PROFILE.skip_ratio_collapse}{{{MODEL}}}", "limit: collapse"),
             ],
             width=8,
             limits="limit",
@@ -322,10 +347,10 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
             "LayerwatchEntropyMeanOutOfBand) and of all layers, with the profile's band.",
             "none",
             [
-                (f'{r.entropy_mean_by_decision}{{{EXPORTER}, decision="run"}}', "mean (ran)"),
-                (f"{r.entropy_mean}{{{EXPORTER}}}", "mean (all layers)"),
-                (f"model_name:layerwatch_profile_entropy_mean:low{{{MODEL}}}", "band low"),
-                (f"model_name:layerwatch_profile_entropy_mean:high{{{MODEL}}}", "band high"),
+                (f'{r.entropy_mean_by_decision}{{{MODEL}, decision="run"}}', "mean (ran)"),
+                (f"{r.entropy_mean}{{{MODEL}}}", "mean (all layers)"),
+                (f"{PROFILE.entropy_mean_low}{{{MODEL}}}", "band low"),
+                (f"{PROFILE.entropy_mean_high}{{{MODEL}}}", "band high"),
             ],
             width=8,
             limits="band",
@@ -338,10 +363,10 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
             "ran (LayerwatchEntropySpreadOutOfBand), with the profile's band.",
             "none",
             [
-                (f'{r.entropy_std_by_decision}{{{EXPORTER}, decision="run"}}', "std (ran)"),
-                (f"{r.entropy_std}{{{EXPORTER}}}", "std (all layers)"),
-                (f"model_name:layerwatch_profile_entropy_std:low{{{MODEL}}}", "band low"),
-                (f"model_name:layerwatch_profile_entropy_std:high{{{MODEL}}}", "band high"),
+                (f'{r.entropy_std_by_decision}{{{MODEL}, decision="run"}}', "std (ran)"),
+                (f"{r.entropy_std}{{{MODEL}}}", "std (all layers)"),
+                (f"{PROFILE.entropy_std_low}{{{MODEL}}}", "band low"),
+                (f"{PROFILE.entropy_std_high}{{{MODEL}}}", "band high"),
             ],
             width=8,
             limits="band",
@@ -354,10 +379,10 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
             "(LayerwatchZeroEntropyRatioHigh: warning above the band, page above the page limit).",
             "percentunit",
             [
-                (f"{r.entropy_zero_ratio}{{{EXPORTER}}}", "zero-entropy ratio"),
-                (f"model_name:layerwatch_profile_zero_ratio:low{{{MODEL}}}", "band low"),
-                (f"model_name:layerwatch_profile_zero_ratio:high{{{MODEL}}}", "band high"),
-                (f"model_name:layerwatch_profile_zero_ratio:page{{{MODEL}}}", "band page"),
+                (f"{r.entropy_zero_ratio}{{{MODEL}}}", "zero-entropy ratio"),
+                (f"{PROFILE.zero_ratio_low}{{{MODEL}}}", "band low"),
+                (f"{PROFILE.zero_ratio_high}{{{MODEL}}}", "band high"),
+                (f"{PROFILE.zero_ratio_page}{{{MODEL}}}", "band page"),
             ],
             width=8,
             limits="band",
@@ -369,9 +394,22 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
             "The exporter's verdict on its sliding window: two humps is healthy; "
             "a single peak means gating degraded into static pruning or noise "
             "(LayerwatchEntropySinglePeak). No value while the window is too small.",
-            [(f"layerwatch_entropy_bimodal{{{EXPORTER}}}", "")],
+            [(f"layerwatch_entropy_bimodal{{{MODEL}}}", "")],
             mappings=_verdict_mappings(),
             no_value="collecting (window too small)",
+            width=6,
+        )
+    )
+    d = d.with_panel(
+        p.stat(
+            "Routing verdict",
+            "Whether skipping still depends on the token (docs/exporter.md, routing): static means most "
+            "of the below-threshold scores lie in layers skipped for every token, which the bimodality "
+            "verdict cannot see (LayerwatchRoutingStatic). No value while withheld: too few tokens in "
+            "the window, or no score below the threshold at all.",
+            [(f"layerwatch_routing_dynamic{{{MODEL}}}", "")],
+            mappings=_routing_mappings(),
+            no_value="withheld",
             width=6,
         )
     )
@@ -381,13 +419,43 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
             "Sarle's bimodality coefficient (above 5/9 suggests two humps), "
             "Hartigan's dip and its p-value, peaks in the 20-bin histogram, entropies in the window.",
             [
-                (f"layerwatch_entropy_bimodality_coefficient{{{EXPORTER}}}", "BC"),
-                (f"layerwatch_entropy_dip{{{EXPORTER}}}", "dip"),
-                (f"layerwatch_entropy_dip_p_value{{{EXPORTER}}}", "dip p-value"),
-                (f"layerwatch_entropy_peaks{{{EXPORTER}}}", "peaks"),
-                (f"layerwatch_entropy_window_observations{{{EXPORTER}}}", "window"),
+                (f"layerwatch_entropy_bimodality_coefficient{{{MODEL}}}", "BC"),
+                (f"layerwatch_entropy_dip{{{MODEL}}}", "dip"),
+                (f"layerwatch_entropy_dip_p_value{{{MODEL}}}", "dip p-value"),
+                (f"layerwatch_entropy_peaks{{{MODEL}}}", "peaks"),
+                (f"layerwatch_entropy_window_observations{{{MODEL}}}", "window"),
             ],
-            width=18,
+            width=12,
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Token-dependent share",
+            "Share of the window's below-threshold gate scores in layers whose decision varies with the "
+            "token (1: all routing, 0: static pruning), with the profile's floor (LayerwatchRoutingStatic) "
+            "and the verdict's 0.5 line. No value while the routing verdict is withheld.",
+            "percentunit",
+            [
+                (f"layerwatch_routing_token_dependent_share{{{MODEL}}}", "share {{instance}}"),
+                (f"{PROFILE.token_dependent_share_floor}{{{MODEL}}}", "limit: floor"),
+            ],
+            width=8,
+            limits="limit",
+        )
+    )
+    d = d.with_panel(
+        p.heatmap(
+            "Below-threshold rate per layer (layer × time)",
+            "Share of the exporter window's tokens whose gate score for the layer was below the "
+            "threshold. Routing shows as intermediate rates that move; static pruning as rows stuck at "
+            "1 (skipped for every token) next to rows at 0. Layer numbers are zero-padded so that rows "
+            "sort numerically.",
+            f'avg by (layer) (label_replace(layerwatch_routing_layer_low_ratio{{{MODEL}}}, "layer", "0$1", '
+            '"layer", "([0-9])"))',
+            "{{layer}}",
+            "percentunit",
+            PromQueryFormat.TIME_SERIES,
+            width=16,
         )
     )
     d = d.with_panel(
@@ -395,14 +463,15 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
             "Entropy distribution over time",
             "Gate entropies per 0.05-wide bin over time. Healthy: "
             "two bands (redundant layers near 0.05–0.15, key layers near 0.25–0.35).",
-            f"sum by (le) (increase(layerwatch_entropy_bucket{{{EXPORTER}}}{RATE}))",
+            f"sum by (le) (increase(layerwatch_entropy_bucket{{{MODEL}}}{RATE}))",
             "{{le}}",
             "none",
             PromQueryFormat.HEATMAP,
             width=16,
         )
     )
-    shape_title = "Entropy histogram, last 5 minutes"
+    shape_title = f"Entropy histogram, last {_in_words(config.RATE_WINDOW)}"
+    shape_window = Timing()(config.RATE_WINDOW)
     d = d.with_panel(
         barchart.Panel()
         .id(p._id())
@@ -414,7 +483,7 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
         .with_target(
             p.query(
                 shape_title,
-                f'sum by (le) (increase(layerwatch_entropy_bucket{{{EXPORTER}, le!="+Inf"}}[5m]))',
+                f'sum by (le) (increase(layerwatch_entropy_bucket{{{MODEL}, le!="+Inf"}}[{shape_window}]))',
                 "{{le}}",
                 fmt=PromQueryFormat.HEATMAP,
                 instant=True,
@@ -486,7 +555,7 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
             "percentunit",
             [
                 (f"{r.shadow_agreement_ratio}{{{SHIM}}}", "agreement {{instance}}"),
-                (f"model_name:layerwatch_profile_shadow_agreement:min{{{MODEL}}}", "limit: minimum"),
+                (f"{PROFILE.shadow_agreement_min}{{{MODEL}}}", "limit: minimum"),
             ],
             width=8,
             limits="limit",
@@ -497,7 +566,7 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
             "Telemetry loss",
             "Share of gate frames the exporter missed (sequence gaps; LayerwatchTelemetryLoss).",
             "percentunit",
-            [(f"{r.telemetry_loss_ratio}{{{EXPORTER}}}", "lost {{instance}}")],
+            [(f"{r.telemetry_loss_ratio}{{{MODEL}}}", "lost {{instance}}")],
             width=8,
         )
     )
@@ -509,8 +578,8 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
             "none",
             [
                 (f"sum(rate(layerwatch_telemetry_frames_sent_total{{{SHIM}}}{RATE}))", "sent"),
-                (f"sum(rate(layerwatch_exporter_frames_received_total{{{EXPORTER}}}{RATE}))", "received"),
-                (f"sum(rate(layerwatch_exporter_frames_lost_total{{{EXPORTER}}}{RATE}))", "lost"),
+                (f"sum(rate(layerwatch_exporter_frames_received_total{{{MODEL}}}{RATE}))", "received"),
+                (f"sum(rate(layerwatch_exporter_frames_lost_total{{{MODEL}}}{RATE}))", "lost"),
                 (
                     f"sum by (reason) (rate(layerwatch_telemetry_frames_dropped_total{{{SHIM}}}{RATE}))",
                     "dropped: {{reason}}",

@@ -3,14 +3,14 @@
 The baseline is served traffic in miniature: prompts cut from the beginnings of the text's verses
 (lines), completed by the real GenerationEngine with the service's sampling settings, so every
 skip decision follows the real decode semantics (patience, protected layers, fallback, KV policy).
-inference_shim/offline/calibration.py derives the bands; alerts/profile.py defines the file.
+The run is `inference_shim.offline.calibration.calibrate`; this command parses its flags, writes
+the profile (alerts/profile.py defines the file) and prints what was measured.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import random
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -18,7 +18,15 @@ from inference_shim.runtime.demo_model import DEMO_MODEL_NAME
 from layerwatch_cli.model_arguments import add_model_arguments, load_from_arguments, report_errors
 
 
+def _defaults() -> dict[str, object]:
+    # CalibrationSettings is the one source of the defaults; imported late (it imports torch).
+    from inference_shim.offline.calibration import CalibrationSettings
+
+    return {f.name: f.default for f in dataclasses.fields(CalibrationSettings) if f.default is not dataclasses.MISSING}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = _defaults()
     add_model_arguments(parser)
     parser.add_argument(
         "--data", type=Path, required=True, help="held-out plain UTF-8 text; prompts are the first words of its lines"
@@ -28,94 +36,72 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-name", default=DEMO_MODEL_NAME, help="the model_name the service reports and the alerts select on"
     )
     parser.add_argument(
-        "--threshold", type=float, default=None, help="tau (default: the threshold the gates were trained for)"
+        "--threshold",
+        type=float,
+        default=defaults["threshold"],
+        help="tau (default: the threshold the gates were trained for)",
     )
-    parser.add_argument("--prompts", type=int, default=128, help="requests in the baseline")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request")
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts", type=int, default=defaults["prompts"], help="requests in the baseline")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=defaults["max_new_tokens"], help="tokens generated per request"
+    )
+    parser.add_argument("--temperature", type=float, default=defaults["temperature"])
+    parser.add_argument("--top-p", type=float, default=defaults["top_p"])
+    parser.add_argument("--seed", type=int, default=defaults["seed"])
     parser.add_argument(
         "--chunk-tokens",
         type=int,
-        default=512,
+        default=defaults["chunk_tokens"],
         help="decoded tokens per chunk when measuring how much window statistics vary",
     )
-    parser.add_argument("--margin", type=float, default=0.03, help="added on both sides of each measured band")
+    parser.add_argument(
+        "--margin", type=float, default=defaults["margin"], help="added on both sides of each measured band"
+    )
     parser.add_argument(
         "--min-observations",
         type=int,
-        default=1000,
+        default=defaults["min_observations"],
         help="entropies the exporter window needs before the single-peak alert may fire",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     from alerts.profile import ProfileError, dump_profile
-    from inference_shim.offline.calibration import (
-        Baseline,
-        agreement_floor,
-        ascii_histogram,
-        build_profile,
-        generate_baseline,
-        line_prompts,
-        shadow_checks,
-    )
+    from inference_shim.offline.calibration import CalibrationSettings, ascii_histogram, calibrate
     from inference_shim.offline.corpus import read_documents
-    from inference_shim.runtime.skip_policy import SkipPolicyConfig
 
     def prepare():
-        gated = load_from_arguments(args)
-        prompts = line_prompts(read_documents(args.data), args.prompts, random.Random(args.seed))
-        return gated, prompts
+        return load_from_arguments(args), read_documents(args.data)
 
     prepared = report_errors(prepare)
     if prepared is None:
         return 2
-    gated, prompts = prepared
-    threshold = args.threshold if args.threshold is not None else gated.gates.metadata.threshold
-    policy = SkipPolicyConfig(threshold=threshold, patience=gated.patience)
-    baseline = Baseline()
-    decoding = dict(
+    gated, documents = prepared
+    settings = CalibrationSettings(
         model_name=args.model_name,
+        threshold=args.threshold,
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        chunk_tokens=args.chunk_tokens,
+        margin=args.margin,
+        min_observations=args.min_observations,
         kv_policy=args.kv_policy,
         batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens,
-    )
-    fallbacks = generate_baseline(
-        gated, policy, prompts, baseline, temperature=args.temperature, top_p=args.top_p, seed=args.seed, **decoding
-    )
-    entropies, skipped = baseline.arrays()
-    checks = shadow_checks(gated, policy, prompts, **decoding)
-    checked_tokens, agreed = sum(t for t, _ in checks), sum(a for _, a in checks)
-    today = datetime.date.today().isoformat()
-    source = (
-        f"layerwatch calibrate {today}: {len(prompts)} prompts from {args.data.name}, {len(entropies)} "
-        f"decoded tokens (temperature {args.temperature:g}, top_p {args.top_p:g}), threshold {threshold:g}, "
-        f"gates sha256 {gated.gates.sha256[:12]}, kv policy {args.kv_policy}"
     )
     try:
-        profile, stats = build_profile(
-            args.model_name,
-            threshold,
-            gated.patience,
-            policy.fallback_skip_fraction,
-            entropies,
-            skipped,
-            agreement_floor(checks, args.chunk_tokens, args.margin),
-            chunk_tokens=args.chunk_tokens,
-            margin=args.margin,
-            min_observations=args.min_observations,
-            source=source,
-        )
-        dump_profile(profile, args.out)
+        result = calibrate(gated, documents, settings, data_name=args.data.name)
+        dump_profile(result.profile, args.out)
     except (ValueError, ProfileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    profile, stats = result.profile, result.stats
     b = stats.bimodality
     print(
-        f"baseline: {len(prompts)} requests, {len(entropies)} decoded tokens, {stats.observations} gate "
-        f"entropies, skipped {stats.skip_ratio:.1%}, fallbacks {fallbacks}"
+        f"baseline: {result.requests} requests, {result.decoded_tokens} decoded tokens, {stats.observations} gate "
+        f"entropies, skipped {stats.skip_ratio:.1%}, fallbacks {result.fallbacks}"
     )
     print(
         f"active-layer entropy mean {stats.active_mean:.4f} std {stats.active_std:.4f}; "
@@ -125,9 +111,16 @@ def run(args: argparse.Namespace) -> int:
         f"bimodality: {'bimodal' if b.bimodal else 'NOT bimodal'} (peaks {b.peaks}, dip {b.dip:.4f}, "
         f"p {b.dip_p_value:.4g}, BC {b.bimodality_coefficient:.3f}, window {b.observations})"
     )
+    routing, rp = stats.routing, profile.routing
+    share = "n/a" if routing.token_dependent_share is None else f"{routing.token_dependent_share:.3f}"
     print(
-        f"shadow agreement (greedy, full-depth top-1): {agreed}/{checked_tokens} = "
-        f"{agreed / max(checked_tokens, 1):.3f}; alert floor {profile.shadow_agreement_min}"
+        f"routing: {routing.verdict}, token-dependent share {share} (page below {rp.share_floor}), static layers "
+        f"{list(rp.static_layers)} (whole baseline or any chunk); skipping collapsed below "
+        f"{profile.skip_collapse_fraction} x {profile.skip_ratio_normal}"
+    )
+    print(
+        f"shadow agreement (greedy, full-depth top-1): {result.shadow_agreements}/{result.shadow_tokens} = "
+        f"{result.shadow_agreements / max(result.shadow_tokens, 1):.3f}; alert floor {profile.shadow_agreement_min}"
     )
     print("20-bin histogram of decode-time entropies (all layers):")
     print(ascii_histogram(stats.histogram))

@@ -56,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "weights overwritten' incident (layerwatch_model_info's gates_sha256 changes)",
     )
     model.add_argument(
+        "--static-gates",
+        action="store_true",
+        help="serve each layer's gate as a constant at its healthy mean score (measured from the gate "
+        "file at start-up): the same layers are skipped for every token, a static-pruning drill "
+        "(layerwatch_model_info's gates_sha256 changes)",
+    )
+    model.add_argument(
         "--shuffle-gates",
         action="store_true",
         help="serve the gate file's gates on the wrong layers (gate l gets layer (l + L/2) mod L's "

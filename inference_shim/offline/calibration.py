@@ -6,31 +6,79 @@ demo load), the statistic is computed per chunk, and the band is [lowest chunk -
 chunk + margin], clipped to [0, 1]. The bimodality statistics are the exporter's own
 (layerwatch/statistics.py), on at most as many entropies as the exporter's window keeps.
 
+The routing baseline uses the exporter's own statistics (layerwatch/routing.py) on the same chunks:
+the token-dependent share of the whole baseline (informational) and its floor, half the lowest
+chunk's share (LayerwatchRoutingStatic pages below it: "well below" every healthy window); the
+static layers are those static in the whole baseline or in any chunk (their turning static is
+expected, any other layer's pages). The skip-collapse fraction stays at the profile's default
+(0.5 of the normal skip ratio) unless a healthy chunk, less the margin, skipped less than that.
+
 The shadow-agreement floor is measured the way the service's quality guard measures it (greedy
 requests re-scored at full depth), per chunk of requests: [lowest chunk - margin]. A model whose
 gates change the top-1 token for one token in five is healthy at 0.8, not at a generic 0.9.
+
+`calibrate` is the whole run `layerwatch calibrate` makes (the command only parses its flags and
+prints the result): prompts from the held-out text, the baseline decode, the shadow checks, the
+profile.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 import random
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from alerts.profile import Band, BimodalityProfile, Profile
+from alerts.profile import (
+    DEFAULT_SKIP_COLLAPSE_FRACTION,
+    DEFAULT_ZERO_RATIO_PAGE,
+    Band,
+    BimodalityProfile,
+    Profile,
+    RoutingProfile,
+)
 from inference_shim.offline.gated_model import GatedModel
 from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
+from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS, Routing, below_threshold, routing_from_rows
 from layerwatch.statistics import (
+    DEFAULT_MIN_WINDOW_OBSERVATIONS,
     DEFAULT_WINDOW_OBSERVATIONS,
     ZERO_ENTROPY_LIMIT,
     Bimodality,
     check_bimodality,
     histogram20,
 )
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """How the baseline is decoded and how the bands are cut (the flags of `layerwatch calibrate`)."""
+
+    model_name: str
+    threshold: float | None = None  # None: the threshold the gates were trained for
+    prompts: int = 128  # requests in the baseline
+    max_new_tokens: int = 32  # tokens generated per request
+    temperature: float = 0.8  # the demo load generator's sampling
+    top_p: float = 0.95
+    seed: int = 0
+    chunk_tokens: int = 512  # decoded tokens per chunk when measuring how much window statistics vary
+    margin: float = 0.03  # added on both sides of each measured band
+    # Entropies the exporter's window needs before the single-peak alert may fire: the exporter's own
+    # minimum window.
+    min_observations: int = DEFAULT_MIN_WINDOW_OBSERVATIONS
+    kv_policy: str = KV_POLICIES[0]
+    batch_size: int = 8
+
+
+# LayerwatchRoutingStatic's floor: this fraction of the lowest healthy chunk's token-dependent share.
+SHARE_FLOOR_FRACTION = 0.5
+# The smallest skip-collapse fraction calibrate writes (a model whose healthy chunks barely skip).
+MIN_SKIP_COLLAPSE_FRACTION = 0.01
 
 
 @dataclass
@@ -57,6 +105,16 @@ class BaselineStatistics:
     zero_ratio: float
     skip_ratio: float
     bimodality: Bimodality
+    routing: Routing  # of the whole baseline, at the profile's threshold
+
+
+@dataclass(frozen=True)
+class RoutingBaseline:
+    """The routing statistics of the baseline's chunks, behind the profile's routing fields."""
+
+    chunk_shares: list[float]  # token-dependent share per chunk whose verdict was given
+    chunk_static_layers: list[tuple[int, ...]]  # static layers per such chunk
+    chunk_skip_ratios: list[float]  # skip ratio per chunk
 
 
 def chunk_band(values: list[float], margin: float) -> Band:
@@ -73,7 +131,14 @@ def _chunk_stats(entropies: np.ndarray, skipped: np.ndarray) -> tuple[float, flo
     return float(active.mean()), float(active.std()), zero_ratio
 
 
-def summarize(entropies: np.ndarray, skipped: np.ndarray, min_observations: int) -> BaselineStatistics:
+def _routing(entropies: np.ndarray, skipped: np.ndarray, threshold: float) -> Routing:
+    # No minimum window: the Wilson bounds already keep a short chunk's layers from looking static.
+    return routing_from_rows(below_threshold(entropies, threshold), skipped, min_tokens=1)
+
+
+def summarize(
+    entropies: np.ndarray, skipped: np.ndarray, min_observations: int, threshold: float
+) -> BaselineStatistics:
     mean, std, zero = _chunk_stats(entropies, skipped)
     window = entropies.ravel()[-DEFAULT_WINDOW_OBSERVATIONS:]  # the exporter's window size
     return BaselineStatistics(
@@ -84,7 +149,44 @@ def summarize(entropies: np.ndarray, skipped: np.ndarray, min_observations: int)
         zero_ratio=zero,
         skip_ratio=float(skipped.mean()),
         bimodality=check_bimodality(window, min_observations),
+        routing=_routing(entropies, skipped, threshold),
     )
+
+
+def routing_baseline(
+    entropies: np.ndarray, skipped: np.ndarray, threshold: float, chunk_tokens: int
+) -> RoutingBaseline:
+    """The routing statistics of every whole chunk of `chunk_tokens` decoded tokens."""
+    shares, static, skips = [], [], []
+    for i in range(0, len(entropies) - chunk_tokens + 1, chunk_tokens):
+        chunk = _routing(entropies[i : i + chunk_tokens], skipped[i : i + chunk_tokens], threshold)
+        skips.append(float(skipped[i : i + chunk_tokens].mean()))
+        # Withheld (nothing below tau in this chunk): no share to measure.
+        if chunk.token_dependent_share is not None and chunk.static_layers is not None:
+            shares.append(chunk.token_dependent_share)
+            static.append(chunk.static_layers)
+    return RoutingBaseline(shares, static, skips)
+
+
+def routing_profile(whole: Routing, chunks: RoutingBaseline) -> RoutingProfile:
+    """The profile's routing fields from the whole baseline and its chunks (see the module docstring)."""
+    whole_share = whole.token_dependent_share  # None while withheld
+    shares = chunks.chunk_shares + ([] if whole_share is None else [whole_share])
+    static = set(whole.static_layers or ()).union(*chunks.chunk_static_layers)
+    return RoutingProfile(
+        share_floor=round(SHARE_FLOOR_FRACTION * min(shares), 3) if shares else 0.0,
+        static_layers=tuple(sorted(static)),
+        min_tokens=DEFAULT_MIN_ROUTING_TOKENS,
+        token_dependent_share=None if whole_share is None else round(whole_share, 4),
+    )
+
+
+def skip_collapse_fraction(skip_ratio_normal: float, chunk_skip_ratios: list[float], margin: float) -> float:
+    """The default fraction, lowered if a healthy chunk (less the margin) skipped less than that."""
+    if skip_ratio_normal <= 0 or not chunk_skip_ratios:
+        return DEFAULT_SKIP_COLLAPSE_FRACTION
+    lowest = (min(chunk_skip_ratios) - margin) / skip_ratio_normal
+    return round(max(MIN_SKIP_COLLAPSE_FRACTION, min(DEFAULT_SKIP_COLLAPSE_FRACTION, lowest)), 3)
 
 
 def agreement_floor(checks: list[tuple[int, int]], chunk_tokens: int, margin: float) -> float:
@@ -125,7 +227,9 @@ def build_profile(
         for i in range(0, len(entropies) - chunk_tokens + 1, chunk_tokens)
     ]
     means, stds, zeros = zip(*chunks)
-    stats = summarize(entropies, skipped, min_observations)
+    stats = summarize(entropies, skipped, min_observations, threshold)
+    routing = routing_baseline(entropies, skipped, threshold, chunk_tokens)
+    skip_ratio_normal = round(stats.skip_ratio, 4)
     zero_band = chunk_band(list(zeros), margin)
     b = stats.bimodality
     bc = b.bimodality_coefficient
@@ -137,8 +241,9 @@ def build_profile(
         entropy_mean=chunk_band(list(means), margin),
         entropy_std=chunk_band(list(stds), margin),
         zero_ratio=zero_band,
-        zero_ratio_page=max(0.40, zero_band.high),
-        skip_ratio_normal=round(stats.skip_ratio, 4),
+        zero_ratio_page=max(DEFAULT_ZERO_RATIO_PAGE, zero_band.high),
+        skip_ratio_normal=skip_ratio_normal,
+        skip_collapse_fraction=skip_collapse_fraction(skip_ratio_normal, routing.chunk_skip_ratios, margin),
         runaway_skip_ratio=runaway_skip_ratio,
         shadow_agreement_min=shadow_agreement_min,
         bimodality=BimodalityProfile(
@@ -148,6 +253,7 @@ def build_profile(
             dip_p_value=_rounded(b.dip_p_value, 6),
             bimodality_coefficient=bc,
         ),
+        routing=routing_profile(stats.routing, routing),
         source=source,
     )
     return profile, stats
@@ -242,3 +348,78 @@ def shadow_checks(
         checked = full_depth_agreement(gated.model, ShadowJob(prompt_ids, result.token_ids))
         checks.append((checked.tokens, checked.agreements))
     return checks
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What `calibrate` measured: the profile, and the numbers behind it for the report."""
+
+    profile: Profile
+    stats: BaselineStatistics
+    requests: int
+    decoded_tokens: int
+    fallbacks: int
+    shadow_tokens: int  # greedy tokens re-scored at full depth
+    shadow_agreements: int  # of which the full-depth top-1 was the gated token
+
+
+def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSettings, *, data_name: str) -> Calibration:
+    """Measure a healthy baseline of `gated` on prompts cut from `documents` and build its profile.
+
+    `data_name` names the text in the profile's `source`. Raises ValueError on unusable input (no
+    prompt in the text, a baseline shorter than one chunk)."""
+    s = settings
+    prompts = line_prompts(documents, s.prompts, random.Random(s.seed))
+    threshold = s.threshold if s.threshold is not None else gated.gates.metadata.threshold
+    policy = SkipPolicyConfig(threshold=threshold, patience=gated.patience)
+    baseline = Baseline()
+    fallbacks = generate_baseline(
+        gated,
+        policy,
+        prompts,
+        baseline,
+        model_name=s.model_name,
+        kv_policy=s.kv_policy,
+        batch_size=s.batch_size,
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        seed=s.seed,
+    )
+    entropies, skipped = baseline.arrays()
+    checks = shadow_checks(
+        gated,
+        policy,
+        prompts,
+        model_name=s.model_name,
+        kv_policy=s.kv_policy,
+        batch_size=s.batch_size,
+        max_new_tokens=s.max_new_tokens,
+    )
+    source = (
+        f"layerwatch calibrate {datetime.date.today().isoformat()}: {len(prompts)} prompts from {data_name}, "
+        f"{len(entropies)} decoded tokens (temperature {s.temperature:g}, top_p {s.top_p:g}), threshold "
+        f"{threshold:g}, gates sha256 {gated.gates.sha256[:12]}, kv policy {s.kv_policy}"
+    )
+    profile, stats = build_profile(
+        s.model_name,
+        threshold,
+        gated.patience,
+        policy.fallback_skip_fraction,
+        entropies,
+        skipped,
+        agreement_floor(checks, s.chunk_tokens, s.margin),
+        chunk_tokens=s.chunk_tokens,
+        margin=s.margin,
+        min_observations=s.min_observations,
+        source=source,
+    )
+    return Calibration(
+        profile=profile,
+        stats=stats,
+        requests=len(prompts),
+        decoded_tokens=len(entropies),
+        fallbacks=fallbacks,
+        shadow_tokens=sum(t for t, _ in checks),
+        shadow_agreements=sum(a for _, a in checks),
+    )

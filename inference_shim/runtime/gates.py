@@ -192,3 +192,8 @@ def _read_metadata(path: Path, data: bytes) -> GateMetadata:
 def _placed(gates: GateBank, model: Transformer) -> GateBank:
     reference = model.embed_tokens.weight
     return gates.to(device=reference.device, dtype=reference.dtype).eval()
+
+
+def gates_sha256(gates: GateBank, metadata: GateMetadata) -> str:
+    """The sha256 a gate file holding `gates` and `metadata` would have (for gates made in memory)."""
+    return hashlib.sha256(_serialize(gates, metadata)).hexdigest()

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from inference_shim.runtime.engine import GenerationEngine, StepHook
 from inference_shim.runtime.gates import LoadedGates, gates_path_for, load_gates, reset_gates, shuffle_gates
 from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
+from inference_shim.runtime.static_gates import static_gates
 from inference_shim.service.engine_worker import EngineWorker
 from inference_shim.service.gate_watch import GateFileWatcher
 from inference_shim.service.layer_signals import LayerSignalsCollector, LayerSignalStats
@@ -71,6 +73,7 @@ class ServeSettings:
     device: str = "cpu"
     dtype: str = "float32"
     reset_gates: bool = False
+    static_gates: bool = False  # each gate a constant at its healthy mean score (runtime/static_gates.py)
     shuffle_gates: bool = False  # drill: each gate on another layer (a fixed derangement)
     gates_watch_seconds: float = 5.0  # how often the gate file is checked for a replacement; 0 = never
 
@@ -185,14 +188,45 @@ class ShimService:
     @classmethod
     def load(cls, settings: ServeSettings, registry: CollectorRegistry | None = None) -> ShimService:
         resolve_device(settings.device)  # a clear error for a malformed name or a missing GPU
+        drills = [
+            flag
+            for flag, on in (
+                ("--reset-gates", settings.reset_gates),
+                ("--static-gates", settings.static_gates),
+                ("--shuffle-gates", settings.shuffle_gates),
+            )
+            if on
+        ]
+        if len(drills) > 1:
+            raise ValueError(f"{' and '.join(drills)} exclude each other")
         if settings.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
         checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])
-        if settings.reset_gates and settings.shuffle_gates:
-            raise ValueError("--reset-gates and --shuffle-gates exclude each other")
         if settings.reset_gates:
             gates = reset_gates(checkpoint.model, seed=RESET_GATES_SEED)
             log.warning("serving freshly initialised gates (--reset-gates), gates_sha256=%s", gates.sha256)
+        elif settings.static_gates:
+            healthy = load_gates(gates_file(settings), checkpoint.model)
+            # Decoded in a thread of its own, as the engine worker decodes: torch's CPU kernels called
+            # from the main thread ran 30-90 times slower on the busy 2-core development machine
+            # (18-45 s against 0.5 s for the measurement).
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="static-gates") as pool:
+                drill = pool.submit(
+                    static_gates,
+                    checkpoint.model,
+                    checkpoint.tokenizer,
+                    healthy,
+                    protected_layers=settings.protected_layers,
+                    kv_policy=settings.kv_policy,
+                ).result()
+            gates = drill.gates
+            log.warning(
+                "serving constant gates (--static-gates): layers %s skipped for every token; scores %s; "
+                "gates_sha256=%s",
+                list(drill.static_layers),
+                " ".join(f"{layer}:{c:.3f}" for layer, c in enumerate(drill.constants.tolist())),
+                gates.sha256,
+            )
         else:
             gates = load_gates(gates_file(settings), checkpoint.model)
         if settings.shuffle_gates:
@@ -208,7 +242,7 @@ class ShimService:
         if settings.gates_watch_seconds < 0:
             raise ValueError(f"--gates-watch-seconds must be >= 0, got {settings.gates_watch_seconds}")
         metrics = GateReloadMetrics(self.registry, self.model_name)  # exposed (at 0) even when not watching
-        if settings.reset_gates or settings.shuffle_gates or settings.gates_watch_seconds == 0:
+        if settings.reset_gates or settings.static_gates or settings.shuffle_gates or settings.gates_watch_seconds == 0:
             return None
         return GateFileWatcher(
             gates_file(settings),

@@ -6,8 +6,16 @@ import numpy as np
 import pytest
 
 from alerts.profile import load_profile
-from inference_shim.offline.calibration import agreement_floor, ascii_histogram, build_profile
-from layerwatch_cli.main import main
+from inference_shim.offline.calibration import (
+    CalibrationSettings,
+    agreement_floor,
+    ascii_histogram,
+    build_profile,
+    skip_collapse_fraction,
+)
+from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS
+from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS
+from layerwatch_cli.main import build_parser, main
 from tests.model.test_eval_decode import model_dir, text_file  # noqa: F401 (fixtures)
 
 
@@ -48,6 +56,19 @@ def test_calibrate_writes_a_loadable_profile(model_dir, text_file, tmp_path, cap
     out = capsys.readouterr().out
     assert "bimodal" in out and "shadow agreement (greedy, full-depth top-1)" in out
     assert 0.0 <= profile.shadow_agreement_min <= 1.0
+    # Layers 0, 1 and 3 score ~0 on every token (static by their scores, protected or not), layer 2
+    # ~1: no skipping depends on the token, so the share is 0 and its floor can never page.
+    assert profile.routing.static_layers == (0, 1, 3)
+    assert (profile.routing.token_dependent_share, profile.routing.share_floor) == (0.0, 0.0)
+    assert "routing: static, token-dependent share 0.000" in out
+
+
+def test_calibrate_flag_defaults_are_the_library_constants():
+    parser = build_parser(["calibrate"], environ={})
+    calibrate = parser._subparsers._group_actions[0].choices["calibrate"]
+    args = calibrate.parse_args(["--data", "d.txt", "--out", "p.yaml"])
+    assert args.min_observations == DEFAULT_MIN_WINDOW_OBSERVATIONS == CalibrationSettings("m").min_observations
+    assert (args.chunk_tokens, args.margin, args.prompts) == (512, 0.03, 128)
 
 
 def test_calibrate_refuses_a_text_without_prompts(model_dir, tmp_path, capsys):  # noqa: F811
@@ -87,6 +108,41 @@ def test_bands_cover_every_chunk_with_the_margin():
     assert profile.skip_ratio_normal == pytest.approx(0.5, abs=0.01)
     assert stats.bimodality.bimodal and stats.bimodality.peaks == 2
     assert sum(stats.histogram) == entropies.size
+    # Layers 0-3 below tau on every token: all of the skipping is static pruning.
+    assert profile.routing.static_layers == (0, 1, 2, 3) and profile.routing.token_dependent_share == 0.0
+
+
+def test_routing_baseline_floor_and_static_layers():
+    rng = np.random.default_rng(1)
+    tokens, chunk = 2000, 500
+    # Layers 0-1 always low (static), 2-3 low on a random half of the tokens, 4-5 high; layer 4 is
+    # low on every token of the second chunk only (static there: expected, not paged).
+    low = np.zeros((tokens, 6), dtype=bool)
+    low[:, :2] = True
+    low[:, 2:4] = rng.random((tokens, 2)) < 0.5
+    low[chunk : 2 * chunk, 4] = True
+    entropies = np.where(low, rng.normal(0.1, 0.02, low.shape), rng.normal(0.3, 0.02, low.shape))
+    profile, stats = build_profile(
+        "m", 0.18, 3, 0.85, entropies, low, 0.8, chunk_tokens=chunk, margin=0.03, min_observations=100, source=""
+    )
+    routing = profile.routing
+    assert routing.static_layers == (0, 1, 4)
+    whole = 1 - 2 * tokens / low.sum()  # static mass: layers 0-1 (layer 4 is not static over the whole)
+    assert routing.token_dependent_share == pytest.approx(whole, abs=1e-4)
+    chunk_shares = [
+        1 - low[i : i + chunk][:, [0, 1, 4] if i == chunk else [0, 1]].sum() / low[i : i + chunk].sum()
+        for i in range(0, tokens, chunk)
+    ]
+    assert routing.share_floor == round(0.5 * min(chunk_shares), 3)
+    assert routing.min_tokens == DEFAULT_MIN_ROUTING_TOKENS
+    assert stats.routing.verdict == "static" and stats.routing.static_layers == (0, 1)  # share 0.38 < 0.5
+
+
+def test_skip_collapse_fraction_keeps_every_healthy_chunk_above_the_limit():
+    assert skip_collapse_fraction(0.3, [0.28, 0.31], margin=0.03) == 0.5  # the default
+    assert skip_collapse_fraction(0.3, [0.1, 0.31], margin=0.03) == round(0.07 / 0.3, 3)  # lowered
+    assert skip_collapse_fraction(0.3, [0.02], margin=0.03) == 0.01  # never 0 or below
+    assert skip_collapse_fraction(0.0, [0.0], margin=0.03) == 0.5  # nothing skipped: no limit to place
 
 
 def test_too_short_a_baseline_is_refused():

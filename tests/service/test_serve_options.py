@@ -1,4 +1,5 @@
-"""Options of `layerwatch serve` that change what is served or written: --reset-gates, --trace-max-bytes."""
+"""Options of `layerwatch serve` that change what is served or written: --reset-gates, --static-gates,
+--trace-max-bytes."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
-from inference_shim.service.shim import ServeSettings, resolve_limits
+from inference_shim.service.shim import ServeSettings, ShimService, resolve_limits
 from layerwatch.trace import read_trace
 from tests.service.conftest import MODEL_NAME
 
@@ -25,6 +27,27 @@ def test_reset_gates_serves_fresh_gates_and_says_so_in_model_info(in_process, ti
     body = {"model": MODEL_NAME, "prompt": "light", "max_tokens": 8, "temperature": 0}
     usage = httpx.post(f"{reset.base_url}/v1/completions", json=body, timeout=30).json()["usage"]
     assert usage["layers_skipped"] == 0  # fresh gates score near 0.5: nothing falls below 0.18
+
+
+def test_static_gates_serve_constants_and_say_so_in_model_info(in_process, tiny_checkpoint):
+    static = in_process(static_gates=True)
+    assert gates_sha256(static) not in (tiny_checkpoint.gates_sha256, "")
+    assert static.service.gate_watcher is None  # a reload would end the drill
+    body = {"model": MODEL_NAME, "prompt": "light", "max_tokens": 12, "temperature": 0}
+    usage = httpx.post(f"{static.base_url}/v1/completions", json=body, timeout=30).json()["usage"]
+    # The tiny gates' layers 1 and 2 score far below 0.18 on every token: still skipped after the
+    # patience (3), every token, as with the file's gates.
+    assert usage["layers_skipped"] >= 2 * (12 - 3 - 1)
+    gates = static.service.model.gates
+    inputs = torch.randn(tiny_checkpoint.num_layers, 5, gates[0].fc1.in_features)
+    scores = gates.scores(inputs)
+    assert torch.allclose(scores, scores[:1].expand_as(scores))  # the same for every input
+
+
+def test_reset_and_static_gates_exclude_each_other(tiny_checkpoint):
+    settings = ServeSettings(model_dir=tiny_checkpoint.path, reset_gates=True, static_gates=True)
+    with pytest.raises(ValueError, match="exclude each other"):
+        ShimService.load(settings)
 
 
 def test_trace_stops_at_its_size_cap(in_process, tmp_path):

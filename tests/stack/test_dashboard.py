@@ -49,7 +49,7 @@ def test_every_query_uses_the_datasource_variable_and_panel_ids_are_unique(dashb
 @pytest.mark.parametrize(
     "title, kind, needle",
     [
-        ("Skip ratio", "timeseries", "layer_skips:ratio"),
+        ("Skip ratio", "timeseries", "profile_skip_ratio:collapse"),
         ("Layers executed per token", "timeseries", "layers_executed"),
         ("Per-layer skip ratio (layer × time)", "heatmap", "model_name_layer:layerwatch_layer_skips"),
         ("Entropy mean vs healthy band", "timeseries", "profile_entropy_mean:low"),
@@ -57,6 +57,9 @@ def test_every_query_uses_the_datasource_variable_and_panel_ids_are_unique(dashb
         ("Zero-entropy ratio", "timeseries", "profile_zero_ratio:page"),
         ("Bimodality verdict", "stat", "layerwatch_entropy_bimodal"),
         ("Bimodality statistics", "stat", "layerwatch_entropy_dip_p_value"),
+        ("Routing verdict", "stat", "layerwatch_routing_dynamic"),
+        ("Token-dependent share", "timeseries", "profile_token_dependent_share:floor"),
+        ("Below-threshold rate per layer (layer × time)", "heatmap", "layerwatch_routing_layer_low_ratio"),
         ("Entropy distribution over time", "heatmap", "layerwatch_entropy_bucket"),
         ("Entropy histogram, last 5 minutes", "barchart", "layerwatch_entropy_bucket"),
         ("Joules per generated token", "timeseries", "joules_per_decode_token"),
@@ -73,6 +76,21 @@ def test_panel_exists(dashboard: dict, title: str, kind: str, needle: str) -> No
     (panel,) = [p for p in panels(dashboard) if p["title"] == title]
     assert panel["type"] == kind
     assert any(needle in t["expr"] for t in panel["targets"])
+
+
+def test_routing_sits_beside_the_bimodality_verdict(dashboard: dict) -> None:
+    titles = [p["title"] for p in dashboard["panels"]]
+    verdict = titles.index("Bimodality verdict")
+    assert titles[verdict + 1] == "Routing verdict"
+    (routing,) = [p for p in panels(dashboard) if p["title"] == "Routing verdict"]
+    (bimodality,) = [p for p in panels(dashboard) if p["title"] == "Bimodality verdict"]
+    assert routing["gridPos"]["y"] == bimodality["gridPos"]["y"]  # the same row of panels
+
+
+def test_windows_and_profile_series_are_not_typed_out() -> None:
+    """The histogram's window follows the rate window; profile series names come from the rules."""
+    source = (REPO / "dashboards" / "overview.py").read_text()
+    assert "[5m]" not in source and "5 minutes" not in source and "model_name:layerwatch_profile" not in source
 
 
 def test_entropy_heatmap_reads_the_histogram_as_buckets(dashboard: dict) -> None:

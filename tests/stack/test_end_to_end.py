@@ -3,12 +3,15 @@ scraping a real `layerwatch serve` and `layerwatch exporter` under generated loa
 
 One stack per module (`stack` fixture); the tests are phases and run in file order:
 1. a healthy baseline fires no layerwatch alert;
-2. the shim restarted with `--reset-gates` (the field's "gate weights overwritten" incident) pages
+2. the shim restarted with `--static-gates` (gating degraded into static pruning, two entropy humps
+   kept) pages LayerwatchRoutingStatic while LayerwatchEntropySinglePeak stays silent; then the
+   healthy shim is restored and every alert resolves;
+3. the shim restarted with `--reset-gates` (the field's "gate weights overwritten" incident) pages
    LayerwatchEntropySinglePeak and tickets LayerwatchGateWeightsChanged;
-3. the shim restarted with `--threshold 0.95` pages LayerwatchRunawaySkipping;
-3b. the shim restarted with `--shuffle-gates` (every gate on another layer) pages
+4. the shim restarted with `--threshold 0.95` pages LayerwatchRunawaySkipping;
+5. the shim restarted with `--shuffle-gates` (every gate on another layer) pages
    LayerwatchGateMiscalibrated from the shadow check's layer signals;
-4. every query of every dashboard panel returns data from this Prometheus.
+6. every query of every dashboard panel returns data from this Prometheus.
 Arrival is asserted through Alertmanager's API v2 and through the webhook receivers the rendered
 alertmanager.yml routes to (a loopback HTTP server standing in for the pager and ticket bridges).
 
@@ -101,13 +104,13 @@ class WebhookReceiver:
     def url(self, receiver: str) -> str:
         return f"http://127.0.0.1:{self._server.server_address[1]}{receiver}"
 
-    def first_firing(self, receiver: str, alertname: str) -> float | None:
-        """When `receiver` was first notified of `alertname` firing (monotonic), or None."""
+    def first_firing(self, receiver: str, alertname: str, since: float = -math.inf) -> float | None:
+        """When `receiver` was first notified of `alertname` firing (monotonic), at or after `since`, or None."""
         return next(
             (
                 n.received_at
                 for n in list(self.notifications)
-                if n.receiver == receiver
+                if n.receiver == receiver and n.received_at >= since
                 for alert in n.payload["alerts"]
                 if alert["labels"].get("alertname") == alertname and alert["status"] == "firing"
             ),
@@ -298,7 +301,8 @@ class Stack:
                     if active:
                         arrived[name] = (time.monotonic(), active[0])
             notified = {
-                name: self.webhooks.first_firing(_receiver(alert), name) for name, (_, alert) in arrived.items()
+                name: self.webhooks.first_firing(_receiver(alert), name, injected_at)
+                for name, (_, alert) in arrived.items()
             }
             if len(arrived) == len(alertnames) and all(t is not None for t in notified.values()):
                 break
@@ -313,7 +317,7 @@ class Stack:
                     injected_at,
                     serving_at,
                     at,
-                    self.webhooks.first_firing(_receiver(alert), name),
+                    self.webhooks.first_firing(_receiver(alert), name, injected_at),
                 )
             )
         missing = sorted(set(alertnames) - set(arrived))
@@ -502,7 +506,72 @@ def _values(result: list[dict]) -> list[float]:
     return [float(sample["value"][1]) for sample in result]
 
 
-# --- phase 2: gate weights overwritten ---------------------------------------------------------------
+# --- phase 2: static pruning (the gates stop routing per token) --------------------------------------
+
+
+def _watch_alerts(stack: Stack, until: float) -> set[str]:
+    """Poll Prometheus every evaluation until `until` (monotonic): the layerwatch alerts seen firing."""
+    firing: set[str] = set()
+    while time.monotonic() < until:
+        firing |= {a["labels"]["alertname"] for a in stack.layerwatch_alerts() if a["state"] == "firing"}
+        time.sleep(EVALUATION_INTERVAL)
+    return firing
+
+
+def _wait_until_quiet(stack: Stack, timeout: float) -> None:
+    """Until neither Prometheus nor Alertmanager holds a layerwatch alert (all resolved)."""
+    deadline = time.monotonic() + timeout
+    while stack.layerwatch_alerts() or stack.alertmanager_alerts():
+        assert time.monotonic() < deadline, f"alerts did not resolve within {timeout:.0f}s\n{stack.diagnostics()}"
+        time.sleep(EVALUATION_INTERVAL)
+
+
+def test_static_gates_page_routing_static_while_single_peak_stays_silent(stack: Stack) -> None:
+    _wait_for_data(stack, f'layerwatch_model_info{{instance="{stack.shim_instance}"}}')  # run alone: first scrape
+    (healthy_sha,) = _served_hashes(stack)
+    injected, serving = stack.restart_shim("--static-gates")
+    alerts = stack.wait_for_pages("static gates (`--static-gates`)", ["LayerwatchRoutingStatic"], injected, serving)
+    routing = alerts["LayerwatchRoutingStatic"]
+    assert routing["labels"]["severity"] == "critical"
+    assert routing["labels"]["instance"] == stack.exporter_instance  # the exporter's routing statistics
+
+    # The single-peak alert stays silent: the constants keep the two humps. Watched until its own
+    # `for:` has run on a window that holds nothing but the static gates' entropies.
+    watch_until = serving + EXPORTER_WINDOW_SECONDS + stack.for_seconds("LayerwatchEntropySinglePeak")
+    fired = _watch_alerts(stack, watch_until + 3 * EVALUATION_INTERVAL)
+    assert "LayerwatchEntropySinglePeak" not in fired, stack.diagnostics()
+    assert "LayerwatchRoutingStatic" in fired
+    assert not stack.alertmanager_alerts("LayerwatchEntropySinglePeak")
+    model = f'model_name="{stack.model_name}"'
+    assert _values(stack.query(f"layerwatch_entropy_bimodal{{{model}}}")) == [1.0]  # two humps ...
+    assert _values(stack.query(f"layerwatch_routing_dynamic{{{model}}}")) == [0.0]  # ... but static
+    assert _values(stack.query(f"layerwatch_routing_token_dependent_share{{{model}}}")) == [0.0]
+    (static_sha,) = _served_hashes(stack)
+    assert static_sha != healthy_sha
+
+    # Both triggers: the share fell below the floor, and layers outside the baseline's static ones
+    # (12, 13, 14 for the demo model) turned static, named in the description.
+    deadline = time.monotonic() + FAULT_TIMEOUT
+    while True:
+        by_trigger = {a["labels"]["trigger"]: a for a in stack.alertmanager_alerts("LayerwatchRoutingStatic")}
+        if set(by_trigger) == {"share", "new_static_layers"} or time.monotonic() > deadline:
+            break
+        time.sleep(EVALUATION_INTERVAL)
+    assert set(by_trigger) == {"share", "new_static_layers"}, stack.diagnostics()
+    description = by_trigger["new_static_layers"]["annotations"]["description"]
+    named = {int(layer) for layer in re.findall(r"(\d+) \(\d\.\d{3}\)", description.split("(static in the")[0])}
+    static_now = {int(s["metric"]["layer"]) for s in stack.query(f"layerwatch_routing_layer_static{{{model}}} == 1")}
+    assert named and named <= static_now - set(stack.profile.routing.static_layers), (named, static_now)
+    stack.events.append((time.monotonic(), f"static layers {sorted(static_now)}"))
+
+    # Healthy gates again: everything resolves (the gate change stays visible for its window), so
+    # that the next fault starts from a quiet stack.
+    stack.restart_shim()
+    _wait_until_quiet(stack, FAULT_TIMEOUT)
+    assert _served_hashes(stack) == {healthy_sha}
+
+
+# --- phase 3: gate weights overwritten ---------------------------------------------------------------
 
 
 def _served_hashes(stack: Stack) -> set[str]:
@@ -529,7 +598,7 @@ def test_reset_gates_page_single_peak_and_gate_weights_changed(stack: Stack) -> 
     assert healthy_sha in description and reset_sha in description, description
 
 
-# --- phase 3: a threshold misconfigured to 0.95 -------------------------------------------------------
+# --- phase 4: a threshold misconfigured to 0.95 -------------------------------------------------------
 
 
 def test_threshold_095_pages_runaway_skipping(stack: Stack) -> None:
@@ -545,7 +614,7 @@ def test_threshold_095_pages_runaway_skipping(stack: Stack) -> None:
     assert stack.query(f'layerwatch_model_info{{instance="{stack.shim_instance}", threshold="0.95"}}')
 
 
-# --- phase 3b: gates on the wrong layers ---------------------------------------------------------------
+# --- phase 5: gates on the wrong layers ---------------------------------------------------------------
 
 
 def test_shuffled_gates_page_gate_miscalibrated(stack: Stack) -> None:
@@ -565,7 +634,7 @@ def test_shuffled_gates_page_gate_miscalibrated(stack: Stack) -> None:
     assert served and file_sha not in served, served
 
 
-# --- phase 4: the dashboard ----------------------------------------------------------------------------
+# --- phase 6: the dashboard ----------------------------------------------------------------------------
 
 DASHBOARD = json.loads((REPO / "dashboards" / "json" / "overview.json").read_text())
 PANELS = [panel for panel in DASHBOARD["panels"] if panel["type"] != "row"]

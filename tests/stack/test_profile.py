@@ -34,6 +34,15 @@ def test_reference_profile_carries_the_field_numbers() -> None:
     assert (p.zero_ratio.low, p.zero_ratio.high, p.zero_ratio_page) == (0.15, 0.25, 0.40)
     assert p.runaway_skip_ratio == 0.85
     assert (p.drift.limit, p.drift.window, p.for_duration("LayerwatchEntropyDrift")) == (0.18, 600, 300)
+    # Ours, not the field's: half the static verdict's line, and no layer static in a routed model.
+    assert (p.routing.share_floor, p.routing.static_layers, p.routing.token_dependent_share) == (0.25, (), None)
+    assert p.skip_collapse_fraction == 0.5
+
+
+def test_demo_profile_holds_its_measured_routing_baseline() -> None:
+    p = load_profile(REPO / "alerts" / "profiles" / "demo.yaml")
+    assert p.routing.static_layers == (12, 13, 14)  # docs/exporter.md: the demo's static layers
+    assert 0 < p.routing.share_floor < p.routing.token_dependent_share < 1
 
 
 def test_dump_then_load_gives_the_same_profile(tmp_path: Path) -> None:
@@ -57,11 +66,14 @@ def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
             "zero_ratio",
             "skip_ratio_normal",
             "bimodality",
+            "routing",
         )
     }
+    data["routing"] = {"share_floor": 0.25, "static_layers": []}
     p = load_profile(write(tmp_path, data))
     assert p.runaway_skip_ratio == 0.85 and p.zero_ratio_page == 0.40
     assert p.gate_importance_correlation_min == 0.1  # a correlation, not a fraction: [-1, 1]
+    assert p.skip_collapse_fraction == 0.5 and p.routing.min_tokens == 200  # the exporter's minimum
     assert p.for_duration("LayerwatchEntropySinglePeak") == 600
 
 
@@ -87,6 +99,21 @@ def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
         ({"bimodality": {"min_observations": 0}}, "bimodality.min_observations", "at least 1"),
         ({"gate_importance_correlation_min": -1.5}, "gate_importance_correlation_min", "outside [-1, 1]"),
         ({"gate_importance_correlation_min": "high"}, "gate_importance_correlation_min", "expected a number"),
+        ({"skip_collapse_fraction": 0.0}, "skip_collapse_fraction", "strictly between 0 and 1"),
+        ({"skip_collapse_fraction": 1.0}, "skip_collapse_fraction", "strictly between 0 and 1"),
+        ({"routing": {"static_layers": []}}, "routing: share_floor", "missing"),
+        ({"routing": {"share_floor": 1.2, "static_layers": []}}, "routing: share_floor", "outside [0, 1]"),
+        ({"routing": {"share_floor": 0.2, "static_layers": "12"}}, "routing: static_layers", "expected a list"),
+        ({"routing": {"share_floor": 0.2, "static_layers": [1.5]}}, "routing: static_layers[0]", "expected an integer"),
+        ({"routing": {"share_floor": 0.2, "static_layers": [13, 12]}}, "routing.static_layers", "ascending"),
+        ({"routing": {"share_floor": 0.2, "static_layers": [3, 3]}}, "routing.static_layers", "distinct"),
+        ({"routing": {"share_floor": 0.2, "static_layers": [-1]}}, "routing.static_layers", ">= 0"),
+        ({"routing": {"share_floor": 0.2, "static_layers": [], "min_tokens": 0}}, "routing.min_tokens", "at least 1"),
+        (
+            {"routing": {"share_floor": 0.7, "static_layers": [], "token_dependent_share": 0.6}},
+            "routing.share_floor",
+            "not below the baseline",
+        ),
     ],
 )
 def test_broken_profile_names_file_and_field(tmp_path: Path, change: dict, field: str, problem: str) -> None:

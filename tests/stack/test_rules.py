@@ -14,7 +14,7 @@ import yaml
 from alerts.durations import Timing
 from alerts.profile import Profile
 from alerts.recorded import Recorded
-from alerts.rules import render_rules, rule_groups
+from alerts.rules import PROFILE_SERIES, profile_series, render_rules, rule_groups
 from alerts.specs import ALERT_NAMES, ALERTS, AlertBuild, AlertSpec
 from mixin import config
 
@@ -36,6 +36,8 @@ PROMISED_ALERTS = {
     "LayerwatchShadowAgreementLow",
     "LayerwatchTelemetryLoss",
     "LayerwatchTargetDown",
+    "LayerwatchRoutingStatic",
+    "LayerwatchSkippingCollapsed",
 }
 # Read by the rule machinery for every per-model alert, not by a builder's thresholds.
 _PROFILE_PLUMBING = {"model_name", "for_durations"}
@@ -70,6 +72,99 @@ def test_unit_tests_depend_on_the_profile_numbers(promtool: str, tmp_path: Path,
     result = run_tool(promtool, "test", "rules", tmp_path / "tests" / "alerts.test.yaml")
     assert result.returncode != 0
     assert "LayerwatchRunawaySkipping" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "change, alertname",
+    [
+        ({"skip_collapse_fraction": 0.55}, "LayerwatchSkippingCollapsed"),  # 0.1155: the 11 % shim fires
+        ({"routing": {"share_floor": 0.26, "static_layers": ()}}, "LayerwatchRoutingStatic"),  # 0.25 fires
+        ({"routing": {"share_floor": 0.25, "static_layers": (1,)}}, "LayerwatchRoutingStatic"),  # 1 is expected
+    ],
+)
+def test_routing_cases_depend_on_the_profile_numbers(
+    promtool: str, tmp_path: Path, reference_profiles, change: dict, alertname: str
+) -> None:
+    (tmp_path / "generated").mkdir()
+    shutil.copytree(REPO / "alerts" / "tests", tmp_path / "tests")
+
+    def shift(p: Profile) -> Profile:
+        if "routing" in change:
+            return dataclasses.replace(p, routing=dataclasses.replace(p.routing, **change["routing"]))
+        return dataclasses.replace(p, **change)
+
+    shifted = [shift(p) for p in reference_profiles]
+    (tmp_path / "generated" / RULES.name).write_text(render_rules(shifted))
+    result = run_tool(promtool, "test", "rules", tmp_path / "tests" / "alerts.test.yaml")
+    assert result.returncode != 0
+    assert alertname in result.stdout + result.stderr
+
+
+def test_baseline_static_layers_do_not_page_but_others_do(promtool: str, tmp_path: Path, reference_profiles) -> None:
+    """A profile's static layers may stay static; any other layer turning static pages, by name."""
+    (reference,) = [p for p in reference_profiles if p.model_name == "reference"]
+    profile = dataclasses.replace(reference, routing=dataclasses.replace(reference.routing, static_layers=(12, 13)))
+    (tmp_path / "rules.yaml").write_text(render_rules([profile]))
+    exporter = 'job="layerwatch-exporter", model_name="reference"'
+    series = [
+        {"series": f'layerwatch_routing_token_dependent_share{{{exporter}, instance="{i}"}}', "values": "0.6x20"}
+        for i in ("a", "b")
+    ] + [
+        {"series": f'layerwatch_routing_window_tokens{{{exporter}, instance="{i}"}}', "values": "3000x20"} for i in "ab"
+    ]
+    for instance, static in (("a", (12, 13)), ("b", (2, 12, 13))):  # b: layer 2 turned static
+        for layer in (2, 12, 13):
+            state = 1 if layer in static else 0
+            labels = f'{exporter}, instance="{instance}", layer="{layer}"'
+            series += [
+                {"series": f"layerwatch_routing_layer_static{{{labels}}}", "values": f"{state}x20"},
+                {"series": f"layerwatch_routing_layer_low_ratio{{{labels}}}", "values": f"{0.99 if state else 0.5}x20"},
+            ]
+    description = (
+        "1 layer(s) of model reference on b that route per token in the healthy baseline are now static (below "
+        "the threshold for almost every token): 2 (0.990) (static in the baseline: 12, 13). Token-dependent "
+        "share 0.600 (floor 0.25). Window: 3000 tokens."
+    )
+    test = {
+        "rule_files": ["rules.yaml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "alert_rule_test": [
+                    {
+                        "alertname": "LayerwatchRoutingStatic",
+                        "eval_time": "15m",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {
+                                    "severity": "critical",
+                                    "trigger": "new_static_layers",
+                                    "job": "layerwatch-exporter",
+                                    "instance": "b",
+                                    "model_name": "reference",
+                                },
+                                "exp_annotations": {
+                                    "summary": "Layer skipping has turned into static pruning.",
+                                    "description": description,
+                                    "runbook_url": f"{config.RUNBOOK_BASE_URL}#layerwatchroutingstatic",
+                                },
+                            }
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
+    (tmp_path / "static.test.yaml").write_text(yaml.safe_dump(test))
+    result = run_tool(promtool, "test", "rules", tmp_path / "static.test.yaml")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_profile_series_names_are_the_ones_rendered(reference_profiles) -> None:
+    """The dashboard reads PROFILE_SERIES: every name there is a rendered series, and vice versa."""
+    assert set(profile_series(reference_profiles[0])) == set(dataclasses.astuple(PROFILE_SERIES))
 
 
 def test_alert_names_are_unique_and_promised_ones_exist() -> None:
