@@ -62,6 +62,7 @@ def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
     p = load_profile(write(tmp_path, data))
     assert p.runaway_skip_ratio == 0.85 and p.zero_ratio_page == 0.40
     assert p.for_duration("LayerwatchEntropySinglePeak") == 600
+    assert (p.request_tail.runaway_skip_fraction, p.request_tail.normal_share) == (0.5, 0.01)
 
 
 @pytest.mark.parametrize(
@@ -84,6 +85,12 @@ def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
         ({"skip_surge_factor": 1.0}, "skip_surge_factor", "must be above 1"),
         ({"model_name": 'demo"} or vector(1)'}, "model_name", "must match"),
         ({"bimodality": {"min_observations": 0}}, "bimodality.min_observations", "at least 1"),
+        ({"request_tail": {"runaway_skip_fraction": 0.33}}, "request_tail.runaway_skip_fraction", "bucket edge"),
+        ({"request_tail": {"runaway_skip_fraction": 0.2}}, "request_tail.runaway_skip_fraction", "not above"),
+        ({"request_tail": {"runaway_skip_fraction": 1.0}}, "request_tail.runaway_skip_fraction", "below 1"),
+        ({"request_tail": {"normal_share": 1.0}}, "request_tail.normal_share", "below 1"),
+        ({"request_tail": {"normal_share": -0.01}}, "request_tail: normal_share", "outside [0, 1]"),
+        ({"request_tail": {"cutoff": 0.5}}, "request_tail: unknown key(s) ['cutoff']", "known:"),
     ],
 )
 def test_broken_profile_names_file_and_field(tmp_path: Path, change: dict, field: str, problem: str) -> None:
