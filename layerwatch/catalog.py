@@ -162,6 +162,49 @@ METRICS: tuple[MetricSpec, ...] = (
         "Forced full-depth episodes (reason=high_skipping).",
         SHIM,
     ),
+    # --- shim: skipping per request (the tail a small category of traffic lives in) -----------
+    _m(
+        "layerwatch_request_skip_fraction",
+        "histogram",
+        ("model_name",),
+        "Per finished request with decode tokens (status ok or cancelled): its skipped decode layer "
+        "evaluations / its decode layer evaluations.",
+        SHIM,
+        REQUEST_FRACTION_BUCKETS,
+    ),
+    _m(
+        "layerwatch_request_token_dependent_share",
+        "histogram",
+        ("model_name",),
+        "Per finished request long enough to judge (32 decode tokens or more, a score below the "
+        "threshold): the token-dependent share of its own skipping (layerwatch/routing.py over its tokens; "
+        "0 = all of it in layers below the threshold on every one of its tokens).",
+        SHIM,
+        REQUEST_FRACTION_BUCKETS,
+    ),
+    _m(
+        "layerwatch_request_runaway_layer_skips_total",
+        "counter",
+        ("model_name", "layer"),
+        "Skipped decode evaluations of the layer in requests whose skip fraction exceeded the runaway "
+        "cut-off (layerwatch_request_runaway_skip_fraction).",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_request_runaway_tokens_total",
+        "counter",
+        ("model_name",),
+        "Decode tokens of requests whose skip fraction exceeded the runaway cut-off.",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_request_runaway_skip_fraction",
+        "gauge",
+        ("model_name",),
+        "The runaway cut-off the shim counts with (`layerwatch serve --request-runaway-fraction`): a request "
+        "skipping more than this share of its decode layer evaluations is runaway.",
+        SHIM,
+    ),
     # --- shim: latency -----------------------------------------------------------------------
     _m(
         "layerwatch_time_to_first_token_seconds",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, REQUEST_FRACTION_BUCKETS
+from layerwatch.catalog import BY_NAME, DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, REQUEST_FRACTION_BUCKETS
 from layerwatch.request_tail import MIN_REQUEST_ROUTING_TOKENS, RequestLayers, request_skipping
 from layerwatch.routing import STATIC_LOW_RATE, wilson_bounds
 
@@ -20,6 +20,7 @@ def test_the_minimum_is_the_fewest_tokens_at_which_a_layer_can_be_static():
     # Below tau on every one of n tokens: static from 32 tokens on, never before.
     assert wilson_bounds(np.array([n]), n)[0][0] >= STATIC_LOW_RATE
     assert wilson_bounds(np.array([n - 1]), n - 1)[0][0] < STATIC_LOW_RATE
+    assert f"{n} decode tokens or more" in BY_NAME["layerwatch_request_token_dependent_share"].help
 
 
 def test_skip_fraction_is_skipped_over_evaluated_layer_evaluations():
@@ -80,3 +81,6 @@ def test_buckets_hold_the_cutoffs_that_matter():
     for cutoff in (DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, 0.35, 0.85, STATIC_LOW_RATE, 0.05, 0.0, 1.0):
         assert cutoff in REQUEST_FRACTION_BUCKETS
     assert list(REQUEST_FRACTION_BUCKETS) == sorted(REQUEST_FRACTION_BUCKETS)
+    for name in ("layerwatch_request_skip_fraction", "layerwatch_request_token_dependent_share"):
+        assert BY_NAME[name].buckets == REQUEST_FRACTION_BUCKETS and BY_NAME[name].labels == ("model_name",)
+    assert BY_NAME["layerwatch_request_runaway_layer_skips_total"].labels == ("model_name", "layer")
