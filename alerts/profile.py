@@ -23,6 +23,7 @@ import yaml
 
 from alerts.durations import format_duration, parse_duration
 from alerts.specs import PER_MODEL_ALERTS
+from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, REQUEST_FRACTION_BUCKETS
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS
 
 Seconds = NewType("Seconds", float)  # written as a Prometheus duration in YAML
@@ -99,6 +100,22 @@ class Drift:
 
 
 @dataclass(frozen=True)
+class RequestTail:
+    """The tail of the per-request skip fractions (layerwatch_request_skip_fraction): a small category
+    of traffic that skips far more than the rest shows here long before it moves the global ratio.
+
+    `runaway_skip_fraction` must be a bucket edge of the histogram (layerwatch/catalog.py), and the
+    shim counts the layers of runaway requests at the same cut-off (`layerwatch serve` reads it from
+    this profile unless --request-runaway-fraction says otherwise).
+    """
+
+    # A request skipping more than this share of its decode layer evaluations is runaway.
+    runaway_skip_fraction: float = field(default=DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, metadata=_FRACTION)
+    # The share of requests above it that healthy traffic shows (with a margin): the alert fires above.
+    normal_share: float = field(default=0.01, metadata=_FRACTION)
+
+
+@dataclass(frozen=True)
 class Profile:
     model_name: str
     threshold: float = field(metadata=_FRACTION)  # gate threshold the model is served with
@@ -122,6 +139,7 @@ class Profile:
     # benchmarks/gate_signals.py; the default only catches gates unrelated to their layers.
     gate_importance_correlation_min: float = 0.1
     telemetry_loss_max: float = field(default=0.01, metadata=_FRACTION)
+    request_tail: RequestTail = RequestTail()
     # Per-alert `for:` overrides of per-model alerts; the others use their spec's default.
     for_durations: dict[str, Seconds] = field(default_factory=dict, metadata={"yaml_key": "for"})
     source: str = ""  # where the numbers come from (a paper, a calibration run and its date)
@@ -276,6 +294,22 @@ def _check(p: Profile, where: str) -> None:
             "routing.share_floor",
             f"{r.share_floor} is not below the baseline token_dependent_share {r.token_dependent_share}",
         )
+    tail = p.request_tail
+    if tail.runaway_skip_fraction not in REQUEST_FRACTION_BUCKETS:
+        edges = ", ".join(f"{b:g}" for b in REQUEST_FRACTION_BUCKETS)
+        fail(
+            "request_tail.runaway_skip_fraction",
+            f"{tail.runaway_skip_fraction} is not a bucket edge of layerwatch_request_skip_fraction ({edges})",
+        )
+    if tail.runaway_skip_fraction <= p.skip_ratio_normal:
+        fail(
+            "request_tail.runaway_skip_fraction",
+            f"{tail.runaway_skip_fraction} is not above skip_ratio_normal {p.skip_ratio_normal}",
+        )
+    if tail.runaway_skip_fraction >= 1.0:
+        fail("request_tail.runaway_skip_fraction", "must be below 1 (no request can skip more than all layers)")
+    if tail.normal_share >= 1.0:
+        fail("request_tail.normal_share", f"{tail.normal_share} must be below 1 (a share of requests)")
     unknown = sorted(set(p.for_durations) - set(_DEFAULT_FOR))
     if unknown:
         fail("for", f"unknown alert(s) {unknown}; per-model alerts: {sorted(_DEFAULT_FOR)}")

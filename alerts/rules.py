@@ -145,6 +145,22 @@ def recording_rules(timing: Timing) -> list[dict]:
     lost = _rate("layerwatch_exporter_frames_lost_total", exp, w, BY_MODEL)
     received = _rate("layerwatch_exporter_frames_received_total", exp, w, BY_MODEL)
     record(r.telemetry_loss_ratio, f"{lost}\n/\n(\n  {received}\n  +\n  {lost}\n)")
+
+    # Per-request skipping: the share of finished requests whose skip fraction is above each bucket
+    # edge (1 - the cumulative bucket share), and how often the runaway requests skipped each layer.
+    # Both are absent without requests (no 0/0 NaN): the tail alert is silent without traffic.
+    finished = _rate("layerwatch_request_skip_fraction_count", shim, w, BY_MODEL)
+    at_or_below = _rate("layerwatch_request_skip_fraction_bucket", shim, w, f"{BY_MODEL}, le")
+    record(
+        r.request_skip_tail_ratio,
+        f"1 - (\n  {at_or_below}\n  / ignoring (le) group_left ()\n  ({finished} > 0)\n)",
+    )
+    runaway_tokens = _rate("layerwatch_request_runaway_tokens_total", shim, w, BY_MODEL)
+    record(
+        r.runaway_skip_ratio_by_layer,
+        f"{_rate('layerwatch_request_runaway_layer_skips_total', shim, w, f'{BY_MODEL}, layer')}\n"
+        f"/ ignoring (layer) group_left ()\n({runaway_tokens} > 0)",
+    )
     return rules
 
 

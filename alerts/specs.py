@@ -409,6 +409,55 @@ def skipping_collapsed(b: AlertBuild) -> list[dict]:
     ]
 
 
+# Critical: the field's incident (a speech-to-text bug sent one category's requests down the same
+# pruned path) degrades the answers of that category now, while every model-wide signal stays
+# healthy: the global skip ratio moves by a point or two, so LayerwatchSkipRateSurge and
+# LayerwatchRunawaySkipping never see it, and the shadow check samples too few of its requests to
+# fall below its floor. Nothing else pages for it, and a ticket leaves those users with degraded
+# answers for days. Healthy traffic keeps this share near zero (the profile's normal_share is measured
+# with a margin), and `for:` of twice the rate window means one odd request, which stays in the
+# window for 5 minutes, cannot fire it: only a sustained tail does.
+@alert("LayerwatchRequestTailRunaway", severities=(PAGE,), default_for="10m", reads=("request_tail",))
+def request_tail_runaway(b: AlertBuild) -> list[dict]:
+    p, r = b.profile, b.recorded
+    cutoff = p.request_tail.runaway_skip_fraction
+    # A cut-off is a bucket edge below 1 and above 0 (alerts/profile.py), so its `le` reads the same
+    # in Prometheus 2 (as exposed) and 3 (normalised): 0.35 -> "0.35".
+    tail = f'{r.request_skip_tail_ratio}{{{b.selector}, le="{cutoff:g}"}}'
+    layers = r.runaway_skip_ratio_by_layer + "{instance=%q,model_name=%q}"
+    above = layers + " - " + r.skip_ratio_by_layer + "{instance=%q,model_name=%q}"
+    return [
+        b.rule(
+            # Without `le`: the alert is about the model on its target, like the others.
+            f"max without (le) ({tail}) > {p.request_tail.normal_share}",
+            "A tail of requests skips far more layers than the rest of the traffic.",
+            f"{_value()} of the finished requests of {_WHERE} skipped more than {cutoff:g} of their "
+            f"decode layer evaluations (healthy: up to {p.request_tail.normal_share}; the shim counts "
+            "runaway requests above "
+            + _lookup("layerwatch_request_runaway_skip_fraction", "%g")
+            + "), while the model's skip ratio is "
+            + _lookup(r.skip_ratio)
+            + ". Layers these requests skip most: "
+            + _top_layers(f"topk(3, {layers})", "$labels.instance $labels.model_name", RATIO_FORMAT)
+            + "- most above the model's own per-layer skip ratios: "
+            + _top_layers(
+                f"topk(3, {above})",
+                "$labels.instance $labels.model_name $labels.instance $labels.model_name",
+                "+%.3f",
+            )
+            + "- likely one category of inputs pruned the same way every time (see the runbook).",
+        )
+    ]
+
+
+def _top_layers(query: str, arguments: str, fmt: str) -> str:
+    """`layer (value)` for each series `query` returns, `%q` placeholders filled with `arguments`."""
+    return (
+        "{{ range printf `" + query + "` " + arguments + " | query }}"
+        '{{ .Labels.layer }} ({{ .Value | printf "' + fmt + '" }}) {{ end }}'
+    )
+
+
 def _entropy_band(b: AlertBuild, series: str, band_field: str, what: str) -> list[dict]:
     band = getattr(b.profile, band_field)
     return [

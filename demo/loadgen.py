@@ -30,6 +30,40 @@ PROMPTS = (
     "Praise ye the LORD.",
 )
 
+# A category of traffic that skips more than the rest, from the demo model itself: garbled
+# transcripts (a speech-to-text bug's runs of function words, as in the field's incident) sent at
+# temperature 0. The demo model answers each with a short repeated phrase ("..., and upon all the
+# people, and upon all the people"), made of tokens its gates score low, and skips 0.377-0.384 of
+# its decode layer evaluations over 64 tokens, where the load above skips 0.20-0.34 per request
+# (0.27 overall). Found by searching prompts on the demo model; no prompt made it skip much more
+# (docs/service.md, "Per-request skipping").
+STUTTER_PROMPTS = (
+    "they was: they was: they was: they was: they was: ",
+    "\n unto \n will upon And of \n you",
+    "upon But they them upon But they them",
+    "you you the me upon And us people",
+)
+
+
+@dataclass(frozen=True)
+class Category:
+    """A share of the requests sent with other prompts and settings (greedy: the same answer each time)."""
+
+    prompts: tuple[str, ...]
+    share: float  # of the requests, spread evenly: request i is one iff floor((i+1)·share) > floor(i·share)
+    max_tokens: int = 64
+    greedy: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.share <= 1.0 or not self.prompts:
+            raise ValueError("a category needs prompts and a share in [0, 1]")
+
+    def includes(self, index: int) -> bool:
+        return int((index + 1) * self.share) > int(index * self.share)
+
+
+STUTTER = Category(STUTTER_PROMPTS, share=0.05)
+
 
 @dataclass
 class LoadReport:
@@ -41,6 +75,10 @@ class LoadReport:
     layers_skipped: int = 0
     latencies: list[float] = field(default_factory=list)  # seconds, successful requests only
     elapsed: float = 0.0
+    # The category's own requests (with a `category`), counted in the totals above too.
+    category_requests: int = 0
+    category_layers_executed: int = 0
+    category_layers_skipped: int = 0
 
     @property
     def server_errors(self) -> int:
@@ -66,9 +104,14 @@ class _Merge:
         self.report = LoadReport()
         self._lock = threading.Lock()
 
-    def add(self, status: int, usage: dict | None, latency: float) -> None:
+    def add(self, status: int, usage: dict | None, latency: float, category: bool = False) -> None:
         with self._lock:
             r = self.report
+            if category:
+                r.category_requests += 1
+                if usage is not None:
+                    r.category_layers_executed += usage.get("layers_executed", 0)
+                    r.category_layers_skipped += usage.get("layers_skipped", 0)
             r.requests += 1
             r.by_status[status] = r.by_status.get(status, 0) + 1
             if usage is not None:
@@ -80,9 +123,17 @@ class _Merge:
 
 
 def _one_request(
-    host: str, port: int, model: str, rng: random.Random, max_tokens: int, stream: bool, greedy: bool, timeout: float
+    host: str,
+    port: int,
+    model: str,
+    rng: random.Random,
+    max_tokens: int,
+    stream: bool,
+    greedy: bool,
+    timeout: float,
+    prompts: tuple[str, ...] = PROMPTS,
 ) -> tuple[int, dict | None]:
-    body = {"model": model, "prompt": rng.choice(PROMPTS), "max_tokens": max_tokens, "stream": stream}
+    body = {"model": model, "prompt": rng.choice(prompts), "max_tokens": max_tokens, "stream": stream}
     if greedy:
         body["temperature"] = 0.0
     else:
@@ -123,11 +174,13 @@ def run_load(
     seed: int = 0,
     stop: threading.Event | None = None,
     timeout: float = 120.0,
+    category: Category | None = None,
 ) -> LoadReport:
     """Send completions from `concurrency` threads until `duration` seconds, `max_requests` or `stop`.
 
     A `greedy_fraction` of the requests decode greedily (the shim shadow-checks only those, since a
-    sampled token has no single full-depth answer); the rest sample with a per-request seed.
+    sampled token has no single full-depth answer); the rest sample with a per-request seed. With a
+    `category`, its share of the requests (evenly spread) use its prompts and settings instead.
     """
     parts = urlsplit(base_url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
@@ -141,20 +194,20 @@ def run_load(
         rng = random.Random(seed * 1000 + index)
         while not stop.is_set() and time.monotonic() < deadline:
             with issue_lock:
-                if next(issued, None) is None:
-                    return
+                request = next(issued, None)
+            if request is None:
+                return
             started = time.monotonic()
-            status, usage = _one_request(
-                host,
-                port,
-                model,
-                rng,
-                max_tokens,
-                rng.random() < stream_fraction,
-                rng.random() < greedy_fraction,
-                timeout,
-            )
-            merge.add(status, usage, time.monotonic() - started)
+            stream = rng.random() < stream_fraction
+            greedy = rng.random() < greedy_fraction
+            in_category = category is not None and category.includes(request)
+            if category is not None and in_category:
+                status, usage = _one_request(
+                    host, port, model, rng, category.max_tokens, stream, category.greedy, timeout, category.prompts
+                )
+            else:
+                status, usage = _one_request(host, port, model, rng, max_tokens, stream, greedy, timeout)
+            merge.add(status, usage, time.monotonic() - started, in_category)
             if status == 0:
                 stop.wait(0.2)  # server not reachable: back off instead of spinning
 

@@ -5,6 +5,7 @@
 - trace: the JSON Lines trace format `serve --trace-file` writes and `replay` reads;
 - statistics: entropy histograms and the bimodality verdict;
 - routing: per-layer below-threshold rates and the routing verdict (static pruning or per-token);
+- request_tail: one finished request's skip fraction and token-dependent share;
 - promql: which metric names a query reads, checked against the catalog.
 
 It imports nothing else of the project (tests/test_architecture.py holds it to that).

@@ -43,6 +43,18 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     60.0,
 )
 
+# Per-request fractions (skip fraction, token-dependent share): le = 0, 0.05, ... 0.95, 1.0. Every
+# cut-off a profile may use (alerts/profile.py: request_tail) is one of these edges, so the share of
+# requests above it is read straight from one bucket: the field's 0.5 and fallback 0.85, the demo
+# model's 0.35, and 0.05 / 0.95 (the routing statistics' static lines). le="0" holds the requests
+# that skipped nothing (fewer decode tokens than the patience) or, for the share, whose skipping
+# was all static.
+REQUEST_FRACTION_BUCKETS: tuple[float, ...] = (0.0, *(round(0.05 * i, 2) for i in range(1, 21)))
+# The shim's default cut-off of a runaway request (`layerwatch serve --request-runaway-fraction`,
+# when the served model has no profile) and a profile's default: the field's incident category
+# skipped 53 % of its layer evaluations, more than twice the healthy 21 %.
+DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION = 0.5
+
 
 @dataclass(frozen=True)
 class MetricSpec:
@@ -151,6 +163,49 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         ("model_name", "reason"),
         "Forced full-depth episodes (reason=high_skipping).",
+        SHIM,
+    ),
+    # --- shim: skipping per request (the tail a small category of traffic lives in) -----------
+    _m(
+        "layerwatch_request_skip_fraction",
+        "histogram",
+        ("model_name",),
+        "Per finished request with decode tokens (status ok or cancelled): its skipped decode layer "
+        "evaluations / its decode layer evaluations.",
+        SHIM,
+        REQUEST_FRACTION_BUCKETS,
+    ),
+    _m(
+        "layerwatch_request_token_dependent_share",
+        "histogram",
+        ("model_name",),
+        "Per finished request long enough to judge (32 decode tokens or more, a score below the "
+        "threshold): the token-dependent share of its own skipping (layerwatch/routing.py over its tokens; "
+        "0 = all of it in layers below the threshold on every one of its tokens).",
+        SHIM,
+        REQUEST_FRACTION_BUCKETS,
+    ),
+    _m(
+        "layerwatch_request_runaway_layer_skips_total",
+        "counter",
+        ("model_name", "layer"),
+        "Skipped decode evaluations of the layer in requests whose skip fraction exceeded the runaway "
+        "cut-off (layerwatch_request_runaway_skip_fraction).",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_request_runaway_tokens_total",
+        "counter",
+        ("model_name",),
+        "Decode tokens of requests whose skip fraction exceeded the runaway cut-off.",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_request_runaway_skip_fraction",
+        "gauge",
+        ("model_name",),
+        "The runaway cut-off the shim counts with (`layerwatch serve --request-runaway-fraction`): a request "
+        "skipping more than this share of its decode layer evaluations is runaway.",
         SHIM,
     ),
     # --- shim: latency -----------------------------------------------------------------------

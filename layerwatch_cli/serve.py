@@ -15,6 +15,7 @@ from inference_shim.runtime.checkpoint import DTYPES
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME, demo_model_present
 from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.service.shim import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServeSettings
+from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
 from layerwatch.ports import SHIM_HTTP_PORT
 from layerwatch_cli import argtypes
 
@@ -173,6 +174,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop writing the trace file at this size",
     )
     telemetry.add_argument(
+        "--request-runaway-fraction",
+        type=argtypes.fraction,
+        default=SETTINGS_DEFAULTS["request_runaway_fraction"],
+        metavar="F",
+        help="a request skipping more than this share of its decode layer evaluations is runaway: "
+        "the layers it skipped are counted (layerwatch_request_runaway_layer_skips_total); a bucket edge "
+        "of layerwatch_request_skip_fraction (default: request_tail.runaway_skip_fraction of the served "
+        f"model's profile in alerts/profiles, else {DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION})",
+    )
+    telemetry.add_argument(
         "--shadow-rate",
         type=argtypes.fraction,
         default=SETTINGS_DEFAULTS["shadow_rate"],
@@ -188,6 +199,23 @@ def settings_from_arguments(args: argparse.Namespace) -> ServeSettings:
     return ServeSettings(**values)
 
 
+def profile_runaway_fraction(settings: ServeSettings, profiles_dir: Path | None = None) -> tuple[float, str] | None:
+    """The served model's request runaway cut-off from its profile, and the profile's path; None when
+    alerts/profiles has no profile for the model (or cannot be read). The model name is the one the
+    service will report: --model-name, else the checkpoint folder's name."""
+    from alerts.profile import PROFILES_DIR, ProfileError, load_profile
+
+    model_name = settings.model_name or Path(settings.model_dir).resolve().name
+    for path in sorted((profiles_dir or PROFILES_DIR).glob("*.yaml")):
+        try:
+            profile = load_profile(path)
+        except ProfileError:
+            continue  # `layerwatch generate --check` reports a broken profile; serving goes on
+        if profile.model_name == model_name:
+            return profile.request_tail.runaway_skip_fraction, str(path)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("layerwatch.serve")
@@ -200,6 +228,11 @@ def run(args: argparse.Namespace) -> int:
     from inference_shim.service.shim import ShimService
 
     settings = settings_from_arguments(args)
+    if settings.request_runaway_fraction is None:
+        found = profile_runaway_fraction(settings)
+        fraction, source = found if found else (DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, "the default")
+        settings = dataclasses.replace(settings, request_runaway_fraction=fraction)
+        log.info("request runaway fraction %g (from %s)", fraction, source)
     if args.model_dir is None and not demo_model_present():
         log.error(
             "cannot start: the demo model is not in %s; build it with `layerwatch train-demo` or pass --model DIR",

@@ -83,6 +83,16 @@ StepHook = Callable[[StepRecord], None]
 PrefillHook = Callable[[PrefillRecord], None]
 
 
+@dataclass(frozen=True, eq=False)  # eq=False: ndarray fields
+class LayerCounts:
+    """A finished sequence's decode steps, per layer: what its own per-request statistics need
+    (the service turns them into layerwatch.request_tail.RequestLayers)."""
+
+    tokens: int  # decode steps = generated tokens
+    skipped: np.ndarray  # int64 [L]: steps that skipped the layer (sums to `layers_skipped`)
+    below_threshold: np.ndarray  # int64 [L]: steps whose gate score was below the policy's threshold
+
+
 @dataclass
 class SequenceUpdate:
     sequence_id: int
@@ -92,6 +102,7 @@ class SequenceUpdate:
     finish_reason: str | None  # "stop" | "length" | "cancelled"
     layers_executed: int  # cumulative for the sequence (decode steps)
     layers_skipped: int
+    layer_counts: LayerCounts | None = None  # on the final update only
 
 
 @dataclass
@@ -120,6 +131,7 @@ class _Sequence:
     text: str = ""  # emitted text
     held: str = ""  # decoded text held back while it may be the start of a stop string
     activity: list[np.ndarray] = field(default_factory=list)
+    below: list[np.ndarray] = field(default_factory=list)  # bool [L] per decode step: score < threshold
     layers_executed: int = 0
     layers_skipped: int = 0
     cancel_requested: bool = False
@@ -300,8 +312,10 @@ class GenerationEngine:
             log.warning(
                 "[FALLBACK: HIGH_SKIPPING] model=%s sequence=%d step=%d", self.model_name, sequence.id, self.steps
             )
+        # The skip policy's own comparison (NaN entropies, no gates: never below).
+        below = step.entropies < self.policy_config.threshold
         updates = [
-            self._advance(sequence, int(token), step.run_mask[i])
+            self._advance(sequence, int(token), step.run_mask[i], below[i])
             for i, (sequence, token) in enumerate(zip(rows, step.next_tokens))
         ]
         if self.step_hook is not None:
@@ -332,9 +346,10 @@ class GenerationEngine:
                 )
         return tokens
 
-    def _advance(self, sequence: _Sequence, token: int, ran: np.ndarray) -> SequenceUpdate:
+    def _advance(self, sequence: _Sequence, token: int, ran: np.ndarray, below: np.ndarray) -> SequenceUpdate:
         sequence.generated.append(token)
         sequence.activity.append(ran.copy())
+        sequence.below.append(below)
         executed = int(ran.sum())
         sequence.layers_executed += executed
         sequence.layers_skipped += self.num_layers - executed
@@ -377,17 +392,28 @@ class GenerationEngine:
         if self._active.get(sequence.slot) is sequence:
             del self._active[sequence.slot]
 
-    @staticmethod
-    def _update(sequence: _Sequence, tokens: list[int], delta: str) -> SequenceUpdate:
+    def _update(self, sequence: _Sequence, tokens: list[int], delta: str) -> SequenceUpdate:
+        finished = sequence.finish_reason is not None
         return SequenceUpdate(
             sequence_id=sequence.id,
             new_token_ids=tokens,
             text_delta=delta,
-            finished=sequence.finish_reason is not None,
+            finished=finished,
             finish_reason=sequence.finish_reason,
             layers_executed=sequence.layers_executed,
             layers_skipped=sequence.layers_skipped,
+            layer_counts=self._layer_counts(sequence) if finished else None,
         )
+
+    def _layer_counts(self, sequence: _Sequence) -> LayerCounts:
+        """Summed once, when the sequence ends: nothing per token beyond keeping its rows."""
+        tokens = len(sequence.activity)
+        if tokens == 0:
+            zeros = np.zeros(self.num_layers, dtype=np.int64)
+            return LayerCounts(0, zeros, zeros.copy())
+        ran = np.asarray(sequence.activity, dtype=bool)
+        below = np.asarray(sequence.below, dtype=bool)
+        return LayerCounts(tokens, tokens - ran.sum(axis=0, dtype=np.int64), below.sum(axis=0, dtype=np.int64))
 
 
 @dataclass

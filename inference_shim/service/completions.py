@@ -1,8 +1,9 @@
 """One generation request after validation: hand it to the engine thread, follow its updates,
 answer in OpenAI's shapes (whole or as server-sent events), and count it exactly once.
 
-The counters a request updates (`layerwatch_requests_total`, `layerwatch_tokens_total`, latency)
-are computed from the same updates that make up the client's `usage`, when the final update
+The counters a request updates (`layerwatch_requests_total`, `layerwatch_tokens_total`, latency,
+its own skip fraction and token-dependent share) are computed from the same updates that make up
+the client's `usage`, when the final update
 arrives and before the response is sent, so a scrape after the response sees them. A client that
 goes away cancels its generation; the request is then counted as `cancelled` with the tokens it
 had generated until the engine stopped it (those tokens were decoded and are in the layer
@@ -25,6 +26,7 @@ from inference_shim.runtime.engine import SamplingParams, SequenceUpdate
 from inference_shim.service.engine_worker import EngineFailure, RequestHandle
 from inference_shim.service.metrics import FinishedRequest
 from inference_shim.service.schemas import APIError, server_error
+from layerwatch.request_tail import RequestLayers
 
 if TYPE_CHECKING:
     from inference_shim.service.shim import ShimService
@@ -135,8 +137,16 @@ class Generation:
                 time_to_first_token=None if self.first_token_at is None else self.first_token_at - self.arrived,
                 inter_token_latencies=self.gaps,
                 duration=time.monotonic() - self.arrived,
+                layers=self._layers(),
             )
         )
+
+    def _layers(self) -> RequestLayers | None:
+        """The request's decode steps per layer, from the engine's final update (None without one)."""
+        counts = self.final.layer_counts if self.final is not None else None
+        if counts is None:
+            return None
+        return RequestLayers(counts.tokens, counts.skipped, counts.below_threshold)
 
     # --- what the client gets ----------------------------------------------------------------------
 

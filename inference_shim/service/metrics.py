@@ -5,13 +5,15 @@ Two update paths, chosen so that the decode loop does no label lookups or string
     per-layer numpy totals in bulk, and `DecodeStatsCollector` turns those into samples only when
     /metrics is scraped;
   - per finished request, `RequestMetrics.finish` updates counters and latency histograms whose
-    children were bound once at start-up, from the same numbers the client got in `usage`.
+    children were bound once at start-up, from the same numbers the client got in `usage`, and the
+    request's own skipping (skip fraction, token-dependent share, the layers a runaway request skipped).
 Every metric is built from its catalog spec by layerwatch/prometheus.py (docs/metrics.md lists them);
 every custom collector describes itself, so registering it checks its names for clashes.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -22,8 +24,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.utils import floatToGoString
 
 from layerwatch import prometheus
-from layerwatch.catalog import SHIM
+from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, REQUEST_FRACTION_BUCKETS, SHIM
 from layerwatch.prometheus import HistogramArrays
+from layerwatch.request_tail import RequestLayers, request_skipping
+
+log = logging.getLogger(__name__)
 
 REQUEST_STATUSES = ("ok", "client_error", "server_error", "cancelled")
 FALLBACK_REASON = "high_skipping"
@@ -188,12 +193,38 @@ class FinishedRequest:
     time_to_first_token: float | None = None  # seconds; None when no token was generated
     inter_token_latencies: Sequence[float] = ()
     duration: float | None = None  # seconds; None for requests rejected before generation
+    layers: RequestLayers | None = None  # its decode steps per layer; None when the engine did not finish it
+
+
+# Requests whose own skipping is observed: those the engine finished (their tokens were decoded and
+# are in the per-layer counters too), not those it refused or failed.
+SKIPPING_STATUSES = ("ok", "cancelled")
+
+
+def check_runaway_fraction(cutoff: float) -> float:
+    """The runaway cut-off, refused unless it is a bucket edge of the skip-fraction histogram: then
+    the histogram's share of requests above it and the runaway layer counts describe the same requests."""
+    if cutoff not in REQUEST_FRACTION_BUCKETS:
+        edges = ", ".join(f"{b:g}" for b in REQUEST_FRACTION_BUCKETS)
+        raise ValueError(f"the request runaway fraction must be a bucket edge ({edges}), got {cutoff:g}")
+    return cutoff
 
 
 class RequestMetrics:
-    """Counters and latency histograms updated once per finished request (children bound once)."""
+    """Counters and histograms updated once per finished request (children bound once).
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    Besides the request counts and latency: the request's skip fraction and token-dependent share
+    (layerwatch/request_tail.py), and, for a request whose skip fraction exceeds `runaway_fraction`,
+    its skipped layer evaluations per layer and its tokens: which layers the runaway tail skips.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        num_layers: int = 0,
+        runaway_fraction: float = DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION,
+    ) -> None:
         requests = make_counter("layerwatch_requests_total", registry)
         self._requests = {status: requests.labels(model_name, status) for status in REQUEST_STATUSES}
         tokens = make_counter("layerwatch_tokens_total", registry)
@@ -202,11 +233,23 @@ class RequestMetrics:
         self._ttft = make_histogram("layerwatch_time_to_first_token_seconds", registry).labels(model_name)
         self._itl = make_histogram("layerwatch_inter_token_latency_seconds", registry).labels(model_name)
         self._duration = make_histogram("layerwatch_request_duration_seconds", registry).labels(model_name)
+        self.runaway_fraction = check_runaway_fraction(runaway_fraction)
+        self.num_layers = num_layers
+        self._skip_fraction = make_histogram("layerwatch_request_skip_fraction", registry).labels(model_name)
+        self._token_dependent_share = make_histogram("layerwatch_request_token_dependent_share", registry).labels(
+            model_name
+        )
+        runaway_skips = make_counter("layerwatch_request_runaway_layer_skips_total", registry)
+        self._runaway_layer_skips = [runaway_skips.labels(model_name, str(l)) for l in range(num_layers)]
+        self._runaway_tokens = make_counter("layerwatch_request_runaway_tokens_total", registry).labels(model_name)
+        make_gauge("layerwatch_request_runaway_skip_fraction", registry).labels(model_name).set(runaway_fraction)
 
     def finish(self, request: FinishedRequest) -> None:
         self._requests[request.status].inc()
         self._prefill_tokens.inc(request.prompt_tokens)
         self._decode_tokens.inc(request.completion_tokens)
+        if request.layers is not None and request.status in SKIPPING_STATUSES:
+            self._observe_skipping(request.layers)
         if request.status != "ok":
             return  # latency describes served requests only
         if request.time_to_first_token is not None:
@@ -215,6 +258,22 @@ class RequestMetrics:
             self._itl.observe(gap)
         if request.duration is not None:
             self._duration.observe(request.duration)
+
+    def _observe_skipping(self, layers: RequestLayers) -> None:
+        if layers.layers != self.num_layers:  # cannot happen with one engine per model; never fail a response
+            log.error("a request with %d layers on a %d-layer model: not observed", layers.layers, self.num_layers)
+            return
+        skipping = request_skipping(layers)
+        if skipping is None:  # no decode token: nothing was skipped or kept
+            return
+        self._skip_fraction.observe(skipping.skip_fraction)
+        if skipping.token_dependent_share is not None:
+            self._token_dependent_share.observe(skipping.token_dependent_share)
+        if skipping.runaway(self.runaway_fraction):
+            self._runaway_tokens.inc(layers.tokens)
+            for child, skips in zip(self._runaway_layer_skips, np.asarray(layers.skipped).tolist()):
+                if skips:
+                    child.inc(skips)
 
 
 class ShadowMetrics:

@@ -38,6 +38,7 @@ from inference_shim.service.power import NvmlCollector, RaplCollector
 from inference_shim.service.readiness import Readiness
 from inference_shim.service.shadow import ShadowChecker
 from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, StepTelemetry
+from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
 from layerwatch.trace import TraceWriter
 from layerwatch.wire import DEFAULT_FRAMES_ADDRESS
 
@@ -76,6 +77,10 @@ class ServeSettings:
     static_gates: bool = False  # each gate a constant at its healthy mean score (runtime/static_gates.py)
     shuffle_gates: bool = False  # drill: each gate on another layer (a fixed derangement)
     gates_watch_seconds: float = 5.0  # how often the gate file is checked for a replacement; 0 = never
+    # A request skipping more than this share of its decode layer evaluations is runaway (its layers
+    # are counted); a bucket edge of layerwatch_request_skip_fraction. None: the catalog's default
+    # (`layerwatch serve` first looks for the served model's profile, docs/service.md).
+    request_runaway_fraction: float | None = None
 
 
 def gates_file(settings: ServeSettings) -> Path:
@@ -151,7 +156,13 @@ class ShimService:
             gates.sha256,
         )
         self.registry.register(ModelInfoCollector(lambda: self.model_info))
-        self.request_metrics = RequestMetrics(self.registry, self.model_name)
+        runaway = settings.request_runaway_fraction
+        self.request_metrics = RequestMetrics(
+            self.registry,
+            self.model_name,
+            config.num_layers,
+            DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION if runaway is None else runaway,
+        )
         self.decode_stats = DecodeStats(config.num_layers)
         self.registry.register(DecodeStatsCollector(self.decode_stats, self.model_name))
         shim_id = settings.shim_id or f"{socket.gethostname()}-{os.getpid()}"

@@ -9,9 +9,11 @@ One stack per module (`stack` fixture); the tests are phases and run in file ord
 3. the shim restarted with `--reset-gates` (the field's "gate weights overwritten" incident) pages
    LayerwatchEntropySinglePeak and tickets LayerwatchGateWeightsChanged;
 4. the shim restarted with `--threshold 0.95` pages LayerwatchRunawaySkipping;
-5. the shim restarted with `--shuffle-gates` (every gate on another layer) pages
+5. back to healthy, a small category of garbled transcripts (demo.loadgen.STUTTER) pages
+   LayerwatchRequestTailRunaway while the global skip ratio barely moves;
+6. the shim restarted with `--shuffle-gates` (every gate on another layer) pages
    LayerwatchGateMiscalibrated from the shadow check's layer signals;
-6. every query of every dashboard panel returns data from this Prometheus.
+7. every query of every dashboard panel returns data from this Prometheus.
 Arrival is asserted through Alertmanager's API v2 and through the webhook receivers the rendered
 alertmanager.yml routes to (a loopback HTTP server standing in for the pager and ticket bridges).
 
@@ -47,7 +49,7 @@ import yaml
 from alerts.durations import Timing, parse_duration
 from alerts.profile import Profile, load_profiles
 from alerts.recorded import Recorded
-from demo.loadgen import LoadReport, run_load
+from demo.loadgen import STUTTER, Category, LoadReport, run_load
 from demo.processes import ManagedProcess, free_port
 from deploy.render import render_stack
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
@@ -614,7 +616,91 @@ def test_threshold_095_pages_runaway_skipping(stack: Stack) -> None:
     assert stack.query(f'layerwatch_model_info{{instance="{stack.shim_instance}", threshold="0.95"}}')
 
 
-# --- phase 5: gates on the wrong layers ---------------------------------------------------------------
+# --- phase 5: a small category of traffic runs away ---------------------------------------------------
+
+
+def _tail_ratio(stack: Stack, recorded: Recorded) -> list[float]:
+    cutoff = stack.profile.request_tail.runaway_skip_fraction
+    return _values(
+        stack.query(
+            f'{recorded.request_skip_tail_ratio}{{model_name="{stack.model_name}", '
+            f'instance="{stack.shim_instance}", le="{cutoff:g}"}}'
+        )
+    )
+
+
+def test_request_tail_category_pages_while_the_skip_ratio_barely_moves(stack: Stack) -> None:
+    """One more client, sending the garbled transcripts of demo.loadgen.STUTTER back to back, next to
+    the healthy load: about a tenth of the requests (not the benchmark's 5 %: at this time scale the
+    rate window is 3 s and holds a dozen requests, and one category client keeps at least one of them
+    in every window), each skipping about 0.38 of its layer evaluations."""
+    if stack.shim_restarts:  # after phase 3: healthy settings again
+        stack.restart_shim()
+    recorded = Recorded.for_timing(Timing(TIME_SCALE))
+    alertname = "LayerwatchRequestTailRunaway"
+    # Healthy first: the tail is measured (the series exists) and empty, and the alert stays silent
+    # for longer than its scaled window plus `for:`.
+    deadline = time.monotonic() + TIME_SCALE * config.RATE_WINDOW + stack.for_seconds(alertname) + 3
+    tails = []
+    while time.monotonic() < deadline:
+        assert alertname not in {a["labels"]["alertname"] for a in stack.layerwatch_alerts()}
+        tails += _tail_ratio(stack, recorded)
+        time.sleep(EVALUATION_INTERVAL)
+    assert tails and max(tails) == 0.0, tails
+    healthy_ratio = _values(stack.query(f'{recorded.skip_ratio}{{model_name="{stack.model_name}"}}'))
+
+    stop = threading.Event()
+    reports: list[LoadReport] = []
+    transcripts = threading.Thread(
+        target=lambda: reports.append(
+            run_load(
+                f"http://{stack.shim_instance}",
+                stack.model_name,
+                duration=math.inf,
+                concurrency=1,
+                stop=stop,
+                timeout=30.0,
+                category=Category(STUTTER.prompts, 1.0, STUTTER.max_tokens, STUTTER.greedy),
+            )
+        ),
+        daemon=True,
+    )
+    started = time.monotonic()
+    stack.events.append((started, "garbled transcripts start (one client, greedy, 64 tokens)"))
+    transcripts.start()
+    try:
+        alerts = stack.wait_for_pages("a category of garbled transcripts", [alertname], started, started)
+        tail = _tail_ratio(stack, recorded)
+        skip_ratio = _values(stack.query(f'{recorded.skip_ratio}{{model_name="{stack.model_name}"}}'))
+        firing = {a["labels"]["alertname"] for a in stack.layerwatch_alerts() if a["state"] == "firing"}
+    finally:
+        stop.set()
+        transcripts.join(60)
+
+    page = alerts[alertname]
+    assert page["labels"]["severity"] == "critical" and page["labels"]["instance"] == stack.shim_instance
+    description = page["annotations"]["description"]
+    cutoff = stack.profile.request_tail.runaway_skip_fraction
+    assert f"skipped more than {cutoff:g}" in description and f"requests above {cutoff:g})" in description
+    # The category's fingerprint: layer 9, skipped on almost every token of the transcripts and on
+    # about half of the rest, heads the layers most above the model's own ratios.
+    most_above = description.split("most above the model's own per-layer skip ratios: ")[1]
+    assert most_above.startswith("9 (+"), description
+    # The tail shows it; the model-wide signals do not.
+    assert tail and tail[0] > stack.profile.request_tail.normal_share, tail
+    assert skip_ratio and skip_ratio[0] < 1.5 * stack.profile.skip_ratio_normal, (healthy_ratio, skip_ratio)
+    assert not firing & {"LayerwatchSkipRateSurge", "LayerwatchRunawaySkipping"}, firing
+    (report,) = reports
+    assert report.category_requests == report.requests > 0 and report.server_errors == 0
+    skipped = report.category_layers_skipped / (report.category_layers_skipped + report.category_layers_executed)
+    assert skipped > cutoff
+    print(
+        f"\nrequest tail: skip ratio {healthy_ratio} -> {skip_ratio}, share above {cutoff:g} {tail}, "
+        f"the category's skip fraction {skipped:.3f} over {report.requests} requests"
+    )
+
+
+# --- phase 6: gates on the wrong layers ---------------------------------------------------------------
 
 
 def test_shuffled_gates_page_gate_miscalibrated(stack: Stack) -> None:
@@ -634,7 +720,7 @@ def test_shuffled_gates_page_gate_miscalibrated(stack: Stack) -> None:
     assert served and file_sha not in served, served
 
 
-# --- phase 6: the dashboard ----------------------------------------------------------------------------
+# --- phase 7: the dashboard ----------------------------------------------------------------------------
 
 DASHBOARD = json.loads((REPO / "dashboards" / "json" / "overview.json").read_text())
 PANELS = [panel for panel in DASHBOARD["panels"] if panel["type"] != "row"]

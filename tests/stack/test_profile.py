@@ -75,6 +75,7 @@ def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
     assert p.gate_importance_correlation_min == 0.1  # a correlation, not a fraction: [-1, 1]
     assert p.skip_collapse_fraction == 0.5 and p.routing.min_tokens == 200  # the exporter's minimum
     assert p.for_duration("LayerwatchEntropySinglePeak") == 600
+    assert (p.request_tail.runaway_skip_fraction, p.request_tail.normal_share) == (0.5, 0.01)
 
 
 @pytest.mark.parametrize(
@@ -114,6 +115,12 @@ def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
             "routing.share_floor",
             "not below the baseline",
         ),
+        ({"request_tail": {"runaway_skip_fraction": 0.33}}, "request_tail.runaway_skip_fraction", "bucket edge"),
+        ({"request_tail": {"runaway_skip_fraction": 0.2}}, "request_tail.runaway_skip_fraction", "not above"),
+        ({"request_tail": {"runaway_skip_fraction": 1.0}}, "request_tail.runaway_skip_fraction", "below 1"),
+        ({"request_tail": {"normal_share": 1.0}}, "request_tail.normal_share", "below 1"),
+        ({"request_tail": {"normal_share": -0.01}}, "request_tail: normal_share", "outside [0, 1]"),
+        ({"request_tail": {"cutoff": 0.5}}, "request_tail: unknown key(s) ['cutoff']", "known:"),
     ],
 )
 def test_broken_profile_names_file_and_field(tmp_path: Path, change: dict, field: str, problem: str) -> None:
