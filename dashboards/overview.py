@@ -325,6 +325,26 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
         )
     )
     d = d.with_panel(
+        p.timeseries(
+            "Per-request skip fraction",
+            "Quantiles of the finished requests' skip fractions (each request's skipped share of its decode "
+            "layer evaluations) and the shim's runaway cut-off (LayerwatchRequestTailRunaway). A category of "
+            "inputs that the gates prune alike shows in p99 long before it moves the model's skip ratio.",
+            "percentunit",
+            [
+                (
+                    f"histogram_quantile({q}, sum by (instance, le) (rate(layerwatch_request_skip_fraction_bucket"
+                    f"{{{SHIM}}}{RATE})))",
+                    f"p{round(q * 100)} {{{{instance}}}}",
+                )
+                for q in (0.5, 0.9, 0.99)
+            ]
+            + [(f"max by (instance) (layerwatch_request_runaway_skip_fraction{{{SHIM}}})", "limit: runaway cut-off")],
+            width=24,
+            limits="limit",
+        )
+    )
+    d = d.with_panel(
         p.heatmap(
             "Per-layer skip ratio (layer × time)",
             "Skip ratio of every layer over time. An incident "

@@ -1,0 +1,74 @@
+"""The demo model's own served trace: `layerwatch serve --trace-file` under the load generator's
+traffic, replayed with `layerwatch replay --json`, routes per token (verdict dynamic), although some
+of its layers are static; the static-gates drill's trace of the same traffic is judged static.
+
+This is the routing statistic on real gates rather than constructed traces (tests/exporter/
+test_routing.py covers those)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from demo.loadgen import run_load
+from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
+from inference_shim.runtime.demo_model import DEMO_MODEL_NAME, demo_model_present
+
+pytestmark = pytest.mark.skipif(not demo_model_present(), reason="the demo model is not in this checkout")
+
+REQUESTS = 24  # x 32 tokens: about 750 decode tokens, well past the routing verdict's 200
+
+
+def served_trace(tmp_path: Path, *flags: str) -> Path:
+    trace = tmp_path / "trace.jsonl"
+    port = free_port()
+    argv = [*LAYERWATCH_COMMAND, "serve", "--port", str(port), "--exporter-address", "", "--trace-file", str(trace)]
+    shim = ManagedProcess("shim", [*argv, *flags], tmp_path / "shim.log")
+    try:
+        shim.wait_http(f"http://127.0.0.1:{port}/readyz", timeout=180)
+        report = run_load(
+            f"http://127.0.0.1:{port}",
+            DEMO_MODEL_NAME,
+            duration=300.0,
+            concurrency=2,
+            max_tokens=32,
+            max_requests=REQUESTS,
+            seed=7,
+        )
+        assert report.requests == REQUESTS and report.server_errors == 0, report
+    finally:
+        shim.stop()
+    return trace
+
+
+def replay(trace: Path) -> dict:
+    result = subprocess.run(
+        [*LAYERWATCH_COMMAND, "replay", str(trace), "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    (report,) = [json.loads(line) for line in result.stdout.splitlines()]
+    return report
+
+
+def test_the_demo_models_served_trace_routes_per_token(tmp_path: Path) -> None:
+    report = replay(served_trace(tmp_path))
+    assert report["threshold"] == pytest.approx(0.18)  # the trace carries the served tau
+    assert report["routing_tokens"] >= 500
+    assert report["routing_verdict"] == "dynamic", report
+    # Token-dependent layers carry most of the skipping, but not all of it: the demo model's deepest
+    # layers are already static (inference_shim/demo_model/README.md), and the statistic says so.
+    assert 0.5 <= report["token_dependent_share"] < 1.0, report
+    assert report["static_layers"], report
+    low = report["per_layer_low_rate"]
+    assert len(low) == 16 and low[0] <= 0.01 and low[-1] <= 0.01  # the protected first and last layers
+
+
+def test_the_static_gates_drill_is_judged_static_on_the_same_traffic(tmp_path: Path) -> None:
+    report = replay(served_trace(tmp_path, "--static-gates"))
+    assert report["routing_verdict"] == "static", report
+    assert report["token_dependent_share"] < 0.1, report
+    # The pooled histogram cannot tell: the drill keeps two humps (docs/exporter.md).
+    assert report["bimodal"] is True, report
