@@ -33,7 +33,7 @@ from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.gates import GATES_FILE, LoadedGates, load_gates, shuffle_gates
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
-from inference_shim.service.layer_signals import LayerSignalStats
+from layerwatch.gate_importance import LayerSignalStats
 
 
 def measure(loaded, gates: LoadedGates, requests: int, max_tokens: int, temperature: float) -> dict:
