@@ -112,6 +112,7 @@ class RequestTail:
     # A request skipping more than this share of its decode layer evaluations is runaway.
     runaway_skip_fraction: float = field(default=DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, metadata=_FRACTION)
     # The share of requests above it that healthy traffic shows (with a margin): the alert fires above.
+    # `layerwatch calibrate` measures both (docs/alerting.md, "What calibrate measures").
     normal_share: float = field(default=0.01, metadata=_FRACTION)
 
 
@@ -135,8 +136,8 @@ class Profile:
     drift: Drift = Drift()
     shadow_agreement_min: float = field(default=0.90, metadata=_FRACTION)
     # Page below this Spearman correlation between gate score and relative residual update (in
-    # [-1, 1]; docs/service.md, "Layer signals"). Measure the model's healthy value with
-    # benchmarks/gate_signals.py; the default only catches gates unrelated to their layers.
+    # [-1, 1]; docs/service.md, "Layer signals"). `layerwatch calibrate` measures it (half the lowest
+    # healthy reading); the default only catches gates unrelated to their layers.
     gate_importance_correlation_min: float = 0.1
     telemetry_loss_max: float = field(default=0.01, metadata=_FRACTION)
     request_tail: RequestTail = RequestTail()

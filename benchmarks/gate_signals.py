@@ -10,7 +10,9 @@ What the shim does with `--shadow-rate`, offline: greedy completions of the load
 `--temperature` > 0 completes with sampling instead (more varied text; the shim itself only re-checks
 greedy requests). Prints, for the served gates and the shuffled ones: the gauge's range, the
 shadow agreement, the per-layer means, and the shadow pass's time with and without the probe.
-The floor in alerts/profiles/demo.yaml comes from this script (docs/service.md, "Layer signals").
+`layerwatch calibrate` sets the floor in alerts/profiles/demo.yaml from the same gauge on its own
+baseline (docs/alerting.md, "What calibrate measures"); this script cross-checks it on the load
+generator's prompts, and times the probe (docs/service.md, "Layer signals").
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.gates import GATES_FILE, LoadedGates, load_gates, shuffle_gates
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
-from inference_shim.service.layer_signals import LayerSignalStats
+from layerwatch.gate_importance import LayerSignalStats
 
 
 def measure(loaded, gates: LoadedGates, requests: int, max_tokens: int, temperature: float) -> dict:

@@ -6,7 +6,8 @@
 Starts `layerwatch serve` (the embedded demo model) on loopback and sends, with demo.loadgen:
 1. `--requests` requests of the load generator's healthy traffic (its prompts, 32 tokens, a quarter
    greedy): the per-request skip fractions this traffic shows, and the share above each bucket edge.
-   This is how `request_tail` of alerts/profiles/demo.yaml was measured (docs/service.md);
+   This checks `request_tail` of alerts/profiles/demo.yaml, which `layerwatch calibrate` measures
+   from its baseline's requests, against served traffic (docs/alerting.md, "What calibrate measures");
 2. as many again with `--category-share` of them from demo.loadgen.STUTTER (garbled transcripts at
    temperature 0, 64 tokens): the global skip ratio against the share of requests above the runaway
    cut-off, and the layers the runaway requests skip (layerwatch_request_runaway_layer_skips_total).

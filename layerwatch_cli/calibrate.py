@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
 from pathlib import Path
 
 from inference_shim.runtime.demo_model import DEMO_MODEL_NAME
+from layerwatch.catalog import GATE_IMPORTANCE_SAMPLES
 from layerwatch_cli.model_arguments import add_model_arguments, load_from_arguments, report_errors
 
 
@@ -122,7 +124,30 @@ def run(args: argparse.Namespace) -> int:
         f"shadow agreement (greedy, full-depth top-1): {result.shadow_agreements}/{result.shadow_tokens} = "
         f"{result.shadow_agreements / max(result.shadow_tokens, 1):.3f}; alert floor {profile.shadow_agreement_min}"
     )
+    gi = result.gate_importance
+    print(
+        f"gate-importance correlation (the shim's gauge over the probed shadow passes: Spearman of the last "
+        f"{GATE_IMPORTANCE_SAMPLES} (token, layer) samples, {len(gi.readings)} readings): "
+        f"{_span(gi.readings)}; page below {profile.gate_importance_correlation_min} (half the lowest, at least "
+        f"{args.margin:g} below it); shuffled gates read {_span(gi.shuffled_readings)}"
+    )
+    if not result.gate_floor_separates:
+        print(
+            "warning: the gate-importance floor is not above every shuffled-gates reading: "
+            "LayerwatchGateMiscalibrated cannot tell gates on the wrong layers from this model's own"
+        )
+    fractions, tail = result.request_skip_fractions, profile.request_tail
+    above = sum(f > tail.runaway_skip_fraction for f in fractions) / len(fractions)
+    print(
+        f"request tail: {len(fractions)} requests skipped {_span(fractions)} of their decode layer evaluations "
+        f"(std {statistics.stdev(fractions) if len(fractions) > 1 else 0.0:.4f}); runaway above "
+        f"{tail.runaway_skip_fraction:g} ({above:.1%} of them), page above a share of {tail.normal_share}"
+    )
     print("20-bin histogram of decode-time entropies (all layers):")
     print(ascii_histogram(stats.histogram))
     print(f"wrote {args.out}")
     return 0
+
+
+def _span(values: list[float]) -> str:
+    return f"{min(values):.3f} to {max(values):.3f}" if values else "n/a"

@@ -17,6 +17,23 @@ The shadow-agreement floor is measured the way the service's quality guard measu
 requests re-scored at full depth), per chunk of requests: [lowest chunk - margin]. A model whose
 gates change the top-1 token for one token in five is healthy at 0.8, not at a generic 0.9.
 
+The gate-importance floor (LayerwatchGateMiscalibrated) comes from the same shadow passes, run with
+the layer probe as the service runs them (`full_depth_agreement(..., layer_signals=True)`), folded
+into the shim's own `LayerSignalStats` (layerwatch/gate_importance.py: Spearman over the last
+GATE_IMPORTANCE_SAMPLES (token, layer) samples). The readings are the values the shim's gauge would
+take after each pass once its reservoir is full; the floor is half the lowest reading, and at least
+`margin` below it (`gate_importance_floor`). The same passes with the gates shuffled across layers
+(`shuffle_gates`, the drill for gates that no longer track their layers) are measured too: the floor
+must lie above every shuffled reading, or the alert cannot tell such gates from healthy ones (the
+command warns; the profile is still written).
+
+The request tail (LayerwatchRequestTailRunaway): every baseline prompt is one request, judged by
+layerwatch/request_tail.py's skip fraction from the engine's per-request counts of its decode steps
+(what the shim observes). The cut-off is the smallest bucket edge of layerwatch_request_skip_fraction
+above the healthy maximum plus one standard deviation of the requests' fractions (and above the
+normal skip ratio); the normal share is the one-sided 90 % Wilson upper bound of the share of
+baseline requests above the cut-off, at least MIN_REQUEST_NORMAL_SHARE (`request_tail_profile`).
+
 `calibrate` is the whole run `layerwatch calibrate` makes (the command only parses its flags and
 prints the result): prompts from the held-out text, the baseline decode, the shadow checks, the
 profile.
@@ -24,6 +41,7 @@ profile.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import random
@@ -37,14 +55,19 @@ from alerts.profile import (
     Band,
     BimodalityProfile,
     Profile,
+    RequestTail,
     RoutingProfile,
 )
 from inference_shim.offline.gated_model import GatedModel
-from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
+from inference_shim.runtime.agreement import ShadowJob, ShadowResult, full_depth_agreement
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
-from inference_shim.runtime.model import KV_POLICIES
+from inference_shim.runtime.gates import shuffle_gates
+from inference_shim.runtime.model import KV_POLICIES, Transformer
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
-from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS, Routing, below_threshold, routing_from_rows
+from layerwatch.catalog import GATE_IMPORTANCE_SAMPLES, REQUEST_FRACTION_BUCKETS
+from layerwatch.gate_importance import LayerSignalStats
+from layerwatch.request_tail import RequestLayers, request_skipping
+from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS, Routing, below_threshold, routing_from_rows, wilson_bounds
 from layerwatch.statistics import (
     DEFAULT_MIN_WINDOW_OBSERVATIONS,
     DEFAULT_WINDOW_OBSERVATIONS,
@@ -79,18 +102,38 @@ class CalibrationSettings:
 SHARE_FLOOR_FRACTION = 0.5
 # The smallest skip-collapse fraction calibrate writes (a model whose healthy chunks barely skip).
 MIN_SKIP_COLLAPSE_FRACTION = 0.01
+# LayerwatchGateMiscalibrated's floor: this fraction of the lowest healthy gate-importance reading
+# (and at least the margin below it).
+GATE_FLOOR_FRACTION = 0.5
+# The smallest request_tail.normal_share calibrate writes: a 5-minute window must hold more than 1 %
+# of its requests above the cut-off (the reference profile's "more than 1 % of requests") to page.
+MIN_REQUEST_NORMAL_SHARE = 0.01
 
 
 @dataclass
 class Baseline:
-    """Decode-time gate entropies and skip decisions, one row per decoded token."""
+    """Decode-time gate entropies and skip decisions, one row per decoded token, and each finished
+    request's per-layer counts of its decode steps."""
 
     entropies: list[np.ndarray] = field(default_factory=list)  # float32 [B, L] per step
     skipped: list[np.ndarray] = field(default_factory=list)  # bool [B, L] per step
+    requests: list[RequestLayers] = field(default_factory=list)  # in the order they finished
 
     def record(self, step) -> None:  # an engine StepRecord
         self.entropies.append(step.entropies)
         self.skipped.append(step.skipped)
+
+    def finish(self, update) -> None:  # an engine SequenceUpdate
+        """A request's final update: its decode steps per layer, as the shim turns them into
+        RequestLayers (inference_shim/service/completions.py)."""
+        counts = update.layer_counts
+        if update.finished and counts is not None:
+            self.requests.append(RequestLayers(counts.tokens, counts.skipped, counts.below_threshold))
+
+    def request_skip_fractions(self) -> list[float]:
+        """layerwatch/request_tail.py's skip fraction of every request with a decode token."""
+        judged = (request_skipping(layers) for layers in self.requests)
+        return [r.skip_fraction for r in judged if r is not None]
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         return np.concatenate(self.entropies), np.concatenate(self.skipped)
@@ -189,6 +232,46 @@ def skip_collapse_fraction(skip_ratio_normal: float, chunk_skip_ratios: list[flo
     return round(max(MIN_SKIP_COLLAPSE_FRACTION, min(DEFAULT_SKIP_COLLAPSE_FRACTION, lowest)), 3)
 
 
+def gate_importance_floor(readings: list[float], margin: float) -> float:
+    """Half the lowest healthy reading of the gate-importance correlation, and at least `margin` below
+    it (a reading near or below 0 has no useful half), in [-1, 1].
+
+    readings: the values the shim's gauge takes over a healthy baseline (`GateImportance`).
+    """
+    if not readings:
+        raise ValueError("no gate-importance reading: the shadow checks never filled the reservoir")
+    lowest = min(readings)
+    return round(max(-1.0, min(GATE_FLOOR_FRACTION * lowest, lowest - margin)), 3)
+
+
+def request_tail_profile(skip_fractions: list[float], skip_ratio_normal: float) -> RequestTail:
+    """The runaway cut-off and normal share of the healthy requests' skip fractions.
+
+    Cut-off: the smallest bucket edge of layerwatch_request_skip_fraction above the highest fraction
+    plus one standard deviation of the fractions (the highest of 128 normal samples lies about 2.6
+    standard deviations above their mean, of 5,000 about 3.7: the margin covers the healthy maximum
+    of a few thousand requests, and the normal share the rarer ones beyond), and above
+    `skip_ratio_normal` (the model's own average is never runaway); the
+    highest edge below 1 if the healthy requests reach beyond it. Normal share: the one-sided 90 %
+    Wilson upper bound of the share of these requests above the cut-off (none above it still leaves
+    z²/(n + z²): what n requests cannot rule out), at least MIN_REQUEST_NORMAL_SHARE.
+    """
+    fractions = np.asarray(skip_fractions, dtype=np.float64)
+    if fractions.size == 0:
+        raise ValueError("the baseline has no request with a decode token")
+    spread = float(fractions.std(ddof=1)) if fractions.size > 1 else 0.0
+    level = float(fractions.max()) + spread
+    edges = [e for e in REQUEST_FRACTION_BUCKETS if skip_ratio_normal < e < 1.0]
+    if not edges:
+        raise ValueError(f"no bucket edge below 1 lies above the normal skip ratio {skip_ratio_normal}")
+    cutoff = next((e for e in edges if e > level), edges[-1])
+    above = int((fractions > cutoff).sum())
+    _, upper = wilson_bounds(np.array([above]), int(fractions.size))
+    # Rounded up to 0.001 (the bound is what healthy traffic may show), below 1 (a share of requests).
+    share = min(0.999, math.ceil(float(upper[0]) * 1000 - 1e-9) / 1000)
+    return RequestTail(runaway_skip_fraction=cutoff, normal_share=max(MIN_REQUEST_NORMAL_SHARE, share))
+
+
 def agreement_floor(checks: list[tuple[int, int]], chunk_tokens: int, margin: float) -> float:
     """Lowest agreement ratio over chunks of at least `chunk_tokens` tokens, minus `margin`.
 
@@ -218,8 +301,13 @@ def build_profile(
     margin: float,
     min_observations: int,
     source: str,
+    gate_importance_correlation_min: float | None = None,
+    request_skip_fractions: list[float] | None = None,
 ) -> tuple[Profile, BaselineStatistics]:
-    """entropies float [N, L] and skipped bool [N, L], one row per decoded token."""
+    """entropies float [N, L] and skipped bool [N, L], one row per decoded token.
+
+    `gate_importance_correlation_min` (from `gate_importance_floor`) and `request_skip_fractions` (one
+    per request, for `request_tail_profile`) left out keep the profile's defaults (not measured)."""
     if len(entropies) < chunk_tokens:
         raise ValueError(f"the baseline decoded {len(entropies)} tokens, fewer than one chunk of {chunk_tokens}")
     chunks = [
@@ -256,6 +344,12 @@ def build_profile(
         routing=routing_profile(stats.routing, routing),
         source=source,
     )
+    if gate_importance_correlation_min is not None:
+        profile = dataclasses.replace(profile, gate_importance_correlation_min=gate_importance_correlation_min)
+    if request_skip_fractions is not None:
+        profile = dataclasses.replace(
+            profile, request_tail=request_tail_profile(request_skip_fractions, skip_ratio_normal)
+        )
     return profile, stats
 
 
@@ -321,8 +415,45 @@ def generate_baseline(
             SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + i),
         )
     while engine.has_work():
-        engine.step()
+        for update in engine.step():
+            baseline.finish(update)
     return fallbacks
+
+
+@dataclass(frozen=True)
+class GateImportance:
+    """The gate-importance correlation over the shadow checks, as the shim's gauge reads it."""
+
+    readings: list[float]  # the gauge after each shadow pass once the reservoir was full (served gates)
+    shuffled_readings: list[float]  # the same passes with `shuffle_gates` (gates on the wrong layers)
+    samples: int  # (token, layer) samples measured (the reservoir holds GATE_IMPORTANCE_SAMPLES)
+
+
+@dataclass(frozen=True)
+class ShadowChecks:
+    checks: list[tuple[int, int]]  # (tokens, agreements) per prompt, in order
+    gate_importance: GateImportance
+
+
+def probed_passes(model: Transformer, jobs: list[ShadowJob]) -> list[ShadowResult]:
+    """The shadow check's full-depth pass of every job with the layer probe, as the service runs it."""
+    return [full_depth_agreement(model, job, layer_signals=True) for job in jobs]
+
+
+def gauge_readings(num_layers: int, results: list[ShadowResult]) -> tuple[list[float], int]:
+    """The values `layerwatch_gate_importance_correlation` takes over these shadow passes: each one
+    folded into the shim's own `LayerSignalStats`, the gauge read after each (absent until the
+    reservoir is full). Returns the readings and the (token, layer) samples measured."""
+    stats = LayerSignalStats(num_layers)
+    readings = []
+    for result in results:
+        if result.layer_signals is None:
+            raise ValueError("a shadow pass without layer signals (run it with layer_signals=True)")
+        stats.observe(result.layer_signals)
+        correlation = stats.snapshot().correlation
+        if correlation is not None and math.isfinite(correlation):
+            readings.append(correlation)
+    return readings, int(stats.snapshot().tokens.sum())
 
 
 def shadow_checks(
@@ -334,20 +465,35 @@ def shadow_checks(
     kv_policy: str,
     batch_size: int,
     max_new_tokens: int,
-) -> list[tuple[int, int]]:
-    """(tokens, agreements) per prompt: greedy gated completions re-scored at full depth, as the
-    service's quality guard (`--shadow-rate`) does it."""
+) -> ShadowChecks:
+    """Greedy gated completions re-scored at full depth with the layer probe, as the service's quality
+    guard (`--shadow-rate`) does it: (tokens, agreements) per prompt and the gate-importance readings;
+    then the same passes with the gates shuffled across layers."""
     tokenizer = gated.loaded.tokenizer
+    model = gated.model
+    model.attach_gates(gated.gates.gates)
     engine = GenerationEngine(
-        gated.model, tokenizer, model_name=model_name, policy=policy, kv_policy=kv_policy, max_batch_size=batch_size
+        model, tokenizer, model_name=model_name, policy=policy, kv_policy=kv_policy, max_batch_size=batch_size
     )
-    checks = []
+    jobs = []
     for prompt in prompts:
         prompt_ids = tokenizer.encode(prompt)
         result = engine.generate(prompt_ids, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
-        checked = full_depth_agreement(gated.model, ShadowJob(prompt_ids, result.token_ids))
-        checks.append((checked.tokens, checked.agreements))
-    return checks
+        jobs.append(ShadowJob(prompt_ids, result.token_ids))
+    served = probed_passes(model, jobs)
+    # The same passes scored by gates on the wrong layers. The text stays the healthy one: the
+    # correlation compares each gate's score with its layer's update at full depth, and neither
+    # depends on which gates chose the tokens.
+    try:
+        model.attach_gates(shuffle_gates(gated.gates).gates)
+        shuffled = probed_passes(model, jobs)
+    finally:
+        model.attach_gates(gated.gates.gates)
+    num_layers = model.config.num_layers
+    readings, samples = gauge_readings(num_layers, served)
+    shuffled_readings, _ = gauge_readings(num_layers, shuffled)
+    importance = GateImportance(readings, shuffled_readings, samples)
+    return ShadowChecks([(r.tokens, r.agreements) for r in served], importance)
 
 
 @dataclass(frozen=True)
@@ -361,13 +507,23 @@ class Calibration:
     fallbacks: int
     shadow_tokens: int  # greedy tokens re-scored at full depth
     shadow_agreements: int  # of which the full-depth top-1 was the gated token
+    gate_importance: GateImportance  # behind profile.gate_importance_correlation_min
+    request_skip_fractions: list[float]  # per baseline request, behind profile.request_tail
+
+    @property
+    def gate_floor_separates(self) -> bool:
+        """Whether the floor lies above every reading of the shuffled gates (the alert can tell them
+        from healthy ones)."""
+        shuffled = self.gate_importance.shuffled_readings
+        return not shuffled or self.profile.gate_importance_correlation_min > max(shuffled)
 
 
 def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSettings, *, data_name: str) -> Calibration:
     """Measure a healthy baseline of `gated` on prompts cut from `documents` and build its profile.
 
     `data_name` names the text in the profile's `source`. Raises ValueError on unusable input (no
-    prompt in the text, a baseline shorter than one chunk)."""
+    prompt in the text, a baseline shorter than one chunk, shadow checks that never fill the
+    gate-importance reservoir)."""
     s = settings
     prompts = line_prompts(documents, s.prompts, random.Random(s.seed))
     threshold = s.threshold if s.threshold is not None else gated.gates.metadata.threshold
@@ -387,7 +543,7 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         seed=s.seed,
     )
     entropies, skipped = baseline.arrays()
-    checks = shadow_checks(
+    shadow = shadow_checks(
         gated,
         policy,
         prompts,
@@ -396,6 +552,13 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         batch_size=s.batch_size,
         max_new_tokens=s.max_new_tokens,
     )
+    checks, importance = shadow.checks, shadow.gate_importance
+    if not importance.readings:
+        raise ValueError(
+            f"the shadow checks measured {importance.samples} (token, layer) samples, fewer than the "
+            f"{GATE_IMPORTANCE_SAMPLES} the gate-importance correlation needs: raise --prompts or --max-new-tokens"
+        )
+    request_skip_fractions = baseline.request_skip_fractions()
     source = (
         f"layerwatch calibrate {datetime.date.today().isoformat()}: {len(prompts)} prompts from {data_name}, "
         f"{len(entropies)} decoded tokens (temperature {s.temperature:g}, top_p {s.top_p:g}), threshold "
@@ -413,6 +576,8 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         margin=s.margin,
         min_observations=s.min_observations,
         source=source,
+        gate_importance_correlation_min=gate_importance_floor(importance.readings, s.margin),
+        request_skip_fractions=request_skip_fractions,
     )
     return Calibration(
         profile=profile,
@@ -422,4 +587,6 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         fallbacks=fallbacks,
         shadow_tokens=sum(t for t, _ in checks),
         shadow_agreements=sum(a for _, a in checks),
+        gate_importance=importance,
+        request_skip_fractions=request_skip_fractions,
     )

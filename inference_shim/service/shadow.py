@@ -24,8 +24,8 @@ from collections import deque
 
 from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
 from inference_shim.runtime.model import Transformer
-from inference_shim.service.layer_signals import LayerSignalStats
 from inference_shim.service.metrics import ShadowMetrics
+from layerwatch.gate_importance import LayerSignalStats
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.static_gates import static_gates
 from inference_shim.service.engine_worker import EngineWorker
 from inference_shim.service.gate_watch import GateFileWatcher
-from inference_shim.service.layer_signals import LayerSignalsCollector, LayerSignalStats
+from inference_shim.service.layer_signals import LayerSignalsCollector
 from inference_shim.service.metrics import (
     DecodeStats,
     DecodeStatsCollector,
@@ -39,6 +39,7 @@ from inference_shim.service.readiness import Readiness
 from inference_shim.service.shadow import ShadowChecker
 from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, StepTelemetry
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
+from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.trace import TraceWriter
 from layerwatch.wire import DEFAULT_FRAMES_ADDRESS
 

@@ -2,21 +2,38 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
-from alerts.profile import load_profile
+from alerts.profile import RequestTail, dump_profile, load_profile
 from inference_shim.offline.calibration import (
+    MIN_REQUEST_NORMAL_SHARE,
+    Baseline,
     CalibrationSettings,
     agreement_floor,
     ascii_histogram,
     build_profile,
+    calibrate,
+    gate_importance_floor,
+    generate_baseline,
+    line_prompts,
+    request_tail_profile,
     skip_collapse_fraction,
 )
+from inference_shim.offline.corpus import read_documents
+from inference_shim.offline.gated_model import load_gated_model
+from inference_shim.runtime.skip_policy import SkipPolicyConfig
+from layerwatch.catalog import GATE_IMPORTANCE_SAMPLES, REQUEST_FRACTION_BUCKETS
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS
 from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS
 from layerwatch_cli.main import build_parser, main
 from tests.model.test_eval_decode import model_dir, text_file  # noqa: F401 (fixtures)
+
+# The tiny model has 4 layers: the shim's gate-importance reservoir (4096 (token, layer) samples)
+# fills after 1024 shadow-checked tokens, so the baseline needs a few more than that.
+TINY_PROMPTS, TINY_TOKENS = 40, 32
 
 
 def test_calibrate_writes_a_loadable_profile(model_dir, text_file, tmp_path, capsys):  # noqa: F811
@@ -31,13 +48,13 @@ def test_calibrate_writes_a_loadable_profile(model_dir, text_file, tmp_path, cap
             "--out",
             str(out),
             "--prompts",
-            "6",
+            str(TINY_PROMPTS),
             "--max-new-tokens",
-            "12",
+            str(TINY_TOKENS),
             "--threads",
             "1",
             "--chunk-tokens",
-            "16",
+            "64",
             "--min-observations",
             "50",
             "--model-name",
@@ -48,11 +65,11 @@ def test_calibrate_writes_a_loadable_profile(model_dir, text_file, tmp_path, cap
     profile = load_profile(out)
     assert profile.model_name == "tiny" and profile.threshold == 0.18 and profile.patience == 3
     # The tiny model's gates: layers 0, 1, 3 score ~0, layer 2 ~1. Only layer 1 is skippable and low,
-    # and only after each sequence's first `patience` decode steps: at most (12 - 3) / 12 of a quarter.
-    assert 0.0 < profile.skip_ratio_normal <= (12 - 3) / 12 / 4
+    # and only after each sequence's first `patience` decode steps: at most (32 - 3) / 32 of a quarter.
+    assert 0.0 < profile.skip_ratio_normal <= (32 - 3) / 32 / 4
     assert profile.zero_ratio.low <= 0.75 <= profile.zero_ratio.high
     assert profile.bimodality.min_observations == 50
-    assert "6 prompts from heldout.txt" in profile.source
+    assert f"{TINY_PROMPTS} prompts from heldout.txt" in profile.source
     out = capsys.readouterr().out
     assert "bimodal" in out and "shadow agreement (greedy, full-depth top-1)" in out
     assert 0.0 <= profile.shadow_agreement_min <= 1.0
@@ -61,6 +78,147 @@ def test_calibrate_writes_a_loadable_profile(model_dir, text_file, tmp_path, cap
     assert profile.routing.static_layers == (0, 1, 3)
     assert (profile.routing.token_dependent_share, profile.routing.share_floor) == (0.0, 0.0)
     assert "routing: static, token-dependent share 0.000" in out
+    # Both measured, not the schema's defaults (0.1; 0.5 and 0.01), and within their validity rules
+    # (load_profile checked the rest: a bucket edge above skip_ratio_normal, shares below 1).
+    assert -1.0 <= profile.gate_importance_correlation_min <= 1.0 and profile.gate_importance_correlation_min != 0.1
+    tail = profile.request_tail
+    assert tail.runaway_skip_fraction in REQUEST_FRACTION_BUCKETS
+    assert profile.skip_ratio_normal < tail.runaway_skip_fraction < 0.5
+    assert MIN_REQUEST_NORMAL_SHARE <= tail.normal_share < 1.0
+    assert f"page below {profile.gate_importance_correlation_min} " in out
+    assert f"{GATE_IMPORTANCE_SAMPLES} (token, layer) samples" in out and "shuffled gates read" in out
+    # The tiny model's gates track its layers' updates worse than gates on the wrong layers (below).
+    assert "warning: the gate-importance floor is not above every shuffled-gates reading" in out
+    assert f"request tail: {TINY_PROMPTS} requests skipped" in out
+    assert (
+        f"runaway above {tail.runaway_skip_fraction:g} (0.0% of them), page above a share of {tail.normal_share}" in out
+    )
+
+
+def test_calibrate_measures_the_gate_floor_and_the_request_tail_from_its_own_baseline(model_dir, text_file):  # noqa: F811
+    gated = load_gated_model(model_dir, threads=1)
+    documents = read_documents(text_file)
+    settings = CalibrationSettings("tiny", prompts=TINY_PROMPTS, max_new_tokens=TINY_TOKENS, chunk_tokens=64)
+    result = calibrate(gated, documents, settings, data_name="heldout.txt")
+    profile, importance = result.profile, result.gate_importance
+
+    # The gauge after every shadow pass once the reservoir was full, for the served and the shuffled gates.
+    assert importance.samples >= GATE_IMPORTANCE_SAMPLES and 0 < len(importance.readings) <= TINY_PROMPTS
+    assert len(importance.shuffled_readings) == len(importance.readings)
+    assert profile.gate_importance_correlation_min == gate_importance_floor(importance.readings, settings.margin)
+    assert profile.gate_importance_correlation_min <= min(importance.readings) - settings.margin + 1e-9
+    # The tiny model's gates score layer 2 high and the rest ~0, against its (random) layers' updates:
+    # gates on the wrong layers track them better, so the floor cannot separate them and says so.
+    assert not result.gate_floor_separates
+    assert max(importance.shuffled_readings) > min(importance.readings)
+
+    # One request per prompt, its skip fraction from its own decode steps: the same numbers as the
+    # recorded steps grouped by sequence.
+    assert len(result.request_skip_fractions) == TINY_PROMPTS
+    steps = []
+
+    class Recording(Baseline):
+        def record(self, step) -> None:
+            super().record(step)
+            steps.append(step)
+
+    threshold = gated.gates.metadata.threshold
+    generate_baseline(
+        gated,
+        SkipPolicyConfig(threshold=threshold, patience=gated.patience),
+        line_prompts(documents, TINY_PROMPTS, random.Random(settings.seed)),
+        Recording(),
+        model_name="tiny",
+        kv_policy=settings.kv_policy,
+        batch_size=settings.batch_size,
+        max_new_tokens=TINY_TOKENS,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        seed=settings.seed,
+    )
+    skipped: dict[int, list[np.ndarray]] = {}
+    for step in steps:
+        for sequence, row in zip(step.sequence_ids.tolist(), step.skipped):
+            skipped.setdefault(sequence, []).append(row)
+    by_steps = sorted(float(np.mean(rows)) for rows in skipped.values())
+    assert sorted(result.request_skip_fractions) == pytest.approx(by_steps, abs=1e-12)
+    assert profile.request_tail == request_tail_profile(result.request_skip_fractions, profile.skip_ratio_normal)
+    assert max(result.request_skip_fractions) < profile.request_tail.runaway_skip_fraction
+
+
+def test_calibrate_refuses_shadow_checks_too_short_for_the_gate_importance_reservoir(
+    model_dir,  # noqa: F811
+    text_file,  # noqa: F811
+    tmp_path,
+    capsys,
+):
+    out = tmp_path / "p.yaml"
+    args = ["--prompts", "6", "--max-new-tokens", "12", "--chunk-tokens", "16", "--threads", "1"]
+    assert main(["calibrate", "--model", str(model_dir), "--data", str(text_file), "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err
+    assert f"fewer than the {GATE_IMPORTANCE_SAMPLES} the gate-importance correlation needs" in err
+    assert not out.exists()
+
+
+def test_gate_importance_floor_is_half_the_lowest_reading_and_separates_shuffled_gates():
+    # The demo model's healthy readings (benchmarks/gate_signals.py: 0.392-0.417) and its shuffled gates'
+    # (-0.065 to -0.049): half the lowest healthy reading lies far above every shuffled one.
+    floor = gate_importance_floor([0.417, 0.392, 0.40], margin=0.03)
+    assert floor == 0.196 and floor > -0.049
+    # Near 0, half is not far enough below: at least the margin.
+    assert gate_importance_floor([0.04, 0.2], margin=0.03) == 0.01
+    # Gates that do not track their layers (a reading at or below 0): still below every reading.
+    assert gate_importance_floor([-0.2, 0.1], margin=0.03) == -0.23
+    assert gate_importance_floor([-0.99], margin=0.03) == -1.0  # a correlation: never below -1
+    with pytest.raises(ValueError, match="never filled the reservoir"):
+        gate_importance_floor([], margin=0.03)
+
+
+def test_request_tail_cutoff_is_the_next_bucket_edge_above_the_healthy_maximum_plus_one_std():
+    # The demo model's shape: 0.20-0.34, mean 0.27.
+    fractions = list(np.random.default_rng(0).uniform(0.20, 0.30, 127)) + [0.34]
+    spread = float(np.std(fractions, ddof=1))
+    tail = request_tail_profile(fractions, skip_ratio_normal=0.27)
+    assert 0.34 + spread > 0.35 and tail.runaway_skip_fraction == 0.4
+    # None above it in 128 requests: the 90 % Wilson upper bound z^2 / (n + z^2) = 0.0127, rounded up.
+    assert tail.normal_share == 0.013
+    # More requests, none above: the bound shrinks below the floor.
+    assert request_tail_profile(fractions * 10, skip_ratio_normal=0.27).normal_share == MIN_REQUEST_NORMAL_SHARE
+    # A fraction on an edge plus no spread: the cut-off is strictly above it (`runaway` is strict too).
+    assert request_tail_profile([0.25] * 50, skip_ratio_normal=0.25).runaway_skip_fraction == 0.3
+    # Always above the normal skip ratio, even if every request skipped less (weighted differently).
+    assert request_tail_profile([0.1, 0.12], skip_ratio_normal=0.21).runaway_skip_fraction == 0.25
+    # Healthy requests beyond the highest edge below 1: that edge, and the share above it, bounded.
+    high = request_tail_profile([0.9, 0.96, 0.97, 0.9], skip_ratio_normal=0.9)
+    assert high.runaway_skip_fraction == 0.95 and 0.5 < high.normal_share < 1.0
+    with pytest.raises(ValueError, match="no request"):
+        request_tail_profile([], skip_ratio_normal=0.2)
+
+
+def test_request_tail_and_gate_floor_reach_the_profile(tmp_path):
+    rng = np.random.default_rng(2)
+    entropies = np.concatenate([rng.normal(0.1, 0.02, (400, 4)), rng.normal(0.3, 0.02, (400, 4))], axis=1)
+    skipped = entropies < 0.18
+    kwargs = dict(chunk_tokens=100, margin=0.03, min_observations=100, source="")
+    measured, _ = build_profile(
+        "m",
+        0.18,
+        3,
+        0.85,
+        entropies,
+        skipped,
+        0.8,
+        gate_importance_correlation_min=-0.2,
+        request_skip_fractions=[0.45, 0.5, 0.55],
+        **kwargs,
+    )
+    assert measured.gate_importance_correlation_min == -0.2
+    assert measured.request_tail == request_tail_profile([0.45, 0.5, 0.55], measured.skip_ratio_normal)
+    dump_profile(measured, tmp_path / "m.yaml")
+    assert load_profile(tmp_path / "m.yaml") == measured
+    # Not measured: the schema's defaults.
+    default, _ = build_profile("m", 0.18, 3, 0.85, entropies, skipped, 0.8, **kwargs)
+    assert default.request_tail == RequestTail() and default.gate_importance_correlation_min == 0.1
 
 
 def test_calibrate_flag_defaults_are_the_library_constants():

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from inference_shim.runtime.agreement import LayerSignals
-from inference_shim.service.layer_signals import LayerSignalsCollector, LayerSignalStats
+from inference_shim.service.layer_signals import LayerSignalsCollector
 from inference_shim.service.metrics import (
     DecodeStats,
     DecodeStatsCollector,
@@ -22,6 +22,7 @@ from inference_shim.service.metrics import (
 from inference_shim.service.power import GpuReading, NvmlCollector, RaplCollector
 from inference_shim.service.telemetry import FrameSender, FrameSenderCollector
 from layerwatch import catalog
+from layerwatch.gate_importance import LayerSignalStats
 
 
 def shim_collectors() -> list:

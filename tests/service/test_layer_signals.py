@@ -18,10 +18,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from inference_shim.runtime.agreement import LayerSignals
 from inference_shim.runtime.checkpoint import load_checkpoint
 from inference_shim.runtime.gates import gate_derangement, load_gates, shuffle_gates
-from inference_shim.service.layer_signals import LayerSignalsCollector, LayerSignalStats, spearman
+from inference_shim.service.layer_signals import LayerSignalsCollector
 from inference_shim.service.metrics import ShadowMetrics
 from inference_shim.service.shadow import ShadowChecker
 from inference_shim.service.shim import ServeSettings, ShimService
+from layerwatch.gate_importance import LayerSignalStats, spearman
 from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum, tiny_gates
 
 # --- Spearman's rank correlation ------------------------------------------------------------------------
