@@ -452,8 +452,8 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
         p.timeseries(
             "Token-dependent share",
             "Share of the window's below-threshold gate scores in layers whose decision varies with the "
-            "token (1: all routing, 0: static pruning), with the profile's floor (LayerwatchRoutingStatic) "
-            "and the verdict's 0.5 line. No value while the routing verdict is withheld.",
+            "token (1: all routing, 0: static pruning), with the profile's floor (LayerwatchRoutingStatic). "
+            "No value while the routing verdict is withheld.",
             "percentunit",
             [
                 (f"layerwatch_routing_token_dependent_share{{{MODEL}}}", "share {{instance}}"),
