@@ -12,6 +12,7 @@ Durations are written in Prometheus notation ("10m") and held in seconds.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -25,6 +26,7 @@ from alerts.durations import format_duration, parse_duration
 from alerts.specs import PER_MODEL_ALERTS
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, REQUEST_FRACTION_BUCKETS
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS
+from layerwatch.statistics import MAX_WINDOW_OBSERVATIONS
 
 Seconds = NewType("Seconds", float)  # written as a Prometheus duration in YAML
 
@@ -238,6 +240,8 @@ def _convert(hint: Any, value: Any, where: str, metadata: typing.Mapping[str, An
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ProfileError(f"{where}: expected a number, got {value!r}")
         value = float(value)
+        if not math.isfinite(value):  # NaN compares false with every limit: it would pass every check
+            raise ProfileError(f"{where}: {value} is not a finite number")
         if metadata.get("fraction") and not 0.0 <= value <= 1.0:
             raise ProfileError(f"{where}: {value} is outside [0, 1]")
         return value
@@ -286,8 +290,8 @@ def _check(p: Profile, where: str) -> None:
     r = p.routing
     if list(r.static_layers) != sorted(set(r.static_layers)) or any(layer < 0 for layer in r.static_layers):
         fail("routing.static_layers", f"{list(r.static_layers)} must be distinct layer numbers >= 0, ascending")
-    if r.min_tokens < 1:
-        fail("routing.min_tokens", f"{r.min_tokens} must be at least 1")
+    if not 1 <= r.min_tokens <= MAX_WINDOW_OBSERVATIONS:
+        fail("routing.min_tokens", f"{r.min_tokens} must be 1..{MAX_WINDOW_OBSERVATIONS} (what a window can hold)")
     # A floor at or above the baseline would page on the healthy baseline (0 and 0: a model that
     # prunes statically by design, whose share never pages).
     if r.token_dependent_share is not None and 0 < r.share_floor >= r.token_dependent_share:

@@ -18,11 +18,13 @@ Per layer l, over the T tokens of a window (one token = one frame or trace row):
 
 Headline, the token-dependent share of skipping:
 
-    token_dependent_share = 1 − Σ_{l static} p_l / Σ_l p_l
+    token_dependent_share = 1 − Σ_{l static} p_l / Σ_{l not static-run} p_l
 
-the share of the below-τ mass (layer evaluations below τ) that lies outside the static layers,
-i.e. in layers whose decision varies with the token. docs/exporter.md compares it with the
-alternatives (1 − η², mass-weighted within-layer variance, a min(p, 1 − p) decomposition).
+the share of the below-τ mass (layer evaluations below τ) that lies in layers whose decision varies
+with the token. Static-run layers are left out of both sums: their few stray low scores are noise,
+and counting them as token-dependent let many rarely-low layers outweigh a truly static one.
+docs/exporter.md compares it with the alternatives (1 − η², mass-weighted within-layer variance,
+a min(p, 1 − p) decomposition).
 
 Verdict: withheld while the window holds fewer than `min_tokens` tokens, or no score below τ at all
 (nothing is skipped: there is no skipping to be static or dynamic); otherwise
@@ -127,7 +129,7 @@ def check_routing(
     lower, upper = wilson_bounds(low_counts, tokens)
     static = lower >= STATIC_LOW_RATE
     static_run = upper <= STATIC_RUN_LOW_RATE
-    share = token_dependent_share(low_counts, static)
+    share = token_dependent_share(low_counts, static, static_run)
     return Routing(
         tokens,
         low_counts,
@@ -146,12 +148,16 @@ def routing_from_rows(below: np.ndarray, skipped: np.ndarray, min_tokens: int = 
     return check_routing(below.shape[0], below.sum(axis=0), skipped.sum(axis=0), min_tokens)
 
 
-def token_dependent_share(low_counts: np.ndarray, static: np.ndarray) -> float:
-    """Share of the below-τ mass outside the static layers (0 when nothing is below τ)."""
-    total = int(np.sum(low_counts))
+def token_dependent_share(low_counts: np.ndarray, static: np.ndarray, static_run: np.ndarray | None = None) -> float:
+    """Share of the below-τ mass in token-dependent layers: neither static nor static-run (0 when
+    nothing counts). A static-run layer's few stray low scores are noise, not routing: counted as
+    token-dependent, thirty of them would outweigh one truly static layer."""
+    counts = np.asarray(low_counts)
+    considered = np.ones(len(counts), dtype=bool) if static_run is None else ~np.asarray(static_run)
+    total = int(np.sum(counts[considered]))
     if total == 0:
         return 0.0
-    return 1.0 - int(np.sum(np.asarray(low_counts)[static])) / total
+    return 1.0 - int(np.sum(counts[considered & np.asarray(static)])) / total
 
 
 def routing_report(routing: Routing, threshold: float | None) -> dict[str, object]:

@@ -211,6 +211,13 @@ class ShimService:
         ]
         if len(drills) > 1:
             raise ValueError(f"{' and '.join(drills)} exclude each other")
+        if settings.static_gates and (settings.threshold is not None or settings.patience is not None):
+            # The constants are placed either side of the gate file's own tau: served at another tau or
+            # patience, the drill would no longer keep the healthy skip ratio.
+            raise ValueError(
+                "--static-gates measures at the gate file's threshold and patience: "
+                "leave --threshold and --patience unset"
+            )
         if settings.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
         checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])

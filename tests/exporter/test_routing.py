@@ -88,6 +88,14 @@ def test_the_share_weighs_layers_by_their_below_threshold_mass() -> None:
     assert check_routing(1000, [1000, 1000, 1000, 500, 500, 0, 0], [0] * 7).verdict == STATIC
 
 
+def test_stray_low_scores_in_kept_layers_do_not_count_as_routing() -> None:
+    """Thirty static-run layers (below τ on 4 % of tokens: noise) next to one static layer: no layer
+    varies with the token, so the skipping is static, however much stray mass the kept layers add."""
+    routing = check_routing(1000, [1000] + [40] * 30, [0] * 31)
+    assert routing.static_layers == (0,) and len(routing.static_run_layers or ()) == 30
+    assert routing.verdict == STATIC and routing.token_dependent_share == 0.0
+
+
 def test_uniform_high_rates_are_routing_not_pruning() -> None:
     # Every skippable layer below τ for 70 % of tokens, varying with the token: all token-dependent.
     rng = np.random.default_rng(4)

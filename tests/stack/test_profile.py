@@ -109,7 +109,14 @@ def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
         ({"routing": {"share_floor": 0.2, "static_layers": [13, 12]}}, "routing.static_layers", "ascending"),
         ({"routing": {"share_floor": 0.2, "static_layers": [3, 3]}}, "routing.static_layers", "distinct"),
         ({"routing": {"share_floor": 0.2, "static_layers": [-1]}}, "routing.static_layers", ">= 0"),
-        ({"routing": {"share_floor": 0.2, "static_layers": [], "min_tokens": 0}}, "routing.min_tokens", "at least 1"),
+        ({"routing": {"share_floor": 0.2, "static_layers": [], "min_tokens": 0}}, "routing.min_tokens", "must be 1.."),
+        (
+            {"routing": {"share_floor": 0.2, "static_layers": [], "min_tokens": 10**9}},
+            "routing.min_tokens",
+            "must be 1..",
+        ),
+        ({"skip_surge_factor": float("nan")}, "skip_surge_factor", "not a finite number"),
+        ({"runaway_fallbacks_per_minute": float("inf")}, "runaway_fallbacks_per_minute", "not a finite number"),
         (
             {"routing": {"share_floor": 0.7, "static_layers": [], "token_dependent_share": 0.6}},
             "routing.share_floor",
