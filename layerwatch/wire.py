@@ -208,8 +208,10 @@ def _check_entropy_values(entropies: np.ndarray, error: type[ValueError]) -> Non
 
 
 def _check_threshold(threshold: float, error: type[ValueError]) -> float:
-    """τ as it travels: a float32 in [0, 1] (NaN fails the comparison)."""
-    value = float(np.float32(threshold))
+    """τ as it travels: a float32 in [0, 1] (NaN fails the comparison; -0.0 becomes 0.0)."""
+    if isinstance(threshold, bool):
+        raise error(f"threshold {threshold} is not a number")
+    value = float(np.float32(threshold)) + 0.0
     if not 0.0 <= value <= 1.0:
         raise error(f"threshold {threshold} is not in [0, 1]")
     return value

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import struct
 
 import numpy as np
@@ -23,6 +25,7 @@ from layerwatch.wire import (
     frame_bytes,
     parse_address,
 )
+from tests.exporter.support import random_frame
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -266,3 +269,12 @@ def test_port_zero_is_for_listeners_only() -> None:
     assert parse_address("127.0.0.1:0", listening=True) == ("127.0.0.1", 0)
     with pytest.raises(ValueError, match="port 0"):
         parse_address("127.0.0.1:0")
+
+
+def test_a_bool_threshold_is_refused_and_negative_zero_travels_as_zero() -> None:
+    rng = np.random.default_rng(3)
+    frame = random_frame(rng, 0)
+    with pytest.raises(ValueError, match="not a number"):
+        encode_frame(dataclasses.replace(frame, threshold=True))
+    decoded = decode_frame(encode_frame(dataclasses.replace(frame, threshold=-0.0)))
+    assert decoded.threshold == 0.0 and math.copysign(1.0, decoded.threshold) == 1.0
