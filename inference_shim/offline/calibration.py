@@ -360,10 +360,12 @@ def _rounded(value: float | None, digits: int) -> float | None:
 def ascii_histogram(histogram: list[int], width: int = 40) -> str:
     """The 20-bin histogram as text bars with counts (for the terminal and the model card)."""
     top = max(histogram) or 1
+    bins = len(histogram)
     lines = []
     for i, count in enumerate(histogram):
         bar = "#" * round(width * count / top)
-        lines.append(f"[{i * 0.05:.2f}, {(i + 1) * 0.05:.2f}{']' if i == 19 else ')'} {bar:<{width}} {count}")
+        closing = "]" if i == bins - 1 else ")"  # the last bin holds 1.0 (layerwatch.statistics.bin_index)
+        lines.append(f"[{i / bins:.2f}, {(i + 1) / bins:.2f}{closing} {bar:<{width}} {count}")
     return "\n".join(lines)
 
 
