@@ -2,7 +2,9 @@
 
 Gated numbers use the real decode semantics step by step (inference_shim/offline/evaluation.py): patience,
 protected layers, fallback and the KV policy, exactly as the generation engine applies them.
-`--sweep` repeats the gated run for several thresholds and prints the trade-off table.
+`--sweep` repeats the gated run for several thresholds and prints the trade-off table. Speed is
+measured in pairs, full depth and gated interleaved batch by batch, `--repeats` times
+(docs/performance.md says why).
 """
 
 from __future__ import annotations
@@ -31,11 +33,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=4096, help="decoded (predicted) tokens to evaluate")
     parser.add_argument("--window", type=int, default=128, help="tokens per held-out window")
     parser.add_argument("--prefill", type=int, default=16, help="window tokens given as the full-depth prompt")
+    parser.add_argument(
+        "--repeats",
+        type=argtypes.positive(int),
+        default=3,
+        help="timed repetitions of the interleaved full and gated passes (speed spread)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
-    from inference_shim.offline.evaluation import decode_windows, gated_result, heldout_windows
+    from inference_shim.offline.evaluation import gated_result, heldout_windows, paired_decode
     from inference_shim.offline.training import text_file_stream
 
     def prepare():
@@ -48,9 +56,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     gated, windows = prepared
     thresholds = args.sweep or [args.threshold if args.threshold is not None else gated.gates.metadata.threshold]
-    decoding = dict(prefill=args.prefill, kv_policy=args.kv_policy, batch_size=args.batch_size)
-    full = decode_windows(gated, windows, None, **decoding)
-    results = [gated_result(full, decode_windows(gated, windows, t, **decoding), t) for t in thresholds]
+    runs = paired_decode(
+        gated,
+        windows,
+        thresholds,
+        prefill=args.prefill,
+        kv_policy=args.kv_policy,
+        batch_size=args.batch_size,
+        repeats=args.repeats,
+    )
+    results = [gated_result(runs, index) for index in range(len(thresholds))]
+    full = runs.full[0]
     header = {
         "model": str(args.model),
         "gates": str(gated.gates_path),
@@ -63,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         "patience": gated.patience,
         "kv_policy": args.kv_policy,
         "decoded_tokens": full.tokens,
+        "repeats": args.repeats,
     }
     if args.json:
         body = (
@@ -71,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             else {
                 **header,
                 "perplexity_full": full.perplexity,
-                "tokens_per_second_full": full.tokens_per_second,
+                "tokens_per_second_full": results[0]["tokens_per_second_full"],
                 "sweep": results,
             }
         )
@@ -99,7 +116,10 @@ def format_single(r: dict) -> str:
             f"({r['perplexity_increase']:+.2%})",
             f"decode layer evaluations skipped {r['skip_fraction']:.1%}  fallbacks {r['fallbacks']}",
             f"per-layer skip rate {layers}",
-            f"tokens/s full {r['tokens_per_second_full']:.0f}  gated {r['tokens_per_second_gated']:.0f}",
+            f"tokens/s full {r['tokens_per_second_full']:.0f}  gated {r['tokens_per_second_gated']:.0f} "
+            f"(medians of {r['speed']['repeats']})",
+            f"gated / full tokens/s, paired: {_spread_text(r['speed']['gated_over_full'])} wall, "
+            f"{_spread_text(r['speed']['gated_over_full_cpu'])} CPU",
         ]
     )
 
@@ -110,12 +130,18 @@ def format_sweep(results: list[dict]) -> str:
         f"full-depth perplexity {results[0]['perplexity_full']:.3f}, "
         f"{results[0]['tokens_per_second_full']:.0f} tokens/s",
         "",
-        "| threshold | layer evaluations skipped | perplexity | increase | fallbacks | tokens/s |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| threshold | layer evaluations skipped | perplexity | increase | fallbacks | tokens/s | gated / full |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
             f"| {r['threshold']:g} | {r['skip_fraction']:.1%} | {r['perplexity_gated']:.3f} | "
-            f"{r['perplexity_increase']:+.2%} | {r['fallbacks']} | {r['tokens_per_second_gated']:.0f} |"
+            f"{r['perplexity_increase']:+.2%} | {r['fallbacks']} | {r['tokens_per_second_gated']:.0f} | "
+            f"{_spread_text(r['speed']['gated_over_full'])} |"
         )
     return "\n".join(lines)
+
+
+def _spread_text(spread: dict) -> str:
+    """Median and range of paired ratios: "1.04 (0.98–1.09)"."""
+    return f"{spread['median']:.2f} ({spread['min']:.2f}–{spread['max']:.2f})"

@@ -10,6 +10,11 @@ is the text's: that gives perplexity under the decode semantics, not under a one
 
 With no policy nothing is skipped. A policy with threshold 0 skips nothing either and gives
 bit-identical logits, so "full" and "gated" differ only by what the policy skipped.
+
+Speed is measured in pairs: `paired_decode` runs full depth and every threshold on the same batch of
+windows one after the other, rotating their order from batch to batch, and repeats the whole pass. On a
+shared machine a slow spell then hits every configuration alike, so the gated ÷ full ratio of one
+repetition is meaningful even when the absolute times are not; the spread over repetitions shows how much.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ class DecodeTotals:
     num_layers: int
     nll_sum: float = 0.0
     tokens: int = 0  # decode steps x rows: predicted tokens
-    decode_seconds: float = 0.0
+    decode_seconds: float = 0.0  # wall time of the decode steps
+    decode_cpu_seconds: float = 0.0  # process CPU time of the same steps (all threads)
     fallbacks: int = 0
     skips_per_layer: np.ndarray = field(init=False)  # int [L]: skipped (token, layer) evaluations
 
@@ -87,13 +93,14 @@ def teacher_forced_decode(
     kv_policy: str = "project",
     batch_size: int = 8,
     on_step: Callable[[DecodeStep], None] | None = None,
+    totals: DecodeTotals | None = None,
 ) -> DecodeTotals:
-    """Decode every window after its prefill; `policy_config=None` runs full depth."""
+    """Decode every window after its prefill; `policy_config=None` runs full depth. Adds to `totals`
+    when given (several calls timed as one pass)."""
     if policy_config is not None and model.gates is None:
         raise ValueError("a skip policy needs gates: attach them to the model first")
-    config = model.config
     device = model.embed_tokens.weight.device
-    totals = DecodeTotals(num_layers=config.num_layers)
+    totals = totals if totals is not None else DecodeTotals(num_layers=model.config.num_layers)
     for start in range(0, len(windows), batch_size):
         batch = windows[start : start + batch_size].to(device)
         _decode_batch(model, batch, prefill_len, policy_config, kv_policy, totals, on_step)
@@ -120,7 +127,7 @@ def _decode_batch(
     slots = np.arange(rows)
     policy = SkipPolicy(policy_config, model.config.num_layers, rows) if policy_config is not None else None
     for position in range(context, window_len - 1):
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         # Greedy `choose`: the text's own token is fed next, but the step still brings a token to
         # the host, as a generating step does.
         step = gated_decode_step(
@@ -134,6 +141,7 @@ def _decode_batch(
             choose=lambda logits: logits.argmax(dim=-1),
         )
         totals.decode_seconds += time.perf_counter() - started
+        totals.decode_cpu_seconds += time.process_time() - started_cpu
         nll = F.cross_entropy(step.logits.float(), batch[:, position + 1], reduction="sum")
         totals.nll_sum += nll.item()
         totals.tokens += rows
@@ -144,25 +152,77 @@ def _decode_batch(
             on_step(DecodeStep(entropies=step.entropies if model.gates is not None else None, skipped=skipped))
 
 
-def decode_windows(
-    gated: GatedModel, windows: torch.Tensor, threshold: float | None, *, prefill: int, kv_policy: str, batch_size: int
-) -> DecodeTotals:
-    """Teacher-forced decode; threshold None = full depth with the gates detached (the ungated model)."""
-    policy = None if threshold is None else SkipPolicyConfig(threshold=threshold, patience=gated.patience)
-    gated.model.attach_gates(None if policy is None else gated.gates.gates)
-    return teacher_forced_decode(gated.model, windows, prefill, policy, kv_policy=kv_policy, batch_size=batch_size)
+@dataclass
+class PairedRuns:
+    """`paired_decode`'s totals: one DecodeTotals per repetition, for full depth and per threshold."""
+
+    thresholds: list[float]
+    full: list[DecodeTotals]  # [repeat]
+    gated: list[list[DecodeTotals]]  # [threshold][repeat]
 
 
-def gated_result(full: DecodeTotals, gated: DecodeTotals, threshold: float) -> dict:
-    """The `eval --json` keys for one threshold (docs/model.md)."""
+def paired_decode(
+    gated: GatedModel,
+    windows: torch.Tensor,
+    thresholds: list[float],
+    *,
+    prefill: int,
+    kv_policy: str,
+    batch_size: int,
+    repeats: int,
+) -> PairedRuns:
+    """Full depth (gates detached: the ungated model) and each threshold, interleaved batch by batch."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    model = gated.model
+    configs = [None, *(SkipPolicyConfig(threshold=t, patience=gated.patience) for t in thresholds)]
+    totals = [[DecodeTotals(num_layers=model.config.num_layers) for _ in range(repeats)] for _ in configs]
+    for repeat in range(repeats):
+        for batch_index, start in enumerate(range(0, len(windows), batch_size)):
+            batch = windows[start : start + batch_size]
+            first = (repeat + batch_index) % len(configs)  # each configuration takes each turn alike
+            for index in [*range(first, len(configs)), *range(first)]:
+                policy = configs[index]
+                model.attach_gates(None if policy is None else gated.gates.gates)
+                teacher_forced_decode(
+                    model, batch, prefill, policy, kv_policy, batch_size=batch_size, totals=totals[index][repeat]
+                )
+    return PairedRuns(list(thresholds), full=totals[0], gated=totals[1:])
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": float(np.median(values)), "min": min(values), "max": max(values), "runs": values}
+
+
+def gated_result(runs: PairedRuns, threshold_index: int) -> dict:
+    """The `eval --json` keys for one threshold (docs/model.md). Quality comes from the first
+    repetition (every repetition computes the same numbers); speed from all of them."""
+    full_runs, gated_runs = runs.full, runs.gated[threshold_index]
+    full, gated = full_runs[0], gated_runs[0]
+    tokens_per_second_full = [r.tokens_per_second for r in full_runs]
+    tokens_per_second_gated = [r.tokens_per_second for r in gated_runs]
     return {
-        "threshold": threshold,
+        "threshold": runs.thresholds[threshold_index],
         "perplexity_full": full.perplexity,
         "perplexity_gated": gated.perplexity,
         "perplexity_increase": gated.perplexity / full.perplexity - 1.0,
         "skip_fraction": gated.skip_fraction,
         "per_layer_skip_rate": gated.per_layer_skip_rate,
         "fallbacks": gated.fallbacks,
-        "tokens_per_second_full": full.tokens_per_second,
-        "tokens_per_second_gated": gated.tokens_per_second,
+        "tokens_per_second_full": float(np.median(tokens_per_second_full)),
+        "tokens_per_second_gated": float(np.median(tokens_per_second_gated)),
+        "speed": {
+            "repeats": len(full_runs),
+            "tokens_per_second_full": _spread(tokens_per_second_full),
+            "tokens_per_second_gated": _spread(tokens_per_second_gated),
+            "cpu_seconds_full": [r.decode_cpu_seconds for r in full_runs],
+            "cpu_seconds_gated": [r.decode_cpu_seconds for r in gated_runs],
+            # Paired per repetition: gated ÷ full tokens/s by wall time and by CPU time.
+            "gated_over_full": _spread(
+                [g.tokens_per_second / f.tokens_per_second for f, g in zip(full_runs, gated_runs)]
+            ),
+            "gated_over_full_cpu": _spread(
+                [f.decode_cpu_seconds / g.decode_cpu_seconds for f, g in zip(full_runs, gated_runs)]
+            ),
+        },
     }

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference_shim.offline.evaluation import heldout_windows, teacher_forced_decode
+from inference_shim.offline.evaluation import heldout_windows, paired_decode, teacher_forced_decode
+from inference_shim.offline.gated_model import load_gated_model
 from inference_shim.runtime.checkpoint import save_checkpoint
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
@@ -195,6 +196,44 @@ def test_eval_json_reports_the_contract_keys(model_dir, text_file, capsys):
     assert rates[0] == rates[2] == rates[3] == 0.0 and rates[1] == pytest.approx((DECODE_STEPS - 3) / DECODE_STEPS)
     assert report["skip_fraction"] == pytest.approx(np.mean(rates))
     assert report["perplexity_gated"] != report["perplexity_full"]
+
+
+def test_interleaved_repeated_passes_compute_what_separate_passes_do(model_dir):
+    # Rotating full and gated batch by batch (gates attached and detached in between) must change
+    # nothing but the timing: every repetition equals a pass run on its own.
+    gated = load_gated_model(model_dir)
+    runs = paired_decode(
+        gated, windows(count=5), [0.18, 0.5], prefill=PREFILL, kv_policy="project", batch_size=2, repeats=3
+    )
+    gated.model.attach_gates(None)
+    alone_full = teacher_forced_decode(gated.model, windows(count=5), PREFILL, None, batch_size=2)
+    gated.model.attach_gates(gated.gates.gates)
+    for threshold, repeats in zip([0.18, 0.5], runs.gated):
+        policy = SkipPolicyConfig(threshold=threshold, patience=gated.patience)
+        alone = teacher_forced_decode(gated.model, windows(count=5), PREFILL, policy, batch_size=2)
+        assert len(repeats) == 3
+        for totals in repeats:
+            assert totals.nll_sum == alone.nll_sum and np.array_equal(totals.skips_per_layer, alone.skips_per_layer)
+            assert totals.decode_seconds > 0 and totals.decode_cpu_seconds > 0
+    assert alone.skips_per_layer.sum() > 0  # the gates really skip: the comparison is not trivial
+    assert [totals.nll_sum for totals in runs.full] == [alone_full.nll_sum] * 3
+
+
+def test_eval_json_reports_paired_speed_over_repeats(model_dir, text_file, capsys):
+    assert run_eval(model_dir, text_file, "--json", "--repeats", "2") == 0
+    report = json.loads(capsys.readouterr().out)
+    speed = report["speed"]
+    assert report["repeats"] == speed["repeats"] == 2
+    full, gated = speed["tokens_per_second_full"]["runs"], speed["tokens_per_second_gated"]["runs"]
+    assert speed["gated_over_full"]["runs"] == pytest.approx([g / f for f, g in zip(full, gated)])
+    assert report["tokens_per_second_gated"] == pytest.approx(np.median(gated))
+    assert len(speed["cpu_seconds_full"]) == 2 and all(seconds > 0 for seconds in speed["cpu_seconds_gated"])
+
+
+def test_eval_refuses_zero_repeats(model_dir, text_file, capsys):
+    with pytest.raises(SystemExit):
+        run_eval(model_dir, text_file, "--repeats", "0")
+    assert "--repeats" in capsys.readouterr().err
 
 
 def test_eval_sweep_prints_one_row_per_threshold(model_dir, text_file, capsys):
