@@ -207,7 +207,11 @@ def recorded_names(groups: dict) -> set[str]:
 
 
 class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (long PromQL) as literal blocks, so the rule file reads like PromQL."""
+    """Multi-line strings (long PromQL) as literal blocks, so the rule file reads like PromQL; a value
+    used twice is written twice (no &anchors: generated files are read by people and many tools)."""
+
+    def ignore_aliases(self, data: object) -> bool:
+        return True
 
 
 def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:

@@ -1,7 +1,7 @@
 """Every generated file of the repository, from code, and which committed ones are stale.
 
 Generated: the alert and recording rules (from alerts/profiles/*.yaml), the Grafana dashboard, the
-deploy files of the docker-compose stack and docs/metrics.md. Before anything is returned, every
+deploy files of the docker-compose stack, the Kubernetes base and docs/metrics.md. Before anything is returned, every
 PromQL query of the rules (alert text included) and of the dashboard is checked against the metric
 catalog and the recording rules: a query of an undefined series raises UnknownMetricError.
 Never imports torch: it runs in CI without the `serve` extra.
@@ -16,7 +16,7 @@ from alerts.durations import format_duration
 from alerts.profile import load_profiles
 from alerts.rules import recorded_names, render_rules, rule_groups
 from alerts.specs import ALERTS
-from deploy import render
+from deploy import manifests, render
 from layerwatch import catalog
 from layerwatch.promql import check_queries, known_series
 
@@ -26,7 +26,7 @@ DASHBOARD_PATH = "dashboards/json/overview.json"
 METRICS_DOC_PATH = "docs/metrics.md"
 # Folders whose every file is generated: a leftover there (a renamed rule file, which Prometheus'
 # rule glob would still load) is reported by --check.
-GENERATED_DIRS = ("alerts/generated", "dashboards/json")
+GENERATED_DIRS = ("alerts/generated", "dashboards/json", manifests.DIRECTORY)
 
 # Queries inside alert descriptions: {{ ... printf `QUERY` ... | query }}.
 _TEMPLATE_QUERY = re.compile(r"printf `([^`]*)`")
@@ -62,6 +62,7 @@ def generated_files(root: Path) -> dict[str, str]:
         RULES_PATH: render_rules(profiles),
         DASHBOARD_PATH: dashboard_json,
         **render.compose_files(),
+        **manifests.kubernetes_files(groups, {Path(DASHBOARD_PATH).name: dashboard_json}),
         METRICS_DOC_PATH: metrics_doc(groups),
     }
 
