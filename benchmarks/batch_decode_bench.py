@@ -13,7 +13,9 @@ Per model, batch size and KV policy, three configurations run interleaved, `--re
 torch thread, timed by the process CPU clock (the machine may be shared):
   full   the model without gates, every layer for every row;
   τ = 0  gates attached, every layer runs (the gated baseline: what skipping is measured against);
-  gated  gates attached, the recorded masks.
+  gated  gates attached, the recorded masks;
+  consensus  the recorded masks merged per step by serve's --batch-consensus rule (q = 0.5): only
+         whole-batch skips (its quality cost: `layerwatch eval --batch-consensus 0.5`).
 Printed: gated ÷ full tokens/s (goal ≥ 1 when ≥ 25 % of row-layer evaluations are skipped), and
 realised ÷ ideal, with ideal = 1 / (1 − f·w): f the skipped share of row-layer evaluations (a CPU
 computes rows, so every skipped row saves its work) and w the share of a τ = 0 step spent in
@@ -43,9 +45,10 @@ from inference_shim.offline.gated_model import load_gated_model
 from inference_shim.offline.training import text_file_stream
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from inference_shim.runtime.model import KV_POLICIES, GateBank, KVCache, Transformer
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
+from inference_shim.runtime.skip_policy import SkipPolicyConfig, consensus_mask
 
 PROMPT_TOKENS = 16
+CONSENSUS = 0.5
 MODELS = ((12, 512), (16, 1024))  # (layers, d)
 
 
@@ -135,9 +138,9 @@ def main() -> int:
     )
     print(
         "| model | batch | KV | skipped | whole-batch | w | full tok/s | gated tok/s | gated / full | "
-        "realised / ideal |"
+        f"realised / ideal | consensus {CONSENSUS:g}: skipped | gated / full |"
     )
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for layers, hidden in MODELS:
         model = build_model(layers, hidden, vocab=8192)
         torch.manual_seed(1)
@@ -145,14 +148,22 @@ def main() -> int:
         masks_all = for_depth(recorded, layers)
         for batch in batches:
             masks = masks_all[:, :batch]
+            no_fallback = np.zeros(batch, dtype=bool)
+            merged = np.stack([consensus_mask(step, CONSENSUS, no_fallback) for step in masks])
             f = 1 - masks.mean()
             f_whole = float((~masks).all(axis=1).mean())
             model.attach_gates(gates)
             w = skippable_share(model, batch, args.steps)
             for kv_policy in KV_POLICIES:
-                seconds: dict[str, list[float]] = {"full": [], "tau0": [], "gated": []}
+                runs = (
+                    ("full", None, None),
+                    ("tau0", gates, None),
+                    ("gated", gates, masks),
+                    ("consensus", gates, merged),
+                )
+                seconds: dict[str, list[float]] = {name: [] for name, *_ in runs}
                 for _ in range(args.repeats):  # interleaved: a slow spell hits every configuration
-                    for name, bank, run_masks in (("full", None, None), ("tau0", gates, None), ("gated", gates, masks)):
+                    for name, bank, run_masks in runs:
                         model.attach_gates(bank)
                         seconds[name].append(decode_run(model, run_masks, batch, args.steps, kv_policy))
                 rate = {name: batch * args.steps / statistics.median(values) for name, values in seconds.items()}
@@ -160,7 +171,7 @@ def main() -> int:
                 print(
                     f"| {layers} x {hidden} | {batch} | {kv_policy} | {f:.1%} | {f_whole:.1%} | {w:.2f} | "
                     f"{rate['full']:.0f} | {rate['gated']:.0f} | {rate['gated'] / rate['full']:.3f} | "
-                    f"{speedup / ideal:.3f} |"
+                    f"{speedup / ideal:.3f} | {1 - merged.mean():.1%} | {rate['consensus'] / rate['full']:.3f} |"
                 )
     return 0
 

@@ -17,6 +17,14 @@ def fraction(text: str) -> float:
     return value
 
 
+def positive_fraction(text: str) -> float:
+    """A number in (0, 1] (a share that must be above zero)."""
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def fractions(text: str) -> list[float]:
     """Comma-separated numbers in [0, 1], at least one."""
     try:

@@ -39,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="timed repetitions of the interleaved full and gated passes (speed spread)",
     )
+    parser.add_argument(
+        "--batch-consensus",
+        type=argtypes.positive_fraction,
+        default=None,
+        metavar="Q",
+        help="evaluate serve's batch-consensus mode: one run/skip decision per layer for each batch of "
+        "--batch-size windows (a layer runs for all when a share Q of them would run it)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -64,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         kv_policy=args.kv_policy,
         batch_size=args.batch_size,
         repeats=args.repeats,
+        batch_consensus=args.batch_consensus,
     )
     results = [gated_result(runs, index) for index in range(len(thresholds))]
     full = runs.full[0]
@@ -78,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "patience": gated.patience,
         "kv_policy": args.kv_policy,
+        "batch_consensus": args.batch_consensus,
         "decoded_tokens": full.tokens,
         "repeats": args.repeats,
     }
@@ -99,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         f"data {args.data}: {len(windows)} windows of {args.window} tokens, prefill {args.prefill}, "
         f"{full.tokens} decoded tokens, batch {args.batch_size}, patience {gated.patience}, "
         f"kv policy {args.kv_policy}"
+        + ("" if args.batch_consensus is None else f", batch consensus {args.batch_consensus:g}")
     )
     if args.sweep is None:
         print(format_single(results[0]))

@@ -103,6 +103,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="layers never skipped (default: the first and the last)",
     )
     policy.add_argument(
+        "--batch-consensus",
+        type=argtypes.positive_fraction,
+        default=SETTINGS_DEFAULTS["batch_consensus"],
+        metavar="Q",
+        help="one decision per layer for the whole batch: run it for every row when at least a share Q "
+        "of the rows would, skip it for all otherwise (faster at batch > 1, rows run shallower than "
+        "their gates asked: measure with `eval --batch-consensus`; default: rows skip independently)",
+    )
+    policy.add_argument(
         "--kv-policy",
         default=SETTINGS_DEFAULTS["kv_policy"],
         choices=KV_POLICIES,

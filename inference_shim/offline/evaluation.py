@@ -170,12 +170,16 @@ def paired_decode(
     kv_policy: str,
     batch_size: int,
     repeats: int,
+    batch_consensus: float | None = None,
 ) -> PairedRuns:
     """Full depth (gates detached: the ungated model) and each threshold, interleaved batch by batch."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     model = gated.model
-    configs = [None, *(SkipPolicyConfig(threshold=t, patience=gated.patience) for t in thresholds)]
+    configs = [
+        None,
+        *(SkipPolicyConfig(threshold=t, patience=gated.patience, batch_consensus=batch_consensus) for t in thresholds),
+    ]
     totals = [[DecodeTotals(num_layers=model.config.num_layers) for _ in range(repeats)] for _ in configs]
     for repeat in range(repeats):
         for batch_index, start in enumerate(range(0, len(windows), batch_size)):

@@ -9,6 +9,13 @@ Fallback breaker: when more than `fallback_skip_fraction` of all layers were ski
 `fallback_trigger_steps` consecutive steps of a sequence, the next `fallback_steps` steps of that
 sequence run at full depth.
 
+Batch consensus (optional, `batch_consensus` = q): the rows' masks are merged into one decision
+per layer: the layer runs for the whole batch when at least a share q of the rows would run it, and
+is skipped for every row otherwise (rows in a fallback episode still run every layer). Skips then
+save whole-layer work, which is what pays on a memory-bound GPU and avoids per-row gathers, at the
+price of running some rows shallower than their gates asked: `layerwatch eval --batch-consensus`
+measures that cost (docs/model.md).
+
 State is kept per cache slot in [slots, L] arrays so that a whole batch is planned and updated
 with a few vectorised numpy operations, whichever slots the rows occupy.
 """
@@ -28,6 +35,7 @@ class SkipPolicyConfig:
     fallback_skip_fraction: float = 0.85  # a step "skips too much" above this fraction of all layers
     fallback_trigger_steps: int = 3  # consecutive such steps that start a fallback episode
     fallback_steps: int = 16  # full-depth steps of one fallback episode
+    batch_consensus: float | None = None  # q in (0, 1]: one run/skip decision per layer for the batch
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:
@@ -38,6 +46,8 @@ class SkipPolicyConfig:
             raise ValueError(f"fallback_skip_fraction must be in [0, 1], got {self.fallback_skip_fraction}")
         if self.fallback_trigger_steps < 1 or self.fallback_steps < 0:
             raise ValueError("fallback_trigger_steps must be >= 1 and fallback_steps >= 0")
+        if self.batch_consensus is not None and not 0.0 < self.batch_consensus <= 1.0:
+            raise ValueError(f"batch_consensus must be in (0, 1], got {self.batch_consensus}")
 
     def protected(self, num_layers: int) -> tuple[int, ...]:
         layers = (0, num_layers - 1) if self.protected_layers is None else self.protected_layers
@@ -77,8 +87,11 @@ class SkipPolicy:
     def run_mask(self, slots: np.ndarray) -> np.ndarray:
         """bool [B, L] for the next step: True = the layer runs for that row. Reads only past steps."""
         skip = (self._below_streak[slots] >= self.config.patience) & self.skippable
-        skip &= ~self.in_fallback(slots)[:, None]
-        return ~skip
+        fallback = self.in_fallback(slots)
+        skip &= ~fallback[:, None]
+        if self.config.batch_consensus is None:
+            return ~skip
+        return consensus_mask(~skip, self.config.batch_consensus, fallback)
 
     def observe(self, slots: np.ndarray, entropies: np.ndarray, run_mask: np.ndarray) -> StepDecision:
         """Record a finished step: entropies float [B, L] and the run mask it used."""
@@ -95,3 +108,11 @@ class SkipPolicy:
         self._high_skip_streak[slots] = np.where(started, 0, high_streak)
         self._fallback_left[slots] = np.where(started, self.config.fallback_steps, self._fallback_left[slots])
         return StepDecision(fallback_started=started)
+
+
+def consensus_mask(run: np.ndarray, share: float, full_depth_rows: np.ndarray) -> np.ndarray:
+    """The batch's per-row masks bool [B, L] merged into one decision per layer: run for every row
+    where at least `share` of the rows would run it, skip for every row elsewhere; rows flagged in
+    `full_depth_rows` bool [B] run every layer regardless."""
+    runs_for_batch = run.mean(axis=0) >= share  # [L]
+    return np.broadcast_to(runs_for_batch, run.shape) | full_depth_rows[:, None]

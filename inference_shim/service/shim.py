@@ -60,6 +60,7 @@ class ServeSettings:
     threshold: float | None = None  # None: the gate file's calibrated threshold
     patience: int | None = None  # None: the gate file's patience
     protected_layers: tuple[int, ...] | None = None  # None: first and last layer
+    batch_consensus: float | None = None  # None: rows skip independently (runtime/skip_policy.py)
     kv_policy: str = KV_POLICIES[0]  # "project"
     max_batch_size: int = 8
     max_tokens_cap: int | None = None  # None: DEFAULT_MAX_TOKENS_CAP, shrunk to fit the context
@@ -140,6 +141,7 @@ class ShimService:
             threshold=gates.metadata.threshold if settings.threshold is None else settings.threshold,
             patience=gates.metadata.patience if settings.patience is None else settings.patience,
             protected_layers=settings.protected_layers,
+            batch_consensus=settings.batch_consensus,
         )
         self.policy.protected(config.num_layers)  # refuse out-of-range protected layers at start-up
         if settings.max_batch_size < 1:

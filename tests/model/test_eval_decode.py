@@ -251,3 +251,12 @@ def test_eval_refuses_gates_of_another_model(model_dir, text_file, tmp_path, cap
     save_gates(tmp_path / "other.safetensors", random_gates(other.config), metadata)
     assert run_eval(model_dir, text_file, "--gates", str(tmp_path / "other.safetensors")) == 2
     assert "another base model" in capsys.readouterr().err
+
+
+def test_eval_measures_the_batch_consensus_mode(model_dir, text_file, capsys):
+    assert run_eval(model_dir, text_file, "--json", "--batch-consensus", "0.5", "--repeats", "1") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["batch_consensus"] == 0.5 and 0 < report["skip_fraction"] < 1
+    with pytest.raises(SystemExit):
+        run_eval(model_dir, text_file, "--batch-consensus", "0")
+    assert "must be in (0, 1]" in capsys.readouterr().err

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.model import Transformer, apply_rope
-from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig
+from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig, consensus_mask
 from inference_shim.runtime.tokenizer import Tokenizer
 
 from .conftest import constant_gates, random_gates, random_model, tiny_config
@@ -307,3 +307,40 @@ def test_fallback_settings_are_configurable(tokenizer):
     result = engine_for(model, tokenizer, policy=policy).generate(PROMPTS[0], SamplingParams(max_tokens=10))
     L = model.config.num_layers
     assert result.activity.sum(axis=1).tolist() == [L] * 3 + [0] + [L] * 2 + [0] + [L] * 2 + [0]
+
+
+# --- batch consensus -----------------------------------------------------------------------------
+
+
+def test_consensus_merges_the_rows_masks_into_one_decision_per_layer():
+    run = np.array([[1, 0, 0, 1], [1, 1, 0, 1], [1, 0, 0, 0], [1, 1, 1, 0]], dtype=bool)  # layer shares 1, .5, .25, .5
+    fallback = np.array([False, False, True, False])
+    merged = consensus_mask(run, 0.5, fallback)
+    assert merged.tolist() == [[1, 1, 0, 1], [1, 1, 0, 1], [1, 1, 1, 1], [1, 1, 0, 1]]
+    assert consensus_mask(run, 0.75, np.zeros(4, dtype=bool)).tolist() == [[1, 0, 0, 0]] * 4
+    with pytest.raises(ValueError, match="batch_consensus"):
+        SkipPolicyConfig(batch_consensus=0.0)
+
+
+def test_consensus_skips_only_whole_batches_in_the_engine(tokenizer):
+    # Mixed random gates give rows different masks; with consensus every skipped layer of a step is
+    # skipped by all its rows, and the layers that ran did so for every row (no per-row gathers).
+    model = gated_model()
+    policy = SkipPolicyConfig(threshold=0.5, patience=2, batch_consensus=0.5)
+    recorder = Recorder()
+    engine = engine_for(model, tokenizer, policy=policy, max_batch_size=3, step_hook=recorder.on_step)
+    for prompt in PROMPTS:
+        engine.submit(prompt, SamplingParams(max_tokens=30))
+    while engine.has_work():
+        recorder.drain(engine)
+    batched = [r for r in recorder.records if len(r.sequence_ids) > 1]
+    assert any(r.skipped.any() for r in batched)
+    for r in batched:
+        assert not r.fallback.any()  # random gates stay far from the fallback trigger
+        assert (r.skipped == r.skipped[0]).all()
+    per_row = engine_for(model, tokenizer, max_batch_size=3, step_hook=(plain := Recorder()).on_step)
+    for prompt in PROMPTS:
+        per_row.submit(prompt, SamplingParams(max_tokens=30))
+    while per_row.has_work():
+        plain.drain(per_row)
+    assert any((r.skipped != r.skipped[0]).any() for r in plain.records)  # without it, rows differ
