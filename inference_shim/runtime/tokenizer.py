@@ -18,6 +18,7 @@ concatenation is the text of all tokens, never emitting half a UTF-8 character.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +29,8 @@ from tokenizers import processors
 
 if TYPE_CHECKING:
     from jinja2 import Template
+
+log = logging.getLogger(__name__)
 
 # The special tokens transformers hands every chat template by name (its SPECIAL_TOKENS_ATTRIBUTES).
 TEMPLATE_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -114,7 +117,7 @@ class Tokenizer:
         named = {name: _token_content(settings.get(name)) for name in TEMPLATE_SPECIAL_TOKENS}
         eos = named["eos_token"]
         try:
-            return cls(
+            tokenizer = cls(
                 backend,
                 bos_token=named["bos_token"],
                 eos_tokens=(eos,) if eos else (),
@@ -125,6 +128,15 @@ class Tokenizer:
             )
         except TokenizerError as exc:
             raise TokenizerError(f"{tokenizer_config_json}: {exc}") from exc
+        if settings.get("add_bos_token") is True and not tokenizer.adds_bos:
+            # Folders saved before the BOS moved into tokenizer.json's post-processor look like this.
+            log.warning(
+                "%s says add_bos_token: true, but %s's post-processor adds no BOS; prompts get none, as "
+                'transformers encodes them (re-save the tokenizer: docs/model.md, "Tokenizer")',
+                tokenizer_config_json,
+                tokenizer_json,
+            )
+        return tokenizer
 
     @property
     def vocab_size(self) -> int:

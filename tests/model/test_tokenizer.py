@@ -99,3 +99,11 @@ def test_demo_tokenizer_agrees_with_transformers():
     for text in ("In the beginning God created", "", "Ünïcödé ✓"):
         assert ours.encode(text) == reference(text).input_ids
         assert ours.encode(text)[:1] == [ours.bos_token_id]
+
+
+def test_a_config_asking_for_a_bos_the_post_processor_does_not_add_is_reported(tmp_path, backend_tokenizer, caplog):
+    backend_tokenizer.save(str(tmp_path / "tokenizer.json"))  # no post-processor: no BOS
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "add_bos_token": True}))
+    loaded = Tokenizer.from_files(tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json")
+    assert loaded.bos_token_id not in loaded.encode("the earth")
+    assert "add_bos_token: true" in caplog.text and "tokenizer.json's post-processor adds no BOS" in caplog.text
