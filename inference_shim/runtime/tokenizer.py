@@ -116,18 +116,24 @@ class Tokenizer:
             settings = {"bos_token": backend.id_to_token(bos_token_id) if bos_token_id is not None else None}
         named = {name: _token_content(settings.get(name)) for name in TEMPLATE_SPECIAL_TOKENS}
         eos = named["eos_token"]
+        template_files = _read_chat_templates(tokenizer_json.parent)
         try:
             tokenizer = cls(
                 backend,
                 bos_token=named["bos_token"],
                 eos_tokens=(eos,) if eos else (),
                 extra_eos_token_ids=extra_eos_token_ids,
-                chat_template=_read_chat_templates(tokenizer_json.parent)
-                or _chat_template(settings.get("chat_template")),
+                chat_template=template_files or _chat_template(settings.get("chat_template")),
                 special_tokens={name: token for name, token in named.items() if token is not None},
             )
         except TokenizerError as exc:
             raise TokenizerError(f"{tokenizer_config_json}: {exc}") from exc
+        try:
+            for name in tokenizer.chat_templates:  # a broken template fails at load, not per request
+                tokenizer._template(name)
+        except TokenizerError as exc:
+            source = tokenizer_json.parent / CHAT_TEMPLATE_FILE if template_files else tokenizer_config_json
+            raise TokenizerError(f"{source}: {exc}") from exc
         if settings.get("add_bos_token") is True and not tokenizer.adds_bos:
             # Folders saved before the BOS moved into tokenizer.json's post-processor look like this.
             log.warning(
@@ -175,9 +181,7 @@ class Tokenizer:
         if not self.chat_templates:
             return plain_chat_prompt(messages, add_generation_prompt)
         name = "tool_use" if tools is not None and "tool_use" in self.chat_templates else "default"
-        if name not in self._compiled:
-            self._compiled[name] = _compile_template(self.chat_templates[name])
-        return self._compiled[name].render(
+        return self._template(name).render(
             messages=[_template_message(m) for m in messages],
             tools=tools,
             documents=documents,
@@ -209,6 +213,16 @@ class Tokenizer:
             named = [{"name": n, "template": t} for n, t in self.chat_templates.items()]
             settings["chat_template"] = self.chat_template if len(named) == 1 else named
         (out_dir / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+
+    def _template(self, name: str) -> Template:
+        from jinja2 import TemplateSyntaxError
+
+        if name not in self._compiled:
+            try:
+                self._compiled[name] = _compile_template(self.chat_templates[name])
+            except TemplateSyntaxError as exc:
+                raise TokenizerError(f"chat template {name!r} is not valid Jinja (line {exc.lineno}: {exc})") from exc
+        return self._compiled[name]
 
     @staticmethod
     def _id_of(backend: tokenizers.Tokenizer, token: str) -> int:
