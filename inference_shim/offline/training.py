@@ -72,7 +72,8 @@ def text_file_stream(tokenizer: TextTokenizer, path: Path, min_tokens: int) -> t
     """A plain-text file as one stream for a checkpoint's tokenizer; fails clearly when unusable."""
     documents = read_documents(path)
     eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
-    stream = token_stream((tokenizer.encode(d, add_bos=False) for d in documents), tokenizer.bos_token_id, eos)
+    bos = tokenizer.bos_token_id if tokenizer.adds_bos else None  # frame documents as the tokenizer frames a prompt
+    stream = token_stream((tokenizer.encode(d, add_special_tokens=False) for d in documents), bos, eos)
     if len(stream) < min_tokens:
         raise CorpusError(f"{path}: only {len(stream)} tokens, at least {min_tokens} are needed")
     return stream

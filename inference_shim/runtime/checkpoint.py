@@ -319,27 +319,13 @@ def _build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: to
 def save_checkpoint(model: Transformer, tokenizer: Tokenizer | str | Path, out_dir: str | Path) -> None:
     """Write `model` (without gates) as a Hugging Face folder that transformers can load too.
 
-    `tokenizer` is our Tokenizer, or the path of a tokenizer.json (BOS/EOS then come from the
-    model config's token ids).
+    `tokenizer` is our Tokenizer, or the path of a tokenizer.json (see `tokenizer_for_model`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = model.config
     if not isinstance(tokenizer, Tokenizer):
-        backend = Tokenizer.from_files(Path(tokenizer)).backend
-        id_to_token = backend.id_to_token
-
-        def eos_token(token_id: int) -> str:
-            token = id_to_token(token_id)
-            if token is None:
-                raise TokenizerError(f"{tokenizer}: eos_token_id {token_id} is not in the vocabulary")
-            return token
-
-        tokenizer = Tokenizer(
-            backend,
-            bos_token=id_to_token(config.bos_token_id) if config.bos_token_id is not None else None,
-            eos_tokens=[eos_token(i) for i in config.eos_token_ids],
-        )
+        tokenizer = tokenizer_for_model(Path(tokenizer), config)
     (out / CONFIG_FILE).write_text(json.dumps(hf_config(model), indent=2) + "\n")
     state = {
         hf_name(n): t.detach().contiguous().cpu() for n, t in model.state_dict().items() if not n.startswith("gates.")
@@ -348,6 +334,28 @@ def save_checkpoint(model: Transformer, tokenizer: Tokenizer | str | Path, out_d
         del state["lm_head.weight"]
     save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     tokenizer.save(out)
+
+
+def tokenizer_for_model(tokenizer_json: Path, config: ModelConfig) -> Tokenizer:
+    """A bare tokenizer.json (as training writes it) made the model's tokenizer: BOS and EOS are the
+    config's token ids, and it prepends BOS when the config has one, because our training frames
+    every document with BOS; saved, transformers' AutoTokenizer then encodes as we do."""
+    backend = Tokenizer.from_files(tokenizer_json).backend
+    id_to_token = backend.id_to_token
+
+    def token(token_id: int, name: str) -> str:
+        text = id_to_token(token_id)
+        if text is None:
+            raise TokenizerError(f"{tokenizer_json}: {name} {token_id} is not in the vocabulary")
+        return text
+
+    bos = token(config.bos_token_id, "bos_token_id") if config.bos_token_id is not None else None
+    return Tokenizer(
+        backend,
+        bos_token=bos,
+        eos_tokens=[token(i, "eos_token_id") for i in config.eos_token_ids],
+        add_bos_token=bos is not None,
+    )
 
 
 def hf_config(model: Transformer) -> dict:

@@ -1,7 +1,11 @@
-"""The checkpoint's tokenizer: `tokenizer.json` (Hugging Face `tokenizers`) plus `tokenizer_config.json`.
+"""The checkpoint's tokenizer: `tokenizer.json` (Hugging Face `tokenizers`), `tokenizer_config.json`
+and the chat template, read and applied as transformers reads and applies them (docs/model.md).
 
-`tokenizer_config.json` is optional; from it we read the BOS/EOS tokens and a Jinja `chat_template`
-(rendered with jinja2). A checkpoint without one gets the plain template (docs/model.md):
+Special tokens (BOS) come from `tokenizer.json`'s post-processor, exactly as transformers'
+`tokenizer(text)` adds them; a rendered chat is encoded without them, as `apply_chat_template` does,
+so BOS appears there only where the template writes it. The chat template is `chat_template.jinja`
+(or `tokenizer_config.json`'s `chat_template`), rendered in the Jinja environment transformers uses.
+A checkpoint without one gets the plain template:
 
     system: You are terse.
     user: Hello
@@ -14,17 +18,29 @@ concatenation is the text of all tokens, never emitting half a UTF-8 character.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import tokenizers
+from tokenizers import processors
 
 if TYPE_CHECKING:
     from jinja2 import Template
 
+log = logging.getLogger(__name__)
 
-def plain_chat_prompt(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+# The special tokens transformers hands every chat template by name (its SPECIAL_TOKENS_ATTRIBUTES).
+TEMPLATE_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers 4.50+: takes priority over tokenizer_config.json's
+CHAT_TEMPLATE_DIR = "additional_chat_templates"  # more named templates, one NAME.jinja each
+# Names a message's reasoning arrives under; transformers fills the ones templates read from any of them.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def plain_chat_prompt(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
     """The template for checkpoints without one: a "role: content" line per message (OpenAI roles),
     then the assistant's turn opened. Plain Python, so the default path needs no Jinja."""
     lines = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
@@ -43,18 +59,36 @@ class Tokenizer:
         bos_token: str | None = None,
         eos_tokens: Sequence[str] = (),
         extra_eos_token_ids: Iterable[int] = (),
-        chat_template: str | None = None,
-        add_bos_token: bool = True,
+        chat_template: str | Mapping[str, str] | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+        add_bos_token: bool | None = None,
     ) -> None:
-        self.backend = tokenizer
+        """Wrap `tokenizer` (a `tokenizers.Tokenizer`).
+
+        `add_bos_token` None keeps the tokenizer's own post-processor (what a tokenizer.json says);
+        True or False replaces it with one that prepends BOS or nothing, as transformers does when
+        given `add_bos_token` (for tokenizers built here, which have no post-processor yet).
+        `chat_template` is one template or named ones ("default", "tool_use", ...).
+        `special_tokens` are further named tokens for templates (`pad_token`, ...).
+        """
         self.bos_token = bos_token
-        self.bos_token_id = self._id_of(bos_token) if bos_token is not None else None
-        self.add_bos_token = add_bos_token  # tokenizer_config.json may say the model wants none
-        eos_ids = [self._id_of(t) for t in eos_tokens] + list(extra_eos_token_ids)
+        self.bos_token_id = self._id_of(tokenizer, bos_token) if bos_token is not None else None
+        if add_bos_token is not None:
+            tokenizer = _with_bos_post_processor(tokenizer, bos_token if add_bos_token else None)
+        self.backend = tokenizer
+        eos_ids = [self._id_of(tokenizer, t) for t in eos_tokens] + list(extra_eos_token_ids)
         self.eos_tokens = tuple(eos_tokens)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))  # ordered, no duplicates
-        self.chat_template = chat_template
-        self._template: Template | None = None  # compiled lazily (needs jinja2): most callers never render a chat
+        self.special_tokens = {
+            **(special_tokens or {}),
+            **({"bos_token": bos_token} if bos_token is not None else {}),
+            **({"eos_token": self.eos_tokens[0]} if self.eos_tokens else {}),
+        }
+        templates = {"default": chat_template} if isinstance(chat_template, str) else dict(chat_template or {})
+        if templates and "default" not in templates:
+            raise TokenizerError(f"chat templates {sorted(templates)} include no 'default' one")
+        self.chat_templates: dict[str, str] = templates
+        self._compiled: dict[str, Template] = {}  # compiled lazily (needs jinja2): most callers never render a chat
 
     @classmethod
     def from_files(
@@ -64,7 +98,8 @@ class Tokenizer:
         extra_eos_token_ids: Iterable[int] = (),
         bos_token_id: int | None = None,
     ) -> Tokenizer:
-        """Load tokenizer.json (required) and tokenizer_config.json (optional, may be None or absent).
+        """Load tokenizer.json (required), tokenizer_config.json (optional, may be None or absent) and
+        the chat template files next to tokenizer.json (`chat_template.jinja`, `additional_chat_templates/`).
 
         Without a tokenizer_config.json, `bos_token_id` (the model config's) names the BOS token.
         """
@@ -79,47 +114,86 @@ class Tokenizer:
             settings = _read_json_object(Path(tokenizer_config_json))
         else:
             settings = {"bos_token": backend.id_to_token(bos_token_id) if bos_token_id is not None else None}
-        bos = _token_content(settings.get("bos_token"))
-        eos = _token_content(settings.get("eos_token"))
+        named = {name: _token_content(settings.get(name)) for name in TEMPLATE_SPECIAL_TOKENS}
+        eos = named["eos_token"]
+        template_files = _read_chat_templates(tokenizer_json.parent)
         try:
-            return cls(
+            tokenizer = cls(
                 backend,
-                bos_token=bos,
+                bos_token=named["bos_token"],
                 eos_tokens=(eos,) if eos else (),
                 extra_eos_token_ids=extra_eos_token_ids,
-                chat_template=_chat_template(settings.get("chat_template")),
-                add_bos_token=settings.get("add_bos_token", True) is not False,
+                chat_template=template_files or _chat_template(settings.get("chat_template")),
+                special_tokens={name: token for name, token in named.items() if token is not None},
             )
         except TokenizerError as exc:
             raise TokenizerError(f"{tokenizer_config_json}: {exc}") from exc
+        try:
+            for name in tokenizer.chat_templates:  # a broken template fails at load, not per request
+                tokenizer._template(name)
+        except TokenizerError as exc:
+            source = tokenizer_json.parent / CHAT_TEMPLATE_FILE if template_files else tokenizer_config_json
+            raise TokenizerError(f"{source}: {exc}") from exc
+        if settings.get("add_bos_token") is True and not tokenizer.adds_bos:
+            # Folders saved before the BOS moved into tokenizer.json's post-processor look like this.
+            log.warning(
+                "%s says add_bos_token: true, but %s's post-processor adds no BOS; prompts get none, as "
+                'transformers encodes them (re-save the tokenizer: docs/model.md, "Tokenizer")',
+                tokenizer_config_json,
+                tokenizer_json,
+            )
+        return tokenizer
 
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        # Special tokens are added here, not by the tokenizer's post-processor, so that a chat
-        # template that already starts with the BOS token does not get a second one.
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_bos and self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
-            ids.insert(0, self.bos_token_id)
-        return ids
+    @property
+    def chat_template(self) -> str | None:
+        return self.chat_templates.get("default")
+
+    @property
+    def adds_bos(self) -> bool:
+        """Whether `encode` prepends the BOS token (the post-processor's choice)."""
+        return self.bos_token_id is not None and self.backend.encode("").ids[:1] == [self.bos_token_id]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with the special tokens (BOS) the tokenizer's post-processor adds
+        unless `add_special_tokens` is False: transformers' `tokenizer(text).input_ids`."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render OpenAI-style messages [{"role": ..., "content": ...}] into the prompt text."""
-        if self.chat_template is None:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render OpenAI-style messages [{"role": ..., "content": ...}] (and tool schemas, documents,
+        further template variables; plain JSON values) into the prompt text, as transformers'
+        `apply_chat_template(..., tokenize=False)`: the "tool_use" template when tools are given and
+        the checkpoint has one. A template's `raise_exception` raises jinja2's TemplateError."""
+        if not self.chat_templates:
             return plain_chat_prompt(messages, add_generation_prompt)
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
-        return self._template.render(
-            messages=list(messages),
+        name = "tool_use" if tools is not None and "tool_use" in self.chat_templates else "default"
+        return self._template(name).render(
+            messages=[_template_message(m) for m in messages],
+            tools=tools,
+            documents=documents,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_tokens[0] if self.eos_tokens else "",
+            **{**self.special_tokens, **template_kwargs},  # as in transformers, the caller's win
         )
+
+    def encode_chat_prompt(self, prompt: str) -> list[int]:
+        """The ids of a prompt `apply_chat_template` rendered. A checkpoint template's text is encoded
+        without special tokens, as transformers' `apply_chat_template(tokenize=True)` does (BOS only
+        where the template writes it); the plain template's like a completion prompt."""
+        return self.encode(prompt, add_special_tokens=not self.chat_templates)
 
     def incremental_decoder(self) -> IncrementalDecoder:
         return IncrementalDecoder(self)
@@ -128,19 +202,31 @@ class Tokenizer:
         """Write tokenizer.json and tokenizer_config.json into out_dir."""
         out_dir = Path(out_dir)
         self.backend.save(str(out_dir / "tokenizer.json"))
-        settings = {
+        settings: dict[str, Any] = {
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": self.bos_token,
-            "eos_token": self.eos_tokens[0] if self.eos_tokens else None,
-            "add_bos_token": self.add_bos_token and self.bos_token is not None,
+            **self.special_tokens,
+            # What the post-processor does, for readers that look here (llama.cpp's converter).
+            "add_bos_token": self.adds_bos,
             "clean_up_tokenization_spaces": False,
         }
-        if self.chat_template is not None:
-            settings["chat_template"] = self.chat_template
+        if self.chat_templates:
+            named = [{"name": n, "template": t} for n, t in self.chat_templates.items()]
+            settings["chat_template"] = self.chat_template if len(named) == 1 else named
         (out_dir / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
 
-    def _id_of(self, token: str) -> int:
-        token_id = self.backend.token_to_id(token)
+    def _template(self, name: str) -> Template:
+        from jinja2 import TemplateSyntaxError
+
+        if name not in self._compiled:
+            try:
+                self._compiled[name] = _compile_template(self.chat_templates[name])
+            except TemplateSyntaxError as exc:
+                raise TokenizerError(f"chat template {name!r} is not valid Jinja (line {exc.lineno}: {exc})") from exc
+        return self._compiled[name]
+
+    @staticmethod
+    def _id_of(backend: tokenizers.Tokenizer, token: str) -> int:
+        token_id = backend.token_to_id(token)
         if token_id is None:
             raise TokenizerError(f"special token {token!r} is not in the vocabulary")
         return token_id
@@ -194,25 +280,117 @@ def _token_content(token) -> str | None:
     return token
 
 
-def _chat_template(value) -> str | None:
-    # Either one template, or a list of named ones of which "default" is the chat template.
+def _chat_template(value) -> str | dict[str, str] | None:
+    # Either one template, or a list of named ones ({"name": ..., "template": ...}).
     if value is None or isinstance(value, str):
         return value
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        if "default" in named:
-            return named["default"]
-    raise TokenizerError("chat_template is neither a string nor a list with a 'default' template")
+    if isinstance(value, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in value
+    ):
+        return {t["name"]: t["template"] for t in value}
+    raise TokenizerError("chat_template is neither a string nor a list of {'name': ..., 'template': ...} objects")
+
+
+def _read_chat_templates(folder: Path) -> dict[str, str] | None:
+    """`chat_template.jinja` ("default") and `additional_chat_templates/NAME.jinja`, if any; transformers
+    prefers these files to tokenizer_config.json's `chat_template`."""
+    files = [folder / CHAT_TEMPLATE_FILE, *sorted((folder / CHAT_TEMPLATE_DIR).glob("*.jinja"))]
+    templates = {}
+    for path in files:
+        if path.is_file():
+            name = "default" if path.name == CHAT_TEMPLATE_FILE else path.name.removesuffix(".jinja")
+            try:
+                templates[name] = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise TokenizerError(f"{path}: unreadable chat template ({exc})") from exc
+    return templates or None
+
+
+def _with_bos_post_processor(backend: tokenizers.Tokenizer, bos_token: str | None) -> tokenizers.Tokenizer:
+    """A copy of `backend` whose post-processor prepends `bos_token` (nothing when None), written
+    as transformers' `update_post_processor` writes it."""
+    backend = tokenizers.Tokenizer.from_str(backend.to_str())  # the caller's tokenizer stays as it was
+    if bos_token is None:
+        backend.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
+    else:
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos_token}:0 $A:0",
+            pair=f"{bos_token}:0 $A:0 {bos_token}:1 $B:1",
+            special_tokens=[(bos_token, Tokenizer._id_of(backend, bos_token))],
+        )
+    return backend
+
+
+def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    # As transformers prepares each message: keys whose value is None are dropped (templates test
+    # for a missing key, and would print "None"), and reasoning under any of its names fills the
+    # names templates read.
+    message = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((message[key] for key in REASONING_FIELDS if key in message), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
 
 
 def _compile_template(source: str) -> Template:
-    # Sandboxed, as transformers does: a checkpoint's template is data, not trusted code.
-    from jinja2.exceptions import TemplateError
+    """The Jinja environment of transformers' `apply_chat_template`: sandboxed (a checkpoint's template
+    is data, not trusted code), trim_blocks and lstrip_blocks, loop controls, the `{% generation %}`
+    tag (here a no-op: it only marks assistant text for training masks), a `tojson` that does not
+    escape HTML and takes json.dumps's arguments, and the globals `raise_exception`, `strftime_now`,
+    `dict` and `namespace` (the last two refusing what could reach Python internals)."""
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.exceptions import SecurityError, TemplateError
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
 
     def raise_exception(message: str):
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
+
+    class TemplateDict:
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):  # Namespace's signature: `namespace(self=...)` must work
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check_name(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise SecurityError(f"chat templates cannot store underscore-prefixed attributes, got {name!r}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(
+        raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(), namespace=TemplateNamespace
+    )
     return env.from_string(source)

@@ -165,7 +165,8 @@ async def _prepare(service: ShimService, request: Request, kind: Literal["comple
             400, "The prompt is empty.", param="prompt" if kind == "completion" else "messages", code="empty_prompt"
         )
     log.debug("prompt: %r", prompt)
-    prompt_ids = await asyncio.to_thread(service.tokenizer.encode, prompt)
+    encode = service.tokenizer.encode if kind == "completion" else service.tokenizer.encode_chat_prompt
+    prompt_ids = await asyncio.to_thread(encode, prompt)
     if len(prompt_ids) > limits.max_prompt_tokens:
         raise APIError(
             400,

@@ -47,7 +47,7 @@ def backend_tokenizer() -> BackendTokenizer:
 
 @pytest.fixture(scope="session")
 def tokenizer(backend_tokenizer) -> Tokenizer:
-    return Tokenizer(backend_tokenizer, bos_token="<s>", eos_tokens=["</s>"])
+    return Tokenizer(backend_tokenizer, bos_token="<s>", eos_tokens=["</s>"], add_bos_token=True)
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -138,7 +138,9 @@ def test_heldout_windows_cover_the_requested_tokens():
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-model")
     model = random_model()
-    save_checkpoint(model, Tokenizer(build_backend_tokenizer(), bos_token="<s>", eos_tokens=["</s>"]), directory)
+    save_checkpoint(
+        model, Tokenizer(build_backend_tokenizer(), bos_token="<s>", eos_tokens=["</s>"], add_bos_token=True), directory
+    )
     gates = constant_gates(model.config, entropy_logit=-30.0)
     with torch.no_grad():
         gates[2].fc2.bias.fill_(30.0)  # layer 2 always matters

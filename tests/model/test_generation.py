@@ -25,7 +25,7 @@ def model():
 
 @pytest.fixture
 def no_eos(backend_tokenizer) -> Tokenizer:
-    return Tokenizer(backend_tokenizer, bos_token="<s>")
+    return Tokenizer(backend_tokenizer, bos_token="<s>", add_bos_token=True)
 
 
 def engine(model, tokenizer, **options) -> GenerationEngine:
@@ -73,7 +73,7 @@ def test_eos_stops_and_counts_as_a_generated_token(model, backend_tokenizer, no_
     free = engine(model, no_eos).generate(PROMPT, SamplingParams(max_tokens=20)).token_ids
     eos = free[4]
     first = free.index(eos)
-    stopping = Tokenizer(backend_tokenizer, bos_token="<s>", extra_eos_token_ids=[eos])
+    stopping = Tokenizer(backend_tokenizer, bos_token="<s>", extra_eos_token_ids=[eos], add_bos_token=True)
     result = engine(model, stopping).generate(PROMPT, SamplingParams(max_tokens=20))
     assert result.finish_reason == "stop"
     assert result.token_ids == free[: first + 1] and result.completion_tokens == first + 1

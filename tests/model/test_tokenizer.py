@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,17 +12,27 @@ from inference_shim.runtime.tokenizer import Tokenizer, TokenizerError
 from .conftest import TRAINING_TEXT
 
 
-def test_encode_adds_bos_once(tokenizer):
+def test_bos_comes_from_the_post_processor(tokenizer):
     ids = tokenizer.encode("the earth")
-    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
-    assert tokenizer.encode("<s>the earth") == ids  # a template that already starts with BOS
-    assert tokenizer.encode("the earth", add_bos=False) == ids[1:]
+    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1 and tokenizer.adds_bos
+    assert tokenizer.encode("the earth", add_special_tokens=False) == ids[1:]
     assert tokenizer.decode(ids) == "the earth"
 
 
-def test_add_bos_token_false_is_respected(backend_tokenizer):
+def test_add_bos_token_false_is_respected_and_the_backend_is_not_changed(backend_tokenizer):
     plain = Tokenizer(backend_tokenizer, bos_token="<s>", add_bos_token=False)
-    assert plain.bos_token_id not in plain.encode("the earth")
+    assert plain.bos_token_id not in plain.encode("the earth") and not plain.adds_bos
+    assert backend_tokenizer.post_processor is None  # the shared tokenizer was copied, not edited
+
+
+def test_a_saved_tokenizer_encodes_as_transformers_does(tmp_path, tokenizer):
+    from transformers import AutoTokenizer
+
+    tokenizer.save(tmp_path)
+    reference = AutoTokenizer.from_pretrained(tmp_path)
+    loaded = Tokenizer.from_files(tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json")
+    for text in ("the earth", "", "<s>the earth", "naïve café"):
+        assert loaded.encode(text) == tokenizer.encode(text) == reference(text).input_ids
 
 
 def test_plain_chat_template(tokenizer):
@@ -61,7 +72,7 @@ def test_bad_tokenizer_config(tmp_path, backend_tokenizer):
 
 @pytest.mark.parametrize("text", TRAINING_TEXT + ["emoji 🙂 and ✓✓ mixed", "日本語のテキスト"])
 def test_incremental_decoder_streams_the_full_text(tokenizer, text):
-    ids = tokenizer.encode(text, add_bos=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
     decoder = tokenizer.incremental_decoder()
     deltas = [decoder.push([token]) for token in ids]
     deltas.append(decoder.flush())
@@ -70,8 +81,37 @@ def test_incremental_decoder_streams_the_full_text(tokenizer, text):
 
 
 def test_incremental_decoder_flushes_an_incomplete_character(tokenizer):
-    ids = tokenizer.encode("🙂", add_bos=False)
+    ids = tokenizer.encode("🙂", add_special_tokens=False)
     assert len(ids) > 1  # byte-level: the emoji spans several tokens
     decoder = tokenizer.incremental_decoder()
     assert decoder.push(ids[:1]) == ""  # held back
     assert decoder.flush() == "\ufffd"
+
+
+def test_demo_tokenizer_agrees_with_transformers():
+    # Client token counts (AutoTokenizer) must match the server's, and the demo model keeps the BOS
+    # it was trained with (every training document starts with it).
+    from transformers import AutoTokenizer
+
+    folder = Path(__file__).resolve().parents[2] / "inference_shim" / "demo_model"
+    ours = Tokenizer.from_files(folder / "tokenizer.json", folder / "tokenizer_config.json")
+    reference = AutoTokenizer.from_pretrained(folder)
+    for text in ("In the beginning God created", "", "Ünïcödé ✓"):
+        assert ours.encode(text) == reference(text).input_ids
+        assert ours.encode(text)[:1] == [ours.bos_token_id]
+
+
+def test_a_config_asking_for_a_bos_the_post_processor_does_not_add_is_reported(tmp_path, backend_tokenizer, caplog):
+    backend_tokenizer.save(str(tmp_path / "tokenizer.json"))  # no post-processor: no BOS
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "add_bos_token": True}))
+    loaded = Tokenizer.from_files(tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json")
+    assert loaded.bos_token_id not in loaded.encode("the earth")
+    assert "add_bos_token: true" in caplog.text and "tokenizer.json's post-processor adds no BOS" in caplog.text
+
+
+def test_a_broken_chat_template_fails_at_load_naming_its_file(tmp_path, backend_tokenizer):
+    backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}")
+    with pytest.raises(TokenizerError, match=r"chat_template.jinja: chat template 'default' is not valid Jinja"):
+        Tokenizer.from_files(tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json")

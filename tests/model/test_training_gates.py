@@ -19,7 +19,7 @@ from tests.model.conftest import TRAINING_TEXT, build_backend_tokenizer, random_
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-model")
-    tokenizer = Tokenizer(build_backend_tokenizer(), bos_token="<s>", eos_tokens=["</s>"])
+    tokenizer = Tokenizer(build_backend_tokenizer(), bos_token="<s>", eos_tokens=["</s>"], add_bos_token=True)
     save_checkpoint(random_model(), tokenizer, directory)
     return directory
 
