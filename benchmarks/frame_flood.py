@@ -25,29 +25,20 @@ import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from layerwatch.wire import GateFrame, encode_frame  # noqa: E402
+from tests.exporter.support import forged_flood
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 WIDEST_SINGLE_ROW_LAYERS = 15_742  # 24 + names + 4·L + ⌈L/8⌉ bytes must stay within 65,000
 
 
-def flood_frames(models: int, layers: int) -> list[bytes]:
-    rng = np.random.default_rng(0)
-    frames = []
-    for index in range(models):
-        entropies = rng.random((1, layers), dtype=np.float32)
-        frames.append(encode_frame(GateFrame(f"forged-{index}", "forger", index, entropies, entropies < 0.18, 0.18)))
-    return frames
-
-
 def resident_mb(pid: int) -> tuple[float, float]:
     """(current, peak) resident memory of the process in MB, from /proc."""
     status = Path(f"/proc/{pid}/status").read_text()
-    current, peak = (int(re.search(rf"^{field}:\s+(\d+) kB", status, re.M)[1]) * 1024 / 1e6 for field in ("VmRSS", "VmHWM"))
+    current, peak = (
+        int(re.search(rf"^{field}:\s+(\d+) kB", status, re.M)[1]) * 1024 / 1e6 for field in ("VmRSS", "VmHWM")
+    )
     return current, peak
 
 
@@ -115,7 +106,7 @@ def main() -> None:
         report("before", process.pid, url)
 
         sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        for data in flood_frames(args.models, args.layers):
+        for data in forged_flood(args.models, args.layers):
             sender.sendto(data, ("127.0.0.1", udp_port))
             time.sleep(0.002)  # well within the receive buffer: every datagram reaches the exporter
         previous = -1.0

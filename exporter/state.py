@@ -172,6 +172,9 @@ class ExporterState:
         now = self._clock()
         layers = frame.entropies.shape[1]
         with self._lock:
+            # A refused frame did arrive: it moves its shim's sequence on, so it is not counted as lost
+            # (a gap it reveals is not charged: its statistics are not counted either).
+            gap = self._sequence_gap(frame.shim_id, frame.sequence)
             refusal = self._refusal(frame.model_name, layers, now)
             if refusal is not None:
                 self.frames_rejected[refusal] += 1
@@ -179,7 +182,7 @@ class ExporterState:
             model = self._models[frame.model_name]
             model.last_seen = now
             model.frames_received += 1
-            model.frames_lost += self._sequence_gap(frame.shim_id, frame.sequence)
+            model.frames_lost += gap
             threshold = frame.threshold
             if threshold is None:  # wire version 1: an older shim that does not send τ
                 threshold = self.config.default_threshold
