@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/frame_flood.py                           # this checkout, default flags
     .venv/bin/python benchmarks/frame_flood.py --checkout /old/checkout  # an older exporter, same flood
     .venv/bin/python benchmarks/frame_flood.py --with-key                # the exporter has a frame key
-    .venv/bin/python benchmarks/frame_flood.py --layers 256              # the widest frames still admitted
+    .venv/bin/python benchmarks/frame_flood.py --layers 256 [-- --per-layer]  # the widest frames admitted
 
-The flood (issue 11, item 1): `--models` well-formed, unsigned datagrams over loopback UDP, each naming a
+The flood (issue 11, item 1): `--models` well-formed, untagged datagrams over loopback UDP, each naming a
 new model and carrying one row of `--layers` layers (15,742 is the widest single-row frame that fits a
 datagram). Measured from outside the process: resident memory (/proc) before and after, the size of
 one /metrics page and how long it takes. Goals (docs/reliability.md): RSS <= 100 MB, /metrics <= 1 MB,
@@ -102,7 +102,7 @@ def main() -> None:
         udp_port, http_port = map(int, ready.groups())
         url = f"http://127.0.0.1:{http_port}/metrics"
         print(f"exporter of {args.checkout} {' '.join(extra)}".rstrip())
-        print(f"flood: {args.models} datagrams, each a new model of {args.layers:,} layers, 1 row, unsigned")
+        print(f"flood: {args.models} datagrams, each a new model of {args.layers:,} layers, 1 row, untagged")
         report("before", process.pid, url)
 
         sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

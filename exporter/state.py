@@ -175,7 +175,7 @@ class ExporterState:
             # A refused frame did arrive: it moves its shim's sequence on, so it is not counted as lost
             # (a gap it reveals is not charged: its statistics are not counted either).
             gap = self._sequence_gap(frame.shim_id, frame.sequence)
-            refusal = self._refusal(frame.model_name, layers, now)
+            refusal = self._admit(frame.model_name, layers, now)
             if refusal is not None:
                 self.frames_rejected[refusal] += 1
                 return
@@ -211,10 +211,11 @@ class ExporterState:
             return 0
         return sequence - previous - 1
 
-    def _refusal(self, model_name: str, layers: int, now: float) -> str | None:
-        """Why a frame may not be counted (a REJECT_REASONS entry), or None once the model has a slot.
+    def _admit(self, model_name: str, layers: int, now: float) -> str | None:
+        """Why a frame of this model and width is refused (a REJECT_REASONS entry), else None with the
+        model's slot in place: a new model takes a free slot, or one an idle model leaves.
 
-        Called under the lock. A new model takes a free slot, or one an idle model leaves.
+        Called under the lock.
         """
         if layers > self.config.max_layers:
             return "too_many_layers"
