@@ -149,8 +149,8 @@ class RoutingCollector(_StateCollector):
 
 
 class IngestCollector(_StateCollector):
-    """Frames received, malformed, lost (sequence gaps), rejected (too many models) and received
-    without a threshold (version 1: judged against the exporter's default)."""
+    """Frames received, malformed, lost (sequence gaps), rejected (by reason: REJECT_REASONS) and
+    received without a threshold (version 1: judged against the exporter's default)."""
 
     metric_names = (
         "layerwatch_exporter_frames_received_total",
@@ -167,7 +167,8 @@ class IngestCollector(_StateCollector):
             lost.add_metric([model.model_name], model.frames_lost)
             without_threshold.add_metric([model.model_name], model.frames_without_threshold)
         malformed.add_metric([], self._state.frames_malformed)
-        rejected.add_metric([], self._state.frames_rejected)
+        for reason, count in self._state.frames_rejected.copy().items():
+            rejected.add_metric([reason], count)
         yield from (received, malformed, lost, rejected, without_threshold)
 
 

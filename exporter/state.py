@@ -1,7 +1,11 @@
 """What the exporter knows: per-model statistics fed by gate frames, and ingest health.
 
 The UDP receiver thread calls `ingest_datagram`; scrapes read through `snapshot`, `bimodality` and
-`routing`. One lock guards the counters; the bimodality check runs outside it, at scrape time, cached
+`routing`. What a forged frame can cost is bounded: a model's layer count is fixed by its first
+accepted frame, frames wider than `max_layers` are refused, at most `max_models` models are kept and
+a model that sends nothing for `model_idle_seconds` is forgotten (its slot and series freed); with a
+frame key, untagged and mistagged frames are refused before decoding. Each refusal is counted by
+reason. One lock guards the counters; the bimodality check runs outside it, at scrape time, cached
 (see `bimodality`), so frames keep flowing while a scrape computes the dip test. The routing
 statistics are cached the same way.
 """
@@ -13,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,13 +34,15 @@ from layerwatch.statistics import (
     check_bimodality,
     le_bucket_index,
 )
-from layerwatch.wire import GateFrame, MalformedFrame, decode_frame
+from layerwatch.wire import GateFrame, MalformedFrame, UnauthenticatedFrame, decode_frame
 
 log = logging.getLogger(__name__)
 
 # Sequence numbers are remembered for this many shims (least recently heard from is forgotten first),
 # so a stream of made-up shim ids cannot grow memory without bound.
 MAX_TRACKED_SHIMS = 4096
+# Why a well-formed frame was dropped (layerwatch_exporter_frames_rejected_total{reason}).
+REJECT_REASONS = ("too_many_models", "too_many_layers", "layer_count_changed", "missing_tag", "bad_tag")
 
 
 @dataclass(frozen=True)
@@ -46,11 +52,16 @@ class ExporterConfig:
     min_window_observations: int = DEFAULT_MIN_WINDOW_OBSERVATIONS
     per_layer: bool = False  # per-layer histograms (20 buckets × layers × models series)
     max_models: int = 64  # frames naming further models are rejected: label cardinality
+    max_layers: int = 256  # wider frames are rejected: per-layer series per model
+    model_idle_seconds: float = 900.0  # a model silent this long is forgotten (slot and series freed)
+    frame_key: bytes | None = field(default=None, repr=False)  # only frames tagged under it are accepted
     statistics_cache_seconds: float = 2.0
     default_threshold: float = DEFAULT_THRESHOLD  # τ for frames that do not carry one (wire version 1)
     min_routing_tokens: int = DEFAULT_MIN_ROUTING_TOKENS  # below this the routing verdict is withheld
 
     def __post_init__(self) -> None:
+        if not 0 < self.max_layers <= 0xFFFF:
+            raise ValueError(f"--max-layers {self.max_layers} must be 1..65535 (the frame's layer field is a u16)")
         if not 0 < self.window_max_observations <= MAX_WINDOW_OBSERVATIONS:
             raise ValueError(
                 f"--window-max-observations {self.window_max_observations} must be 1..{MAX_WINDOW_OBSERVATIONS}: "
@@ -66,7 +77,9 @@ class ExporterConfig:
 class ModelStatistics:
     """Everything kept for one model_name."""
 
-    def __init__(self, config: ExporterConfig) -> None:
+    def __init__(self, config: ExporterConfig, layers: int = 0, now: float = 0.0) -> None:
+        self.num_layers = layers  # fixed by the model's first frame (0: any, as in replay)
+        self.last_seen = now  # when the model's latest frame was accepted
         self.totals = EntropyTotals()
         self.layers = LayerTotals(with_buckets=config.per_layer)
         self.window = SlidingWindow(config.window_max_observations, config.window_seconds)
@@ -133,7 +146,7 @@ class ExporterState:
         self._models: dict[str, ModelStatistics] = {}
         self._last_sequence: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.frames_malformed = 0
-        self.frames_rejected = 0
+        self.frames_rejected = dict.fromkeys(REJECT_REASONS, 0)
         # One bimodality computation at a time: concurrent scrapes wait for it and reuse the result.
         self._bimodality_lock = threading.Lock()
         self._bimodality_cache: dict[str, _CachedBimodality] = {}
@@ -142,7 +155,12 @@ class ExporterState:
 
     def ingest_datagram(self, data: bytes) -> None:
         try:
-            frame = decode_frame(data)
+            frame = decode_frame(data, self.config.frame_key)
+        except UnauthenticatedFrame as exc:
+            log.debug("dropped an unauthenticated datagram: %s", exc)
+            with self._lock:
+                self.frames_rejected[exc.reason] += 1
+            return
         except MalformedFrame as exc:
             log.debug("dropped a malformed datagram: %s", exc)
             with self._lock:
@@ -152,15 +170,19 @@ class ExporterState:
 
     def ingest(self, frame: GateFrame) -> None:
         now = self._clock()
+        layers = frame.entropies.shape[1]
         with self._lock:
-            model = self._models.get(frame.model_name)
-            if model is None:
-                if len(self._models) >= self.config.max_models:
-                    self.frames_rejected += 1
-                    return
-                model = self._models[frame.model_name] = ModelStatistics(self.config)
+            # A refused frame did arrive: it moves its shim's sequence on, so it is not counted as lost
+            # (a gap it reveals is not charged: its statistics are not counted either).
+            gap = self._sequence_gap(frame.shim_id, frame.sequence)
+            refusal = self._admit(frame.model_name, layers, now)
+            if refusal is not None:
+                self.frames_rejected[refusal] += 1
+                return
+            model = self._models[frame.model_name]
+            model.last_seen = now
             model.frames_received += 1
-            model.frames_lost += self._sequence_gap(frame.shim_id, frame.sequence)
+            model.frames_lost += gap
             threshold = frame.threshold
             if threshold is None:  # wire version 1: an older shim that does not send τ
                 threshold = self.config.default_threshold
@@ -189,12 +211,43 @@ class ExporterState:
             return 0
         return sequence - previous - 1
 
+    def _admit(self, model_name: str, layers: int, now: float) -> str | None:
+        """Why a frame of this model and width is refused (a REJECT_REASONS entry), else None with the
+        model's slot in place: a new model takes a free slot, or one an idle model leaves.
+
+        Called under the lock.
+        """
+        if layers > self.config.max_layers:
+            return "too_many_layers"
+        model = self._models.get(model_name)
+        if model is not None:
+            return "layer_count_changed" if layers != model.num_layers else None
+        if len(self._models) >= self.config.max_models and not self._forget_idle_models(now):
+            return "too_many_models"
+        self._models[model_name] = ModelStatistics(self.config, layers, now)
+        return None
+
+    def _forget_idle_models(self, now: float) -> int:
+        """Drops the models that sent nothing for `model_idle_seconds` (with their series); how many.
+
+        Called under the lock, by scrapes and when a new model finds every slot taken.
+        """
+        idle = [name for name, model in self._models.items() if now - model.last_seen > self.config.model_idle_seconds]
+        for name in idle:
+            del self._models[name]
+            self._bimodality_cache.pop(name, None)
+            self._routing_cache.pop(name, None)
+            log.info("model %r: no frame for %gs, forgotten", name, self.config.model_idle_seconds)
+        return len(idle)
+
     def model_names(self) -> list[str]:
         with self._lock:
+            self._forget_idle_models(self._clock())
             return sorted(self._models)
 
     def snapshot(self) -> list[ModelSnapshot]:
         with self._lock:
+            self._forget_idle_models(self._clock())
             return [self._snapshot(name, model) for name, model in sorted(self._models.items())]
 
     @staticmethod
@@ -221,7 +274,10 @@ class ExporterState:
         with self._bimodality_lock:
             now = self._clock()
             with self._lock:
-                window = self._models[model_name].window
+                model = self._models.get(model_name)
+                if model is None:  # forgotten (idle) since the caller listed it: nothing in its window
+                    return check_bimodality(np.empty(0, np.float32), self.config.min_window_observations)
+                window = model.window
                 window.expire(now)
                 cached = self._bimodality_cache.get(model_name)
                 if cached is not None and (
@@ -241,7 +297,10 @@ class ExporterState:
         with self._routing_lock:
             now = self._clock()
             with self._lock:
-                window = self._models[model_name].routing_window
+                model = self._models.get(model_name)
+                if model is None:  # forgotten (idle) since the caller listed it: nothing in its window
+                    return check_routing(0, np.zeros(0), np.zeros(0), min_tokens=self.config.min_routing_tokens)
+                window = model.routing_window
                 window.expire(now)
                 cached = self._routing_cache.get(model_name)
                 if cached is not None and (

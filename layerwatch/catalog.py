@@ -427,8 +427,10 @@ METRICS: tuple[MetricSpec, ...] = (
     _m(
         "layerwatch_exporter_frames_rejected_total",
         "counter",
-        (),
-        "Valid frames dropped because they name a model beyond --max-models (label cardinality).",
+        ("reason",),
+        "Well-formed frames dropped, by reason: too_many_models (beyond --max-models), too_many_layers "
+        "(beyond --max-layers), layer_count_changed (not the layer count of the model's first frame), "
+        "missing_tag / bad_tag (not authenticated under --frame-key-file).",
         EXPORTER,
     ),
     _m(

@@ -7,7 +7,7 @@ everything is little-endian:
     offset  size  field
     0       4     magic b"LWGF"
     4       1     version (2; 1 is still read)
-    5       1     flags (0; reserved, a decoder rejects unknown bits)
+    5       1     flags (bit 0: an authentication tag ends the frame; a decoder rejects unknown bits)
     6       2     rows   (u16, > 0)
     8       2     layers (u16, > 0)
     10      8     sequence (u64, +1 per frame sent by one shim)
@@ -18,6 +18,8 @@ everything is little-endian:
     ...     4·R·L entropies, float32, row-major
     ...     R·⌈L/8⌉ skip bits, np.packbits of each row (first layer = most significant bit),
                   padding bits zero
+    ...     16    with flag bit 0 only: HMAC-SHA256 of every byte before it under the frame key,
+                  truncated to 16 bytes
 
 Version 2 adds the skip policy's threshold τ, so the exporter can tell below-τ scores from the
 rest (routing statistics, layerwatch/routing.py). A version-1 frame (an older shim) decodes with
@@ -26,10 +28,18 @@ a frame with a threshold and version 1 for one without, so every frame has exact
 
 The decoder trusts nothing: it checks the total size against the header before touching the
 payload, so a hostile header cannot make it allocate, and every entropy must be finite and in [0, 1].
+Given the frame key, it checks the tag first, before reading anything past the fixed header.
+
+The frame key is shared by the shim and the exporter through a file (`load_frame_key`): without it,
+frames are untagged and anyone who can reach the exporter's port can forge them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -46,6 +56,12 @@ MAX_FRAME_BYTES = 65_000
 MAX_NAME_BYTES = 255
 # Where the shim sends frames and the exporter listens for them, unless told otherwise.
 DEFAULT_FRAMES_ADDRESS = f"{LOOPBACK}:{EXPORTER_FRAMES_PORT}"
+FLAG_TAGGED = 0x01  # the frame ends with an authentication tag
+# HMAC-SHA256 truncated to 128 bits, as IPsec's HMAC-SHA-256-128 (RFC 4868) authenticates each packet:
+# a forger gets one guess per datagram, so 2^-128 per try is out of reach, and it saves 16 bytes.
+TAG_BYTES = 16
+MIN_KEY_BYTES = 32  # e.g. `openssl rand -hex 32` (64 characters)
+_MAX_KEY_FILE_BYTES = 4096
 
 _HEADER = struct.Struct("<4sBBHHQBB")
 HEADER_BYTES = _HEADER.size  # 20: the fields every version starts with (all of version 1's header)
@@ -60,6 +76,22 @@ class FrameTooLarge(ValueError):
 
 class MalformedFrame(ValueError):
     """The bytes are not a valid gate frame; the message says why."""
+
+
+class UnauthenticatedFrame(ValueError):
+    """The frame does not prove it was sent by a holder of the frame key.
+
+    `reason` is "missing_tag" (an untagged frame) or "bad_tag" (the tag does not match: forged,
+    altered, or tagged under another key).
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class FrameKeyError(ValueError):
+    """The frame key file cannot be used; the message names the file and the problem."""
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: ndarray fields have no single truth value
@@ -89,14 +121,48 @@ def parse_address(text: str, *, listening: bool = False) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def frame_bytes(rows: int, layers: int, model_name: str, shim_id: str, threshold: float | None = None) -> int:
+def load_frame_key(path: str | os.PathLike[str]) -> bytes:
+    """The frame key: the file's bytes without surrounding whitespace. Raises FrameKeyError.
+
+    The file must be a regular file that only its owner can access (like an SSH private key), and
+    hold at least MIN_KEY_BYTES.
+    """
+    try:
+        with open(path, "rb") as file:
+            info = os.fstat(file.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise FrameKeyError(f"frame key file {path}: not a regular file")
+            if info.st_mode & 0o077:
+                raise FrameKeyError(
+                    f"frame key file {path}: group or others may access it (mode {stat.S_IMODE(info.st_mode):04o}); "
+                    f"run chmod 600 {path}"
+                )
+            raw = file.read(_MAX_KEY_FILE_BYTES + 1)
+    except OSError as exc:
+        raise FrameKeyError(f"frame key file {path}: {exc.strerror or exc}") from None
+    if len(raw) > _MAX_KEY_FILE_BYTES:
+        raise FrameKeyError(f"frame key file {path}: larger than {_MAX_KEY_FILE_BYTES} bytes, not a key")
+    key = raw.strip()
+    if len(key) < MIN_KEY_BYTES:
+        raise FrameKeyError(
+            f"frame key file {path}: {len(key)} bytes, a key needs at least {MIN_KEY_BYTES} "
+            f"(e.g. openssl rand -hex 32 > {path})"
+        )
+    return key
+
+
+def frame_bytes(
+    rows: int, layers: int, model_name: str, shim_id: str, threshold: float | None = None, tagged: bool = False
+) -> int:
     """Encoded size of a frame, so a sender can split a batch before encoding.
 
-    A frame with a threshold (version 2) is 4 bytes longer than one without (version 1).
+    A frame with a threshold (version 2) is 4 bytes longer than one without (version 1); a tagged
+    one TAG_BYTES longer than an untagged one.
     """
     names = len(model_name.encode("utf-8")) + len(shim_id.encode("utf-8"))
     header = HEADER_BYTES if threshold is None else HEADER_BYTES_V2
-    return header + names + rows * layers * 4 + rows * _packed_row_bytes(layers)
+    tag = TAG_BYTES if tagged else 0
+    return header + names + rows * layers * 4 + rows * _packed_row_bytes(layers) + tag
 
 
 def check_gate_arrays(entropies: np.ndarray, skipped: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -118,7 +184,8 @@ def check_gate_arrays(entropies: np.ndarray, skipped: np.ndarray) -> tuple[np.nd
     return entropies, skipped
 
 
-def encode_frame(frame: GateFrame) -> bytes:
+def encode_frame(frame: GateFrame, key: bytes | None = None) -> bytes:
+    """The frame's datagram; with `key`, tagged (flag bit 0 and an HMAC tag at the end)."""
     entropies, skipped = check_gate_arrays(frame.entropies, frame.skipped)
     rows, layers = entropies.shape
     if rows > 0xFFFF or layers > 0xFFFF:
@@ -128,23 +195,28 @@ def encode_frame(frame: GateFrame) -> bytes:
     if not 0 <= frame.sequence < 2**64:
         raise ValueError(f"sequence {frame.sequence} is not a u64")
     threshold = b"" if frame.threshold is None else _THRESHOLD.pack(_check_threshold(frame.threshold, ValueError))
-    size = frame_bytes(rows, layers, frame.model_name, frame.shim_id, frame.threshold)
+    size = frame_bytes(rows, layers, frame.model_name, frame.shim_id, frame.threshold, tagged=key is not None)
     if size > MAX_FRAME_BYTES:
         raise FrameTooLarge(
             f"frame of {rows} rows x {layers} layers needs {size} bytes, "
             f"limit {MAX_FRAME_BYTES}: send fewer rows per frame"
         )
     version = VERSION_WITHOUT_THRESHOLD if frame.threshold is None else VERSION
-    header = _HEADER.pack(MAGIC, version, 0, rows, layers, frame.sequence, len(model), len(shim))
+    flags = 0 if key is None else FLAG_TAGGED
+    header = _HEADER.pack(MAGIC, version, flags, rows, layers, frame.sequence, len(model), len(shim))
     bits = np.packbits(skipped, axis=1)
-    return b"".join(
+    data = b"".join(
         (header, threshold, model, shim, entropies.astype(_ENTROPY_DTYPE, copy=False).tobytes(), bits.tobytes())
     )
+    return data if key is None else data + _tag(key, data)
 
 
-def decode_frame(data: bytes) -> GateFrame:
+def decode_frame(data: bytes, key: bytes | None = None) -> GateFrame:
     """Decode one datagram. Raises MalformedFrame with the reason for anything wrong.
 
+    With `key`, only a frame tagged under that key decodes: anything else raises UnauthenticatedFrame
+    before the payload is read. Without a key, a tagged frame decodes too (its tag unchecked), so
+    shims can be given the key before the exporter is.
     The arrays are read-only views of `data` (no copy on the ingest path).
     """
     if len(data) > MAX_FRAME_BYTES:
@@ -158,8 +230,18 @@ def decode_frame(data: bytes) -> GateFrame:
         raise MalformedFrame(
             f"unsupported version {version}, this decoder reads {' and '.join(map(str, SUPPORTED_VERSIONS))}"
         )
-    if flags != 0:
+    if flags & ~FLAG_TAGGED:
         raise MalformedFrame(f"unknown flags 0x{flags:02x}")
+    tagged = bool(flags & FLAG_TAGGED)
+    if tagged:
+        if len(data) < HEADER_BYTES + TAG_BYTES:
+            raise MalformedFrame(f"{len(data)} bytes is too short for a tagged frame")
+        data, tag = data[:-TAG_BYTES], data[-TAG_BYTES:]
+    if key is not None:
+        if not tagged:
+            raise UnauthenticatedFrame("missing_tag", "the frame carries no authentication tag")
+        if not hmac.compare_digest(tag, _tag(key, data)):
+            raise UnauthenticatedFrame("bad_tag", "the authentication tag does not match the frame key")
     if rows == 0 or layers == 0:
         raise MalformedFrame(f"empty frame: {rows} rows x {layers} layers")
     if model_len == 0 or shim_len == 0:
@@ -169,8 +251,8 @@ def decode_frame(data: bytes) -> GateFrame:
     expected = header_bytes + model_len + shim_len + rows * layers * 4 + rows * row_bits
     if len(data) != expected:
         raise MalformedFrame(
-            f"{len(data)} bytes, but the header (version {version}, {rows} rows x "
-            f"{layers} layers, names {model_len}+{shim_len} bytes) describes {expected}"
+            f"{len(data)} bytes{' before the tag' if tagged else ''}, but the header (version {version}, "
+            f"{rows} rows x {layers} layers, names {model_len}+{shim_len} bytes) describes {expected}"
         )
 
     threshold = None
@@ -192,6 +274,10 @@ def decode_frame(data: bytes) -> GateFrame:
         raise MalformedFrame("padding bits after the last layer are set")
     skipped = bits[:, :layers].view(bool)
     return GateFrame(model_name, shim_id, sequence, entropies, skipped, threshold)
+
+
+def _tag(key: bytes, data: bytes) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest()[:TAG_BYTES]
 
 
 def _packed_row_bytes(layers: int) -> int:

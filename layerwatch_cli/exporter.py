@@ -7,12 +7,13 @@ import logging
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from exporter.server import ExporterServer
 from exporter.state import ExporterConfig, ExporterState
 from layerwatch.ports import EXPORTER_HTTP_PORT, LOOPBACK
 from layerwatch.statistics import MAX_WINDOW_OBSERVATIONS
-from layerwatch.wire import DEFAULT_FRAMES_ADDRESS
+from layerwatch.wire import DEFAULT_FRAMES_ADDRESS, load_frame_key
 from layerwatch_cli import argtypes
 
 log = logging.getLogger("layerwatch.exporter")
@@ -65,6 +66,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="frames naming more distinct models than this are rejected (default %(default)s)",
     )
     parser.add_argument(
+        "--max-layers",
+        type=argtypes.positive(int),
+        default=defaults.max_layers,
+        help="frames with more layers than this are rejected and counted (default %(default)s)",
+    )
+    parser.add_argument(
+        "--model-idle-seconds",
+        type=argtypes.positive(float),
+        default=defaults.model_idle_seconds,
+        help="a model that sends no frame for this long is forgotten: its series and its slot among "
+        "--max-models are freed, its layer count may change (default %(default)s)",
+    )
+    parser.add_argument(
+        "--frame-key-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="accept only gate frames authenticated with the key in FILE (the shim's "
+        "--frame-key-file; owner-only permissions); others are rejected and counted (default: "
+        "accept untagged frames)",
+    )
+    parser.add_argument(
         "--statistics-cache-seconds",
         type=argtypes.non_negative,
         default=defaults.statistics_cache_seconds,
@@ -94,17 +117,21 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        frame_key = None if args.frame_key_file is None else load_frame_key(args.frame_key_file)
         config = ExporterConfig(
             window_seconds=args.window_seconds,
             window_max_observations=args.window_max_observations,
             min_window_observations=args.min_window_observations,
             per_layer=args.per_layer,
             max_models=args.max_models,
+            max_layers=args.max_layers,
+            model_idle_seconds=args.model_idle_seconds,
+            frame_key=frame_key,
             statistics_cache_seconds=args.statistics_cache_seconds,
             default_threshold=args.default_threshold,
             min_routing_tokens=args.min_routing_tokens,
         )
-    except ValueError as exc:
+    except ValueError as exc:  # FrameKeyError included
         print(f"layerwatch exporter: {exc}", file=sys.stderr)
         return 2
     try:
@@ -126,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
         http_host,
         http_port,
     )
+    if args.frame_key_file is not None:
+        log.info("accepting only gate frames authenticated with the key in %s", args.frame_key_file)
     stop.wait()
     log.info("stopping")
     server.stop()

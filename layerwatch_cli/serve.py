@@ -171,6 +171,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="identifies this process in gate frames (default: hostname-pid)",
     )
     telemetry.add_argument(
+        "--frame-key-file",
+        type=Path,
+        default=SETTINGS_DEFAULTS["frame_key_file"],
+        metavar="FILE",
+        help="authenticate gate frames with the key in FILE (the exporter's --frame-key-file; "
+        "owner-only permissions, at least 32 bytes, e.g. `openssl rand -hex 32`; default: untagged frames)",
+    )
+    telemetry.add_argument(
         "--trace-file",
         type=Path,
         default=SETTINGS_DEFAULTS["trace_file"],

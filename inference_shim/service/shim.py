@@ -41,7 +41,7 @@ from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, 
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
 from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.trace import TraceWriter
-from layerwatch.wire import DEFAULT_FRAMES_ADDRESS
+from layerwatch.wire import DEFAULT_FRAMES_ADDRESS, load_frame_key
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class ServeSettings:
     body_timeout_seconds: float = 30.0  # a request body must arrive within this (slow clients get 408)
     exporter_address: str = DEFAULT_FRAMES_ADDRESS  # "" = no frames
     shim_id: str | None = None  # None: hostname-pid
+    frame_key_file: Path | None = None  # gate frames tagged with this key (layerwatch/wire.py); None: untagged
     trace_file: Path | None = None
     trace_max_bytes: int = 100 << 20
     shadow_rate: float = 0.0
@@ -171,7 +172,12 @@ class ShimService:
         shim_id = settings.shim_id or f"{socket.gethostname()}-{os.getpid()}"
         self.sender = (
             FrameSender(
-                settings.exporter_address, self.model_name, shim_id, config.num_layers, threshold=self.policy.threshold
+                settings.exporter_address,
+                self.model_name,
+                shim_id,
+                config.num_layers,
+                threshold=self.policy.threshold,
+                key=load_frame_key(settings.frame_key_file) if settings.frame_key_file else None,
             )
             if settings.exporter_address
             else None

@@ -42,10 +42,21 @@ class FrameSender:
     `layerwatch_telemetry_frames_dropped_total` rather than anywhere else. Every frame takes the
     next sequence number, sent or not, so the exporter sees dropped frames as gaps. Every frame
     carries the skip policy's `threshold` (wire version 2), which the exporter's routing
-    statistics need to tell below-threshold scores from the rest.
+    statistics need to tell below-threshold scores from the rest. With a frame `key`, every frame
+    is tagged with it (an HMAC, docs/wire-format.md), so an exporter holding the key can tell it
+    from a forged one.
     """
 
-    def __init__(self, address: str, model_name: str, shim_id: str, num_layers: int, *, threshold: float) -> None:
+    def __init__(
+        self,
+        address: str,
+        model_name: str,
+        shim_id: str,
+        num_layers: int,
+        *,
+        threshold: float,
+        key: bytes | None = None,
+    ) -> None:
         for field, value in (("model name", model_name), ("shim id", shim_id)):
             if not 0 < len(value.encode("utf-8")) <= MAX_NAME_BYTES:
                 raise ValueError(f"the {field} must be 1..{MAX_NAME_BYTES} UTF-8 bytes to fit a gate frame")
@@ -62,14 +73,14 @@ class FrameSender:
         self.model_name = model_name
         self.shim_id = shim_id
         self.threshold = threshold
+        self.key = key
         self.sequence = 0
         self.sent = 0
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         # A batch whose frame would exceed the datagram limit goes out in several frames.
-        per_row = frame_bytes(1, num_layers, model_name, shim_id, threshold) - frame_bytes(
-            0, num_layers, model_name, shim_id, threshold
-        )
-        overhead = frame_bytes(0, num_layers, model_name, shim_id, threshold)
+        tagged = key is not None
+        overhead = frame_bytes(0, num_layers, model_name, shim_id, threshold, tagged)
+        per_row = frame_bytes(1, num_layers, model_name, shim_id, threshold, tagged) - overhead
         self.rows_per_frame = max(1, (MAX_FRAME_BYTES - overhead) // per_row)
 
     def send(self, entropies: np.ndarray, skipped: np.ndarray) -> None:
@@ -84,7 +95,8 @@ class FrameSender:
         sequence = self.sequence
         self.sequence += 1
         try:
-            data = encode_frame(GateFrame(self.model_name, self.shim_id, sequence, entropies, skipped, self.threshold))
+            frame = GateFrame(self.model_name, self.shim_id, sequence, entropies, skipped, self.threshold)
+            data = encode_frame(frame, self.key)
         except FrameTooLarge:
             self.dropped["too_large"] += 1
             return

@@ -103,3 +103,12 @@ def random_frame(
 ) -> GateFrame:
     entropies = rng.random((rows, layers), dtype=np.float32)
     return GateFrame(model, shim, sequence, entropies, entropies < 0.18)
+
+
+def forged_flood(models: int, layers: int) -> list[bytes]:
+    """Issue 11's flood: well-formed, untagged frames of one row, each naming a new model."""
+    rng = np.random.default_rng(0)
+    return [
+        encode_frame(random_frame(rng, index, model=f"forged-{index}", shim="forger", rows=1, layers=layers))
+        for index in range(models)
+    ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from exporter.state import ExporterConfig, ExporterState
+from exporter.state import ExporterConfig, ExporterState, ModelStatistics
 from layerwatch.wire import GateFrame, encode_frame
 from tests.exporter.support import random_frame
 
@@ -50,8 +50,54 @@ def test_models_beyond_the_limit_are_rejected() -> None:
     for sequence, model in enumerate(["a", "b", "c", "a"]):
         state.ingest(random_frame(rng, sequence, model=model))
     assert sorted(by_model(state)) == ["a", "b"]
-    assert state.frames_rejected == 1
+    assert state.frames_rejected["too_many_models"] == 1
     assert by_model(state)["a"].frames_received == 2
+
+
+def test_a_model_keeps_the_layer_count_of_its_first_frame_and_wide_frames_are_refused() -> None:
+    state, rng = make_state(max_layers=8), np.random.default_rng(0)
+    for sequence, layers in enumerate([6, 7, 9, 6]):
+        state.ingest(random_frame(rng, sequence, layers=layers))
+    demo = by_model(state)["demo"]
+    assert demo.frames_received == 2 and len(demo.layer_sums) == 6
+    assert state.frames_rejected["layer_count_changed"] == 1 and state.frames_rejected["too_many_layers"] == 1
+    state.ingest(random_frame(rng, 4, model="wide", layers=9))
+    assert "wide" not in by_model(state)  # a refused frame takes no slot
+
+
+def test_idle_models_are_forgotten_and_free_their_slot() -> None:
+    clock = Clock()
+    state, rng = make_state(clock, max_models=1, model_idle_seconds=60.0), np.random.default_rng(0)
+    state.ingest(random_frame(rng, 0, model="a", layers=6))
+    clock.now += 30
+    state.ingest(random_frame(rng, 1, model="b"))
+    assert state.frames_rejected["too_many_models"] == 1
+    state.ingest(random_frame(rng, 2, model="a", layers=6))  # a frame keeps the model alive
+    clock.now += 59
+    assert list(by_model(state)) == ["a"]
+    clock.now += 2
+    state.ingest(random_frame(rng, 3, model="b"))
+    assert list(by_model(state)) == ["b"] and state.model_names() == ["b"]
+    assert state.bimodality("a").withheld and state.routing("a").withheld  # forgotten: an empty window
+    clock.now += 61
+    assert by_model(state) == {}  # a scrape forgets too, so idle series disappear
+    state.ingest(random_frame(rng, 4, model="a", layers=9))  # forgotten: the layer count may change
+    assert len(by_model(state)["a"].layer_sums) == 9
+
+
+def test_with_a_frame_key_only_frames_tagged_under_it_are_counted() -> None:
+    key = b"k" * 32
+    state, rng = make_state(frame_key=key), np.random.default_rng(0)
+    state.ingest_datagram(encode_frame(random_frame(rng, 0), key))
+    state.ingest_datagram(encode_frame(random_frame(rng, 1)))
+    state.ingest_datagram(encode_frame(random_frame(rng, 2), b"x" * 32))
+    tampered = bytearray(encode_frame(random_frame(rng, 3), key))
+    tampered[30] ^= 1
+    state.ingest_datagram(bytes(tampered))
+    assert by_model(state)["demo"].frames_received == 1
+    assert state.frames_rejected["missing_tag"] == 1 and state.frames_rejected["bad_tag"] == 2
+    assert state.frames_malformed == 0
+    assert "k" * 32 not in repr(state.config)  # the key never reaches a log line through the config
 
 
 def test_ingest_feeds_totals_layers_and_window() -> None:
@@ -126,11 +172,12 @@ def test_the_routing_window_keeps_whole_recent_tokens() -> None:
     assert routing.static_layers == (9,) and routing.verdict == "static"
 
 
-def test_a_new_layer_count_starts_the_routing_window_over() -> None:
-    state = make_state(min_routing_tokens=5)
-    state.ingest(_frame(100, 16, [3], 0))
-    state.ingest(_frame(60, 8, [5], 1))
-    routing = state.routing("demo")
+def test_a_new_layer_count_starts_the_routing_window_over_in_a_replay() -> None:
+    # The live exporter refuses the second shape (layer_count_changed); a trace may hold both.
+    model = ModelStatistics(ExporterConfig())
+    for frame in (_frame(100, 16, [3], 0), _frame(60, 8, [5], 1)):
+        model.add(frame.entropies, frame.skipped, now=0.0)
+    routing = model.routing_window.statistics(min_tokens=5)
     assert routing.tokens == 60 and routing.layers == 8 and routing.static_layers == (5,)
 
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import hmac
 import math
+import re
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,12 +21,16 @@ from layerwatch.wire import (
     HEADER_BYTES,
     HEADER_BYTES_V2,
     MAX_FRAME_BYTES,
+    TAG_BYTES,
+    FrameKeyError,
     FrameTooLarge,
     GateFrame,
     MalformedFrame,
+    UnauthenticatedFrame,
     decode_frame,
     encode_frame,
     frame_bytes,
+    load_frame_key,
     parse_address,
 )
 from tests.exporter.support import random_frame
@@ -178,7 +186,12 @@ def _v2(threshold: float = 0.18, **header) -> bytes:
         (_v2(1.5) + _valid_body(), "threshold 1.5 is not in"),
         (_v2(-0.25) + _valid_body(), "threshold -0.25 is not in"),
         (_v2() + _valid_body(1.5), "outside [0, 1]"),
-        (_header(flags=1) + _valid_body(), "unknown flags"),
+        (_header(flags=2) + _valid_body(), "unknown flags"),
+        (_header(flags=1) + _valid_body(), "too short for a tagged frame"),
+        (
+            _header(flags=1) + _valid_body() + b"t" * 16 + b"\x00",
+            "28 bytes before the tag, but the header .* describes 27",
+        ),
         (_header(rows=0) + _valid_body(), "empty frame"),
         (_header(layers=0) + _valid_body(), "empty frame"),
         (_header(model_len=0) + _valid_body(), "must not be empty"),
@@ -278,3 +291,83 @@ def test_a_bool_threshold_is_refused_and_negative_zero_travels_as_zero() -> None
         encode_frame(dataclasses.replace(frame, threshold=True))
     decoded = decode_frame(encode_frame(dataclasses.replace(frame, threshold=-0.0)))
     assert decoded.threshold == 0.0 and math.copysign(1.0, decoded.threshold) == 1.0
+
+
+# --- authentication (flag bit 0: an HMAC tag ends the frame) ------------------------------------
+
+KEY = b"0123456789abcdef0123456789abcdef"
+
+
+def test_a_tagged_frame_ends_with_the_truncated_hmac_of_everything_before_it() -> None:
+    original = frame(rows=2, layers=9, threshold=0.18)
+    data = encode_frame(original, KEY)
+    assert data[5] == 1  # flags: tagged
+    assert len(data) == len(encode_frame(original)) + TAG_BYTES == frame_bytes(2, 9, "demo", "shim-1", 0.18, True)
+    assert data[-TAG_BYTES:] == hmac.new(KEY, data[:-TAG_BYTES], hashlib.sha256).digest()[:16]
+    decoded = decode_frame(data, KEY)
+    np.testing.assert_array_equal(decoded.entropies, original.entropies)
+    assert encode_frame(decoded, KEY) == data
+
+
+def test_a_tagged_frame_decodes_without_a_key_so_shims_can_get_the_key_first() -> None:
+    data = encode_frame(frame(threshold=0.18), KEY)
+    assert decode_frame(data).sequence == 7
+
+
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (encode_frame(frame(threshold=0.18)), "missing_tag"),
+        (encode_frame(frame(threshold=0.18), b"another key, just as long as KEY"), "bad_tag"),
+        (encode_frame(frame(threshold=0.18), KEY)[:-1] + b"\x00", "bad_tag"),
+    ],
+)
+def test_with_a_key_untagged_and_mistagged_frames_are_unauthenticated(data: bytes, reason: str) -> None:
+    with pytest.raises(UnauthenticatedFrame) as raised:
+        decode_frame(data, KEY)
+    assert raised.value.reason == reason
+
+
+@FUZZ
+@given(gate_frames(), st.data())
+def test_any_altered_tagged_frame_is_refused(original: GateFrame, data: st.DataObject) -> None:
+    raw = bytearray(encode_frame(original, KEY))
+    raw[data.draw(st.integers(0, len(raw) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+    with pytest.raises((UnauthenticatedFrame, MalformedFrame)):
+        decode_frame(bytes(raw), KEY)
+
+
+def _key_file(tmp_path: Path, content: bytes, mode: int = 0o600) -> Path:
+    path = tmp_path / "frame.key"
+    path.write_bytes(content)
+    path.chmod(mode)
+    return path
+
+
+def test_the_frame_key_is_the_file_without_surrounding_whitespace(tmp_path: Path) -> None:
+    assert load_frame_key(_key_file(tmp_path, KEY + b"\n")) == KEY
+    assert load_frame_key(_key_file(tmp_path, KEY, 0o400)) == KEY
+
+
+@pytest.mark.parametrize(
+    "content, mode, reason",
+    [
+        (KEY, 0o644, "group or others may access it (mode 0644); run chmod 600"),
+        (KEY, 0o604, "mode 0604"),
+        (KEY[:31] + b"\n", 0o600, "31 bytes, a key needs at least 32"),
+        (b"k" * 5000, 0o600, "larger than 4096 bytes"),
+    ],
+)
+def test_unusable_frame_key_files_are_refused_naming_the_file(
+    tmp_path: Path, content: bytes, mode: int, reason: str
+) -> None:
+    path = _key_file(tmp_path, content, mode)
+    with pytest.raises(FrameKeyError, match=re.escape(f"frame key file {path}: ") + ".*" + re.escape(reason)):
+        load_frame_key(path)
+
+
+def test_a_missing_frame_key_file_or_a_folder_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(FrameKeyError, match=f"frame key file {tmp_path / 'absent'}: No such file"):
+        load_frame_key(tmp_path / "absent")
+    with pytest.raises(FrameKeyError, match="Is a directory|not a regular file"):
+        load_frame_key(tmp_path)

@@ -33,6 +33,7 @@ from layerwatch.wire import GateFrame, decode_frame
 
 MODEL_NAME = "tiny-test"
 NUM_LAYERS = 6
+FRAME_KEY = b"tiny-test-frame-key-0123456789abcdef"  # the session server tags its gate frames with it
 VOCAB_SIZE = 320
 BOS, EOS = "<s>", "</s>"
 TEXT = """\
@@ -130,9 +131,14 @@ def tiny_checkpoint(tmp_path_factory) -> TinyCheckpoint:
 
 
 class FrameCapture:
-    """Binds a loopback UDP port and collects datagrams in a thread (so the socket buffer never fills)."""
+    """Binds a loopback UDP port and collects datagrams in a thread (so the socket buffer never fills).
 
-    def __init__(self) -> None:
+    With a frame `key`, `frames()` decodes as an exporter holding that key does: every datagram must
+    carry a valid tag.
+    """
+
+    def __init__(self, key: bytes | None = None) -> None:
+        self.key = key
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)  # the kernel may cap it
         self.socket.bind(("127.0.0.1", 0))
@@ -153,7 +159,7 @@ class FrameCapture:
                 return
 
     def frames(self) -> list[GateFrame]:
-        return sorted((decode_frame(d) for d in list(self.datagrams)), key=lambda f: f.sequence)
+        return sorted((decode_frame(d, self.key) for d in list(self.datagrams)), key=lambda f: f.sequence)
 
     def close(self) -> None:
         self._stop.set()
@@ -212,7 +218,10 @@ def sample_sum(snapshot: dict, name: str, **labels: str) -> float:
 @pytest.fixture(scope="session")
 def server(tiny_checkpoint, tmp_path_factory) -> Iterator[LiveServer]:
     work = tmp_path_factory.mktemp("serve")
-    capture = FrameCapture()
+    key_file = work / "frame.key"  # given through the environment: frames must come tagged with it
+    key_file.write_text(FRAME_KEY.decode() + "\n")
+    key_file.chmod(0o600)
+    capture = FrameCapture(FRAME_KEY)
     port = free_port()
     trace_path = work / "trace.jsonl"
     caps = dict(max_tokens_cap=48, max_prompt_tokens=96, max_body_bytes=8192)
@@ -245,7 +254,11 @@ def server(tiny_checkpoint, tmp_path_factory) -> Iterator[LiveServer]:
         "--log-level",
         "info",
     ]
-    env = {"LAYERWATCH_MAX_BODY_BYTES": str(caps["max_body_bytes"]), "OMP_NUM_THREADS": "1"}
+    env = {
+        "LAYERWATCH_MAX_BODY_BYTES": str(caps["max_body_bytes"]),
+        "LAYERWATCH_FRAME_KEY_FILE": str(key_file),
+        "OMP_NUM_THREADS": "1",
+    }
     process = ManagedProcess("serve", argv, work / "serve.log", env=env)
     base_url = f"http://127.0.0.1:{port}"
     try:

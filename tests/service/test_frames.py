@@ -7,6 +7,7 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 
 from demo.processes import free_port
 from inference_shim.service.telemetry import FrameSender
@@ -85,3 +86,33 @@ def test_invalid_entropies_are_dropped_not_raised():
     sender.send(nan, np.zeros((2, NUM_LAYERS), dtype=bool))
     sender.close()
     assert sender.dropped["invalid"] == 1 and sender.sent == 0
+
+
+def test_with_a_key_every_frame_is_tagged_and_still_fits_a_datagram():
+    receiver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    receiver.bind(("127.0.0.1", 0))
+    receiver.settimeout(5)
+    layers, key = 147, b"k" * 32  # 107 rows of 147 layers fill an untagged frame to 14 bytes short
+    address = f"127.0.0.1:{receiver.getsockname()[1]}"
+    sender = FrameSender(address, MODEL_NAME, "test", layers, threshold=0.25, key=key)
+    untagged = FrameSender(address, MODEL_NAME, "test", layers, threshold=0.25)
+    assert sender.rows_per_frame < untagged.rows_per_frame  # room for the tag
+    entropies = np.full((sender.rows_per_frame, layers), 0.5, dtype=np.float32)
+    sender.send(entropies, np.zeros_like(entropies, dtype=bool))
+    datagram = receiver.recv(65536)
+    receiver.close()
+    sender.close()
+    untagged.close()
+    assert len(datagram) <= MAX_FRAME_BYTES
+    assert decode_frame(datagram, key).entropies.shape == entropies.shape
+
+
+def test_a_key_file_others_can_read_stops_the_shim_from_starting(tiny_checkpoint, tmp_path):
+    from inference_shim.service.shim import ServeSettings, ShimService
+
+    key_file = tmp_path / "frame.key"
+    key_file.write_text("k" * 64)
+    key_file.chmod(0o644)
+    settings = ServeSettings(model_dir=tiny_checkpoint.path, frame_key_file=key_file)
+    with pytest.raises(ValueError, match=f"frame key file {key_file}: group or others may access it"):
+        ShimService.load(settings)

@@ -1,0 +1,103 @@
+"""Forged gate frames against a real `layerwatch exporter` process over loopback UDP (issue 11, item 1):
+what a sender without the frame key can cost the exporter is bounded, and counted by reason."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from layerwatch.wire import encode_frame
+from tests.exporter.support import RunningExporter, forged_flood, random_frame
+
+WIDEST_SINGLE_ROW_LAYERS = 15_742  # the widest one-row frame that fits a datagram
+
+
+def rejected(exporter: RunningExporter, reason: str) -> float | None:
+    return exporter.value("layerwatch_exporter_frames_rejected_total", reason=reason)
+
+
+def layer_series(page: str, model: str) -> int:
+    """How many layers of the model have a layerwatch_layer_entropy_count_total series."""
+    prefix, label = "layerwatch_layer_entropy_count_total{", f'model_name="{model}"'
+    return sum(1 for line in page.splitlines() if line.startswith(prefix) and label in line)
+
+
+def test_a_flood_of_wide_frames_naming_new_models_is_refused_and_costs_nothing(start_exporter) -> None:
+    exporter = start_exporter()
+    rng = np.random.default_rng(0)
+    exporter.send_frames([encode_frame(random_frame(rng, 0, model="real"))])
+    for datagram in forged_flood(64, WIDEST_SINGLE_ROW_LAYERS):
+        exporter.send(datagram)
+        time.sleep(0.002)
+    exporter.wait_for(lambda: rejected(exporter, "too_many_layers") == 64)
+    page = exporter.metrics_text()
+    assert "forged-" not in page and len(page.encode()) < 1_000_000
+    assert exporter.value("process_resident_memory_bytes") < 100e6
+    assert exporter.value("layerwatch_exporter_frames_received_total", model_name="real") == 1
+    assert layer_series(page, "real") == 6
+
+
+def test_a_frame_of_another_width_under_a_models_name_is_refused(start_exporter) -> None:
+    exporter = start_exporter("--max-layers", "100")
+    rng = np.random.default_rng(0)
+    exporter.send_frames([encode_frame(random_frame(rng, 0, layers=6))])
+    exporter.send(encode_frame(random_frame(rng, 1, layers=100)))  # wider, within the cap
+    exporter.send(encode_frame(random_frame(rng, 2, layers=5)))
+    exporter.send(encode_frame(random_frame(rng, 3, layers=101)))
+    exporter.wait_for(lambda: rejected(exporter, "layer_count_changed") == 2)
+    exporter.wait_for(lambda: rejected(exporter, "too_many_layers") == 1)
+    exporter.send_frames([encode_frame(random_frame(rng, 4, layers=6))])
+    assert layer_series(exporter.metrics_text(), "demo") == 6
+    assert exporter.value("layerwatch_exporter_frames_received_total", model_name="demo") == 2
+    assert exporter.value("layerwatch_exporter_frames_lost_total", model_name="demo") == 0  # refused, not lost
+
+
+def test_an_idle_model_is_forgotten_and_its_slot_goes_to_a_new_one(start_exporter) -> None:
+    exporter = start_exporter("--max-models", "1", "--model-idle-seconds", "1", "--window-seconds", "1")
+    rng = np.random.default_rng(0)
+    exporter.send_frames([encode_frame(random_frame(rng, 0, model="squatter", shim="forger"))])
+    exporter.send(encode_frame(random_frame(rng, 0, model="real", shim="shim")))
+    exporter.wait_for(lambda: rejected(exporter, "too_many_models") == 1)
+    exporter.wait_for(lambda: "squatter" not in exporter.metrics_text())  # a scrape forgets it, series and all
+    exporter.send_frames([encode_frame(random_frame(rng, 1, model="real", shim="shim"))])
+    assert layer_series(exporter.metrics_text(), "real") == 6
+
+
+def test_with_a_frame_key_only_frames_tagged_under_it_are_counted(start_exporter, tmp_path: Path, monkeypatch) -> None:
+    key = os.urandom(32).hex().encode()
+    key_file = tmp_path / "frame.key"
+    key_file.write_bytes(key + b"\n")
+    key_file.chmod(0o600)
+    monkeypatch.setenv("LAYERWATCH_FRAME_KEY_FILE", str(key_file))  # the variable as good as the flag
+    exporter = start_exporter()
+    rng = np.random.default_rng(0)
+    exporter.send_frames([encode_frame(random_frame(rng, 0), key)])
+    for datagram in forged_flood(64, 6):  # named like new models, well-formed, untagged
+        exporter.send(datagram)
+    exporter.send(encode_frame(random_frame(rng, 1), os.urandom(32)))  # tagged under another key
+    exporter.wait_for(lambda: rejected(exporter, "missing_tag") == 64 and rejected(exporter, "bad_tag") == 1)
+    exporter.send_frames([encode_frame(random_frame(rng, 2), key)])
+    page = exporter.metrics_text()
+    assert "forged-" not in page
+    assert exporter.value("layerwatch_exporter_frames_received_total", model_name="demo") == 2
+    assert exporter.value("layerwatch_exporter_frames_malformed_total") == 0
+
+
+def test_a_frame_key_file_others_can_read_stops_the_exporter_naming_it(tmp_path: Path) -> None:
+    key_file = tmp_path / "frame.key"
+    key_file.write_text("k" * 64)
+    key_file.chmod(0o644)
+    result = subprocess.run(
+        [sys.executable, "-m", "layerwatch_cli.main", "exporter", "--frame-key-file", str(key_file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert f"frame key file {key_file}: group or others may access it (mode 0644)" in result.stderr
+    assert "Traceback" not in result.stderr
