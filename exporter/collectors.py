@@ -149,26 +149,29 @@ class RoutingCollector(_StateCollector):
 
 
 class IngestCollector(_StateCollector):
-    """Frames received, malformed, lost (sequence gaps), rejected (too many models) and received
-    without a threshold (version 1: judged against the exporter's default)."""
+    """Frames received, malformed, lost (sequence gaps), interleaved (two shims under one id),
+    rejected (too many models) and received without a threshold (version 1: judged against the
+    exporter's default)."""
 
     metric_names = (
         "layerwatch_exporter_frames_received_total",
         "layerwatch_exporter_frames_malformed_total",
         "layerwatch_exporter_frames_lost_total",
+        "layerwatch_exporter_frames_interleaved_total",
         "layerwatch_exporter_frames_rejected_total",
         "layerwatch_exporter_frames_without_threshold_total",
     )
 
     def collect(self) -> Iterator[Metric]:
-        received, malformed, lost, rejected, without_threshold = map(family, self.metric_names)
+        received, malformed, lost, interleaved, rejected, without_threshold = map(family, self.metric_names)
         for model in self._state.snapshot():
             received.add_metric([model.model_name], model.frames_received)
             lost.add_metric([model.model_name], model.frames_lost)
+            interleaved.add_metric([model.model_name], model.frames_interleaved)
             without_threshold.add_metric([model.model_name], model.frames_without_threshold)
         malformed.add_metric([], self._state.frames_malformed)
         rejected.add_metric([], self._state.frames_rejected)
-        yield from (received, malformed, lost, rejected, without_threshold)
+        yield from (received, malformed, lost, interleaved, rejected, without_threshold)
 
 
 class TimedCollectors(prometheus.CatalogCollector):

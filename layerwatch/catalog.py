@@ -421,7 +421,16 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_exporter_frames_lost_total",
         "counter",
         ("model_name",),
-        "Frames missing from a shim's sequence numbers.",
+        "Frames missing from a shim's sequence numbers (lost in transit; the shim counts what it did not send "
+        "in layerwatch_telemetry_frames_dropped_total).",
+        EXPORTER,
+    ),
+    _m(
+        "layerwatch_exporter_frames_interleaved_total",
+        "counter",
+        ("model_name",),
+        "Frames that switched between two sequence numberings under one shim id: several shims share the id "
+        "(never counted as lost).",
         EXPORTER,
     ),
     _m(

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +35,7 @@ from inference_shim.service.metrics import (
 from inference_shim.service.power import NvmlCollector, RaplCollector
 from inference_shim.service.readiness import Readiness
 from inference_shim.service.shadow import ShadowChecker
-from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, StepTelemetry
+from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, StepTelemetry, default_shim_id
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
 from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.trace import TraceWriter
@@ -67,7 +65,7 @@ class ServeSettings:
     max_body_bytes: int = 1 << 20
     body_timeout_seconds: float = 30.0  # a request body must arrive within this (slow clients get 408)
     exporter_address: str = DEFAULT_FRAMES_ADDRESS  # "" = no frames
-    shim_id: str | None = None  # None: hostname-pid
+    shim_id: str | None = None  # None: hostname-pid-random (default_shim_id)
     trace_file: Path | None = None
     trace_max_bytes: int = 100 << 20
     shadow_rate: float = 0.0
@@ -166,7 +164,7 @@ class ShimService:
         )
         self.decode_stats = DecodeStats(config.num_layers)
         self.registry.register(DecodeStatsCollector(self.decode_stats, self.model_name))
-        shim_id = settings.shim_id or f"{socket.gethostname()}-{os.getpid()}"
+        shim_id = settings.shim_id or default_shim_id()
         self.sender = (
             FrameSender(
                 settings.exporter_address, self.model_name, shim_id, config.num_layers, threshold=self.policy.threshold
