@@ -31,6 +31,7 @@ from inference_shim.service.metrics import (
     ModelInfoCollector,
     RequestMetrics,
     ShadowMetrics,
+    isolated,
 )
 from inference_shim.service.power import NvmlCollector, RaplCollector
 from inference_shim.service.readiness import Readiness
@@ -154,7 +155,6 @@ class ShimService:
             self.kv_policy,
             gates.sha256,
         )
-        self.registry.register(ModelInfoCollector(lambda: self.model_info))
         runaway = settings.request_runaway_fraction
         self.request_metrics = RequestMetrics(
             self.registry,
@@ -163,7 +163,6 @@ class ShimService:
             DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION if runaway is None else runaway,
         )
         self.decode_stats = DecodeStats(config.num_layers)
-        self.registry.register(DecodeStatsCollector(self.decode_stats, self.model_name))
         shim_id = settings.shim_id or default_shim_id()
         self.sender = (
             FrameSender(
@@ -172,9 +171,6 @@ class ShimService:
             if settings.exporter_address
             else None
         )
-        self.registry.register(FrameSenderCollector(self.sender, self.model_name))
-        self.registry.register(NvmlCollector())
-        self.registry.register(RaplCollector())
         shadow_metrics = ShadowMetrics(self.registry, self.model_name)
         self.trace = (
             TraceWriter(settings.trace_file, settings.trace_max_bytes, threshold=self.policy.threshold)
@@ -183,7 +179,20 @@ class ShimService:
         )
 
         self.layer_signals = LayerSignalStats(config.num_layers)
-        self.registry.register(LayerSignalsCollector(self.layer_signals, self.model_name))
+        # The custom collectors compute at scrape time (hardware readings, statistics): isolated, so
+        # that one failing leaves the rest of /metrics served (docs/service.md, "Metrics").
+        self.registry.register(
+            isolated(
+                {
+                    "model_info": ModelInfoCollector(lambda: self.model_info),
+                    "decode_stats": DecodeStatsCollector(self.decode_stats, self.model_name),
+                    "frame_sender": FrameSenderCollector(self.sender, self.model_name),
+                    "nvml": NvmlCollector(),
+                    "rapl": RaplCollector(),
+                    "layer_signals": LayerSignalsCollector(self.layer_signals, self.model_name),
+                }
+            )
+        )
         shadow = (
             ShadowChecker(model, shadow_metrics, settings.shadow_rate, self.layer_signals)
             if settings.shadow_rate > 0
