@@ -17,7 +17,8 @@ once at most (if frames are lost just where the new numbering overtakes the old 
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 # Sequence numbers are remembered for this many shim ids (least recently heard from is forgotten
 # first), so a stream of made-up shim ids cannot grow memory without bound.
@@ -26,8 +27,7 @@ MAX_TRACKED_SHIMS = 4096
 MAX_STREAMS_PER_SHIM = 4
 
 
-@dataclass(frozen=True)
-class SequenceVerdict:
+class SequenceVerdict(NamedTuple):
     lost: int  # frames missing between this frame and the previous one of its stream
     interleaved: bool  # the frame switched to another live stream of its shim id: two senders share the id
 
@@ -39,8 +39,8 @@ class _Stream:
 
 @dataclass
 class _ShimStreams:
-    streams: list[_Stream] = field(default_factory=list)  # oldest first
-    current: _Stream | None = None  # the stream of the previous frame
+    streams: list[_Stream]  # oldest first
+    current: _Stream  # the stream of the previous frame
 
 
 class SequenceTracker:
@@ -48,21 +48,26 @@ class SequenceTracker:
         self._shims: collections.OrderedDict[str, _ShimStreams] = collections.OrderedDict()
 
     def observe(self, shim_id: str, sequence: int) -> SequenceVerdict:
-        shim = self._shims.pop(shim_id, None) or _ShimStreams()
-        self._shims[shim_id] = shim  # most recently heard from: forgotten last
-        if len(self._shims) > MAX_TRACKED_SHIMS:
-            self._shims.popitem(last=False)
-
-        # The closest predecessor; among equals the newest (max keeps the first maximum: scan newest first).
-        predecessors = [stream for stream in reversed(shim.streams) if stream.last < sequence]
-        if not predecessors:
-            stream = _Stream(sequence)
-            shim.streams = [*shim.streams, stream][-MAX_STREAMS_PER_SHIM:]
-            shim.current = stream
-            return SequenceVerdict(lost=0, interleaved=False)
-        stream = max(predecessors, key=lambda s: s.last)
-        lost = sequence - stream.last - 1
-        stream.last = sequence
-        interleaved = stream is not shim.current
-        shim.current = stream
-        return SequenceVerdict(lost=lost, interleaved=interleaved)
+        shim = self._shims.get(shim_id)
+        if shim is None:
+            first = _Stream(sequence)
+            self._shims[shim_id] = _ShimStreams([first], first)
+            if len(self._shims) > MAX_TRACKED_SHIMS:
+                self._shims.popitem(last=False)  # least recently heard from
+            return SequenceVerdict(0, False)
+        self._shims.move_to_end(shim_id)
+        # The closest predecessor: the stream with the largest last number below this one (oldest
+        # first, so `>=` keeps the newest among equals).
+        best = None
+        for stream in shim.streams:
+            if stream.last < sequence and (best is None or stream.last >= best.last):
+                best = stream
+        if best is None:
+            shim.current = _Stream(sequence)
+            shim.streams = [*shim.streams, shim.current][-MAX_STREAMS_PER_SHIM:]
+            return SequenceVerdict(0, False)
+        lost = sequence - best.last - 1
+        best.last = sequence
+        interleaved = best is not shim.current
+        shim.current = best
+        return SequenceVerdict(lost, interleaved)

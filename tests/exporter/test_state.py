@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from exporter.sequences import MAX_STREAMS_PER_SHIM, MAX_TRACKED_SHIMS, SequenceTracker
 from exporter.state import ExporterConfig, ExporterState
 from layerwatch.wire import GateFrame, encode_frame
 from tests.exporter.support import random_frame
@@ -202,3 +203,15 @@ def test_the_routing_statistics_are_cached_like_the_bimodality() -> None:
     assert state.routing("demo") is first  # changed, but younger than the cache time
     clock.now += 3
     assert state.routing("demo").tokens == 20
+
+
+def test_sequence_tracking_is_bounded_in_shim_ids_and_streams() -> None:
+    tracker = SequenceTracker()
+    tracker.observe("a", 0)
+    for shim in range(MAX_TRACKED_SHIMS):  # made-up ids push "a" out
+        tracker.observe(f"made-up-{shim}", 0)
+    assert tracker.observe("a", 10) == (0, False)  # forgotten: a new stream, no loss invented
+    for start in range(MAX_STREAMS_PER_SHIM + 1):  # restarts, each a new stream at 100 - start
+        tracker.observe("b", 100 - start)
+    # The oldest stream (last 100) was forgotten: 101 continues the newest of those kept (99).
+    assert tracker.observe("b", 101) == (1, True)
