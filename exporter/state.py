@@ -158,9 +158,9 @@ class ExporterState:
                     return
                 model = self._models[frame.model_name] = ModelStatistics(self.config)
             model.frames_received += 1
-            sequence = self._sequences.observe(frame.shim_id, frame.sequence)
-            model.frames_lost += sequence.lost
-            if sequence.interleaved:
+            verdict = self._sequences.observe(frame.shim_id, frame.sequence)
+            model.frames_lost += verdict.lost
+            if verdict.interleaved:
                 if model.frames_interleaved == 0:
                     log.warning(
                         "model %r: gate frames under shim id %r interleave two sequence numberings: several "

@@ -49,8 +49,8 @@ class FrameSender:
     "Service"). The socket is non-blocking and connected, so a missing exporter shows up as send
     errors (ICMP port unreachable, reported on the next send) in
     `layerwatch_telemetry_frames_dropped_total` rather than anywhere else. Only frames that left
-    take a sequence number, so the exporter's sequence gaps are the frames lost in transit and the
-    two counts add up without counting a frame twice (LayerwatchTelemetryLoss reads both). Every
+    take a sequence number, so the exporter's sequence gaps are the frames lost in transit and no
+    frame is counted on both sides (LayerwatchTelemetryLoss fires on either). Every
     frame carries the skip policy's `threshold` (wire version 2), which the exporter's routing
     statistics need to tell below-threshold scores from the rest.
     """
