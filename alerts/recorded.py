@@ -35,7 +35,8 @@ class Recorded:
     gpu_joules_per_token: str
     cpu_joules_per_token: str
     shadow_agreement_ratio: str
-    telemetry_loss_ratio: str
+    telemetry_loss_ratio: str  # frames lost in transit, at the exporter
+    telemetry_drop_ratio: str  # frames the shim could not send
     request_skip_tail_ratio: str  # by le: share of finished requests whose skip fraction is above le
     runaway_skip_ratio_by_layer: str  # skipped share of the runaway requests' tokens, per layer
 
@@ -59,6 +60,7 @@ class Recorded:
             cpu_joules_per_token=f"model_name:layerwatch_cpu_energy_joules_per_decode_token:ratio_{rate}",
             shadow_agreement_ratio=f"model_name:layerwatch_shadow_agreements:ratio_{rate}",
             telemetry_loss_ratio=f"model_name:layerwatch_exporter_frames_lost:ratio_{rate}",
+            telemetry_drop_ratio=f"model_name:layerwatch_telemetry_frames_dropped:ratio_{rate}",
             request_skip_tail_ratio=f"model_name_le:layerwatch_request_skip_fraction:tail_ratio_{rate}",
             runaway_skip_ratio_by_layer=f"model_name_layer:layerwatch_request_runaway_layer_skips:ratio_{rate}",
         )

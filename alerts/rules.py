@@ -2,7 +2,7 @@
 
 Three kinds of rule group:
 - `layerwatch.recording`: the derived series of docs/metrics.md (entropy mean/std/zero ratio, skip
-  ratios, joules per token, shadow agreement, telemetry loss), model-agnostic, named
+  ratios, joules per token, shadow agreement, telemetry loss and drops), model-agnostic, named
   `level:metric:operation`.
   They aggregate `by (job, instance, model_name[, decision | layer])`: the target labels stay so
   that an alert names the shim or exporter it comes from (Alertmanager groups and inhibits on them).
@@ -145,6 +145,10 @@ def recording_rules(timing: Timing) -> list[dict]:
     lost = _rate("layerwatch_exporter_frames_lost_total", exp, w, BY_MODEL)
     received = _rate("layerwatch_exporter_frames_received_total", exp, w, BY_MODEL)
     record(r.telemetry_loss_ratio, f"{lost}\n/\n(\n  {received}\n  +\n  {lost}\n)")
+    # The shim's own drops: those frames take no sequence number, so they are not in the gaps above.
+    dropped = _rate("layerwatch_telemetry_frames_dropped_total", shim, w, BY_MODEL)
+    sent = _rate("layerwatch_telemetry_frames_sent_total", shim, w, BY_MODEL)
+    record(r.telemetry_drop_ratio, f"{dropped}\n/\n(\n  {sent}\n  +\n  {dropped}\n)")
 
     # Per-request skipping: the share of finished requests whose skip fraction is above each bucket
     # edge (1 - the cumulative bucket share), and how often the runaway requests skipped each layer.

@@ -243,6 +243,47 @@ def gate_file_rejected(b: AlertBuild) -> list[dict]:
     ]
 
 
+# Two shims sending under one shim id (a fleet-wide LAYERWATCH_SHIM_ID, or a fixed id per image): the
+# exporter tells their interleaved numberings apart from loss and counts the switches instead. One
+# switch can also happen when a restarted shim's numbering overtakes the old one just where frames were
+# lost; `for:` twice the rate window keeps such a single count quiet.
+@alert("LayerwatchShimIdCollision", severities=(TICKET,), default_for="10m")
+def shim_id_collision(b: AlertBuild) -> list[dict]:
+    window = b.timing(config.RATE_WINDOW)
+    return [
+        b.rule(
+            f"sum by ({BY_MODEL}) (\n  rate(layerwatch_exporter_frames_interleaved_total{{{config.EXPORTER_SELECTOR}}}"
+            f"[{window}])\n) > 0",
+            "Several shims send gate frames under one shim id.",
+            "The exporter at {{ $labels.instance }} receives frames of model {{ $labels.model_name }} whose "
+            "sequence numbers interleave under one shim id ("
+            + _value("%.2f")
+            + " switches/s): several shims use the same --shim-id. They are counted as interleaved, not as "
+            "lost, but per-shim loss can no longer be told apart; give each shim process its own id.",
+        )
+    ]
+
+
+# A collector that raises leaves its metrics out of the scrape while the target stays up (node_exporter's
+# isolation): the alerts that read those metrics go blind, silently, unless this one fires. A single
+# failed scrape stays in min_over_time for one window, shorter than `for:`.
+@alert("LayerwatchCollectorFailing", severities=(TICKET,), default_for="10m")
+def collector_failing(b: AlertBuild) -> list[dict]:
+    window = b.timing(config.RATE_WINDOW)
+    exporter = f"layerwatch_exporter_scrape_collector_success{{{config.EXPORTER_SELECTOR}}}"
+    shim = f"layerwatch_scrape_collector_success{{{config.SHIM_SELECTOR}}}"
+    return [
+        b.rule(
+            f"min_over_time({exporter}[{window}]) == 0\nor\nmin_over_time({shim}[{window}]) == 0",
+            "A metrics collector of a layerwatch target keeps failing; its metrics are missing.",
+            "The {{ $labels.collector }} collector of {{ $labels.job }} at {{ $labels.instance }} has failed "
+            f"at least once in every {window} for {b.for_}: its metrics are left out of those scrapes (the rest "
+            "is served, so the target is up), and the alerts that read them cannot fire. The target's log has "
+            "the exception.",
+        )
+    ]
+
+
 # --- per-model alerts (thresholds from the profile) -------------------------------------------------
 
 
@@ -561,17 +602,36 @@ def gate_miscalibrated(b: AlertBuild) -> list[dict]:
     ]
 
 
+# Two places lose frames, each counted once: the exporter sees the frames lost in transit as sequence
+# gaps, the shim counts the frames it could not send (they take no sequence number). Each trigger names
+# the target to look at.
 @alert("LayerwatchTelemetryLoss", severities=(TICKET,), default_for="10m", reads=("telemetry_loss_max",))
 def telemetry_loss(b: AlertBuild) -> list[dict]:
-    p = b.profile
+    p, r = b.profile, b.recorded
+    summary = "Gate frames are lost between the shim and the exporter."
+    reasons = (
+        "{{ range printf `sum by (reason) (rate(layerwatch_telemetry_frames_dropped_total{instance=%q,model_name=%q}"
+        f"[{b.timing(config.RATE_WINDOW)}])) > 0` "
+        '$labels.instance $labels.model_name | query | sortByLabel "reason" }}'
+        '{{ .Labels.reason }} ({{ .Value | printf "%.2f" }}/s) {{ end }}'
+    )
     return [
         b.rule(
-            f"{b.recorded.telemetry_loss_ratio}{{{b.selector}}} > {p.telemetry_loss_max}",
-            "Gate frames are lost between the shim and the exporter.",
+            f"{r.telemetry_loss_ratio}{{{b.selector}}} > {p.telemetry_loss_max}",
+            summary,
             "The exporter at {{ $labels.instance }} missed " + _value() + " of the gate frames of "
-            f"model {{{{ $labels.model_name }}}} (limit {p.telemetry_loss_max}); entropy statistics "
+            f"model {{{{ $labels.model_name }}}} in transit (limit {p.telemetry_loss_max}); entropy statistics "
             "are incomplete.",
-        )
+            labels={"trigger": "lost"},
+        ),
+        b.rule(
+            f"{r.telemetry_drop_ratio}{{{b.selector}}} > {p.telemetry_loss_max}",
+            summary,
+            "The shim at {{ $labels.instance }} could not send " + _value() + " of the gate frames of "
+            f"model {{{{ $labels.model_name }}}} (limit {p.telemetry_loss_max}): " + reasons + "- the "
+            "exporter's entropy statistics are incomplete.",
+            labels={"trigger": "dropped"},
+        ),
     ]
 
 

@@ -584,17 +584,22 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
     d = d.with_panel(
         p.timeseries(
             "Telemetry loss",
-            "Share of gate frames the exporter missed (sequence gaps; LayerwatchTelemetryLoss).",
+            "Share of gate frames lost in transit (the exporter's sequence gaps) and dropped by the shims "
+            "(never sent); LayerwatchTelemetryLoss.",
             "percentunit",
-            [(f"{r.telemetry_loss_ratio}{{{MODEL}}}", "lost {{instance}}")],
+            [
+                (f"{r.telemetry_loss_ratio}{{{MODEL}}}", "lost {{instance}}"),
+                (f"{r.telemetry_drop_ratio}{{{MODEL}}}", "dropped {{instance}}"),
+            ],
             width=8,
         )
     )
     d = d.with_panel(
         p.timeseries(
             "Gate frames",
-            "Frames per second sent by the shims, received, lost and malformed at the "
-            "exporter, and dropped by the shims (never blocking decoding).",
+            "Frames per second sent by the shims, received, lost, malformed and interleaved (two shims "
+            "under one shim id; LayerwatchShimIdCollision) at the exporter, and dropped by the shims "
+            "(never blocking decoding).",
             "none",
             [
                 (f"sum(rate(layerwatch_telemetry_frames_sent_total{{{SHIM}}}{RATE}))", "sent"),
@@ -605,6 +610,7 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
                     "dropped: {{reason}}",
                 ),
                 (f"sum(rate(layerwatch_exporter_frames_malformed_total{RATE}))", "malformed"),
+                (f"sum(rate(layerwatch_exporter_frames_interleaved_total{{{MODEL}}}{RATE}))", "interleaved"),
             ],
             width=8,
         )

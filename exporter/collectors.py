@@ -2,7 +2,10 @@
 
 One collector per concern, every metric built from its catalog spec by layerwatch/prometheus.py
 (docs/metrics.md lists them), the registry injected (never the global one). Each collector
-describes itself, so registering it checks its names for clashes.
+describes itself, so registering it checks its names for clashes. The collectors run isolated
+from each other (`IsolatedCollectors`): a bug in one, say in the statistics, leaves its metrics
+out of the scrape with `layerwatch_exporter_scrape_collector_success{collector}` 0, and the rest
+of the page is served.
 """
 
 from __future__ import annotations
@@ -149,31 +152,37 @@ class RoutingCollector(_StateCollector):
 
 
 class IngestCollector(_StateCollector):
-    """Frames received, malformed, lost (sequence gaps), rejected (by reason: REJECT_REASONS) and
-    received without a threshold (version 1: judged against the exporter's default)."""
+    """Frames received, malformed, lost (sequence gaps), interleaved (two shims under one id),
+    rejected (by reason: REJECT_REASONS) and received without a threshold (version 1: judged against
+    the exporter's default)."""
 
     metric_names = (
         "layerwatch_exporter_frames_received_total",
         "layerwatch_exporter_frames_malformed_total",
         "layerwatch_exporter_frames_lost_total",
+        "layerwatch_exporter_frames_interleaved_total",
         "layerwatch_exporter_frames_rejected_total",
         "layerwatch_exporter_frames_without_threshold_total",
     )
 
     def collect(self) -> Iterator[Metric]:
-        received, malformed, lost, rejected, without_threshold = map(family, self.metric_names)
+        received, malformed, lost, interleaved, rejected, without_threshold = map(family, self.metric_names)
         for model in self._state.snapshot():
             received.add_metric([model.model_name], model.frames_received)
             lost.add_metric([model.model_name], model.frames_lost)
+            interleaved.add_metric([model.model_name], model.frames_interleaved)
             without_threshold.add_metric([model.model_name], model.frames_without_threshold)
         malformed.add_metric([], self._state.frames_malformed)
         for reason, count in self._state.frames_rejected.copy().items():
             rejected.add_metric([reason], count)
-        yield from (received, malformed, lost, rejected, without_threshold)
+        yield from (received, malformed, lost, interleaved, rejected, without_threshold)
 
 
 class TimedCollectors(prometheus.CatalogCollector):
-    """Runs the given collectors and reports how long that took, as part of the same scrape."""
+    """Runs the given collectors and reports how long that took, as part of the same scrape.
+
+    Their exceptions are theirs to handle: `build_registry` hands it collectors isolated from each other.
+    """
 
     component = EXPORTER
     metric_names = ("layerwatch_exporter_scrape_duration_seconds",)
@@ -193,19 +202,26 @@ class TimedCollectors(prometheus.CatalogCollector):
         yield duration
 
 
+def exporter_collectors(state: ExporterState) -> TimedCollectors:
+    """Every exporter metric of the catalog: the collectors, isolated from each other, and timed."""
+    isolated = prometheus.IsolatedCollectors(
+        {
+            "entropy": EntropyCollector(state),
+            "layer": LayerCollector(state),
+            "window": WindowCollector(state),
+            "routing": RoutingCollector(state),
+            "ingest": IngestCollector(state),
+        },
+        EXPORTER,
+        success="layerwatch_exporter_scrape_collector_success",
+        duration="layerwatch_exporter_scrape_collector_duration_seconds",
+    )
+    return TimedCollectors([isolated])
+
+
 def build_registry(state: ExporterState, registry: CollectorRegistry | None = None) -> CollectorRegistry:
     """The exporter's collectors in `registry` (a new one by default; never the global one)."""
     registry = CollectorRegistry() if registry is None else registry
-    registry.register(
-        TimedCollectors(
-            [
-                EntropyCollector(state),
-                LayerCollector(state),
-                WindowCollector(state),
-                RoutingCollector(state),
-                IngestCollector(state),
-            ]
-        )
-    )
+    registry.register(exporter_collectors(state))
     ProcessCollector(registry=registry)  # process_resident_memory_bytes etc.
     return registry

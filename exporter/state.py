@@ -12,7 +12,6 @@ statistics are cached the same way.
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from exporter.routing_window import RoutingWindow
+from exporter.sequences import SequenceTracker
 from exporter.window import SlidingWindow
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS, DEFAULT_THRESHOLD, Routing, check_routing
 from layerwatch.statistics import (
@@ -38,9 +38,6 @@ from layerwatch.wire import GateFrame, MalformedFrame, UnauthenticatedFrame, dec
 
 log = logging.getLogger(__name__)
 
-# Sequence numbers are remembered for this many shims (least recently heard from is forgotten first),
-# so a stream of made-up shim ids cannot grow memory without bound.
-MAX_TRACKED_SHIMS = 4096
 # Why a well-formed frame was dropped (layerwatch_exporter_frames_rejected_total{reason}).
 REJECT_REASONS = ("too_many_models", "too_many_layers", "layer_count_changed", "missing_tag", "bad_tag")
 
@@ -87,6 +84,7 @@ class ModelStatistics:
         self.threshold: float | None = None  # τ of the latest frame (the default for a frame without one)
         self.frames_received = 0
         self.frames_lost = 0
+        self.frames_interleaved = 0
         self.frames_without_threshold = 0
 
     def add(
@@ -120,6 +118,7 @@ class ModelSnapshot:
     layer_buckets: np.ndarray | None  # [layers, 20] with --per-layer
     frames_received: int
     frames_lost: int
+    frames_interleaved: int = 0
     frames_without_threshold: int = 0
     threshold: float | None = None  # τ of the latest frame
 
@@ -144,7 +143,7 @@ class ExporterState:
         self._clock = clock
         self._lock = threading.Lock()
         self._models: dict[str, ModelStatistics] = {}
-        self._last_sequence: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._sequences = SequenceTracker()
         self.frames_malformed = 0
         self.frames_rejected = dict.fromkeys(REJECT_REASONS, 0)
         # One bimodality computation at a time: concurrent scrapes wait for it and reuse the result.
@@ -174,7 +173,7 @@ class ExporterState:
         with self._lock:
             # A refused frame did arrive: it moves its shim's sequence on, so it is not counted as lost
             # (a gap it reveals is not charged: its statistics are not counted either).
-            gap = self._sequence_gap(frame.shim_id, frame.sequence)
+            verdict = self._sequences.observe(frame.shim_id, frame.sequence)
             refusal = self._admit(frame.model_name, layers, now)
             if refusal is not None:
                 self.frames_rejected[refusal] += 1
@@ -182,7 +181,17 @@ class ExporterState:
             model = self._models[frame.model_name]
             model.last_seen = now
             model.frames_received += 1
-            model.frames_lost += gap
+            model.frames_lost += verdict.lost
+            if verdict.interleaved:
+                if model.frames_interleaved == 0:
+                    log.warning(
+                        "model %r: gate frames under shim id %r interleave two sequence numberings: several "
+                        "shims send under this id (a shared --shim-id or LAYERWATCH_SHIM_ID?); counted in "
+                        "layerwatch_exporter_frames_interleaved_total, not as loss",
+                        frame.model_name,
+                        frame.shim_id,
+                    )
+                model.frames_interleaved += 1
             threshold = frame.threshold
             if threshold is None:  # wire version 1: an older shim that does not send τ
                 threshold = self.config.default_threshold
@@ -196,20 +205,6 @@ class ExporterState:
                     )
                 model.frames_without_threshold += 1
             model.add(frame.entropies, frame.skipped, now, threshold, frame.model_name)
-
-    def _sequence_gap(self, shim_id: str, sequence: int) -> int:
-        """Frames missing since this shim's previous frame.
-
-        A sequence that does not move forward means the shim restarted (or a duplicate): no loss,
-        counting starts again from it. A gap is charged to the model of the frame that reveals it.
-        """
-        previous = self._last_sequence.pop(shim_id, None)
-        self._last_sequence[shim_id] = sequence
-        if len(self._last_sequence) > MAX_TRACKED_SHIMS:
-            self._last_sequence.popitem(last=False)
-        if previous is None or sequence <= previous:
-            return 0
-        return sequence - previous - 1
 
     def _admit(self, model_name: str, layers: int, now: float) -> str | None:
         """Why a frame of this model and width is refused (a REJECT_REASONS entry), else None with the
@@ -264,6 +259,7 @@ class ExporterState:
             layer_buckets=None if layers.buckets is None else layers.buckets.copy(),
             frames_received=model.frames_received,
             frames_lost=model.frames_lost,
+            frames_interleaved=model.frames_interleaved,
             frames_without_threshold=model.frames_without_threshold,
             threshold=model.threshold,
         )

@@ -313,6 +313,21 @@ METRICS: tuple[MetricSpec, ...] = (
         f"(token, layer) samples the gate-importance correlation is computed over (at most {GATE_IMPORTANCE_SAMPLES}).",
         SHIM,
     ),
+    _m(
+        "layerwatch_scrape_collector_success",
+        "gauge",
+        ("collector",),
+        "1 if the shim's collector produced its metrics in this scrape, 0 if it failed (its metrics are "
+        "missing; the shim logs why). The rest of the scrape is served either way.",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_scrape_collector_duration_seconds",
+        "gauge",
+        ("collector",),
+        "Time the shim's collector took in this scrape.",
+        SHIM,
+    ),
     _m("layerwatch_telemetry_frames_sent_total", "counter", ("model_name",), "Gate frames sent to the exporter.", SHIM),
     _m(
         "layerwatch_telemetry_frames_dropped_total",
@@ -421,7 +436,16 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_exporter_frames_lost_total",
         "counter",
         ("model_name",),
-        "Frames missing from a shim's sequence numbers.",
+        "Frames missing from a shim's sequence numbers (lost in transit; the shim counts what it did not send "
+        "in layerwatch_telemetry_frames_dropped_total).",
+        EXPORTER,
+    ),
+    _m(
+        "layerwatch_exporter_frames_interleaved_total",
+        "counter",
+        ("model_name",),
+        "Frames that switched between two sequence numberings under one shim id: several shims share the id "
+        "(never counted as lost).",
         EXPORTER,
     ),
     _m(
@@ -438,6 +462,21 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         (),
         "Time this scrape spent collecting (and rendering) the exporter's metrics.",
+        EXPORTER,
+    ),
+    _m(
+        "layerwatch_exporter_scrape_collector_success",
+        "gauge",
+        ("collector",),
+        "1 if the collector produced its metrics in this scrape, 0 if it failed (its metrics are missing; "
+        "the exporter logs why). The rest of the scrape is served either way.",
+        EXPORTER,
+    ),
+    _m(
+        "layerwatch_exporter_scrape_collector_duration_seconds",
+        "gauge",
+        ("collector",),
+        "Time the collector took in this scrape.",
         EXPORTER,
     ),
     # --- exporter: routing (static pruning vs per-token routing; layerwatch/routing.py) ----------

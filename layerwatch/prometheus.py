@@ -12,7 +12,9 @@ label set, type or bucket layout can only come from layerwatch/catalog.py (docs/
 - `describe(names)`: the families a custom collector will yield, without samples: what its
   `describe()` returns, so that registering it checks its names against the registry's;
 - `CatalogCollector`: a base class for custom collectors that declares their catalog names once
-  and describes itself from them.
+  and describes itself from them;
+- `IsolatedCollectors`: custom collectors run as node_exporter runs its collectors, each on its
+  own: one that raises leaves its metrics out of the scrape and reports it, the rest is served.
 
 Every function takes an optional `component` (catalog.SHIM or catalog.EXPORTER) and refuses a
 spec of another component, so neither side can expose the other's metrics by mistake.
@@ -20,7 +22,9 @@ spec of another component, so neither side can expose the other's metrics by mis
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -31,6 +35,8 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from layerwatch.catalog import BY_NAME, MetricSpec
+
+log = logging.getLogger(__name__)
 
 _M = TypeVar("_M")
 
@@ -126,6 +132,43 @@ class CatalogCollector(Collector):
 
     def describe(self) -> list[Metric]:
         return describe(self.metric_names, self.component)
+
+
+class IsolatedCollectors(CatalogCollector):
+    """Named custom collectors, each run on its own as node_exporter runs its collectors.
+
+    A collector's metrics are gathered in full before any is yielded: one that raises contributes
+    nothing to the scrape (no half-built families), its exception is logged, and the gauge `success`
+    says so with 0 for its `collector` label. Every other metric is still served, so the target stays
+    `up` and the alerts that read other metrics keep working; `duration` is each collector's time.
+    """
+
+    def __init__(self, collectors: Mapping[str, CatalogCollector], component: str, success: str, duration: str) -> None:
+        self.component = component
+        self.metric_names = (success, duration)
+        self._collectors = dict(collectors)
+
+    def describe(self) -> list[Metric]:
+        return [
+            metric for collector in self._collectors.values() for metric in collector.describe()
+        ] + super().describe()
+
+    def collect(self) -> Iterator[Metric]:
+        success, duration = (value_family(name, self.component) for name in self.metric_names)
+        for name, collector in self._collectors.items():
+            start = time.perf_counter()
+            try:
+                metrics = list(collector.collect())
+            except Exception:
+                log.exception("collector %s failed: its metrics are left out of this scrape", name)
+                metrics = []
+                success.add_metric([name], 0)
+            else:
+                success.add_metric([name], 1)
+            duration.add_metric([name], time.perf_counter() - start)
+            yield from metrics
+        yield success
+        yield duration
 
 
 class HistogramArrays(Metric):

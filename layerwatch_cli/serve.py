@@ -168,7 +168,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     telemetry.add_argument(
         "--shim-id",
         default=SETTINGS_DEFAULTS["shim_id"],
-        help="identifies this process in gate frames (default: hostname-pid)",
+        help="identifies this process in gate frames, one per process (default: hostname-pid-random, new each start)",
     )
     telemetry.add_argument(
         "--frame-key-file",

@@ -8,14 +8,15 @@ Two update paths, chosen so that the decode loop does no label lookups or string
     children were bound once at start-up, from the same numbers the client got in `usage`, and the
     request's own skipping (skip fraction, token-dependent share, the layers a runaway request skipped).
 Every metric is built from its catalog spec by layerwatch/prometheus.py (docs/metrics.md lists them);
-every custom collector describes itself, so registering it checks its names for clashes.
+every custom collector describes itself, so registering it checks its names for clashes. The
+custom collectors run `isolated` from each other: one that fails leaves the rest of /metrics served.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +66,16 @@ class ShimCollector(prometheus.CatalogCollector):
     """A custom collector of shim metrics (describes itself from `metric_names`)."""
 
     component = SHIM
+
+
+def isolated(collectors: Mapping[str, ShimCollector]) -> prometheus.IsolatedCollectors:
+    """The shim's custom collectors, each isolated from the others (layerwatch_scrape_collector_*)."""
+    return prometheus.IsolatedCollectors(
+        collectors,
+        SHIM,
+        success="layerwatch_scrape_collector_success",
+        duration="layerwatch_scrape_collector_duration_seconds",
+    )
 
 
 # --- decode-step statistics -----------------------------------------------------------------------

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +31,12 @@ from inference_shim.service.metrics import (
     ModelInfoCollector,
     RequestMetrics,
     ShadowMetrics,
+    isolated,
 )
 from inference_shim.service.power import NvmlCollector, RaplCollector
 from inference_shim.service.readiness import Readiness
 from inference_shim.service.shadow import ShadowChecker
-from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, StepTelemetry
+from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, StepTelemetry, default_shim_id
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
 from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.trace import TraceWriter
@@ -68,7 +67,7 @@ class ServeSettings:
     max_body_bytes: int = 1 << 20
     body_timeout_seconds: float = 30.0  # a request body must arrive within this (slow clients get 408)
     exporter_address: str = DEFAULT_FRAMES_ADDRESS  # "" = no frames
-    shim_id: str | None = None  # None: hostname-pid
+    shim_id: str | None = None  # None: hostname-pid-random (default_shim_id)
     frame_key_file: Path | None = None  # gate frames tagged with this key (layerwatch/wire.py); None: untagged
     trace_file: Path | None = None
     trace_max_bytes: int = 100 << 20
@@ -159,7 +158,6 @@ class ShimService:
             self.kv_policy,
             gates.sha256,
         )
-        self.registry.register(ModelInfoCollector(lambda: self.model_info))
         runaway = settings.request_runaway_fraction
         self.request_metrics = RequestMetrics(
             self.registry,
@@ -168,8 +166,7 @@ class ShimService:
             DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION if runaway is None else runaway,
         )
         self.decode_stats = DecodeStats(config.num_layers)
-        self.registry.register(DecodeStatsCollector(self.decode_stats, self.model_name))
-        shim_id = settings.shim_id or f"{socket.gethostname()}-{os.getpid()}"
+        shim_id = settings.shim_id or default_shim_id()
         self.sender = (
             FrameSender(
                 settings.exporter_address,
@@ -182,9 +179,6 @@ class ShimService:
             if settings.exporter_address
             else None
         )
-        self.registry.register(FrameSenderCollector(self.sender, self.model_name))
-        self.registry.register(NvmlCollector())
-        self.registry.register(RaplCollector())
         shadow_metrics = ShadowMetrics(self.registry, self.model_name)
         self.trace = (
             TraceWriter(settings.trace_file, settings.trace_max_bytes, threshold=self.policy.threshold)
@@ -193,7 +187,20 @@ class ShimService:
         )
 
         self.layer_signals = LayerSignalStats(config.num_layers)
-        self.registry.register(LayerSignalsCollector(self.layer_signals, self.model_name))
+        # The custom collectors compute at scrape time (hardware readings, statistics): isolated, so
+        # that one failing leaves the rest of /metrics served (docs/service.md, "Metrics").
+        self.registry.register(
+            isolated(
+                {
+                    "model_info": ModelInfoCollector(lambda: self.model_info),
+                    "decode_stats": DecodeStatsCollector(self.decode_stats, self.model_name),
+                    "frame_sender": FrameSenderCollector(self.sender, self.model_name),
+                    "nvml": NvmlCollector(),
+                    "rapl": RaplCollector(),
+                    "layer_signals": LayerSignalsCollector(self.layer_signals, self.model_name),
+                }
+            )
+        )
         shadow = (
             ShadowChecker(model, shadow_metrics, settings.shadow_rate, self.layer_signals)
             if settings.shadow_rate > 0

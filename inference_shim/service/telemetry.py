@@ -9,6 +9,8 @@ decode loop (a failed send is a counter, not an exception).
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import socket
 from collections.abc import Iterator
 
@@ -32,6 +34,13 @@ log = logging.getLogger(__name__)
 DROP_REASONS = ("send_error", "too_large", "invalid")
 
 
+def default_shim_id() -> str:
+    """hostname-pid-random: unique per process start. Hostname and pid alone repeat: every container's
+    shim is PID 1, and on host networking the containers share the hostname; two shims under one id
+    interleave their sequence numbers at the exporter (docs/wire-format.md)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
 class FrameSender:
     """Sends one gate frame per decode step over UDP, without ever waiting.
 
@@ -39,9 +48,10 @@ class FrameSender:
     cost more in hand-offs than it saved on the 2-core benchmark machine (docs/performance.md,
     "Service"). The socket is non-blocking and connected, so a missing exporter shows up as send
     errors (ICMP port unreachable, reported on the next send) in
-    `layerwatch_telemetry_frames_dropped_total` rather than anywhere else. Every frame takes the
-    next sequence number, sent or not, so the exporter sees dropped frames as gaps. Every frame
-    carries the skip policy's `threshold` (wire version 2), which the exporter's routing
+    `layerwatch_telemetry_frames_dropped_total` rather than anywhere else. Only frames that left
+    take a sequence number, so the exporter's sequence gaps are the frames lost in transit and no
+    frame is counted on both sides (LayerwatchTelemetryLoss fires on either). Every
+    frame carries the skip policy's `threshold` (wire version 2), which the exporter's routing
     statistics need to tell below-threshold scores from the rest. With a frame `key`, every frame
     is tagged with it (an HMAC, docs/wire-format.md), so an exporter holding the key can tell it
     from a forged one.
@@ -92,10 +102,8 @@ class FrameSender:
         self._socket.close()
 
     def _send_frame(self, entropies: np.ndarray, skipped: np.ndarray) -> None:
-        sequence = self.sequence
-        self.sequence += 1
         try:
-            frame = GateFrame(self.model_name, self.shim_id, sequence, entropies, skipped, self.threshold)
+            frame = GateFrame(self.model_name, self.shim_id, self.sequence, entropies, skipped, self.threshold)
             data = encode_frame(frame, self.key)
         except FrameTooLarge:
             self.dropped["too_large"] += 1
@@ -108,6 +116,7 @@ class FrameSender:
         except OSError:  # ConnectionRefused (no exporter), BlockingIOError (buffer full), ...
             self.dropped["send_error"] += 1
             return
+        self.sequence += 1
         self.sent += 1
 
 

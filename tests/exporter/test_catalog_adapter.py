@@ -13,9 +13,9 @@ from exporter.collectors import (
     IngestCollector,
     LayerCollector,
     RoutingCollector,
-    TimedCollectors,
     WindowCollector,
     build_registry,
+    exporter_collectors,
 )
 from exporter.state import ExporterConfig, ExporterState
 from layerwatch import catalog, prometheus
@@ -101,8 +101,9 @@ def test_exporter_collectors_describe_what_they_collect(collector_class) -> None
 
 def test_the_exporter_registry_describes_every_exporter_metric_and_refuses_duplicates() -> None:
     state = _state()
-    timed = TimedCollectors([c(state) for c in EXPORTER_COLLECTORS])
-    assert {m.name for m in timed.describe()} == {s.base_name for s in catalog.for_component(catalog.EXPORTER)}
+    assert {m.name for m in exporter_collectors(state).describe()} == {
+        s.base_name for s in catalog.for_component(catalog.EXPORTER)
+    }
     registry = build_registry(state)
     for collector in (EntropyCollector(state), IngestCollector(state)):
         with pytest.raises(ValueError, match="Duplicated timeseries"):

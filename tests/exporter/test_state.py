@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from exporter.sequences import MAX_STREAMS_PER_SHIM, MAX_TRACKED_SHIMS, SequenceTracker
 from exporter.state import ExporterConfig, ExporterState, ModelStatistics
 from layerwatch.wire import GateFrame, encode_frame
 from tests.exporter.support import random_frame
@@ -34,6 +35,38 @@ def test_sequence_gaps_count_as_lost_and_a_restart_does_not() -> None:
     demo = by_model(state)["demo"]
     assert demo.frames_received == 11
     assert demo.frames_lost == 2 + 1  # a: 3, 4; b: 11; c restarted at 0
+
+
+def ingest_sequences(state: ExporterState, frames: list[tuple[str, int]]) -> None:
+    rng = np.random.default_rng(0)
+    for shim, sequence in frames:
+        state.ingest(random_frame(rng, sequence, shim=shim))
+
+
+def test_two_shims_under_one_id_are_reported_as_interleaved_not_as_lost() -> None:
+    # One shim has sent 300 frames when a second starts under the same id; they alternate. A
+    # sequence gap per switch (300 -> 0 -> 301 -> 1 ...) used to count ~300 lost frames per frame.
+    state = make_state()
+    first, second = range(300, 340), range(40)
+    ingest_sequences(state, [("a", 299)] + [("a", n) for pair in zip(first, second) for n in pair])
+    demo = by_model(state)["demo"]
+    assert demo.frames_received == 81
+    assert demo.frames_lost == 0
+    assert demo.frames_interleaved == 78  # every frame after the second shim's first one switches
+
+
+def test_two_shims_started_together_under_one_id_are_interleaved() -> None:
+    state = make_state()  # lockstep, and one shim's frame 5 lost in transit
+    ingest_sequences(state, [("a", n) for n in (0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 6, 6, 7)])
+    demo = by_model(state)["demo"]
+    assert (demo.frames_lost, demo.frames_interleaved) == (1, 10)  # all but 0, 0, the first 1 and the first 6
+
+
+def test_a_restart_is_neither_loss_nor_interleaving_even_after_the_new_numbering_overtakes() -> None:
+    state = make_state()
+    ingest_sequences(state, [("a", n) for n in range(50)] + [("a", n) for n in range(80)])
+    demo = by_model(state)["demo"]
+    assert (demo.frames_received, demo.frames_lost, demo.frames_interleaved) == (130, 0, 0)
 
 
 def test_malformed_datagrams_are_counted_and_dropped() -> None:
@@ -217,3 +250,15 @@ def test_the_routing_statistics_are_cached_like_the_bimodality() -> None:
     assert state.routing("demo") is first  # changed, but younger than the cache time
     clock.now += 3
     assert state.routing("demo").tokens == 20
+
+
+def test_sequence_tracking_is_bounded_in_shim_ids_and_streams() -> None:
+    tracker = SequenceTracker()
+    tracker.observe("a", 0)
+    for shim in range(MAX_TRACKED_SHIMS):  # made-up ids push "a" out
+        tracker.observe(f"made-up-{shim}", 0)
+    assert tracker.observe("a", 10) == (0, False)  # forgotten: a new stream, no loss invented
+    for start in range(MAX_STREAMS_PER_SHIM + 1):  # restarts, each a new stream at 100 - start
+        tracker.observe("b", 100 - start)
+    # The oldest stream (last 100) was forgotten: 101 continues the newest of those kept (99).
+    assert tracker.observe("b", 101) == (1, True)

@@ -3,6 +3,7 @@ names: a clash with a metric already in the registry is refused, not exposed twi
 
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
@@ -17,6 +18,7 @@ from inference_shim.service.metrics import (
     ModelInfoCollector,
     RequestMetrics,
     ShadowMetrics,
+    isolated,
     make_metric,
 )
 from inference_shim.service.power import GpuReading, NvmlCollector, RaplCollector
@@ -30,7 +32,7 @@ def shim_collectors() -> list:
     stats.observe(np.array([[True, False, False]]), np.array([True, False, False]), np.array([False]))
     signals = LayerSignalStats(3, reservoir=3)
     signals.observe(LayerSignals(np.ones((1, 3)), np.zeros((1, 3)), np.array([[0.1, 0.2, 0.3]])))
-    return [
+    collectors = [
         LayerSignalsCollector(signals, "m"),
         DecodeStatsCollector(stats, "m"),
         ModelInfoCollector(lambda: ModelInfo("m", 3, 0.18, 3, "project", "0" * 64)),
@@ -38,6 +40,7 @@ def shim_collectors() -> list:
         NvmlCollector(reader=lambda: [GpuReading(0, "GPU-0", 120.0, 5.0)]),
         RaplCollector(zones=[]),
     ]
+    return [*collectors, isolated({})]  # the isolation's own success and duration gauges
 
 
 @pytest.mark.parametrize("index", range(len(shim_collectors())))
@@ -74,3 +77,31 @@ def test_the_frame_sender_refuses_port_zero():
     """A destination needs a real port (the exporter may listen on port 0, the shim cannot send there)."""
     with pytest.raises(ValueError, match="exporter address '127.0.0.1:0'"):
         FrameSender("127.0.0.1:0", "m", "shim", 4, threshold=0.18)
+
+
+def test_a_failing_collector_leaves_the_rest_of_the_shims_scrape_served(in_process) -> None:
+    server = in_process()
+
+    def broken() -> None:
+        raise FloatingPointError("injected: the gate-importance correlation failed")
+
+    server.service.layer_signals.snapshot = broken  # the statistic behind LayerSignalsCollector
+    response = httpx.get(f"{server.base_url}/metrics", timeout=10)
+    assert response.status_code == 200  # the target stays up
+    samples = server.metrics()
+    success = {
+        dict(labels)["collector"]: value
+        for (name, labels), value in samples.items()
+        if name == "layerwatch_scrape_collector_success"
+    }
+    assert success == {
+        "model_info": 1,
+        "decode_stats": 1,
+        "frame_sender": 1,
+        "nvml": 1,
+        "rapl": 1,
+        "layer_signals": 0,
+    }
+    names = {name for name, _ in samples}
+    assert "layerwatch_gate_importance_samples" not in names
+    assert {"layerwatch_model_info", "layerwatch_layer_evaluations_total", "layerwatch_nvml_up"} <= names

@@ -53,7 +53,7 @@ def test_a_missing_exporter_only_moves_the_dropped_counter():
     for _ in range(20):
         sender.send(entropies, skipped)  # never raises
     sender.close()
-    assert sender.sequence == 20
+    assert sender.sequence == sender.sent  # only frames that left are numbered
     assert sender.dropped["send_error"] > 0
     assert sender.sent + sender.dropped["send_error"] == 20
 
@@ -116,3 +116,21 @@ def test_a_key_file_others_can_read_stops_the_shim_from_starting(tiny_checkpoint
     settings = ServeSettings(model_dir=tiny_checkpoint.path, frame_key_file=key_file)
     with pytest.raises(ValueError, match=f"frame key file {key_file}: group or others may access it"):
         ShimService.load(settings)
+
+
+def test_a_dropped_frame_leaves_no_sequence_gap():
+    """The shim counts the frames it did not send; the exporter's sequence gaps are then only the frames
+    lost in transit, so LayerwatchTelemetryLoss can add the two without counting a frame twice."""
+    receiver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    receiver.bind(("127.0.0.1", 0))
+    receiver.settimeout(5)
+    sender = FrameSender(f"127.0.0.1:{receiver.getsockname()[1]}", MODEL_NAME, "test", NUM_LAYERS, threshold=0.18)
+    valid = np.full((2, NUM_LAYERS), 0.5, dtype=np.float32)
+    skipped = np.zeros((2, NUM_LAYERS), dtype=bool)
+    for entropies in (valid, np.full_like(valid, np.nan), valid):
+        sender.send(entropies, skipped)
+    frames = [decode_frame(receiver.recv(65536)) for _ in range(2)]
+    receiver.close()
+    sender.close()
+    assert sender.dropped["invalid"] == 1 and sender.sent == 2
+    assert [f.sequence for f in frames] == [0, 1]

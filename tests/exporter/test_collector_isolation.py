@@ -1,0 +1,73 @@
+"""A collector that raises (here: the statistics, made to fail) costs only its own metrics: the
+exporter still answers the scrape (so `up` stays 1 and LayerwatchTargetDown does not inhibit every
+other alert of the target) and says which collector failed, as node_exporter does."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+import exporter.state
+from exporter.server import ExporterServer
+from exporter.state import ExporterConfig, ExporterState
+from layerwatch.wire import encode_frame
+from tests.exporter.support import random_frame
+
+COLLECTORS = ("entropy", "layer", "window", "routing", "ingest")
+
+
+def scrape(url: str) -> tuple[int, dict]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode("utf-8")
+        return response.status, {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+
+def test_a_failing_collector_leaves_the_rest_of_the_scrape_served(monkeypatch) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise FloatingPointError("injected: the dip test failed")
+
+    monkeypatch.setattr(exporter.state, "check_bimodality", broken)
+    server = ExporterServer(
+        ExporterState(ExporterConfig(min_window_observations=10)), ("127.0.0.1", 0), ("127.0.0.1", 0)
+    )
+    server.start()
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        rng = np.random.default_rng(0)
+        for sequence in range(5):
+            sender.sendto(encode_frame(random_frame(rng, sequence)), server.frames_address)
+        host, port = server.http_address
+        url = f"http://{host}:{port}"
+        deadline = time.monotonic() + 10
+        while scrape(url)[1].get(("layerwatch_exporter_frames_received_total", (("model_name", "demo"),))) != 5:
+            assert time.monotonic() < deadline, "the frames did not arrive"
+            time.sleep(0.02)
+
+        status, samples = scrape(url)
+        assert status == 200
+        success = {
+            dict(labels)["collector"]: value
+            for (name, labels), value in samples.items()
+            if name == "layerwatch_exporter_scrape_collector_success"
+        }
+        assert success == {name: (0.0 if name == "window" else 1.0) for name in COLLECTORS}
+        durations = [n for n, _ in samples if n == "layerwatch_exporter_scrape_collector_duration_seconds"]
+        assert len(durations) == len(COLLECTORS)
+        names = {name for name, _ in samples}
+        assert "layerwatch_entropy_window_observations" not in names  # the failed collector's metrics only
+        assert {
+            "layerwatch_entropy_count",
+            "layerwatch_routing_window_tokens",
+            "process_resident_memory_bytes",
+        } <= names
+    finally:
+        sender.close()
+        server.stop()
