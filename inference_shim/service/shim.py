@@ -37,7 +37,7 @@ from inference_shim.service.metrics import (
 from inference_shim.service.power import NvmlCollector, RaplCollector
 from inference_shim.service.readiness import Readiness
 from inference_shim.service.shadow import ShadowChecker
-from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, StepTelemetry
+from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, StepTelemetry, TraceCollector
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
 from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.trace import TraceWriter
@@ -183,6 +183,7 @@ class ShimService:
             if settings.trace_file
             else None
         )
+        self.registry.register(TraceCollector(self.trace, self.model_name))
 
         self.layer_signals = LayerSignalStats(config.num_layers)
         self.registry.register(LayerSignalsCollector(self.layer_signals, self.model_name))
@@ -313,4 +314,7 @@ class ShimService:
         if self.sender is not None:
             self.sender.close()
         if self.trace is not None:
-            self.trace.close()
+            try:
+                self.trace.close()
+            except OSError as exc:  # writes are unbuffered: nothing is lost here, and shutdown goes on
+                log.error("closing trace file %s: %s", self.trace.path, exc)
