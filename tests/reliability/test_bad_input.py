@@ -505,3 +505,16 @@ def test_replay_refuses_a_malformed_trace_with_file_and_line(tmp_path, content):
     result = subprocess.run([*LAYERWATCH, "replay", str(path), "--json"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and result.stdout == "", result.stdout
     assert f"{path}:2" in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_replay_skips_a_torn_last_line_with_a_warning(tmp_path):
+    """A trace whose last write was cut short (a full disk, a crash): the 220 whole lines before it are
+    replayed, the torn line is skipped with a warning naming it, and the exit code is 0."""
+    good = b'{"model_name": "m", "scores": [0.1, 0.9], "skipped": [1, 0]}\n'
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(good * 220 + good[:30])
+    result = subprocess.run([*LAYERWATCH, "replay", str(path), "--json"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["observations"] == 220 * 2
+    assert "1 torn last line skipped" in result.stderr and f"{path}:221: " in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
