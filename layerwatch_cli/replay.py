@@ -68,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
     except (TraceError, OSError) as exc:
         print(f"layerwatch replay: {exc}", file=sys.stderr)
         return 1
-    for exc in torn:  # at most one: the last line
+    for line in torn:  # at most one: the last line
         print(
             f"layerwatch replay: warning: 1 torn last line skipped (no newline: a write cut short, e.g. "
-            f"by a full disk); the lines before it were replayed: {exc}",
+            f"by a full disk); the lines before it were replayed: {line}",
             file=sys.stderr,
         )
     if not reports:
