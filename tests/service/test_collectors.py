@@ -20,7 +20,7 @@ from inference_shim.service.metrics import (
     make_metric,
 )
 from inference_shim.service.power import GpuReading, NvmlCollector, RaplCollector
-from inference_shim.service.telemetry import FrameSender, FrameSenderCollector
+from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, TraceCollector
 from layerwatch import catalog
 from layerwatch.gate_importance import LayerSignalStats
 
@@ -35,6 +35,7 @@ def shim_collectors() -> list:
         DecodeStatsCollector(stats, "m"),
         ModelInfoCollector(lambda: ModelInfo("m", 3, 0.18, 3, "project", "0" * 64)),
         FrameSenderCollector(None, "m"),
+        TraceCollector(None, "m"),
         NvmlCollector(reader=lambda: [GpuReading(0, "GPU-0", 120.0, 5.0)]),
         RaplCollector(zones=[]),
     ]
