@@ -119,12 +119,12 @@ def load_gates(path: str | Path, model: Transformer) -> LoadedGates:
             f"{path}: gates were trained on another base model (fingerprint "
             f"{metadata.base_fingerprint[:12]}, this model is {fingerprint[:12]})"
         )
-    _check_finite(path, tensors, "")
     gates = GateBank(config.num_layers, config.hidden_size)
     try:
         gates.load_state_dict(tensors, strict=True)
     except RuntimeError as exc:  # missing/unexpected names or wrong shapes
         raise GateFileError(f"{path}: tensors do not form a gate bank: {exc}") from exc
+    _check_finite(path, tensors, "")
     placed = _placed(gates, model)
     # Finite fp32 weights can still overflow a float16 model's dtype.
     _check_finite(path, placed.state_dict(), f" once converted to the model's {model.embed_tokens.weight.dtype}")
