@@ -10,20 +10,24 @@ exporter judges frames without one.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 
 from exporter.state import ExporterConfig, ModelStatistics
 from layerwatch.routing import routing_report
 from layerwatch.statistics import BINS, check_bimodality, histogram20, report
-from layerwatch.trace import read_trace_batches
+from layerwatch.trace import TraceError, read_trace_batches
 
 
-def replay_trace(path: str | os.PathLike[str], config: ExporterConfig) -> list[dict[str, object]]:
-    """One report per model, in order of first appearance; raises TraceError for a bad line."""
+def replay_trace(
+    path: str | os.PathLike[str], config: ExporterConfig, on_torn_line: Callable[[TraceError], None] | None = None
+) -> list[dict[str, object]]:
+    """One report per model, in order of first appearance; raises TraceError for a bad line (a torn
+    last line goes to `on_torn_line` when given, see read_trace)."""
     models: dict[str, ModelStatistics] = {}
     histograms: dict[str, np.ndarray] = {}
-    for batch in read_trace_batches(path):
+    for batch in read_trace_batches(path, on_torn_line=on_torn_line):
         if batch.model_name not in models:
             models[batch.model_name] = ModelStatistics(config)
             histograms[batch.model_name] = np.zeros(BINS, dtype=np.int64)

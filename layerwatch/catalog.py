@@ -336,6 +336,21 @@ METRICS: tuple[MetricSpec, ...] = (
         "Gate frames not sent (reason=send_error, too_large or invalid); sending never blocks decoding.",
         SHIM,
     ),
+    _m(
+        "layerwatch_trace_lines_written_total",
+        "counter",
+        ("model_name",),
+        "Trace lines written to --trace-file (0 without one).",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_trace_lines_dropped_total",
+        "counter",
+        ("model_name", "reason"),
+        "Trace lines not written (reason=max_bytes: --trace-max-bytes reached; write_error: a write failed, "
+        "e.g. a full disk). Either stops trace writing for good; serving goes on.",
+        SHIM,
+    ),
     # --- exporter: entropy statistics -----------------------------------------------------------
     _m(
         "layerwatch_entropy",

@@ -10,10 +10,11 @@ ignored. `layerwatch serve --trace-file` writes it, `layerwatch replay` reads it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,13 +46,19 @@ class TraceBatch:
     threshold: float | None = None
 
 
-class TraceWriter:
-    """Appends trace lines to `path` until the file would exceed `max_bytes`.
+DROP_REASONS = ("max_bytes", "write_error")
 
-    Once a line does not fit, writing stops for good (a trace with holes would misrepresent the
-    sequences it holds); every line not written is counted in `dropped`. Safe to call from
-    several threads. Appends to an existing file, whose size counts toward the cap. With a
-    `threshold`, every line carries it (the optional "threshold" key).
+
+class TraceWriter:
+    """Appends trace lines to `path`, whole lines or nothing.
+
+    Writing stops for good once a line would take the file past `max_bytes`, or once a write fails
+    (disk full, file-size limit, I/O error): a trace with holes would misrepresent the sequences it
+    holds. A failed write is cut back off the file, so the file always ends with a whole line; the
+    write that failed raises its OSError, the calls after it drop their lines silently. Lines written
+    are counted in `written`, lines not written in `dropped[reason]`. Safe to call from several
+    threads. Appends to an existing file, whose size counts toward the cap. With a `threshold`, every
+    line carries it (the optional "threshold" key).
     """
 
     def __init__(self, path: str | os.PathLike[str], max_bytes: int, threshold: float | None = None) -> None:
@@ -62,40 +69,71 @@ class TraceWriter:
         self.path = Path(path)
         self.max_bytes = max_bytes
         self.threshold = threshold
-        self.dropped = 0
+        self.written = 0
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self._lock = threading.Lock()
-        self._file = open(self.path, "ab")  # noqa: SIM115 -- open for the writer's lifetime, closed by close()
-        self._written = self._file.tell()
-        self._full = False
+        # Unbuffered: a failed write leaves nothing behind in a buffer for close() to retry.
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        self._size = os.fstat(self._fd).st_size
+        self._stopped: str | None = None  # the drop reason once writing stopped
 
     def write_rows(self, model_name: str, entropies: np.ndarray, skipped: np.ndarray) -> None:
         """Write one line per row: entropies float [rows, layers], skipped 0/1 [rows, layers]."""
         entropies, skipped = check_gate_arrays(entropies, skipped)
         lines = [_format_line(model_name, e, s, self.threshold) for e, s in zip(entropies, skipped)]
         with self._lock:
-            if self._file.closed:
+            if self._fd is None:
                 raise ValueError(f"trace writer for {self.path} is closed")
-            written = []
-            for line in lines:
-                if self._full or self._written + len(line) > self.max_bytes:
-                    self._full = True
-                    self.dropped += 1
-                    continue
-                written.append(line)
-                self._written += len(line)
-            if written:
-                self._file.write(b"".join(written))
-                self._file.flush()  # a reader (or a crash) sees whole lines
+            kept = self._fitting(lines) if self._stopped is None else []
+            if len(kept) < len(lines) and self._stopped is None:
+                self._stopped = "max_bytes"
+            if kept:
+                data = b"".join(kept)
+                try:
+                    _append_whole(self._fd, data)
+                except OSError:
+                    self._stopped = "write_error"
+                    self.dropped["write_error"] += len(lines)
+                    raise
+                self._size += len(data)
+                self.written += len(kept)
+            if self._stopped is not None:
+                self.dropped[self._stopped] += len(lines) - len(kept)
+
+    def _fitting(self, lines: list[bytes]) -> list[bytes]:
+        """The leading lines that keep the file within max_bytes."""
+        size = self._size
+        for count, line in enumerate(lines):
+            size += len(line)
+            if size > self.max_bytes:
+                return lines[:count]
+        return lines
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            if self._fd is not None:
+                fd, self._fd = self._fd, None
+                os.close(fd)
 
     def __enter__(self) -> TraceWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _append_whole(fd: int, data: bytes) -> None:
+    """All of `data` at the end of the file or, when a write fails, nothing: a write cut short (a
+    file-size limit, a full disk) is truncated back off, so the file still ends with a whole line."""
+    start = os.lseek(fd, 0, os.SEEK_END)  # the file's real end, even if someone else truncated it
+    done = 0
+    try:
+        while done < len(data):
+            done += os.write(fd, data[done:])
+    except OSError:
+        with contextlib.suppress(OSError):  # should this fail too, readers skip a torn last line
+            os.ftruncate(fd, start)
+        raise
 
 
 def _format_line(model_name: str, scores: np.ndarray, skipped: np.ndarray, threshold: float | None) -> bytes:
@@ -107,21 +145,38 @@ def _format_line(model_name: str, scores: np.ndarray, skipped: np.ndarray, thres
     return f'{{"model_name": {name}, "scores": [{numbers}], "skipped": [{bits}]{tau}}}\n'.encode()
 
 
-def read_trace(path: str | os.PathLike[str]) -> Iterator[TraceRecord]:
-    """Yield the records of a trace file; raise TraceError naming file and line for a bad line."""
+def read_trace(
+    path: str | os.PathLike[str], on_torn_line: Callable[[TraceError], None] | None = None
+) -> Iterator[TraceRecord]:
+    """Yield the records of a trace file; raise TraceError naming file and line for a bad line.
+
+    A bad last line without its newline is a write cut short (a crash, a full disk, a file-size
+    limit), not a bad trace: with `on_torn_line` it is handed there and skipped, so the whole lines
+    before it still count; without, it raises like any bad line.
+    """
     with open(path, "rb") as file:
         for line_number, raw in enumerate(file, start=1):
-            if raw.strip():
-                yield _parse_line(path, line_number, raw)
+            if not raw.strip():
+                continue
+            try:
+                record = _parse_line(path, line_number, raw)
+            except TraceError as exc:
+                if on_torn_line is None or raw.endswith(b"\n"):  # only the last line can lack it
+                    raise
+                on_torn_line(exc)
+                continue
+            yield record
 
 
-def read_trace_batches(path: str | os.PathLike[str], max_rows: int = 4096) -> Iterator[TraceBatch]:
+def read_trace_batches(
+    path: str | os.PathLike[str], max_rows: int = 4096, on_torn_line: Callable[[TraceError], None] | None = None
+) -> Iterator[TraceBatch]:
     """Like read_trace, stacked into per-model arrays so statistics run vectorised."""
     model = ""  # set from the first record, before any batch is yielded
     threshold: float | None = None
     scores: list[np.ndarray] = []
     skipped: list[np.ndarray] = []
-    for record in read_trace(path):
+    for record in read_trace(path, on_torn_line):
         key_changed = (
             model != record.model_name
             or threshold != record.threshold

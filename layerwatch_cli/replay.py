@@ -62,11 +62,18 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"layerwatch replay: {exc}", file=sys.stderr)
         return 2
+    torn: list[TraceError] = []
     try:
-        reports = replay_trace(args.trace, config)
+        reports = replay_trace(args.trace, config, on_torn_line=torn.append)
     except (TraceError, OSError) as exc:
         print(f"layerwatch replay: {exc}", file=sys.stderr)
         return 1
+    for line in torn:  # at most one: the last line
+        print(
+            f"layerwatch replay: warning: 1 torn last line skipped (no newline: a write cut short, e.g. "
+            f"by a full disk); the lines before it were replayed: {line}",
+            file=sys.stderr,
+        )
     if not reports:
         print(f"layerwatch replay: {args.trace} holds no trace lines", file=sys.stderr)
         return 1

@@ -27,6 +27,12 @@ GATES_FILE = "gates.safetensors"  # a checkpoint folder's gate file, when none i
 METADATA_KEY = "layerwatch_gates"  # one key only: the serialised header (and so the sha256) is deterministic
 FORMAT_VERSION = 1
 FINGERPRINT_SAMPLES = 64  # values sampled from each tensor
+# safetensors layout: an 8-byte little-endian header length, the JSON header, then the tensor data.
+HEADER_LENGTH_BYTES = 8
+# The JSON header of a real gate file takes about 90 bytes per tensor plus the metadata; this is
+# room to spare (a gate file's size limit is derived from the model's shape with it).
+HEADER_BYTES_BASE = 4096
+HEADER_BYTES_PER_TENSOR = 256
 
 
 def gates_path_for(model_dir: str | Path, gates_path: str | Path | None = None) -> Path:
@@ -84,17 +90,23 @@ def save_gates(path: str | Path, gates: GateBank, metadata: GateMetadata) -> str
 
 
 def load_gates(path: str | Path, model: Transformer) -> LoadedGates:
-    """Read a gate file for `model`, on the model's device and dtype. Does not attach them."""
+    """Read a gate file for `model`, on the model's device and dtype. Does not attach them.
+
+    The file's size and safetensors header are checked before it is read whole: a gate path that
+    points at a huge file, or at something else entirely, costs a few bytes of reading, not its size.
+    """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise GateFileError(f"{path}: gate file not found")
-    data = path.read_bytes()
+    if not path.is_file():
+        raise GateFileError(f"{path}: not a regular file")
+    config = model.config
+    data = _read_bounded(path, gate_file_max_bytes(config.num_layers, config.hidden_size))
     try:
         tensors = load_tensors(data)
     except (SafetensorError, ValueError) as exc:
         raise GateFileError(f"{path}: not a readable safetensors file ({exc})") from exc
     metadata = _read_metadata(path, data)
-    config = model.config
     if (metadata.num_layers, metadata.hidden_size) != (config.num_layers, config.hidden_size):
         raise GateFileError(
             f"{path}: gates for a model with {metadata.num_layers} layers and hidden size "
@@ -112,7 +124,45 @@ def load_gates(path: str | Path, model: Transformer) -> LoadedGates:
         gates.load_state_dict(tensors, strict=True)
     except RuntimeError as exc:  # missing/unexpected names or wrong shapes
         raise GateFileError(f"{path}: tensors do not form a gate bank: {exc}") from exc
-    return LoadedGates(gates=_placed(gates, model), metadata=metadata, sha256=hashlib.sha256(data).hexdigest())
+    _check_finite(path, tensors, "")
+    placed = _placed(gates, model)
+    # Finite fp32 weights can still overflow a float16 model's dtype.
+    _check_finite(path, placed.state_dict(), f" once converted to the model's {model.embed_tokens.weight.dtype}")
+    return LoadedGates(gates=placed, metadata=metadata, sha256=hashlib.sha256(data).hexdigest())
+
+
+def gate_file_max_bytes(num_layers: int, hidden_size: int) -> int:
+    """The largest gate file a model of this shape can have: fp32 tensors and a generous header."""
+    with torch.device("meta"):  # shapes only, no memory
+        tensors = GateBank(num_layers, hidden_size).state_dict()
+    data_bytes = sum(4 * tensor.numel() for tensor in tensors.values())
+    return HEADER_LENGTH_BYTES + HEADER_BYTES_BASE + HEADER_BYTES_PER_TENSOR * len(tensors) + data_bytes
+
+
+def _read_bounded(path: Path, max_bytes: int) -> bytes:
+    """The file's bytes, once its size and header length fit a gate file; never more than max_bytes + 1."""
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        if size > max_bytes:
+            raise GateFileError(f"{path}: {size} bytes; a gate file for this model has at most {max_bytes}")
+        header_length = int.from_bytes(file.read(HEADER_LENGTH_BYTES), "little")
+        if size < HEADER_LENGTH_BYTES or header_length > size - HEADER_LENGTH_BYTES:
+            raise GateFileError(
+                f"{path}: not a readable safetensors file (a header of {header_length} bytes in a file of {size})"
+            )
+        file.seek(0)
+        data = file.read(max_bytes + 1)  # the file may have grown since the fstat
+    if len(data) > max_bytes:
+        raise GateFileError(f"{path}: more than {max_bytes} bytes; a gate file for this model has at most that")
+    return data
+
+
+def _check_finite(path: Path, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """NaN or infinite gate weights make every score NaN: refused, naming the first such tensor."""
+    for name, tensor in tensors.items():
+        bad = int((~torch.isfinite(tensor)).sum())
+        if bad:
+            raise GateFileError(f"{path}: tensor {name} holds {bad} NaN or infinite value(s){where}")
 
 
 def reset_gates(model: Transformer, seed: int) -> LoadedGates:
@@ -165,28 +215,50 @@ def _serialize(gates: GateBank, metadata: GateMetadata) -> bytes:
 
 
 def _read_metadata(path: Path, data: bytes) -> GateMetadata:
-    # safetensors layout: 8-byte little-endian header length, then the JSON header.
-    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
-    raw = header.get("__metadata__", {}).get(METADATA_KEY)
+    header = json.loads(
+        data[HEADER_LENGTH_BYTES : HEADER_LENGTH_BYTES + int.from_bytes(data[:HEADER_LENGTH_BYTES], "little")]
+    )
+    raw = header.get("__metadata__", {}).get(METADATA_KEY)  # safetensors checked: a dict of strings
     if raw is None:
         raise GateFileError(f"{path}: not a layerwatch gate file (no '{METADATA_KEY}' metadata)")
+
+    def bad(reason: str) -> GateFileError:
+        return GateFileError(f"{path}: bad '{METADATA_KEY}' metadata: {reason}")
+
     try:
         values = json.loads(raw)
-        if values.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"format_version {values.get('format_version')!r}, expected {FORMAT_VERSION}")
-        metadata = GateMetadata(**{f.name: values[f.name] for f in fields(GateMetadata)})
-        types_ok = (
-            isinstance(metadata.num_layers, int)
-            and isinstance(metadata.hidden_size, int)
-            and isinstance(metadata.threshold, (int, float))
-            and isinstance(metadata.patience, int)
-            and isinstance(metadata.base_fingerprint, str)
-        )
-        if not types_ok:
-            raise ValueError("a field has the wrong type")
-    except (KeyError, TypeError, ValueError) as exc:
-        raise GateFileError(f"{path}: bad '{METADATA_KEY}' metadata {raw!r}: {exc!r}") from exc
+    except ValueError as exc:
+        raise bad(f"not JSON ({exc})") from None
+    if not isinstance(values, dict):
+        raise bad(f"expected a JSON object, got {type(values).__name__}")
+    if values.get("format_version") != FORMAT_VERSION:
+        raise bad(f"format_version {values.get('format_version')!r}, expected {FORMAT_VERSION}")
+    missing = [f.name for f in fields(GateMetadata) if f.name not in values]
+    if missing:
+        raise bad(f"missing field(s) {', '.join(missing)}")
+    metadata = GateMetadata(**{f.name: values[f.name] for f in fields(GateMetadata)})
+    problem = _metadata_problem(metadata)
+    if problem:
+        raise bad(problem)
     return metadata
+
+
+def _metadata_problem(metadata: GateMetadata) -> str | None:
+    """What is wrong with the fields' values, naming the field; None when nothing is.
+    JSON true is a Python int (and 1.0), and Python's json reads NaN: both are refused by name."""
+
+    def counts(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    for name in ("num_layers", "hidden_size", "patience"):
+        if not counts(getattr(metadata, name)):
+            return f"{name} must be an integer >= 1, got {json.dumps(getattr(metadata, name))}"
+    threshold = metadata.threshold
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
+        return f"threshold must be a number in [0, 1], got {json.dumps(threshold)}"
+    if not isinstance(metadata.base_fingerprint, str):
+        return f"base_fingerprint must be a string, got {json.dumps(metadata.base_fingerprint)}"
+    return None
 
 
 def _placed(gates: GateBank, model: Transformer) -> GateBank:

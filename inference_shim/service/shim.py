@@ -36,7 +36,13 @@ from inference_shim.service.metrics import (
 from inference_shim.service.power import NvmlCollector, RaplCollector
 from inference_shim.service.readiness import Readiness
 from inference_shim.service.shadow import ShadowChecker
-from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, StepTelemetry, default_shim_id
+from inference_shim.service.telemetry import (
+    FrameSender,
+    FrameSenderCollector,
+    StepTelemetry,
+    TraceCollector,
+    default_shim_id,
+)
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
 from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.trace import TraceWriter
@@ -195,6 +201,7 @@ class ShimService:
                     "model_info": ModelInfoCollector(lambda: self.model_info),
                     "decode_stats": DecodeStatsCollector(self.decode_stats, self.model_name),
                     "frame_sender": FrameSenderCollector(self.sender, self.model_name),
+                    "trace": TraceCollector(self.trace, self.model_name),
                     "nvml": NvmlCollector(),
                     "rapl": RaplCollector(),
                     "layer_signals": LayerSignalsCollector(self.layer_signals, self.model_name),
@@ -328,4 +335,7 @@ class ShimService:
         if self.sender is not None:
             self.sender.close()
         if self.trace is not None:
-            self.trace.close()
+            try:
+                self.trace.close()
+            except OSError as exc:  # writes are unbuffered: nothing is lost here, and shutdown goes on
+                log.error("closing trace file %s: %s", self.trace.path, exc)

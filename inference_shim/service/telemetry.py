@@ -18,6 +18,7 @@ import numpy as np
 from prometheus_client.core import Metric
 
 from inference_shim.service.metrics import DecodeStats, ShimCollector, family
+from layerwatch.trace import DROP_REASONS as TRACE_DROP_REASONS
 from layerwatch.trace import TraceWriter
 from layerwatch.wire import (
     MAX_FRAME_BYTES,
@@ -138,6 +139,24 @@ class FrameSenderCollector(ShimCollector):
         yield dropped
 
 
+class TraceCollector(ShimCollector):
+    """layerwatch_trace_lines_written_total / _dropped_total; zero when no trace file is written."""
+
+    metric_names = ("layerwatch_trace_lines_written_total", "layerwatch_trace_lines_dropped_total")
+
+    def __init__(self, trace: TraceWriter | None, model_name: str) -> None:
+        self._trace = trace
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        written, dropped = map(family, self.metric_names)
+        written.add_metric([self._model_name], self._trace.written if self._trace else 0)
+        yield written
+        for reason in TRACE_DROP_REASONS:
+            dropped.add_metric([self._model_name, reason], self._trace.dropped[reason] if self._trace else 0)
+        yield dropped
+
+
 class StepTelemetry:
     """The engine's step hook for served traffic: metrics, frames and trace from one StepRecord.
 
@@ -165,8 +184,12 @@ class StepTelemetry:
     def _write_trace(self, trace: TraceWriter, entropies: np.ndarray, skipped: np.ndarray) -> None:
         try:
             trace.write_rows(self.model_name, entropies, skipped)
-        except OSError as exc:  # disk full, file gone: the trace is best effort, decoding goes on
-            log.warning("trace file %s: %s; trace writing stopped", trace.path, exc)
-            self.trace = None
+        except OSError as exc:  # raised once: the writer stopped for good and counts the lines it drops
+            log.error(
+                "trace file %s: %s; trace writing stopped, the file ends with the last whole line; "
+                'lines not written count in layerwatch_trace_lines_dropped_total{reason="write_error"}',
+                trace.path,
+                exc,
+            )
         except ValueError as exc:  # NaN entropies from a broken model: not representable in the format
             log.warning("trace file %s: step not written: %s", trace.path, exc)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -37,7 +40,7 @@ def test_writer_stops_at_the_cap_and_counts_what_it_dropped(tmp_path: Path) -> N
         writer.write_rows("m", np.array([[0.5, 0.25]]), np.array([[0, 1]]))
     writer.close()
     assert path.stat().st_size == 3 * one_line
-    assert writer.dropped == 2
+    assert writer.dropped == {"max_bytes": 2, "write_error": 0} and writer.written == 3
     assert len(list(read_trace(path))) == 3
 
 
@@ -48,7 +51,7 @@ def test_writer_appends_and_counts_the_existing_size(tmp_path: Path) -> None:
     with TraceWriter(path, max_bytes=existing + 10) as writer:
         writer.write_rows("new", np.array([[0.5]]), np.array([[1]]))
     assert [r.model_name for r in read_trace(path)] == ["old"]
-    assert writer.dropped == 1
+    assert writer.dropped == {"max_bytes": 1, "write_error": 0} and writer.written == 0
 
 
 def test_concurrent_writers_produce_whole_lines(tmp_path: Path) -> None:
@@ -160,3 +163,72 @@ def test_batches_break_where_the_threshold_changes(tmp_path: Path) -> None:
         )
     )
     assert [(b.threshold, len(b.entropies)) for b in read_trace_batches(path)] == [(0.18, 2), (None, 1), (0.2, 2)]
+
+
+LINE = b'{"model_name": "m", "scores": [0.5, 0.25], "skipped": [0, 1]}\n'
+# A child that writes a trace under a file-size limit (RLIMIT_FSIZE; Python ignores SIGXFSZ, so a write
+# past the limit writes what fits and the next fails with EFBIG): a full disk, for real, without root.
+WRITE_UNDER_A_SIZE_LIMIT = """
+import json, resource, sys
+import numpy as np
+from layerwatch.trace import TraceWriter
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), int(sys.argv[2])))
+writer = TraceWriter(sys.argv[1], max_bytes=1 << 20)
+errors = []
+for _ in range(20):
+    try:
+        writer.write_rows("m", np.array([[0.5, 0.25]] * 3), np.array([[0, 1]] * 3))
+    except OSError as exc:
+        errors.append(exc.strerror)
+writer.close()
+print(json.dumps({"errors": errors, "written": writer.written, "dropped": writer.dropped}))
+"""
+
+
+def test_a_write_past_a_file_size_limit_leaves_whole_lines_and_stops_writing(tmp_path: Path) -> None:
+    """The limit falls inside the second batch of 3 lines: that batch is cut back off whole, the
+    failure is raised once, and every later line is counted as dropped."""
+    path = tmp_path / "t.jsonl"
+    limit = 3 * len(LINE) + 100
+    child = subprocess.run(
+        [sys.executable, "-c", WRITE_UNDER_A_SIZE_LIMIT, str(path), str(limit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert child.returncode == 0, child.stderr
+    result = json.loads(child.stdout)
+    assert result == {"errors": ["File too large"], "written": 3, "dropped": {"max_bytes": 0, "write_error": 57}}
+    assert path.read_bytes() == LINE * 3  # nothing of the failed batch is left behind
+
+
+def test_a_full_disk_stops_writing_once_and_close_does_not_fail() -> None:
+    writer = TraceWriter("/dev/full", max_bytes=1 << 20)
+    with pytest.raises(OSError, match="No space left on device"):
+        writer.write_rows("m", np.array([[0.5, 0.25]]), np.array([[0, 1]]))
+    for _ in range(3):  # stopped for good: counted, not raised again
+        writer.write_rows("m", np.array([[0.5, 0.25]] * 2), np.array([[0, 1]] * 2))
+    writer.close()
+    assert writer.written == 0 and writer.dropped == {"max_bytes": 0, "write_error": 7}
+
+
+def test_a_torn_last_line_is_handed_over_and_skipped_when_asked(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(LINE * 3 + LINE[:20])
+    with pytest.raises(TraceError, match=f"{path}:4: not valid JSON"):
+        list(read_trace(path))  # strict by default
+    torn: list[TraceError] = []
+    assert len(list(read_trace(path, on_torn_line=torn.append))) == 3
+    assert [str(e).split(": ")[0] for e in torn] == [f"{path}:4"]
+    batches = list(read_trace_batches(path, on_torn_line=torn.append))
+    assert [len(b.entropies) for b in batches] == [3] and len(torn) == 2
+
+
+def test_only_a_last_line_without_newline_counts_as_torn(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(LINE + LINE[:20] + b"\n" + LINE)  # a bad line in the middle is a bad trace
+    with pytest.raises(TraceError, match=f"{path}:2: "):
+        list(read_trace(path, on_torn_line=lambda exc: None))
+    path.write_bytes(LINE + LINE[:-1])  # a whole last line without its newline is a good line
+    assert len(list(read_trace(path, on_torn_line=lambda exc: pytest.fail(str(exc))))) == 2

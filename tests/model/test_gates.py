@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tracemalloc
 
 import pytest
 import torch
@@ -12,11 +13,13 @@ from safetensors.torch import save_file
 from inference_shim.runtime.gates import (
     GateFileError,
     GateMetadata,
+    gate_file_max_bytes,
     load_gates,
     model_fingerprint,
     reset_gates,
     save_gates,
 )
+from inference_shim.runtime.model import GateBank
 
 from .conftest import random_gates, random_model, tiny_config
 
@@ -130,3 +133,104 @@ def test_batched_scores_equal_each_gate_and_follow_weight_updates(model):
     inputs = inputs.double()
     assert gates.scores(inputs).dtype == torch.float64
     assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
+
+
+def write_gate_file(path, model, tensors=None, **metadata_fields) -> None:
+    """A gate file as another tool might write it: any tensors, any metadata values (JSON, NaN included)."""
+    tensors = tensors if tensors is not None else random_gates(model.config).state_dict()
+    meta = {"format_version": 1, **metadata_for(model).__dict__, **metadata_fields}
+    save_file(tensors, path, metadata={"layerwatch_gates": json.dumps(meta)})
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, model, value):
+    tensors = random_gates(model.config).state_dict()
+    tensors["gates.2.fc1.weight"][3, 5] = value
+    path = tmp_path / "gates.safetensors"
+    write_gate_file(path, model, tensors)
+    with pytest.raises(GateFileError, match=f"^{path}: tensor gates.2.fc1.weight holds 1 NaN or infinite value"):
+        load_gates(path, model)
+
+
+def test_weights_that_overflow_the_models_dtype_are_refused(tmp_path, model):
+    half = random_model(tiny_config(), seed=3).to(torch.float16)
+    tensors = random_gates(model.config).state_dict()
+    tensors["gates.1.fc2.bias"][0] = 1e6  # finite in fp32, inf in float16
+    path = tmp_path / "gates.safetensors"
+    write_gate_file(path, model, tensors, base_fingerprint=model_fingerprint(half))
+    with pytest.raises(
+        GateFileError, match=r"tensor gates.1.fc2.bias holds 1 NaN or infinite value\(s\) once converted"
+    ):
+        load_gates(path, half)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ("[1, 2]", "expected a JSON object, got list"),
+        ('"gates"', "expected a JSON object, got str"),
+        ("{not json", "not JSON"),
+    ],
+)
+def test_metadata_that_is_not_a_json_object_is_refused(tmp_path, model, metadata, message):
+    path = tmp_path / "gates.safetensors"
+    save_file(random_gates(model.config).state_dict(), path, metadata={"layerwatch_gates": metadata})
+    with pytest.raises(GateFileError, match=f"^{path}: bad 'layerwatch_gates' metadata: {message}"):
+        load_gates(path, model)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("threshold", float("nan"), r"threshold must be a number in \[0, 1\], got NaN"),
+        ("threshold", True, r"threshold must be a number in \[0, 1\], got true"),
+        ("threshold", 1.5, r"threshold must be a number in \[0, 1\], got 1.5"),
+        ("threshold", "0.18", r"threshold must be a number in \[0, 1\], got \"0.18\""),
+        ("patience", 0, "patience must be an integer >= 1, got 0"),
+        ("patience", -2, "patience must be an integer >= 1, got -2"),
+        ("patience", True, "patience must be an integer >= 1, got true"),
+        ("patience", 2.0, "patience must be an integer >= 1, got 2.0"),
+        ("num_layers", True, "num_layers must be an integer >= 1, got true"),
+        ("base_fingerprint", 7, "base_fingerprint must be a string, got 7"),
+    ],
+)
+def test_bad_metadata_values_are_refused_naming_file_and_field(tmp_path, model, field, value, message):
+    path = tmp_path / "gates.safetensors"
+    write_gate_file(path, model, **{field: value})
+    with pytest.raises(GateFileError, match=f"^{path}: bad 'layerwatch_gates' metadata: {message}$"):
+        load_gates(path, model)
+
+
+def test_a_huge_file_is_refused_by_its_size_without_reading_it(tmp_path, model):
+    """A sparse 1.5 GB file: refused from its size; tracemalloc sees no allocation of its bytes."""
+    path = tmp_path / "huge.safetensors"
+    with open(path, "wb") as file:
+        file.truncate(1_500_000_000)
+    limit = gate_file_max_bytes(model.config.num_layers, model.config.hidden_size)
+    tracemalloc.start()
+    try:
+        with pytest.raises(
+            GateFileError, match=f"^{path}: 1500000000 bytes; a gate file for this model has at most {limit}"
+        ):
+            load_gates(path, model)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
+def test_a_file_with_a_foreign_header_is_refused_before_it_is_read(tmp_path, model):
+    """Within the size limit, but its first 8 bytes are no safetensors header length for this file."""
+    path = tmp_path / "gates.safetensors"
+    path.write_bytes(b"PK\x03\x04" + bytes(4000))  # a zip file's magic
+    with pytest.raises(GateFileError, match=f"^{path}: not a readable safetensors file \\(a header of 67324752 bytes"):
+        load_gates(path, model)
+
+
+def test_the_size_limit_fits_real_gate_files(tmp_path):
+    """The limit is derived from the shape: a real file is within it, with room for a bigger header."""
+    for num_layers, hidden_size in [(4, 32), (32, 768)]:
+        path = tmp_path / f"{num_layers}.safetensors"
+        save_gates(path, GateBank(num_layers, hidden_size), GateMetadata(num_layers, hidden_size, 0.18, 3, "f" * 64))
+        size, limit = path.stat().st_size, gate_file_max_bytes(num_layers, hidden_size)
+        assert size < limit < size + 4096 + 256 * 4 * num_layers

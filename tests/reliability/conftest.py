@@ -72,12 +72,19 @@ class Exporter(_Restartable):
 
 
 class Shim(_Restartable):
-    """`layerwatch serve` on the tiny checkpoint, on a fixed loopback port; restartable."""
+    """`layerwatch serve` on the tiny checkpoint, on a fixed loopback port; restartable. A `launcher`
+    (e.g. `prlimit --fsize=N`) runs the command with a changed environment."""
 
     def __init__(
-        self, workdir: Path, checkpoint: TinyCheckpoint, *extra_args: str, exporter: Exporter | None = None
+        self,
+        workdir: Path,
+        checkpoint: TinyCheckpoint,
+        *extra_args: str,
+        exporter: Exporter | None = None,
+        launcher: tuple[str, ...] = (),
     ) -> None:
         self.workdir = workdir
+        self.launcher = launcher
         self.checkpoint = checkpoint
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -89,6 +96,7 @@ class Shim(_Restartable):
     def start(self, *more_args: str) -> Shim:
         self.starts += 1
         argv = [
+            *self.launcher,
             *LAYERWATCH,
             "serve",
             "--model",

@@ -5,23 +5,29 @@ fault shows where an operator looks (metrics), not in client responses.
 - Prometheus SIGKILLed mid-load;
 - the shim restarted between two loads: Prometheus's counter-reset handling keeps `increase`/`rate`
   exact;
-- NVML failing mid-run (a simulated NVML device; there is no GPU here).
+- NVML failing mid-run (a simulated NVML device; there is no GPU here);
+- the trace file's disk filling up mid-load (a file-size limit on the shim: the full disk, without root).
 Gate files replaced on disk are in test_gate_reload.py.
 """
 
 from __future__ import annotations
 
 import math
+import signal
+import subprocess
 import time
 
 import httpx
 import pytest
 
 from demo.loadgen import run_load
+from layerwatch.trace import read_trace
 from tests.reliability.conftest import (
+    LAYERWATCH,
     MODEL_NAME,
     BackgroundLoad,
     Prometheus,
+    Shim,
     exporter_entropy_count,
     require_binary,
     sample_sum,
@@ -205,3 +211,51 @@ def test_nvml_failing_mid_run_drops_nvml_up_and_serving_continues(in_process, mo
     report = load.result()
     assert report.requests > 0 and report.by_status == {200: report.requests}
     assert sample_sum(server.metrics(), "layerwatch_tokens_total", phase="decode") == report.completion_tokens
+
+
+TRACE_FILE_SIZE_LIMIT = 8192  # bytes: some 50 trace lines of the tiny model
+
+
+def test_trace_file_on_a_full_disk_stops_tracing_and_serving_goes_on(tiny_checkpoint, tmp_path):
+    """The shim runs under a file-size limit (RLIMIT_FSIZE via prlimit; Python ignores SIGXFSZ, so a
+    write past it writes what fits and then fails with EFBIG, as on a full disk). The trace hits it
+    mid-load: clients see nothing, the file ends with a whole line, the failure is logged once and
+    every decoded token is either a written line or a counted dropped one; shutdown succeeds and
+    `replay` reads the trace as it is."""
+    require_binary("prlimit")
+    trace = tmp_path / "trace.jsonl"
+    shim = Shim(
+        tmp_path,
+        tiny_checkpoint,
+        "--trace-file",
+        str(trace),
+        launcher=("prlimit", f"--fsize={TRACE_FILE_SIZE_LIMIT}"),
+    )
+    shim.start()
+    try:
+        report = run_load(shim.url, MODEL_NAME, duration=3.0, concurrency=2, max_tokens=8, seed=31)
+        samples = shim.metrics()
+    finally:
+        exit_code = shim.process.stop()
+    assert report.requests > 0 and report.by_status == {200: report.requests}
+    written = sample_sum(samples, "layerwatch_trace_lines_written_total", model_name=MODEL_NAME)
+    failed = sample_sum(samples, "layerwatch_trace_lines_dropped_total", reason="write_error")
+    assert sample_sum(samples, "layerwatch_trace_lines_dropped_total", reason="max_bytes") == 0
+    assert written > 0 and failed > 0
+    assert (
+        written + failed == report.completion_tokens == sample_sum(samples, "layerwatch_tokens_total", phase="decode")
+    )
+    data = trace.read_bytes()
+    assert len(data) <= TRACE_FILE_SIZE_LIMIT and data.endswith(b"\n")
+    assert len(list(read_trace(trace))) == written  # whole lines only: the strict reader accepts every one
+
+    log = shim.process.log_path.read_text()
+    assert exit_code in (0, -signal.SIGTERM), log[-2000:]  # uvicorn re-raises the signal it shut down on
+    assert log.count("trace writing stopped") == 1 and "File too large" in log, log[-2000:]
+    assert "Application shutdown failed" not in log and "Traceback" not in log, log[-2000:]
+    replay = subprocess.run([*LAYERWATCH, "replay", str(trace), "--json"], capture_output=True, text=True, timeout=60)
+    assert replay.returncode == 0 and replay.stderr == "", replay.stderr
+    print(
+        f"\n{report.requests} requests, all 200; trace: {written:.0f} lines ({len(data)} bytes) written, "
+        f"{failed:.0f} dropped after the write error"
+    )

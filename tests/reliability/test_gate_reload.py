@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import shutil
 import threading
@@ -18,8 +19,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_bytes
 
 from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
 from inference_shim.runtime.model import GateBank
@@ -54,6 +59,19 @@ def gate_file_bytes(tmp_path: Path, *, bias: float, threshold: float = 0.18, mod
         path, gates.eval(), GateMetadata(NUM_LAYERS, model.config.hidden_size, threshold, 3, model_fingerprint(model))
     )
     return path.read_bytes()
+
+
+def with_metadata(original: bytes, metadata: str) -> bytes:
+    """The same tensors under another `layerwatch_gates` metadata text."""
+    return safetensors_bytes(safetensors_load(original), metadata={"layerwatch_gates": metadata})
+
+
+def replace_with_sparse_file(path: Path, size: int) -> None:
+    """A huge file (sparse: no disk, no memory) put in place atomically."""
+    partial = path.with_name(path.name + ".new")
+    with open(partial, "wb") as file:
+        file.truncate(size)
+    os.replace(partial, path)
 
 
 def replace_atomically(path: Path, data: bytes) -> str:
@@ -151,10 +169,32 @@ def test_a_half_written_file_is_never_loaded(watched_shim, tmp_path):
 
 
 def test_bad_replacements_are_rejected_and_the_old_gates_keep_serving(watched_shim, tmp_path):
-    """One shim, one bad file after the other; putting the served file back in between is no change."""
+    """One shim, one bad file after the other; putting the served file back in between is no change.
+    Each rejection is counted and logged (no traceback), and readiness stays green."""
     shim, path = watched_shim, watched_shim.checkpoint.gates_path
     old_sha, original = shim.checkpoint.gates_sha256, path.read_bytes()
+    with safe_open(path, "pt") as served:
+        metadata = json.loads(served.metadata()["layerwatch_gates"])
+    nan_tensors = safetensors_load(original)
+    nan_tensors["gates.2.fc2.bias"][0] = float("nan")
+    nan_weights = safetensors_bytes(nan_tensors, metadata={"layerwatch_gates": json.dumps(metadata)})
     cases = {
+        "NaN weights": (
+            lambda: replace_atomically(path, nan_weights),
+            "tensor gates.2.fc2.bias holds 1 NaN or infinite value(s)",
+        ),
+        "metadata not an object": (
+            lambda: replace_atomically(path, with_metadata(original, json.dumps([metadata]))),
+            "bad 'layerwatch_gates' metadata: expected a JSON object, got list",
+        ),
+        "bool threshold": (
+            lambda: replace_atomically(path, with_metadata(original, json.dumps({**metadata, "threshold": True}))),
+            "bad 'layerwatch_gates' metadata: threshold must be a number in [0, 1], got true",
+        ),
+        "a 1.5 GB file": (
+            lambda: replace_with_sparse_file(path, 1_500_000_000),
+            "1500000000 bytes; a gate file for this model has at most",
+        ),
         "truncated": (lambda: replace_atomically(path, original[:-64]), "not a readable safetensors file"),
         "another model": (
             lambda: replace_atomically(path, gate_file_bytes(tmp_path, bias=4.0, model_seed=42)),
@@ -173,8 +213,10 @@ def test_bad_replacements_are_rejected_and_the_old_gates_keep_serving(watched_sh
         assert gates_sha256(samples) == old_sha and rejected_flag(samples) == 1, name
         assert reloads(samples, "loaded") == 0, name
         assert skipped_layers(shim) > 0, name  # the old gates serve on
+        assert httpx.get(f"{shim.url}/readyz", timeout=10).status_code == 200, name
         log = shim.process.log_tail(lines=10_000)
         assert f"gate file {path} rejected: " in log and reason in log, (name, log[-2000:])
+        assert "Traceback" not in log, (name, log[-2000:])
         time.sleep(3 * WATCH_SECONDS)  # an unchanged bad file is judged once, not at every poll
         assert reloads(shim.metrics(), "rejected") == count, name
         replace_atomically(path, original)  # the served bytes again: accepted silently, flag cleared

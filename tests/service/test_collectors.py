@@ -22,7 +22,7 @@ from inference_shim.service.metrics import (
     make_metric,
 )
 from inference_shim.service.power import GpuReading, NvmlCollector, RaplCollector
-from inference_shim.service.telemetry import FrameSender, FrameSenderCollector
+from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, TraceCollector
 from layerwatch import catalog
 from layerwatch.gate_importance import LayerSignalStats
 
@@ -37,6 +37,7 @@ def shim_collectors() -> list:
         DecodeStatsCollector(stats, "m"),
         ModelInfoCollector(lambda: ModelInfo("m", 3, 0.18, 3, "project", "0" * 64)),
         FrameSenderCollector(None, "m"),
+        TraceCollector(None, "m"),
         NvmlCollector(reader=lambda: [GpuReading(0, "GPU-0", 120.0, 5.0)]),
         RaplCollector(zones=[]),
     ]
@@ -98,6 +99,7 @@ def test_a_failing_collector_leaves_the_rest_of_the_shims_scrape_served(in_proce
         "model_info": 1,
         "decode_stats": 1,
         "frame_sender": 1,
+        "trace": 1,
         "nvml": 1,
         "rapl": 1,
         "layer_signals": 0,
