@@ -1,13 +1,15 @@
 """The fleet end to end: two shims of the demo model, each sending its gate frames to its own exporter
 (as a Kubernetes pod pairs them, docs/kubernetes.md), all scraped by one real Prometheus with the
-production rules scaled by TIME_SCALE, and a real Alertmanager routing to loopback receivers.
+production rules scaled by TIME_SCALE, a real Alertmanager routing to loopback receivers, and a real
+VictoriaMetrics that Prometheus remote-writes to (the long-term store).
 
 One stack per module (`fleet` fixture); the tests are phases and run in file order:
 1. healthy: both exporters' verdicts are in and healthy, the fleet shows 0 of 2 instances unhealthy,
    and the fleet's skip ratio lies between the two shims' own;
 2. shim b restarted with `--reset-gates`: LayerwatchEntropySinglePeak pages naming b's exporter, the
    dashboard's "Instances unhealthy" panel (its queries as Grafana sends them) shows 1 of 2, and no
-   alert about a's shim or exporter is pending or firing at any point of phases 1 and 2.
+   alert about a's shim or exporter is pending or firing at any point of phases 1 and 2;
+3. the fleet series are in VictoriaMetrics, read through its own query API: 1 of 2 unhealthy.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ pytestmark = pytest.mark.e2e
 HEALTHY_TIMEOUT = 90.0  # start-up on a busy machine, then both exporters' windows filling
 RECORDED = Recorded.for_timing(Timing(TIME_SCALE))
 MODEL = f'model_name="{DEMO_MODEL_NAME}"'
+# VictoriaMetrics hides the newest samples from queries for -search.latencyOffset (30 s by default,
+# for stores fed by many clients at once); this test's only writer is its own Prometheus.
+VICTORIA_LATENCY_OFFSET = "1s"
+REMOTE_WRITE_TIMEOUT = 30.0  # Prometheus batches samples for up to 5 s before it sends them
 
 
 @dataclass
@@ -83,6 +89,7 @@ class Fleet:
     b: Member = field(default_factory=lambda: Member("b"))
     prometheus_port: int = field(default_factory=free_port)
     alertmanager_port: int = field(default_factory=free_port)
+    victoria_port: int = field(default_factory=free_port)
     processes: dict[str, ManagedProcess] = field(default_factory=dict)
     loads: list[Load] = field(default_factory=list)
     # Every layerwatch alert seen about a's targets (Prometheus pending or firing, Alertmanager, receivers).
@@ -111,6 +118,10 @@ class Fleet:
 
     def alertmanager_alerts(self, alertname: str | None = None) -> list[dict]:
         return alertmanager_alerts(f"http://127.0.0.1:{self.alertmanager_port}", alertname)
+
+    @property
+    def victoria_url(self) -> str:
+        return f"http://127.0.0.1:{self.victoria_port}"
 
     def watch_healthy_member(self) -> None:
         """Record every alert that names one of a's targets, wherever it shows up."""
@@ -142,7 +153,9 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, prometheus_binary: str, alertmanager_binary: str) -> Iterator[Fleet]:
+def fleet(
+    tmp_path_factory, prometheus_binary: str, alertmanager_binary: str, victoria_metrics_binary: str
+) -> Iterator[Fleet]:
     if not (DEMO_MODEL_DIR / "config.json").is_file():
         pytest.fail(f"the embedded demo model is missing: {DEMO_MODEL_DIR}")
     workdir = tmp_path_factory.mktemp("fleet")
@@ -159,8 +172,19 @@ def fleet(tmp_path_factory, prometheus_binary: str, alertmanager_binary: str) ->
         scrape_interval=SCRAPE_INTERVAL,
         evaluation_interval=EVALUATION_INTERVAL,
         time_scale=TIME_SCALE,
+        remote_write_urls=[f"{f.victoria_url}/api/v1/write"],
     )
     try:
+        f.start_process(
+            "victoria-metrics",
+            [
+                victoria_metrics_binary,
+                f"-httpListenAddr=127.0.0.1:{f.victoria_port}",
+                f"-storageDataPath={workdir / 'victoria-metrics-data'}",
+                f"-search.latencyOffset={VICTORIA_LATENCY_OFFSET}",
+            ],
+            f"{f.victoria_url}/health",
+        )
         f.start_process(
             "alertmanager",
             alertmanager_argv(alertmanager_binary, rendered.alertmanager_config, workdir, f.alertmanager_port),
@@ -268,3 +292,24 @@ def test_reset_gates_on_one_instance_pages_it_and_the_fleet_shows_one_of_two(fle
         f"\nreset gates on b: serving again {serving - injected:.1f}s, LayerwatchEntropySinglePeak active in "
         f"Alertmanager {in_alertmanager - injected:.1f}s, at the pager {paged_at - injected:.1f}s after the restart"
     )
+
+
+def test_victoria_metrics_holds_the_fleet_series(fleet: Fleet) -> None:
+    """Prometheus remote-wrote the recorded fleet series: VictoriaMetrics' own API answers with them."""
+    started = time.monotonic()
+    deadline = started + REMOTE_WRITE_TIMEOUT
+    while True:
+        stored = {
+            name: values(prometheus_api(fleet.victoria_url, "/api/v1/query", query=f"{name}{{{MODEL}}}")["result"])
+            for name in (RECORDED.fleet_gating_unhealthy, RECORDED.fleet_gating_instances)
+        }
+        if stored == {RECORDED.fleet_gating_unhealthy: [1.0], RECORDED.fleet_gating_instances: [2.0]}:
+            break
+        assert time.monotonic() < deadline, f"VictoriaMetrics holds {stored}\n{fleet.diagnostics()}"
+        time.sleep(EVALUATION_INTERVAL)
+    flags = prometheus_api(fleet.victoria_url, "/api/v1/query", query=f"{RECORDED.gating_unhealthy}{{{MODEL}}}")
+    assert {s["metric"]["instance"]: float(s["value"][1]) for s in flags["result"]} == {
+        fleet.a.exporter_instance: 0.0,
+        fleet.b.exporter_instance: 1.0,
+    }
+    print(f"\nVictoriaMetrics: the fleet series showed 1 of 2 after {time.monotonic() - started:.1f}s of polling")
