@@ -289,10 +289,11 @@ def _fleet_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dash
         .targets(
             [
                 p.query(verdicts_title, expr, ref=ref, fmt=PromQueryFormat.TABLE, instant=True)
+                # By instance alone: the merge joins the three on it (a metric name would keep them apart).
                 for ref, expr in (
-                    ("A", f"layerwatch_entropy_bimodal{{{exporter}}}"),
-                    ("B", f"layerwatch_routing_dynamic{{{exporter}}}"),
-                    ("C", f"{r.gating_unhealthy}{{{MODEL}}}"),
+                    ("A", f"max by (instance) (layerwatch_entropy_bimodal{{{exporter}}})"),
+                    ("B", f"max by (instance) (layerwatch_routing_dynamic{{{exporter}}})"),
+                    ("C", f"max by (instance) ({r.gating_unhealthy}{{{MODEL}}})"),
                 )
             ]
         )
@@ -301,7 +302,7 @@ def _fleet_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dash
             dashboard_models.DataTransformerConfig(
                 id_val="organize",
                 options={
-                    "excludeByName": {"Time": True, "__name__": True, "job": True},
+                    "excludeByName": {"Time": True},
                     "renameByName": columns,
                 },
             )
