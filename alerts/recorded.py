@@ -15,6 +15,9 @@ from mixin import config
 # exporter it comes from (Alertmanager groups and inhibits on them).
 BY_TARGET = ", ".join(config.TARGET_LABELS)
 BY_MODEL = f"{BY_TARGET}, model_name"
+# Fleet roll-ups drop the instance: one series per model across every shim (or exporter) of it. The
+# job stays, so the shim's and the exporter's sides of a model stay apart.
+BY_FLEET = "job, model_name"
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,18 @@ class Recorded:
     telemetry_drop_ratio: str  # frames the shim could not send
     request_skip_tail_ratio: str  # by le: share of finished requests whose skip fraction is above le
     runaway_skip_ratio_by_layer: str  # skipped share of the runaway requests' tokens, per layer
+    # Verdicts per exporter target: 1 = single peak or static routing, 0 = neither (or withheld).
+    gating_unhealthy: str
+    # The fleet (BY_FLEET): how many exporter targets of a model are unhealthy, of how many.
+    fleet_gating_unhealthy: str
+    fleet_gating_instances: str
+    fleet_skip_ratio: str
+    fleet_shadow_agreement_ratio: str
+    # Summed histogram buckets (rates by le), for fleet-wide quantiles and distributions.
+    fleet_entropy_buckets: str
+    fleet_request_skip_fraction_buckets: str
+    fleet_time_to_first_token_buckets: str
+    fleet_inter_token_latency_buckets: str
 
     @classmethod
     def for_timing(cls, timing: Timing) -> Recorded:
@@ -63,4 +78,13 @@ class Recorded:
             telemetry_drop_ratio=f"model_name:layerwatch_telemetry_frames_dropped:ratio_{rate}",
             request_skip_tail_ratio=f"model_name_le:layerwatch_request_skip_fraction:tail_ratio_{rate}",
             runaway_skip_ratio_by_layer=f"model_name_layer:layerwatch_request_runaway_layer_skips:ratio_{rate}",
+            gating_unhealthy="model_name:layerwatch_gating_unhealthy:bool",
+            fleet_gating_unhealthy="job_model_name:layerwatch_gating_unhealthy:sum",
+            fleet_gating_instances="job_model_name:layerwatch_gating_instances:count",
+            fleet_skip_ratio=f"job_model_name:layerwatch_layer_skips:ratio_{rate}",
+            fleet_shadow_agreement_ratio=f"job_model_name:layerwatch_shadow_agreements:ratio_{rate}",
+            fleet_entropy_buckets=f"job_model_name_le:layerwatch_entropy_bucket:{rate}",
+            fleet_request_skip_fraction_buckets=f"job_model_name_le:layerwatch_request_skip_fraction_bucket:{rate}",
+            fleet_time_to_first_token_buckets=f"job_model_name_le:layerwatch_time_to_first_token_seconds_bucket:{rate}",
+            fleet_inter_token_latency_buckets=f"job_model_name_le:layerwatch_inter_token_latency_seconds_bucket:{rate}",
         )

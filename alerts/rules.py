@@ -6,6 +6,8 @@ Three kinds of rule group:
   `level:metric:operation`.
   They aggregate `by (job, instance, model_name[, decision | layer])`: the target labels stay so
   that an alert names the shim or exporter it comes from (Alertmanager groups and inhibits on them).
+  The fleet roll-ups at its end (`job_model_name...`) drop the instance: one series per model
+  (docs/fleet.md); no alert reads them.
 - `layerwatch.common`: the alerts that need no model-specific number (alerts/specs.py).
 - `layerwatch.model.<name>`, one per profile: the profile's bands as constant series (for the
   dashboard) and every per-model alert of alerts/specs.py, selected with model_name="<name>".
@@ -22,7 +24,7 @@ import yaml
 
 from alerts.durations import Timing
 from alerts.profile import Profile
-from alerts.recorded import BY_MODEL, BY_TARGET, Recorded
+from alerts.recorded import BY_FLEET, BY_MODEL, BY_TARGET, Recorded
 from alerts.specs import COMMON_ALERTS, PER_MODEL_ALERTS, AlertBuild, skip_collapse_limit
 from mixin import config
 
@@ -165,7 +167,45 @@ def recording_rules(timing: Timing) -> list[dict]:
         f"{_rate('layerwatch_request_runaway_layer_skips_total', shim, w, f'{BY_MODEL}, layer')}\n"
         f"/ ignoring (layer) group_left ()\n({runaway_tokens} > 0)",
     )
-    return rules
+    return rules + fleet_rules(timing)
+
+
+def fleet_rules(timing: Timing) -> list[dict]:
+    """Roll-ups across the instances of a model (`job_model_name...`), after the per-target rules
+    they read. Ratios are sums over the fleet divided by sums (each instance weighs by its traffic),
+    not means of the instances' ratios."""
+    r = Recorded.for_timing(timing)
+    w = timing(config.RATE_WINDOW)
+    exp, shim = config.EXPORTER_SELECTOR, config.SHIM_SELECTOR
+    # Per exporter target: 1 when either verdict says unhealthy (a single entropy peak, or static
+    # routing), else 0, also while both verdicts are withheld, so that every target reporting the
+    # model (its window size is always exported) counts in the fleet's total.
+    unhealthy = (
+        f"max by ({BY_MODEL}) (\n"
+        f"  (\n    layerwatch_entropy_bimodal{{{exp}}} == 0\n    or\n    layerwatch_routing_dynamic{{{exp}}} == 0\n"
+        "  ) * 0 + 1\n"
+        f"  or\n  layerwatch_entropy_window_observations{{{exp}}} * 0\n)"
+    )
+    ratios = (
+        (r.fleet_skip_ratio, "layerwatch_layer_skips_total", "layerwatch_layer_evaluations_total"),
+        (r.fleet_shadow_agreement_ratio, "layerwatch_shadow_agreements_total", "layerwatch_shadow_tokens_total"),
+    )
+    buckets = (
+        (r.fleet_entropy_buckets, "layerwatch_entropy_bucket", exp),
+        (r.fleet_request_skip_fraction_buckets, "layerwatch_request_skip_fraction_bucket", shim),
+        (r.fleet_time_to_first_token_buckets, "layerwatch_time_to_first_token_seconds_bucket", shim),
+        (r.fleet_inter_token_latency_buckets, "layerwatch_inter_token_latency_seconds_bucket", shim),
+    )
+    return [
+        {"record": r.gating_unhealthy, "expr": unhealthy},
+        {"record": r.fleet_gating_unhealthy, "expr": f"sum by ({BY_FLEET}) ({r.gating_unhealthy})"},
+        {"record": r.fleet_gating_instances, "expr": f"count by ({BY_FLEET}) ({r.gating_unhealthy})"},
+        *(
+            {"record": name, "expr": f"{_rate(part, shim, w, BY_FLEET)}\n/\n{_rate(whole, shim, w, BY_FLEET)}"}
+            for name, part, whole in ratios
+        ),
+        *({"record": name, "expr": _rate(metric, sel, w, f"{BY_FLEET}, le")} for name, metric, sel in buckets),
+    ]
 
 
 # --- alerts ----------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 `layerwatch generate` writes it to dashboards/json/overview.json, which Grafana provisions. Every
 query goes through `Panels.query`, so that generation can check that each metric it reads exists
 (layerwatch.promql). Shim panels filter on $model and $instance; exporter panels on $model only:
-the exporter is one target that aggregates every shim of a model.
+the exporter is one target that aggregates every shim of a model. The Fleet row shows every instance
+of the model at once, next to the fleet's roll-ups (docs/fleet.md).
 """
 
 from __future__ import annotations
@@ -227,6 +228,153 @@ def _routing_mappings() -> list[dashboard_models.ValueMapping]:
     ]
 
 
+def _verdict_column(healthy: str, unhealthy: str, unhealthy_value: str) -> list[dashboard_models.DynamicConfigValue]:
+    """A table column of 0/1 verdicts shown as words, the unhealthy one in red."""
+    healthy_value = "1" if unhealthy_value == "0" else "0"
+    mappings = [
+        {
+            "type": "value",
+            "options": {
+                healthy_value: {"text": healthy, "color": "green", "index": 0},
+                unhealthy_value: {"text": unhealthy, "color": "red", "index": 1},
+            },
+        }
+    ]
+    return [
+        dashboard_models.DynamicConfigValue("mappings", mappings),
+        dashboard_models.DynamicConfigValue("custom.cellOptions", {"type": "color-text"}),
+    ]
+
+
+def _fleet_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dashboard:
+    """Every instance of the selected model at once (not filtered by $instance): the verdicts per
+    exporter target, how many are unhealthy, and each shim's skip ratio against the fleet's."""
+    exporter = f"{config.EXPORTER_SELECTOR}, {MODEL}"
+    d = d.with_row(p.row("Fleet"))
+    d = d.with_panel(
+        p.stat(
+            "Instances unhealthy",
+            "Exporter targets of the model whose entropy verdict is a single peak or whose routing verdict is "
+            "static (LayerwatchEntropySinglePeak, LayerwatchRoutingStatic: those alerts name the instance), "
+            "of every target reporting the model. A target whose verdicts are withheld counts as healthy.",
+            [
+                (f"{r.fleet_gating_unhealthy}{{{MODEL}}}", "unhealthy"),
+                (f"{r.fleet_gating_instances}{{{MODEL}}}", "instances"),
+            ],
+            no_value="no exporter reports the model",
+        ).override_by_query(
+            "A",
+            [
+                dashboard_models.DynamicConfigValue(
+                    "thresholds",
+                    {"mode": "absolute", "steps": [{"color": "green", "value": None}, {"color": "red", "value": 1}]},
+                )
+            ],
+        )
+    )
+    verdicts_title = "Verdicts by instance"
+    columns = {"Value #A": "entropy", "Value #B": "routing", "Value #C": "unhealthy"}
+    d = d.with_panel(
+        table.Panel()
+        .id(p._id())
+        .title(verdicts_title)
+        .description(
+            "Each exporter target's verdicts now: the entropy histogram's (two humps or a single peak), the "
+            "routing verdict's (per-token routing or static pruning), and the flag the fleet count adds up. "
+            "An empty cell is a withheld verdict (too little traffic in the window)."
+        )
+        .datasource(DATASOURCE)
+        .span(18)
+        .height(5)
+        .targets(
+            [
+                p.query(verdicts_title, expr, ref=ref, fmt=PromQueryFormat.TABLE, instant=True)
+                # By instance alone: the merge joins the three on it (a metric name would keep them apart).
+                for ref, expr in (
+                    ("A", f"max by (instance) (layerwatch_entropy_bimodal{{{exporter}}})"),
+                    ("B", f"max by (instance) (layerwatch_routing_dynamic{{{exporter}}})"),
+                    ("C", f"max by (instance) ({r.gating_unhealthy}{{{MODEL}}})"),
+                )
+            ]
+        )
+        .with_transformation(dashboard_models.DataTransformerConfig(id_val="merge", options={}))
+        .with_transformation(
+            dashboard_models.DataTransformerConfig(
+                id_val="organize",
+                options={
+                    "excludeByName": {"Time": True},
+                    "renameByName": columns,
+                },
+            )
+        )
+        .override_by_name("entropy", _verdict_column("bimodal", "single peak", "0"))
+        .override_by_name("routing", _verdict_column("dynamic", "static", "0"))
+        .override_by_name("unhealthy", _verdict_column("healthy", "unhealthy", "1"))
+        .no_value("no exporter reports the model")
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Skip ratio: instances and fleet",
+            "Every shim's skip ratio next to the fleet's (all layer evaluations of the model's shims: "
+            "a busy instance weighs more), with the profile's runaway limit.",
+            "percentunit",
+            [
+                (f"{r.skip_ratio}{{{MODEL}}}", "{{instance}}"),
+                (f"{r.fleet_skip_ratio}{{{MODEL}}}", "fleet"),
+                (f"{PROFILE.skip_ratio_runaway}{{{MODEL}}}", "limit: runaway"),
+            ],
+            width=8,
+            limits="limit",
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Fleet latency",
+            "p50 and p99 of time to first token and inter-token latency over every shim of the model "
+            "(summed histogram buckets).",
+            "s",
+            [
+                (f"histogram_quantile({q}, {buckets}{{{MODEL}}})", f"{what} p{round(q * 100)}")
+                for what, buckets in (
+                    ("time to first token", r.fleet_time_to_first_token_buckets),
+                    ("inter-token", r.fleet_inter_token_latency_buckets),
+                )
+                for q in (0.5, 0.99)
+            ],
+            width=8,
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Fleet quality",
+            "The fleet's shadow agreement (with the profile's minimum) and the p99 of its finished requests' "
+            "skip fractions.",
+            "percentunit",
+            [
+                (f"{r.fleet_shadow_agreement_ratio}{{{MODEL}}}", "shadow agreement"),
+                (
+                    f"histogram_quantile(0.99, {r.fleet_request_skip_fraction_buckets}{{{MODEL}}})",
+                    "p99 per-request skip fraction",
+                ),
+                (f"{PROFILE.shadow_agreement_min}{{{MODEL}}}", "limit: shadow agreement"),
+            ],
+            width=8,
+            limits="limit",
+        )
+    )
+    return d.with_panel(
+        p.heatmap(
+            "Fleet entropy distribution over time",
+            "Gate entropies per 0.05-wide bin per second over every exporter of the model.",
+            f"sum by (le) ({r.fleet_entropy_buckets}{{{MODEL}}})",
+            "{{le}}",
+            "none",
+            PromQueryFormat.HEATMAP,
+            width=24,
+        )
+    )
+
+
 def build() -> tuple[dict, list[tuple[str, str]]]:
     """The dashboard as JSON-ready data, and every (panel, query) it holds."""
     r = Recorded.for_timing(Timing())
@@ -277,6 +425,8 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
         .refresh(dashboard_models.VariableRefresh.ON_TIME_RANGE_CHANGED)
         .sort(dashboard_models.VariableSort.ALPHABETICAL_ASC)
     )
+
+    d = _fleet_row(d, p, r)
 
     # --- skipping ---------------------------------------------------------------------------
     d = d.with_row(p.row("Skipping"))

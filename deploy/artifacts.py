@@ -89,7 +89,9 @@ def metrics_doc(groups: dict) -> str:
         "",
         "Evaluated by Prometheus from the metrics above; named `level:metric:operation`. They keep "
         "the target labels `job` and `instance` next to the level's labels, so that alerts name "
-        "the target they come from. `model_name:layerwatch_profile_*` series are the healthy "
+        "the target they come from; the fleet roll-ups (`job_model_name...`) keep `job` and drop "
+        "`instance`: one series per model across its instances ([fleet.md](fleet.md)). "
+        "`model_name:layerwatch_profile_*` series are the healthy "
         "bands of each model's profile (alerts/profiles/), for dashboards.",
         "",
         "| series | expression |",

@@ -8,6 +8,8 @@ window and `for:` scaled down by `time_scale`.
 
 from __future__ import annotations
 
+import urllib.parse
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +38,18 @@ def prometheus_config(
     rule_files: list[str],
     scrape_interval: float = config.SCRAPE_INTERVAL,
     evaluation_interval: float = config.EVALUATION_INTERVAL,
+    remote_write_urls: Sequence[str] = (),
 ) -> dict:
+    """prometheus.yml. `remote_write_urls`: Prometheus-compatible stores (VictoriaMetrics, Thanos
+    Receive, Mimir, ...) that get every sample, the recorded fleet roll-ups included (docs/fleet.md)."""
+    for url in remote_write_urls:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"remote_write URL {url!r} is not an http(s) URL with a host "
+                "(e.g. http://victoriametrics:8428/api/v1/write)"
+            )
+    remote_write = {"remote_write": [{"url": url} for url in remote_write_urls]} if remote_write_urls else {}
     return {
         "global": {
             "scrape_interval": format_duration(scrape_interval),
@@ -49,6 +62,7 @@ def prometheus_config(
             {"job_name": config.SHIM_JOB, "static_configs": [{"targets": shim_targets}]},
             {"job_name": config.EXPORTER_JOB, "static_configs": [{"targets": exporter_targets}]},
         ],
+        **remote_write,
     }
 
 
@@ -143,6 +157,7 @@ def compose_files() -> dict[str, str]:
                 exporter_targets=[config.COMPOSE_EXPORTER_TARGET],
                 alertmanager_targets=[config.COMPOSE_ALERTMANAGER_TARGET],
                 rule_files=[f"/etc/prometheus/rules/{RULES_GLOB}"],
+                remote_write_urls=config.REMOTE_WRITE_URLS,
             ),
             "",
         ),
@@ -178,11 +193,13 @@ def render_stack(
     scrape_interval: float = config.SCRAPE_INTERVAL,
     evaluation_interval: float = config.EVALUATION_INTERVAL,
     time_scale: float = 1.0,
+    remote_write_urls: Sequence[str] = (),
 ) -> Stack:
     """Write prometheus.yml, rules/layerwatch.rules.yaml and alertmanager.yml into `dest`.
 
     `time_scale` multiplies every rule window, `for:` and Alertmanager wait (0.01 turns 5m into
     3s); choose a scrape interval that still leaves a few samples in the shortest rate window.
+    `remote_write_urls` as in `prometheus_config`.
     """
     dest = Path(dest)
     timing = Timing(time_scale)
@@ -200,6 +217,7 @@ def render_stack(
                 rule_files=[f"rules/{RULES_GLOB}"],
                 scrape_interval=scrape_interval,
                 evaluation_interval=evaluation_interval,
+                remote_write_urls=remote_write_urls,
             ),
             "",
         )

@@ -46,6 +46,9 @@ COMPOSE_ALERTMANAGER_TARGET = f"alertmanager:{ports.ALERTMANAGER_PORT}"
 COMPOSE_PROMETHEUS_URL = f"http://prometheus:{ports.PROMETHEUS_PORT}"
 SCRAPE_INTERVAL = 15.0
 EVALUATION_INTERVAL = 15.0
+# Long-term storage: Prometheus-compatible stores the compose stack's Prometheus remote-writes every
+# sample to, e.g. "http://victoriametrics:8428/api/v1/write" (docs/fleet.md). None by default.
+REMOTE_WRITE_URLS: tuple[str, ...] = ()
 
 GRAFANA_DATASOURCE_UID = "layerwatch-prometheus"
 GRAFANA_DASHBOARD_DIR = "/var/lib/grafana/dashboards/layerwatch"  # where compose mounts dashboards/json

@@ -1,4 +1,4 @@
-"""Fixtures for the stack tests: the real promtool, amtool, Alertmanager and docker-compose."""
+"""Fixtures for the stack tests: the real promtool, amtool, Alertmanager, VictoriaMetrics and docker-compose."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def require_binary(name: str) -> str:
     if path is None:
         pytest.fail(
             f"{name} not found on PATH: install the Debian packages prometheus, "
-            "prometheus-alertmanager and docker-compose (scripts/test.sh does)"
+            "prometheus-alertmanager, victoria-metrics and docker-compose (scripts/test.sh does)"
         )
     return path
 
@@ -55,3 +55,8 @@ def reference_profiles():
 @pytest.fixture(scope="session")
 def prometheus_binary() -> str:
     return require_binary("prometheus")
+
+
+@pytest.fixture(scope="session")
+def victoria_metrics_binary() -> str:
+    return require_binary("victoria-metrics")

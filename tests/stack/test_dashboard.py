@@ -70,12 +70,27 @@ def test_every_query_uses_the_datasource_variable_and_panel_ids_are_unique(dashb
         ("Shadow agreement", "timeseries", "shadow_agreements"),
         ("Telemetry loss", "timeseries", "frames_lost"),
         ("Firing alerts", "table", "ALERTS"),
+        ("Instances unhealthy", "stat", "job_model_name:layerwatch_gating_instances:count"),
+        ("Verdicts by instance", "table", "model_name:layerwatch_gating_unhealthy:bool"),
+        ("Skip ratio: instances and fleet", "timeseries", "job_model_name:layerwatch_layer_skips:ratio"),
+        ("Fleet latency", "timeseries", "job_model_name_le:layerwatch_inter_token_latency_seconds_bucket"),
+        ("Fleet quality", "timeseries", "job_model_name:layerwatch_shadow_agreements:ratio"),
+        ("Fleet entropy distribution over time", "heatmap", "job_model_name_le:layerwatch_entropy_bucket"),
     ],
 )
 def test_panel_exists(dashboard: dict, title: str, kind: str, needle: str) -> None:
     (panel,) = [p for p in panels(dashboard) if p["title"] == title]
     assert panel["type"] == kind
     assert any(needle in t["expr"] for t in panel["targets"])
+
+
+def test_the_fleet_row_shows_every_instance_of_the_model(dashboard: dict) -> None:
+    titles = [p["title"] for p in dashboard["panels"]]
+    fleet = dashboard["panels"][titles.index("Fleet") + 1 : titles.index("Skipping")]
+    assert [p["title"] for p in fleet][:2] == ["Instances unhealthy", "Verdicts by instance"]
+    for panel in fleet:
+        for target in panel["targets"]:
+            assert "$model" in target["expr"] and "$instance" not in target["expr"], panel["title"]
 
 
 def test_routing_sits_beside_the_bimodality_verdict(dashboard: dict) -> None:

@@ -55,6 +55,38 @@ def test_rendered_prometheus_config_is_valid_and_loads_only_the_rules(promtool: 
     assert jobs == {config.SHIM_JOB: ["127.0.0.1:18000"], config.EXPORTER_JOB: ["127.0.0.1:19411"]}
 
 
+def test_remote_write_is_rendered_only_when_asked_and_promtool_accepts_it(
+    promtool: str, tmp_path: Path, reference_profiles
+) -> None:
+    rendered = deploy.render_stack(
+        tmp_path,
+        profiles=reference_profiles,
+        shim_targets=["127.0.0.1:18000"],
+        exporter_targets=["127.0.0.1:19411"],
+        alertmanager_target="127.0.0.1:19093",
+        pager_url="http://127.0.0.1:1/pager",
+        ticket_url="http://127.0.0.1:1/ticket",
+        remote_write_urls=["http://127.0.0.1:8428/api/v1/write", "https://mimir.example/api/v1/push"],
+    )
+    result = run_tool(promtool, "check", "config", rendered.prometheus_config)
+    assert result.returncode == 0, result.stdout + result.stderr
+    cfg = yaml.safe_load(rendered.prometheus_config.read_text())
+    assert cfg["remote_write"] == [
+        {"url": "http://127.0.0.1:8428/api/v1/write"},
+        {"url": "https://mimir.example/api/v1/push"},
+    ]
+    committed = yaml.safe_load((REPO / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    assert "remote_write" not in committed  # config.REMOTE_WRITE_URLS is empty
+
+
+@pytest.mark.parametrize("url", ["victoriametrics:8428/api/v1/write", "ftp://store/write", "http:///api/v1/write"])
+def test_remote_write_refuses_what_is_not_an_http_url(url: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(repr(url))):
+        deploy.prometheus_config(
+            shim_targets=[], exporter_targets=[], alertmanager_targets=[], rule_files=[], remote_write_urls=[url]
+        )
+
+
 def test_rules_glob_never_matches_the_promtool_tests() -> None:
     rules_dir = REPO / "alerts" / "generated"
     assert [p.name for p in rules_dir.glob(deploy.RULES_GLOB)] == [deploy.RULES_FILE]

@@ -32,15 +32,10 @@ import json
 import math
 import re
 import socket
-import sys
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import astuple, dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -56,115 +51,31 @@ from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from mixin import config
 
 from .conftest import REPO
+from .support import (
+    EVALUATION_INTERVAL,
+    EXPORTER_WINDOW_SECONDS,
+    FAULT_TIMEOUT,
+    SCRAPE_INTERVAL,
+    TIME_SCALE,
+    Load,
+    WebhookReceiver,
+    alertmanager_alerts,
+    alertmanager_argv,
+    dashboard_expr,
+    exporter_argv,
+    prometheus_api,
+    prometheus_argv,
+    receiver,
+    shim_argv,
+    values,
+)
 
 pytestmark = pytest.mark.e2e
 
-TIME_SCALE = 0.01  # 5m -> 3s, 10m -> 6s, 1h -> 36s
-SCRAPE_INTERVAL = 1.0
-EVALUATION_INTERVAL = 1.0
-# The exporter's bimodality window. After a fault the window must forget the healthy entropies
-# before the verdict can change, so this is part of the single-peak alert's time to page.
-EXPORTER_WINDOW_SECONDS = 10.0
-LOAD_CONCURRENCY = 3
-LOAD_MAX_TOKENS = 24
-FAULT_TIMEOUT = 90.0  # seconds from a fault to its page before the test gives up
-LAYERWATCH = str(Path(sys.executable).with_name("layerwatch"))
 PROFILES_DIR = REPO / "alerts" / "profiles"
 
 
-# --- the pager and ticket bridges: a loopback webhook receiver --------------------------------------
-
-
-@dataclass(frozen=True)
-class Notification:
-    received_at: float  # time.monotonic()
-    receiver: str  # the URL path: /pager or /ticket
-    payload: dict  # Alertmanager's webhook body
-
-
-class WebhookReceiver:
-    """Records every POST Alertmanager sends, like a pager or ticket bridge would receive it."""
-
-    def __init__(self) -> None:
-        self.notifications: list[Notification] = []
-        received = self.notifications
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                received.append(Notification(time.monotonic(), self.path, json.loads(body)))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args) -> None:  # keep pytest's output for the results
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def url(self, receiver: str) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}{receiver}"
-
-    def first_firing(self, receiver: str, alertname: str, since: float = -math.inf) -> float | None:
-        """When `receiver` was first notified of `alertname` firing (monotonic), at or after `since`, or None."""
-        return next(
-            (
-                n.received_at
-                for n in list(self.notifications)
-                if n.receiver == receiver and n.received_at >= since
-                for alert in n.payload["alerts"]
-                if alert["labels"].get("alertname") == alertname and alert["status"] == "firing"
-            ),
-            None,
-        )
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
-# --- load ----------------------------------------------------------------------------------------
-
-
-class Load:
-    """Sampled and greedy completions in the background (only greedy ones are shadow-checked)."""
-
-    def __init__(self, base_url: str, model_name: str) -> None:
-        self.stop_event = threading.Event()
-        self.reports: list[LoadReport] = []
-        self._threads = [
-            threading.Thread(
-                target=lambda: self.reports.append(
-                    run_load(
-                        base_url,
-                        model_name,
-                        duration=math.inf,
-                        concurrency=LOAD_CONCURRENCY,
-                        max_tokens=LOAD_MAX_TOKENS,
-                        greedy_fraction=0.5,
-                        stop=self.stop_event,
-                        timeout=30.0,
-                    )
-                ),
-                daemon=True,
-            )
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def stop(self) -> None:
-        self.stop_event.set()
-        for thread in self._threads:
-            thread.join(60)
-
-
 # --- the stack -----------------------------------------------------------------------------------
-
-
-def _get_json(url: str) -> dict | list:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return json.loads(response.read())
 
 
 @dataclass
@@ -225,21 +136,7 @@ class Stack:
 
     def start_shim(self, *extra: str) -> None:
         self.start_process(
-            "shim",
-            [
-                LAYERWATCH,
-                "serve",
-                "--port",
-                str(self.shim_port),
-                "--exporter-address",
-                f"127.0.0.1:{self.exporter_udp_port}",
-                "--shadow-rate",
-                "1.0",
-                "--log-level",
-                "warning",
-                *extra,
-            ],
-            f"http://{self.shim_instance}/readyz",
+            "shim", shim_argv(self.shim_port, self.exporter_udp_port, *extra), f"http://{self.shim_instance}/readyz"
         )
 
     def restart_shim(self, *extra: str) -> tuple[float, float]:
@@ -258,17 +155,13 @@ class Stack:
         return began, ready
 
     def prometheus(self, path: str, **params: str) -> dict | list:
-        query = f"?{urllib.parse.urlencode(params)}" if params else ""
-        body = _get_json(f"http://127.0.0.1:{self.prometheus_port}{path}{query}")
-        assert body["status"] == "success", body
-        return body["data"]
+        return prometheus_api(f"http://127.0.0.1:{self.prometheus_port}", path, **params)
 
     def query(self, expr: str) -> list[dict]:
         return self.prometheus("/api/v1/query", query=expr)["result"]
 
     def alertmanager_alerts(self, alertname: str | None = None) -> list[dict]:
-        query = f"?{urllib.parse.urlencode({'filter': f'alertname={json.dumps(alertname)}'})}" if alertname else ""
-        return _get_json(f"http://127.0.0.1:{self.alertmanager_port}/api/v2/alerts{query}")
+        return alertmanager_alerts(f"http://127.0.0.1:{self.alertmanager_port}", alertname)
 
     def alert_rules(self) -> list[dict]:
         """The rendered alerting rules that apply to the served model."""
@@ -303,7 +196,7 @@ class Stack:
                     if active:
                         arrived[name] = (time.monotonic(), active[0])
             notified = {
-                name: self.webhooks.first_firing(_receiver(alert), name, injected_at)
+                name: self.webhooks.first_firing(receiver(alert), name, injected_at)
                 for name, (_, alert) in arrived.items()
             }
             if len(arrived) == len(alertnames) and all(t is not None for t in notified.values()):
@@ -319,7 +212,7 @@ class Stack:
                     injected_at,
                     serving_at,
                     at,
-                    self.webhooks.first_firing(_receiver(alert), name, injected_at),
+                    self.webhooks.first_firing(receiver(alert), name, injected_at),
                 )
             )
         missing = sorted(set(alertnames) - set(arrived))
@@ -362,11 +255,6 @@ class Stack:
         self.webhooks.close()
 
 
-def _receiver(alert: dict) -> str:
-    """Where the rendered alertmanager.yml routes an alert: critical pages, warning opens a ticket."""
-    return {"critical": "/pager", "warning": "/ticket"}[alert["labels"]["severity"]]
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, prometheus_binary: str, alertmanager_binary: str) -> Iterator[Stack]:
     if not (DEMO_MODEL_DIR / "config.json").is_file():
@@ -394,41 +282,19 @@ def stack(tmp_path_factory, prometheus_binary: str, alertmanager_binary: str) ->
     try:
         s.start_process(
             "alertmanager",
-            [
-                alertmanager_binary,
-                f"--config.file={rendered.alertmanager_config}",
-                f"--storage.path={workdir / 'alertmanager-data'}",
-                f"--web.listen-address=127.0.0.1:{s.alertmanager_port}",
-                "--cluster.listen-address=",
-            ],
+            alertmanager_argv(alertmanager_binary, rendered.alertmanager_config, workdir, s.alertmanager_port),
             f"http://127.0.0.1:{s.alertmanager_port}/-/ready",
         )
         s.start_process(
             "exporter",
-            [
-                LAYERWATCH,
-                "exporter",
-                "--listen",
-                f"127.0.0.1:{s.exporter_udp_port}",
-                "--http",
-                s.exporter_instance,
-                "--window-seconds",
-                str(EXPORTER_WINDOW_SECONDS),
-                "--statistics-cache-seconds",
-                "0.5",
-            ],
+            exporter_argv(s.exporter_udp_port, s.exporter_instance),
             f"http://{s.exporter_instance}/healthz",
         )
         s.start_shim()
         # Prometheus last: from its first scrape on, every target is up (no TargetDown at start).
         s.start_process(
             "prometheus",
-            [
-                prometheus_binary,
-                f"--config.file={rendered.prometheus_config}",
-                f"--storage.tsdb.path={workdir / 'prometheus-data'}",
-                f"--web.listen-address=127.0.0.1:{s.prometheus_port}",
-            ],
+            prometheus_argv(prometheus_binary, rendered.prometheus_config, workdir, s.prometheus_port),
             f"http://127.0.0.1:{s.prometheus_port}/-/ready",
         )
         s.load = Load(f"http://{s.shim_instance}", s.model_name)
@@ -486,15 +352,15 @@ def test_healthy_baseline_fires_no_alert(stack: Stack) -> None:
     assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
     model = f'model_name="{stack.model_name}"'
     recorded = Recorded.for_timing(Timing(TIME_SCALE))
-    skip_ratio = _values(stack.query(f"{recorded.skip_ratio}{{{model}}}"))
+    skip_ratio = values(stack.query(f"{recorded.skip_ratio}{{{model}}}"))
     assert skip_ratio and 0 < skip_ratio[0] < stack.profile.runaway_skip_ratio, skip_ratio
     assert (
-        _values(stack.query(f"layerwatch_entropy_window_observations{{{model}}}"))[0]
+        values(stack.query(f"layerwatch_entropy_window_observations{{{model}}}"))[0]
         >= stack.profile.bimodality.min_observations
     )
-    assert _values(stack.query(f"layerwatch_entropy_bimodal{{{model}}}")) == [1.0]
+    assert values(stack.query(f"layerwatch_entropy_bimodal{{{model}}}")) == [1.0]
     # The shadow check measured the gates against their layers, and they track them.
-    correlation = _values(stack.query(f"layerwatch_gate_importance_correlation{{{model}}}"))
+    correlation = values(stack.query(f"layerwatch_gate_importance_correlation{{{model}}}"))
     assert correlation and correlation[0] > stack.profile.gate_importance_correlation_min, correlation
     print(f"\nhealthy gates: gate-importance correlation {correlation[0]:.3f}")
 
@@ -502,10 +368,6 @@ def test_healthy_baseline_fires_no_alert(stack: Stack) -> None:
     assert stack.layerwatch_alerts() == []
     assert stack.alertmanager_alerts() == []
     assert stack.webhooks.notifications == []
-
-
-def _values(result: list[dict]) -> list[float]:
-    return [float(sample["value"][1]) for sample in result]
 
 
 # --- phase 2: static pruning (the gates stop routing per token) --------------------------------------
@@ -545,9 +407,9 @@ def test_static_gates_page_routing_static_while_single_peak_stays_silent(stack: 
     assert "LayerwatchRoutingStatic" in fired
     assert not stack.alertmanager_alerts("LayerwatchEntropySinglePeak")
     model = f'model_name="{stack.model_name}"'
-    assert _values(stack.query(f"layerwatch_entropy_bimodal{{{model}}}")) == [1.0]  # two humps ...
-    assert _values(stack.query(f"layerwatch_routing_dynamic{{{model}}}")) == [0.0]  # ... but static
-    assert _values(stack.query(f"layerwatch_routing_token_dependent_share{{{model}}}")) == [0.0]
+    assert values(stack.query(f"layerwatch_entropy_bimodal{{{model}}}")) == [1.0]  # two humps ...
+    assert values(stack.query(f"layerwatch_routing_dynamic{{{model}}}")) == [0.0]  # ... but static
+    assert values(stack.query(f"layerwatch_routing_token_dependent_share{{{model}}}")) == [0.0]
     (static_sha,) = _served_hashes(stack)
     assert static_sha != healthy_sha
 
@@ -621,7 +483,7 @@ def test_threshold_095_pages_runaway_skipping(stack: Stack) -> None:
 
 def _tail_ratio(stack: Stack, recorded: Recorded) -> list[float]:
     cutoff = stack.profile.request_tail.runaway_skip_fraction
-    return _values(
+    return values(
         stack.query(
             f'{recorded.request_skip_tail_ratio}{{model_name="{stack.model_name}", '
             f'instance="{stack.shim_instance}", le="{cutoff:g}"}}'
@@ -648,7 +510,7 @@ def test_request_tail_category_pages_while_the_skip_ratio_barely_moves(stack: St
         tails += _tail_ratio(stack, recorded)
         time.sleep(EVALUATION_INTERVAL)
     assert tails and max(tails) == 0.0, tails
-    healthy_ratio = _values(stack.query(f'{recorded.skip_ratio}{{model_name="{stack.model_name}"}}'))
+    healthy_ratio = values(stack.query(f'{recorded.skip_ratio}{{model_name="{stack.model_name}"}}'))
 
     stop = threading.Event()
     reports: list[LoadReport] = []
@@ -679,7 +541,7 @@ def test_request_tail_category_pages_while_the_skip_ratio_barely_moves(stack: St
     try:
         alerts = stack.wait_for_pages("a category of garbled transcripts", [alertname], started, started)
         tail = _tail_ratio(stack, recorded)
-        skip_ratio = _values(stack.query(f'{recorded.skip_ratio}{{model_name="{stack.model_name}"}}'))
+        skip_ratio = values(stack.query(f'{recorded.skip_ratio}{{model_name="{stack.model_name}"}}'))
         firing = {a["labels"]["alertname"] for a in stack.layerwatch_alerts() if a["state"] == "firing"}
     finally:
         stop.set()
@@ -724,7 +586,7 @@ def test_shuffled_gates_page_gate_miscalibrated(stack: Stack) -> None:
     miscalibrated = alerts["LayerwatchGateMiscalibrated"]
     assert miscalibrated["labels"]["severity"] == "critical"
     assert miscalibrated["labels"]["instance"] == stack.shim_instance  # the shim's own shadow check
-    correlation = _values(stack.query(f'layerwatch_gate_importance_correlation{{instance="{stack.shim_instance}"}}'))
+    correlation = values(stack.query(f'layerwatch_gate_importance_correlation{{instance="{stack.shim_instance}"}}'))
     assert correlation and correlation[0] < stack.profile.gate_importance_correlation_min, correlation
     print(f"\nshuffled gates: gate-importance correlation {correlation[0]:.3f}")
     served = _served_hashes(stack)
@@ -741,22 +603,6 @@ HARDWARE_SERIES = {
     "gpu_power": "a GPU with NVML",
     "cpu_energy": "readable RAPL counters (/sys/class/powercap)",
 }
-
-
-def _dashboard_expr(expr: str, stack: Stack) -> str:
-    """The query Grafana would send: variables filled in, recorded series named for this time scale."""
-    production = astuple(Recorded.for_timing(Timing()))
-    scaled = astuple(Recorded.for_timing(Timing(TIME_SCALE)))
-    for name, scaled_name in zip(production, scaled):
-        expr = re.sub(rf"(?<![\w:]){re.escape(name)}(?![\w:])", scaled_name, expr)
-    for variable, value in (
-        ("$__rate_interval", f"{4 * SCRAPE_INTERVAL:g}s"),  # Grafana's: 4 scrapes
-        ("$model", stack.model_name),
-        ("$instance", stack.shim_instance),
-    ):
-        expr = expr.replace(variable, value)
-    assert not re.search(r"\$[A-Za-z_{]", expr), f"a dashboard variable this test does not know: {expr}"
-    return expr
 
 
 def _wait_for_data(stack: Stack, expr: str, timeout: float = 15.0) -> list[dict]:
@@ -792,12 +638,12 @@ def test_dashboard_variables_list_the_served_model_and_shim(stack: Stack) -> Non
 def test_dashboard_panel_has_data(stack: Stack, panel: dict) -> None:
     lacking = []
     for target in panel["targets"]:
-        expr = _dashboard_expr(target["expr"], stack)
+        expr = dashboard_expr(target["expr"], stack.model_name, stack.shim_instance)
         if _wait_for_data(stack, expr):
             continue
         needs = _missing_hardware(expr, stack)
         assert needs is not None, f"no data for target {target['refId']}: {expr}"
         lacking.append(f"target {target['refId']} needs {needs}")
     if lacking:
-        assert _values(stack.query(f'layerwatch_nvml_up{{instance="{stack.shim_instance}"}}')) == [0.0]
+        assert values(stack.query(f'layerwatch_nvml_up{{instance="{stack.shim_instance}"}}')) == [0.0]
         pytest.xfail(f"this host has no energy readings ({'; '.join(lacking)}); layerwatch_nvml_up is 0")

@@ -1,0 +1,220 @@
+"""What the end-to-end stacks share (tests/stack/test_end_to_end.py, test_fleet.py): the scaled timing,
+the command lines of the layerwatch processes, load, the pager and ticket receivers, and the queries a
+test sends to Prometheus as Grafana would."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import astuple, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from alerts.durations import Timing
+from alerts.recorded import Recorded
+from demo.loadgen import LoadReport, run_load
+
+TIME_SCALE = 0.01  # 5m -> 3s, 10m -> 6s, 1h -> 36s
+SCRAPE_INTERVAL = 1.0
+EVALUATION_INTERVAL = 1.0
+# The exporter's bimodality window. After a fault the window must forget the healthy entropies
+# before the verdict can change, so this is part of the single-peak alert's time to page.
+EXPORTER_WINDOW_SECONDS = 10.0
+LOAD_CONCURRENCY = 3
+LOAD_MAX_TOKENS = 24
+FAULT_TIMEOUT = 90.0  # seconds from a fault to its page before the test gives up
+LAYERWATCH = str(Path(sys.executable).with_name("layerwatch"))
+
+
+def shim_argv(port: int, exporter_udp_port: int, *extra: str) -> list[str]:
+    """`layerwatch serve` on the demo model, every greedy request shadow-checked."""
+    return [
+        LAYERWATCH,
+        "serve",
+        "--port",
+        str(port),
+        "--exporter-address",
+        f"127.0.0.1:{exporter_udp_port}",
+        "--shadow-rate",
+        "1.0",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+
+
+def exporter_argv(udp_port: int, http_address: str) -> list[str]:
+    return [
+        LAYERWATCH,
+        "exporter",
+        "--listen",
+        f"127.0.0.1:{udp_port}",
+        "--http",
+        http_address,
+        "--window-seconds",
+        str(EXPORTER_WINDOW_SECONDS),
+        "--statistics-cache-seconds",
+        "0.5",
+    ]
+
+
+def alertmanager_argv(binary: str, config: Path, workdir: Path, port: int) -> list[str]:
+    return [
+        binary,
+        f"--config.file={config}",
+        f"--storage.path={workdir / 'alertmanager-data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--cluster.listen-address=",  # no gossip
+    ]
+
+
+def prometheus_argv(binary: str, config: Path, workdir: Path, port: int) -> list[str]:
+    return [
+        binary,
+        f"--config.file={config}",
+        f"--storage.tsdb.path={workdir / 'prometheus-data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
+
+
+def get_json(url: str) -> dict | list:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def prometheus_api(base_url: str, path: str, **params: str) -> dict | list:
+    """The `data` of a Prometheus HTTP API answer (VictoriaMetrics answers the same API)."""
+    query = f"?{urllib.parse.urlencode(params)}" if params else ""
+    body = get_json(f"{base_url}{path}{query}")
+    assert isinstance(body, dict) and body["status"] == "success", body
+    return body["data"]
+
+
+def alertmanager_alerts(base_url: str, alertname: str | None = None) -> list[dict]:
+    """The alerts Alertmanager holds (API v2), all or those named `alertname`."""
+    query = f"?{urllib.parse.urlencode({'filter': f'alertname={json.dumps(alertname)}'})}" if alertname else ""
+    alerts = get_json(f"{base_url}/api/v2/alerts{query}")
+    assert isinstance(alerts, list), alerts
+    return alerts
+
+
+def values(result: list[dict]) -> list[float]:
+    """The numbers of an instant query's samples."""
+    return [float(sample["value"][1]) for sample in result]
+
+
+# --- the pager and ticket bridges: a loopback webhook receiver --------------------------------------
+
+
+@dataclass(frozen=True)
+class Notification:
+    received_at: float  # time.monotonic()
+    receiver: str  # the URL path: /pager or /ticket
+    payload: dict  # Alertmanager's webhook body
+
+
+class WebhookReceiver:
+    """Records every POST Alertmanager sends, like a pager or ticket bridge would receive it."""
+
+    def __init__(self) -> None:
+        self.notifications: list[Notification] = []
+        received = self.notifications
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                received.append(Notification(time.monotonic(), self.path, json.loads(body)))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:  # keep pytest's output for the results
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def url(self, receiver: str) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}{receiver}"
+
+    def first_firing(self, receiver: str, alertname: str, since: float = -math.inf) -> float | None:
+        """When `receiver` was first notified of `alertname` firing (monotonic), at or after `since`, or None."""
+        return next(
+            (
+                n.received_at
+                for n in list(self.notifications)
+                if n.receiver == receiver and n.received_at >= since
+                for alert in n.payload["alerts"]
+                if alert["labels"].get("alertname") == alertname and alert["status"] == "firing"
+            ),
+            None,
+        )
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def receiver(alert: dict) -> str:
+    """Where the rendered alertmanager.yml routes an alert: critical pages, warning opens a ticket."""
+    return {"critical": "/pager", "warning": "/ticket"}[alert["labels"]["severity"]]
+
+
+# --- load ----------------------------------------------------------------------------------------
+
+
+class Load:
+    """Sampled and greedy completions in the background (only greedy ones are shadow-checked)."""
+
+    def __init__(self, base_url: str, model_name: str) -> None:
+        self.stop_event = threading.Event()
+        self.reports: list[LoadReport] = []
+        self._threads = [
+            threading.Thread(
+                target=lambda: self.reports.append(
+                    run_load(
+                        base_url,
+                        model_name,
+                        duration=math.inf,
+                        concurrency=LOAD_CONCURRENCY,
+                        max_tokens=LOAD_MAX_TOKENS,
+                        greedy_fraction=0.5,
+                        stop=self.stop_event,
+                        timeout=30.0,
+                    )
+                ),
+                daemon=True,
+            )
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        for thread in self._threads:
+            thread.join(60)
+
+
+# --- the dashboard's queries ------------------------------------------------------------------------
+
+
+def dashboard_expr(expr: str, model_name: str, instance: str) -> str:
+    """The query Grafana would send: variables filled in, recorded series named for this time scale."""
+    production = astuple(Recorded.for_timing(Timing()))
+    scaled = astuple(Recorded.for_timing(Timing(TIME_SCALE)))
+    for name, scaled_name in zip(production, scaled):
+        expr = re.sub(rf"(?<![\w:]){re.escape(name)}(?![\w:])", scaled_name, expr)
+    for variable, value in (
+        ("$__rate_interval", f"{4 * SCRAPE_INTERVAL:g}s"),  # Grafana's: 4 scrapes
+        ("$model", model_name),
+        ("$instance", instance),
+    ):
+        expr = expr.replace(variable, value)
+    assert not re.search(r"\$[A-Za-z_{]", expr), f"a dashboard variable this test does not know: {expr}"
+    return expr
