@@ -1,8 +1,10 @@
-"""Our Llama against a reference nobody here wrote: transformers' LlamaForCausalLM / Qwen2ForCausalLM.
+"""Our model against a reference nobody here wrote: transformers' own model of each family.
 
 Each case builds a tiny random checkpoint with transformers, saves it the Hugging Face way, loads
 it with our loader and compares logits (fp32, max abs diff <= 1e-4): a full forward, and
-token-by-token decoding through our KV cache against transformers' own cached decoding.
+token-by-token decoding through our KV cache against transformers' own cached decoding. Skipping
+is checked against transformers too: a decode step that skips layers matches transformers' forward
+with those layers' whole residual update (output norms included) removed for that token.
 """
 
 from __future__ import annotations
@@ -10,15 +12,18 @@ from __future__ import annotations
 import copy
 import inspect
 
+import numpy as np
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from inference_shim.runtime.engine import GenerationEngine, SamplingParams  # noqa: E402
 from inference_shim.runtime.model import KVCache  # noqa: E402
+from inference_shim.runtime.skip_policy import SkipPolicyConfig  # noqa: E402
 
-from .conftest import VOCAB_SIZE, random_model, tiny_config  # noqa: E402
+from .conftest import VOCAB_SIZE, constant_gates, random_model, tiny_config  # noqa: E402
 
 TOLERANCE = 1e-4
 SEQUENCE_LENGTH = 40  # crosses the llama3 case's original_max_position_embeddings=16
@@ -54,11 +59,46 @@ CASES = {
     ),
     "qwen2-biases": ("qwen2", dict(LLAMA, num_key_value_heads=1), {}),
     "mistral": ("mistral", dict(LLAMA, sliding_window=64), {}),
+    "qwen3-qk-norm": ("qwen3", dict(LLAMA, head_dim=16), {}),  # head_dim != hidden / heads
+    "gemma": ("gemma", dict(LLAMA, head_dim=8, num_key_value_heads=1), {}),
+    "gemma-untied-gelu-legacy": ("gemma", dict(LLAMA, head_dim=8, tie_word_embeddings=False, hidden_act="gelu"), {}),
+    # A window of 8 < SEQUENCE_LENGTH slides on layers 0 and 2; tight caps so that both bend values.
+    "gemma2": (
+        "gemma2",
+        dict(
+            LLAMA,
+            head_dim=8,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=10.0,
+        ),
+        {},
+    ),
+    "gemma2-no-caps-layer-types": (
+        "gemma2",
+        dict(
+            LLAMA,
+            head_dim=8,
+            sliding_window=6,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+        ),
+        {},
+    ),
+    "phi3-fused": ("phi3", dict(LLAMA, pad_token_id=None), {}),
+    "olmo2-post-norms": ("olmo2", dict(LLAMA), {}),
 }
 REFERENCE_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
 }
 
 
@@ -164,6 +204,56 @@ def test_batched_decoding_of_unequal_sequences_matches_transformers(pair):
             (logits[1] - expected_short[positions[1]]).abs().max().item(),
         )
     assert worst <= TOLERANCE
+
+
+@pytest.mark.parametrize("skipped", [(1,), (0, 2)], ids=["middle", "outer"])
+def test_skipped_layers_match_transformers_without_their_updates(pair, skipped):
+    # The last token skips `skipped`: transformers' forward, with those layers handing the last
+    # position's input through unchanged, is what our decode step must produce.
+    reference, ours = pair
+    tokens = sequence(7, 24)
+    last = tokens.shape[1] - 1
+
+    def pass_last_position_through(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden = hidden.clone()
+        hidden[:, last] = args[0][:, last]
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    layers = reference.model.layers
+    hooks = [layers[layer].register_forward_hook(pass_last_position_through) for layer in skipped]
+    try:
+        with torch.no_grad():
+            expected = reference(tokens).logits[0, last]
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+    model = ours.model
+    cache = KVCache(model.config, slots=1, max_len=32, dtype=torch.float32, device="cpu")
+    run_mask = np.ones((1, model.config.num_layers), dtype=bool)
+    run_mask[0, list(skipped)] = False
+    with torch.no_grad():
+        model.prefill(tokens[0, :last], cache, slot=0)
+        logits, _ = model.decode_step(tokens[0, last:], cache, slots=[0], positions=[last], run_mask=run_mask)
+    assert (logits[0] - expected).abs().max().item() <= TOLERANCE
+    assert (logits[0] - reference(tokens).logits[0, last]).abs().max().item() > TOLERANCE  # the skip mattered
+
+
+def test_gates_score_and_skip_layers(pair, tokenizer):
+    # Gates whose scores stay near 0 skip the unprotected layer after `patience` steps.
+    _, ours = pair
+    model = ours.model
+    model.attach_gates(constant_gates(model.config, entropy_logit=-30.0))
+    try:
+        engine = GenerationEngine(
+            model, tokenizer, model_name="tiny", policy=SkipPolicyConfig(threshold=0.18, patience=3)
+        )
+        result = engine.generate([0, 17, 54, 120], SamplingParams(max_tokens=8))
+    finally:
+        model.attach_gates(None)
+    assert result.activity[:3].all()  # no history yet: full depth
+    assert not result.activity[3:, 1].any() and result.activity[:, [0, 2]].all()
 
 
 @pytest.mark.parametrize(
