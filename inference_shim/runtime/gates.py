@@ -89,7 +89,10 @@ def load_gates(path: str | Path, model: Transformer) -> LoadedGates:
     """Read a gate file for `model`, on the model's device and dtype. Does not attach them."""
     path = Path(path)
     if not path.is_file():
-        raise GateFileError(f"{path}: gate file not found")
+        raise GateFileError(
+            f"{path}: gate file not found; train gates for this model with `layerwatch train-gates "
+            f"--model DIR --data TEXT --out {path}`, or serve untrained gates with `--reset-gates`"
+        )
     data = path.read_bytes()
     try:
         tensors = load_tensors(data)
