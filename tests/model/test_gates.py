@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from inference_shim.runtime.checkpoint import load_checkpoint
+from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from inference_shim.runtime.gates import (
     GateFileError,
     GateMetadata,
@@ -17,6 +20,7 @@ from inference_shim.runtime.gates import (
     reset_gates,
     save_gates,
 )
+from inference_shim.runtime.model import Transformer
 
 from .conftest import random_gates, random_model, tiny_config
 
@@ -68,6 +72,18 @@ def test_fingerprint_ignores_dtype_but_not_weights(model):
     with torch.no_grad():
         nudged.layers[2].mlp.down_proj.weight[0, 0] += 1.0  # sampled: index 0 is always picked
     assert model_fingerprint(nudged) != fingerprint
+
+
+def test_family_features_enter_the_fingerprint_only_when_set(model):
+    # The same weights computed another way (here Gemma's embedding scale) are another model; a
+    # Llama's fingerprint leaves the family fields out, so the demo model's gate file still loads.
+    scaled = Transformer(dataclasses.replace(model.config, embedding_scale=2.0))
+    scaled.load_state_dict(model.state_dict())
+    assert model_fingerprint(scaled) != model_fingerprint(model)
+    demo = load_checkpoint(DEMO_MODEL_DIR)
+    assert load_gates(DEMO_MODEL_DIR / "gates.safetensors", demo.model).metadata.base_fingerprint == (
+        model_fingerprint(demo.model)
+    )
 
 
 def test_gates_follow_the_model_dtype(tmp_path, model):

@@ -208,36 +208,45 @@ def test_batched_decoding_of_unequal_sequences_matches_transformers(pair):
 
 @pytest.mark.parametrize("skipped", [(1,), (0, 2)], ids=["middle", "outer"])
 def test_skipped_layers_match_transformers_without_their_updates(pair, skipped):
-    # The last token skips `skipped`: transformers' forward, with those layers handing the last
-    # position's input through unchanged, is what our decode step must produce.
+    # Decode positions SKIPPING_AT skip the layers `skipped` (KV policy `project`): transformers'
+    # forward, with those layers handing those positions' input through unchanged, is what our
+    # decode steps must produce. Its keys and values there come from the layer's input, as
+    # `project` computes them, so the later positions check the cache too.
     reference, ours = pair
     tokens = sequence(7, 24)
-    last = tokens.shape[1] - 1
+    prompt = 16
+    skipping_at = [17, 19, 20, 23]
 
-    def pass_last_position_through(module, args, output):
+    def pass_through(module, args, output):
         hidden = output[0] if isinstance(output, tuple) else output
         hidden = hidden.clone()
-        hidden[:, last] = args[0][:, last]
+        hidden[:, skipping_at] = args[0][:, skipping_at]
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
     layers = reference.model.layers
-    hooks = [layers[layer].register_forward_hook(pass_last_position_through) for layer in skipped]
+    hooks = [layers[layer].register_forward_hook(pass_through) for layer in skipped]
     try:
         with torch.no_grad():
-            expected = reference(tokens).logits[0, last]
+            expected = reference(tokens).logits[0, prompt:]
     finally:
         for hook in hooks:
             hook.remove()
 
     model = ours.model
     cache = KVCache(model.config, slots=1, max_len=32, dtype=torch.float32, device="cpu")
-    run_mask = np.ones((1, model.config.num_layers), dtype=bool)
-    run_mask[0, list(skipped)] = False
+    got = []
     with torch.no_grad():
-        model.prefill(tokens[0, :last], cache, slot=0)
-        logits, _ = model.decode_step(tokens[0, last:], cache, slots=[0], positions=[last], run_mask=run_mask)
-    assert (logits[0] - expected).abs().max().item() <= TOLERANCE
-    assert (logits[0] - reference(tokens).logits[0, last]).abs().max().item() > TOLERANCE  # the skip mattered
+        model.prefill(tokens[0, :prompt], cache, slot=0)
+        for position in range(prompt, tokens.shape[1]):
+            run_mask = np.ones((1, model.config.num_layers), dtype=bool)
+            if position in skipping_at:
+                run_mask[0, list(skipped)] = False
+            fed = tokens[0, position : position + 1]
+            logits, _ = model.decode_step(fed, cache, slots=[0], positions=[position], run_mask=run_mask)
+            got.append(logits[0])
+        full_depth = reference(tokens).logits[0, prompt:]
+    assert (torch.stack(got) - expected).abs().max().item() <= TOLERANCE
+    assert (expected - full_depth).abs().max().item() > 100 * TOLERANCE  # the skips mattered
 
 
 def test_gates_score_and_skip_layers(pair, tokenizer):
