@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams  # noqa: E402
-from inference_shim.runtime.model import KVCache  # noqa: E402
+from inference_shim.runtime.model import KVCache, LayerProbe  # noqa: E402
 from inference_shim.runtime.skip_policy import SkipPolicyConfig  # noqa: E402
 
 from .conftest import VOCAB_SIZE, constant_gates, random_model, tiny_config  # noqa: E402
@@ -247,6 +247,47 @@ def test_skipped_layers_match_transformers_without_their_updates(pair, skipped):
         full_depth = reference(tokens).logits[0, prompt:]
     assert (torch.stack(got) - expected).abs().max().item() <= TOLERANCE
     assert (expected - full_depth).abs().max().item() > 100 * TOLERANCE  # the skips mattered
+
+
+def test_layer_signals_match_transformers(pair):
+    # LayerProbe (the shadow check's layer signals) against transformers' own attention
+    # probabilities and each decoder layer's input and output: the family's scale, caps, q/k norms
+    # and windows reach the attention KL, its output norms the relative update.
+    reference, ours = pair
+    tokens = sequence(8)
+    ins, outs = [], []
+
+    def record(module, args, output) -> None:
+        ins.append(args[0])
+        outs.append(output[0] if isinstance(output, tuple) else output)
+
+    hooks = [layer.register_forward_hook(record) for layer in reference.model.layers]
+    implementation = reference.config._attn_implementation
+    reference.config._attn_implementation = "eager"  # the one that returns attention probabilities
+    try:
+        with torch.no_grad():
+            attentions = reference(tokens, output_attentions=True).attentions
+    finally:
+        reference.config._attn_implementation = implementation
+        for hook in hooks:
+            hook.remove()
+    config = reference.config
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    positions = torch.arange(tokens.shape[1], dtype=torch.float64)
+    expected_kl, expected_update = [], []
+    for probs, layer_in, layer_out, kind in zip(attentions, ins, outs, layer_types, strict=True):
+        probs = probs.double()  # [B, H, T, T]; 0 outside the causal window
+        plogp = torch.where(probs > 0, probs * probs.clamp_min(1e-300).log(), 0.0).sum(-1)
+        attended = positions + 1 if kind == "full_attention" else (positions + 1).clamp_max(config.sliding_window)
+        expected_kl.append((plogp + attended.log()).mean(1))
+        expected_update.append((layer_out - layer_in).norm(dim=-1) / layer_in.norm(dim=-1))
+
+    probe = LayerProbe(start=3)
+    with torch.no_grad():
+        ours.model(tokens, probe=probe)
+    assert probe.attention_kl is not None and probe.relative_update is not None
+    assert (probe.attention_kl - torch.stack(expected_kl, -1)[:, 3:]).abs().max().item() <= TOLERANCE
+    assert (probe.relative_update - torch.stack(expected_update, -1)[:, 3:]).abs().max().item() <= TOLERANCE
 
 
 def test_gates_score_and_skip_layers(pair, tokenizer):
