@@ -175,12 +175,13 @@ def config_from_hf(raw: dict, source: Path, extra_eos_ids: tuple[int, ...] = ())
         features.update(qk_norm="projection", norm_layout="post", norm_weight_in_fp32=True)
     if architecture in GEMMA:
         features.update(norm_weight_offset=1.0, norm_weight_in_fp32=True, embedding_scale=hidden**0.5)
-    # Gemma2 names its activation `hidden_activation`; Gemma's legacy "gelu" means the tanh
-    # approximation (transformers maps it the same way).
-    activation = raw.get("hidden_activation") if architecture in GEMMA else None
-    activation = activation or raw.get("hidden_act", "gelu_pytorch_tanh" if architecture in GEMMA else "silu")
-    if architecture in GEMMA and activation == "gelu":
-        activation = "gelu_pytorch_tanh"
+    if architecture in GEMMA:
+        # Gemma2 names it `hidden_activation`; Gemma's legacy "gelu" means the tanh approximation
+        # (transformers maps it the same way).
+        activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+        activation = "gelu_pytorch_tanh" if activation == "gelu" else activation
+    else:
+        activation = raw.get("hidden_act", "silu")
     if activation not in ACTIVATIONS:
         raise fail(f"hidden_act={activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
     features.update(hidden_act=activation)

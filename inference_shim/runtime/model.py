@@ -74,7 +74,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # Gemma2: attention scores s -> c * tanh(s / c)
     final_logit_softcapping: float | None = None  # Gemma2: logits z -> c * tanh(z / c)
     sliding_window: int | None = None  # a sliding layer's query at p attends positions p - window + 1 .. p
-    sliding_layers: tuple[int, ...] = ()  # layers with `sliding_window` (Gemma2: every other; Mistral: all)
+    sliding_layers: tuple[int, ...] = ()  # layers with `sliding_window` (Gemma2: every other one)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -266,18 +266,15 @@ class Attention(nn.Module):
         self.window = config.sliding_window if layer in config.sliding_layers else None
 
     def _heads(self, projected: torch.Tensor, norm: RMSNorm | None, heads: int) -> torch.Tensor:
-        # projected: [B, T, heads * D] -> [B, heads, T, D], q/k-normed where the family does it
-        B, T, _ = projected.shape
+        # projected: [B, T, heads * D], or [B, heads * D] for one token per row -> [B, heads, T, D],
+        # q/k-normed where the family does it
         if norm is not None:
             projected = norm(projected.unflatten(-1, (-1, norm.weight.shape[0]))).flatten(-2)
-        return projected.view(B, T, heads, self.head_dim).transpose(1, 2)
+        return projected.view(projected.shape[0], -1, heads, self.head_dim).transpose(1, 2)
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [B, T, d] -> q: [B, H, T, D] (rotated); x: [B, d] (decode, one token per row) -> [B, H, 1, D]
-        projected = self.q_proj(x)
-        if projected.dim() == 2:
-            projected = projected[:, None]
-        return apply_rope(self._heads(projected, self.q_norm, self.num_heads), cos, sin)
+        return apply_rope(self._heads(self.q_proj(x), self.q_norm, self.num_heads), cos, sin)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         # x: [B, T, d] -> k, v: [B, Hkv, T, D] (k rotated)
