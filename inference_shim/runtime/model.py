@@ -279,7 +279,7 @@ class Attention(nn.Module):
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         # x: [B, T, d] -> k, v: [B, Hkv, T, D] (k rotated)
         k = apply_rope(self._heads(self.k_proj(x), self.k_norm, self.num_kv_heads), cos, sin)
-        return k, self._heads(self.v_proj(x), None, self.num_kv_heads)
+        return k, self.v_proj(x).view(x.shape[0], -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     def visible(self, query_positions: torch.Tensor, length: int) -> torch.Tensor:
         """Which of keys 0..length-1 each query position attends: causal, within the window on a
@@ -465,16 +465,16 @@ class Block(nn.Module):
     def _residual_updates(self, h: torch.Tensor, attn: torch.Tensor, scale: torch.Tensor | None = None):
         # h + attention, then + MLP, normed where the layout says; training's `scale` weighs both
         # updates (see UpdateScale).
+        if self.layout != "pre":
+            attn = self.post_attention_layernorm(attn)
+        h = h + (attn if scale is None else scale * attn)
         if self.layout == "pre":
-            h = h + _scaled(attn, scale)
-            return h + _scaled(self.mlp(self.post_attention_layernorm(h)), scale)
-        h = h + _scaled(self.post_attention_layernorm(attn), scale)
-        mlp_input = self.pre_feedforward_layernorm(h) if self.layout == "sandwich" else h
-        return h + _scaled(self.post_feedforward_layernorm(self.mlp(mlp_input)), scale)
-
-
-def _scaled(update: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    return update if scale is None else scale * update
+            mlp = self.mlp(self.post_attention_layernorm(h))
+        elif self.layout == "sandwich":
+            mlp = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        else:  # "post"
+            mlp = self.post_feedforward_layernorm(self.mlp(h))
+        return h + (mlp if scale is None else scale * mlp)
 
 
 class Gate(nn.Module):
