@@ -20,8 +20,10 @@ transformers = pytest.importorskip("transformers")
 
 from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams  # noqa: E402
+from inference_shim.runtime.gates import load_gates  # noqa: E402
 from inference_shim.runtime.model import KVCache, LayerProbe  # noqa: E402
 from inference_shim.runtime.skip_policy import SkipPolicyConfig  # noqa: E402
+from layerwatch_cli.main import main  # noqa: E402
 
 from .conftest import VOCAB_SIZE, constant_gates, random_model, tiny_config  # noqa: E402
 
@@ -304,6 +306,20 @@ def test_gates_score_and_skip_layers(pair, tokenizer):
         model.attach_gates(None)
     assert result.activity[:3].all()  # no history yet: full depth
     assert not result.activity[3:, 1].any() and result.activity[:, [0, 2]].all()
+
+
+@pytest.mark.parametrize("pair", ["qwen3-qk-norm", "gemma", "gemma2", "phi3-fused", "olmo2-post-norms"], indirect=True)
+def test_gates_train_on_each_family_and_load_for_it(pair, tmp_path):
+    # `layerwatch train-gates` on the transformers-made checkpoint: soft gates weigh each layer's
+    # whole update (output norms included), and the file loads for that model only.
+    _, ours = pair
+    text = tmp_path / "train.txt"
+    text.write_text("In the beginning God created the heaven and the earth.\n\n" * 12, encoding="utf-8")
+    out = tmp_path / "gates.safetensors"
+    arguments = ["--steps", "4", "--batch-size", "2", "--seq-len", "12", "--threads", "1", "--quiet"]
+    assert main(["train-gates", "--model", str(ours.path), "--data", str(text), "--out", str(out), *arguments]) == 0
+    loaded = load_gates(out, ours.model)
+    assert len(loaded.gates) == ours.config.num_layers
 
 
 @pytest.mark.parametrize(
