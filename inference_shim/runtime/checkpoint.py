@@ -2,9 +2,10 @@
 
 A folder holds `config.json`, the weights as `model.safetensors` or as shards listed in
 `model.safetensors.index.json`, `tokenizer.json` and optionally `tokenizer_config.json` and
-`generation_config.json`. Llama, Mistral and Qwen2 checkpoints load (they are the same
-architecture up to q/k/v biases). Anything broken or mismatched fails at load time with a
-`CheckpointError` naming the file and what is wrong: a server must not start on half a model.
+`generation_config.json`. The families in ARCHITECTURES load: Llama, Mistral and Qwen2 are one
+architecture up to q/k/v biases; the others switch on ModelConfig's family features. Anything
+broken, mismatched or of another family fails at load time with a `CheckpointError` naming the
+file and what is wrong: a server must not start on half a model.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from inference_shim.runtime.model import ModelConfig, Transformer, rope_inverse_frequencies
+from inference_shim.runtime.model import ACTIVATIONS, ModelConfig, Transformer, rope_inverse_frequencies
 from inference_shim.runtime.tokenizer import Tokenizer, TokenizerError
 
 CONFIG_FILE = "config.json"
@@ -28,8 +29,28 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
-# architecture -> q/k/v projections carry biases
-ARCHITECTURES = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCausalLM": True}
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
+    "Phi3ForCausalLM",
+    "Olmo2ForCausalLM",
+)
+GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM")
+# Families whose attention_bias adds an o_proj bias too, which the model does not have.
+NO_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", *GEMMA)
+# Families whose every layer is a sliding-window layer: served up to the window, where it is plain
+# causal attention (Gemma2 alternates, and really slides).
+SLIDING_EVERY_LAYER = ("MistralForCausalLM", "Phi3ForCausalLM")
+# Phi3 stores q/k/v and gate/up each stacked by rows in one matrix; the model keeps them apart.
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Tensors some exporters write that carry nothing we need (RoPE frequencies are recomputed).
 HARMLESS_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -70,7 +91,8 @@ def load_checkpoint(
     config = config_from_hf(hf_config, folder / CONFIG_FILE, _generation_eos_ids(folder))
     if dtype is None:
         dtype = _declared_dtype(hf_config, folder / CONFIG_FILE)
-    state = _load_weights(folder, config, torch.device(device), dtype)
+    fused = _architecture(hf_config) in FUSED_ARCHITECTURES
+    state = _load_weights(folder, config, torch.device(device), dtype, fused)
     model = _build_model(config, state, torch.device(device))
     try:
         tokenizer = Tokenizer.from_files(
@@ -92,24 +114,29 @@ def load_checkpoint(
 # --- config.json ---------------------------------------------------------------------------------
 
 
+def _architecture(raw: dict) -> str | None:
+    return next((a for a in raw.get("architectures") or [] if a in ARCHITECTURES), None)
+
+
 def config_from_hf(raw: dict, source: Path, extra_eos_ids: tuple[int, ...] = ()) -> ModelConfig:
     """Map a Hugging Face config.json onto ModelConfig; refuse what this model cannot compute."""
 
     def fail(message: str) -> CheckpointError:
         return CheckpointError(f"{source}: {message}")
 
-    architectures = raw.get("architectures") or []
-    architecture = next((a for a in architectures if a in ARCHITECTURES), None)
+    architecture = _architecture(raw)
     if architecture is None:
-        raise fail(f"architectures={architectures!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise fail(f"hidden_act={raw['hidden_act']!r} is not supported (only 'silu', SwiGLU)")
+        raise fail(
+            f"architectures={raw.get('architectures')!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
     if raw.get("mlp_bias"):
         raise fail("mlp_bias=true is not supported")
-    if architecture == "LlamaForCausalLM" and raw.get("attention_bias"):
-        raise fail("attention_bias=true is not supported for Llama (it adds an o_proj bias)")
-    if architecture == "Qwen2ForCausalLM" and raw.get("use_sliding_window"):
+    if architecture in NO_ATTENTION_BIAS and raw.get("attention_bias"):
+        raise fail(f"attention_bias=true is not supported for {architecture} (it adds an o_proj bias)")
+    if raw.get("use_sliding_window"):
         raise fail("use_sliding_window=true is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise fail("use_bidirectional_attention=true is not supported (a causal language model is)")
 
     def integer(name: str, default: int | None = None) -> int:
         value = raw.get(name, default)
@@ -119,9 +146,16 @@ def config_from_hf(raw: dict, source: Path, extra_eos_ids: tuple[int, ...] = ())
             raise fail(f"{name} must be a positive integer, found {value!r}")
         return value
 
+    def number(name: str) -> float | None:
+        value = raw.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+            raise fail(f"{name} must be a positive number or null, found {value!r}")
+        return None if value is None else float(value)
+
     hidden, heads = integer("hidden_size"), integer("num_attention_heads")
+    num_layers = integer("num_hidden_layers")
     max_positions = integer("max_position_embeddings", 2048)
-    if architecture == "MistralForCausalLM" and raw.get("sliding_window"):
+    if architecture in SLIDING_EVERY_LAYER and raw.get("sliding_window"):
         # Within the window, sliding-window attention is plain causal attention.
         max_positions = min(max_positions, integer("sliding_window"))
     rope_theta, rope_scaling = _rope(raw, fail)
@@ -132,12 +166,42 @@ def config_from_hf(raw: dict, source: Path, extra_eos_ids: tuple[int, ...] = ())
     bos = raw.get("bos_token_id")
     if bos is not None and not isinstance(bos, int):
         raise fail(f"bos_token_id must be an integer or null, found {bos!r}")
+
+    # The family features (ModelConfig, FAMILY_FIELDS); Llama, Mistral and Phi3 need none.
+    features: dict = {}
+    if architecture == "Qwen3ForCausalLM":
+        features.update(qk_norm="head")
+    if architecture == "Olmo2ForCausalLM":
+        features.update(qk_norm="projection", norm_layout="post", norm_weight_in_fp32=True)
+    if architecture in GEMMA:
+        features.update(norm_weight_offset=1.0, norm_weight_in_fp32=True, embedding_scale=hidden**0.5)
+    if architecture in GEMMA:
+        # Gemma2 names it `hidden_activation`; Gemma's legacy "gelu" means the tanh approximation
+        # (transformers maps it the same way).
+        activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+        activation = "gelu_pytorch_tanh" if activation == "gelu" else activation
+    else:
+        activation = raw.get("hidden_act", "silu")
+    if activation not in ACTIVATIONS:
+        raise fail(f"hidden_act={activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    features.update(hidden_act=activation)
+    if architecture == "Gemma2ForCausalLM":
+        features.update(
+            norm_layout="sandwich",
+            attention_scale=integer("query_pre_attn_scalar") ** -0.5,
+            attn_logit_softcapping=number("attn_logit_softcapping"),
+            final_logit_softcapping=number("final_logit_softcapping"),
+        )
+        if raw.get("sliding_window") is not None:
+            features.update(
+                sliding_window=integer("sliding_window"), sliding_layers=_sliding_layers(raw, num_layers, fail)
+            )
     try:
         return ModelConfig(
             vocab_size=integer("vocab_size"),
             hidden_size=hidden,
             intermediate_size=integer("intermediate_size"),
-            num_layers=integer("num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=integer("num_key_value_heads", heads),
             head_dim=integer("head_dim", hidden // heads),
@@ -145,13 +209,27 @@ def config_from_hf(raw: dict, source: Path, extra_eos_ids: tuple[int, ...] = ())
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=ARCHITECTURES[architecture],
+            # Gemma ties the LM head unless told otherwise (transformers' default for the family).
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", architecture in GEMMA)),
+            attention_bias=architecture == "Qwen2ForCausalLM",
             bos_token_id=bos,
             eos_token_ids=tuple(dict.fromkeys(eos_ids + list(extra_eos_ids))),
+            **features,
         )
     except ValueError as exc:  # e.g. heads not a multiple of kv heads
         raise fail(str(exc)) from exc
+
+
+def _sliding_layers(raw: dict, num_layers: int, fail) -> tuple[int, ...]:
+    # Gemma2: `layer_types` names each layer's attention; without it (checkpoints from before
+    # transformers wrote it), layers 0, 2, 4, ... slide and the others attend to everything.
+    types = raw.get("layer_types")
+    if types is None:
+        return tuple(range(0, num_layers, 2))
+    kinds = ("sliding_attention", "full_attention")
+    if not isinstance(types, list) or len(types) != num_layers or any(t not in kinds for t in types):
+        raise fail(f"layer_types must list {num_layers} entries of {kinds}, found {types!r}")
+    return tuple(layer for layer, kind in enumerate(types) if kind == "sliding_attention")
 
 
 def _rope(raw: dict, fail) -> tuple[float, dict | None]:
@@ -159,6 +237,10 @@ def _rope(raw: dict, fail) -> tuple[float, dict | None]:
     # dict holding rope_theta, rope_type and the scaling fields.
     params = dict(raw.get("rope_parameters") or {})
     theta = params.pop("rope_theta", raw.get("rope_theta", 10000.0))
+    # Phi3 may rotate only part of each head; transformers 5 moves the factor into rope_parameters.
+    partial_rotary = params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial_rotary != 1.0:
+        raise fail(f"partial_rotary_factor={partial_rotary!r} is not supported (RoPE on the whole head only)")
     scaling = raw.get("rope_scaling") or params or None
     if scaling is not None:
         scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
@@ -259,10 +341,25 @@ def _shard_files(folder: Path) -> dict[str, list[str]]:
     return {WEIGHTS_FILE: []}  # [] = whatever the file holds
 
 
+def _fused_names(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Fused tensor name (Phi3) -> the names of the tensors it stacks by rows, in order."""
+    return {
+        f"model.layers.{layer}.{fused}.weight": tuple(f"model.layers.{layer}.{part}.weight" for part in parts)
+        for layer in range(config.num_layers)
+        for fused, parts in FUSED_PROJECTIONS.items()
+    }
+
+
 def _load_weights(
-    folder: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype
+    folder: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype, fused: bool = False
 ) -> dict[str, torch.Tensor]:
     expected = expected_shapes(config)
+    split_rows: dict[str, list[int]] = {}  # fused tensor -> the rows of each of its parts
+    fused_names = _fused_names(config) if fused else {}
+    for name, parts in fused_names.items():
+        shapes = [expected.pop(part) for part in parts]
+        split_rows[name] = [rows for rows, _ in shapes]
+        expected[name] = (sum(split_rows[name]), shapes[0][1])
     state: dict[str, torch.Tensor] = {}
     for file, listed in _shard_files(folder).items():
         path = folder / file
@@ -295,6 +392,8 @@ def _load_weights(
     missing = [name for name in expected if name not in state]
     if missing:
         raise CheckpointError(f"{folder}: {len(missing)} tensors missing from the weights files, e.g. {missing[:3]}")
+    for name, parts in fused_names.items():
+        state.update(zip(parts, state.pop(name).split(split_rows[name]), strict=True))
     return state
 
 
@@ -361,6 +460,10 @@ def tokenizer_for_model(tokenizer_json: Path, config: ModelConfig) -> Tokenizer:
 def hf_config(model: Transformer) -> dict:
     """The config.json transformers needs to rebuild `model` (Qwen2 when q/k/v carry biases)."""
     c = model.config
+    if c.family_features():
+        raise ValueError(
+            f"saving writes a Llama or Qwen2 folder; this model has family features {sorted(c.family_features())}"
+        )
     architecture, model_type = ("Qwen2ForCausalLM", "qwen2") if c.attention_bias else ("LlamaForCausalLM", "llama")
     dtype = next(model.parameters()).dtype
     eos = list(c.eos_token_ids)

@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as serialize_tensors
 
-from inference_shim.runtime.model import GateBank, Transformer
+from inference_shim.runtime.model import FAMILY_FIELDS, GateBank, Transformer
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 
 GATES_FILE = "gates.safetensors"  # a checkpoint folder's gate file, when none is named
@@ -68,6 +68,8 @@ def model_fingerprint(model: Transformer) -> str:
     config = model.config.to_dict()
     for not_shape in ("bos_token_id", "eos_token_ids", "max_position_embeddings"):
         del config[not_shape]
+    # Family features count only where set, so a Llama keeps the fingerprint its gate files carry.
+    config = {k: v for k, v in config.items() if k not in FAMILY_FIELDS} | model.config.family_features()
     digest.update(json.dumps(config, sort_keys=True).encode())
     for name, tensor in sorted(model.state_dict().items()):
         if name.startswith("gates."):
@@ -97,7 +99,10 @@ def load_gates(path: str | Path, model: Transformer) -> LoadedGates:
     """
     path = Path(path)
     if not path.exists():
-        raise GateFileError(f"{path}: gate file not found")
+        raise GateFileError(
+            f"{path}: gate file not found; train gates for this model with `layerwatch train-gates "
+            f"--model DIR --data TEXT --out {path}`, or serve untrained gates with `--reset-gates`"
+        )
     if not path.is_file():
         raise GateFileError(f"{path}: not a regular file")
     config = model.config

@@ -1,8 +1,12 @@
 """A Llama-family transformer in plain PyTorch, with a gate per layer and real per-token layer skipping.
 
 Architecture: token embedding -> L x [RMSNorm -> attention (RoPE, grouped-query) -> residual,
-RMSNorm -> SwiGLU -> residual] -> RMSNorm -> LM head (tied or untied). Qwen2-style q/k/v biases are
-supported. Weight names follow Hugging Face's `LlamaForCausalLM`, so checkpoints load by name.
+RMSNorm -> SwiGLU -> residual] -> RMSNorm -> LM head (tied or untied). Weight names follow Hugging
+Face's, so checkpoints load by name. The other families are Llama plus a few switches in
+`ModelConfig` (each off by default, so a Llama computes nothing extra): Qwen2's q/k/v biases,
+Qwen3's and OLMo2's q/k norms, Gemma's (1 + w) norms, embedding scale and GELU-tanh MLP, Gemma2's
+extra norms on the attention and MLP outputs, soft-capping, query scale and sliding-window layers,
+OLMo2's norms on the outputs only. Phi3's fused projections are split when the checkpoint loads.
 
 The gate of layer l reads that layer's input-norm output and scores how much the layer matters for
 the token: its "entropy" in [0, 1]. Decoding takes a *run mask* decided before the step starts
@@ -22,7 +26,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from typing import cast
 
 import numpy as np
@@ -32,6 +37,12 @@ from torch import nn
 
 KV_POLICIES = ("project", "evict")
 GATE_HIDDEN = 16  # width of the gate head's hidden layer: Linear(d->16) -> GELU -> Linear(16->1)
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,  # SwiGLU (Llama)
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),  # GeGLU (Gemma)
+}
+QK_NORMS = (None, "head", "projection")
+NORM_LAYOUTS = ("pre", "sandwich", "post")
 
 
 @dataclass
@@ -51,29 +62,94 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections have biases (Qwen2)
     bos_token_id: int | None = None  # begin-of-sequence token, prepended by the tokenizer side
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)  # generation stops on any of these
+    # Family features (FAMILY_FIELDS). Each default is Llama's and costs nothing.
+    hidden_act: str = "silu"  # MLP activation (ACTIVATIONS): "silu" (SwiGLU), "gelu_pytorch_tanh" (Gemma)
+    qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (Qwen3), "projection" (OLMo2: all heads)
+    norm_layout: str = "pre"  # "pre": norms before attention and MLP; "sandwich" (Gemma2): also on
+    #                           their outputs; "post" (OLMo2): on their outputs only
+    norm_weight_offset: float = 0.0  # Gemma: norms scale by (1 + weight)
+    norm_weight_in_fp32: bool = False  # Gemma, OLMo2: norms multiply by the weight before casting back
+    embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size), in the model dtype
+    attention_scale: float | None = None  # q.k scale; None = head_dim**-0.5 (Gemma2: query_pre_attn_scalar**-0.5)
+    attn_logit_softcapping: float | None = None  # Gemma2: attention scores s -> c * tanh(s / c)
+    final_logit_softcapping: float | None = None  # Gemma2: logits z -> c * tanh(z / c)
+    sliding_window: int | None = None  # a sliding layer's query at p attends positions p - window + 1 .. p
+    sliding_layers: tuple[int, ...] = ()  # layers with `sliding_window` (Gemma2: every other one)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        self.sliding_layers = tuple(self.sliding_layers)  # a config read back from JSON holds a list
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm={self.qk_norm!r} is not one of {QK_NORMS}")
+        if self.norm_layout not in NORM_LAYOUTS:
+            raise ValueError(f"norm_layout={self.norm_layout!r} is not one of {NORM_LAYOUTS}")
+        if self.norm_weight_offset and not self.norm_weight_in_fp32:
+            raise ValueError("norm_weight_offset is Gemma's norm: it needs norm_weight_in_fp32")
+        if self.sliding_layers and not (self.sliding_window and self.sliding_window > 0):
+            raise ValueError(f"sliding_layers {self.sliding_layers} need a positive sliding_window")
+        if any(not 0 <= layer < self.num_layers for layer in self.sliding_layers):
+            raise ValueError(f"sliding_layers {self.sliding_layers} outside 0..{self.num_layers - 1}")
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def family_features(self) -> dict:
+        """The family features that differ from Llama's defaults (empty for Llama, Mistral, Qwen2)."""
+        defaults = {f.name: f.default for f in fields(self)}
+        return {name: getattr(self, name) for name in FAMILY_FIELDS if getattr(self, name) != defaults[name]}
+
+
+# Fields added for the families beyond Llama/Mistral/Qwen2: gate fingerprints hash them only when
+# set (so earlier models keep theirs), and only a model without them saves as a Llama/Qwen2 folder.
+FAMILY_FIELDS = (
+    "hidden_act",
+    "qk_norm",
+    "norm_layout",
+    "norm_weight_offset",
+    "norm_weight_in_fp32",
+    "embedding_scale",
+    "attention_scale",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "sliding_window",
+    "sliding_layers",
+)
 
 
 # --- building blocks ---------------------------------------------------------------------------
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, weight_offset: float = 0.0, weight_in_fp32: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight_offset = weight_offset  # Gemma: the scale is 1 + weight, so weights start at 0
+        self.weight_in_fp32 = weight_in_fp32
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - weight_offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32, as Llama does, so fp16/bf16 weights do not lose the small variances.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:  # Gemma, OLMo2: scale, then round once
+            return (x32 * (self.weight.float() + self.weight_offset)).to(x.dtype)
         return self.weight * x32.to(x.dtype)
+
+
+class UnitRMSNorm(nn.Module):
+    """RMS normalisation without a weight: the gate input of a layer whose attention reads the raw
+    residual (OLMo2 normalises only outputs), so every family's gates read a normalised input."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -166,7 +242,7 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         d, bias = config.hidden_size, config.attention_bias
@@ -174,21 +250,72 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm is not None:
+            # Qwen3 normalises each head, OLMo2 the whole projection (all heads at once).
+            q_width, k_width = (
+                (self.head_dim, self.head_dim)
+                if config.qk_norm == "head"
+                else (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim)
+            )
+            norm = partial(RMSNorm, eps=config.rms_norm_eps, weight_in_fp32=config.norm_weight_in_fp32)
+            self.q_norm, self.k_norm = norm(q_width), norm(k_width)
+        self.scale = config.attention_scale  # None: SDPA's default, head_dim**-0.5
+        self.softcap = config.attn_logit_softcapping
+        self.window = config.sliding_window if layer in config.sliding_layers else None
+
+    def _heads(self, projected: torch.Tensor, norm: RMSNorm | None, heads: int) -> torch.Tensor:
+        # projected: [B, T, heads * D], or [B, heads * D] for one token per row -> [B, heads, T, D],
+        # q/k-normed where the family does it
+        if norm is not None:
+            projected = norm(projected.unflatten(-1, (-1, norm.weight.shape[0]))).flatten(-2)
+        return projected.view(projected.shape[0], -1, heads, self.head_dim).transpose(1, 2)
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, d] -> q: [B, H, T, D] (rotated); x: [B, d] (decode, one token per row) -> [B, H, 1, D]
+        return apply_rope(self._heads(self.q_proj(x), self.q_norm, self.num_heads), cos, sin)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         # x: [B, T, d] -> k, v: [B, Hkv, T, D] (k rotated)
-        B, T, _ = x.shape
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
+        k = apply_rope(self._heads(self.k_proj(x), self.k_norm, self.num_kv_heads), cos, sin)
+        return k, self.v_proj(x).view(x.shape[0], -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+
+    def visible(self, query_positions: torch.Tensor, length: int) -> torch.Tensor:
+        """Which of keys 0..length-1 each query position attends: causal, within the window on a
+        sliding layer. [Q] -> bool [Q, length]"""
+        keys = torch.arange(length, device=query_positions.device)[None, :]
+        seen = keys <= query_positions[:, None]
+        if self.window is not None:
+            seen = seen & (keys > query_positions[:, None] - self.window)
+        return seen
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Attention logits before the mask: q [B, H, Q, D], k [B, Hkv, T, D] -> [B, H, Q, T]
+        (scaled, and soft-capped for Gemma2)."""
+        keys = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+        scores = (q @ keys.transpose(-1, -2)) * (self.head_dim**-0.5 if self.scale is None else self.scale)
+        return scores if self.softcap is None else torch.tanh(scores / self.softcap) * self.softcap
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        # q [B, H, Q, D]; k, v [B, Hkv, T, D]; mask: bool, broadcast to [B, H, Q, T] (None: causal) -> [B, H, Q, D]
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self._gqa
+            )
+        # SDPA cannot soft-cap: the scores by hand, the softmax in fp32 as transformers does.
+        if mask is None:
+            mask = self.visible(torch.arange(q.shape[2], device=q.device), k.shape[2])
+        probs = torch.softmax(self.scores(q, k).masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+        return probs.to(q.dtype) @ v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
 
     def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         # Causal attention over the whole sequence. x: [B, T, d] -> out [B, T, d], k, v [B, Hkv, T, D]
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
+        q = self.queries(x, cos, sin)
         k, v = self.project_kv(x, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self._gqa)
+        mask = None if self.window is None else self.visible(torch.arange(T, device=x.device), T)
+        out = self._attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
 
     def attention_kl(
@@ -196,21 +323,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """KL(attention || uniform) of each query position from `start` on, averaged over heads.
 
-        x: the layer's normed input [B, T, d]; k: its rotated keys [B, Hkv, T, D] (from `forward_full`).
-        Query p attends positions 0..p, so KL = log(p + 1) - H(attention): 0 for attention spread
-        evenly, log(p + 1) for attention on one position. -> [B, T - start], fp32.
+        x: the layer's attention input [B, T, d]; k: its rotated keys [B, Hkv, T, D] (from `forward_full`).
+        Query p attends n_p positions (0..p, or its window), so KL = log(n_p) - H(attention): 0 for
+        attention spread evenly, log(n_p) for attention on one position. -> [B, T - start], fp32.
         """
-        B, T, _ = x.shape
-        Q = T - start
-        q = self.q_proj(x[:, start:]).view(B, Q, self.num_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos[:, :, start:], sin[:, :, start:]).float()
-        keys = k.float().repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # [B, H, T, D]
-        scores = (q @ keys.transpose(-1, -2)) / math.sqrt(self.head_dim)  # [B, H, Q, T]
+        T = x.shape[1]
+        q = self.queries(x[:, start:], cos[:, :, start:], sin[:, :, start:]).float()
         positions = torch.arange(start, T, device=x.device)
-        attended = torch.arange(T, device=x.device)[None, :] <= positions[:, None]  # [Q, T]
-        log_p = torch.log_softmax(scores.masked_fill(~attended, float("-inf")), dim=-1)
+        attended = self.visible(positions, T)  # [Q, T]
+        log_p = torch.log_softmax(self.scores(q, k.float()).masked_fill(~attended, float("-inf")), dim=-1)
         neg_entropy = torch.where(attended, log_p.exp() * log_p, 0.0).sum(-1)  # [B, H, Q]
-        return (neg_entropy + torch.log(positions.float() + 1.0)).mean(dim=1)
+        return (neg_entropy + torch.log(attended.sum(-1).float())).mean(dim=1)
 
     def forward_decode(
         self,
@@ -226,12 +349,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # One new token per row. x: [B, d] -> [B, d]
         B = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(B, 1, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
+        q = self.queries(x, cos, sin)
         k, v = self.project_kv(x[:, None, :], cos, sin)
         cache.write(layer, slots, positions, k[:, :, 0], v[:, :, 0])
         # A slice of contiguous slots reads the cache in place; index tensors would copy it.
         keys, values, mask = cache.read(layer, slots if read_slots is None else read_slots, length)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self._gqa)
+        if self.window is not None:
+            mask = mask & self.visible(positions, length)[:, None, None, :]
+        out = self._attend(q, keys, values, mask)
         return self.o_proj(out.reshape(B, -1))
 
     @property
@@ -239,34 +364,62 @@ class Attention(nn.Module):
         return self.num_kv_heads != self.num_heads
 
 
-class SwiGLU(nn.Module):
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU with SiLU (Llama), GeGLU with tanh GELU (Gemma)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
     """One transformer layer. Callers apply `input_layernorm` themselves: the layer's gate reads
-    that normed input too, so it is computed once and passed in as `x`."""
+    that normed input too, so it is computed once and passed in as `x`.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Where the norms sit is the family's `norm_layout` (module names are Hugging Face's):
+      - "pre" (Llama): h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h))
+      - "sandwich" (Gemma2): h += post_attention_layernorm(attn(input_layernorm(h)));
+        h += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
+      - "post" (OLMo2): h += post_attention_layernorm(attn(h)); h += post_feedforward_layernorm(mlp(h)),
+        and `input_layernorm` is a weightless norm that only the gate reads.
+    A skipped layer skips both whole updates, output norms included.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config)
+        norm = partial(
+            RMSNorm,
+            config.hidden_size,
+            config.rms_norm_eps,
+            weight_offset=config.norm_weight_offset,
+            weight_in_fp32=config.norm_weight_in_fp32,
+        )
+        self.layout = config.norm_layout
+        self.input_layernorm = UnitRMSNorm(config.rms_norm_eps) if self.layout == "post" else norm()
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = norm()
+        if self.layout == "sandwich":
+            self.pre_feedforward_layernorm = norm()
+        if self.layout != "pre":
+            self.post_feedforward_layernorm = norm()
+        self.mlp = GatedMLP(config)
+
+    def attention_input(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # What attention reads: the normed input x, or the residual h itself (OLMo2).
+        return h if self.layout == "post" else x
 
     def forward(
         self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor | None = None
     ):
         # Every position, causal. h: residual [B, T, d]; x = input_layernorm(h)
         # -> h [B, T, d], k, v [B, Hkv, T, D] (for a cache to keep)
-        attn, k, v = self.self_attn.forward_full(x, cos, sin)
+        attn, k, v = self.self_attn.forward_full(self.attention_input(h, x), cos, sin)
         return self._residual_updates(h, attn, scale), k, v
 
     def decode(
@@ -283,12 +436,15 @@ class Block(nn.Module):
         read_slots: torch.Tensor | slice | None = None,
     ) -> torch.Tensor:
         # One new token per row, its K/V written to the cache. h, x: [B, d] -> h [B, d]
-        attn = self.self_attn.forward_decode(x, cos, sin, cache, layer, slots, positions, length, read_slots)
+        attn = self.self_attn.forward_decode(
+            self.attention_input(h, x), cos, sin, cache, layer, slots, positions, length, read_slots
+        )
         return self._residual_updates(h, attn)
 
     def decode_skipped(
         self,
         rows: torch.Tensor,
+        h: torch.Tensor,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
@@ -299,17 +455,25 @@ class Block(nn.Module):
         kv_policy: str,
     ) -> None:
         # The batch's `rows` [R] skip the layer: their residual passes through unchanged, and the
-        # cache keeps what the KV policy says for their positions. x: [B, d]
+        # cache keeps what the KV policy says for their positions. h, x: [B, d]
         if kv_policy == "evict":
             cache.evict(layer, slots[rows], positions[rows])
             return
-        k, v = self.self_attn.project_kv(x[rows][:, None, :], cos[rows], sin[rows])
+        k, v = self.self_attn.project_kv(self.attention_input(h, x)[rows][:, None, :], cos[rows], sin[rows])
         cache.write(layer, slots[rows], positions[rows], k[:, :, 0], v[:, :, 0])
 
     def _residual_updates(self, h: torch.Tensor, attn: torch.Tensor, scale: torch.Tensor | None = None):
-        # h + attention, then + MLP; training's `scale` weighs both updates (see UpdateScale).
+        # h + attention, then + MLP, normed where the layout says; training's `scale` weighs both
+        # updates (see UpdateScale).
+        if self.layout != "pre":
+            attn = self.post_attention_layernorm(attn)
         h = h + (attn if scale is None else scale * attn)
-        mlp = self.mlp(self.post_attention_layernorm(h))
+        if self.layout == "pre":
+            mlp = self.mlp(self.post_attention_layernorm(h))
+        elif self.layout == "sandwich":
+            mlp = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        else:  # "post"
+            mlp = self.post_feedforward_layernorm(self.mlp(h))
         return h + (mlp if scale is None else scale * mlp)
 
 
@@ -418,8 +582,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(Block(config, layer) for layer in range(config.num_layers))
+        self.norm = RMSNorm(
+            config.hidden_size,
+            config.rms_norm_eps,
+            weight_offset=config.norm_weight_offset,
+            weight_in_fp32=config.norm_weight_in_fp32,
+        )
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -432,6 +601,18 @@ class Transformer(nn.Module):
         if gates is not None and len(gates) != self.config.num_layers:
             raise ValueError(f"{len(gates)} gates for a model of {self.config.num_layers} layers")
         self.gates = gates
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens [...] -> [..., d]; Gemma scales by sqrt(d), rounded to the model dtype as transformers does.
+        h = self.embed_tokens(tokens)
+        scale = self.config.embedding_scale
+        return h if scale is None else h * h.new_tensor(scale)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        # Final hidden states [..., d] -> logits [..., V]; Gemma2 soft-caps them.
+        logits = self.lm_head(self.norm(h))
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         # positions: [B, T] -> cos, sin: [B, 1, T, head_dim]
@@ -447,7 +628,7 @@ class Transformer(nn.Module):
         `probe`: filled with per-layer signals of the positions from `probe.start` on (see LayerProbe).
         """
         h, entropies = self._full_depth(tokens, update_scale, probe=probe)
-        return self.lm_head(self.norm(h)), entropies
+        return self.logits(h), entropies
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, cache: KVCache, slot: int):
@@ -457,7 +638,7 @@ class Transformer(nn.Module):
         -> (logits [V] of the last position only, entropies [T, L] or None without gates)
         """
         h, entropies = self._full_depth(tokens[None], cache=cache, slot=slot)
-        logits = self.lm_head(self.norm(h[0, -1]))
+        logits = self.logits(h[0, -1])
         return logits, (entropies[0] if entropies is not None else None)
 
     def _full_depth(
@@ -470,7 +651,7 @@ class Transformer(nn.Module):
     ):
         # tokens: [B, T] -> final hidden states [B, T, d] (before the norm), entropies [B, T, L] or None
         B, T = tokens.shape
-        h = self.embed_tokens(tokens)
+        h = self.embed(tokens)
         positions = torch.arange(T, device=tokens.device).expand(B, T)
         cos, sin = self.rope(positions, h.dtype)
         entropies = []
@@ -486,7 +667,7 @@ class Transformer(nn.Module):
                 start = probe.start
                 h_in32 = h_in[:, start:].float()
                 updates.append((h[:, start:].float() - h_in32).norm(dim=-1) / h_in32.norm(dim=-1).clamp_min(1e-30))
-                kls.append(block.self_attn.attention_kl(x, k, cos, sin, start))
+                kls.append(block.self_attn.attention_kl(block.attention_input(h_in, x), k, cos, sin, start))
             if cache is not None:
                 if slot is None:
                     raise ValueError("filling a KV cache needs the slot to fill")
@@ -525,7 +706,7 @@ class Transformer(nn.Module):
         slot_t = torch.as_tensor(slots, device=device)
         pos_t = torch.as_tensor(positions, device=device)
         length = int(max(positions)) + 1  # keys beyond the longest row are never valid
-        h = self.embed_tokens(tokens)  # [B, d]
+        h = self.embed(tokens)  # [B, d]
         cos, sin = self.rope(pos_t[:, None], h.dtype)  # [B, 1, 1, D]
         normed_inputs = []  # the gates' inputs, scored together after the last layer
         plan = _RowPlan(run_mask, B, self.config.num_layers, device)
@@ -537,7 +718,7 @@ class Transformer(nn.Module):
                 normed_inputs.append(x)
             run, skip = plan.rows(l)  # None = all rows / no rows
             if skip is not None:
-                block.decode_skipped(skip, x, cos, sin, cache, l, slot_t, pos_t, kv_policy)
+                block.decode_skipped(skip, h, x, cos, sin, cache, l, slot_t, pos_t, kv_policy)
             if run is None:
                 h = block.decode(h, x, cos, sin, cache, l, slot_t, pos_t, length, read_slots=all_slots)
                 self.layer_rows_executed[l] += B
@@ -545,7 +726,7 @@ class Transformer(nn.Module):
                 hr = block.decode(h[run], x[run], cos[run], sin[run], cache, l, slot_t[run], pos_t[run], length)
                 h = h.index_copy(0, run, hr)
                 self.layer_rows_executed[l] += int(run.numel())
-        logits = self.lm_head(self.norm(h))
+        logits = self.logits(h)
         entropies = (
             self.gates.scores(torch.stack(normed_inputs)).float() if normed_inputs and self.gates is not None else None
         )

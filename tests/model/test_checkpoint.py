@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from inference_shim.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from inference_shim.runtime.checkpoint import CheckpointError, config_from_hf, load_checkpoint, save_checkpoint
 
 from .conftest import random_model, tiny_config
 
@@ -121,12 +121,66 @@ def test_config_is_not_json(folder):
         ({"num_key_value_heads": 3}, "not a multiple of num_kv_heads=3"),
         ({"attention_bias": True}, "attention_bias=true is not supported for Llama"),
         ({"eos_token_id": "</s>"}, "eos_token_id must be an integer or a list"),
+        ({"architectures": ["SmolLM3ForCausalLM"]}, "(supported: LlamaForCausalLM, MistralForCausalLM, Qwen2"),
+        ({"architectures": ["GraniteForCausalLM"]}, "Gemma2ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM)"),
+        ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor=0.5"),
+        ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "use_sliding_window=true"),
+        ({"architectures": ["GemmaForCausalLM"], "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"architectures": ["Olmo2ForCausalLM"], "attention_bias": True}, "not supported for Olmo2ForCausalLM"),
+        (
+            {"architectures": ["Gemma2ForCausalLM"], "query_pre_attn_scalar": 8, "attn_logit_softcapping": "50"},
+            "attn_logit_softcapping must be a positive number or null, found '50'",
+        ),
+        (
+            {
+                "architectures": ["Gemma2ForCausalLM"],
+                "query_pre_attn_scalar": 8,
+                "sliding_window": 4,
+                "layer_types": ["full_attention"],
+            },
+            "layer_types must list 4 entries",
+        ),
     ],
-    ids=["architecture", "activation", "rope-type", "rope-fields", "layers", "gqa", "llama-bias", "eos"],
+    ids=[
+        "architecture",
+        "activation",
+        "rope-type",
+        "rope-fields",
+        "layers",
+        "gqa",
+        "llama-bias",
+        "eos",
+        "smollm3",
+        "granite",
+        "partial-rotary",
+        "qwen3-sliding",
+        "bidirectional",
+        "olmo2-bias",
+        "softcap",
+        "layer-types",
+    ],
 )
 def test_unsupported_config(folder, changes, fragment):
     edit_config(folder, **changes)
     expect_error(folder, "config.json", fragment)
+
+
+def test_gemma2_without_layer_types_slides_every_other_layer(folder):
+    # Checkpoints written before transformers recorded layer_types: layers 0, 2, ... slide.
+    edit_config(folder, architectures=["Gemma2ForCausalLM"], query_pre_attn_scalar=8, sliding_window=16)
+    raw = json.loads((folder / "config.json").read_text())
+    assert "layer_types" not in raw
+    config = config_from_hf(raw, folder / "config.json")
+    assert (config.sliding_window, config.sliding_layers) == (16, (0, 2))
+    assert config.tie_word_embeddings is False  # written by save_checkpoint; Gemma's default is only a default
+    del raw["tie_word_embeddings"]
+    assert config_from_hf(raw, folder / "config.json").tie_word_embeddings is True
+
+
+def test_a_model_with_family_features_is_not_saved_as_a_llama(tmp_path, tokenizer):
+    gemma_like = random_model(tiny_config(embedding_scale=2.0), seed=3)
+    with pytest.raises(ValueError, match=r"family features \['embedding_scale'\]"):
+        save_checkpoint(gemma_like, tokenizer, tmp_path)
 
 
 def test_missing_weights(folder):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import tracemalloc
@@ -10,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from inference_shim.runtime.checkpoint import load_checkpoint
+from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from inference_shim.runtime.gates import (
     GateFileError,
     GateMetadata,
@@ -19,7 +22,7 @@ from inference_shim.runtime.gates import (
     reset_gates,
     save_gates,
 )
-from inference_shim.runtime.model import GateBank
+from inference_shim.runtime.model import GateBank, Transformer
 
 from .conftest import random_gates, random_model, tiny_config
 
@@ -73,6 +76,18 @@ def test_fingerprint_ignores_dtype_but_not_weights(model):
     assert model_fingerprint(nudged) != fingerprint
 
 
+def test_family_features_enter_the_fingerprint_only_when_set(model):
+    # The same weights computed another way (here Gemma's embedding scale) are another model; a
+    # Llama's fingerprint leaves the family fields out, so the demo model's gate file still loads.
+    scaled = Transformer(dataclasses.replace(model.config, embedding_scale=2.0))
+    scaled.load_state_dict(model.state_dict())
+    assert model_fingerprint(scaled) != model_fingerprint(model)
+    demo = load_checkpoint(DEMO_MODEL_DIR)
+    assert load_gates(DEMO_MODEL_DIR / "gates.safetensors", demo.model).metadata.base_fingerprint == (
+        model_fingerprint(demo.model)
+    )
+
+
 def test_gates_follow_the_model_dtype(tmp_path, model):
     path = tmp_path / "gates.safetensors"
     save_gates(path, random_gates(model.config), metadata_for(model))
@@ -81,8 +96,13 @@ def test_gates_follow_the_model_dtype(tmp_path, model):
 
 
 def test_missing_truncated_and_foreign_files(tmp_path, model):
-    with pytest.raises(GateFileError, match="gate file not found"):
+    with pytest.raises(GateFileError, match="gate file not found") as missing:
         load_gates(tmp_path / "absent.safetensors", model)
+    # It says how to get one: train gates, or serve untrained ones.
+    assert f"layerwatch train-gates --model DIR --data TEXT --out {tmp_path / 'absent.safetensors'}" in str(
+        missing.value
+    )
+    assert "--reset-gates" in str(missing.value)
     path = tmp_path / "gates.safetensors"
     save_gates(path, random_gates(model.config), metadata_for(model))
     path.write_bytes(path.read_bytes()[:-10])

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from inference_shim.runtime.model import KVCache
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
 
@@ -228,3 +232,35 @@ def test_a_decode_step_reads_the_device_exactly_once(model, no_eos):
             eng.step()
         assert reads.calls == ["cpu", "numpy"]
     assert any(r.skipped.any() for r in records)  # the steps did skip layers
+
+
+class KernelCounts(TorchDispatchMode):
+    """Counts the aten ops (kernels) dispatched inside the block, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_llama_decode_step_runs_no_family_kernels(model):
+    # The family features are off for a Llama and cost it nothing: per layer two norms and one
+    # SiLU, attention through SDPA; no soft-cap tanh, no hand-written softmax, no window mask.
+    L = model.config.num_layers
+    cache = KVCache(model.config, slots=2, max_len=32, dtype=torch.float32, device="cpu")
+    model.prefill(torch.tensor(PROMPT), cache, slot=0)
+    run_mask = np.ones((1, L), dtype=bool)
+    run_mask[0, 1] = False
+    for mask in (None, run_mask):
+        with KernelCounts() as kernels:
+            model.decode_step(torch.tensor([5]), cache, slots=[0], positions=[len(PROMPT)], run_mask=mask)
+        ops = kernels.ops
+        attention = sum(n for name, n in ops.items() if "scaled_dot_product" in name)
+        assert attention == (L if mask is None else L - 1)
+        assert ops["rsqrt"] == L + attention + 1  # every input norm (the gates read it), run layers' MLP norm, final
+        assert ops["silu"] == attention
+        assert not {"tanh", "_softmax", "arange"} & set(ops)
+        assert ops["gelu"] == 1  # the gates, all layers batched

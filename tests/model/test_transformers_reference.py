@@ -1,8 +1,10 @@
-"""Our Llama against a reference nobody here wrote: transformers' LlamaForCausalLM / Qwen2ForCausalLM.
+"""Our model against a reference nobody here wrote: transformers' own model of each family.
 
 Each case builds a tiny random checkpoint with transformers, saves it the Hugging Face way, loads
 it with our loader and compares logits (fp32, max abs diff <= 1e-4): a full forward, and
-token-by-token decoding through our KV cache against transformers' own cached decoding.
+token-by-token decoding through our KV cache against transformers' own cached decoding. Skipping
+is checked against transformers too: a decode step that skips layers matches transformers' forward
+with those layers' whole residual update (output norms included) removed for that token.
 """
 
 from __future__ import annotations
@@ -10,15 +12,20 @@ from __future__ import annotations
 import copy
 import inspect
 
+import numpy as np
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from inference_shim.runtime.model import KVCache  # noqa: E402
+from inference_shim.runtime.engine import GenerationEngine, SamplingParams  # noqa: E402
+from inference_shim.runtime.gates import load_gates  # noqa: E402
+from inference_shim.runtime.model import KVCache, LayerProbe  # noqa: E402
+from inference_shim.runtime.skip_policy import SkipPolicyConfig  # noqa: E402
+from layerwatch_cli.main import main  # noqa: E402
 
-from .conftest import VOCAB_SIZE, random_model, tiny_config  # noqa: E402
+from .conftest import VOCAB_SIZE, constant_gates, random_model, tiny_config  # noqa: E402
 
 TOLERANCE = 1e-4
 SEQUENCE_LENGTH = 40  # crosses the llama3 case's original_max_position_embeddings=16
@@ -54,11 +61,46 @@ CASES = {
     ),
     "qwen2-biases": ("qwen2", dict(LLAMA, num_key_value_heads=1), {}),
     "mistral": ("mistral", dict(LLAMA, sliding_window=64), {}),
+    "qwen3-qk-norm": ("qwen3", dict(LLAMA, head_dim=16), {}),  # head_dim != hidden / heads
+    "gemma": ("gemma", dict(LLAMA, head_dim=8, num_key_value_heads=1), {}),
+    "gemma-untied-gelu-legacy": ("gemma", dict(LLAMA, head_dim=8, tie_word_embeddings=False, hidden_act="gelu"), {}),
+    # A window of 8 < SEQUENCE_LENGTH slides on layers 0 and 2; tight caps so that both bend values.
+    "gemma2": (
+        "gemma2",
+        dict(
+            LLAMA,
+            head_dim=8,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=10.0,
+        ),
+        {},
+    ),
+    "gemma2-no-caps-layer-types": (
+        "gemma2",
+        dict(
+            LLAMA,
+            head_dim=8,
+            sliding_window=6,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+        ),
+        {},
+    ),
+    "phi3-fused": ("phi3", dict(LLAMA, pad_token_id=None), {}),
+    "olmo2-post-norms": ("olmo2", dict(LLAMA), {}),
 }
 REFERENCE_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
 }
 
 
@@ -164,6 +206,120 @@ def test_batched_decoding_of_unequal_sequences_matches_transformers(pair):
             (logits[1] - expected_short[positions[1]]).abs().max().item(),
         )
     assert worst <= TOLERANCE
+
+
+@pytest.mark.parametrize("skipped", [(1,), (0, 2)], ids=["middle", "outer"])
+def test_skipped_layers_match_transformers_without_their_updates(pair, skipped):
+    # Decode positions SKIPPING_AT skip the layers `skipped` (KV policy `project`): transformers'
+    # forward, with those layers handing those positions' input through unchanged, is what our
+    # decode steps must produce. Its keys and values there come from the layer's input, as
+    # `project` computes them, so the later positions check the cache too.
+    reference, ours = pair
+    tokens = sequence(7, 24)
+    prompt = 16
+    skipping_at = [17, 19, 20, 23]
+
+    def pass_through(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden = hidden.clone()
+        hidden[:, skipping_at] = args[0][:, skipping_at]
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    layers = reference.model.layers
+    hooks = [layers[layer].register_forward_hook(pass_through) for layer in skipped]
+    try:
+        with torch.no_grad():
+            expected = reference(tokens).logits[0, prompt:]
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+    model = ours.model
+    cache = KVCache(model.config, slots=1, max_len=32, dtype=torch.float32, device="cpu")
+    got = []
+    with torch.no_grad():
+        model.prefill(tokens[0, :prompt], cache, slot=0)
+        for position in range(prompt, tokens.shape[1]):
+            run_mask = np.ones((1, model.config.num_layers), dtype=bool)
+            if position in skipping_at:
+                run_mask[0, list(skipped)] = False
+            fed = tokens[0, position : position + 1]
+            logits, _ = model.decode_step(fed, cache, slots=[0], positions=[position], run_mask=run_mask)
+            got.append(logits[0])
+        full_depth = reference(tokens).logits[0, prompt:]
+    assert (torch.stack(got) - expected).abs().max().item() <= TOLERANCE
+    assert (expected - full_depth).abs().max().item() > 100 * TOLERANCE  # the skips mattered
+
+
+def test_layer_signals_match_transformers(pair):
+    # LayerProbe (the shadow check's layer signals) against transformers' own attention
+    # probabilities and each decoder layer's input and output: the family's scale, caps, q/k norms
+    # and windows reach the attention KL, its output norms the relative update.
+    reference, ours = pair
+    tokens = sequence(8)
+    ins, outs = [], []
+
+    def record(module, args, output) -> None:
+        ins.append(args[0])
+        outs.append(output[0] if isinstance(output, tuple) else output)
+
+    hooks = [layer.register_forward_hook(record) for layer in reference.model.layers]
+    implementation = reference.config._attn_implementation
+    reference.config._attn_implementation = "eager"  # the one that returns attention probabilities
+    try:
+        with torch.no_grad():
+            attentions = reference(tokens, output_attentions=True).attentions
+    finally:
+        reference.config._attn_implementation = implementation
+        for hook in hooks:
+            hook.remove()
+    config = reference.config
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    positions = torch.arange(tokens.shape[1], dtype=torch.float64)
+    expected_kl, expected_update = [], []
+    for probs, layer_in, layer_out, kind in zip(attentions, ins, outs, layer_types, strict=True):
+        probs = probs.double()  # [B, H, T, T]; 0 outside the causal window
+        plogp = torch.where(probs > 0, probs * probs.clamp_min(1e-300).log(), 0.0).sum(-1)
+        attended = positions + 1 if kind == "full_attention" else (positions + 1).clamp_max(config.sliding_window)
+        expected_kl.append((plogp + attended.log()).mean(1))
+        expected_update.append((layer_out - layer_in).norm(dim=-1) / layer_in.norm(dim=-1))
+
+    probe = LayerProbe(start=3)
+    with torch.no_grad():
+        ours.model(tokens, probe=probe)
+    assert probe.attention_kl is not None and probe.relative_update is not None
+    assert (probe.attention_kl - torch.stack(expected_kl, -1)[:, 3:]).abs().max().item() <= TOLERANCE
+    assert (probe.relative_update - torch.stack(expected_update, -1)[:, 3:]).abs().max().item() <= TOLERANCE
+
+
+def test_gates_score_and_skip_layers(pair, tokenizer):
+    # Gates whose scores stay near 0 skip the unprotected layer after `patience` steps.
+    _, ours = pair
+    model = ours.model
+    model.attach_gates(constant_gates(model.config, entropy_logit=-30.0))
+    try:
+        engine = GenerationEngine(
+            model, tokenizer, model_name="tiny", policy=SkipPolicyConfig(threshold=0.18, patience=3)
+        )
+        result = engine.generate([0, 17, 54, 120], SamplingParams(max_tokens=8))
+    finally:
+        model.attach_gates(None)
+    assert result.activity[:3].all()  # no history yet: full depth
+    assert not result.activity[3:, 1].any() and result.activity[:, [0, 2]].all()
+
+
+@pytest.mark.parametrize("pair", ["qwen3-qk-norm", "gemma", "gemma2", "phi3-fused", "olmo2-post-norms"], indirect=True)
+def test_gates_train_on_each_family_and_load_for_it(pair, tmp_path):
+    # `layerwatch train-gates` on the transformers-made checkpoint: soft gates weigh each layer's
+    # whole update (output norms included), and the file loads for that model only.
+    _, ours = pair
+    text = tmp_path / "train.txt"
+    text.write_text("In the beginning God created the heaven and the earth.\n\n" * 12, encoding="utf-8")
+    out = tmp_path / "gates.safetensors"
+    arguments = ["--steps", "4", "--batch-size", "2", "--seq-len", "12", "--threads", "1", "--quiet"]
+    assert main(["train-gates", "--model", str(ours.path), "--data", str(text), "--out", str(out), *arguments]) == 0
+    loaded = load_gates(out, ours.model)
+    assert len(loaded.gates) == ours.config.num_layers
 
 
 @pytest.mark.parametrize(
