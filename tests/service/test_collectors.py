@@ -16,6 +16,7 @@ from inference_shim.service.metrics import (
     ModelInfo,
     ModelInfoCollector,
     RequestMetrics,
+    RequestQueueCollector,
     ShadowMetrics,
     make_metric,
 )
@@ -37,6 +38,7 @@ def shim_collectors() -> list:
         FrameSenderCollector(None, "m"),
         NvmlCollector(reader=lambda: [GpuReading(0, "GPU-0", 120.0, 5.0)]),
         RaplCollector(zones=[]),
+        RequestQueueCollector(lambda: 2, lambda: 3, "m"),
     ]
 
 
