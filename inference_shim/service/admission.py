@@ -1,11 +1,13 @@
 """Which generation requests get in: a bound on those waiting for a batch slot, and the drain.
 
-A request is admitted when it arrives (before its body is read) and leaves when it is answered: it
-is either running (its sequence holds one of the engine's batch slots) or waiting (being read and
-tokenized, or queued for a slot). With `max_batch_size + max_waiting` requests admitted, the next
-one gets 429 with Retry-After instead of an ever longer queue. Once draining (SIGTERM), no request
-is admitted (503) and the server waits for the admitted ones to finish (docs/service.md, "Back-
-pressure" and "Shutdown").
+A request is admitted once its body has been read and leaves when it is answered: it is either
+running (its sequence holds one of the engine's batch slots) or waiting (being tokenized, or queued
+for a slot). A client still sending its body holds only its connection, so slow clients cannot
+fill the queue (it is checked before the body is read too, so that a full server reads no more
+bodies). With `max_batch_size + max_waiting` requests admitted, the next one gets 429 with
+Retry-After instead of an ever longer queue. Once draining (SIGTERM), no request is admitted (503)
+and the server waits for the admitted ones to finish (docs/service.md, "Back-pressure" and
+"Signals and shutdown").
 
 Admission runs on the event loop only (HTTP handlers and the code that answers them), so the
 count needs no lock; `running` comes from the engine thread.
@@ -32,6 +34,11 @@ class Admission:
 
     def enter(self) -> None:
         """Admit one request, or raise the APIError that refuses it."""
+        self.check()
+        self.admitted += 1
+
+    def check(self) -> None:
+        """Raise the APIError that would refuse a request now."""
         if self.draining:
             raise APIError(
                 503,
@@ -48,7 +55,6 @@ class Admission:
                 code="server_overloaded",
                 headers={"retry-after": str(RETRY_AFTER_SECONDS)},
             )
-        self.admitted += 1
 
     def leave(self) -> None:
         self.admitted -= 1

@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -118,9 +118,12 @@ def create_app(service: ShimService) -> FastAPI:
 async def _generate(service: ShimService, request: Request, kind: Literal["completion", "chat"]) -> Response:
     arrived = time.monotonic()
     try:
+        service.admission.check()  # a body that could not be admitted is not even read
+        limits = service.limits
+        data = await read_json_body(request, limits.max_body_bytes, limits.body_timeout_seconds)
         service.admission.enter()  # 429 when too many wait for a batch slot, 503 while draining
         try:
-            prepared = await _prepare(service, request, kind)
+            prepared = await _prepare(service, request, kind, data)
         except BaseException:
             service.admission.leave()  # from here on, the generation leaves when it is counted
             raise
@@ -156,9 +159,8 @@ async def _generate(service: ShimService, request: Request, kind: Literal["compl
     return JSONResponse(generation.response(text), headers=headers)
 
 
-async def _prepare(service: ShimService, request: Request, kind: Literal["completion", "chat"]) -> Prepared:
+async def _prepare(service: ShimService, request: Request, kind: Literal["completion", "chat"], data: Any) -> Prepared:
     limits = service.limits
-    data = await read_json_body(request, limits.max_body_bytes, limits.body_timeout_seconds)
     body: CompletionRequest | ChatCompletionRequest
     body = parse_request(ChatCompletionRequest, data) if kind == "chat" else parse_request(CompletionRequest, data)
     if body.model != service.model_name:

@@ -2,8 +2,9 @@
 
 At most `--max-batch-size + --max-waiting-requests` generation requests are admitted; the next one
 gets 429 with Retry-After, and `layerwatch_requests_running` / `_waiting` show where the admitted
-ones are. A prompt longer than `--max-prompt-tokens` tokens can hold is refused by its size, before
-the tokenizer sees it (docs/service.md, "Back-pressure" and "Prompt limits").
+ones are. Clients still sending their body are not admitted, so they cannot fill the queue. A
+prompt longer than `--max-prompt-tokens` tokens can hold is refused by its size, before the
+tokenizer sees it (docs/service.md, "Back-pressure" and "Prompt limits").
 """
 
 from __future__ import annotations
@@ -15,24 +16,63 @@ import time
 
 import httpx
 
-from tests.reliability.conftest import MODEL_NAME, sample_sum
-
-STREAM_TOKENS = 200  # long enough to still be decoding when the test looks
+from tests.reliability.conftest import LONG_TOKENS, MODEL_NAME, Shim, sample_sum
 
 
-def stalled_request(port: int) -> socket.socket:
-    """A completion whose body stops half-way: admitted, and waiting for the rest of its body."""
-    body = json.dumps({"model": MODEL_NAME, "prompt": "In the beginning", "max_tokens": 2}).encode()
-    connection = socket.create_connection(("127.0.0.1", port), timeout=10)
-    head = (
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    )
-    connection.sendall(head.encode() + body[:10])
-    return connection
+class Stream:
+    """A streaming completion read in a thread; `first_event` is set once its first event arrived,
+    `close()` hangs up (which cancels the generation)."""
+
+    def __init__(self, shim: Shim, max_tokens: int = LONG_TOKENS) -> None:
+        self.lines: list[str] = []
+        self.first_event = threading.Event()
+        self._hang_up = threading.Event()
+        body = {"model": MODEL_NAME, "prompt": "In the beginning", "max_tokens": max_tokens, "stream": True}
+
+        def read() -> None:
+            with httpx.stream("POST", f"{shim.url}/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if self._hang_up.is_set():
+                        return
+                    if line:
+                        self.lines.append(line)
+                        self.first_event.set()
+
+        self._thread = threading.Thread(target=read)
+        self._thread.start()
+        assert self.first_event.wait(60), "the stream did not start"
+
+    def join(self) -> list[str]:
+        self._thread.join(60)
+        assert not self._thread.is_alive()
+        return self.lines
+
+    def close(self) -> None:
+        self._hang_up.set()
+        self.join()
+
+    def chunks(self) -> list[dict]:
+        return [json.loads(line.removeprefix("data: ")) for line in self.lines if line != "data: [DONE]"]
 
 
-def wait_for(shim, condition, timeout: float = 20.0) -> dict:
+class Completion:
+    """A non-streaming completion in a thread; `response()` waits for it."""
+
+    def __init__(self, shim: Shim, max_tokens: int) -> None:
+        self._responses: list[httpx.Response] = []
+        body = {"model": MODEL_NAME, "prompt": "In the beginning", "max_tokens": max_tokens}
+        self._thread = threading.Thread(
+            target=lambda: self._responses.append(httpx.post(f"{shim.url}/v1/completions", json=body, timeout=60))
+        )
+        self._thread.start()
+
+    def response(self) -> httpx.Response:
+        self._thread.join(60)
+        [response] = self._responses
+        return response
+
+
+def wait_for(shim: Shim, condition, timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         samples = shim.metrics()
@@ -43,50 +83,53 @@ def wait_for(shim, condition, timeout: float = 20.0) -> dict:
 
 
 def queue(samples: dict) -> tuple[float, float]:
+    """(running, waiting) requests."""
     return sample_sum(samples, "layerwatch_requests_running"), sample_sum(samples, "layerwatch_requests_waiting")
 
 
-def test_a_full_queue_answers_429_with_retry_after_and_the_gauges_show_it(make_shim):
-    shim = make_shim(
-        "--max-batch-size", "1", "--max-waiting-requests", "1", "--max-tokens-cap", str(STREAM_TOKENS),
-        "--max-prompt-tokens", "32",
-    )  # fmt: skip
+def stalled_body(port: int) -> socket.socket:
+    """A completion whose body stops half-way."""
+    body = json.dumps({"model": MODEL_NAME, "prompt": "In the beginning", "max_tokens": 2}).encode()
+    connection = socket.create_connection(("127.0.0.1", port), timeout=10)
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    connection.sendall(head.encode() + body[:10])
+    return connection
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_the_gauges_show_it(make_long_shim):
+    shim = make_long_shim("--max-batch-size", "1", "--max-waiting-requests", "1")
     assert queue(shim.metrics()) == (0, 0)
-    waiting = stalled_request(shim.port)
-    wait_for(shim, lambda s: queue(s) == (0, 1))
+    decoding = Stream(shim)
+    queued = Completion(shim, max_tokens=2)
+    wait_for(shim, lambda s: queue(s) == (1, 1))  # one in the batch, one waiting for its slot
 
-    streamed: list[str] = []
-    first_event = threading.Event()
+    refused = shim.complete()
+    assert refused.status_code == 429, refused.text
+    assert refused.headers["retry-after"] == "1"
+    error = refused.json()["error"]
+    assert error["code"] == "server_overloaded"
+    assert "1 requests running and 1 waiting" in error["message"]
 
-    def stream() -> None:
-        body = {"model": MODEL_NAME, "prompt": "In the beginning", "max_tokens": STREAM_TOKENS, "stream": True}
-        with httpx.stream("POST", f"{shim.url}/v1/completions", json=body, timeout=60) as response:
-            for line in response.iter_lines():
-                if line:
-                    streamed.append(line)
-                    first_event.set()
-
-    streaming = threading.Thread(target=stream)
-    streaming.start()
-    try:
-        assert first_event.wait(30)
-        # One request decoding, one waiting for its body: the queue is full.
-        assert queue(wait_for(shim, lambda s: queue(s) == (1, 1))) == (1, 1)
-        refused = shim.complete()
-        assert refused.status_code == 429, refused.text
-        assert refused.headers["retry-after"] == "1"
-        error = refused.json()["error"]
-        assert error["code"] == "server_overloaded"
-        assert "1 requests running and 1 waiting" in error["message"]
-    finally:
-        streaming.join(60)
-        waiting.close()
-    assert streamed[-1] == "data: [DONE]"
-    # Both left: the stream finished, the stalled client went away. Room again.
+    decoding.close()  # its slot frees: the queued request runs
+    assert queued.response().status_code == 200
     wait_for(shim, lambda s: queue(s) == (0, 0))
     assert shim.complete().status_code == 200
-    samples = shim.metrics()
-    assert sample_sum(samples, "layerwatch_requests_total", status="client_error") == 1  # the 429
+    assert sample_sum(shim.metrics(), "layerwatch_requests_total", status="client_error") == 1  # the 429
+
+
+def test_clients_still_sending_their_body_do_not_fill_the_queue(make_shim):
+    shim = make_shim("--max-batch-size", "1", "--max-waiting-requests", "0")
+    stalled = [stalled_body(shim.port) for _ in range(5)]
+    try:
+        time.sleep(0.5)  # let the server take them in
+        assert queue(shim.metrics()) == (0, 0)
+        assert shim.complete().status_code == 200
+    finally:
+        for connection in stalled:
+            connection.close()
 
 
 def test_an_over_long_prompt_is_refused_by_size_and_one_that_fits_is_served(make_shim):

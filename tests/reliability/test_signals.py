@@ -10,94 +10,54 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 
 import httpx
 
-from tests.reliability.conftest import MODEL_NAME, Shim, sample_sum
-from tests.reliability.test_back_pressure import STREAM_TOKENS, queue, stalled_request, wait_for
+from tests.reliability.conftest import LONG_TOKENS, MODEL_NAME, Shim, sample_sum
+from tests.reliability.test_back_pressure import Completion, Stream, queue, wait_for
 from tests.reliability.test_gate_reload import gate_file_bytes, gates_sha256, replace_atomically
 
-LONG_GENERATION = ("--max-tokens-cap", str(STREAM_TOKENS), "--max-prompt-tokens", "32")
+DRAINED_TOKENS = 600  # finishes within the drain, after the test has looked at the draining server
 
 
-class Stream:
-    """A streaming completion read in a thread; `first_event` is set once the first line arrived."""
-
-    def __init__(self, shim: Shim) -> None:
-        self.lines: list[str] = []
-        self.first_event = threading.Event()
-        body = {"model": MODEL_NAME, "prompt": "In the beginning", "max_tokens": STREAM_TOKENS, "stream": True}
-
-        def read() -> None:
-            with httpx.stream("POST", f"{shim.url}/v1/completions", json=body, timeout=60) as response:
-                for line in response.iter_lines():
-                    if line:
-                        self.lines.append(line)
-                        self.first_event.set()
-
-        self._thread = threading.Thread(target=read)
-        self._thread.start()
-
-    def join(self) -> list[str]:
-        self._thread.join(60)
-        assert not self._thread.is_alive()
-        return self.lines
-
-    def events(self) -> list[dict]:
-        return [json.loads(line.removeprefix("data: ")) for line in self.lines[:-1]]
-
-
-def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(make_shim):
-    shim = make_shim(*LONG_GENERATION, "--drain-timeout-seconds", "60")
-    waiting = stalled_request(shim.port)  # admitted, its body not yet complete: the drain waits for it
-    stream = Stream(shim)
-    assert stream.first_event.wait(30)
-    wait_for(shim, lambda s: queue(s)[1] == 1)
+def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(make_long_shim):
+    shim = make_long_shim("--max-batch-size", "1", "--drain-timeout-seconds", "60")
+    decoding = Stream(shim, max_tokens=DRAINED_TOKENS)
+    queued = Completion(shim, max_tokens=4)
+    wait_for(shim, lambda s: queue(s) == (1, 1))
     shim.process.proc.send_signal(signal.SIGTERM)
 
     # Draining: the port still answers, but admits nothing new and is out of rotation.
-    refused = httpx.post(
-        f"{shim.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "In the beginning"}, timeout=30
-    )
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+    refused = shim.complete()
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "server_shutting_down"
     assert httpx.get(f"{shim.url}/readyz", timeout=30).status_code == 503
-    # The request in flight finished as if nothing happened.
-    lines = stream.join()
+    # The requests in flight, decoding or waiting for a slot, finish as if nothing happened.
+    lines = decoding.join()
     assert lines[-1] == "data: [DONE]"
-    assert stream.events()[-1]["choices"][0]["finish_reason"] == "length"
-    assert shim.process.running()  # still waiting for the stalled request
-    # The stalled request, completed now, is served; then the server exits.
-    body = json.dumps({"model": MODEL_NAME, "prompt": "In the beginning", "max_tokens": 2}).encode()
-    waiting.sendall(body[10:])
-    answer = waiting.recv(65536).decode()
-    waiting.close()
-    assert answer.startswith("HTTP/1.1 200"), answer
+    assert decoding.chunks()[-1]["choices"][0]["finish_reason"] == "length"
+    assert queued.response().status_code == 200
+    # Then the server exits, as SIGTERM asked.
     assert shim.process.proc.wait(30) == -signal.SIGTERM
-    assert "draining" in shim.process.log_path.read_text()
+    assert "SIGTERM received: draining" in shim.process.log_path.read_text()
 
 
-def test_the_drain_timeout_cuts_streams_with_an_error_event_and_done(make_shim):
-    shim = make_shim(*LONG_GENERATION, "--max-batch-size", "2", "--drain-timeout-seconds", "0")
-    stream = Stream(shim)
-    assert stream.first_event.wait(30)
-    whole: list[httpx.Response] = []
-    body = {"model": MODEL_NAME, "prompt": "In the beginning", "max_tokens": STREAM_TOKENS}
-    plain = threading.Thread(
-        target=lambda: whole.append(httpx.post(f"{shim.url}/v1/completions", json=body, timeout=60))
-    )
-    plain.start()
+def test_the_drain_timeout_cuts_off_what_is_still_running_with_an_error(make_long_shim):
+    shim = make_long_shim("--max-batch-size", "2", "--drain-timeout-seconds", "0")
+    streaming = Stream(shim)
+    whole = Completion(shim, max_tokens=LONG_TOKENS)
     wait_for(shim, lambda s: queue(s) == (2, 0))  # both decoding
     shim.process.proc.send_signal(signal.SIGTERM)
 
-    lines = stream.join()
+    # The stream ends with an error event and [DONE], not a broken chunked body.
+    lines = streaming.join()
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert error["code"] == "server_shutting_down"
     assert "drain timeout 0 s" in error["message"]
-    assert len(stream.events()) < STREAM_TOKENS  # cut off, not finished
-    plain.join(60)
-    [response] = whole
+    assert len(streaming.chunks()) < LONG_TOKENS  # cut off, not finished
+    # The non-streaming request gets a 503 that says why.
+    response = whole.response()
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "server_shutting_down"
     assert shim.process.proc.wait(30) == -signal.SIGTERM
