@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from types import FrameType
 
 import uvicorn
@@ -35,7 +36,7 @@ class ShimServer(uvicorn.Server):
         self._drain: asyncio.Task | None = None
         self._cut_now = asyncio.Event()
 
-    async def startup(self, sockets=None) -> None:
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop.add_signal_handler(signal.SIGHUP, self.service.hangup)
         await super().startup(sockets)
