@@ -116,6 +116,21 @@ METRICS: tuple[MetricSpec, ...] = (
         SHIM,
     ),
     _m(
+        "layerwatch_requests_running",
+        "gauge",
+        ("model_name",),
+        "Generation requests holding a batch slot (decoding) right now.",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_requests_waiting",
+        "gauge",
+        ("model_name",),
+        "Generation requests admitted but not yet in the batch (being read, tokenized or queued for a slot); "
+        "at max_batch_size + --max-waiting-requests admitted, new ones get 429.",
+        SHIM,
+    ),
+    _m(
         "layerwatch_tokens_total",
         "counter",
         ("model_name", "phase"),

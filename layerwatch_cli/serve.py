@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import signal
 from pathlib import Path
 
 from inference_shim.runtime.checkpoint import DTYPES
@@ -129,6 +130,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sequences decoded together; new requests join at step boundaries",
     )
     server.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=SETTINGS_DEFAULTS["max_waiting_requests"],
+        metavar="N",
+        help="requests that may wait for a batch slot (being read, tokenized or queued); beyond that, new "
+        "requests get 429 with Retry-After (default %(default)s)",
+    )
+    server.add_argument(
+        "--drain-timeout-seconds",
+        type=float,
+        default=SETTINGS_DEFAULTS["drain_timeout_seconds"],
+        metavar="S",
+        help="on SIGTERM, stop admitting (503) and give in-flight requests this long to finish before "
+        "cutting them off; keep it under the orchestrator's kill grace period (default %(default)s)",
+    )
+    server.add_argument(
         "--max-tokens-cap",
         type=int,
         default=SETTINGS_DEFAULTS["max_tokens_cap"],
@@ -236,12 +253,16 @@ def profile_runaway_fraction(settings: ServeSettings, profiles_dir: Path | None 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("layerwatch.serve")
+    # Until the server answers SIGHUP itself (inference_shim/service/server.py), a hang-up must not
+    # end the process silently, as the default action would.
+    signal.signal(signal.SIGHUP, lambda *_: log.warning("SIGHUP received during start-up: ignored"))
 
     import uvicorn
 
     from inference_shim.runtime.checkpoint import CheckpointError
     from inference_shim.runtime.gates import GateFileError
     from inference_shim.service.app import create_app
+    from inference_shim.service.server import ShimServer
     from inference_shim.service.shim import ShimService
 
     settings = settings_from_arguments(args)
@@ -269,7 +290,8 @@ def run(args: argparse.Namespace) -> int:
         args.host,
         args.port,
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         create_app(service), host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )
+    ShimServer(config, service).run()
     return 0

@@ -199,6 +199,10 @@ class GenerationEngine:
     def has_work(self) -> bool:
         return bool(self._waiting or self._active)
 
+    def running_ids(self) -> set[int]:
+        """The sequences holding a batch slot (the others wait for one)."""
+        return {sequence.id for sequence in self._active.values()}
+
     def step(self) -> list[SequenceUpdate]:
         """Apply cancellations, admit waiting sequences (prefill), run one decode step."""
         updates = self._apply_cancellations()

@@ -160,7 +160,19 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with the special tokens (BOS) the tokenizer's post-processor adds
         unless `add_special_tokens` is False: transformers' `tokenizer(text).input_ids`."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: only the batch call releases the GIL while the Rust code runs,
+        # so a long prompt tokenized in a worker thread does not stall the engine thread and the
+        # event loop (encode held it for 2 s on a 1 MiB prompt).
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def max_chars_per_token(self) -> int | None:
+        """The most prompt characters one token can stand for; None when no such bound holds.
+
+        A prompt of n characters then has at least n / this many tokens, so a prompt longer than
+        `max_prompt_tokens` times this bound can be refused without tokenizing it (docs/service.md,
+        "Prompt limits"). See `_max_chars_per_token` for when the bound holds.
+        """
+        return _max_chars_per_token(json.loads(self.backend.to_str()), self.backend.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -261,6 +273,78 @@ class IncrementalDecoder:
         new_text = self._tokenizer.decode(self.ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self.ids)
         return new_text[len(prefix_text) :]
+
+
+# NFC and NFKC compose at most this many characters into one: the longest canonical decomposition of
+# a character (U+1F82 and others; tests/model/test_tokenizer.py checks it against unicodedata).
+MAX_CANONICAL_DECOMPOSITION = 4
+_DECOMPOSING_NORMALIZERS = {"NFD", "NFKD", "Prepend"}  # never shorten the text
+_COMPOSING_NORMALIZERS = {"NFC", "NFKC"}
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits"}  # split (or map 1:1), drop nothing
+_BYTE_LEVEL_ALPHABET_SIZE = 256
+
+
+def _max_chars_per_token(config: dict, vocab: Mapping[str, int]) -> int | None:
+    """The longest vocabulary entry, times the most the normalizer can shorten the text; None unless
+    every character of the prompt ends up inside some token.
+
+    Each BPE token is a contiguous piece of the normalized, pre-tokenized text, as long as its entry:
+    in characters for SentencePiece-style vocabularies (a space is one "▁"), in bytes for byte-level
+    ones (one entry character per byte, and a character is at least one byte). So a prompt of n
+    characters has at least n / (longest entry x shortening) tokens, provided nothing is dropped or
+    absorbed on the way: only BPE; normalizers that keep or lengthen the text (NFC/NFKC shorten by at
+    most MAX_CANONICAL_DECOMPOSITION); pre-tokenizers that drop nothing; no silent truncation; no added
+    token that swallows the whitespace around it; and every character reaching some token (byte
+    fallback, a complete byte-level alphabet, or an unknown token per character).
+    """
+    model = config.get("model") or {}
+    if model.get("type") != "BPE" or config.get("truncation") is not None:
+        return None
+    if any(t.get("lstrip") or t.get("rstrip") for t in config.get("added_tokens") or ()):
+        return None
+    shortening = 1
+    for normalizer in _flatten(config.get("normalizer"), "normalizers"):
+        kind = normalizer.get("type")
+        if kind in _COMPOSING_NORMALIZERS:
+            shortening = MAX_CANONICAL_DECOMPOSITION
+        elif kind == "Replace":
+            pattern = (normalizer.get("pattern") or {}).get("String")
+            if pattern is None or len(normalizer.get("content", "")) < len(pattern):
+                return None  # a regex, or a replacement shorter than what it replaces
+        elif kind not in _DECOMPOSING_NORMALIZERS:
+            return None
+    pre_tokenizers = _flatten(config.get("pre_tokenizer"), "pretokenizers")
+    for pre_tokenizer in pre_tokenizers:
+        kind = pre_tokenizer.get("type")
+        if kind in ("Split", "Punctuation"):
+            if pre_tokenizer.get("behavior") == "Removed":
+                return None
+        elif kind not in _KEEPING_PRE_TOKENIZERS:
+            return None  # e.g. Whitespace: drops the spaces between words
+    byte_level = any(p.get("type") == "ByteLevel" for p in pre_tokenizers)
+    if not (
+        model.get("byte_fallback")
+        or (model.get("unk_token") is not None and not model.get("fuse_unk"))
+        or (byte_level and _has_byte_level_alphabet(vocab))
+    ):
+        return None  # a character outside the vocabulary would be dropped (or runs of them fused)
+    return max(map(len, vocab)) * shortening
+
+
+def _flatten(component: dict | None, members: str) -> list[dict]:
+    """A normalizer or pre-tokenizer as the list of its parts (a Sequence's members, recursively)."""
+    if component is None:
+        return []
+    if component.get("type") == "Sequence":
+        return [part for member in component.get(members) or () for part in _flatten(member, members)]
+    return [component]
+
+
+def _has_byte_level_alphabet(vocab: Mapping[str, int]) -> bool:
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    return len(alphabet) == _BYTE_LEVEL_ALPHABET_SIZE and all(symbol in vocab for symbol in alphabet)
 
 
 def _read_json_object(path: Path) -> dict:

@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -60,7 +60,7 @@ def create_app(service: ShimService) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -84,6 +84,10 @@ def create_app(service: ShimService) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
+        if service.admission.draining:  # out of the load balancer's rotation while in-flight work finishes
+            return JSONResponse(
+                {"ready": False, "reason": "shutting down: draining in-flight requests"}, status_code=503
+            )
         result = await service.readiness.check()
         return JSONResponse({"ready": result.ready, "reason": result.reason}, status_code=200 if result.ready else 503)
 
@@ -114,7 +118,15 @@ def create_app(service: ShimService) -> FastAPI:
 async def _generate(service: ShimService, request: Request, kind: Literal["completion", "chat"]) -> Response:
     arrived = time.monotonic()
     try:
-        prepared = await _prepare(service, request, kind)
+        service.admission.check()  # a body that could not be admitted is not even read
+        limits = service.limits
+        data = await read_json_body(request, limits.max_body_bytes, limits.body_timeout_seconds)
+        service.admission.enter()  # 429 when too many wait for a batch slot, 503 while draining
+        try:
+            prepared = await _prepare(service, request, kind, data)
+        except BaseException:
+            service.admission.leave()  # from here on, the generation leaves when it is counted
+            raise
     except APIError as err:
         service.request_metrics.finish(FinishedRequest("client_error" if err.status < 500 else "server_error"))
         raise
@@ -147,9 +159,8 @@ async def _generate(service: ShimService, request: Request, kind: Literal["compl
     return JSONResponse(generation.response(text), headers=headers)
 
 
-async def _prepare(service: ShimService, request: Request, kind: Literal["completion", "chat"]) -> Prepared:
+async def _prepare(service: ShimService, request: Request, kind: Literal["completion", "chat"], data: Any) -> Prepared:
     limits = service.limits
-    data = await read_json_body(request, limits.max_body_bytes, limits.body_timeout_seconds)
     body: CompletionRequest | ChatCompletionRequest
     body = parse_request(ChatCompletionRequest, data) if kind == "chat" else parse_request(CompletionRequest, data)
     if body.model != service.model_name:
@@ -165,13 +176,25 @@ async def _prepare(service: ShimService, request: Request, kind: Literal["comple
             400, "The prompt is empty.", param="prompt" if kind == "completion" else "messages", code="empty_prompt"
         )
     log.debug("prompt: %r", prompt)
+    prompt_param = "prompt" if kind == "completion" else "messages"
+    if limits.max_prompt_chars is not None and len(prompt) > limits.max_prompt_chars:
+        # Refused by size: it cannot fit, and tokenizing it would cost CPU in proportion to its length.
+        raise APIError(
+            400,
+            f"The prompt has {len(prompt)} characters, more than {limits.max_prompt_tokens} tokens can hold "
+            f"({limits.max_prompt_chars} characters); this server accepts at most {limits.max_prompt_tokens} tokens.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    # In a worker thread, which the tokenizer releases the GIL in: neither the event loop nor the
+    # engine thread waits for it.
     encode = service.tokenizer.encode if kind == "completion" else service.tokenizer.encode_chat_prompt
     prompt_ids = await asyncio.to_thread(encode, prompt)
     if len(prompt_ids) > limits.max_prompt_tokens:
         raise APIError(
             400,
             f"The prompt has {len(prompt_ids)} tokens; this server accepts at most {limits.max_prompt_tokens}.",
-            param="prompt" if kind == "completion" else "messages",
+            param=prompt_param,
             code="context_length_exceeded",
         )
     default_max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else limits.max_tokens_cap

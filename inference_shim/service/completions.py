@@ -25,7 +25,7 @@ from starlette.requests import Request
 from inference_shim.runtime.engine import SamplingParams, SequenceUpdate
 from inference_shim.service.engine_worker import EngineFailure, RequestHandle
 from inference_shim.service.metrics import FinishedRequest
-from inference_shim.service.schemas import APIError, server_error
+from inference_shim.service.schemas import APIError
 from layerwatch.request_tail import RequestLayers
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class Generation:
         item = await self.handle.updates.get()
         if isinstance(item, EngineFailure):
             self._record("client_error" if item.client_error else "server_error")
-            raise APIError(400, item.message) if item.client_error else server_error(item.message)
+            raise item.api_error()
         now = time.monotonic()
         for _ in item.new_token_ids:
             if self.last_token_at is None:
@@ -120,6 +120,7 @@ class Generation:
         if self.recorded:
             return
         self.recorded = True
+        self.service.admission.leave()
         # A prompt the engine refused was never prefilled.
         prompt_tokens = 0 if status == "client_error" else len(self.prepared.prompt_ids)
         log.info(
@@ -235,8 +236,9 @@ async def stream_events(generation: Generation) -> AsyncIterator[str]:
         if p.debug:
             yield f'event: {ACTIVITY_EVENT}\ndata: {{"layer_activity": {generation.activity_json()}}}\n\n'
         yield "data: [DONE]\n\n"
-    except APIError as err:
+    except APIError as err:  # the engine failed the request, or the drain timeout cut it off
         yield _sse(err.body())
+        yield "data: [DONE]\n\n"  # the stream still ends the way clients wait for
     finally:
         generation.abandon()  # servers that raise on a disconnected send skip the background task
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, SequenceUpdate, StepHook, StepRecord
 from inference_shim.runtime.model import GateBank
+from inference_shim.service.schemas import APIError, server_error
 from inference_shim.service.shadow import ShadowChecker
 from inference_shim.service.telemetry import StepTelemetry
 
@@ -42,6 +43,14 @@ class EngineFailure:
 
     message: str
     client_error: bool = False  # the engine refused the input (400), rather than failing (500)
+    shutting_down: bool = False  # cut off when the drain timed out (503: worth retrying elsewhere)
+
+    def api_error(self) -> APIError:
+        if self.client_error:
+            return APIError(400, self.message)
+        if self.shutting_down:
+            return APIError(503, self.message, type="server_error", code="server_shutting_down")
+        return server_error(self.message)
 
 
 @dataclass
@@ -98,6 +107,9 @@ class EngineWorker:
         self._engine: GenerationEngine  # built by start(), before the engine thread runs
         self._thread = threading.Thread(target=self._run, name="layerwatch-engine", daemon=True)
         self._telemetry_failed = False
+        self._cut_message: str | None = None  # set by cut(): every request is failed with it from then on
+        # Client sequences holding a batch slot after the last step (written by the engine thread only).
+        self.running = 0
 
     # --- called from any thread --------------------------------------------------------------------
 
@@ -118,6 +130,10 @@ class EngineWorker:
 
     def cancel(self, handle: RequestHandle) -> None:
         self._inbox.put(("cancel", handle))
+
+    def cut(self, message: str) -> None:
+        """Fail every request in flight, and every one submitted later, as cut off by the shutdown."""
+        self._inbox.put(("cut", message))
 
     def probe(self) -> Future:
         """A real one-token generation; resolves to a ProbeResult."""
@@ -165,8 +181,13 @@ class EngineWorker:
                 self._start_probe(payload)
             elif kind == "gates":
                 self._attach_gates(*payload)
+            elif kind == "cut":
+                self._cut(payload)
 
     def _admit(self, handle: RequestHandle) -> None:
+        if self._cut_message is not None:
+            handle.deliver(EngineFailure(self._cut_message, shutting_down=True))
+            return
         try:
             handle.sequence_id = self._engine.submit(handle.prompt_ids, handle.params)
         except ValueError as exc:  # input the engine refuses (the HTTP layer checks limits first)
@@ -179,6 +200,12 @@ class EngineWorker:
         self._handles[handle.sequence_id] = handle
         if handle.capture_activity:
             self._capturing[handle.sequence_id] = handle
+
+    def _cut(self, message: str) -> None:
+        self._cut_message = message
+        for sequence_id in self._handles:
+            self._engine.cancel(sequence_id)  # stopped at the next step boundary; nobody reads them any more
+        self._fail_all(message, shutting_down=True)
 
     def _start_probe(self, future: Future) -> None:
         try:
@@ -203,6 +230,7 @@ class EngineWorker:
             return
         for update in updates:
             self._dispatch(update)
+        self.running = len(self._engine.running_ids() & self._handles.keys())
 
     def _dispatch(self, update: SequenceUpdate) -> None:
         sequence_id = update.sequence_id
@@ -228,14 +256,15 @@ class EngineWorker:
         else:
             probe.future.set_result(ProbeResult(False, "the probe generated without a layer-activity record"))
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, shutting_down: bool = False) -> None:
         for handle in self._handles.values():
-            handle.deliver(EngineFailure(message))
+            handle.deliver(EngineFailure(message, shutting_down=shutting_down))
         for probe in self._probes.values():
             probe.future.set_result(ProbeResult(False, message))
         self._handles.clear()
         self._capturing.clear()
         self._probes.clear()
+        self.running = 0
 
     def _on_step(self, record: StepRecord) -> None:
         """The engine's step hook: split off probe rows, then hand client rows to telemetry."""

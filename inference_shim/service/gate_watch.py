@@ -67,6 +67,7 @@ class GateFileWatcher:
         self._interval = interval
         self._seen = file_signature(path)  # the file as it was loaded at start-up
         self._stopping = threading.Event()
+        self._wake = threading.Event()  # set by check_now() and stop(): end the wait before the interval
         self._thread = threading.Thread(target=self._run, name="layerwatch-gate-watch", daemon=True)
 
     def start(self) -> None:
@@ -74,11 +75,20 @@ class GateFileWatcher:
 
     def stop(self) -> None:
         self._stopping.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join()
 
+    def check_now(self) -> None:
+        """Check the file at once rather than at the next poll (SIGHUP)."""
+        self._wake.set()
+
     def _run(self) -> None:
-        while not self._stopping.wait(self._interval):
+        while True:
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            if self._stopping.is_set():
+                return
             try:
                 self.check()
             except Exception:  # a bug here must not stop serving; the old gates serve on

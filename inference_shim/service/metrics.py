@@ -293,6 +293,22 @@ class ShadowMetrics:
         self.agreements = make_counter("layerwatch_shadow_agreements_total", registry).labels(model_name)
 
 
+class RequestQueueCollector(ShimCollector):
+    """Requests running (holding a batch slot) and waiting for one, at scrape time."""
+
+    metric_names = ("layerwatch_requests_running", "layerwatch_requests_waiting")
+
+    def __init__(self, running: Callable[[], int], waiting: Callable[[], int], model_name: str) -> None:
+        self._counts = {"layerwatch_requests_running": running, "layerwatch_requests_waiting": waiting}
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for name, count in self._counts.items():
+            gauge = family(name)
+            gauge.add_metric([self._model_name], count())
+            yield gauge
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     model_name: str

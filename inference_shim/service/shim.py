@@ -20,6 +20,7 @@ from inference_shim.runtime.gates import LoadedGates, gates_path_for, load_gates
 from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.static_gates import static_gates
+from inference_shim.service.admission import Admission
 from inference_shim.service.engine_worker import EngineWorker
 from inference_shim.service.gate_watch import GateFileWatcher
 from inference_shim.service.layer_signals import LayerSignalsCollector
@@ -30,6 +31,7 @@ from inference_shim.service.metrics import (
     ModelInfo,
     ModelInfoCollector,
     RequestMetrics,
+    RequestQueueCollector,
     ShadowMetrics,
     isolated,
 )
@@ -68,6 +70,11 @@ class ServeSettings:
     batch_consensus: float | None = None  # None: rows skip independently (runtime/skip_policy.py)
     kv_policy: str = KV_POLICIES[0]  # "project"
     max_batch_size: int = 8
+    # Requests that may wait for a batch slot (being read, tokenized or queued) before new ones get 429.
+    max_waiting_requests: int = 32
+    # After SIGTERM, in-flight requests get this long to finish before they are cut off; keep it under
+    # the orchestrator's grace period (Kubernetes: 30 s) so that the cut-off answers still go out.
+    drain_timeout_seconds: float = 25.0
     max_tokens_cap: int | None = None  # None: DEFAULT_MAX_TOKENS_CAP, shrunk to fit the context
     max_prompt_tokens: int | None = None  # None: DEFAULT_MAX_PROMPT_TOKENS, shrunk to fit the context
     max_body_bytes: int = 1 << 20
@@ -101,13 +108,17 @@ class Limits:
     max_tokens_cap: int
     max_body_bytes: int
     body_timeout_seconds: float
+    # A longer prompt has more than max_prompt_tokens tokens whatever it says: refused untokenized.
+    # None: the tokenizer gives no such bound (Tokenizer.max_chars_per_token).
+    max_prompt_chars: int | None = None
 
 
-def resolve_limits(settings: ServeSettings, context: int) -> Limits:
+def resolve_limits(settings: ServeSettings, context: int, chars_per_token: int | None = None) -> Limits:
     """Fit prompt + generation into the model's context (`max_position_embeddings`).
 
     Unset limits default to DEFAULT_MAX_TOKENS_CAP / DEFAULT_MAX_PROMPT_TOKENS, shrunk to fit;
-    limits that were set explicitly and do not fit are refused.
+    limits that were set explicitly and do not fit are refused. `chars_per_token` (the tokenizer's
+    most characters per token) turns the prompt limit into a size limit checked before tokenizing.
     """
     cap, prompt = settings.max_tokens_cap, settings.max_prompt_tokens
     if any(v is not None and v < 1 for v in (cap, prompt)) or settings.max_body_bytes < 1:
@@ -125,7 +136,8 @@ def resolve_limits(settings: ServeSettings, context: int) -> Limits:
         raise ValueError(
             f"--max-prompt-tokens {prompt} + --max-tokens-cap {cap} exceed the model's {context}-token context"
         )
-    return Limits(prompt, cap, settings.max_body_bytes, settings.body_timeout_seconds)
+    max_chars = None if chars_per_token is None else prompt * chars_per_token
+    return Limits(prompt, cap, settings.max_body_bytes, settings.body_timeout_seconds, max_chars)
 
 
 class ShimService:
@@ -142,7 +154,12 @@ class ShimService:
         self.tokenizer = checkpoint.tokenizer
         self.model_name = settings.model_name or checkpoint.path.resolve().name
         self.allow_debug = settings.allow_debug
-        self.limits = resolve_limits(settings, config.max_position_embeddings)
+        self.limits = resolve_limits(settings, config.max_position_embeddings, self.tokenizer.max_chars_per_token())
+        if self.limits.max_prompt_chars is None:
+            log.warning(
+                "this tokenizer may drop or merge characters: prompts cannot be refused by size and are "
+                "tokenized in full (up to --max-body-bytes) before the --max-prompt-tokens check"
+            )
         self.policy = SkipPolicyConfig(
             threshold=gates.metadata.threshold if settings.threshold is None else settings.threshold,
             patience=gates.metadata.patience if settings.patience is None else settings.patience,
@@ -154,6 +171,9 @@ class ShimService:
             raise ValueError(f"--max-batch-size must be >= 1, got {settings.max_batch_size}")
         self.kv_policy = settings.kv_policy
         self.max_batch_size = settings.max_batch_size
+        if not settings.drain_timeout_seconds >= 0:
+            raise ValueError(f"--drain-timeout-seconds must be >= 0, got {settings.drain_timeout_seconds}")
+        self.drain_timeout_seconds = settings.drain_timeout_seconds
 
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_info = ModelInfo(
@@ -217,6 +237,8 @@ class ShimService:
         probe_prompt = self.tokenizer.encode(PROBE_TEXT)
         self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow)
         self.readiness = Readiness(self.worker)
+        self.admission = Admission(settings.max_batch_size, settings.max_waiting_requests, lambda: self.worker.running)
+        self.registry.register(RequestQueueCollector(self.admission.running, self.admission.waiting, self.model_name))
         self.gate_watcher = self._gate_watcher(settings, gates)
 
     @classmethod
@@ -295,6 +317,16 @@ class ShimService:
             metrics=metrics,
             interval=settings.gates_watch_seconds,
         )
+
+    def hangup(self) -> None:
+        """SIGHUP: check the gate file now, when it is watched; serving goes on either way."""
+        if self.gate_watcher is None:
+            log.warning(
+                "SIGHUP received and ignored: the gate file is not watched (--gates-watch-seconds 0 or a drill)"
+            )
+            return
+        log.warning("SIGHUP received: checking the gate file %s now", self.gate_watcher.path)
+        self.gate_watcher.check_now()
 
     def _swap_gates(self, loaded: LoadedGates) -> None:
         """Validated gates from the watcher: returns once the engine serves them."""

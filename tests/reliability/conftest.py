@@ -5,12 +5,14 @@ it back. The tiny checkpoint is the service tests' one (tests/service/conftest.p
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -218,6 +220,39 @@ def make_shim(tmp_path, tiny_checkpoint) -> Iterator:
 
     def make(*args: str, exporter: Exporter | None = None) -> Shim:
         shim = Shim(tmp_path, tiny_checkpoint, *args, exporter=exporter)
+        shims.append(shim)
+        return shim.start()
+
+    yield make
+    for shim in shims:
+        shim.stop()
+
+
+# --- generations long enough to still be running while a test acts ------------------------------
+
+LONG_CONTEXT = 4096
+LONG_TOKENS = 4000  # a generation that is still decoding whatever the test does meanwhile
+LONG_GENERATION = ("--max-tokens-cap", str(LONG_TOKENS), "--max-prompt-tokens", "32")
+
+
+@pytest.fixture(scope="session")
+def long_context_checkpoint(tiny_checkpoint, tmp_path_factory) -> TinyCheckpoint:
+    """The tiny checkpoint with a 4096-token context (RoPE positions are computed, not weights, and
+    the gates' base-model fingerprint leaves the context out): generations that last seconds."""
+    folder = tmp_path_factory.mktemp("long-context") / MODEL_NAME
+    shutil.copytree(tiny_checkpoint.path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": LONG_CONTEXT}))
+    return dataclasses.replace(tiny_checkpoint, path=folder, gates_path=folder / "gates.safetensors")
+
+
+@pytest.fixture
+def make_long_shim(tmp_path, long_context_checkpoint) -> Iterator[Callable[..., Shim]]:
+    """Factory: make_long_shim(*args) -> a started Shim on the long-context checkpoint."""
+    shims: list[Shim] = []
+
+    def make(*args: str) -> Shim:
+        shim = Shim(tmp_path, long_context_checkpoint, *LONG_GENERATION, *args)
         shims.append(shim)
         return shim.start()
 

@@ -17,6 +17,7 @@ from inference_shim.service.metrics import (
     ModelInfo,
     ModelInfoCollector,
     RequestMetrics,
+    RequestQueueCollector,
     ShadowMetrics,
     isolated,
     make_metric,
@@ -40,6 +41,7 @@ def shim_collectors() -> list:
         TraceCollector(None, "m"),
         NvmlCollector(reader=lambda: [GpuReading(0, "GPU-0", 120.0, 5.0)]),
         RaplCollector(zones=[]),
+        RequestQueueCollector(lambda: 2, lambda: 3, "m"),
     ]
     return [*collectors, isolated({})]  # the isolation's own success and duration gauges
 

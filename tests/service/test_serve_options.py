@@ -83,3 +83,23 @@ def test_limits_fit_the_context_or_are_refused():
     ):
         with pytest.raises(ValueError):
             limits(**bad)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"max_waiting_requests": -1}, "--max-waiting-requests must be >= 0"),
+        ({"drain_timeout_seconds": -1.0}, "--drain-timeout-seconds must be >= 0"),
+        ({"drain_timeout_seconds": float("nan")}, "--drain-timeout-seconds must be >= 0"),
+    ],
+)
+def test_queue_and_drain_settings_out_of_range_are_refused(tiny_checkpoint, override, message):
+    with pytest.raises(ValueError, match=message):
+        ShimService.load(ServeSettings(model_dir=tiny_checkpoint.path, exporter_address="", **override))
+
+
+def test_the_prompt_size_bound_is_the_token_limit_times_the_longest_token():
+    assert (
+        resolve_limits(ServeSettings(model_dir=Path("unused"), max_prompt_tokens=100), 256, 14).max_prompt_chars == 1400
+    )
+    assert resolve_limits(ServeSettings(model_dir=Path("unused")), 256, None).max_prompt_chars is None
