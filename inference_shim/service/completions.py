@@ -338,8 +338,9 @@ def completion_logprobs(
         if entry is None:
             top_logprobs.append(None)
         else:
-            top = {token_text(t): lp for t, lp in entry.top}
-            top.setdefault(text, entry.logprob)
+            top: dict[str, float] = {}
+            for token, logprob in (*entry.top, (token_id, entry.logprob)):
+                top.setdefault(token_text(token), logprob)  # tokens of one text: the most likely's
             top_logprobs.append(top)
     return {
         "tokens": tokens,
