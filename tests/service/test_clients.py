@@ -187,4 +187,8 @@ def test_lm_eval_perplexity_agrees_with_layerwatch_eval(demo_server, tmp_path):
     report = json.loads(run.stdout)
     assert report["windows"] == 1 and report["decoded_tokens"] == tokens
     assert report["perplexity_gated"] == report["perplexity_full"]  # threshold 0 skips nothing
-    assert math.exp(-loglikelihood / tokens) == pytest.approx(report["perplexity_full"], rel=1e-4)
+    through_api = math.exp(-loglikelihood / tokens)
+    print(
+        f"perplexity over {tokens} tokens: lm-eval via the API {through_api:.6f}, eval {report['perplexity_full']:.6f}"
+    )
+    assert through_api == pytest.approx(report["perplexity_full"], rel=1e-4)
