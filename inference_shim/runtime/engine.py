@@ -12,6 +12,10 @@ feeds its (i-1)-th generated token (the prompt's last token at i = 0) and produc
 N generated tokens = N decode steps, each with one StepRecord row. Generated tokens include a
 final EOS token or the token that completed a stop string; neither appears in the text.
 
+What one sequence raises (its prefill, sampling, log-probabilities, decoding) ends that sequence
+with finish_reason "error" and the rest of the batch goes on; only a failure of the batched model
+step itself raises out of `step()`.
+
 The engine is single-threaded: the service calls it from one worker thread.
 """
 
@@ -34,25 +38,64 @@ from inference_shim.runtime.tokenizer import IncrementalDecoder, Tokenizer
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQ_LEN = 4096  # cache length when neither the caller nor a shorter model limit sets one
+MAX_LOGPROBS = 20  # most alternatives per token (vLLM's default limit; OpenAI's chat API allows 20)
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
+NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this sequence"
+FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)
 
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 64
+    max_tokens: int = 64  # 0: prefill only, for the prompt's log-probabilities
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int | None = None  # same seed -> same tokens, whatever else shares the batch
     stop: tuple[str, ...] = ()
+    # OpenAI's penalties, over the tokens generated so far: presence once per distinct token,
+    # frequency once per occurrence, both subtracted from the token's logit.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    ignore_eos: bool = False  # run to max_tokens through EOS tokens (vLLM's option, for benchmarks)
+    logprobs: int | None = None  # each generated token's log-probability and its k most likely alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens from the second on
 
     def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
+        if not all(-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS for bias in self.logit_bias.values()):
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in 0..{MAX_LOGPROBS}, got {k}")
+
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+    def plain_greedy(self) -> bool:
+        """The argmax of the model's own logits: what a full-depth re-run can reproduce."""
+        return self.temperature == 0.0 and not self.adjusts_logits()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model's own distribution (before temperature, top-p,
+    penalties and bias), and the `k` most likely tokens at that position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
 @dataclass
@@ -99,10 +142,13 @@ class SequenceUpdate:
     new_token_ids: list[int]
     text_delta: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "cancelled"
+    finish_reason: str | None  # "stop" | "length" | "cancelled" | "error"
     layers_executed: int  # cumulative for the sequence (decode steps)
     layers_skipped: int
     layer_counts: LayerCounts | None = None  # on the final update only
+    logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first update, when asked for
+    error: str | None = None  # why the sequence failed (finish_reason "error"); the batch goes on
 
 
 @dataclass
@@ -136,6 +182,8 @@ class _Sequence:
     layers_skipped: int = 0
     cancel_requested: bool = False
     finish_reason: str | None = None
+    error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # until the first update carries them
 
 
 class GenerationEngine:
@@ -204,9 +252,13 @@ class GenerationEngine:
         return {sequence.id for sequence in self._active.values()}
 
     def step(self) -> list[SequenceUpdate]:
-        """Apply cancellations, admit waiting sequences (prefill), run one decode step."""
+        """Apply cancellations, admit waiting sequences (prefill), run one decode step.
+
+        What one sequence raises (its prefill, sampling, logprobs, decoding) fails that sequence
+        only (finish_reason "error"); a failure of the batched model step itself raises.
+        """
         updates = self._apply_cancellations()
-        self._admit_waiting()
+        updates += self._admit_waiting()
         if self._active:
             updates += self._decode_step()
         return updates
@@ -236,6 +288,8 @@ class GenerationEngine:
             raise ValueError("the prompt must hold at least one token")
         if not all(0 <= int(t) < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        if not all(0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in 0..{vocab - 1}")
         if len(prompt_ids) > self.max_seq_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds max_seq_len={self.max_seq_len}")
         generator = None
@@ -262,13 +316,25 @@ class GenerationEngine:
             self._finish(sequence, "cancelled")
         return [self._update(s, [], "") for s in cancelled]
 
-    def _admit_waiting(self) -> None:
+    def _admit_waiting(self) -> list[SequenceUpdate]:
+        """Prefill waiting sequences into free slots. A sequence whose prefill fails, or that asks
+        for no tokens (the prompt's log-probabilities only), finishes here and frees its slot."""
+        updates = []
         free = sorted(set(range(self.max_batch_size)) - set(self._active))
         while self._waiting and free:
             sequence = self._waiting.popleft()
-            sequence.slot = free.pop(0)
-            self._prefill(sequence)
-            self._active[sequence.slot] = sequence
+            sequence.slot = free[0]
+            try:
+                self._prefill(sequence)
+            except Exception as exc:
+                updates.append(self._fail(sequence, f"the model failed to run: {type(exc).__name__}: {exc}"))
+                continue
+            if sequence.params.max_tokens == 0:
+                self._finish(sequence, "length")
+                updates.append(self._update(sequence, [], ""))
+                continue
+            self._active[free.pop(0)] = sequence
+        return updates
 
     def _prefill(self, sequence: _Sequence) -> None:
         started = time.perf_counter()
@@ -276,12 +342,22 @@ class GenerationEngine:
         self.cache.reset_slot(sequence.slot)
         self.skip_policy.reset(sequence.slot)
         entropies = np.full((len(context), self.num_layers), np.nan, dtype=np.float32)
+        k = sequence.params.prompt_logprobs
+        # The first token has no context to be predicted from.
+        prompt_logprobs: list[TokenLogprob | None] = [None]
         if context:
             tokens = torch.tensor(context, device=self.device)
             with torch.inference_mode():
-                _, prompt_entropies = self.model.prefill(tokens, self.cache, sequence.slot)
+                logits, prompt_entropies = self.model.prefill(
+                    tokens, self.cache, sequence.slot, every_position=k is not None
+                )
+                if k is not None:
+                    following = torch.tensor(sequence.prompt_ids[1:], device=self.device)
+                    prompt_logprobs += token_logprobs(logits, following, [k] * len(context))
             if prompt_entropies is not None:
                 entropies = prompt_entropies.float().cpu().numpy()
+        if k is not None:
+            sequence.prompt_logprobs = prompt_logprobs
         sequence.position = len(context)
         sequence.next_input = sequence.prompt_ids[-1]
         if self.prefill_hook is not None:
@@ -318,39 +394,90 @@ class GenerationEngine:
             )
         # The skip policy's own comparison (NaN entropies, no gates: never below).
         below = step.entropies < self.policy_config.threshold
-        updates = [
-            self._advance(sequence, int(token), step.run_mask[i], below[i])
-            for i, (sequence, token) in enumerate(zip(rows, step.next_tokens))
-        ]
-        if self.step_hook is not None:
+        logprobs = self._decode_logprobs(step.logits, rows, step.next_tokens)
+        updates, ok = [], np.ones(len(rows), dtype=bool)
+        for i, (sequence, token) in enumerate(zip(rows, step.next_tokens.tolist())):
+            failure = sequence.error or (NON_FINITE_LOGITS if token < 0 else None)
+            if failure is None:
+                try:
+                    updates.append(self._advance(sequence, token, step.run_mask[i], below[i], logprobs.get(i)))
+                    continue
+                except Exception as exc:
+                    failure = f"{type(exc).__name__}: {exc}"
+            ok[i] = False
+            updates.append(self._fail(sequence, failure))
+        if self.step_hook is not None and ok.any():
+            # Rows that failed produced no token: they stay out of the telemetry, as out of `usage`.
             self.step_hook(
                 StepRecord(
                     step=self.steps,
-                    sequence_ids=np.array([s.id for s in rows], dtype=np.int64),
-                    token_ids=fed,
-                    next_token_ids=step.next_tokens,
-                    entropies=step.entropies,
-                    skipped=~step.run_mask,
-                    # bool [L]; asarray: numpy types any(axis=0) as array or scalar
+                    sequence_ids=np.array([s.id for s in rows], dtype=np.int64)[ok],
+                    token_ids=fed[ok],
+                    next_token_ids=step.next_tokens[ok],
+                    entropies=step.entropies[ok],
+                    skipped=~step.run_mask[ok],
+                    # bool [L], over every row that ran; asarray: numpy types any(axis=0) as array or scalar
                     batch_skipped=np.asarray(~step.run_mask.any(axis=0)),
-                    fallback=step.fallback,
-                    fallback_started=step.fallback_started,
+                    fallback=step.fallback[ok],
+                    fallback_started=step.fallback_started[ok],
                     step_seconds=time.perf_counter() - started,
                 )
             )
         return updates
 
     def _sample(self, logits: torch.Tensor, rows: list[_Sequence]) -> torch.Tensor:
-        """Next token per row, on the device: argmax, or a draw from that row's own generator."""
+        """Next token per row, on the device: argmax, or a draw from that row's own generator,
+        after the row's penalties and bias. A row whose sampling raised keeps the error, a row with
+        non-finite logits gets token -1: the host then fails that sequence alone."""
         tokens = logits.argmax(dim=-1)
         for i, sequence in enumerate(rows):
-            if sequence.generator is not None:
-                tokens[i] = sample_token(
-                    logits[i], sequence.params.temperature, sequence.params.top_p, sequence.generator
-                )
-        return tokens
+            params = sequence.params
+            if sequence.generator is None and not params.adjusts_logits():
+                continue
+            try:
+                row = self._adjusted_logits(logits[i], sequence)
+                if sequence.generator is None:
+                    tokens[i] = row.argmax()
+                else:
+                    tokens[i] = sample_token(row, params.temperature, params.top_p, sequence.generator)
+            except Exception as exc:
+                sequence.error = f"sampling failed: {type(exc).__name__}: {exc}"
+        # Non-finite logits have no distribution to draw from; checked on the device, so the mark
+        # travels with the tokens in the step's one transfer.
+        all_finite = torch.isfinite(logits).count_nonzero(dim=-1) == logits.shape[-1]
+        return torch.where(all_finite, tokens, -1)
 
-    def _advance(self, sequence: _Sequence, token: int, ran: np.ndarray, below: np.ndarray) -> SequenceUpdate:
+    def _adjusted_logits(self, logits: torch.Tensor, sequence: _Sequence) -> torch.Tensor:
+        """A row's logits [V] (float32) with its logit bias and its presence and frequency penalties."""
+        params = sequence.params
+        adjusted = logits.float()
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), device=adjusted.device)
+            bias = torch.tensor(list(params.logit_bias.values()), device=adjusted.device)
+            adjusted = adjusted.index_add(0, ids, bias)
+        if (params.presence_penalty or params.frequency_penalty) and sequence.generated:
+            counts = torch.bincount(
+                torch.tensor(sequence.generated, device=adjusted.device), minlength=adjusted.shape[0]
+            ).float()
+            adjusted = adjusted - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+        return adjusted
+
+    def _decode_logprobs(
+        self, logits: torch.Tensor, rows: list[_Sequence], tokens: np.ndarray
+    ) -> dict[int, TokenLogprob]:
+        """Row index -> the generated token's logprob, for the rows that asked (valid tokens only)."""
+        asking = [i for i, s in enumerate(rows) if s.params.logprobs is not None and tokens[i] >= 0]
+        if not asking:
+            return {}
+        index = torch.tensor(asking, device=logits.device)
+        chosen = torch.as_tensor(tokens[asking], device=logits.device)
+        ks = [rows[i].params.logprobs or 0 for i in asking]
+        with torch.inference_mode():
+            return dict(zip(asking, token_logprobs(logits.index_select(0, index), chosen, ks)))
+
+    def _advance(
+        self, sequence: _Sequence, token: int, ran: np.ndarray, below: np.ndarray, logprob: TokenLogprob | None
+    ) -> SequenceUpdate:
         sequence.generated.append(token)
         sequence.activity.append(ran.copy())
         sequence.below.append(below)
@@ -361,7 +488,7 @@ class GenerationEngine:
         sequence.next_input = token
 
         finish_reason = None
-        if token in self.eos_token_ids:
+        if token in self.eos_token_ids and not sequence.params.ignore_eos:
             finish_reason = "stop"
         elif len(sequence.generated) >= sequence.params.max_tokens or sequence.position >= self.max_seq_len:
             finish_reason = "length"
@@ -373,7 +500,7 @@ class GenerationEngine:
             finish_reason = "stop"
         if finish_reason is not None:
             self._finish(sequence, finish_reason)
-        return self._update(sequence, [token], emitted)
+        return self._update(sequence, [token], emitted, None if logprob is None else [logprob])
 
     @staticmethod
     def _apply_stop_strings(sequence: _Sequence, delta: str, final: bool) -> tuple[str, bool]:
@@ -390,14 +517,24 @@ class GenerationEngine:
         sequence.text += emitted
         return emitted, False
 
+    def _fail(self, sequence: _Sequence, error: str) -> SequenceUpdate:
+        """End one sequence that raised; the rest of the batch goes on."""
+        log.warning("sequence %d failed: %s", sequence.id, error)
+        sequence.error = error
+        self._finish(sequence, "error")
+        return self._update(sequence, [], "")
+
     def _finish(self, sequence: _Sequence, reason: str) -> None:
         sequence.finish_reason = reason
         self._by_id.pop(sequence.id, None)
         if self._active.get(sequence.slot) is sequence:
             del self._active[sequence.slot]
 
-    def _update(self, sequence: _Sequence, tokens: list[int], delta: str) -> SequenceUpdate:
+    def _update(
+        self, sequence: _Sequence, tokens: list[int], delta: str, logprobs: list[TokenLogprob] | None = None
+    ) -> SequenceUpdate:
         finished = sequence.finish_reason is not None
+        prompt_logprobs, sequence.prompt_logprobs = sequence.prompt_logprobs, None
         return SequenceUpdate(
             sequence_id=sequence.id,
             new_token_ids=tokens,
@@ -407,6 +544,9 @@ class GenerationEngine:
             layers_executed=sequence.layers_executed,
             layers_skipped=sequence.layers_skipped,
             layer_counts=self._layer_counts(sequence) if finished else None,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            error=sequence.error if finished else None,
         )
 
     def _layer_counts(self, sequence: _Sequence) -> LayerCounts:
@@ -477,15 +617,40 @@ def gated_decode_step(
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """One token from logits [V] at `temperature`, restricted to the top-p nucleus."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    """One token from logits [V] at `temperature` > 0, restricted to the top-p nucleus.
+
+    The distribution is valid for every temperature and top_p the API accepts, whatever the logits
+    (a draw from an invalid one raises on the CPU and kills the context on CUDA): non-finite
+    logits are clamped (the engine fails such rows anyway), the largest logit is shifted to 0 so
+    that its weight exp(0) = 1 keeps the sum at least 1, the temperature is floored at float32's
+    smallest normal number (1e-300 would be 0 in float32; that low, sampling is greedy but for
+    exact ties), and the nucleus always keeps the most likely token.
+    """
+    logits = torch.nan_to_num(logits.float())
+    probs = torch.softmax((logits - logits.max()) / max(temperature, FLOAT32_TINY), dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
         # (masked_fill, not boolean indexing: that would wait on the device for the mask's count.)
         outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        outside[0] = False  # top_p below float32's resolution compares as 0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(outside, 0.0))
     return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[TokenLogprob]:
+    """Per row of logits [N, V]: the log-probability of tokens[row] and the ks[row] most likely
+    tokens, under the model's own distribution; brought to the host in one transfer."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, tokens[:, None])
+    k = max(ks)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (chosen[:, :0], chosen[:, :0])
+    host = torch.cat([tokens[:, None].double(), chosen.double(), top_ids.double(), top_values.double()], dim=1)
+    result = []
+    for row, k_row in zip(host.cpu().numpy(), ks):
+        top = tuple((int(row[2 + j]), float(row[2 + k + j])) for j in range(k_row))
+        result.append(TokenLogprob(int(row[0]), float(row[1]), top))
+    return result
 
 
 def _longest_stop_prefix_suffix(text: str, stops: tuple[str, ...]) -> int:

@@ -2,7 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   generation (stream=true: server-sent events)
     GET  /v1/models                              the one model served
-    GET  /healthz                                liveness: the process and its engine thread run
+    GET  /healthz, /health                       liveness: the process and its engine thread run
     GET  /readyz                                 readiness: a real one-token gated generation
     GET  /metrics                                Prometheus exposition of the service's registry
 
@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Iterable
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
@@ -28,15 +29,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 
 from inference_shim.runtime.engine import SamplingParams
-from inference_shim.service.completions import ACTIVITY_HEADER, Generation, Prepared, run_to_end, stream_events
+from inference_shim.service.completions import (
+    ACTIVITY_HEADER,
+    Generation,
+    Prepared,
+    Prompt,
+    run_to_end,
+    stream_events,
+)
 from inference_shim.service.metrics import FinishedRequest
 from inference_shim.service.schemas import (
+    MAX_CHOICES,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
     parse_request,
     read_json_body,
+    refuse_unsupported,
 )
 from inference_shim.service.shim import ShimService
 
@@ -77,6 +87,7 @@ def create_app(service: ShimService) -> FastAPI:
         return JSONResponse(APIError(500, "Internal server error.", type="server_error").body(), status_code=500)
 
     @app.get("/healthz")
+    @app.get("/health")  # vLLM's name, which clients (guidellm) check before they start
     async def healthz() -> JSONResponse:
         if not service.worker.alive():
             return JSONResponse({"status": "engine thread stopped"}, status_code=503)
@@ -134,10 +145,12 @@ async def _generate(service: ShimService, request: Request, kind: Literal["compl
         service.request_metrics.finish(FinishedRequest("cancelled"))
         return Response(status_code=499)
     log.info(
-        "%s: %s, %d prompt tokens, max_tokens=%d, stream=%s",
+        "%s: %s, %d prompt(s) of %s tokens, n=%d, max_tokens=%d, stream=%s",
         prepared.request_id,
         kind,
-        len(prepared.prompt_ids),
+        len(prepared.prompts),
+        "+".join(str(len(p.ids)) for p in prepared.prompts),
+        prepared.n,
         prepared.params.max_tokens,
         prepared.stream,
     )
@@ -154,15 +167,16 @@ async def _generate(service: ShimService, request: Request, kind: Literal["compl
             headers={"cache-control": "no-cache"},
             background=BackgroundTask(settle),
         )
-    text = await run_to_end(generation, request)
+    await run_to_end(generation, request)
     headers = {ACTIVITY_HEADER: generation.activity_json()} if prepared.debug else None
-    return JSONResponse(generation.response(text), headers=headers)
+    return JSONResponse(generation.response(), headers=headers)
 
 
 async def _prepare(service: ShimService, request: Request, kind: Literal["completion", "chat"], data: Any) -> Prepared:
     limits = service.limits
     body: CompletionRequest | ChatCompletionRequest
     body = parse_request(ChatCompletionRequest, data) if kind == "chat" else parse_request(CompletionRequest, data)
+    refuse_unsupported(data, chat=kind == "chat")
     if body.model != service.model_name:
         raise APIError(
             404,
@@ -170,69 +184,115 @@ async def _prepare(service: ShimService, request: Request, kind: Literal["comple
             param="model",
             code="model_not_found",
         )
-    prompt = _prompt_text(service, body)
-    if not prompt:
-        raise APIError(
-            400, "The prompt is empty.", param="prompt" if kind == "completion" else "messages", code="empty_prompt"
-        )
-    log.debug("prompt: %r", prompt)
     prompt_param = "prompt" if kind == "completion" else "messages"
-    if limits.max_prompt_chars is not None and len(prompt) > limits.max_prompt_chars:
-        # Refused by size: it cannot fit, and tokenizing it would cost CPU in proportion to its length.
+    inputs = _prompt_inputs(service, body)
+    if len(inputs) * body.n > MAX_CHOICES:
         raise APIError(
-            400,
-            f"The prompt has {len(prompt)} characters, more than {limits.max_prompt_tokens} tokens can hold "
-            f"({limits.max_prompt_chars} characters); this server accepts at most {limits.max_prompt_tokens} tokens.",
-            param=prompt_param,
-            code="context_length_exceeded",
+            400, f"At most {MAX_CHOICES} choices (n × prompts) per request.", param="n", code="invalid_value"
         )
-    # In a worker thread, which the tokenizer releases the GIL in: neither the event loop nor the
-    # engine thread waits for it.
+    vocab = service.model.config.vocab_size
+    # Completion text gets the tokenizer's special tokens (BOS); a rendered chat template holds its own.
     encode = service.tokenizer.encode if kind == "completion" else service.tokenizer.encode_chat_prompt
-    prompt_ids = await asyncio.to_thread(encode, prompt)
-    if len(prompt_ids) > limits.max_prompt_tokens:
-        raise APIError(
-            400,
-            f"The prompt has {len(prompt_ids)} tokens; this server accepts at most {limits.max_prompt_tokens}.",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
+    prompts = []
+    for prompt in inputs:
+        if not prompt:
+            raise APIError(400, "The prompt is empty.", param=prompt_param, code="empty_prompt")
+        if isinstance(prompt, str):
+            log.debug("prompt: %r", prompt)
+            if limits.max_prompt_chars is not None and len(prompt) > limits.max_prompt_chars:
+                # Refused by size: it cannot fit, and tokenizing it would cost CPU in proportion to its length.
+                raise APIError(
+                    400,
+                    f"The prompt has {len(prompt)} characters, more than {limits.max_prompt_tokens} tokens can "
+                    f"hold ({limits.max_prompt_chars} characters); this server accepts at most "
+                    f"{limits.max_prompt_tokens} tokens.",
+                    param=prompt_param,
+                    code="context_length_exceeded",
+                )
+            # In a worker thread, which the tokenizer releases the GIL in: neither the event loop nor the
+            # engine thread waits for it.
+            prompts.append(Prompt(await asyncio.to_thread(encode, prompt), prompt))
+        else:
+            _check_token_ids(prompt, vocab, prompt_param)
+            prompts.append(Prompt(prompt, service.tokenizer.decode(prompt)))
+        length = len(prompts[-1].ids)
+        if length > limits.max_prompt_tokens:
+            raise APIError(
+                400,
+                f"The prompt has {length} tokens; this server accepts at most {limits.max_prompt_tokens}.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+    echo = isinstance(body, CompletionRequest) and body.echo
+    asked, limit_field = body.token_limit()
     default_max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else limits.max_tokens_cap
-    max_tokens = min(default_max_tokens, limits.max_tokens_cap) if body.max_tokens is None else body.max_tokens
+    max_tokens = min(default_max_tokens, limits.max_tokens_cap) if asked is None else asked
     if max_tokens > limits.max_tokens_cap:
         raise APIError(
             400,
-            f"max_tokens={max_tokens} exceeds this server's cap of {limits.max_tokens_cap}.",
-            param="max_tokens",
+            f"{limit_field}={max_tokens} exceeds this server's cap of {limits.max_tokens_cap}.",
+            param=limit_field,
             code="max_tokens_exceeded",
         )
+    if max_tokens == 0 and not echo:
+        raise APIError(
+            400,
+            f"{limit_field} must be at least 1 (0 only with echo: the prompt's log-probabilities).",
+            param=limit_field,
+            code="invalid_value",
+        )
+    _check_token_ids(body.token_bias(), vocab, "logit_bias")
+    logprobs = (
+        body.logprobs if isinstance(body, CompletionRequest) else (body.top_logprobs or 0) if body.logprobs else None
+    )
     debug = service.allow_debug and request.headers.get(DEBUG_HEADER, "").strip().lower() == "true"
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     return Prepared(
         kind=kind,
         request_id=f"{prefix}-{uuid.uuid4().hex[:24]}",
         model_name=service.model_name,
-        prompt_ids=prompt_ids,
-        params=_sampling(body, max_tokens),
+        prompts=prompts,
+        n=body.n,
+        params=_sampling(body, max_tokens, logprobs, prompt_logprobs=logprobs if echo else None),
         stream=body.stream,
         include_usage=body.include_usage(),
         debug=debug,
+        echo=echo,
+        logprobs=logprobs,
     )
 
 
-def _prompt_text(service: ShimService, body: CompletionRequest | ChatCompletionRequest) -> str:
+def _check_token_ids(ids: Iterable[int], vocab: int, param: str) -> None:
+    if any(token >= vocab for token in ids):  # (negative ids are refused by the schema)
+        raise APIError(400, f"{param}: token ids must be in 0..{vocab - 1}.", param=param, code="invalid_value")
+
+
+def _prompt_inputs(service: ShimService, body: CompletionRequest | ChatCompletionRequest) -> list[str | list[int]]:
+    """Each prompt as text or token ids; a chat's messages rendered by the chat template."""
     if isinstance(body, CompletionRequest):
-        return body.prompt_text()
+        return body.prompts()
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
-        return service.tokenizer.apply_chat_template(messages)
+        return [service.tokenizer.apply_chat_template(messages)]
     except TemplateError as exc:  # the checkpoint's template refuses the conversation (e.g. role order)
         raise APIError(
             400, f"The chat template refused the messages: {exc}", param="messages", code="invalid_messages"
         ) from None
 
 
-def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
+def _sampling(
+    body: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+) -> SamplingParams:
     return SamplingParams(
-        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop_strings()
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=body.stop_strings(),
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=body.token_bias(),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )

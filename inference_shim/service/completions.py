@@ -1,13 +1,17 @@
-"""One generation request after validation: hand it to the engine thread, follow its updates,
-answer in OpenAI's shapes (whole or as server-sent events), and count it exactly once.
+"""One generation request after validation: hand its sequences to the engine thread, follow
+their updates, answer in OpenAI's shapes (whole or as server-sent events), and count each once.
 
-The counters a request updates (`layerwatch_requests_total`, `layerwatch_tokens_total`, latency,
-its own skip fraction and token-dependent share) are computed from the same updates that make up
-the client's `usage`, when the final update
-arrives and before the response is sent, so a scrape after the response sees them. A client that
-goes away cancels its generation; the request is then counted as `cancelled` with the tokens it
-had generated until the engine stopped it (those tokens were decoded and are in the layer
-counters too).
+A request asks for one or more choices: `n` per prompt, and completions may carry several
+prompts. Each choice is one engine sequence (`Choice`), counted in the metrics as one request:
+`layerwatch_requests_total`, `layerwatch_tokens_total`, latency, its own skip fraction and
+token-dependent share are computed from the same updates that make up the client's `usage`, when
+the final update arrives and before the response is sent, so a scrape after the response sees
+them. A client that goes away cancels every choice; each is then counted as `cancelled` with the
+tokens it had generated until the engine stopped it (those tokens were decoded and are in the
+layer counters too). A choice that fails fails the request, and the other choices are cancelled.
+
+Log-probabilities are the served model's: prompt tokens' from the full-depth prefill, generated
+tokens' from the gated decode step that produced them (`TokenLogprob`).
 """
 
 from __future__ import annotations
@@ -16,13 +20,13 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from starlette.requests import Request
 
-from inference_shim.runtime.engine import SamplingParams, SequenceUpdate
+from inference_shim.runtime.engine import SamplingParams, SequenceUpdate, TokenLogprob
 from inference_shim.service.engine_worker import EngineFailure, RequestHandle
 from inference_shim.service.metrics import FinishedRequest
 from inference_shim.service.schemas import APIError
@@ -38,31 +42,55 @@ ACTIVITY_EVENT = "layerwatch.layer_activity"
 
 
 @dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    text: str  # what `echo` returns
+
+
+@dataclass(frozen=True)
 class Prepared:
     """A validated generation request."""
 
     kind: Literal["completion", "chat"]
     request_id: str
     model_name: str
-    prompt_ids: list[int]
-    params: SamplingParams
+    prompts: list[Prompt]
+    n: int  # choices per prompt
+    params: SamplingParams  # choice j of a prompt draws with seed + j
     stream: bool
     include_usage: bool
-    debug: bool  # return the per-token layer activity
+    debug: bool  # return the per-token layer activity (of the first choice)
+    echo: bool = False  # completions: the prompt opens the text (and its logprobs the logprobs)
+    logprobs: int | None = None  # alternatives per token (chat: top_logprobs); None: no logprobs
+
+    def choice_params(self, j: int) -> SamplingParams:
+        if j == 0 or self.params.seed is None:
+            return self.params
+        return replace(self.params, seed=(self.params.seed + j) % 2**63)
 
 
-class Generation:
-    _draining: set[asyncio.Task] = set()  # background tasks of abandoned streams (kept referenced)
+class Choice:
+    """One sequence of a request: its engine handle, what it has produced, its metrics."""
 
-    def __init__(self, service: ShimService, prepared: Prepared, arrived: float) -> None:
+    _draining: set[asyncio.Task] = set()  # background tasks of abandoned choices (kept referenced)
+
+    def __init__(self, service: ShimService, prepared: Prepared, index: int, prompt: Prompt, arrived: float) -> None:
         self.service = service
         self.prepared = prepared
+        self.index = index
+        self.prompt = prompt
         self.arrived = arrived
-        self.created = int(time.time())
         self.handle = RequestHandle(
-            prepared.prompt_ids, prepared.params, asyncio.get_running_loop(), capture_activity=prepared.debug
+            prompt.ids,
+            prepared.choice_params(index % prepared.n),
+            asyncio.get_running_loop(),
+            capture_activity=prepared.debug and index == 0,
         )
+        self.text = prompt.text if prepared.echo else ""
         self.completion_tokens = 0
+        # The tokens that have log-probabilities (echo: the prompt's first) and theirs (None: none).
+        self.logprob_ids: list[int] = []
+        self.logprobs: list[TokenLogprob | None] = []
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.gaps: list[float] = []
@@ -74,7 +102,7 @@ class Generation:
         self.service.worker.submit(self.handle)
 
     async def next(self) -> SequenceUpdate:
-        """The next update; raises APIError when the engine could not serve the request."""
+        """The next update; raises APIError when the engine could not serve the choice."""
         item = await self.handle.updates.get()
         if isinstance(item, EngineFailure):
             self._record("client_error" if item.client_error else "server_error")
@@ -87,6 +115,13 @@ class Generation:
                 self.gaps.append(now - self.last_token_at)
             self.last_token_at = now
         self.completion_tokens += len(item.new_token_ids)
+        self.text += item.text_delta
+        if item.prompt_logprobs is not None and self.prepared.echo:
+            self.logprob_ids += self.prompt.ids
+            self.logprobs += item.prompt_logprobs
+        if item.logprobs is not None:
+            self.logprob_ids += item.new_token_ids
+            self.logprobs += item.logprobs
         if item.finished:
             self.final = item
             self._record("cancelled" if item.finish_reason == "cancelled" else "ok")
@@ -97,10 +132,9 @@ class Generation:
             self.service.worker.cancel(self.handle)
 
     def abandon(self) -> None:
-        """The client is gone: cancel, and count the request once the engine has stopped it.
-
-        A no-op for a request already counted, so it is safe to call however a response ended.
-        """
+        """The client is gone (or another choice failed): cancel, and count the choice once the
+        engine has stopped it. A no-op for a choice already counted, so it is safe to call however
+        a response ended."""
         if self.recorded or self.abandoned:
             return
         self.abandoned = True
@@ -122,10 +156,11 @@ class Generation:
         self.recorded = True
         self.service.admission.leave()
         # A prompt the engine refused was never prefilled.
-        prompt_tokens = 0 if status == "client_error" else len(self.prepared.prompt_ids)
+        prompt_tokens = 0 if status == "client_error" else len(self.prompt.ids)
         log.info(
-            "%s: %s, %d prompt + %d completion tokens",
+            "%s[%d]: %s, %d prompt + %d completion tokens",
             self.prepared.request_id,
+            self.index,
             status,
             prompt_tokens,
             self.completion_tokens,
@@ -143,27 +178,77 @@ class Generation:
         )
 
     def _layers(self) -> RequestLayers | None:
-        """The request's decode steps per layer, from the engine's final update (None without one)."""
+        """The choice's decode steps per layer, from the engine's final update (None without one)."""
         counts = self.final.layer_counts if self.final is not None else None
         if counts is None:
             return None
         return RequestLayers(counts.tokens, counts.skipped, counts.below_threshold)
 
+
+class Generation:
+    """A request's choices, and the response they make up."""
+
+    def __init__(self, service: ShimService, prepared: Prepared, arrived: float) -> None:
+        self.service = service
+        self.prepared = prepared
+        self.created = int(time.time())
+        self.choices = [
+            Choice(service, prepared, i * prepared.n + j, prompt, arrived)
+            for i, prompt in enumerate(prepared.prompts)
+            for j in range(prepared.n)
+        ]
+        self._token_texts: dict[int, str] = {}
+
+    def start(self) -> None:
+        for choice in self.choices:
+            choice.start()
+
+    def finished(self) -> bool:
+        return all(choice.final is not None for choice in self.choices)
+
+    async def updates(self) -> AsyncIterator[tuple[Choice, SequenceUpdate]]:
+        """Every choice's updates as they arrive (in order within a choice). An APIError of one
+        choice ends the iteration; the caller then abandons the rest."""
+        waiting = {asyncio.ensure_future(c.next()): c for c in self.choices if c.final is None}
+        try:
+            while waiting:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    choice = waiting.pop(task)
+                    update = task.result()
+                    if choice.final is None:
+                        waiting[asyncio.ensure_future(choice.next())] = choice
+                    yield choice, update
+        finally:
+            for task in waiting:
+                task.cancel()  # safe: an update is taken off its queue only by a finished get()
+
+    def cancel(self) -> None:
+        for choice in self.choices:
+            choice.cancel()
+
+    def abandon(self) -> None:
+        for choice in self.choices:
+            choice.abandon()
+
     # --- what the client gets ----------------------------------------------------------------------
 
     def usage(self) -> dict[str, int]:
-        final = self.final
-        prompt = len(self.prepared.prompt_ids)
+        """OpenAI's usage (each prompt counted once, however many choices it has) and the layers
+        the choices' decode steps executed and skipped."""
+        finals = [c.final for c in self.choices if c.final is not None]
+        prompt = sum(len(p.ids) for p in self.prepared.prompts)
+        completion = sum(c.completion_tokens for c in self.choices)
         return {
             "prompt_tokens": prompt,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": prompt + self.completion_tokens,
-            "layers_executed": final.layers_executed if final else 0,
-            "layers_skipped": final.layers_skipped if final else 0,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "layers_executed": sum(f.layers_executed for f in finals),
+            "layers_skipped": sum(f.layers_skipped for f in finals),
         }
 
     def activity_json(self) -> str:
-        rows = [[int(ran) for ran in token] for token in self.handle.activity]
+        rows = [[int(ran) for ran in token] for token in self.choices[0].handle.activity]
         return json.dumps(rows, separators=(",", ":"))
 
     def envelope(self, chunk: bool) -> dict[str, Any]:
@@ -171,42 +256,110 @@ class Generation:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if p.kind == "chat" else "text_completion"
         return {"id": p.request_id, "object": kind, "created": self.created, "model": p.model_name}
 
-    def response(self, text: str) -> dict[str, Any]:
-        if self.final is None:
+    def response(self) -> dict[str, Any]:
+        if not self.finished():
             raise RuntimeError(f"{self.prepared.request_id}: response() before the generation finished")
-        reason = self.final.finish_reason
-        if self.prepared.kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": reason,
-                "logprobs": None,
-            }
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-        return {**self.envelope(chunk=False), "choices": [choice], "usage": self.usage()}
+        choices = []
+        for c in self.choices:
+            assert c.final is not None
+            logprobs = self._logprobs(c, 0, len(c.logprobs))
+            if self.prepared.kind == "chat":
+                message = {"role": "assistant", "content": c.text}
+                choices.append(
+                    {"index": c.index, "message": message, "finish_reason": c.final.finish_reason, "logprobs": logprobs}
+                )
+            else:
+                choices.append(
+                    {"index": c.index, "text": c.text, "finish_reason": c.final.finish_reason, "logprobs": logprobs}
+                )
+        return {**self.envelope(chunk=False), "choices": choices, "usage": self.usage()}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
+    def chunk(
+        self,
+        choice: Choice,
+        text: str | None,
+        logprobs: tuple[int, int],
+        finish_reason: str | None = None,
+        role: bool = False,
+    ) -> dict[str, Any]:
+        """One choice's streamed chunk: its new text and the log-probabilities of entries [start, end)."""
+        entries = self._logprobs(choice, *logprobs)
         if self.prepared.kind == "chat":
             delta: dict[str, str] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            body = {"index": choice.index, "delta": delta, "finish_reason": finish_reason, "logprobs": entries}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
-        return {**self.envelope(chunk=True), "choices": [choice]}
+            body = {"index": choice.index, "text": text or "", "finish_reason": finish_reason, "logprobs": entries}
+        return {**self.envelope(chunk=True), "choices": [body]}
+
+    def _logprobs(self, choice: Choice, start: int, end: int) -> dict[str, Any] | None:
+        """Entries [start, end) of a choice's log-probabilities in the endpoint's shape; None when
+        not asked for."""
+        k = self.prepared.logprobs
+        if k is None:
+            return None
+        ids, entries = choice.logprob_ids[start:end], choice.logprobs[start:end]
+        if self.prepared.kind == "chat":
+            return {"content": [self._chat_logprob(e, k) for e in entries if e is not None]}
+        return completion_logprobs(ids, entries, self._token_text, self._text_offset(choice, start))
+
+    def _chat_logprob(self, entry: TokenLogprob, k: int) -> dict[str, Any]:
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {**item(entry.token_id, entry.logprob), "top_logprobs": [item(t, lp) for t, lp in entry.top[:k]]}
+
+    def _text_offset(self, choice: Choice, start: int) -> int:
+        return sum(len(self._token_text(t)) for t in choice.logprob_ids[:start])
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.service.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
 
-async def run_to_end(generation: Generation, request: Request) -> str:
-    """Collect a whole generation (non-streaming); a disconnect cancels it. Returns the text."""
+def completion_logprobs(
+    ids: list[int], entries: list[TokenLogprob | None], token_text: Callable[[int], str], offset: int
+) -> dict[str, list]:
+    """The completions API's logprobs object. As OpenAI's (and vLLM's), each top_logprobs dict also
+    holds the chosen token, so it may have one entry more than asked for."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+    for token_id, entry in zip(ids, entries):
+        text = token_text(token_id)
+        tokens.append(text)
+        text_offset.append(offset)
+        offset += len(text)
+        token_logprobs.append(None if entry is None else entry.logprob)
+        if entry is None:
+            top_logprobs.append(None)
+        else:
+            top: dict[str, float] = {}
+            for token, logprob in (*entry.top, (token_id, entry.logprob)):
+                top.setdefault(token_text(token), logprob)  # tokens of one text: the most likely's
+            top_logprobs.append(top)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
+
+
+async def run_to_end(generation: Generation, request: Request) -> None:
+    """Collect a whole generation (non-streaming); a disconnect cancels it, a failed choice the rest."""
     watcher = asyncio.create_task(_cancel_on_disconnect(request, generation))
-    parts = []
     try:
-        while generation.final is None:
-            parts.append((await generation.next()).text_delta)
+        async for _ in generation.updates():
+            pass
     finally:
         watcher.cancel()
-    return "".join(parts)
+        generation.abandon()  # a no-op for the choices that finished
 
 
 async def _cancel_on_disconnect(request: Request, generation: Generation) -> None:
@@ -218,19 +371,26 @@ async def _cancel_on_disconnect(request: Request, generation: Generation) -> Non
 async def stream_events(generation: Generation) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's streaming format, ending with `data: [DONE]`.
 
-    With `stream_options.include_usage` a last chunk carries `usage`; with the debug header a
-    final `layerwatch.layer_activity` event carries the per-token layer activity. If the client
+    Each chunk carries one choice's new text (with echo, the prompt first) and, when asked for,
+    the log-probabilities of its new tokens, so a chunk may come with an empty text. With
+    `stream_options.include_usage` a last chunk carries `usage`; with the debug header a final
+    `layerwatch.layer_activity` event carries the per-token layer activity. If the client
     disconnects, Starlette cancels the stream (possibly before this generator has started), and the
     response's background task abandons the generation.
     """
     p = generation.prepared
+    sent_text = {c.index: 0 for c in generation.choices}  # characters of each choice's text sent
+    sent_logprobs = dict.fromkeys(sent_text, 0)  # its log-probability entries sent
     try:
         if p.kind == "chat":
-            yield _sse(generation.chunk("", role=True))
-        while generation.final is None:
-            update = await generation.next()
-            if update.text_delta or update.finished:
-                yield _sse(generation.chunk(update.text_delta, update.finish_reason))
+            for choice in generation.choices:
+                yield _sse(generation.chunk(choice, "", (0, 0), role=True))
+        async for choice, update in generation.updates():
+            text = choice.text[sent_text[choice.index] :]
+            entries = (sent_logprobs[choice.index], len(choice.logprobs))
+            if text or update.finished or entries[1] > entries[0]:
+                sent_text[choice.index], sent_logprobs[choice.index] = len(choice.text), entries[1]
+                yield _sse(generation.chunk(choice, text, entries, update.finish_reason))
         if p.include_usage:
             yield _sse({**generation.envelope(chunk=True), "choices": [], "usage": generation.usage()})
         if p.debug:

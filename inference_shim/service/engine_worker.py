@@ -236,22 +236,25 @@ class EngineWorker:
         sequence_id = update.sequence_id
         if sequence_id in self._probes:
             if update.finished:
-                self._finish_probe(self._probes.pop(sequence_id))
+                self._finish_probe(self._probes.pop(sequence_id), update.error)
             return
         handle = self._handles.get(sequence_id)
         if handle is None:
             return
         handle.generated_ids.extend(update.new_token_ids)
-        handle.deliver(update)
+        # A sequence that failed alone (the rest of the batch goes on) fails its request alone.
+        handle.deliver(update if update.error is None else EngineFailure(update.error))
         if update.finished:
             del self._handles[sequence_id]
             self._capturing.pop(sequence_id, None)
             if self._shadow is not None and update.finish_reason in ("stop", "length"):
-                self._shadow.offer(handle.prompt_ids, handle.generated_ids, greedy=handle.params.temperature == 0)
+                self._shadow.offer(handle.prompt_ids, handle.generated_ids, greedy=handle.params.plain_greedy())
 
     @staticmethod
-    def _finish_probe(probe: _Probe) -> None:
-        if probe.saw_layer_activity:
+    def _finish_probe(probe: _Probe, error: str | None) -> None:
+        if error is not None:
+            probe.future.set_result(ProbeResult(False, error))
+        elif probe.saw_layer_activity:
             probe.future.set_result(ProbeResult(True, "a one-token generation ran through the gated model"))
         else:
             probe.future.set_result(ProbeResult(False, "the probe generated without a layer-activity record"))

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, cast
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from starlette.requests import Request
+
+from inference_shim.runtime.engine import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 
 _Request = TypeVar("_Request", bound=BaseModel)
 
@@ -137,21 +139,31 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_CHOICES = 128  # choices per request (n × prompts): OpenAI's largest n
+
+
 class SamplingFields(BaseModel):
     """What completions and chat share. Unknown fields are ignored (as many OpenAI-compatible
-    servers do), but fields whose other values would change the result are checked."""
+    servers do), but fields whose other values would change the result are checked (and the
+    known ones this server does not implement are refused: `refuse_unsupported`)."""
 
     model_config = STRICT
 
     model: Text
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: only with completions' echo
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's newer name; wins
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    best_of: int | None = None
+    presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    ignore_eos: bool = False  # vLLM's: run to the token limit through EOS (benchmark clients send it)
 
     @field_validator("stop")
     @classmethod
@@ -163,27 +175,102 @@ class SamplingFields(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value
 
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of must equal n: this server returns every sequence it generates")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"keys must be token ids (decimal integers), not {key!r}")
+        return value
+
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def token_limit(self) -> tuple[int | None, str]:
+        """(the generation's token limit, the field it came from): max_completion_tokens wins over
+        the deprecated max_tokens, as OpenAI documents."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def token_bias(self) -> dict[int, float]:
+        return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
+
+
+# Fields this server does not implement, with the values that mean "not used": any other value
+# would change the result, so it is refused with a 400 naming the field rather than ignored.
+# (OpenAI's fields, and vLLM's sampling extensions that clients send.)
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": ((None, []), "tool calling is not supported"),
+    "tool_choice": ((None, "none"), "tool calling is not supported"),
+    "functions": ((None, []), "function calling is not supported"),
+    "function_call": ((None, "none"), "function calling is not supported"),
+    "response_format": ((None, {"type": "text"}), "only the text response format is supported"),
+    "suffix": ((None, ""), "insertion (suffix) is not supported"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "top_k": ((None, -1, 0), "top-k sampling is not supported (use top_p)"),
+    "min_p": ((None, 0), "min-p sampling is not supported (use top_p)"),
+    "repetition_penalty": (
+        (None, 1),
+        "repetition_penalty is not supported (use presence_penalty or frequency_penalty)",
+    ),
+    "min_tokens": ((None, 0), "min_tokens is not supported"),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "stop_token_ids": ((None, []), "stop_token_ids is not supported (use stop)"),
+    "include_stop_str_in_output": ((None, False), "include_stop_str_in_output is not supported"),
+    "skip_special_tokens": ((None, True), "special tokens are always skipped in the text"),
+    "prompt_logprobs": ((None,), "prompt_logprobs is not supported (use echo with logprobs)"),
+    "guided_json": ((None,), "guided decoding is not supported"),
+    "guided_regex": ((None,), "guided decoding is not supported"),
+    "guided_choice": ((None,), "guided decoding is not supported"),
+    "guided_grammar": ((None,), "guided decoding is not supported"),
+    "structured_outputs": ((None,), "structured outputs are not supported"),
+    "truncate_prompt_tokens": ((None,), "prompt truncation is not supported"),
+}
+_CHAT_UNSUPPORTED = {"echo": ((None, False), "echo is a completions field")}
+
+
+def refuse_unsupported(data: dict[str, Any], chat: bool) -> None:
+    """400 naming the first field that asks for something this server does not do."""
+    for name, (neutral, why) in (_UNSUPPORTED | (_CHAT_UNSUPPORTED if chat else {})).items():
+        value = data.get(name)
+        # (a boolean is not a number here: "top_k": false is not top_k 0)
+        if name in data and not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
+            raise APIError(400, f"{name}: {why}.", param=name, code="unsupported_parameter")
+
 
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[Text]
-    echo: Literal[False] = False
-    logprobs: None = None
+    # One prompt or several; each a string or token ids (as lm-eval and vLLM send them).
+    prompt: Text | list[Text] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and len(value) != 1:
-            raise ValueError("exactly one prompt per request is supported")
+    def _some_prompt(cls, value: str | list) -> str | list:
+        if isinstance(value, list) and not value:
+            raise ValueError("at least one prompt is required")
         return value
 
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: text, or token ids used as they are."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, int) for p in self.prompt):
+            return [cast("list[int]", self.prompt)]
+        return cast("list[str | list[int]]", self.prompt)
 
 
 class TextPart(BaseModel):
@@ -203,4 +290,12 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    logprobs: Literal[False] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value

@@ -150,7 +150,11 @@ def test_model_without_gates_runs_full_depth(no_eos):
         ([], SamplingParams(), "at least one token"),
         ([0, 300], SamplingParams(), "token ids must be in 0..299"),
         (list(range(70)), SamplingParams(), "exceeds max_seq_len=64"),
-        (PROMPT, SamplingParams(max_tokens=0), "max_tokens"),
+        (PROMPT, SamplingParams(max_tokens=-1), "max_tokens"),
+        (PROMPT, SamplingParams(logit_bias={300: 1.0}), "logit_bias token ids must be in 0..299"),
+        (PROMPT, SamplingParams(logit_bias={5: 101.0}), "logit_bias values"),
+        (PROMPT, SamplingParams(presence_penalty=2.5), "presence_penalty"),
+        (PROMPT, SamplingParams(logprobs=21), "logprobs"),
         (PROMPT, SamplingParams(temperature=-1.0), "temperature"),
         (PROMPT, SamplingParams(top_p=0.0), "top_p"),
         (PROMPT, SamplingParams(stop=("",)), "stop strings"),
@@ -264,3 +268,47 @@ def test_a_llama_decode_step_runs_no_family_kernels(model):
         assert ops["silu"] == attention
         assert not {"tanh", "_softmax", "arange"} & set(ops)
         assert ops["gelu"] == 1  # the gates, all layers batched
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1e-300), SamplingParams(temperature=1.0, top_p=1e-300)])
+def test_extreme_sampling_values_sample_the_most_likely_token(model, no_eos, params):
+    # Regression: 1e-300 is 0 in float32, so the draw divided by zero (or the nucleus kept nothing)
+    # and torch.multinomial raised for the whole batch.
+    greedy = engine(model, no_eos).generate(PROMPT, SamplingParams(max_tokens=6))
+    params.max_tokens, params.seed = 6, 3
+    assert engine(model, no_eos).generate(PROMPT, params).token_ids == greedy.token_ids
+
+
+def test_a_row_with_non_finite_logits_fails_alone(model, no_eos):
+    eng = engine(model, no_eos)
+    victim = eng.submit(PROMPT, SamplingParams(max_tokens=4))
+    broken = eng.submit([0, 9, 9], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
+    real_step = eng.model.decode_step
+
+    def nan_for_the_second_row(*args, **kwargs):
+        logits, entropies = real_step(*args, **kwargs)
+        if len(logits) == 2:  # the broken row is the second while both run
+            logits[1] = float("nan")
+        return logits, entropies
+
+    eng.model.decode_step = nan_for_the_second_row
+    finals = {}
+    while eng.has_work():
+        finals.update({u.sequence_id: u for u in eng.step() if u.finished})
+    assert finals[broken].finish_reason == "error" and "non-finite logits" in finals[broken].error
+    assert finals[victim].finish_reason == "length" and finals[victim].error is None
+
+
+def test_prompt_logprobs_are_the_full_depth_forward_pass(model, no_eos):
+    eng = engine(model, no_eos)
+    eng.submit(PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=2))
+    (update,) = eng.step()
+    assert update.finished and update.finish_reason == "length" and update.new_token_ids == []
+    assert update.prompt_logprobs[0] is None and not eng.has_work()
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([PROMPT]))
+    expected = torch.log_softmax(logits[0, :-1].double(), dim=-1)
+    for position, entry in enumerate(update.prompt_logprobs[1:]):
+        assert entry.token_id == PROMPT[position + 1]
+        assert entry.logprob == pytest.approx(expected[position, entry.token_id].item(), abs=1e-5)
+        assert [t for t, _ in entry.top] == expected[position].topk(2).indices.tolist()

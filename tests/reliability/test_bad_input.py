@@ -89,8 +89,23 @@ sampling_fields = {
     "stream": field(st.booleans()),
     "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
     "n": field(st.integers(0, 3)),
+    "max_completion_tokens": field(st.integers(-1, MAX_TOKENS_CAP + 1)),
+    "best_of": field(st.integers(0, 3)),
+    "presence_penalty": field(st.floats(-3, 3)),
+    "frequency_penalty": field(st.floats(-3, 3)),
+    "logit_bias": field(st.dictionaries(st.integers(-2, 400).map(str), st.floats(-150, 150), max_size=3)),
+    "ignore_eos": field(st.booleans()),
+    "logprobs": field(st.integers(-1, 21) | st.booleans()),
+    "top_logprobs": field(st.integers(-1, 21)),
+    "echo": field(st.booleans()),
+    "response_format": field(st.sampled_from([{"type": "text"}, {"type": "json_object"}])),
 }
-prompts = st.text(min_size=1, max_size=200) | st.lists(st.text(max_size=20), max_size=3)
+prompts = (
+    st.text(min_size=1, max_size=200)
+    | st.lists(st.text(max_size=20), max_size=3)
+    | st.lists(st.integers(-1, 400), max_size=12)
+    | st.lists(st.lists(st.integers(0, 400), max_size=6), max_size=3)
+)
 messages = st.lists(
     st.fixed_dictionaries(
         {

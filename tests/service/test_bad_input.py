@@ -16,6 +16,10 @@ def completion(**overrides) -> dict:
     return {"model": MODEL_NAME, "prompt": "In the beginning", "max_tokens": 4, **overrides}
 
 
+def chat(**overrides) -> dict:
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Let there be light"}], **overrides}
+
+
 CASES = [
     # (id, path, raw body or JSON object, headers, status, code)
     ("not-json", "/v1/completions", b"{not json", {}, 400, "invalid_json"),
@@ -28,7 +32,10 @@ CASES = [
     ("wrong-type", "/v1/completions", completion(max_tokens="many"), {}, 400, "invalid_value"),
     ("string-for-number", "/v1/completions", completion(max_tokens="5"), {}, 400, "invalid_value"),
     ("string-for-boolean", "/v1/completions", completion(stream="yes"), {}, 400, "invalid_value"),
-    ("token-ids-prompt", "/v1/completions", completion(prompt=[1, 2]), {}, 400, "invalid_value"),
+    ("token-id-out-of-vocabulary", "/v1/completions", completion(prompt=[1, 320]), {}, 400, "invalid_value"),
+    ("negative-token-id", "/v1/completions", completion(prompt=[[1, -2]]), {}, 400, "invalid_value"),
+    ("mixed-prompt-list", "/v1/completions", completion(prompt=["a", 1]), {}, 400, "invalid_value"),
+    ("empty-prompt-list", "/v1/completions", completion(prompt=[]), {}, 400, "invalid_value"),
     (
         "image-content",
         "/v1/chat/completions",
@@ -40,12 +47,52 @@ CASES = [
     ("zero-max-tokens", "/v1/completions", completion(max_tokens=0), {}, 400, "invalid_value"),
     ("temperature-out-of-range", "/v1/completions", completion(temperature=7), {}, 400, "invalid_value"),
     ("seed-out-of-range", "/v1/completions", completion(seed=-1), {}, 400, "invalid_value"),
-    ("n-above-one", "/v1/completions", completion(n=2), {}, 400, "invalid_value"),
-    ("two-prompts", "/v1/completions", completion(prompt=["a", "b"]), {}, 400, "invalid_value"),
+    ("n-zero", "/v1/completions", completion(n=0), {}, 400, "invalid_value"),
+    ("too-many-choices", "/v1/completions", completion(prompt=["a", "b"], n=65), {}, 400, "invalid_value"),
+    ("best-of-above-n", "/v1/completions", completion(best_of=2), {}, 400, "invalid_value"),
+    ("logprobs-above-20", "/v1/completions", completion(logprobs=21), {}, 400, "invalid_value"),
+    ("logit-bias-key-not-a-token-id", "/v1/completions", completion(logit_bias={"x": 1}), {}, 400, "invalid_value"),
+    (
+        "logit-bias-token-out-of-vocabulary",
+        "/v1/completions",
+        completion(logit_bias={"320": 1}),
+        {},
+        400,
+        "invalid_value",
+    ),
+    ("logit-bias-above-100", "/v1/completions", completion(logit_bias={"5": 101}), {}, 400, "invalid_value"),
+    ("presence-penalty-above-2", "/v1/completions", completion(presence_penalty=2.5), {}, 400, "invalid_value"),
+    ("frequency-penalty-below-2", "/v1/completions", completion(frequency_penalty=-3), {}, 400, "invalid_value"),
+    (
+        "json-response-format",
+        "/v1/completions",
+        completion(response_format={"type": "json_object"}),
+        {},
+        400,
+        "unsupported_parameter",
+    ),
+    ("suffix", "/v1/completions", completion(suffix="and the end"), {}, 400, "unsupported_parameter"),
+    ("top-k", "/v1/completions", completion(top_k=5), {}, 400, "unsupported_parameter"),
+    (
+        "zero-max-tokens-with-echo-above-cap",
+        "/v1/completions",
+        completion(max_tokens=49, echo=True),
+        {},
+        400,
+        "max_tokens_exceeded",
+    ),
     ("empty-stop", "/v1/completions", completion(stop=[""]), {}, 400, "invalid_value"),
     ("empty-prompt", "/v1/completions", completion(prompt=""), {}, 400, "empty_prompt"),
     ("over-long-prompt", "/v1/completions", completion(prompt=LONG_PROMPT[:6000]), {}, 400, "context_length_exceeded"),
     ("max-tokens-above-cap", "/v1/completions", completion(max_tokens=49), {}, 400, "max_tokens_exceeded"),
+    (
+        "max-completion-tokens-above-cap",
+        "/v1/completions",
+        completion(max_tokens=4, max_completion_tokens=49),
+        {},
+        400,
+        "max_tokens_exceeded",
+    ),
     ("unknown-model", "/v1/completions", completion(model="gpt-17"), {}, 404, "model_not_found"),
     ("body-too-large", "/v1/completions", completion(prompt="x" * 9000), {}, 413, "request_too_large"),
     ("no-messages", "/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, {}, 400, "invalid_value"),
@@ -65,6 +112,34 @@ CASES = [
         404,
         "model_not_found",
     ),
+    (
+        "tools",
+        "/v1/chat/completions",
+        chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        {},
+        400,
+        "unsupported_parameter",
+    ),
+    ("tool-choice", "/v1/chat/completions", chat(tool_choice="required"), {}, 400, "unsupported_parameter"),
+    (
+        "chat-json-format",
+        "/v1/chat/completions",
+        chat(response_format={"type": "json_schema"}),
+        {},
+        400,
+        "unsupported_parameter",
+    ),
+    ("chat-echo", "/v1/chat/completions", chat(echo=True), {}, 400, "unsupported_parameter"),
+    ("top-logprobs-without-logprobs", "/v1/chat/completions", chat(top_logprobs=2), {}, 400, "invalid_value"),
+    ("top-logprobs-above-20", "/v1/chat/completions", chat(logprobs=True, top_logprobs=21), {}, 400, "invalid_value"),
+    (
+        "chat-zero-max-completion-tokens",
+        "/v1/chat/completions",
+        chat(max_completion_tokens=0),
+        {},
+        400,
+        "invalid_value",
+    ),
     ("unknown-route", "/v1/embeddings", completion(), {}, 404, "not_found"),
 ]
 
@@ -77,7 +152,7 @@ def test_bad_input_gets_an_openai_error(server, path, body, headers, status, cod
     )
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert error["code"] == code
+    assert error["code"] == code, error
     assert error["message"] and error["type"] == "invalid_request_error"
     assert set(error) == {"message", "type", "param", "code"}
     if code == "invalid_value" and isinstance(body, dict):

@@ -1,0 +1,194 @@
+"""The clients people already use, each with its default settings, against a live `layerwatch serve`
+on the demo model: LangChain, guidellm (a benchmark) and lm-eval's `local-completions` (a
+generate-until and a loglikelihood task over local data, and perplexity through the API, which
+must agree with `layerwatch eval` on the same text). Nothing is downloaded: the tokenizer the
+clients load is the demo model's folder, the data sets are files the tests write.
+
+(The official `openai` client is in test_openai_api.py and test_openai_fields.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from demo.processes import ManagedProcess, free_port
+from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+
+DEMO_NAME = "layerwatch-demo"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+GENESIS = (
+    "In the beginning God created the heaven and the earth. And the earth was without form, and void; "
+    "and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters."
+)
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory) -> Iterator[str]:
+    work = tmp_path_factory.mktemp("clients")
+    port = free_port()
+    argv = [sys.executable, "-m", "layerwatch_cli.main", "serve", "--port", str(port), "--exporter-address", ""]
+    process = ManagedProcess("serve", argv, work / "serve.log", env={"OMP_NUM_THREADS": "1"})
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        process.wait_http(f"{base_url}/health", timeout=120)
+        yield base_url
+    finally:
+        process.stop()
+
+
+def test_langchain_chat_openai_keeps_to_max_tokens(demo_server):
+    from langchain_openai import ChatOpenAI, OpenAI
+
+    chat = ChatOpenAI(model=DEMO_NAME, base_url=f"{demo_server}/v1", api_key="x", max_tokens=8, max_retries=0)
+    answer = chat.invoke("And God said, Let there be light")
+    assert 0 < answer.usage_metadata["output_tokens"] <= 8  # sent as max_completion_tokens
+    assert answer.usage_metadata["output_tokens"] == 8 or answer.response_metadata["finish_reason"] == "stop"
+    llm = OpenAI(model=DEMO_NAME, base_url=f"{demo_server}/v1", api_key="x", max_tokens=6, max_retries=0)
+    texts = llm.batch(["In the beginning", "And the evening and the morning"])  # one request, two prompts
+    assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+
+
+def test_guidellm_synchronous_and_concurrent_runs_get_the_tokens_they_ask(demo_server, tmp_path):
+    report = tmp_path / "benchmarks.json"
+    command = [
+        str(Path(sys.executable).with_name("guidellm")),
+        "run",
+        "--backend",
+        f"kind=openai_http,target={demo_server}",
+        "--profile",
+        json.dumps({"kind": "concurrent", "streams": [1, 3]}),  # 1 stream: synchronous
+        "--constraint",
+        "kind=max_requests,count=4",
+        "--data",
+        "kind=synthetic_text,prompt_tokens=16,output_tokens=8",
+        "--tokenizer",
+        f"kind=huggingface_auto,model={DEMO_MODEL_DIR}",
+        "--output",
+        f"kind=json,path={report}",
+        "--disable-console-interactive",
+    ]
+    run = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env={**os.environ, **OFFLINE}, cwd=tmp_path
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    benchmarks = json.loads(report.read_text())["benchmarks"]
+    assert [b["config"]["strategy"]["streams"] for b in benchmarks] == [1, 3]
+    for benchmark in benchmarks:
+        requests = benchmark["requests"]
+        assert not requests["errored"] and not requests["incomplete"]
+        assert [r["output_metrics"]["text_tokens"] for r in requests["successful"]] == [8] * 4
+
+
+# --- lm-eval ------------------------------------------------------------------------------------------
+
+
+def lm_eval(demo_server: str, tmp_path: Path, tasks: dict[str, dict], docs: list[dict]) -> dict:
+    """Run lm-eval's local-completions on task YAMLs over a local jsonl file; -> its results."""
+    import yaml
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    for name, fields in tasks.items():
+        task = {
+            "task": name,
+            "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test",
+            **fields,
+        }
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(task))
+    model_args = f"model={DEMO_NAME},base_url={demo_server}/v1/completions,tokenizer={DEMO_MODEL_DIR}"
+    command = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "--model",
+        "local-completions",
+        "--model_args",
+        model_args,
+        "--tasks",
+        ",".join(tasks),
+        "--include_path",
+        str(tmp_path),
+        "--output_path",
+        str(tmp_path / "out"),
+    ]
+    run = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env={**os.environ, **OFFLINE}, cwd=tmp_path
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (results_file,) = (tmp_path / "out").rglob("results_*.json")
+    return json.loads(results_file.read_text())["results"]
+
+
+def test_lm_eval_generate_until_and_loglikelihood_tasks(demo_server, tmp_path):
+    docs = [
+        {"prompt": "In the beginning God created", "answer": " the heaven", "choices": [" the heaven", " a fish"]},
+        {"prompt": "And God said, Let there be", "answer": " light", "choices": [" light", " stones"]},
+    ]
+    tasks = {
+        "layerwatch_generate": {
+            "output_type": "generate_until",
+            "doc_to_text": "{{prompt}}",
+            "doc_to_target": "{{answer}}",
+            "generation_kwargs": {"until": ["\n"], "max_gen_toks": 8, "do_sample": False},
+            "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+        },
+        "layerwatch_choice": {
+            "output_type": "multiple_choice",
+            "doc_to_text": "{{prompt}}",
+            "doc_to_choice": "{{choices}}",
+            "doc_to_target": 0,
+            "target_delimiter": "",
+            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+        },
+    }
+    results = lm_eval(demo_server, tmp_path, tasks, docs)
+    assert 0.0 <= results["layerwatch_generate"]["exact_match,none"] <= 1.0
+    assert results["layerwatch_choice"]["acc,none"] == 1.0  # the demo model knows its Genesis
+
+
+def test_lm_eval_perplexity_agrees_with_layerwatch_eval(demo_server, tmp_path):
+    """lm-eval scores the text after the BOS token (its prefix token for an empty context) from the
+    served prompt log-probabilities; `layerwatch eval` decodes the same tokens, one window of BOS +
+    text, prefilling the BOS only, at threshold 0 (full depth)."""
+    from inference_shim.runtime.checkpoint import load_checkpoint
+
+    tokenizer = load_checkpoint(DEMO_MODEL_DIR).tokenizer
+    tokens = len(tokenizer.encode(GENESIS, add_bos=False))
+    tasks = {
+        "layerwatch_perplexity": {
+            "output_type": "loglikelihood",
+            "doc_to_text": "",
+            "doc_to_target": "{{text}}",
+            "target_delimiter": "",
+            "metric_list": [{"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False}],
+        }
+    }
+    results = lm_eval(demo_server, tmp_path, tasks, [{"text": GENESIS}])
+    # lm-eval's perplexity is exp(-mean document log-likelihood): one document here.
+    loglikelihood = -math.log(results["layerwatch_perplexity"]["perplexity,none"])
+
+    text = tmp_path / "genesis.txt"
+    text.write_text(GENESIS + "\n")
+    window = tokens + 1  # BOS + the text: exactly the tokens lm-eval sent
+    command = [sys.executable, "-m", "layerwatch_cli.main", "eval", "--data", str(text), "--json"]
+    command += ["--window", str(window), "--prefill", "1", "--max-tokens", str(tokens), "--threshold", "0"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, **OFFLINE})
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    assert report["windows"] == 1 and report["decoded_tokens"] == tokens
+    assert report["perplexity_gated"] == report["perplexity_full"]  # threshold 0 skips nothing
+    through_api = math.exp(-loglikelihood / tokens)
+    print(
+        f"perplexity over {tokens} tokens: lm-eval via the API {through_api:.6f}, eval {report['perplexity_full']:.6f}"
+    )
+    assert through_api == pytest.approx(report["perplexity_full"], rel=1e-4)
