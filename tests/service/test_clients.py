@@ -163,7 +163,7 @@ def test_lm_eval_perplexity_agrees_with_layerwatch_eval(demo_server, tmp_path):
     from inference_shim.runtime.checkpoint import load_checkpoint
 
     tokenizer = load_checkpoint(DEMO_MODEL_DIR).tokenizer
-    tokens = len(tokenizer.encode(GENESIS, add_bos=False))
+    tokens = len(tokenizer.encode(GENESIS, add_special_tokens=False))
     tasks = {
         "layerwatch_perplexity": {
             "output_type": "loglikelihood",
