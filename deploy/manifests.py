@@ -34,6 +34,9 @@ GRAFANA_DASHBOARD_LABEL = {"grafana_dashboard": "1"}
 TERMINATION_GRACE_SECONDS = 60
 # Loading a large checkpoint takes minutes; liveness waits for the start-up probe.
 STARTUP_SECONDS = 600
+# /readyz waits behind a full batch for up to 15 s (inference_shim/service/readiness.py,
+# PROBE_TIMEOUT_SECONDS; deploy/ may not import the shim): the kubelet must wait longer.
+READINESS_TIMEOUT_SECONDS = 20
 SHIM_PORT_NAME = "http"
 EXPORTER_PORT_NAME = "metrics"
 
@@ -81,7 +84,9 @@ def shim_container() -> dict:
         # Readiness is a real one-token gated generation (docs/service.md): a replica whose gates or
         # engine are broken leaves the Service instead of answering.
         "startupProbe": _probe("/healthz", SHIM_PORT_NAME, period=10, timeout=5, failures=STARTUP_SECONDS // 10),
-        "readinessProbe": _probe("/readyz", SHIM_PORT_NAME, period=15, timeout=10),
+        # Longer than the shim's own probe may wait behind a full batch (PROBE_TIMEOUT_SECONDS): a busy
+        # replica must stay in the Service.
+        "readinessProbe": _probe("/readyz", SHIM_PORT_NAME, period=15, timeout=READINESS_TIMEOUT_SECONDS),
         "livenessProbe": _probe("/healthz", SHIM_PORT_NAME, period=20, timeout=5),
         "securityContext": _security_context(),
     }
@@ -96,7 +101,8 @@ def exporter_container() -> dict:
         "ports": [{"name": EXPORTER_PORT_NAME, "containerPort": ports.EXPORTER_HTTP_PORT, "protocol": "TCP"}],
         # docs/performance.md: ~52 MB resident for 4 models x 80 layers with per-layer histograms.
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
-        "readinessProbe": _probe("/healthz", EXPORTER_PORT_NAME, period=15, timeout=5),
+        # Liveness only: a pod is Ready when all its containers are, and a monitoring hiccup must not
+        # take the serving replica out of the Service.
         "livenessProbe": _probe("/healthz", EXPORTER_PORT_NAME, period=20, timeout=5),
         "securityContext": {**_security_context(), "readOnlyRootFilesystem": True},
     }

@@ -30,6 +30,36 @@ PAGE_REPEAT_INTERVAL = 3600.0
 TICKET_REPEAT_INTERVAL = 4 * 3600.0
 
 
+def check_remote_write_urls(urls: Sequence[str]) -> None:
+    """Refuse what Prometheus would refuse at start-up, or should never be written into a committed
+    prometheus.yml: not a list, not http(s) with a host, a bad port, control characters or spaces,
+    credentials in the URL (use basic_auth / authorization from a file: docs/fleet.md), duplicates."""
+    if isinstance(urls, str):
+        raise ValueError(f"remote_write URLs must be a list of URLs, got the string {urls!r}")
+    for url in urls:
+        parts = urllib.parse.urlsplit(url)
+        try:
+            port_ok = parts.port is None or parts.port > 0
+        except ValueError:  # urllib refuses ports outside 0..65535
+            port_ok = False
+        problem = (
+            "is not an http(s) URL with a host (e.g. http://victoriametrics:8428/api/v1/write)"
+            if parts.scheme not in ("http", "https") or not parts.hostname
+            else "has a port outside 1..65535"
+            if not port_ok
+            else "holds a space or control character"
+            if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in url)
+            else "carries credentials: configure them from a file instead (docs/fleet.md)"
+            if parts.username is not None or parts.password is not None
+            else None
+        )
+        if problem:
+            raise ValueError(f"remote_write URL {url!r} {problem}")
+    duplicates = sorted({url for url in urls if urls.count(url) > 1})
+    if duplicates:
+        raise ValueError(f"remote_write URLs listed twice (Prometheus refuses to start): {duplicates}")
+
+
 def prometheus_config(
     *,
     shim_targets: list[str],
@@ -42,13 +72,7 @@ def prometheus_config(
 ) -> dict:
     """prometheus.yml. `remote_write_urls`: Prometheus-compatible stores (VictoriaMetrics, Thanos
     Receive, Mimir, ...) that get every sample, the recorded fleet roll-ups included (docs/fleet.md)."""
-    for url in remote_write_urls:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(
-                f"remote_write URL {url!r} is not an http(s) URL with a host "
-                "(e.g. http://victoriametrics:8428/api/v1/write)"
-            )
+    check_remote_write_urls(remote_write_urls)
     remote_write = {"remote_write": [{"url": url} for url in remote_write_urls]} if remote_write_urls else {}
     return {
         "global": {

@@ -79,11 +79,37 @@ def test_remote_write_is_rendered_only_when_asked_and_promtool_accepts_it(
     assert "remote_write" not in committed  # config.REMOTE_WRITE_URLS is empty
 
 
-@pytest.mark.parametrize("url", ["victoriametrics:8428/api/v1/write", "ftp://store/write", "http:///api/v1/write"])
-def test_remote_write_refuses_what_is_not_an_http_url(url: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(repr(url))):
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("victoriametrics:8428/api/v1/write", "not an http(s) URL"),
+        ("ftp://store/write", "not an http(s) URL"),
+        ("http:///api/v1/write", "not an http(s) URL"),
+        ("http://vm:99999/api/v1/write", "port outside"),
+        ("http://vm:0/api/v1/write", "port outside"),
+        ("http://vm:8428/api/v1/write two", "space or control character"),
+        ("http://vm:8428/api/v1/write\n", "space or control character"),
+        ("http://admin:s3cret@vm:8428/api/v1/write", "carries credentials"),
+    ],
+)
+def test_remote_write_refuses_urls_prometheus_would_refuse_or_should_not_hold(url: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(repr(url)) + ".*" + re.escape(problem)):
         deploy.prometheus_config(
             shim_targets=[], exporter_targets=[], alertmanager_targets=[], rule_files=[], remote_write_urls=[url]
+        )
+
+
+@pytest.mark.parametrize(
+    ("urls", "problem"),
+    [
+        (["http://vm:8428/api/v1/write", "http://vm:8428/api/v1/write"], "listed twice"),
+        ("http://vm:8428/api/v1/write", "must be a list"),
+    ],
+)
+def test_remote_write_refuses_duplicates_and_a_bare_string(urls, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        deploy.prometheus_config(
+            shim_targets=[], exporter_targets=[], alertmanager_targets=[], rule_files=[], remote_write_urls=urls
         )
 
 

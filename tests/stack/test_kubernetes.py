@@ -140,3 +140,13 @@ def test_the_shim_asks_for_a_gpu_and_images_match_the_compose_stack():
     assert {"name": "LAYERWATCH_DEVICE", "value": "cuda"} in shim["env"]
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
     assert shim["image"] == compose["shim"]["image"] and exporter["image"] == compose["exporter"]["image"]
+
+
+def test_a_busy_replica_stays_ready_and_the_exporter_cannot_unready_the_pod():
+    from inference_shim.service.readiness import PROBE_TIMEOUT_SECONDS
+
+    # /readyz may wait behind a full batch for PROBE_TIMEOUT_SECONDS: the kubelet must wait longer, or
+    # every saturated replica leaves the Service at once.
+    assert containers()["shim"]["readinessProbe"]["timeoutSeconds"] > PROBE_TIMEOUT_SECONDS
+    # A pod is Ready only when every container is: the sidecar has liveness, no readiness.
+    assert "readinessProbe" not in containers()["exporter"] and "livenessProbe" in containers()["exporter"]
