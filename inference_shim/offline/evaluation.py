@@ -40,6 +40,7 @@ class DecodeStep:
 
     entropies: np.ndarray | None  # float32 [B, L], None without gates
     skipped: np.ndarray  # bool [B, L]
+    losses: np.ndarray  # float32 [B]: each row's negative log-likelihood of its next text token
 
 
 @dataclass
@@ -142,14 +143,18 @@ def _decode_batch(
         )
         totals.decode_seconds += time.perf_counter() - started
         totals.decode_cpu_seconds += time.process_time() - started_cpu
-        nll = F.cross_entropy(step.logits.float(), batch[:, position + 1], reduction="sum")
-        totals.nll_sum += nll.item()
+        losses = F.cross_entropy(step.logits.float(), batch[:, position + 1], reduction="none").cpu().numpy()
+        totals.nll_sum += float(losses.sum(dtype=np.float64))
         totals.tokens += rows
         skipped = ~step.run_mask
         totals.skips_per_layer += skipped.sum(axis=0)
         totals.fallbacks += int(step.fallback_started.sum())
         if on_step is not None:
-            on_step(DecodeStep(entropies=step.entropies if model.gates is not None else None, skipped=skipped))
+            on_step(
+                DecodeStep(
+                    entropies=step.entropies if model.gates is not None else None, skipped=skipped, losses=losses
+                )
+            )
 
 
 @dataclass

@@ -7,10 +7,18 @@ one device->host transfer, after the last layer (next tokens and entropies toget
 feeds the policy for the *next* step. Nothing inside a step waits on the device to decide a skip.
 That step is `gated_decode_step`; teacher-forced evaluation calls it too, so both share its semantics.
 
+A sequence that asks for its prompt's log-probabilities is *scored* before it generates: its prompt
+is fed one decode step at a time (teacher-forced, from its first token on, as `layerwatch eval
+--prefill 1` feeds a window), in the batch with the other rows, so every prompt token's
+log-probability comes from the gated model as served, skips included. Then the slot is refilled
+by the usual full-depth prefill, so what it generates does not depend on having been scored.
+
 Token accounting: prefill runs the prompt except its last token. Decode step i of a sequence
 feeds its (i-1)-th generated token (the prompt's last token at i = 0) and produces the i-th, so
 N generated tokens = N decode steps, each with one StepRecord row. Generated tokens include a
-final EOS token or the token that completed a stop string; neither appears in the text.
+final EOS token or the token that completed a stop string; neither appears in the text. A scored
+prompt of T tokens takes T - 1 more decode steps of its sequence, which read the prompt (as
+prefill does) and so are not in the StepRecords.
 
 What one sequence raises (its prefill, sampling, log-probabilities, decoding) ends that sequence
 with finish_reason "error" and the rest of the batch goes on; only a failure of the batched model
@@ -47,7 +55,7 @@ FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 64  # 0: prefill only, for the prompt's log-probabilities
+    max_tokens: int = 64  # 0: generate nothing (with prompt_logprobs: only score the prompt)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int | None = None  # same seed -> same tokens, whatever else shares the batch
@@ -59,7 +67,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     ignore_eos: bool = False  # run to max_tokens through EOS tokens (vLLM's option, for benchmarks)
     logprobs: int | None = None  # each generated token's log-probability and its k most likely alternatives
-    prompt_logprobs: int | None = None  # the same for the prompt's tokens from the second on
+    # The same for the prompt's tokens from the second on, from teacher-forced decode steps (module doc).
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         if self.max_tokens < 0:
@@ -183,7 +192,9 @@ class _Sequence:
     cancel_requested: bool = False
     finish_reason: str | None = None
     error: str | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # until the first update carries them
+    # While the prompt is scored: its log-probabilities so far (the first token's None); else None.
+    scored: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once scored, until the next update carries them
 
 
 class GenerationEngine:
@@ -317,47 +328,75 @@ class GenerationEngine:
         return [self._update(s, [], "") for s in cancelled]
 
     def _admit_waiting(self) -> list[SequenceUpdate]:
-        """Prefill waiting sequences into free slots. A sequence whose prefill fails, or that asks
-        for no tokens (the prompt's log-probabilities only), finishes here and frees its slot."""
+        """Give waiting sequences free slots: prefill them, or start scoring their prompts. A
+        sequence whose prefill fails, or that generates nothing, finishes here and frees its slot."""
         updates = []
         free = sorted(set(range(self.max_batch_size)) - set(self._active))
         while self._waiting and free:
             sequence = self._waiting.popleft()
             sequence.slot = free[0]
             try:
-                self._prefill(sequence)
+                final = self._start(sequence)
             except Exception as exc:
                 updates.append(self._fail(sequence, f"the model failed to run: {type(exc).__name__}: {exc}"))
                 continue
-            if sequence.params.max_tokens == 0:
-                self._finish(sequence, "length")
-                updates.append(self._update(sequence, [], ""))
+            if final is not None:
+                updates.append(final)
                 continue
             self._active[free.pop(0)] = sequence
         return updates
 
+    def _start(self, sequence: _Sequence) -> SequenceUpdate | None:
+        """Score the prompt (its log-probabilities asked for, and there is a token to predict) or
+        go straight to generating. -> the final update when the sequence already ended."""
+        if sequence.params.prompt_logprobs is None:
+            return self._begin_generation(sequence)
+        if len(sequence.prompt_ids) == 1:
+            sequence.prompt_logprobs = [None]  # the first token has no context to be predicted from
+            return self._begin_generation(sequence)
+        self._take_slot(sequence)
+        sequence.scored = [None]
+        sequence.position, sequence.next_input = 0, sequence.prompt_ids[0]
+        return None
+
+    def _score(self, sequence: _Sequence, logprob: TokenLogprob) -> SequenceUpdate | None:
+        """A scoring step fed prompt[position]; `logprob` is prompt[position + 1]'s. The last
+        prompt token is only fed once generating. -> the final update when the sequence ended."""
+        assert sequence.scored is not None
+        sequence.scored.append(logprob)
+        sequence.position += 1
+        sequence.next_input = sequence.prompt_ids[sequence.position]
+        if sequence.position < len(sequence.prompt_ids) - 1:
+            return None
+        sequence.prompt_logprobs, sequence.scored = sequence.scored, None
+        return self._begin_generation(sequence)
+
+    def _begin_generation(self, sequence: _Sequence) -> SequenceUpdate | None:
+        """The prompt is read (scored, or needs no scoring): prefill it at full depth to generate, or
+        finish a sequence that generates nothing (-> its final update)."""
+        if sequence.params.max_tokens == 0:
+            self._finish(sequence, "length")
+            return self._update(sequence, [], "")
+        self._prefill(sequence)
+        return None
+
+    def _take_slot(self, sequence: _Sequence) -> None:
+        """Forget what the slot held: cache and skip history (a scored prompt's too)."""
+        self.cache.reset_slot(sequence.slot)
+        self.skip_policy.reset(sequence.slot)
+
     def _prefill(self, sequence: _Sequence) -> None:
         started = time.perf_counter()
         context = sequence.prompt_ids[:-1]
-        self.cache.reset_slot(sequence.slot)
-        self.skip_policy.reset(sequence.slot)
+        self._take_slot(sequence)
         entropies = np.full((len(context), self.num_layers), np.nan, dtype=np.float32)
-        k = sequence.params.prompt_logprobs
-        # The first token has no context to be predicted from.
-        prompt_logprobs: list[TokenLogprob | None] = [None]
         if context:
-            tokens = torch.tensor(context, device=self.device)
             with torch.inference_mode():
-                logits, prompt_entropies = self.model.prefill(
-                    tokens, self.cache, sequence.slot, every_position=k is not None
+                _, prompt_entropies = self.model.prefill(
+                    torch.tensor(context, device=self.device), self.cache, sequence.slot
                 )
-                if k is not None:
-                    following = torch.tensor(sequence.prompt_ids[1:], device=self.device)
-                    prompt_logprobs += token_logprobs(logits, following, [k] * len(context))
             if prompt_entropies is not None:
                 entropies = prompt_entropies.float().cpu().numpy()
-        if k is not None:
-            sequence.prompt_logprobs = prompt_logprobs
         sequence.position = len(context)
         sequence.next_input = sequence.prompt_ids[-1]
         if self.prefill_hook is not None:
@@ -394,20 +433,28 @@ class GenerationEngine:
             )
         # The skip policy's own comparison (NaN entropies, no gates: never below).
         below = step.entropies < self.policy_config.threshold
-        logprobs = self._decode_logprobs(step.logits, rows, step.next_tokens)
+        logprobs = self._step_logprobs(step.logits, rows, step.next_tokens)
+        scoring = np.array([s.scored is not None for s in rows], dtype=bool)
         updates, ok = [], np.ones(len(rows), dtype=bool)
         for i, (sequence, token) in enumerate(zip(rows, step.next_tokens.tolist())):
             failure = sequence.error or (NON_FINITE_LOGITS if token < 0 else None)
             if failure is None:
                 try:
-                    updates.append(self._advance(sequence, token, step.run_mask[i], below[i], logprobs.get(i)))
+                    if scoring[i]:
+                        update = self._score(sequence, logprobs[i])
+                    else:
+                        update = self._advance(sequence, token, step.run_mask[i], below[i], logprobs.get(i))
+                    if update is not None:
+                        updates.append(update)
                     continue
                 except Exception as exc:
                     failure = f"{type(exc).__name__}: {exc}"
             ok[i] = False
             updates.append(self._fail(sequence, failure))
+        # Only rows that generated a token: a failed row produced none, and a scoring row read a
+        # prompt token (as prefill does), so the telemetry counts what `usage` counts.
+        ok &= ~scoring
         if self.step_hook is not None and ok.any():
-            # Rows that failed produced no token: they stay out of the telemetry, as out of `usage`.
             self.step_hook(
                 StepRecord(
                     step=self.steps,
@@ -432,7 +479,8 @@ class GenerationEngine:
         tokens = logits.argmax(dim=-1)
         for i, sequence in enumerate(rows):
             params = sequence.params
-            if sequence.generator is None and not params.adjusts_logits():
+            # A scoring row's token is not used: it draws nothing from its generator.
+            if sequence.scored is not None or (sequence.generator is None and not params.adjusts_logits()):
                 continue
             try:
                 row = self._adjusted_logits(logits[i], sequence)
@@ -462,18 +510,29 @@ class GenerationEngine:
             adjusted = adjusted - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
         return adjusted
 
-    def _decode_logprobs(
+    def _step_logprobs(
         self, logits: torch.Tensor, rows: list[_Sequence], tokens: np.ndarray
     ) -> dict[int, TokenLogprob]:
-        """Row index -> the generated token's logprob, for the rows that asked (valid tokens only)."""
-        asking = [i for i, s in enumerate(rows) if s.params.logprobs is not None and tokens[i] >= 0]
+        """Row index -> the log-probability the row needs from this step: a scoring row's next
+        prompt token's, or the generated token's when asked for (rows with finite logits only)."""
+        asking, chosen, ks = [], [], []
+        for i, sequence in enumerate(rows):
+            if tokens[i] < 0:
+                continue
+            if sequence.scored is not None:
+                asking.append(i)
+                chosen.append(sequence.prompt_ids[sequence.position + 1])
+                ks.append(sequence.params.prompt_logprobs or 0)
+            elif sequence.params.logprobs is not None:
+                asking.append(i)
+                chosen.append(int(tokens[i]))
+                ks.append(sequence.params.logprobs)
         if not asking:
             return {}
         index = torch.tensor(asking, device=logits.device)
-        chosen = torch.as_tensor(tokens[asking], device=logits.device)
-        ks = [rows[i].params.logprobs or 0 for i in asking]
         with torch.inference_mode():
-            return dict(zip(asking, token_logprobs(logits.index_select(0, index), chosen, ks)))
+            selected = logits.index_select(0, index)
+            return dict(zip(asking, token_logprobs(selected, torch.tensor(chosen, device=logits.device), ks)))
 
     def _advance(
         self, sequence: _Sequence, token: int, ran: np.ndarray, below: np.ndarray, logprob: TokenLogprob | None
@@ -534,7 +593,7 @@ class GenerationEngine:
         self, sequence: _Sequence, tokens: list[int], delta: str, logprobs: list[TokenLogprob] | None = None
     ) -> SequenceUpdate:
         finished = sequence.finish_reason is not None
-        prompt_logprobs, sequence.prompt_logprobs = sequence.prompt_logprobs, None
+        prompt_logprobs, sequence.prompt_logprobs = sequence.prompt_logprobs, None  # on one update only
         return SequenceUpdate(
             sequence_id=sequence.id,
             new_token_ids=tokens,

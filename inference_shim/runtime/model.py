@@ -631,15 +631,14 @@ class Transformer(nn.Module):
         return self.logits(h), entropies
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, cache: KVCache, slot: int, every_position: bool = False):
+    def prefill(self, tokens: torch.Tensor, cache: KVCache, slot: int):
         """One sequence's tokens [T] at full depth, their keys and values written to positions
         0..T-1 of cache slot `slot` (reset it first when a new sequence takes it).
 
-        -> (logits [V] of the last position, or [T, V] of every position (the prompt's
-        log-probabilities), entropies [T, L] or None without gates)
+        -> (logits [V] of the last position, entropies [T, L] or None without gates)
         """
         h, entropies = self._full_depth(tokens[None], cache=cache, slot=slot)
-        logits = self.logits(h[0] if every_position else h[0, -1])
+        logits = self.logits(h[0, -1])
         return logits, (entropies[0] if entropies is not None else None)
 
     def _full_depth(

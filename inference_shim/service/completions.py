@@ -10,8 +10,9 @@ them. A client that goes away cancels every choice; each is then counted as `can
 tokens it had generated until the engine stopped it (those tokens were decoded and are in the
 layer counters too). A choice that fails fails the request, and the other choices are cancelled.
 
-Log-probabilities are the served model's: prompt tokens' from the full-depth prefill, generated
-tokens' from the gated decode step that produced them (`TokenLogprob`).
+Log-probabilities are the served model's (`TokenLogprob`): generated tokens' from the gated decode
+step that produced them, prompt tokens' from the gated decode steps that scored the prompt
+teacher-forced (the engine's module doc).
 """
 
 from __future__ import annotations

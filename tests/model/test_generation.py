@@ -297,18 +297,3 @@ def test_a_row_with_non_finite_logits_fails_alone(model, no_eos):
         finals.update({u.sequence_id: u for u in eng.step() if u.finished})
     assert finals[broken].finish_reason == "error" and "non-finite logits" in finals[broken].error
     assert finals[victim].finish_reason == "length" and finals[victim].error is None
-
-
-def test_prompt_logprobs_are_the_full_depth_forward_pass(model, no_eos):
-    eng = engine(model, no_eos)
-    eng.submit(PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=2))
-    (update,) = eng.step()
-    assert update.finished and update.finish_reason == "length" and update.new_token_ids == []
-    assert update.prompt_logprobs[0] is None and not eng.has_work()
-    with torch.no_grad():
-        logits, _ = model(torch.tensor([PROMPT]))
-    expected = torch.log_softmax(logits[0, :-1].double(), dim=-1)
-    for position, entry in enumerate(update.prompt_logprobs[1:]):
-        assert entry.token_id == PROMPT[position + 1]
-        assert entry.logprob == pytest.approx(expected[position, entry.token_id].item(), abs=1e-5)
-        assert [t for t, _ in entry.top] == expected[position].topk(2).indices.tolist()

@@ -1,8 +1,9 @@
 """The clients people already use, each with its default settings, against a live `layerwatch serve`
 on the demo model: LangChain, guidellm (a benchmark) and lm-eval's `local-completions` (a
 generate-until and a loglikelihood task over local data, and perplexity through the API, which
-must agree with `layerwatch eval` on the same text). Nothing is downloaded: the tokenizer the
-clients load is the demo model's folder, the data sets are files the tests write.
+must agree with `layerwatch eval` on the same text: full depth at threshold 0, gated at the gates'
+own threshold). Nothing is downloaded: the tokenizer the clients load is the demo model's folder,
+the data sets are files the tests write.
 
 (The official `openai` client is in test_openai_api.py and test_openai_fields.py.)
 """
@@ -30,18 +31,27 @@ GENESIS = (
 )
 
 
-@pytest.fixture(scope="module")
-def demo_server(tmp_path_factory) -> Iterator[str]:
-    work = tmp_path_factory.mktemp("clients")
+def serve_demo(work: Path, *options: str) -> Iterator[str]:
     port = free_port()
     argv = [sys.executable, "-m", "layerwatch_cli.main", "serve", "--port", str(port), "--exporter-address", ""]
-    process = ManagedProcess("serve", argv, work / "serve.log", env={"OMP_NUM_THREADS": "1"})
+    process = ManagedProcess("serve", [*argv, *options], work / "serve.log", env={"OMP_NUM_THREADS": "1"})
     base_url = f"http://127.0.0.1:{port}"
     try:
         process.wait_http(f"{base_url}/health", timeout=120)
         yield base_url
     finally:
         process.stop()
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory) -> Iterator[str]:
+    """The demo model at its gates' own threshold, where layers really are skipped."""
+    yield from serve_demo(tmp_path_factory.mktemp("clients"))
+
+
+@pytest.fixture(scope="module")
+def full_depth_server(tmp_path_factory) -> Iterator[str]:
+    yield from serve_demo(tmp_path_factory.mktemp("clients-full"), "--threshold", "0")
 
 
 def test_langchain_chat_openai_keeps_to_max_tokens(demo_server):
@@ -156,14 +166,22 @@ def test_lm_eval_generate_until_and_loglikelihood_tasks(demo_server, tmp_path):
     assert results["layerwatch_choice"]["acc,none"] == 1.0  # the demo model knows its Genesis
 
 
-def test_lm_eval_perplexity_agrees_with_layerwatch_eval(demo_server, tmp_path):
+@pytest.mark.parametrize("server", ["full_depth_server", "demo_server"])
+def test_lm_eval_perplexity_agrees_with_layerwatch_eval(server, request, tmp_path):
     """lm-eval scores the text after the BOS token (its prefix token for an empty context) from the
     served prompt log-probabilities; `layerwatch eval` decodes the same tokens, one window of BOS +
-    text, prefilling the BOS only, at threshold 0 (full depth)."""
+    text, prefilling the BOS only, at the served threshold: 0 (full depth), or the gates' own, where
+    the API's perplexity must be the gated one, not the full-depth one."""
     from inference_shim.runtime.checkpoint import load_checkpoint
+    from inference_shim.runtime.gates import gates_path_for, load_gates
 
-    tokenizer = load_checkpoint(DEMO_MODEL_DIR).tokenizer
-    tokens = len(tokenizer.encode(GENESIS, add_special_tokens=False))
+    checkpoint = load_checkpoint(DEMO_MODEL_DIR)
+    threshold = (
+        0.0
+        if server == "full_depth_server"
+        else load_gates(gates_path_for(DEMO_MODEL_DIR), checkpoint.model).metadata.threshold
+    )
+    tokens = len(checkpoint.tokenizer.encode(GENESIS, add_special_tokens=False))
     tasks = {
         "layerwatch_perplexity": {
             "output_type": "loglikelihood",
@@ -173,22 +191,27 @@ def test_lm_eval_perplexity_agrees_with_layerwatch_eval(demo_server, tmp_path):
             "metric_list": [{"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False}],
         }
     }
-    results = lm_eval(demo_server, tmp_path, tasks, [{"text": GENESIS}])
+    results = lm_eval(request.getfixturevalue(server), tmp_path, tasks, [{"text": GENESIS}])
     # lm-eval's perplexity is exp(-mean document log-likelihood): one document here.
     loglikelihood = -math.log(results["layerwatch_perplexity"]["perplexity,none"])
 
     text = tmp_path / "genesis.txt"
     text.write_text(GENESIS + "\n")
     window = tokens + 1  # BOS + the text: exactly the tokens lm-eval sent
-    command = [sys.executable, "-m", "layerwatch_cli.main", "eval", "--data", str(text), "--json"]
-    command += ["--window", str(window), "--prefill", "1", "--max-tokens", str(tokens), "--threshold", "0"]
+    command = [sys.executable, "-m", "layerwatch_cli.main", "eval", "--data", str(text), "--json", "--repeats", "1"]
+    command += ["--window", str(window), "--prefill", "1", "--max-tokens", str(tokens), "--threshold", str(threshold)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, **OFFLINE})
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
     assert report["windows"] == 1 and report["decoded_tokens"] == tokens
-    assert report["perplexity_gated"] == report["perplexity_full"]  # threshold 0 skips nothing
     through_api = math.exp(-loglikelihood / tokens)
     print(
-        f"perplexity over {tokens} tokens: lm-eval via the API {through_api:.6f}, eval {report['perplexity_full']:.6f}"
+        f"threshold {threshold}: perplexity over {tokens} tokens: lm-eval via the API {through_api:.9f}, "
+        f"eval gated {report['perplexity_gated']:.9f}, full depth {report['perplexity_full']:.9f}"
     )
-    assert through_api == pytest.approx(report["perplexity_full"], rel=1e-4)
+    assert through_api == pytest.approx(report["perplexity_gated"], rel=1e-6)
+    if threshold == 0:
+        assert report["perplexity_gated"] == report["perplexity_full"]  # threshold 0 skips nothing
+    else:
+        assert report["skip_fraction"] > 0.1  # layers really were skipped on this text
+        assert through_api != pytest.approx(report["perplexity_full"], rel=1e-3)

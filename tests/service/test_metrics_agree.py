@@ -60,12 +60,16 @@ def test_counters_agree_with_usage_under_concurrent_requests(server):
             {"model": MODEL_NAME, "max_tokens": 11, "messages": [{"role": "user", "content": "the first day"}]},
         )
     )
+    # Scored prompts (echo with logprobs): their scoring steps read the prompt, they generate nothing.
+    for max_tokens in (0, 4):
+        echo = {"model": MODEL_NAME, "prompt": "And God saw the light", "echo": True, "logprobs": 1}
+        bodies.append(("/v1/completions", {**echo, "max_tokens": max_tokens, "temperature": 0}))
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:  # more requests than --max-batch-size 4
         usages = [r["usage"] for r in pool.map(lambda b: post(server, *b), bodies)]
     after = server.metrics()
 
     completion = sum(u["completion_tokens"] for u in usages)
-    assert completion == sum(5 + 3 * i for i in range(6)) + 11
+    assert completion == sum(5 + 3 * i for i in range(6)) + 11 + 4
     assert delta(after, before, "layerwatch_requests_total", status="ok") == len(bodies)
     assert delta(after, before, "layerwatch_tokens_total", phase="decode") == completion
     assert delta(after, before, "layerwatch_tokens_total", phase="prefill") == sum(u["prompt_tokens"] for u in usages)
@@ -81,8 +85,9 @@ def test_counters_agree_with_usage_under_concurrent_requests(server):
         assert delta(after, before, "layerwatch_batch_layer_skips_total", layer=layer) <= batch_steps
     for protected in ("0", str(NUM_LAYERS - 1)):
         assert delta(after, before, "layerwatch_layer_skips_total", layer=protected) == 0
-    assert delta(after, before, "layerwatch_time_to_first_token_seconds_count") == len(bodies)
-    assert delta(after, before, "layerwatch_inter_token_latency_seconds_count") == completion - len(bodies)
+    generating = sum(u["completion_tokens"] > 0 for u in usages)  # all but the max_tokens 0 echo
+    assert delta(after, before, "layerwatch_time_to_first_token_seconds_count") == generating == len(bodies) - 1
+    assert delta(after, before, "layerwatch_inter_token_latency_seconds_count") == completion - generating
 
 
 def test_layers_executed_histogram_has_one_bucket_per_layer_count(server):

@@ -2,8 +2,9 @@
 live `layerwatch serve`: each works as OpenAI (or vLLM, for its extensions) defines it.
 
 Log-probabilities, penalties and logit_bias are checked against a reference computed here from the
-model's plain full-depth forward pass, on an in-process server at threshold 0 (nothing is skipped,
-so the served model is the full-depth model).
+model's plain full-depth forward pass (prompt log-probabilities: from `layerwatch eval`'s
+teacher-forced decoding, as the engine scores a prompt), on an in-process server at threshold 0
+(nothing is skipped, so the served model is the full-depth model).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import openai
 import pytest
 import torch
 
+from inference_shim.offline.evaluation import teacher_forced_decode
 from tests.service.conftest import MODEL_NAME, NUM_LAYERS
 
 PROMPT = "In the beginning"
@@ -187,10 +189,10 @@ def test_echo_with_no_new_tokens_gives_the_prompts_logprobs(full_depth):
     ids = service.tokenizer.encode(PROMPT)
     assert result.usage.prompt_tokens == len(ids) == len(choice.logprobs.tokens)
     assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
-    with torch.no_grad():
-        expected = torch.log_softmax(service.model(torch.tensor([ids]))[0][0].double(), dim=-1)
-    for position, logprob in enumerate(choice.logprobs.token_logprobs[1:]):
-        assert logprob == pytest.approx(expected[position, ids[position + 1]].item(), abs=1e-5)
+    # The prompt is scored as `layerwatch eval` decodes a window (prefill 1); threshold 0: full depth.
+    steps = []
+    teacher_forced_decode(service.model, torch.tensor([ids]), 1, None, batch_size=1, on_step=steps.append)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([-float(s.losses[0]) for s in steps], abs=1e-6)
     echoed = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, echo=True, temperature=0)
     plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0)
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
