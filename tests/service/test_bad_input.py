@@ -140,6 +140,14 @@ CASES = [
         400,
         "invalid_value",
     ),
+    (
+        "echo-logprobs-several-choices",  # the prompt would be scored once per identical choice
+        "/v1/completions",
+        completion(echo=True, logprobs=1, max_tokens=0, n=2),
+        {},
+        400,
+        "invalid_value",
+    ),
     ("unknown-route", "/v1/embeddings", completion(), {}, 404, "not_found"),
 ]
 
