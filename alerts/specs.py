@@ -264,6 +264,25 @@ def shim_id_collision(b: AlertBuild) -> list[dict]:
     ]
 
 
+# Frames the exporter decodes but refuses (docs/exporter.md) feed no statistic: without this alert the
+# dashboards and the other alerts of those models go blind silently. A short burst (a few stray or
+# forged frames) stays in the rate window for less than `for:`.
+@alert("LayerwatchFramesRejected", severities=(TICKET,), default_for="10m")
+def frames_rejected(b: AlertBuild) -> list[dict]:
+    window = b.timing(config.RATE_WINDOW)
+    return [
+        b.rule(
+            f"sum by (job, instance, reason) (\n  rate(layerwatch_exporter_frames_rejected_total"
+            f"{{{config.EXPORTER_SELECTOR}}}[{window}])\n) > 0",
+            "The exporter keeps rejecting gate frames; their statistics are missing.",
+            "The exporter at {{ $labels.instance }} rejects gate frames with reason {{ $labels.reason }} ("
+            + _value("%.2f")
+            + " frames/s): they are counted in no statistic, so the panels and alerts of the models that "
+            "send them go blind. See the runbook for what the reason means.",
+        )
+    ]
+
+
 # A collector that raises leaves its metrics out of the scrape while the target stays up (node_exporter's
 # isolation): the alerts that read those metrics go blind, silently, unless this one fires. A single
 # failed scrape stays in min_over_time for one window, shorter than `for:`.

@@ -765,6 +765,22 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
             width=8,
         )
     )
+    d = d.with_panel(
+        p.timeseries(
+            "Rejected gate frames",
+            "Frames per second each exporter decoded but refused, by reason (bad or missing tag, a changed "
+            "layer count, beyond --max-models or --max-layers): counted in no statistic of any model, "
+            "hence not filtered by model; LayerwatchFramesRejected.",
+            "none",
+            [
+                (
+                    f"sum by (instance, reason) (rate(layerwatch_exporter_frames_rejected_total{RATE})) > 0",
+                    "{{reason}} {{instance}}",
+                )
+            ],
+            width=8,
+        )
+    )
     alerts_title = "Firing alerts"
     d = d.with_panel(
         table.Panel()

@@ -83,7 +83,10 @@ class ModelStatistics:
         self.routing_window = RoutingWindow(config.window_max_observations, config.window_seconds)
         self.threshold: float | None = None  # τ of the latest frame (the default for a frame without one)
         self.frames_received = 0
-        self.frames_lost = 0
+        self.frames_lost = 0  # sequence gaps, less the late frames that filled some
+        # The highest frames_lost a snapshot has reported: a counter must not go down (rate() would read
+        # a late frame after a scrape as a counter reset), so until new losses pass it, this is exported.
+        self.frames_lost_reported = 0
         self.frames_interleaved = 0
         self.frames_without_threshold = 0
 
@@ -248,6 +251,7 @@ class ExporterState:
     @staticmethod
     def _snapshot(name: str, model: ModelStatistics) -> ModelSnapshot:
         totals, layers = model.totals, model.layers
+        model.frames_lost_reported = max(model.frames_lost_reported, model.frames_lost)
         return ModelSnapshot(
             model_name=name,
             buckets=totals.buckets.copy(),
@@ -258,7 +262,7 @@ class ExporterState:
             layer_counts=layers.counts.copy(),
             layer_buckets=None if layers.buckets is None else layers.buckets.copy(),
             frames_received=model.frames_received,
-            frames_lost=model.frames_lost,
+            frames_lost=model.frames_lost_reported,
             frames_interleaved=model.frames_interleaved,
             frames_without_threshold=model.frames_without_threshold,
             threshold=model.threshold,

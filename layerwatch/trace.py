@@ -198,7 +198,9 @@ def _parse_line(path: str | os.PathLike[str], line_number: int, raw: bytes) -> T
 
     try:
         obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except RecursionError:  # e.g. a line of 100,000 "["
+        raise fail("not valid JSON (nested too deeply)") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4,300 digits
         raise fail(f"not valid JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise fail(f"expected a JSON object, got {type(obj).__name__}")
@@ -234,6 +236,9 @@ def _number_array(value: object, kinds: str) -> np.ndarray | None:
     `kinds` are the numpy dtype kinds accepted: "i" int, "f" float, "b" bool (JSON true/false).
     """
     if not isinstance(value, list):
+        return None
+    # numpy would read true/false mixed with numbers as 1.0/0.0.
+    if "b" not in kinds and any(isinstance(item, bool) for item in value):
         return None
     try:
         array = np.asarray(value) if value else np.zeros(0)

@@ -81,6 +81,21 @@ def test_a_bad_line_is_reported_with_file_and_line(tmp_path: Path) -> None:
     assert f"{path}:4: scores outside [0, 1]" in result.stderr
 
 
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ("[" * 100_000, "not valid JSON (nested too deeply)"),  # was a RecursionError traceback
+        ('{"model_name": "demo", "scores": [0.5], "skipped": [0], "threshold": ' + "1" * 5000 + "}", "not valid JSON"),
+    ],
+)
+def test_a_line_the_json_parser_cannot_take_is_a_bad_line_not_a_crash(tmp_path: Path, line: str, reason: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(GOLDEN_TRACE.read_text().splitlines(keepends=True)[0] + line + "\n")
+    result = replay(str(path))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"{path}:2: {reason}" in result.stderr
+
+
 def test_missing_and_empty_traces_are_errors(tmp_path: Path) -> None:
     assert "No such file" in replay(str(tmp_path / "absent.jsonl")).stderr
     (tmp_path / "empty.jsonl").write_text("\n")

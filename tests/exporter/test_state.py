@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from exporter.sequences import MAX_STREAMS_PER_SHIM, MAX_TRACKED_SHIMS, SequenceTracker
+from exporter.sequences import MAX_STREAMS_PER_SHIM, MAX_TRACKED_SHIMS, REORDER_WINDOW, SequenceTracker
 from exporter.state import ExporterConfig, ExporterState, ModelStatistics
 from layerwatch.wire import GateFrame, encode_frame
 from tests.exporter.support import random_frame
@@ -67,6 +67,58 @@ def test_a_restart_is_neither_loss_nor_interleaving_even_after_the_new_numbering
     ingest_sequences(state, [("a", n) for n in range(50)] + [("a", n) for n in range(80)])
     demo = by_model(state)["demo"]
     assert (demo.frames_received, demo.frames_lost, demo.frames_interleaved) == (130, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "sequences",
+    [
+        [0, 1, 2, 3, 4, 6, 5, 7, 8],  # one datagram overtaken by the next
+        [0, 1, 2, 7, 3, 4, 5, 6, 8],  # four
+        [0, 1, 2, 5, 4, 3, 6],  # two, arriving in reverse
+    ],
+)
+def test_reordered_frames_are_late_neither_lost_nor_interleaved(sequences: list[int]) -> None:
+    # 6 before 5 used to count 5 as lost, then 5 as a new stream and 7 as a switch back: 1 lost AND
+    # 1 interleaved for a frame that arrived.
+    state = make_state()
+    ingest_sequences(state, [("a", n) for n in sequences])
+    demo = by_model(state)["demo"]
+    assert (demo.frames_received, demo.frames_lost, demo.frames_interleaved) == (len(sequences), 0, 0)
+
+
+def test_a_late_frame_after_a_restart_does_not_continue_the_old_stream() -> None:
+    state = make_state()  # restarted at 0; its 61 arrives after 62, above the old stream's last 49
+    ingest_sequences(state, [("a", n) for n in range(50)] + [("a", n) for n in [*range(61), 62, 61, 63]])
+    demo = by_model(state)["demo"]
+    assert (demo.frames_lost, demo.frames_interleaved) == (0, 0)
+
+
+def test_lost_frames_never_go_down_between_scrapes_and_late_frames_offset_later_losses() -> None:
+    state = make_state()
+    ingest_sequences(state, [("a", n) for n in (0, 1, 3)])
+    assert by_model(state)["demo"].frames_lost == 1  # a scrape sees 2 as lost ...
+    ingest_sequences(state, [("a", 2)])
+    # ... so the counter stays at 1 after 2 arrives late (going down would read as a counter reset) ...
+    assert by_model(state)["demo"].frames_lost == 1
+    ingest_sequences(state, [("a", n) for n in (5, 7)])  # ... and the late frame offsets the next loss
+    assert by_model(state)["demo"].frames_lost == 2
+
+
+def test_late_frames_are_only_gaps_counted_as_lost_within_the_reorder_window() -> None:
+    def after_a_gap() -> SequenceTracker:
+        tracker = SequenceTracker()
+        for sequence in (0, 1, 2, 3, 200):  # 4..199 lost
+            tracker.observe("a", sequence)
+        return tracker
+
+    tracker = after_a_gap()
+    oldest_remembered = 200 - REORDER_WINDOW
+    assert tracker.observe("a", oldest_remembered) == (-1, False)  # late
+    assert tracker.observe("a", oldest_remembered) == (0, False)  # again: it fills no gap, a new stream
+    assert after_a_gap().observe("a", oldest_remembered - 1) == (0, False)  # too old: a new stream
+    assert after_a_gap().observe("a", 2) == (0, False)  # never lost: a new stream (a restart)
+    tracker.observe("b", 0)
+    assert tracker.observe("b", 2**63) == (2**63 - 1, False)  # a huge jump costs no memory
 
 
 def test_malformed_datagrams_are_counted_and_dropped() -> None:

@@ -112,6 +112,14 @@ def test_unknown_keys_and_blank_lines_are_ignored(tmp_path: Path) -> None:
         ('{"model_name": "m", "scores": [0.5], "skipped": [0], "threshold": "0.18"}', "threshold must be a number"),
         ('{"model_name": "m", "scores": [0.5], "skipped": [0], "threshold": true}', "threshold must be a number"),
         ('{"model_name": "m", "scores": [0.5], "skipped": [0], "threshold": NaN}', "threshold must be a number"),
+        # JSON booleans are not scores (numpy reads true as 1.0); skipped does accept them.
+        ('{"model_name": "m", "scores": [true, 0.1], "skipped": [0, 0]}', "scores must be a non-empty list of numbers"),
+        # Input that makes the JSON parser itself raise something other than a decode error.
+        ("[" * 100_000, "not valid JSON (nested too deeply)"),
+        (
+            '{"model_name": "m", "scores": [0.5], "skipped": [0], "threshold": ' + "9" * 5000 + "}",
+            "not valid JSON (Exceeds the limit",
+        ),
     ],
 )
 def test_bad_lines_name_file_and_line(tmp_path: Path, line: str, reason: str) -> None:

@@ -43,6 +43,7 @@ def test_every_query_uses_the_datasource_variable_and_panel_ids_are_unique(dashb
                 or "ALERTS" in target["expr"]
                 or "power" in target["expr"]
                 or "malformed" in target["expr"]
+                or "rejected" in target["expr"]  # the model of a refused frame is not known
             ), panel["title"]
 
 
@@ -68,6 +69,7 @@ def test_every_query_uses_the_datasource_variable_and_panel_ids_are_unique(dashb
         ("Inter-token latency", "timeseries", "inter_token_latency"),
         ("Fallbacks", "timeseries", "layerwatch_fallbacks_total"),
         ("Shadow agreement", "timeseries", "shadow_agreements"),
+        ("Rejected gate frames", "timeseries", "layerwatch_exporter_frames_rejected_total"),
         ("Telemetry loss", "timeseries", "frames_lost"),
         ("Firing alerts", "table", "ALERTS"),
         ("Instances unhealthy", "stat", "job_model_name:layerwatch_gating_instances:count"),
