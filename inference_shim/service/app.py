@@ -177,7 +177,10 @@ async def _prepare(service: ShimService, request: Request, kind: Literal["comple
     body: CompletionRequest | ChatCompletionRequest
     # Validation and template rendering cost time in proportion to the body (a 1 MiB chat of 30,000
     # messages: ~0.3 s): in a worker thread, so that the event loop keeps answering everyone else.
-    body = await asyncio.to_thread(parse_request, ChatCompletionRequest if kind == "chat" else CompletionRequest, data)
+    if kind == "chat":
+        body = await asyncio.to_thread(parse_request, ChatCompletionRequest, data)
+    else:
+        body = await asyncio.to_thread(parse_request, CompletionRequest, data)
     refuse_unsupported(data, chat=kind == "chat")
     if body.model != service.model_name:
         raise APIError(
