@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="check the gate file for a replacement this often: a complete, valid one is swapped in "
         "between decode steps, anything else is rejected and the loaded gates keep serving "
-        "(0: never; default %(default)s)",
+        "(0: never; else at least 0.1; default %(default)s)",
     )
     model.add_argument("--device", default=SETTINGS_DEFAULTS["device"], help="torch device: cpu, cuda, cuda:1, ...")
     model.add_argument("--dtype", default=SETTINGS_DEFAULTS["dtype"], choices=tuple(DTYPES))

@@ -27,6 +27,8 @@ from inference_shim.service.metrics import GateReloadMetrics
 
 log = logging.getLogger(__name__)
 
+MIN_GATES_WATCH_SECONDS = 0.1  # polls closer than this would keep an idle shim busy for nothing
+
 
 @dataclass(frozen=True)
 class FileSignature:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.static_gates import static_gates
 from inference_shim.service.admission import Admission
 from inference_shim.service.engine_worker import EngineWorker
-from inference_shim.service.gate_watch import GateFileWatcher
+from inference_shim.service.gate_watch import MIN_GATES_WATCH_SECONDS, GateFileWatcher
 from inference_shim.service.layer_signals import LayerSignalsCollector
 from inference_shim.service.metrics import (
     DecodeStats,
@@ -302,8 +303,13 @@ class ShimService:
         return self.model_info.gates_sha256
 
     def _gate_watcher(self, settings: ServeSettings, gates: LoadedGates) -> GateFileWatcher | None:
-        if settings.gates_watch_seconds < 0:
-            raise ValueError(f"--gates-watch-seconds must be >= 0, got {settings.gates_watch_seconds}")
+        seconds = settings.gates_watch_seconds
+        # A tiny interval (or NaN, which waits not at all) would make an idle shim spin on stat().
+        if not (seconds == 0 or MIN_GATES_WATCH_SECONDS <= seconds < math.inf):
+            raise ValueError(
+                f"--gates-watch-seconds must be 0 (never) or a finite number >= {MIN_GATES_WATCH_SECONDS}, "
+                f"got {seconds}"
+            )
         metrics = GateReloadMetrics(self.registry, self.model_name)  # exposed (at 0) even when not watching
         if settings.reset_gates or settings.static_gates or settings.shuffle_gates or settings.gates_watch_seconds == 0:
             return None
