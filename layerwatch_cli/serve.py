@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import signal
 from pathlib import Path
 
 from inference_shim.runtime.checkpoint import DTYPES
@@ -253,9 +252,7 @@ def profile_runaway_fraction(settings: ServeSettings, profiles_dir: Path | None 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("layerwatch.serve")
-    # Until the server answers SIGHUP itself (inference_shim/service/server.py), a hang-up must not
-    # end the process silently, as the default action would.
-    signal.signal(signal.SIGHUP, lambda *_: log.warning("SIGHUP received during start-up: ignored"))
+    # SIGHUP is ignored (logged) from the start: layerwatch_cli/main.py set that up before importing this.
 
     import uvicorn
 
