@@ -147,6 +147,7 @@ class ShimService:
         checkpoint: LoadedCheckpoint,
         gates: LoadedGates,
         settings: ServeSettings,
+        frame_key: bytes | None,
         registry: CollectorRegistry | None = None,
     ) -> None:
         model, config = checkpoint.model, checkpoint.config
@@ -201,7 +202,7 @@ class ShimService:
                 shim_id,
                 config.num_layers,
                 threshold=self.policy.threshold,
-                key=load_frame_key(settings.frame_key_file) if settings.frame_key_file else None,
+                key=frame_key,
             )
             if settings.exporter_address
             else None
@@ -265,6 +266,10 @@ class ShimService:
             )
         if settings.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
+        # Read before the model loads (seconds to minutes), so that a bad key file fails at once.
+        frame_key = (
+            load_frame_key(settings.frame_key_file) if settings.frame_key_file and settings.exporter_address else None
+        )
         checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])
         if settings.reset_gates:
             gates = reset_gates(checkpoint.model, seed=RESET_GATES_SEED)
@@ -296,7 +301,7 @@ class ShimService:
         if settings.shuffle_gates:
             gates = shuffle_gates(gates)
             log.warning("serving the gates on the wrong layers (--shuffle-gates), gates_sha256=%s", gates.sha256)
-        return cls(checkpoint, gates, settings, registry)
+        return cls(checkpoint, gates, settings, frame_key, registry)
 
     @property
     def gates_sha256(self) -> str:
