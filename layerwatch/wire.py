@@ -128,7 +128,9 @@ def load_frame_key(path: str | os.PathLike[str]) -> bytes:
     hold at least MIN_KEY_BYTES.
     """
     try:
-        with open(path, "rb") as file:
+        # O_NONBLOCK: a FIFO (or a device) opens at once, so the check below refuses it instead of
+        # the open waiting for a writer.
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
             info = os.fstat(file.fileno())
             if not stat.S_ISREG(info.st_mode):
                 raise FrameKeyError(f"frame key file {path}: not a regular file")

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
+import signal
 import sys
 
 # command -> (module, one-line help)
@@ -102,8 +104,19 @@ def _requested_command(argv: list[str]) -> str | None:
     return None
 
 
+def _ignore_hangups_during_startup() -> None:
+    """SIGHUP's default action ends a process at once, saying nothing. `serve` answers it itself once
+    its server runs (inference_shim/service/server.py); until then (the imports of torch and the
+    model code, loading the model: seconds) a hang-up is logged and ignored. Set before any of
+    those imports, which are what takes the time."""
+    log = logging.getLogger("layerwatch.serve")
+    signal.signal(signal.SIGHUP, lambda *_: log.warning("SIGHUP received during start-up: ignored"))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if _requested_command(argv) == "serve":
+        _ignore_hangups_during_startup()
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     return int(args._module.run(args) or 0)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import signal
 from pathlib import Path
 
 from inference_shim.runtime.checkpoint import DTYPES
@@ -78,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="check the gate file for a replacement this often: a complete, valid one is swapped in "
         "between decode steps, anything else is rejected and the loaded gates keep serving "
-        "(0: never; default %(default)s)",
+        "(0: never; else at least 0.1; default %(default)s)",
     )
     model.add_argument("--device", default=SETTINGS_DEFAULTS["device"], help="torch device: cpu, cuda, cuda:1, ...")
     model.add_argument("--dtype", default=SETTINGS_DEFAULTS["dtype"], choices=tuple(DTYPES))
@@ -253,9 +252,7 @@ def profile_runaway_fraction(settings: ServeSettings, profiles_dir: Path | None 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("layerwatch.serve")
-    # Until the server answers SIGHUP itself (inference_shim/service/server.py), a hang-up must not
-    # end the process silently, as the default action would.
-    signal.signal(signal.SIGHUP, lambda *_: log.warning("SIGHUP received during start-up: ignored"))
+    # SIGHUP is ignored (logged) from the start: layerwatch_cli/main.py set that up before importing this.
 
     import uvicorn
 

@@ -111,7 +111,10 @@ def load_gates(path: str | Path, model: Transformer) -> LoadedGates:
         tensors = load_tensors(data)
     except (SafetensorError, ValueError) as exc:
         raise GateFileError(f"{path}: not a readable safetensors file ({exc})") from exc
-    metadata = _read_metadata(path, data)
+    try:
+        metadata = _read_metadata(path, data)
+    except RecursionError:  # JSON nested deeper than Python's parser (or printer) recurses
+        raise GateFileError(f"{path}: bad '{METADATA_KEY}' metadata: nested too deeply") from None
     if (metadata.num_layers, metadata.hidden_size) != (config.num_layers, config.hidden_size):
         raise GateFileError(
             f"{path}: gates for a model with {metadata.num_layers} layers and hidden size "

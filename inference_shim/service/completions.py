@@ -75,12 +75,21 @@ class Choice:
 
     _draining: set[asyncio.Task] = set()  # background tasks of abandoned choices (kept referenced)
 
-    def __init__(self, service: ShimService, prepared: Prepared, index: int, prompt: Prompt, arrived: float) -> None:
+    def __init__(
+        self,
+        service: ShimService,
+        prepared: Prepared,
+        index: int,
+        prompt: Prompt,
+        arrived: float,
+        on_recorded: Callable[[], None],
+    ) -> None:
         self.service = service
         self.prepared = prepared
         self.index = index
         self.prompt = prompt
         self.arrived = arrived
+        self._on_recorded = on_recorded
         self.handle = RequestHandle(
             prompt.ids,
             prepared.choice_params(index % prepared.n),
@@ -155,7 +164,7 @@ class Choice:
         if self.recorded:
             return
         self.recorded = True
-        self.service.admission.leave()
+        self._on_recorded()
         # A prompt the engine refused was never prefilled.
         prompt_tokens = 0 if status == "client_error" else len(self.prompt.ids)
         log.info(
@@ -194,11 +203,18 @@ class Generation:
         self.prepared = prepared
         self.created = int(time.time())
         self.choices = [
-            Choice(service, prepared, i * prepared.n + j, prompt, arrived)
+            Choice(service, prepared, i * prepared.n + j, prompt, arrived, self._choice_recorded)
             for i, prompt in enumerate(prepared.prompts)
             for j in range(prepared.n)
         ]
+        self._unrecorded = len(self.choices)
         self._token_texts: dict[int, str] = {}
+
+    def _choice_recorded(self) -> None:
+        # The request was admitted once: it leaves once, when its last choice is counted.
+        self._unrecorded -= 1
+        if self._unrecorded == 0:
+            self.service.admission.leave()
 
     def start(self) -> None:
         for choice in self.choices:

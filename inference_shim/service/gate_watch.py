@@ -27,6 +27,8 @@ from inference_shim.service.metrics import GateReloadMetrics
 
 log = logging.getLogger(__name__)
 
+MIN_GATES_WATCH_SECONDS = 0.1  # polls closer than this would keep an idle shim busy for nothing
+
 
 @dataclass(frozen=True)
 class FileSignature:
@@ -91,8 +93,8 @@ class GateFileWatcher:
                 return
             try:
                 self.check()
-            except Exception:  # a bug here must not stop serving; the old gates serve on
-                log.exception("checking the gate file %s failed", self.path)
+            except Exception:  # swapping valid gates in failed: serving must go on, on the old gates
+                log.exception("swapping in the gate file %s failed", self.path)
 
     def check(self) -> None:
         """One poll: judge the file if it changed since the last poll."""
@@ -108,6 +110,10 @@ class GateFileWatcher:
             self._check_policy(loaded)
         except (ValueError, OSError) as exc:  # GateFileError is a ValueError; a read can fail mid-replacement
             self._reject(str(exc).removeprefix(f"{self.path}: "))
+            return
+        except Exception as exc:  # unforeseen (a bug, logged with its traceback): still a file that does not serve
+            log.exception("checking the gate file %s failed", self.path)
+            self._reject(f"{type(exc).__name__}: {exc}")
             return
         previous = self.served_sha256
         self._apply(loaded)

@@ -11,7 +11,16 @@ import asyncio
 import json
 from typing import Annotated, Any, Literal, TypeVar, cast
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from starlette.requests import Request
 
 from inference_shim.runtime.engine import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
@@ -134,7 +143,23 @@ Text = Annotated[str, AfterValidator(_encodable)]
 STRICT = ConfigDict(extra="ignore", strict=True)
 
 
-class StreamOptions(BaseModel):
+class NullIsAbsent(BaseModel):
+    """OpenAI allows null for its optional fields (the openai client sends `temperature=None` as
+    null): null means absent, so the field's default applies. A required field stays required."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {
+            name: value
+            for name, value in data.items()
+            if value is not None or name not in cls.model_fields or cls.model_fields[name].is_required()
+        }
+
+
+class StreamOptions(NullIsAbsent):
     model_config = STRICT
     include_usage: bool = False
 
@@ -142,7 +167,7 @@ class StreamOptions(BaseModel):
 MAX_CHOICES = 128  # choices per request (n × prompts): OpenAI's largest n
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(NullIsAbsent):
     """What completions and chat share. Unknown fields are ignored (as many OpenAI-compatible
     servers do), but fields whose other values would change the result are checked (and the
     known ones this server does not implement are refused: `refuse_unsupported`)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.static_gates import static_gates
 from inference_shim.service.admission import Admission
 from inference_shim.service.engine_worker import EngineWorker
-from inference_shim.service.gate_watch import GateFileWatcher
+from inference_shim.service.gate_watch import MIN_GATES_WATCH_SECONDS, GateFileWatcher
 from inference_shim.service.layer_signals import LayerSignalsCollector
 from inference_shim.service.metrics import (
     DecodeStats,
@@ -146,6 +147,7 @@ class ShimService:
         checkpoint: LoadedCheckpoint,
         gates: LoadedGates,
         settings: ServeSettings,
+        frame_key: bytes | None,
         registry: CollectorRegistry | None = None,
     ) -> None:
         model, config = checkpoint.model, checkpoint.config
@@ -200,7 +202,7 @@ class ShimService:
                 shim_id,
                 config.num_layers,
                 threshold=self.policy.threshold,
-                key=load_frame_key(settings.frame_key_file) if settings.frame_key_file else None,
+                key=frame_key,
             )
             if settings.exporter_address
             else None
@@ -264,6 +266,10 @@ class ShimService:
             )
         if settings.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
+        # Read before the model loads (seconds to minutes), so that a bad key file fails at once.
+        frame_key = (
+            load_frame_key(settings.frame_key_file) if settings.frame_key_file and settings.exporter_address else None
+        )
         checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])
         if settings.reset_gates:
             gates = reset_gates(checkpoint.model, seed=RESET_GATES_SEED)
@@ -295,15 +301,20 @@ class ShimService:
         if settings.shuffle_gates:
             gates = shuffle_gates(gates)
             log.warning("serving the gates on the wrong layers (--shuffle-gates), gates_sha256=%s", gates.sha256)
-        return cls(checkpoint, gates, settings, registry)
+        return cls(checkpoint, gates, settings, frame_key, registry)
 
     @property
     def gates_sha256(self) -> str:
         return self.model_info.gates_sha256
 
     def _gate_watcher(self, settings: ServeSettings, gates: LoadedGates) -> GateFileWatcher | None:
-        if settings.gates_watch_seconds < 0:
-            raise ValueError(f"--gates-watch-seconds must be >= 0, got {settings.gates_watch_seconds}")
+        seconds = settings.gates_watch_seconds
+        # A tiny interval (or NaN, which waits not at all) would make an idle shim spin on stat().
+        if not (seconds == 0 or MIN_GATES_WATCH_SECONDS <= seconds < math.inf):
+            raise ValueError(
+                f"--gates-watch-seconds must be 0 (never) or a finite number >= {MIN_GATES_WATCH_SECONDS}, "
+                f"got {seconds}"
+            )
         metrics = GateReloadMetrics(self.registry, self.model_name)  # exposed (at 0) even when not watching
         if settings.reset_gates or settings.static_gates or settings.shuffle_gates or settings.gates_watch_seconds == 0:
             return None

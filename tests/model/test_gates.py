@@ -190,6 +190,7 @@ def test_weights_that_overflow_the_models_dtype_are_refused(tmp_path, model):
         ("[1, 2]", "expected a JSON object, got list"),
         ('"gates"', "expected a JSON object, got str"),
         ("{not json", "not JSON"),
+        ("[" * 5000, "nested too deeply"),
     ],
 )
 def test_metadata_that_is_not_a_json_object_is_refused(tmp_path, model, metadata, message):

@@ -143,3 +143,20 @@ def test_an_over_long_prompt_is_refused_by_size_and_one_that_fits_is_served(make
     # Within the size bound but over the token limit: tokenized, then refused by its token count.
     assert shim.complete(prompt="In the beginning " * 4).json()["error"]["message"].endswith("at most 32.")
     assert shim.complete(prompt="In the beginning").status_code == 200
+
+
+def test_a_request_with_several_choices_is_admitted_once_and_leaves_once(make_long_shim):
+    shim = make_long_shim("--max-batch-size", "1", "--max-waiting-requests", "1")
+    assert shim.complete(max_tokens=2, n=4).status_code == 200
+    several_prompts = {"model": MODEL_NAME, "prompt": ["In the beginning", "And God said"], "max_tokens": 2, "n": 2}
+    assert httpx.post(f"{shim.url}/v1/completions", json=several_prompts, timeout=60).status_code == 200
+    wait_for(shim, lambda s: queue(s) == (0, 0))
+
+    # The bound still holds: two admitted requests fill it, the third is refused.
+    decoding = Stream(shim)
+    queued = Completion(shim, max_tokens=2)
+    wait_for(shim, lambda s: queue(s) == (1, 1))
+    assert shim.complete().status_code == 429
+    decoding.close()
+    assert queued.response().status_code == 200
+    wait_for(shim, lambda s: queue(s) == (0, 0))

@@ -187,6 +187,10 @@ def test_bad_replacements_are_rejected_and_the_old_gates_keep_serving(watched_sh
             lambda: replace_atomically(path, with_metadata(original, json.dumps([metadata]))),
             "bad 'layerwatch_gates' metadata: expected a JSON object, got list",
         ),
+        "metadata nested too deeply": (
+            lambda: replace_atomically(path, with_metadata(original, "[" * 5000)),
+            "bad 'layerwatch_gates' metadata: nested too deeply",
+        ),
         "bool threshold": (
             lambda: replace_atomically(path, with_metadata(original, json.dumps({**metadata, "threshold": True}))),
             "bad 'layerwatch_gates' metadata: threshold must be a number in [0, 1], got true",

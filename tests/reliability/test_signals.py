@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 
 import httpx
 
@@ -91,3 +92,34 @@ def test_sighup_without_a_gate_watch_is_logged_and_ignored(make_shim):
     assert shim.process.running()
     shim.stop()
     assert "SIGHUP received and ignored" in shim.process.log_path.read_text()
+
+
+# Runs `python -m MODULE ARGS...` (given after the code), sending the process a SIGHUP from inside its
+# own start-up at the moment it first imports torch: the slow imports and model loading that follow
+# are where a hang-up used to end it at once, silently.
+HANG_UP_AT_TORCH_IMPORT = """
+import importlib.abc, os, runpy, signal, sys
+
+class HangUpAtTorchImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGHUP)
+        return None
+
+sys.meta_path.insert(0, HangUpAtTorchImport())
+module = sys.argv[3]  # sys.argv: -c PYTHON -m MODULE ARGS...
+sys.argv = [module, *sys.argv[4:]]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_sighup_during_start_up_is_logged_and_ignored(tiny_checkpoint, tmp_path):
+    launcher = (sys.executable, "-c", HANG_UP_AT_TORCH_IMPORT)
+    shim = Shim(tmp_path, tiny_checkpoint, "--log-level", "info", launcher=launcher)
+    try:
+        shim.start()
+        assert shim.complete().status_code == 200
+        assert "SIGHUP received during start-up: ignored" in shim.process.log_path.read_text()
+    finally:
+        shim.stop()

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
 import time
 
 import httpx
 import numpy as np
 import pytest
 
-from demo.processes import free_port
+from demo.processes import LAYERWATCH_COMMAND, free_port
 from inference_shim.service.telemetry import FrameSender
 from layerwatch.trace import read_trace
 from layerwatch.wire import MAX_FRAME_BYTES, decode_frame
@@ -116,6 +118,31 @@ def test_a_key_file_others_can_read_stops_the_shim_from_starting(tiny_checkpoint
     settings = ServeSettings(model_dir=tiny_checkpoint.path, frame_key_file=key_file)
     with pytest.raises(ValueError, match=f"frame key file {key_file}: group or others may access it"):
         ShimService.load(settings)
+
+
+def test_a_bad_key_file_stops_the_shim_before_the_model_is_loaded(tmp_path):
+    from inference_shim.service.shim import ServeSettings, ShimService
+
+    key_file = tmp_path / "frame.key"
+    key_file.write_text("k" * 64)
+    key_file.chmod(0o644)
+    no_model = tmp_path / "no-such-checkpoint"  # loading it would fail: the key is refused first
+    with pytest.raises(ValueError, match=f"frame key file {key_file}: group or others may access it"):
+        ShimService.load(ServeSettings(model_dir=no_model, frame_key_file=key_file))
+
+
+def test_a_fifo_as_key_file_is_refused_at_once_not_waited_on(tiny_checkpoint, tmp_path):
+    fifo = tmp_path / "frame.key"
+    os.mkfifo(fifo, 0o600)  # no writer will ever open it
+    argv = [*LAYERWATCH_COMMAND, "serve", "--model", str(tiny_checkpoint.path), "--port", str(free_port())]
+    try:
+        result = subprocess.run(
+            [*argv, "--frame-key-file", str(fifo)], capture_output=True, text=True, timeout=60, check=False
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("serve waited on the FIFO instead of refusing it")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"cannot start: frame key file {fifo}: not a regular file" in result.stderr
 
 
 def test_a_dropped_frame_leaves_no_sequence_gap():

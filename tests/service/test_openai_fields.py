@@ -81,6 +81,29 @@ def test_health_answers_when_serving(server):
     assert response.status_code == 200 and response.json() == {"status": "ok"}
 
 
+def test_null_means_absent(client):
+    # The openai client sends None as null; OpenAI reads null as "use the default".
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "echo", "stop", "max_tokens", "logprobs"])
+    extra = dict.fromkeys(["ignore_eos", "stream_options", "presence_penalty", "logit_bias", "best_of"])
+    with_nulls = client.completions.create(model=MODEL_NAME, prompt=PROMPT, seed=5, **nulls, extra_body=extra)
+    omitted = client.completions.create(model=MODEL_NAME, prompt=PROMPT, seed=5)
+    assert [c.text for c in with_nulls.choices] == [c.text for c in omitted.choices]
+    assert with_nulls.usage == omitted.usage
+
+    messages = [{"role": "user", "content": "darkness"}]
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, seed=5, max_tokens=4, temperature=None, top_p=None, n=None, stream=None,
+        stop=None, logprobs=None, top_logprobs=None, max_completion_tokens=None,
+        extra_body={"echo": None, "stream_options": {"include_usage": None}},
+    )  # fmt: skip
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, seed=5, max_tokens=4)
+    assert chat.choices[0].message.content == plain.choices[0].message.content
+
+    with pytest.raises(openai.BadRequestError, match="model") as refused:  # a required field stays required
+        client.completions.create(model=None, prompt=PROMPT)
+    assert refused.value.body["param"] == "model"
+
+
 # --- several choices and prompts ----------------------------------------------------------------------
 
 

@@ -85,15 +85,19 @@ def test_limits_fit_the_context_or_are_refused():
             limits(**bad)
 
 
+WATCH_REFUSED = r"--gates-watch-seconds must be 0 \(never\) or a finite number >= 0.1, got"
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
         ({"max_waiting_requests": -1}, "--max-waiting-requests must be >= 0"),
         ({"drain_timeout_seconds": -1.0}, "--drain-timeout-seconds must be >= 0"),
         ({"drain_timeout_seconds": float("nan")}, "--drain-timeout-seconds must be >= 0"),
+        *(({"gates_watch_seconds": s}, WATCH_REFUSED) for s in (float("nan"), 1e-9, 0.05, -1.0, float("inf"))),
     ],
 )
-def test_queue_and_drain_settings_out_of_range_are_refused(tiny_checkpoint, override, message):
+def test_queue_drain_and_watch_settings_out_of_range_are_refused(tiny_checkpoint, override, message):
     with pytest.raises(ValueError, match=message):
         ShimService.load(ServeSettings(model_dir=tiny_checkpoint.path, exporter_address="", **override))
 
