@@ -49,7 +49,7 @@ def positive(kind: Callable[[str], int] | Callable[[str], float]) -> Callable[[s
 
     def parse(text: str) -> float:
         value = kind(text)
-        if value <= 0:
+        if not value > 0:  # written so that NaN fails too
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
         return value
 
@@ -59,7 +59,7 @@ def positive(kind: Callable[[str], int] | Callable[[str], float]) -> Callable[[s
 
 def non_negative(text: str) -> float:
     value = float(text)
-    if value < 0:
+    if not value >= 0:  # written so that NaN fails too
         raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
     return value
 

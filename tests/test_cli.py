@@ -89,3 +89,15 @@ def test_serve_flags_take_their_defaults_and_choices_from_the_service():
     assert settings_from_arguments(serve.parse_args(["--model", "m"])) == ServeSettings(model_dir=Path("m"))
     demo = settings_from_arguments(serve.parse_args([]))
     assert (demo.model_name, demo.model_dir.name) == ("layerwatch-demo", "demo_model")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--window-seconds", "nan"), ("--model-idle-seconds", "nan"), ("--statistics-cache-seconds", "nan")],
+)
+def test_numeric_flags_refuse_nan(flag, value, capsys):
+    # NaN compares false with everything: a bound written as `value <= 0` would let it through.
+    argv = ["exporter", flag, value]
+    with pytest.raises(SystemExit):
+        build_parser(argv, environ={}).parse_args(argv)
+    assert f"argument {flag}: must" in capsys.readouterr().err
