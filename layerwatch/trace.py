@@ -79,6 +79,12 @@ class TraceWriter:
 
     def write_rows(self, model_name: str, entropies: np.ndarray, skipped: np.ndarray) -> None:
         """Write one line per row: entropies float [rows, layers], skipped 0/1 [rows, layers]."""
+        with self._lock:
+            if self._stopped is not None and self._fd is not None:
+                # Writing stopped for good: count the rows without formatting them (the engine thread
+                # calls this every decode step).
+                self.dropped[self._stopped] += len(entropies)
+                return
         entropies, skipped = check_gate_arrays(entropies, skipped)
         lines = [_format_line(model_name, e, s, self.threshold) for e, s in zip(entropies, skipped)]
         with self._lock:

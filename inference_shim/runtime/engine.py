@@ -2,9 +2,10 @@
 
 One `step()` admits waiting sequences (prefill at full depth), then runs ONE decode step for all
 active rows. Each row is a sequence in its own KV-cache slot. The step's run mask comes from the
-skip policy's host-side state, so it is known before the step starts; the step then does exactly
-one device->host transfer, after the last layer (next tokens and entropies together), which
-feeds the policy for the *next* step. Nothing inside a step waits on the device to decide a skip.
+skip policy's host-side state, so it is known before the step starts; the step then does one
+device->host transfer, after the last layer (next tokens and entropies together), which feeds the
+policy for the *next* step (a step in which a row asks for log-probabilities reads them in a second
+transfer, also after the last layer). Nothing inside a step waits on the device to decide a skip.
 That step is `gated_decode_step`; teacher-forced evaluation calls it too, so both share its semantics.
 
 A sequence that asks for its prompt's log-probabilities is *scored* before it generates: its prompt

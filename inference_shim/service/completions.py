@@ -100,6 +100,7 @@ class Choice:
         self.completion_tokens = 0
         # The tokens that have log-probabilities (echo: the prompt's first) and theirs (None: none).
         self.logprob_ids: list[int] = []
+        self.text_offsets = [0]  # characters before each logprob entry, filled as streams ask (_text_offset)
         self.logprobs: list[TokenLogprob | None] = []
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -329,7 +330,12 @@ class Generation:
         return {**item(entry.token_id, entry.logprob), "top_logprobs": [item(t, lp) for t, lp in entry.top[:k]]}
 
     def _text_offset(self, choice: Choice, start: int) -> int:
-        return sum(len(self._token_text(t)) for t in choice.logprob_ids[:start])
+        """Characters of the choice's token texts before entry `start`: extends the choice's running
+        prefix sums (a stream asks for ever later starts; summing from 0 each time is quadratic)."""
+        offsets = choice.text_offsets
+        while len(offsets) <= start:
+            offsets.append(offsets[-1] + len(self._token_text(choice.logprob_ids[len(offsets) - 1])))
+        return offsets[start]
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

@@ -217,6 +217,8 @@ class ShimService:
         self.layer_signals = LayerSignalStats(config.num_layers)
         # The custom collectors compute at scrape time (hardware readings, statistics): isolated, so
         # that one failing leaves the rest of /metrics served (docs/service.md, "Metrics").
+        # The worker is created below; the admission reads its running count only when asked.
+        self.admission = Admission(settings.max_batch_size, settings.max_waiting_requests, lambda: self.worker.running)
         self.registry.register(
             isolated(
                 {
@@ -227,6 +229,9 @@ class ShimService:
                     "nvml": NvmlCollector(),
                     "rapl": RaplCollector(),
                     "layer_signals": LayerSignalsCollector(self.layer_signals, self.model_name),
+                    "request_queue": RequestQueueCollector(
+                        self.admission.running, self.admission.waiting, self.model_name
+                    ),
                 }
             )
         )
@@ -239,8 +244,6 @@ class ShimService:
         probe_prompt = self.tokenizer.encode(PROBE_TEXT)
         self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow)
         self.readiness = Readiness(self.worker)
-        self.admission = Admission(settings.max_batch_size, settings.max_waiting_requests, lambda: self.worker.running)
-        self.registry.register(RequestQueueCollector(self.admission.running, self.admission.waiting, self.model_name))
         self.gate_watcher = self._gate_watcher(settings, gates)
 
     @classmethod

@@ -105,6 +105,7 @@ def test_a_failing_collector_leaves_the_rest_of_the_shims_scrape_served(in_proce
         "nvml": 1,
         "rapl": 1,
         "layer_signals": 0,
+        "request_queue": 1,
     }
     names = {name for name, _ in samples}
     assert "layerwatch_gate_importance_samples" not in names
