@@ -774,7 +774,7 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
             "none",
             [
                 (
-                    f"sum by (instance, reason) (rate(layerwatch_exporter_frames_rejected_total{RATE})) > 0",
+                    f"sum by (instance, reason) (rate(layerwatch_exporter_frames_rejected_total{RATE}))",
                     "{{reason}} {{instance}}",
                 )
             ],

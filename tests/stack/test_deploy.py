@@ -89,7 +89,7 @@ def test_remote_write_is_rendered_only_when_asked_and_promtool_accepts_it(
         ("http://vm:0/api/v1/write", "port outside"),
         ("http://vm:8428/api/v1/write two", "space or control character"),
         ("http://vm:8428/api/v1/write\n", "space or control character"),
-        ("http://admin:s3cret@vm:8428/api/v1/write", "carries credentials"),
+        ("http://admin@vm:8428/api/v1/write", "carries credentials"),
     ],
 )
 def test_remote_write_refuses_urls_prometheus_would_refuse_or_should_not_hold(url: str, problem: str) -> None:
