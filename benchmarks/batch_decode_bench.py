@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.decode_bench import build_model
+from benchmarks.decode_bench import build_model, skippable_spans
 from inference_shim.offline.corpus import read_bible, split_chapters, split_heldout, write_corpus
 from inference_shim.offline.evaluation import DecodeStep, heldout_windows, teacher_forced_decode
 from inference_shim.offline.gated_model import load_gated_model
@@ -99,27 +99,13 @@ def decode_run(model: Transformer, masks: np.ndarray | None, batch: int, steps: 
 
 
 def skippable_share(model: Transformer, batch: int, steps: int) -> float:
-    """w at this batch size: the share of a τ = 0 decode step spent from each layer's q projection
-    to the next layer's input norm (what a skip removes); one thread, so the CPU clock measures it."""
-    starts: list[float] = []
-    ends: list[float] = []
-    clock = time.process_time
-    handles = [
-        block.self_attn.q_proj.register_forward_pre_hook(lambda *_: starts.append(clock())) for block in model.layers
-    ]
-    handles += [
-        block.input_layernorm.register_forward_pre_hook(lambda *_: ends.append(clock())) for block in model.layers[1:]
-    ]
-    handles.append(model.norm.register_forward_pre_hook(lambda *_: ends.append(clock())))
-    try:
+    """w at this batch size: the share of a τ = 0 decode step spent in what a skip removes
+    (decode_bench.skippable_spans); one thread, so the CPU clock measures it."""
+    with skippable_spans(model, time.process_time) as (starts, ends):
         total = decode_run(model, None, batch, steps, "project")
-        # The prefill also passes the hooks: only the decode steps' last `steps * L` spans count.
-        spans = steps * len(model.layers)
-        inside = sum(e - s for s, e in zip(starts[-spans:], ends[-spans:]))
-    finally:
-        for handle in handles:
-            handle.remove()
-    return inside / total
+    # The prefill also passes the hooks: only the decode steps' last `steps * L` spans count.
+    spans = steps * len(model.layers)
+    return sum(e - s for s, e in zip(starts[-spans:], ends[-spans:])) / total
 
 
 def main() -> int:

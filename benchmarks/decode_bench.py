@@ -22,6 +22,8 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -99,16 +101,16 @@ def decode_steps(
     return [r.step_seconds for r in steady], cpu[1:], float(np.mean([(~r.skipped).sum() for r in steady]))
 
 
-def skippable_share(model: Transformer, tokenizer: Tokenizer, prompt: list[int], tokens: int) -> float:
-    """w: the share of a full-depth decode step spent in what skipping removes (attention + FFN).
+@contextmanager
+def skippable_spans(model: Transformer, clock: Callable[[], float]) -> Iterator[tuple[list[float], list[float]]]:
+    """(starts, ends): clock readings where each layer's skippable part starts and ends, appended as
+    layers run, while the block is active.
 
     A layer's skippable part starts at its q projection (after the input norm and the gate, which
-    always run) and ends where the next layer's input norm (or the final norm) starts. Execution
-    is synchronous on one CPU thread, so the thread's CPU clock measures the work.
+    always run) and ends where the next layer's input norm (or the final norm) starts.
     """
     starts: list[float] = []
     ends: list[float] = []
-    clock = time.thread_time
     handles = [
         block.self_attn.q_proj.register_forward_pre_hook(lambda *_: starts.append(clock())) for block in model.layers
     ]
@@ -116,6 +118,19 @@ def skippable_share(model: Transformer, tokenizer: Tokenizer, prompt: list[int],
         block.input_layernorm.register_forward_pre_hook(lambda *_: ends.append(clock())) for block in model.layers[1:]
     ]
     handles.append(model.norm.register_forward_pre_hook(lambda *_: ends.append(clock())))
+    try:
+        yield starts, ends
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def skippable_share(model: Transformer, tokenizer: Tokenizer, prompt: list[int], tokens: int) -> float:
+    """w: the share of a full-depth decode step spent in what skipping removes (attention + FFN),
+    measured per step by `skippable_spans`. Execution is synchronous on one CPU thread, so the
+    thread's CPU clock measures the work.
+    """
+    clock = time.thread_time
     L = len(model.layers)
     engine = GenerationEngine(
         model,
@@ -127,14 +142,11 @@ def skippable_share(model: Transformer, tokenizer: Tokenizer, prompt: list[int],
     )
     engine.submit(prompt, SamplingParams(max_tokens=tokens))
     shares: list[float] = []
-    try:
+    with skippable_spans(model, clock) as (starts, ends):
         while engine.has_work():
             started = clock()
             engine.step()
             shares.append(sum(e - s for s, e in zip(starts[-L:], ends[-L:])) / (clock() - started))
-    finally:
-        for handle in handles:
-            handle.remove()
     return statistics.median(shares[1:])
 
 

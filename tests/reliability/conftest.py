@@ -73,6 +73,17 @@ class Exporter(_Restartable):
         return self
 
 
+def wait_for_metrics(shim: Shim, condition: Callable[[dict], bool], timeout: float = 30.0) -> dict:
+    """Scrape the shim until `condition(samples)` holds; the samples that satisfied it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = shim.metrics()
+        if condition(samples):
+            return samples
+        assert time.monotonic() < deadline, "the shim did not reach the expected state"
+        time.sleep(0.05)
+
+
 class Shim(_Restartable):
     """`layerwatch serve` on the tiny checkpoint, on a fixed loopback port; restartable. A `launcher`
     (e.g. `prlimit --fsize=N`) runs the command with a changed environment."""

@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from tests.reliability.conftest import LONG_TOKENS, MODEL_NAME, Shim, sample_sum
+from tests.reliability.conftest import LONG_TOKENS, MODEL_NAME, Shim, sample_sum, wait_for_metrics
 
 
 class Stream:
@@ -72,16 +72,6 @@ class Completion:
         return response
 
 
-def wait_for(shim: Shim, condition, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        samples = shim.metrics()
-        if condition(samples):
-            return samples
-        assert time.monotonic() < deadline, "the shim did not reach the expected state"
-        time.sleep(0.02)
-
-
 def queue(samples: dict) -> tuple[float, float]:
     """(running, waiting) requests."""
     return sample_sum(samples, "layerwatch_requests_running"), sample_sum(samples, "layerwatch_requests_waiting")
@@ -104,7 +94,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_the_gauges_show_it(make_l
     assert queue(shim.metrics()) == (0, 0)
     decoding = Stream(shim)
     queued = Completion(shim, max_tokens=2)
-    wait_for(shim, lambda s: queue(s) == (1, 1))  # one in the batch, one waiting for its slot
+    wait_for_metrics(shim, lambda s: queue(s) == (1, 1))  # one in the batch, one waiting for its slot
 
     refused = shim.complete()
     assert refused.status_code == 429, refused.text
@@ -115,7 +105,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_the_gauges_show_it(make_l
 
     decoding.close()  # its slot frees: the queued request runs
     assert queued.response().status_code == 200
-    wait_for(shim, lambda s: queue(s) == (0, 0))
+    wait_for_metrics(shim, lambda s: queue(s) == (0, 0))
     assert shim.complete().status_code == 200
     assert sample_sum(shim.metrics(), "layerwatch_requests_total", status="client_error") == 1  # the 429
 
@@ -150,13 +140,13 @@ def test_a_request_with_several_choices_is_admitted_once_and_leaves_once(make_lo
     assert shim.complete(max_tokens=2, n=4).status_code == 200
     several_prompts = {"model": MODEL_NAME, "prompt": ["In the beginning", "And God said"], "max_tokens": 2, "n": 2}
     assert httpx.post(f"{shim.url}/v1/completions", json=several_prompts, timeout=60).status_code == 200
-    wait_for(shim, lambda s: queue(s) == (0, 0))
+    wait_for_metrics(shim, lambda s: queue(s) == (0, 0))
 
     # The bound still holds: two admitted requests fill it, the third is refused.
     decoding = Stream(shim)
     queued = Completion(shim, max_tokens=2)
-    wait_for(shim, lambda s: queue(s) == (1, 1))
+    wait_for_metrics(shim, lambda s: queue(s) == (1, 1))
     assert shim.complete().status_code == 429
     decoding.close()
     assert queued.response().status_code == 200
-    wait_for(shim, lambda s: queue(s) == (0, 0))
+    wait_for_metrics(shim, lambda s: queue(s) == (0, 0))

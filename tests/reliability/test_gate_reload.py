@@ -28,7 +28,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
 from inference_shim.runtime.model import GateBank
-from tests.reliability.conftest import MODEL_NAME, BackgroundLoad, Shim, sample_sum
+from tests.reliability.conftest import MODEL_NAME, BackgroundLoad, Shim, sample_sum, wait_for_metrics
 from tests.service.conftest import NUM_LAYERS, tiny_model
 
 WATCH_SECONDS = 0.2
@@ -81,16 +81,6 @@ def replace_atomically(path: Path, data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def wait_until(shim: Shim, condition, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        samples = shim.metrics()
-        if condition(samples):
-            return samples
-        assert time.monotonic() < deadline, "the shim did not reach the expected state"
-        time.sleep(0.05)
-
-
 @pytest.fixture
 def watched_shim(tiny_checkpoint, tmp_path) -> Iterator[Shim]:
     folder = tmp_path / "model" / MODEL_NAME
@@ -117,7 +107,7 @@ def test_a_valid_replacement_is_swapped_in_and_reported(watched_shim, tmp_path):
     load = BackgroundLoad(shim.url, duration=4.0, concurrency=3, max_tokens=8, seed=21)
     load.sleep_until(1.0)
     new_sha = replace_atomically(path, gate_file_bytes(tmp_path, bias=4.0))  # every layer scores high
-    after = wait_until(shim, lambda s: gates_sha256(s) == new_sha)
+    after = wait_for_metrics(shim, lambda s: gates_sha256(s) == new_sha)
     report = load.result()
 
     assert report.by_status == {200: report.requests}
@@ -157,7 +147,7 @@ def test_a_half_written_file_is_never_loaded(watched_shim, tmp_path):
             assert reloads(mid_write, "rejected") >= 1 and reloads(mid_write, "loaded") == 0
             assert skipped_layers(shim) > 0  # still the old gates
             writer.write(data[2 * third :])
-        done = wait_until(shim, lambda s: gates_sha256(s) == new_sha)
+        done = wait_for_metrics(shim, lambda s: gates_sha256(s) == new_sha)
     finally:
         report = load.result()
         stop.set()
@@ -213,7 +203,7 @@ def test_bad_replacements_are_rejected_and_the_old_gates_keep_serving(watched_sh
     load = BackgroundLoad(shim.url, duration=5.0, concurrency=2, max_tokens=8, seed=23)
     for count, (name, (break_it, reason)) in enumerate(cases.items(), start=1):
         break_it()
-        samples = wait_until(shim, lambda s, count=count: reloads(s, "rejected") >= count)
+        samples = wait_for_metrics(shim, lambda s, count=count: reloads(s, "rejected") >= count)
         assert gates_sha256(samples) == old_sha and rejected_flag(samples) == 1, name
         assert reloads(samples, "loaded") == 0, name
         assert skipped_layers(shim) > 0, name  # the old gates serve on
@@ -224,7 +214,7 @@ def test_bad_replacements_are_rejected_and_the_old_gates_keep_serving(watched_sh
         time.sleep(3 * WATCH_SECONDS)  # an unchanged bad file is judged once, not at every poll
         assert reloads(shim.metrics(), "rejected") == count, name
         replace_atomically(path, original)  # the served bytes again: accepted silently, flag cleared
-        samples = wait_until(shim, lambda s: rejected_flag(s) == 0)
+        samples = wait_for_metrics(shim, lambda s: rejected_flag(s) == 0)
         assert reloads(samples, "rejected") == count and reloads(samples, "loaded") == 0, name
     report = load.result()
     assert report.requests > 0 and report.by_status == {200: report.requests}
