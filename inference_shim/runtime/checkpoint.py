@@ -175,7 +175,6 @@ def config_from_hf(raw: dict, source: Path, extra_eos_ids: tuple[int, ...] = ())
         features.update(qk_norm="projection", norm_layout="post", norm_weight_in_fp32=True)
     if architecture in GEMMA:
         features.update(norm_weight_offset=1.0, norm_weight_in_fp32=True, embedding_scale=hidden**0.5)
-    if architecture in GEMMA:
         # Gemma2 names it `hidden_activation`; Gemma's legacy "gelu" means the tanh approximation
         # (transformers maps it the same way).
         activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
