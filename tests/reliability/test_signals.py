@@ -14,8 +14,8 @@ import sys
 
 import httpx
 
-from tests.reliability.conftest import LONG_TOKENS, MODEL_NAME, Shim, sample_sum
-from tests.reliability.test_back_pressure import Completion, Stream, queue, wait_for
+from tests.reliability.conftest import LONG_TOKENS, MODEL_NAME, Shim, sample_sum, wait_for_metrics
+from tests.reliability.test_back_pressure import Completion, Stream, queue
 from tests.reliability.test_gate_reload import gate_file_bytes, gates_sha256, replace_atomically
 
 DRAINED_TOKENS = 600  # finishes within the drain, after the test has looked at the draining server
@@ -25,7 +25,7 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(make_long_shim):
     shim = make_long_shim("--max-batch-size", "1", "--drain-timeout-seconds", "60")
     decoding = Stream(shim, max_tokens=DRAINED_TOKENS)
     queued = Completion(shim, max_tokens=4)
-    wait_for(shim, lambda s: queue(s) == (1, 1))
+    wait_for_metrics(shim, lambda s: queue(s) == (1, 1))
     shim.process.proc.send_signal(signal.SIGTERM)
 
     # Draining: the port still answers, but admits nothing new and is out of rotation.
@@ -47,7 +47,7 @@ def test_the_drain_timeout_cuts_off_what_is_still_running_with_an_error(make_lon
     shim = make_long_shim("--max-batch-size", "2", "--drain-timeout-seconds", "0")
     streaming = Stream(shim)
     whole = Completion(shim, max_tokens=LONG_TOKENS)
-    wait_for(shim, lambda s: queue(s) == (2, 0))  # both decoding
+    wait_for_metrics(shim, lambda s: queue(s) == (2, 0))  # both decoding
     shim.process.proc.send_signal(signal.SIGTERM)
 
     # The stream ends with an error event and [DONE], not a broken chunked body.
@@ -76,7 +76,7 @@ def test_sighup_checks_the_gate_file_now_and_serving_goes_on(make_shim, tiny_che
         assert gates_sha256(shim.metrics()) == tiny_checkpoint.gates_sha256
         new_sha = replace_atomically(checkpoint.gates_path, gate_file_bytes(tmp_path, bias=3.0))
         shim.process.proc.send_signal(signal.SIGHUP)
-        samples = wait_for(shim, lambda s: gates_sha256(s) == new_sha)  # not the hourly poll: the signal
+        samples = wait_for_metrics(shim, lambda s: gates_sha256(s) == new_sha)  # not the hourly poll: the signal
         assert sample_sum(samples, "layerwatch_gate_file_reloads_total", status="loaded") == 1
         assert shim.process.running()
         assert shim.complete().status_code == 200
