@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from inference_shim.runtime.model import KV_POLICIES, KVCache, Transformer
-from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig
+from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig, check_threshold
 from inference_shim.runtime.tokenizer import IncrementalDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class LayerCounts:
 
     tokens: int  # decode steps = generated tokens
     skipped: np.ndarray  # int64 [L]: steps that skipped the layer (sums to `layers_skipped`)
-    below_threshold: np.ndarray  # int64 [L]: steps whose gate score was below the policy's threshold
+    below_threshold: np.ndarray  # int64 [L]: steps whose gate score was below the sequence's threshold
 
 
 @dataclass
@@ -188,6 +188,7 @@ class _Sequence:
     held: str = ""  # decoded text held back while it may be the start of a stop string
     activity: list[np.ndarray] = field(default_factory=list)
     below: list[np.ndarray] = field(default_factory=list)  # bool [L] per decode step: score < threshold
+    threshold: float | None = None  # the sequence's own tau; None = the policy's
     layers_executed: int = 0
     layers_skipped: int = 0
     cancel_requested: bool = False
@@ -246,9 +247,10 @@ class GenerationEngine:
 
     # --- public API ------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Queue a sequence; it joins the batch at the next step boundary. Returns its id."""
-        return self._submit(prompt_ids, params).id
+    def submit(self, prompt_ids: list[int], params: SamplingParams, threshold: float | None = None) -> int:
+        """Queue a sequence; it joins the batch at the next step boundary. Returns its id.
+        `threshold`: the sequence's own tau in [0, 1] (0 = full depth); None = the policy's."""
+        return self._submit(prompt_ids, params, threshold).id
 
     def cancel(self, sequence_id: int) -> None:
         """Stop a sequence at the next step boundary (unknown or finished ids are ignored)."""
@@ -275,9 +277,11 @@ class GenerationEngine:
             updates += self._decode_step()
         return updates
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, threshold: float | None = None
+    ) -> GenerationResult:
         """Submit one sequence and step until it finishes (other queued sequences advance too)."""
-        sequence = self._submit(prompt_ids, params)
+        sequence = self._submit(prompt_ids, params, threshold)
         while sequence.finish_reason is None:
             self.step()
         return GenerationResult(
@@ -293,8 +297,10 @@ class GenerationEngine:
 
     # --- admission and prefill -------------------------------------------------------------------
 
-    def _submit(self, prompt_ids: list[int], params: SamplingParams) -> _Sequence:
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, threshold: float | None) -> _Sequence:
         params.validate()
+        if threshold is not None:
+            check_threshold(threshold)
         vocab = self.model.config.vocab_size
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
@@ -314,6 +320,7 @@ class GenerationEngine:
             params=params,
             decoder=self.tokenizer.incremental_decoder(),
             generator=generator,
+            threshold=threshold,
         )
         self._next_id += 1
         self._waiting.append(sequence)
@@ -384,7 +391,7 @@ class GenerationEngine:
     def _take_slot(self, sequence: _Sequence) -> None:
         """Forget what the slot held: cache and skip history (a scored prompt's too)."""
         self.cache.reset_slot(sequence.slot)
-        self.skip_policy.reset(sequence.slot)
+        self.skip_policy.reset(sequence.slot, sequence.threshold)
 
     def _prefill(self, sequence: _Sequence) -> None:
         started = time.perf_counter()
@@ -432,8 +439,8 @@ class GenerationEngine:
             log.warning(
                 "[FALLBACK: HIGH_SKIPPING] model=%s sequence=%d step=%d", self.model_name, sequence.id, self.steps
             )
-        # The skip policy's own comparison (NaN entropies, no gates: never below).
-        below = step.entropies < self.policy_config.threshold
+        # The skip policy's own comparison, each row at its own threshold.
+        below = self.skip_policy.below_threshold(slots, step.entropies)
         logprobs = self._step_logprobs(step.logits, rows, step.next_tokens)
         scoring = np.array([s.scored is not None for s in rows], dtype=bool)
         updates, ok = [], np.ones(len(rows), dtype=bool)

@@ -16,6 +16,10 @@ save whole-layer work, which is what pays on a memory-bound GPU and avoids per-r
 price of running some rows shallower than their gates asked: `layerwatch eval --batch-consensus`
 measures that cost (docs/model.md).
 
+Per-sequence threshold: a sequence may run at its own tau (`reset(slot, threshold)`), e.g. one
+an operator or the request chose; tau = 0 is full depth (no score is below 0). The other settings
+are the policy's.
+
 State is kept per cache slot in [slots, L] arrays so that a whole batch is planned and updated
 with a few vectorised numpy operations, whichever slots the rows occupy.
 """
@@ -25,6 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+
+def check_threshold(threshold: float) -> float:
+    if not 0.0 <= threshold <= 1.0:  # NaN fails too
+        raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+    return threshold
 
 
 @dataclass(frozen=True)
@@ -38,8 +48,7 @@ class SkipPolicyConfig:
     batch_consensus: float | None = None  # q in (0, 1]: one run/skip decision per layer for the batch
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.threshold <= 1.0:
-            raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
+        check_threshold(self.threshold)
         if self.patience < 1:
             raise ValueError(f"patience must be >= 1, got {self.patience}")
         if not 0.0 <= self.fallback_skip_fraction <= 1.0:
@@ -70,12 +79,16 @@ class SkipPolicy:
         self.num_layers = num_layers
         self.skippable = np.ones(num_layers, dtype=bool)
         self.skippable[list(config.protected(num_layers))] = False
+        self._threshold = np.full(slots, config.threshold, dtype=np.float32)  # tau of each slot's sequence
         self._below_streak = np.zeros((slots, num_layers), dtype=np.int32)
         self._high_skip_streak = np.zeros(slots, dtype=np.int32)
         self._fallback_left = np.zeros(slots, dtype=np.int32)
 
-    def reset(self, slot: int) -> None:
-        """A new sequence takes the slot: no history, so its first k decode steps run full depth."""
+    def reset(self, slot: int, threshold: float | None = None) -> None:
+        """A new sequence takes the slot: no history, so its first k decode steps run full depth.
+        `threshold`: the sequence's own tau in [0, 1]; None = the policy's."""
+        threshold = self.config.threshold if threshold is None else check_threshold(threshold)
+        self._threshold[slot] = threshold
         self._below_streak[slot] = 0
         self._high_skip_streak[slot] = 0
         self._fallback_left[slot] = 0
@@ -93,9 +106,13 @@ class SkipPolicy:
             return ~skip
         return consensus_mask(~skip, self.config.batch_consensus, fallback)
 
+    def below_threshold(self, slots: np.ndarray, entropies: np.ndarray) -> np.ndarray:
+        """bool [B, L]: each row's scores float [B, L] below its own tau (NaN, no gates: never)."""
+        return entropies < self._threshold[slots, None]
+
     def observe(self, slots: np.ndarray, entropies: np.ndarray, run_mask: np.ndarray) -> StepDecision:
         """Record a finished step: entropies float [B, L] and the run mask it used."""
-        below = entropies < self.config.threshold
+        below = self.below_threshold(slots, entropies)
         streak = self._below_streak[slots]
         self._below_streak[slots] = np.where(below, streak + 1, 0)
 

@@ -276,6 +276,42 @@ def test_batched_rows_match_running_alone(tokenizer, kv_policy):
     assert max(len(r.sequence_ids) for r in records) == 3
 
 
+# --- per-sequence threshold ----------------------------------------------------------------------
+
+
+def test_each_sequence_skips_at_its_own_threshold_in_a_shared_batch(tokenizer):
+    """Rows at tau 0 (full depth), the policy's tau and a stricter-than-policy tau share one batch:
+    each decodes exactly as it does alone at a policy with its tau."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    model = gated_model()
+    thresholds = [0.0, None, 0.45]
+    alone = [
+        engine_for(model, tokenizer, policy=MIXED if t is None else SkipPolicyConfig(threshold=t, patience=2)).generate(
+            PROMPTS[0], params
+        )
+        for t in thresholds
+    ]
+    assert alone[0].layers_skipped == 0 < alone[2].layers_skipped < alone[1].layers_skipped
+
+    recorder = Recorder()
+    engine = engine_for(model, tokenizer, max_batch_size=3, step_hook=recorder.on_step)
+    ids = [engine.submit(PROMPTS[0], params, threshold=t) for t in thresholds]
+    while engine.has_work():
+        recorder.drain(engine)
+    for sequence_id, single in zip(ids, alone):
+        assert recorder.tokens[sequence_id] == single.token_ids
+        assert np.array_equal(np.array(recorder.activity[sequence_id]), single.activity)
+    assert max(len(r.sequence_ids) for r in recorder.records) == 3
+
+
+@pytest.mark.parametrize("threshold", [-0.1, 1.5, float("nan")])
+def test_a_threshold_outside_zero_to_one_is_refused_at_submit(tokenizer, threshold):
+    engine = engine_for(gated_model(), tokenizer)
+    with pytest.raises(ValueError, match="threshold must be in"):
+        engine.submit(PROMPTS[0], SamplingParams(max_tokens=2), threshold=threshold)
+    assert not engine.has_work()
+
+
 # --- fallback breaker ----------------------------------------------------------------------------
 
 
