@@ -32,6 +32,7 @@ from tests.reliability.conftest import (
     require_binary,
     sample_sum,
 )
+from tests.service.simulated_nvml import SimulatedNvml
 
 
 def test_exporter_killed_and_restarted_mid_load(make_shim, exporter):
@@ -150,64 +151,24 @@ def test_shim_restart_keeps_prometheus_increase_exact(make_shim, prometheus_for)
 # --- NVML ------------------------------------------------------------------------------------------
 
 
-class SimulatedNvml:
-    """A SIMULATED NVML device (there is no GPU on the test machine): stands in for the pynvml
-    functions NvmlReader calls, reporting one GPU until `fail()`, then raising pynvml's own
-    NVMLError (GPU lost) from every call, as a real driver does after an Xid fault."""
-
-    def __init__(self, pynvml) -> None:
-        self.pynvml = pynvml
-        self.failed = False
-        self.energy_mj = 5_000_000
-
-    def fail(self) -> None:
-        self.failed = True
-
-    def _check(self) -> None:
-        if self.failed:
-            raise self.pynvml.NVMLError(self.pynvml.NVML_ERROR_GPU_IS_LOST)
-
-    def install(self, monkeypatch) -> None:
-        def energy(_handle) -> int:
-            self._check()
-            self.energy_mj += 1000
-            return self.energy_mj
-
-        def checked(value):
-            def call(*_args):
-                self._check()
-                return value
-
-            return call
-
-        for name, function in {
-            "nvmlInit": checked(None),
-            "nvmlShutdown": lambda: None,
-            "nvmlDeviceGetCount": checked(1),
-            "nvmlDeviceGetHandleByIndex": checked("handle-0"),
-            "nvmlDeviceGetUUID": checked("GPU-simulated-0"),
-            "nvmlDeviceGetPowerUsage": checked(250_000),
-            "nvmlDeviceGetTotalEnergyConsumption": energy,
-        }.items():
-            monkeypatch.setattr(self.pynvml, name, function)
-
-
 def test_nvml_failing_mid_run_drops_nvml_up_and_serving_continues(in_process, monkeypatch):
     pynvml = pytest.importorskip("pynvml")
     device = SimulatedNvml(pynvml)
     device.install(monkeypatch)  # before the first scrape: the collector starts NVML lazily
     server = in_process()
-    gpu = (("gpu", "0"), ("uuid", "GPU-simulated-0"))
+    gpu = (("gpu", "0"), ("uuid", SimulatedNvml.UUID))
 
     load = BackgroundLoad(server.base_url, duration=4.0, concurrency=2, max_tokens=8, seed=9)
     healthy = server.metrics()
     assert healthy[("layerwatch_nvml_up", ())] == 1
     assert healthy[("layerwatch_gpu_power_watts", gpu)] == 250.0
+    assert healthy[("layerwatch_gpu_temperature_celsius", gpu)] == SimulatedNvml.TEMPERATURE_CELSIUS
     load.sleep_until(1.5)
     device.fail()
     failed = server.metrics()  # the page still renders
     assert failed[("layerwatch_nvml_up", ())] == 0
-    assert ("layerwatch_gpu_power_watts", gpu) not in failed  # no stale reading is presented as current
+    # No stale reading is presented as current: every GPU series is gone.
+    assert not [key for key in failed if key[0].startswith("layerwatch_gpu_")]
     report = load.result()
     assert report.requests > 0 and report.by_status == {200: report.requests}
     assert sample_sum(server.metrics(), "layerwatch_tokens_total", phase="decode") == report.completion_tokens

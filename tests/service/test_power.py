@@ -1,4 +1,5 @@
-"""Energy counters: monotonic across NVML restarts, RAPL wrap-around, the no-GPU path."""
+"""Energy counters: monotonic across NVML restarts, RAPL wrap-around, the no-GPU path; the GPU
+thermals through the real NVML reader on a simulated device, each reading failing on its own."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from inference_shim.service.power import (
+    GPU_READINGS,
     GpuReading,
     MonotonicEnergy,
     NvmlCollector,
@@ -14,6 +16,7 @@ from inference_shim.service.power import (
     WrappingEnergy,
     find_rapl_zones,
 )
+from tests.service.simulated_nvml import SimulatedNvml
 
 
 def samples(collector) -> dict[tuple[str, tuple], float]:
@@ -86,6 +89,103 @@ def test_nvml_collector_on_this_host():
         assert up == 0  # no GPU here: a normal state, not an error
     else:
         assert up == 1
+
+
+GPU = (("gpu", "0"), ("uuid", SimulatedNvml.UUID))
+
+
+def gpu_samples(samples: dict[tuple[str, tuple], float]) -> dict[str, float]:
+    """The simulated GPU's series, by name (with the fan or reading label where there is one)."""
+    out = {}
+    for (name, labels), value in samples.items():
+        rest = tuple(kv for kv in labels if kv not in GPU)
+        if len(rest) == len(labels) - len(GPU):
+            out[name + "".join(f"{{{k}={v}}}" for k, v in rest)] = value
+    return out
+
+
+def unavailable(samples: dict[str, float]) -> dict[str, list[str]]:
+    """The readings marked unsupported, and those with errors counted."""
+    return {
+        kind: [r for r in GPU_READINGS if samples[f"layerwatch_gpu_reading_{metric}{{reading={r}}}"] > 0]
+        for kind, metric in (("unsupported", "unsupported"), ("errors", "errors_total"))
+    }
+
+
+@pytest.fixture
+def pynvml():
+    return pytest.importorskip("pynvml")
+
+
+def test_thermals_of_a_gpu_with_fans_in_base_units(pynvml, monkeypatch):
+    SimulatedNvml(pynvml, fans_percent=(30, 45)).install(monkeypatch)
+    seen = gpu_samples(samples(NvmlCollector()))
+    assert seen["layerwatch_gpu_temperature_celsius"] == 61.0
+    assert (seen["layerwatch_gpu_fan_speed_ratio{fan=0}"], seen["layerwatch_gpu_fan_speed_ratio{fan=1}"]) == (0.3, 0.45)
+    assert seen["layerwatch_gpu_sm_clock_hertz"] == 1.98e9
+    assert seen["layerwatch_gpu_memory_used_bytes"] == 81 * 2**30
+    assert (seen["layerwatch_gpu_power_watts"], seen["layerwatch_gpu_energy_joules_total"]) == (250.0, 5001.0)
+    assert unavailable(seen) == {"unsupported": [], "errors": []}
+
+
+@pytest.mark.parametrize(
+    "errors",
+    [{}, {"nvmlDeviceGetNumFans": "NVML_ERROR_NOT_SUPPORTED"}],
+    ids=["zero fans", "fans not supported"],
+)
+def test_a_gpu_without_fans_exports_its_other_readings(pynvml, monkeypatch, errors):
+    """A passively cooled board (H100, H200, A100 SXM): NVML counts no fans, or refuses the question."""
+    SimulatedNvml(pynvml, errors=errors).install(monkeypatch)
+    collector = NvmlCollector()
+    for _ in range(2):  # unsupported is a state, not an error: nothing is counted
+        everything = samples(collector)
+        seen = gpu_samples(everything)
+        assert everything[("layerwatch_nvml_up", ())] == 1
+        assert not [name for name in seen if name.startswith("layerwatch_gpu_fan_speed_ratio")]
+        assert seen["layerwatch_gpu_temperature_celsius"] == 61.0 and seen["layerwatch_gpu_power_watts"] == 250.0
+        assert unavailable(seen) == {"unsupported": ["fan_speed"], "errors": []}
+
+
+def test_each_reading_fails_on_its_own(pynvml, monkeypatch):
+    """Energy unsupported (a GPU older than Volta) and a temperature sensor that errors: power,
+    clocks, memory and fans are still exported, the failing reading is counted at every scrape."""
+    errors = {
+        "nvmlDeviceGetTotalEnergyConsumption": "NVML_ERROR_NOT_SUPPORTED",
+        "nvmlDeviceGetTemperature": "NVML_ERROR_UNKNOWN",
+    }
+    device = SimulatedNvml(pynvml, fans_percent=(50,), errors=errors)
+    device.install(monkeypatch)
+    collector = NvmlCollector()
+    samples(collector)
+    everything = samples(collector)
+    seen = gpu_samples(everything)
+    assert everything[("layerwatch_nvml_up", ())] == 1
+    assert "layerwatch_gpu_energy_joules_total" not in seen and "layerwatch_gpu_temperature_celsius" not in seen
+    assert seen["layerwatch_gpu_power_watts"] == 250.0 and seen["layerwatch_gpu_fan_speed_ratio{fan=0}"] == 0.5
+    assert seen["layerwatch_gpu_sm_clock_hertz"] == 1.98e9 and seen["layerwatch_gpu_memory_used_bytes"] > 0
+    assert unavailable(seen) == {"unsupported": ["energy"], "errors": ["temperature"]}
+    assert seen["layerwatch_gpu_reading_errors_total{reading=temperature}"] == 2
+    del device.errors["nvmlDeviceGetTemperature"]  # the sensor answers again; the counter keeps its count
+    seen = gpu_samples(samples(collector))
+    assert seen["layerwatch_gpu_temperature_celsius"] == 61.0
+    assert seen["layerwatch_gpu_reading_errors_total{reading=temperature}"] == 2
+
+
+def test_a_driver_without_per_fan_calls_reports_the_board_fan(pynvml, monkeypatch):
+    SimulatedNvml(pynvml, fans_percent=(40,), errors={"nvmlDeviceGetNumFans": "NVML_ERROR_FUNCTION_NOT_FOUND"}).install(
+        monkeypatch
+    )
+    seen = gpu_samples(samples(NvmlCollector()))
+    assert seen["layerwatch_gpu_fan_speed_ratio{fan=0}"] == 0.4
+    assert unavailable(seen) == {"unsupported": [], "errors": []}
+
+
+def test_a_gpu_lost_in_one_reading_takes_nvml_down(pynvml, monkeypatch):
+    """GPU_IS_LOST is not one reading's failure: nothing of the GPU is exported and NVML starts over."""
+    SimulatedNvml(pynvml, errors={"nvmlDeviceGetTemperature": "NVML_ERROR_GPU_IS_LOST"}).install(monkeypatch)
+    everything = samples(NvmlCollector())
+    assert everything[("layerwatch_nvml_up", ())] == 0
+    assert gpu_samples(everything) == {}
 
 
 def write_zone(root: Path, name: str, directory: str, energy: int, max_range: int = 1000) -> Path:
