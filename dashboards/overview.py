@@ -43,6 +43,8 @@ SHIM = 'model_name=~"$model", instance=~"$instance"'
 # Exporter series and the profile's series: the model only (the exporter is one target that
 # aggregates every shim of a model).
 MODEL = 'model_name=~"$model"'
+# NVML's GPU series: the host's devices, with no model_name (a GPU is not one model's).
+GPU = 'instance=~"$instance"'
 RATE = "[$__rate_interval]"
 PROFILE = PROFILE_SERIES
 
@@ -690,12 +692,56 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
             "should lower the energy per token, not only the layer count.",
             "watt",
             [
-                ('sum by (instance) (layerwatch_gpu_power_watts{instance=~"$instance"})', "GPU W {{instance}}"),
+                (f"sum by (instance) (layerwatch_gpu_power_watts{{{GPU}}})", "GPU W {{instance}}"),
                 (f"{r.skip_ratio}{{{SHIM}}}", "skip ratio {{instance}}"),
             ],
             right_axis_ref="B",
         )
     )
+
+    # --- GPU thermals -----------------------------------------------------------------------
+    d = d.with_row(p.row("GPU thermals"))
+    for title, description, unit, metric, legend in (
+        (
+            "GPU temperature",
+            "Core temperature of each GPU.",
+            "celsius",
+            "layerwatch_gpu_temperature_celsius",
+            "{{instance}} GPU {{gpu}}",
+        ),
+        (
+            "GPU fan speed",
+            "Each fan as a share of its maximum; the field reports the fan-speed spread as a benefit of skipping, "
+            "so read it next to the skip ratio. Empty for a passively cooled GPU "
+            '(layerwatch_gpu_reading_unsupported{reading="fan_speed"} is 1).',
+            "percentunit",
+            "layerwatch_gpu_fan_speed_ratio",
+            "{{instance}} GPU {{gpu}} fan {{fan}}",
+        ),
+        (
+            "GPU SM clock",
+            "Streaming-multiprocessor clock: a drop under load at a high temperature or power is throttling.",
+            "hertz",
+            "layerwatch_gpu_sm_clock_hertz",
+            "{{instance}} GPU {{gpu}}",
+        ),
+        (
+            "GPU memory used",
+            "Memory in use on each GPU, by every process on it.",
+            "bytes",
+            "layerwatch_gpu_memory_used_bytes",
+            "{{instance}} GPU {{gpu}}",
+        ),
+    ):
+        d = d.with_panel(
+            p.timeseries(
+                title,
+                f"{description} From NVML; empty where the host has no GPU (layerwatch_nvml_up is 0).",
+                unit,
+                [(f"{metric}{{{GPU}}}", legend)],
+                width=6,
+            )
+        )
 
     # --- latency ----------------------------------------------------------------------------
     d = d.with_row(p.row("Latency"))

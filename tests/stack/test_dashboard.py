@@ -41,7 +41,7 @@ def test_every_query_uses_the_datasource_variable_and_panel_ids_are_unique(dashb
             assert (
                 "$model" in target["expr"]
                 or "ALERTS" in target["expr"]
-                or "power" in target["expr"]
+                or "layerwatch_gpu_" in target["expr"]  # NVML's GPU series have no model_name
                 or "malformed" in target["expr"]
                 or "rejected" in target["expr"]  # the model of a refused frame is not known
             ), panel["title"]
@@ -65,6 +65,10 @@ def test_every_query_uses_the_datasource_variable_and_panel_ids_are_unique(dashb
         ("Entropy histogram, last 5 minutes", "barchart", "layerwatch_entropy_bucket"),
         ("Joules per generated token", "timeseries", "joules_per_decode_token"),
         ("Power and skip ratio", "timeseries", "layerwatch_gpu_power_watts"),
+        ("GPU temperature", "timeseries", "layerwatch_gpu_temperature_celsius"),
+        ("GPU fan speed", "timeseries", "layerwatch_gpu_fan_speed_ratio"),
+        ("GPU SM clock", "timeseries", "layerwatch_gpu_sm_clock_hertz"),
+        ("GPU memory used", "timeseries", "layerwatch_gpu_memory_used_bytes"),
         ("Time to first token", "timeseries", "time_to_first_token"),
         ("Inter-token latency", "timeseries", "inter_token_latency"),
         ("Fallbacks", "timeseries", "layerwatch_fallbacks_total"),

@@ -597,12 +597,17 @@ def test_shuffled_gates_page_gate_miscalibrated(stack: Stack) -> None:
 
 DASHBOARD = json.loads((REPO / "dashboards" / "json" / "overview.json").read_text())
 PANELS = [panel for panel in DASHBOARD["panels"] if panel["type"] != "row"]
-# Series that exist only where the host exposes them: NVML (a GPU and its driver) and RAPL.
-HARDWARE_SERIES = {
-    "gpu_energy": "a GPU with NVML",
-    "gpu_power": "a GPU with NVML",
-    "cpu_energy": "readable RAPL counters (/sys/class/powercap)",
+# Series that exist only where the host exposes them: NVML's (a GPU and its driver, and a GPU that
+# offers the reading: a passively cooled one has no fans) and RAPL's. Needle in a query -> reading.
+NVML_READINGS = {
+    "gpu_energy": "energy",
+    "gpu_power": "power",
+    "gpu_temperature": "temperature",
+    "gpu_fan_speed": "fan_speed",
+    "gpu_sm_clock": "sm_clock",
+    "gpu_memory_used": "memory_used",
 }
+RAPL_SERIES = "cpu_energy"
 
 
 def _wait_for_data(stack: Stack, expr: str, timeout: float = 15.0) -> list[dict]:
@@ -617,12 +622,18 @@ def _wait_for_data(stack: Stack, expr: str, timeout: float = 15.0) -> list[dict]
 
 
 def _missing_hardware(expr: str, stack: Stack) -> str | None:
-    """What the host lacks for `expr` to have data, if `expr` reads hardware-only series it lacks."""
-    for needle, needs in HARDWARE_SERIES.items():
-        if needle in expr and not stack.query(
-            f'{{__name__=~"layerwatch_{needle}.*", instance="{stack.shim_instance}"}}'
-        ):
-            return needs
+    """What the host lacks for `expr` to have data, if `expr` reads hardware-only series it lacks;
+    None when the series should be there."""
+    shim = f'instance="{stack.shim_instance}"'
+    for needle, reading in NVML_READINGS.items():
+        if needle in expr and not stack.query(f'{{__name__=~"layerwatch_{needle}.*", {shim}}}'):
+            if values(stack.query(f"layerwatch_nvml_up{{{shim}}}")) == [0.0]:
+                return "a GPU with NVML (layerwatch_nvml_up is 0)"
+            if values(stack.query(f'min(layerwatch_gpu_reading_unsupported{{reading="{reading}", {shim}}})')) == [1.0]:
+                return f"a GPU that offers the {reading} reading (NVML: not supported)"
+            return None
+    if RAPL_SERIES in expr and not stack.query(f'{{__name__=~"layerwatch_{RAPL_SERIES}.*", {shim}}}'):
+        return "readable RAPL counters (/sys/class/powercap)"
     return None
 
 
@@ -645,5 +656,4 @@ def test_dashboard_panel_has_data(stack: Stack, panel: dict) -> None:
         assert needs is not None, f"no data for target {target['refId']}: {expr}"
         lacking.append(f"target {target['refId']} needs {needs}")
     if lacking:
-        assert values(stack.query(f'layerwatch_nvml_up{{instance="{stack.shim_instance}"}}')) == [0.0]
-        pytest.xfail(f"this host has no energy readings ({'; '.join(lacking)}); layerwatch_nvml_up is 0")
+        pytest.xfail(f"this host lacks hardware readings: {'; '.join(lacking)}")
