@@ -1,12 +1,13 @@
 """A SIMULATED NVML device: there is no GPU on the test machine.
 
-It stands in for every pynvml function NvmlReader calls (monkeypatched onto the real pynvml module)
-and fails the way a real driver does, with pynvml's own NVMLError and its error codes, so the real
-reader and collector run unchanged.
+It stands in for every pynvml function NvmlReader calls (monkeypatched onto the real pynvml module),
+accepts only the arguments the real function takes, and fails the way a real driver does, with
+pynvml's own NVMLError and its error codes, so the real reader and collector run unchanged.
 """
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 
@@ -71,7 +72,10 @@ class SimulatedNvml:
         monkeypatch.setattr(self.pynvml, "nvmlShutdown", lambda: None)
 
     def _checked(self, name: str, function):
+        real = inspect.signature(getattr(self.pynvml, name))
+
         def call(*args):
+            real.bind(*args)  # called as the real pynvml function must be (TypeError otherwise)
             if self.failed:
                 raise self.pynvml.NVMLError(self.pynvml.NVML_ERROR_GPU_IS_LOST)
             if name in self.errors:
