@@ -27,7 +27,7 @@ from exporter.collectors import build_registry
 from exporter.exposition import TextEncoder
 from exporter.state import ExporterConfig, ExporterState
 from layerwatch.statistics import check_bimodality
-from layerwatch.wire import GateFrame, encode_frame
+from layerwatch.wire import TAG_BYTES, GateFrame, decode_frame, encode_frame
 
 MODELS, LAYERS, WINDOW = 4, 80, 50_000
 
@@ -71,6 +71,31 @@ def bench_ingest(rows: int, layers: int, per_layer: bool) -> tuple[float, float]
         done += len(frames)
     elapsed = time.thread_time() - start
     return done * rows * layers / elapsed, done / elapsed
+
+
+def bench_tagged_decode(rows: int, layers: int) -> dict[str, float]:
+    """decode_frame's CPU microseconds per frame, untagged and tagged under a frame key, and what
+    slicing the tag off costs on its own (a copy of the frame: a memoryview would avoid it)."""
+    entropies = two_hump_entropies(np.random.default_rng(2), rows, layers)
+    frame = GateFrame("bench", "shim", 0, entropies, entropies < 0.18, 0.18)
+    key = bytes(range(32))
+    untagged, tagged = encode_frame(frame), encode_frame(frame, key)
+
+    def cpu_us(action: Callable[[], object], count: int = 2000) -> float:
+        best = float("inf")  # the least disturbed of several runs: the machine may be shared
+        for _ in range(15):
+            start = time.thread_time()
+            for _ in range(count):
+                action()
+            best = min(best, (time.thread_time() - start) / count * 1e6)
+        return best
+
+    return {
+        "bytes": len(tagged),
+        "untagged": cpu_us(lambda: decode_frame(untagged)),
+        "tagged, checked": cpu_us(lambda: decode_frame(tagged, key)),
+        "the tag slice's copy": cpu_us(lambda: tagged[:-TAG_BYTES], 20_000),
+    }
 
 
 def filled_state(per_layer: bool, cache_seconds: float) -> ExporterState:
@@ -195,6 +220,13 @@ def main() -> None:
         print(
             f"  {rows:>2} rows x {layers} layers{' --per-layer' if per_layer else '':12}: "
             f"{rate / 1e6:6.2f} M entropies/s  ({frames:,.0f} frames/s)"
+        )
+    print("decode_frame, tagged under a frame key (CPU us per frame, best of 15 runs):")
+    for rows, layers in [(8, 32), (180, 80)]:
+        tagged = bench_tagged_decode(rows, layers)
+        print(
+            f"  {rows:>3} rows x {layers} layers ({tagged.pop('bytes'):,.0f} B): "
+            + ", ".join(f"{case} {us:.2f}" for case, us in tagged.items())
         )
     render = bench_render()
     print(
