@@ -11,7 +11,7 @@ of the page is served.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -178,31 +178,30 @@ class IngestCollector(_StateCollector):
         yield from (received, malformed, lost, interleaved, rejected, without_threshold)
 
 
-class TimedCollectors(prometheus.CatalogCollector):
-    """Runs the given collectors and reports how long that took, as part of the same scrape.
+class TimedCollector(prometheus.CatalogCollector):
+    """Another collector's metrics, then how long collecting them took, as part of the same scrape.
 
-    Their exceptions are theirs to handle: `build_registry` hands it collectors isolated from each other.
+    Exceptions are the wrapped collector's to handle: `exporter_collectors` wraps the isolated ones.
     """
 
     component = EXPORTER
     metric_names = ("layerwatch_exporter_scrape_duration_seconds",)
 
-    def __init__(self, collectors: Iterable[prometheus.CatalogCollector]) -> None:
-        self._collectors = list(collectors)
+    def __init__(self, collector: prometheus.CatalogCollector) -> None:
+        self._collector = collector
 
     def describe(self) -> list[Metric]:
-        return [metric for collector in self._collectors for metric in collector.describe()] + super().describe()
+        return self._collector.describe() + super().describe()
 
     def collect(self) -> Iterator[Metric]:
         start = time.perf_counter()
-        for collector in self._collectors:
-            yield from collector.collect()
+        yield from self._collector.collect()
         duration = family("layerwatch_exporter_scrape_duration_seconds")
         duration.add_metric([], time.perf_counter() - start)
         yield duration
 
 
-def exporter_collectors(state: ExporterState) -> TimedCollectors:
+def exporter_collectors(state: ExporterState) -> TimedCollector:
     """Every exporter metric of the catalog: the collectors, isolated from each other, and timed."""
     isolated = prometheus.IsolatedCollectors(
         {
@@ -216,7 +215,7 @@ def exporter_collectors(state: ExporterState) -> TimedCollectors:
         success="layerwatch_exporter_scrape_collector_success",
         duration="layerwatch_exporter_scrape_collector_duration_seconds",
     )
-    return TimedCollectors([isolated])
+    return TimedCollector(isolated)
 
 
 def build_registry(state: ExporterState, registry: CollectorRegistry | None = None) -> CollectorRegistry:
