@@ -1,8 +1,8 @@
 """Power, energy and thermals, read at scrape time: GPUs through NVML, CPU packages through RAPL.
 
 No GPU (or no NVIDIA driver) is a normal state: `layerwatch_nvml_up` is 0 and the GPU series are
-absent. A listed GPU's readings fail one by one: one NVML does not offer (a passively cooled GPU has
-no fans) is marked in `layerwatch_gpu_reading_unsupported`, one that errors is counted in
+absent. A listed GPU's readings fail one by one: a reading the GPU does not offer (a passively cooled
+GPU has no fans) is marked in `layerwatch_gpu_reading_unsupported`, one that errors is counted in
 `layerwatch_gpu_reading_errors_total`, and the others are exported. Both energy sources are turned
 into counters that never go backwards:
   - NVML's total-energy reading restarts at 0 when the driver reloads (`MonotonicEnergy`);
@@ -75,7 +75,7 @@ GPU_READINGS = ("power", "energy", "temperature", "fan_speed", "sm_clock", "memo
 
 @dataclass(frozen=True)
 class GpuReading:
-    """One GPU at one scrape. A reading NVML could not give is None (or no fans), and is named in
+    """One GPU at one scrape. A reading NVML could not give is None (no fans: empty), and is named in
     `unsupported` (the device does not offer it) or `failed` (any other NVML error)."""
 
     index: int
