@@ -223,7 +223,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="share of finished greedy requests re-scored at full depth (quality guard)",
     )
 
-
     mitigation = parser.add_argument_group("alert-driven mitigation (docs/service.md)")
     mitigation.add_argument(
         "--mitigation-address",
