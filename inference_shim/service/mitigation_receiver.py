@@ -31,7 +31,6 @@ EXPIRY_POLL_SECONDS = 0.5
 
 
 def _handler_class(mitigations: Mitigations, token: bytes) -> type[BaseHTTPRequestHandler]:
-    expected = b"Bearer " + token
     counts = mitigations.metrics.webhook
 
     class Handler(BaseHTTPRequestHandler):
@@ -64,9 +63,9 @@ def _handler_class(mitigations: Mitigations, token: bytes) -> type[BaseHTTPReque
                 self._refuse(404, "not_found", f"POST webhook notifications to {WEBHOOK_PATH}")
 
         def _authorized(self) -> bool:
+            scheme, _, given = self.headers.get("Authorization", "").partition(" ")
             # Compared in constant time, so that timing does not tell how much of a guess was right.
-            given = self.headers.get("Authorization", "").encode("utf-8", "replace")
-            if hmac.compare_digest(given, expected):
+            if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "replace"), token):
                 return True
             self._refuse(401, "unauthorized", "a valid bearer token is required", {"WWW-Authenticate": "Bearer"})
             return False
