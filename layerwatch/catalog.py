@@ -316,7 +316,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         ("model_name", "reason"),
         "Mitigations ended, by reason: resolved (the alert resolved), requests (its request budget was spent), "
-        "time (its time budget ran out).",
+        "time (its time budget ran out), operator (DELETE /mitigations on the receiver).",
         SHIM,
     ),
     _m(

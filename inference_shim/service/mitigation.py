@@ -4,7 +4,8 @@ Alertmanager posts its webhook payload (version 4) to the shim's receiver (mitig
 When one of MITIGATING_ALERTS fires for the served model (label model_name), a mitigation starts:
 the next `requests` requests, for at most `seconds`, are shadow-checked at rate 1 (every greedy one
 is re-scored at full depth), or, with `full_depth`, run at full depth (threshold 0). It ends when
-the alert resolves or its budget runs out, whichever comes first. Every start and end is a metric
+the alert resolves or its budget runs out, whichever comes first (or an operator ends it:
+DELETE /mitigations on the receiver). Every start and end is a metric
 and one log line (MITIGATION_START / MITIGATION_END).
 
 State is kept per (alertname, fingerprint), the alert's identity in Alertmanager, together with the
@@ -42,7 +43,7 @@ MITIGATING_ALERTS = ("LayerwatchEntropyDrift", "LayerwatchRoutingStatic", "Layer
 PAGING_SEVERITY = "critical"  # mixin/config.py: SEVERITY_PAGE
 MAX_ALERTS_PER_NOTIFICATION = 1000  # the generated config sends at most 100 (max_alerts)
 MAX_TRACKED_ALERTS = 1000  # known alerts kept for ordering deliveries; the oldest inactive go first
-END_REASONS = ("resolved", "requests", "time")
+END_REASONS = ("resolved", "requests", "time", "operator")
 ALERT_OUTCOMES = ("started", "ended", "unchanged", "stale", "other_model", "not_mitigating")
 WEBHOOK_OUTCOMES = ("accepted", "unauthorized", "malformed", "too_large", "not_found")
 
@@ -218,6 +219,32 @@ class Mitigations:
         with self._lock:
             if self._expire(self.clock()):
                 self._publish()
+
+    def active(self) -> list[dict]:
+        """The mitigations in effect, for an operator (GET /mitigations)."""
+        with self._lock:
+            self._expire(self.clock())
+            return [
+                {
+                    "alertname": key[0],
+                    "fingerprint": key[1],
+                    "starts_at": known.starts_at.isoformat(),
+                    "requests_left": known.budget.requests_left,
+                    "until": known.budget.until.isoformat(timespec="seconds"),
+                }
+                for key, known in self._active()
+                if known.budget is not None
+            ]
+
+    def end_all(self) -> int:
+        """An operator ends every mitigation now (DELETE /mitigations); returns how many. Repeats of the
+        same incidents do not start them again; a new incident of an alert does."""
+        with self._lock:
+            active = self._active()
+            for key, known in active:
+                self._end(key, known, "operator")
+            self._publish()
+            return len(active)
 
     def apply(self, alerts: Iterable[AlertNotice]) -> list[str]:
         """A webhook notification's alerts, in order; returns each one's outcome (ALERT_OUTCOMES)."""

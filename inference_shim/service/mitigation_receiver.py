@@ -5,7 +5,8 @@ Its own listener (`--mitigation-address`, loopback by default), apart from the p
 Alertmanager needs to reach it. Every request must carry `Authorization: Bearer <token>`, the
 token from `--mitigation-token-file`; anything else is answered 401 before its body is read.
 `POST /alerts` takes Alertmanager's version-4 webhook JSON, at most MAX_BODY_BYTES; the body
-must arrive within BODY_TIMEOUT_SECONDS. Each request is counted by outcome
+must arrive within BODY_TIMEOUT_SECONDS. For the operator, `GET /mitigations` lists the
+mitigations in effect and `DELETE /mitigations` ends them all now. Each request is counted by outcome
 (layerwatch_mitigation_webhook_requests_total). The server thread also ends the mitigations whose
 time is up (`Mitigations.expire`) between requests, so that they end on time without traffic.
 """
@@ -25,6 +26,7 @@ from inference_shim.service.mitigation import MalformedNotification, Mitigations
 log = logging.getLogger(__name__)
 
 WEBHOOK_PATH = "/alerts"
+MITIGATIONS_PATH = "/mitigations"  # GET: the mitigations in effect; DELETE: end them all now
 MAX_BODY_BYTES = 1 << 20
 BODY_TIMEOUT_SECONDS = 10.0
 EXPIRY_POLL_SECONDS = 0.5
@@ -59,8 +61,24 @@ def _handler_class(mitigations: Mitigations, token: bytes) -> type[BaseHTTPReque
             self._reply(200, {"outcomes": outcomes})
 
         def do_GET(self) -> None:
-            if self._authorized():
-                self._refuse(404, "not_found", f"POST webhook notifications to {WEBHOOK_PATH}")
+            if not self._authorized():
+                return
+            if self.path != MITIGATIONS_PATH:
+                self._refuse(404, "not_found", f"GET {MITIGATIONS_PATH} lists the mitigations in effect")
+                return
+            counts["accepted"].inc()
+            self._reply(200, {"mitigations": mitigations.active()})
+
+        def do_DELETE(self) -> None:
+            if not self._authorized():
+                return
+            if self.path != MITIGATIONS_PATH:
+                self._refuse(404, "not_found", f"DELETE {MITIGATIONS_PATH} ends every mitigation in effect")
+                return
+            counts["accepted"].inc()
+            ended = mitigations.end_all()
+            log.warning("the operator ended %d mitigation(s) (DELETE %s)", ended, MITIGATIONS_PATH)
+            self._reply(200, {"ended": ended})
 
         def _authorized(self) -> bool:
             scheme, _, given = self.headers.get("Authorization", "").partition(" ")

@@ -322,6 +322,21 @@ def test_a_body_over_the_limit_is_refused_unread_and_other_paths_are_not_found(r
     assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="not_found") == 1
 
 
+def test_an_operator_lists_and_ends_the_mitigations_and_repeats_do_not_restart_them(receiver):
+    url, state, registry = receiver
+    headers = {"Authorization": f"Bearer {TOKEN.decode()}"}
+    post(url, notification(alert(), alert("LayerwatchEntropyDrift", severity="warning", fingerprint="2")))
+    listed = httpx.get(f"{url}/mitigations", headers=headers, timeout=10).json()["mitigations"]
+    assert sorted(m["alertname"] for m in listed) == ["LayerwatchEntropyDrift", "LayerwatchRoutingStatic"]
+    assert listed[0]["requests_left"] == 3
+    assert httpx.delete(f"{url}/mitigations", timeout=10).status_code == 401
+    assert httpx.delete(f"{url}/mitigations", headers=headers, timeout=10).json() == {"ended": 2}
+    assert value(registry, "layerwatch_mitigations_ended_total", reason="operator") == 2
+    assert post(url, notification(alert())).json() == {"outcomes": ["unchanged"]}  # Alertmanager's repeat
+    assert state.for_new_request() == NO_MITIGATION
+    assert httpx.get(f"{url}/mitigations", headers=headers, timeout=10).json() == {"mitigations": []}
+
+
 def test_the_receiver_ends_mitigations_on_time_without_any_traffic():
     registry = CollectorRegistry()
     state = Mitigations(MODEL_NAME, MitigationSettings(100, 0.5, False, 0.0), MitigationMetrics(registry, MODEL_NAME))
@@ -364,7 +379,7 @@ def wait_for(server, name: str, at_least: float, timeout: float = 30.0, **labels
         time.sleep(0.1)
 
 
-def test_a_served_model_shadow_checks_mitigated_requests_and_stops_on_resolve(in_process, tmp_path):
+def test_a_served_model_shadow_checks_the_requests_of_a_mitigations_budget(in_process, tmp_path):
     from demo.processes import free_port
 
     port = free_port()
