@@ -241,14 +241,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     mitigation.add_argument(
         "--mitigation-requests",
-        type=int,
+        type=argtypes.positive(int),
         default=SETTINGS_DEFAULTS["mitigation_requests"],
         metavar="N",
         help="a mitigation covers at most the next N requests (default %(default)s)",
     )
     mitigation.add_argument(
         "--mitigation-minutes",
-        type=float,
+        type=argtypes.positive(float),
         default=SETTINGS_DEFAULTS["mitigation_minutes"],
         metavar="M",
         help="a mitigation lasts at most M minutes, and ends earlier when its alert resolves (default %(default)s)",
