@@ -206,10 +206,9 @@ class Mitigations:
             if not active:
                 return NO_MITIGATION
             self.metrics.requests.inc()
-            for key, known in active:
-                assert known.budget is not None
-                known.budget.requests_left -= 1
-                if known.budget.requests_left == 0:
+            for key, known, budget in active:
+                budget.requests_left -= 1
+                if budget.requests_left == 0:
                     self._end(key, known, "requests")
             self._publish()
             return self._mitigated
@@ -217,10 +216,9 @@ class Mitigations:
     def expire(self) -> None:
         """End the mitigations whose time is up (the receiver calls this twice a second)."""
         with self._lock:
-            if self._expire(self.clock()):
-                self._publish()
+            self._expire(self.clock())
 
-    def active(self) -> list[dict]:
+    def in_effect(self) -> list[dict]:
         """The mitigations in effect, for an operator (GET /mitigations)."""
         with self._lock:
             self._expire(self.clock())
@@ -229,11 +227,10 @@ class Mitigations:
                     "alertname": key[0],
                     "fingerprint": key[1],
                     "starts_at": known.starts_at.isoformat(),
-                    "requests_left": known.budget.requests_left,
-                    "until": known.budget.until.isoformat(timespec="seconds"),
+                    "requests_left": budget.requests_left,
+                    "until": budget.until.isoformat(timespec="seconds"),
                 }
-                for key, known in self._active()
-                if known.budget is not None
+                for key, known, budget in self._active()
             ]
 
     def end_all(self) -> int:
@@ -241,7 +238,7 @@ class Mitigations:
         same incidents do not start them again; a new incident of an alert does."""
         with self._lock:
             active = self._active()
-            for key, known in active:
+            for key, known, _ in active:
                 self._end(key, known, "operator")
             self._publish()
             return len(active)
@@ -325,14 +322,15 @@ class Mitigations:
         known.budget = None
         self.metrics.ended[reason].inc()
 
-    def _expire(self, now: float) -> bool:
-        expired = [(key, known) for key, known in self._active() if known.budget and now >= known.budget.deadline]
+    def _expire(self, now: float) -> None:
+        expired = [(key, known) for key, known, budget in self._active() if now >= budget.deadline]
         for key, known in expired:
             self._end(key, known, "time")
-        return bool(expired)
+        if expired:
+            self._publish()
 
-    def _active(self) -> list[tuple[tuple[str, str], _KnownAlert]]:
-        return [(key, known) for key, known in self._known.items() if known.budget is not None]
+    def _active(self) -> list[tuple[tuple[str, str], _KnownAlert, _Budget]]:
+        return [(key, known, known.budget) for key, known in self._known.items() if known.budget is not None]
 
     def _evict(self) -> None:
         excess = len(self._known) - MAX_TRACKED_ALERTS

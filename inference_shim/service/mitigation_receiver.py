@@ -53,6 +53,9 @@ def _handler_class(mitigations: Mitigations, token: bytes) -> type[BaseHTTPReque
                 return
             try:
                 alerts = parse_notification(self.rfile.read(int(length)))
+            except TimeoutError:
+                self._refuse(408, "malformed", f"the body did not arrive within {BODY_TIMEOUT_SECONDS:g} s")
+                return
             except MalformedNotification as exc:
                 self._refuse(400, "malformed", str(exc))
                 return
@@ -67,7 +70,7 @@ def _handler_class(mitigations: Mitigations, token: bytes) -> type[BaseHTTPReque
                 self._refuse(404, "not_found", f"GET {MITIGATIONS_PATH} lists the mitigations in effect")
                 return
             counts["accepted"].inc()
-            self._reply(200, {"mitigations": mitigations.active()})
+            self._reply(200, {"mitigations": mitigations.in_effect()})
 
         def do_DELETE(self) -> None:
             if not self._authorized():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -15,6 +16,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from alerts.specs import ALERTS
+from demo.processes import free_port
+from inference_shim.service import mitigation_receiver
 from inference_shim.service.mitigation import (
     MITIGATING_ALERTS,
     NO_MITIGATION,
@@ -24,6 +27,7 @@ from inference_shim.service.mitigation import (
     MitigationSettings,
     PagingEvent,
     RequestMitigation,
+    parse_notification,
 )
 from inference_shim.service.mitigation_receiver import MAX_BODY_BYTES, WEBHOOK_PATH, MitigationReceiver
 from mixin import config
@@ -97,8 +101,6 @@ def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
 
 
 def apply(state: Mitigations, *alerts: dict) -> list[str]:
-    from inference_shim.service.mitigation import parse_notification
-
     return state.apply(parse_notification(notification(*alerts)))
 
 
@@ -322,6 +324,23 @@ def test_a_body_over_the_limit_is_refused_unread_and_other_paths_are_not_found(r
     assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="not_found") == 1
 
 
+def test_a_stalled_body_is_cut_off_with_408(monkeypatch):
+    monkeypatch.setattr(mitigation_receiver, "BODY_TIMEOUT_SECONDS", 0.5)
+    state, registry, _ = mitigations()
+    server = MitigationReceiver(("127.0.0.1", 0), state, TOKEN)
+    server.start()
+    try:
+        with socket.create_connection(server.address, timeout=10) as client:
+            client.sendall(
+                f"POST {WEBHOOK_PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN.decode()}\r\n"
+                'Content-Length: 100\r\n\r\n{"version"'.encode()
+            )
+            assert client.recv(4096).startswith(b"HTTP/1.0 408")
+        assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="malformed") == 1
+    finally:
+        server.stop()
+
+
 def test_an_operator_lists_and_ends_the_mitigations_and_repeats_do_not_restart_them(receiver):
     url, state, registry = receiver
     headers = {"Authorization": f"Bearer {TOKEN.decode()}"}
@@ -380,8 +399,6 @@ def wait_for(server, name: str, at_least: float, timeout: float = 30.0, **labels
 
 
 def test_a_served_model_shadow_checks_the_requests_of_a_mitigations_budget(in_process, tmp_path):
-    from demo.processes import free_port
-
     port = free_port()
     server = in_process(
         mitigation_address=f"127.0.0.1:{port}", mitigation_token_file=token_file(tmp_path), mitigation_requests=2
@@ -399,8 +416,6 @@ def test_a_served_model_shadow_checks_the_requests_of_a_mitigations_budget(in_pr
 
 
 def test_a_served_model_runs_mitigated_requests_at_full_depth(in_process, tmp_path):
-    from demo.processes import free_port
-
     port = free_port()
     server = in_process(
         mitigation_address=f"127.0.0.1:{port}", mitigation_token_file=token_file(tmp_path), mitigation_full_depth=True
