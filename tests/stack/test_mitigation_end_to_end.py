@@ -49,12 +49,14 @@ class MitigationStack:
     def metric(self, name: str, **labels: str) -> float:
         return sample_sum(scrape(self.shim_url), name, **labels)
 
-    def wait_metric(self, name: str, value: float, **labels: str) -> None:
-        deadline = time.monotonic() + DELIVERY_TIMEOUT
+    def wait_metric(self, name: str, value: float, **labels: str) -> float:
+        """Seconds until the shim's metric reached `value`."""
+        began = time.monotonic()
         while (current := self.metric(name, **labels)) != value:
-            if time.monotonic() > deadline:
+            if time.monotonic() > began + DELIVERY_TIMEOUT:
                 raise AssertionError(f"{name}{labels} stayed {current}, expected {value}:\n{self.shim.log_tail()}")
-            time.sleep(0.2)
+            time.sleep(0.05)
+        return time.monotonic() - began
 
     def post_alert(self, starts_at: datetime, ends_at: datetime | None = None) -> None:
         """As Prometheus posts an alert: firing, or resolved once its endsAt has passed."""
@@ -166,7 +168,7 @@ def test_alertmanager_delivers_an_alert_to_the_shim_which_mitigates_until_it_res
 
     starts_at = datetime.now(UTC)
     stack.post_alert(starts_at)
-    stack.wait_metric("layerwatch_mitigations_active", 1)
+    to_start = stack.wait_metric("layerwatch_mitigations_active", 1)
     assert stack.metric("layerwatch_mitigations_started_total", alertname=ALERTNAME) == 1
     assert stack.metric("layerwatch_mitigation_shadow_rate") == 1
     assert stack.metric("layerwatch_mitigation_webhook_requests_total", outcome="accepted") >= 1
@@ -184,7 +186,9 @@ def test_alertmanager_delivers_an_alert_to_the_shim_which_mitigates_until_it_res
     assert stack.metric("layerwatch_mitigated_requests_total") == 3
 
     stack.post_alert(starts_at, ends_at=datetime.now(UTC) - timedelta(seconds=1))
-    stack.wait_metric("layerwatch_mitigations_active", 0)
+    to_end = stack.wait_metric("layerwatch_mitigations_active", 0)
+    # Printed, not asserted (-s shows it): group_wait 0 and, scaled, group_interval 0.6 s.
+    print(f"\nalert posted -> mitigation in effect: {to_start:.2f} s; resolved -> ended: {to_end:.2f} s")
     assert stack.metric("layerwatch_mitigations_ended_total", reason="resolved") == 1
     assert stack.metric("layerwatch_mitigation_shadow_rate") == 0
     assert f"MITIGATION_END alertname={ALERTNAME}" in stack.shim.log_tail(50)
