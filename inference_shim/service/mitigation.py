@@ -57,7 +57,7 @@ class _WebhookAlert(BaseModel):
     status: Literal["firing", "resolved"]
     labels: dict[str, Annotated[str, Field(max_length=1024)]] = Field(max_length=64)
     startsAt: datetime
-    endsAt: datetime
+    endsAt: datetime  # validated as version 4 has it; the status says whether it resolved
     fingerprint: str = Field(min_length=1, max_length=64)
 
     @field_validator("labels")
@@ -85,7 +85,6 @@ class AlertNotice:
     firing: bool
     labels: Mapping[str, str]
     starts_at: datetime
-    ends_at: datetime
 
 
 class MalformedNotification(ValueError):
@@ -102,7 +101,7 @@ def parse_notification(body: bytes) -> list[AlertNotice]:
         )
         raise MalformedNotification(f"not an Alertmanager version-4 webhook payload: {problems}") from None
     return [
-        AlertNotice(a.labels["alertname"], a.fingerprint, a.status == "firing", a.labels, a.startsAt, a.endsAt)
+        AlertNotice(a.labels["alertname"], a.fingerprint, a.status == "firing", a.labels, a.startsAt)
         for a in webhook.alerts
     ]
 
