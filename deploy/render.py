@@ -28,6 +28,18 @@ GROUP_WAIT = 30.0
 GROUP_INTERVAL = 300.0
 PAGE_REPEAT_INTERVAL = 3600.0
 TICKET_REPEAT_INTERVAL = 4 * 3600.0
+# The mitigation receiver acts on an alert as soon as it fires, and hears of its resolution within a minute.
+MITIGATION_GROUP_WAIT = 0.0
+MITIGATION_GROUP_INTERVAL = 60.0
+MITIGATION_MAX_ALERTS = 100  # per notification (the shim refuses more than 1000)
+
+
+@dataclass(frozen=True)
+class MitigationWebhook:
+    """The shim's mitigation webhook receiver, as Alertmanager reaches it (docs/service.md)."""
+
+    url: str  # e.g. http://shim:8001/alerts
+    credentials_file: str  # the shim's bearer token file, as a path Alertmanager can read
 
 
 def check_remote_write_urls(urls: Sequence[str]) -> None:
@@ -90,8 +102,12 @@ def prometheus_config(
     }
 
 
-def alertmanager_config(*, pager_url: str, ticket_url: str, timing: Timing = Timing()) -> dict:
-    """Critical pages, warning opens a ticket; grouped per model and target.
+def alertmanager_config(
+    *, pager_url: str, ticket_url: str, timing: Timing = Timing(), mitigation: MitigationWebhook | None = None
+) -> dict:
+    """Critical pages, warning opens a ticket; grouped per model and target. With `mitigation`, every
+    layerwatch alert also goes, one alert per notification, to the shim's mitigation receiver with
+    its bearer token (the shim picks the alerts it acts on); the pager and ticket routes are unchanged.
 
     Inhibition: a down target silences the other alerts of that target (their series are gone or
     stale, so whatever they say is noise), and a critical alert silences the warning of the same
@@ -101,6 +117,33 @@ def alertmanager_config(*, pager_url: str, ticket_url: str, timing: Timing = Tim
     def webhook(url: str) -> dict:
         return {"webhook_configs": [{"url": url, "send_resolved": True}]}
 
+    mitigation_route, mitigation_receiver = [], []
+    if mitigation is not None:
+        mitigation_route = [
+            {
+                "matchers": ['alertname=~"Layerwatch.+"'],
+                "receiver": "mitigation",
+                "group_by": ["alertname", "model_name", "instance"],
+                "group_wait": timing(MITIGATION_GROUP_WAIT),
+                "group_interval": timing(MITIGATION_GROUP_INTERVAL),
+                "repeat_interval": timing(PAGE_REPEAT_INTERVAL),
+                "continue": True,  # and on to the pager or ticket route below
+            }
+        ]
+        authorization = {"type": "Bearer", "credentials_file": mitigation.credentials_file}
+        mitigation_receiver = [
+            {
+                "name": "mitigation",
+                "webhook_configs": [
+                    {
+                        "url": mitigation.url,
+                        "send_resolved": True,
+                        "max_alerts": MITIGATION_MAX_ALERTS,
+                        "http_config": {"authorization": authorization},
+                    }
+                ],
+            }
+        ]
     return {
         "route": {
             "receiver": "ticket",
@@ -109,6 +152,7 @@ def alertmanager_config(*, pager_url: str, ticket_url: str, timing: Timing = Tim
             "group_interval": timing(GROUP_INTERVAL),
             "repeat_interval": timing(TICKET_REPEAT_INTERVAL),
             "routes": [
+                *mitigation_route,
                 {
                     "matchers": [f'severity="{config.SEVERITY_PAGE}"'],
                     "receiver": "pager",
@@ -117,7 +161,11 @@ def alertmanager_config(*, pager_url: str, ticket_url: str, timing: Timing = Tim
                 {"matchers": [f'severity="{config.SEVERITY_TICKET}"'], "receiver": "ticket"},
             ],
         },
-        "receivers": [{"name": "pager", **webhook(pager_url)}, {"name": "ticket", **webhook(ticket_url)}],
+        "receivers": [
+            {"name": "pager", **webhook(pager_url)},
+            {"name": "ticket", **webhook(ticket_url)},
+            *mitigation_receiver,
+        ],
         "inhibit_rules": [
             {
                 "source_matchers": [f'alertname="{target_down.name}"'],
@@ -190,7 +238,18 @@ def compose_files() -> dict[str, str]:
             "# Receivers: replace the .invalid URLs (RFC 2606, they never resolve) with your pager\n"
             "# and ticket webhook bridges; see docs/alerting.md.\n"
         )
-        + to_yaml(alertmanager_config(pager_url=config.PAGER_URL, ticket_url=config.TICKET_URL), ""),
+        + to_yaml(
+            alertmanager_config(
+                pager_url=config.PAGER_URL,
+                ticket_url=config.TICKET_URL,
+                mitigation=(
+                    MitigationWebhook(config.MITIGATION_URL, config.MITIGATION_CREDENTIALS_FILE)
+                    if config.MITIGATION_URL
+                    else None
+                ),
+            ),
+            "",
+        ),
         "deploy/grafana/provisioning/datasources/layerwatch.yaml": HEADER + to_yaml(grafana_datasource(), ""),
         "deploy/grafana/provisioning/dashboards/layerwatch.yaml": HEADER + to_yaml(grafana_dashboard_provider(), ""),
     }
@@ -218,12 +277,13 @@ def render_stack(
     evaluation_interval: float = config.EVALUATION_INTERVAL,
     time_scale: float = 1.0,
     remote_write_urls: Sequence[str] = (),
+    mitigation: MitigationWebhook | None = None,
 ) -> Stack:
     """Write prometheus.yml, rules/layerwatch.rules.yaml and alertmanager.yml into `dest`.
 
     `time_scale` multiplies every rule window, `for:` and Alertmanager wait (0.01 turns 5m into
     3s); choose a scrape interval that still leaves a few samples in the shortest rate window.
-    `remote_write_urls` as in `prometheus_config`.
+    `remote_write_urls` as in `prometheus_config`, `mitigation` as in `alertmanager_config`.
     """
     dest = Path(dest)
     timing = Timing(time_scale)
@@ -248,6 +308,9 @@ def render_stack(
     )
     alertmanager = dest / "alertmanager.yml"
     alertmanager.write_text(
-        HEADER + to_yaml(alertmanager_config(pager_url=pager_url, ticket_url=ticket_url, timing=timing), "")
+        HEADER
+        + to_yaml(
+            alertmanager_config(pager_url=pager_url, ticket_url=ticket_url, timing=timing, mitigation=mitigation), ""
+        )
     )
     return Stack(prometheus, alertmanager, rules)

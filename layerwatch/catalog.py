@@ -329,6 +329,67 @@ METRICS: tuple[MetricSpec, ...] = (
         "Shadow-checked tokens whose full-depth top-1 token equals the gated output.",
         SHIM,
     ),
+    # --- shim: alert-driven mitigation (docs/service.md, "Alert-driven mitigation") --------------
+    _m(
+        "layerwatch_mitigation_webhook_requests_total",
+        "counter",
+        ("model_name", "outcome"),
+        "Requests to the mitigation webhook receiver by outcome: accepted, unauthorized (no or a wrong bearer "
+        "token), malformed (not Alertmanager's version-4 webhook JSON), too_large, not_found (another path or method).",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_mitigation_alerts_total",
+        "counter",
+        ("model_name", "outcome"),
+        "Alerts in accepted webhook requests by what they did: started or ended a mitigation, unchanged (a repeat), "
+        "stale (older than what is known: out of order), other_model (ignored), not_mitigating (not a mitigating "
+        "alert; a paging one still reaches the paging callbacks).",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_mitigations_started_total",
+        "counter",
+        ("model_name", "alertname"),
+        "Mitigations started by an alert firing for this model.",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_mitigations_ended_total",
+        "counter",
+        ("model_name", "reason"),
+        "Mitigations ended, by reason: resolved (the alert resolved), requests (its request budget was spent), "
+        "time (its time budget ran out), operator (DELETE /mitigations on the receiver).",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_mitigations_active",
+        "gauge",
+        ("model_name",),
+        "Mitigations in effect now (one per firing alert, until it resolves or its budget runs out).",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_mitigation_shadow_rate",
+        "gauge",
+        ("model_name",),
+        "The shadow check rate new gated requests get now: 1 during a mitigation, else --shadow-rate.",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_mitigation_full_depth",
+        "gauge",
+        ("model_name",),
+        "1 while a mitigation forces new requests to full depth (--mitigation-full-depth), else 0.",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_mitigated_requests_total",
+        "counter",
+        ("model_name",),
+        "Requests admitted while a mitigation was in effect (each takes one from every active mitigation's budget).",
+        SHIM,
+    ),
     # --- shim: layer signals, measured on the shadow check's full-depth pass (docs/service.md) ---
     _m(
         "layerwatch_layer_signal_tokens_total",

@@ -39,13 +39,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import stat
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 
 from layerwatch.ports import EXPORTER_FRAMES_PORT, LOOPBACK
+from layerwatch.secret_file import read_secret_file
 
 MAGIC = b"LWGF"
 VERSION = 2  # what a frame with a threshold is written as
@@ -60,8 +60,6 @@ FLAG_TAGGED = 0x01  # the frame ends with an authentication tag
 # HMAC-SHA256 truncated to 128 bits, as IPsec's HMAC-SHA-256-128 (RFC 4868) authenticates each packet:
 # a forger gets one guess per datagram, so 2^-128 per try is out of reach, and it saves 16 bytes.
 TAG_BYTES = 16
-MIN_KEY_BYTES = 32  # e.g. `openssl rand -hex 32` (64 characters)
-_MAX_KEY_FILE_BYTES = 4096
 
 _HEADER = struct.Struct("<4sBBHHQBB")
 HEADER_BYTES = _HEADER.size  # 20: the fields every version starts with (all of version 1's header)
@@ -88,10 +86,6 @@ class UnauthenticatedFrame(ValueError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
-
-
-class FrameKeyError(ValueError):
-    """The frame key file cannot be used; the message names the file and the problem."""
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: ndarray fields have no single truth value
@@ -122,35 +116,9 @@ def parse_address(text: str, *, listening: bool = False) -> tuple[str, int]:
 
 
 def load_frame_key(path: str | os.PathLike[str]) -> bytes:
-    """The frame key: the file's bytes without surrounding whitespace. Raises FrameKeyError.
-
-    The file must be a regular file that only its owner can access (like an SSH private key), and
-    hold at least MIN_KEY_BYTES.
-    """
-    try:
-        # O_NONBLOCK: a FIFO (or a device) opens at once, so the check below refuses it instead of
-        # the open waiting for a writer.
-        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
-            info = os.fstat(file.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise FrameKeyError(f"frame key file {path}: not a regular file")
-            if info.st_mode & 0o077:
-                raise FrameKeyError(
-                    f"frame key file {path}: group or others may access it (mode {stat.S_IMODE(info.st_mode):04o}); "
-                    f"run chmod 600 {path}"
-                )
-            raw = file.read(_MAX_KEY_FILE_BYTES + 1)
-    except OSError as exc:
-        raise FrameKeyError(f"frame key file {path}: {exc.strerror or exc}") from None
-    if len(raw) > _MAX_KEY_FILE_BYTES:
-        raise FrameKeyError(f"frame key file {path}: larger than {_MAX_KEY_FILE_BYTES} bytes, not a key")
-    key = raw.strip()
-    if len(key) < MIN_KEY_BYTES:
-        raise FrameKeyError(
-            f"frame key file {path}: {len(key)} bytes, a key needs at least {MIN_KEY_BYTES} "
-            f"(e.g. openssl rand -hex 32 > {path})"
-        )
-    return key
+    """The frame key: the file's bytes without surrounding whitespace (layerwatch/secret_file.py's
+    rules: owner-only, at least MIN_SECRET_BYTES). Raises SecretFileError."""
+    return read_secret_file(path, "frame key file")
 
 
 def frame_bytes(

@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             default_threshold=args.default_threshold,
             min_routing_tokens=args.min_routing_tokens,
         )
-    except ValueError as exc:  # FrameKeyError included
+    except ValueError as exc:  # SecretFileError included
         print(f"layerwatch exporter: {exc}", file=sys.stderr)
         return 2
     try:

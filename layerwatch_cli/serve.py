@@ -16,7 +16,7 @@ from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME, d
 from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.service.shim import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServeSettings
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
-from layerwatch.ports import SHIM_HTTP_PORT
+from layerwatch.ports import LOOPBACK, SHIM_HTTP_PORT, SHIM_MITIGATION_PORT
 from layerwatch_cli import argtypes
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -221,6 +221,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=argtypes.fraction,
         default=SETTINGS_DEFAULTS["shadow_rate"],
         help="share of finished greedy requests re-scored at full depth (quality guard)",
+    )
+
+    mitigation = parser.add_argument_group("alert-driven mitigation (docs/service.md)")
+    mitigation.add_argument(
+        "--mitigation-address",
+        default=SETTINGS_DEFAULTS["mitigation_address"],
+        metavar="HOST:PORT",
+        help="run Alertmanager's webhook receiver on this address, apart from the API (e.g. "
+        f"{LOOPBACK}:{SHIM_MITIGATION_PORT}; needs --mitigation-token-file; default: off)",
+    )
+    mitigation.add_argument(
+        "--mitigation-token-file",
+        type=Path,
+        default=SETTINGS_DEFAULTS["mitigation_token_file"],
+        metavar="FILE",
+        help="the bearer token Alertmanager must send (its http_config authorization credentials_file; "
+        "owner-only permissions, at least 32 bytes, e.g. `openssl rand -hex 32`)",
+    )
+    mitigation.add_argument(
+        "--mitigation-requests",
+        type=argtypes.positive(int),
+        default=SETTINGS_DEFAULTS["mitigation_requests"],
+        metavar="N",
+        help="a mitigation covers at most the next N requests (default %(default)s)",
+    )
+    mitigation.add_argument(
+        "--mitigation-minutes",
+        type=argtypes.positive(float),
+        default=SETTINGS_DEFAULTS["mitigation_minutes"],
+        metavar="M",
+        help="a mitigation lasts at most M minutes, and ends earlier when its alert resolves (default %(default)s)",
+    )
+    mitigation.add_argument(
+        "--mitigation-full-depth",
+        action="store_true",
+        help="mitigated requests run at full depth (threshold 0) instead of being shadow-checked at rate 1",
     )
 
 

@@ -39,6 +39,13 @@ RUNBOOK_BASE_URL = "https://github.com/layerwatch/layerwatch/blob/main/docs/runb
 PAGER_URL = "http://pager.invalid/layerwatch"
 TICKET_URL = "http://ticket.invalid/layerwatch"
 
+# The shim's mitigation webhook receiver (`layerwatch serve --mitigation-address`, docs/service.md,
+# "Alert-driven mitigation"): off (None) by default. To turn it on, set the URL Alertmanager posts to,
+# e.g. f"http://shim:{ports.SHIM_MITIGATION_PORT}/alerts", and the shim's bearer token file as
+# Alertmanager sees it, then regenerate: every layerwatch alert also goes to the shim.
+MITIGATION_URL: str | None = None
+MITIGATION_CREDENTIALS_FILE = "/etc/alertmanager/secrets/mitigation.token"
+
 # The docker-compose stack: service addresses and the scrape interval Grafana must agree with.
 COMPOSE_SHIM_TARGET = f"shim:{ports.SHIM_HTTP_PORT}"
 COMPOSE_EXPORTER_TARGET = f"exporter:{ports.EXPORTER_HTTP_PORT}"

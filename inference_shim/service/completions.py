@@ -30,6 +30,7 @@ from starlette.requests import Request
 from inference_shim.runtime.engine import SamplingParams, SequenceUpdate, TokenLogprob
 from inference_shim.service.engine_worker import EngineFailure, RequestHandle
 from inference_shim.service.metrics import FinishedRequest
+from inference_shim.service.mitigation import NO_MITIGATION, RequestMitigation
 from inference_shim.service.schemas import APIError
 from layerwatch.request_tail import RequestLayers
 
@@ -83,6 +84,7 @@ class Choice:
         prompt: Prompt,
         arrived: float,
         on_recorded: Callable[[], None],
+        mitigation: RequestMitigation = NO_MITIGATION,
     ) -> None:
         self.service = service
         self.prepared = prepared
@@ -95,6 +97,8 @@ class Choice:
             prepared.choice_params(index % prepared.n),
             asyncio.get_running_loop(),
             capture_activity=prepared.debug and index == 0,
+            threshold=mitigation.threshold,
+            shadow_rate=mitigation.shadow_rate,
         )
         self.text = prompt.text if prepared.echo else ""
         self.completion_tokens = 0
@@ -203,8 +207,9 @@ class Generation:
         self.service = service
         self.prepared = prepared
         self.created = int(time.time())
+        mitigation = service.mitigations.for_new_request()  # once per request, whatever its choices
         self.choices = [
-            Choice(service, prepared, i * prepared.n + j, prompt, arrived, self._choice_recorded)
+            Choice(service, prepared, i * prepared.n + j, prompt, arrived, self._choice_recorded, mitigation)
             for i, prompt in enumerate(prepared.prompts)
             for j in range(prepared.n)
         ]

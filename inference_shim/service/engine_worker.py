@@ -61,6 +61,8 @@ class RequestHandle:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     capture_activity: bool = False  # debug header: keep per-token layer activity
+    threshold: float | None = None  # the sequence's own skip threshold (0: full depth); None: the policy's
+    shadow_rate: float | None = None  # its own shadow check rate; None: the checker's
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)  # SequenceUpdate | EngineFailure
     # Written by the engine thread; read by the handler once the final update has arrived.
     sequence_id: int | None = None
@@ -189,7 +191,7 @@ class EngineWorker:
             handle.deliver(EngineFailure(self._cut_message, shutting_down=True))
             return
         try:
-            handle.sequence_id = self._engine.submit(handle.prompt_ids, handle.params)
+            handle.sequence_id = self._engine.submit(handle.prompt_ids, handle.params, handle.threshold)
         except ValueError as exc:  # input the engine refuses (the HTTP layer checks limits first)
             handle.deliver(EngineFailure(str(exc), client_error=True))
             return
@@ -248,7 +250,9 @@ class EngineWorker:
             del self._handles[sequence_id]
             self._capturing.pop(sequence_id, None)
             if self._shadow is not None and update.finish_reason in ("stop", "length"):
-                self._shadow.offer(handle.prompt_ids, handle.generated_ids, greedy=handle.params.plain_greedy())
+                self._shadow.offer(
+                    handle.prompt_ids, handle.generated_ids, handle.params.plain_greedy(), handle.shadow_rate
+                )
 
     @staticmethod
     def _finish_probe(probe: _Probe, error: str | None) -> None:

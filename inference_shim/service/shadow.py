@@ -47,11 +47,13 @@ class ShadowChecker:
         self._jobs: deque[ShadowJob] = deque()
         self._next_allowed = 0.0  # monotonic time before which a busy engine runs no shadow job
 
-    def offer(self, prompt_ids: list[int], generated_ids: list[int], greedy: bool) -> None:
-        """Called for every request that finished normally; keeps a `rate` sample of greedy ones."""
-        if not greedy or not generated_ids or self.rate == 0.0 or len(self._jobs) >= QUEUE_LIMIT:
+    def offer(self, prompt_ids: list[int], generated_ids: list[int], greedy: bool, rate: float | None = None) -> None:
+        """Called for every request that finished normally; keeps a `rate` sample of greedy ones.
+        `rate`: the request's own (a mitigation's, mitigation.py); None: the configured one."""
+        rate = self.rate if rate is None else rate
+        if not greedy or not generated_ids or rate == 0.0 or len(self._jobs) >= QUEUE_LIMIT:
             return
-        if self._random.random() < self.rate:
+        if self._random.random() < rate:
             self._jobs.append(ShadowJob(list(prompt_ids), list(generated_ids)))
 
     def pending(self) -> int:

@@ -36,6 +36,8 @@ from inference_shim.service.metrics import (
     ShadowMetrics,
     isolated,
 )
+from inference_shim.service.mitigation import MitigationMetrics, Mitigations, MitigationSettings
+from inference_shim.service.mitigation_receiver import WEBHOOK_PATH, MitigationReceiver
 from inference_shim.service.power import NvmlCollector, RaplCollector
 from inference_shim.service.readiness import Readiness
 from inference_shim.service.shadow import ShadowChecker
@@ -48,8 +50,9 @@ from inference_shim.service.telemetry import (
 )
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
 from layerwatch.gate_importance import LayerSignalStats
+from layerwatch.secret_file import read_secret_file
 from layerwatch.trace import TraceWriter
-from layerwatch.wire import DEFAULT_FRAMES_ADDRESS, load_frame_key
+from layerwatch.wire import DEFAULT_FRAMES_ADDRESS, load_frame_key, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +100,28 @@ class ServeSettings:
     # are counted); a bucket edge of layerwatch_request_skip_fraction. None: the catalog's default
     # (`layerwatch serve` first looks for the served model's profile, docs/service.md).
     request_runaway_fraction: float | None = None
+    # Alert-driven mitigation (mitigation.py): Alertmanager's webhook receiver on its own listener,
+    # off unless an address is given; then the bearer token file is required.
+    mitigation_address: str = ""
+    mitigation_token_file: Path | None = None
+    mitigation_requests: int = 100  # a mitigation covers the next this many requests ...
+    mitigation_minutes: float = 30.0  # ... for at most this long, and ends earlier when the alert resolves
+    mitigation_full_depth: bool = False  # mitigated requests run at full depth instead of shadow-checked
 
 
 def gates_file(settings: ServeSettings) -> Path:
     return gates_path_for(settings.model_dir, settings.gates_path)
+
+
+def _mitigation_token(settings: ServeSettings) -> bytes | None:
+    """The receiver's bearer token when it is on; read (and its address checked) before the model
+    loads, so that a bad setting fails at once."""
+    if not settings.mitigation_address:
+        return None
+    parse_address(settings.mitigation_address, listening=True)
+    if settings.mitigation_token_file is None:
+        raise ValueError("--mitigation-address needs --mitigation-token-file: the receiver never runs unauthenticated")
+    return read_secret_file(settings.mitigation_token_file, "mitigation token file")
 
 
 @dataclass(frozen=True)
@@ -149,6 +170,7 @@ class ShimService:
         settings: ServeSettings,
         frame_key: bytes | None,
         registry: CollectorRegistry | None = None,
+        mitigation_token: bytes | None = None,
     ) -> None:
         model, config = checkpoint.model, checkpoint.config
         model.attach_gates(gates.gates)
@@ -235,9 +257,27 @@ class ShimService:
                 }
             )
         )
+        self.mitigations = Mitigations(
+            self.model_name,
+            MitigationSettings(
+                settings.mitigation_requests,
+                settings.mitigation_minutes * 60,
+                settings.mitigation_full_depth,
+                settings.shadow_rate,
+            ),
+            MitigationMetrics(self.registry, self.model_name),  # exposed (at 0) even without the receiver
+        )
+        self.mitigation_receiver = (
+            MitigationReceiver(
+                parse_address(settings.mitigation_address, listening=True), self.mitigations, mitigation_token
+            )
+            if mitigation_token is not None
+            else None
+        )
+        # A mitigation raises the shadow rate of its requests: the checker is needed even at rate 0.
         shadow = (
             ShadowChecker(model, shadow_metrics, settings.shadow_rate, self.layer_signals)
-            if settings.shadow_rate > 0
+            if settings.shadow_rate > 0 or self.mitigation_receiver is not None
             else None
         )
         telemetry = StepTelemetry(self.model_name, self.decode_stats, self.sender, self.trace)
@@ -273,6 +313,7 @@ class ShimService:
         frame_key = (
             load_frame_key(settings.frame_key_file) if settings.frame_key_file and settings.exporter_address else None
         )
+        mitigation_token = _mitigation_token(settings)
         checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])
         if settings.reset_gates:
             gates = reset_gates(checkpoint.model, seed=RESET_GATES_SEED)
@@ -304,7 +345,7 @@ class ShimService:
         if settings.shuffle_gates:
             gates = shuffle_gates(gates)
             log.warning("serving the gates on the wrong layers (--shuffle-gates), gates_sha256=%s", gates.sha256)
-        return cls(checkpoint, gates, settings, frame_key, registry)
+        return cls(checkpoint, gates, settings, frame_key, registry, mitigation_token)
 
     @property
     def gates_sha256(self) -> str:
@@ -373,8 +414,14 @@ class ShimService:
         self.worker.start()
         if self.gate_watcher is not None:
             self.gate_watcher.start()
+        if self.mitigation_receiver is not None:
+            self.mitigation_receiver.start()
+            host, port = self.mitigation_receiver.address
+            log.info("mitigation webhook receiver on http://%s:%d%s", host, port, WEBHOOK_PATH)
 
     def stop(self) -> None:
+        if self.mitigation_receiver is not None:
+            self.mitigation_receiver.stop()
         if self.gate_watcher is not None:
             self.gate_watcher.stop()
         self.worker.stop()

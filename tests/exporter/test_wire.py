@@ -17,12 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from layerwatch.secret_file import SecretFileError
 from layerwatch.wire import (
     HEADER_BYTES,
     HEADER_BYTES_V2,
     MAX_FRAME_BYTES,
     TAG_BYTES,
-    FrameKeyError,
     FrameTooLarge,
     GateFrame,
     MalformedFrame,
@@ -354,7 +354,7 @@ def test_the_frame_key_is_the_file_without_surrounding_whitespace(tmp_path: Path
     [
         (KEY, 0o644, "group or others may access it (mode 0644); run chmod 600"),
         (KEY, 0o604, "mode 0604"),
-        (KEY[:31] + b"\n", 0o600, "31 bytes, a key needs at least 32"),
+        (KEY[:31] + b"\n", 0o600, "31 bytes, at least 32 needed"),
         (b"k" * 5000, 0o600, "larger than 4096 bytes"),
     ],
 )
@@ -362,12 +362,12 @@ def test_unusable_frame_key_files_are_refused_naming_the_file(
     tmp_path: Path, content: bytes, mode: int, reason: str
 ) -> None:
     path = _key_file(tmp_path, content, mode)
-    with pytest.raises(FrameKeyError, match=re.escape(f"frame key file {path}: ") + ".*" + re.escape(reason)):
+    with pytest.raises(SecretFileError, match=re.escape(f"frame key file {path}: ") + ".*" + re.escape(reason)):
         load_frame_key(path)
 
 
 def test_a_missing_frame_key_file_or_a_folder_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(FrameKeyError, match=f"frame key file {tmp_path / 'absent'}: No such file"):
+    with pytest.raises(SecretFileError, match=f"frame key file {tmp_path / 'absent'}: No such file"):
         load_frame_key(tmp_path / "absent")
-    with pytest.raises(FrameKeyError, match="Is a directory|not a regular file"):
+    with pytest.raises(SecretFileError, match="Is a directory|not a regular file"):
         load_frame_key(tmp_path)

@@ -210,6 +210,35 @@ def wait_for(predicate, timeout: float = 10.0):
     return predicate()
 
 
+@pytest.mark.parametrize(
+    "labels, receivers",
+    [
+        (["severity=critical", "alertname=LayerwatchRoutingStatic", "model_name=demo"], "mitigation,pager"),
+        (["severity=warning", "alertname=LayerwatchEntropyDrift", "model_name=demo"], "mitigation,ticket"),
+        (["severity=critical", "alertname=SomethingElse"], "pager"),
+    ],
+)
+def test_the_optional_mitigation_route_gets_every_layerwatch_alert_and_the_rest_routes_as_before(
+    amtool: str, tmp_path: Path, labels: list[str], receivers: str
+) -> None:
+    assert "mitigation" not in COMMITTED_ALERTMANAGER.read_text()  # off by default
+    rendered = deploy.alertmanager_config(
+        pager_url=config.PAGER_URL,
+        ticket_url=config.TICKET_URL,
+        mitigation=deploy.MitigationWebhook("http://shim:8001/alerts", "/etc/alertmanager/secrets/mitigation.token"),
+    )
+    path = tmp_path / "alertmanager.yml"
+    path.write_text(yaml.safe_dump(rendered))
+    assert run_tool(amtool, "check-config", path).returncode == 0
+    result = run_tool(
+        amtool, "config", "routes", "test", f"--config.file={path}", f"--verify.receivers={receivers}", *labels
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (receiver,) = [r for r in rendered["receivers"] if r["name"] == "mitigation"]
+    authorization = receiver["webhook_configs"][0]["http_config"]["authorization"]
+    assert authorization == {"type": "Bearer", "credentials_file": "/etc/alertmanager/secrets/mitigation.token"}
+
+
 def test_alertmanager_inhibits_and_notifies(alertmanager_binary: str, tmp_path: Path, reference_profiles) -> None:
     hooks = Webhooks()
     stack = deploy.render_stack(

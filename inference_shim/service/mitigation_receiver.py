@@ -1,0 +1,148 @@
+"""The mitigation webhook receiver: Alertmanager posts its notifications here (docs/service.md,
+"Alert-driven mitigation").
+
+Its own listener (`--mitigation-address`, loopback by default), apart from the public API: only
+Alertmanager needs to reach it. Every request must carry `Authorization: Bearer <token>`, the
+token from `--mitigation-token-file`; anything else is answered 401 before its body is read.
+`POST /alerts` takes Alertmanager's version-4 webhook JSON, at most MAX_BODY_BYTES; the body
+must arrive within BODY_TIMEOUT_SECONDS. For the operator, `GET /mitigations` lists the
+mitigations in effect and `DELETE /mitigations` ends them all now. Each request is counted by outcome
+(layerwatch_mitigation_webhook_requests_total). The server thread also ends the mitigations whose
+time is up (`Mitigations.expire`) between requests, so that they end on time without traffic.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import cast
+
+from inference_shim.service.mitigation import MalformedNotification, Mitigations, parse_notification
+
+log = logging.getLogger(__name__)
+
+WEBHOOK_PATH = "/alerts"
+MITIGATIONS_PATH = "/mitigations"  # GET: the mitigations in effect; DELETE: end them all now
+MAX_BODY_BYTES = 1 << 20
+BODY_TIMEOUT_SECONDS = 10.0
+EXPIRY_POLL_SECONDS = 0.5
+
+
+def _handler_class(mitigations: Mitigations, token: bytes) -> type[BaseHTTPRequestHandler]:
+    counts = mitigations.metrics.webhook
+
+    class Handler(BaseHTTPRequestHandler):
+        timeout = BODY_TIMEOUT_SECONDS  # a slow or silent client loses its connection, not a thread forever
+
+        def do_POST(self) -> None:
+            if not self._authorized():
+                return
+            if self.path != WEBHOOK_PATH:
+                self._refuse(404, "not_found", f"POST webhook notifications to {WEBHOOK_PATH}")
+                return
+            length = self.headers.get("Content-Length", "")
+            if not length.isdigit():
+                self._refuse(411, "malformed", "a Content-Length is required")
+                return
+            if int(length) > MAX_BODY_BYTES:
+                self._refuse(413, "too_large", f"the body has {length} bytes, at most {MAX_BODY_BYTES} are accepted")
+                return
+            try:
+                alerts = parse_notification(self.rfile.read(int(length)))
+            except TimeoutError:
+                self._refuse(408, "malformed", f"the body did not arrive within {BODY_TIMEOUT_SECONDS:g} s")
+                return
+            except MalformedNotification as exc:
+                self._refuse(400, "malformed", str(exc))
+                return
+            outcomes = mitigations.apply(alerts)
+            counts["accepted"].inc()
+            self._reply(200, {"outcomes": outcomes})
+
+        def do_GET(self) -> None:
+            if not self._authorized():
+                return
+            if self.path != MITIGATIONS_PATH:
+                self._refuse(404, "not_found", f"GET {MITIGATIONS_PATH} lists the mitigations in effect")
+                return
+            counts["accepted"].inc()
+            self._reply(200, {"mitigations": mitigations.in_effect()})
+
+        def do_DELETE(self) -> None:
+            if not self._authorized():
+                return
+            if self.path != MITIGATIONS_PATH:
+                self._refuse(404, "not_found", f"DELETE {MITIGATIONS_PATH} ends every mitigation in effect")
+                return
+            counts["accepted"].inc()
+            ended = mitigations.end_all()
+            log.warning("the operator ended %d mitigation(s) (DELETE %s)", ended, MITIGATIONS_PATH)
+            self._reply(200, {"ended": ended})
+
+        def _authorized(self) -> bool:
+            scheme, _, given = self.headers.get("Authorization", "").partition(" ")
+            # Compared in constant time, so that timing does not tell how much of a guess was right.
+            if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "replace"), token):
+                return True
+            self._refuse(401, "unauthorized", "a valid bearer token is required", {"WWW-Authenticate": "Bearer"})
+            return False
+
+        def _refuse(self, status: int, outcome: str, message: str, headers: dict[str, str] | None = None) -> None:
+            counts[outcome].inc()
+            peer = self.client_address[0]
+            log.warning("mitigation webhook from %s refused (%d %s): %s", peer, status, outcome, message)
+            self.close_connection = True  # the unread body, if any, must not be taken for the next request
+            self._reply(status, {"error": message}, {"Connection": "close", **(headers or {})})
+
+        def _reply(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: object) -> None:
+            log.debug("%s %s", self.address_string(), format % args)
+
+    return Handler
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True  # a stuck client never blocks shutdown
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], mitigations: Mitigations):
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.mitigations = mitigations
+        super().__init__(address, handler)
+
+    def service_actions(self) -> None:  # serve_forever calls this between requests, at least every poll
+        self.mitigations.expire()
+
+
+class MitigationReceiver:
+    """Binds on construction (a taken port fails start-up), serves after start()."""
+
+    def __init__(self, address: tuple[str, int], mitigations: Mitigations, token: bytes) -> None:
+        self._server = _HTTPServer(address, _handler_class(mitigations, token), mitigations)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(EXPIRY_POLL_SECONDS,), name="mitigation-receiver", daemon=True
+        )
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return cast(tuple[str, int], self._server.server_address[:2])
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._server.shutdown()
+        self._server.server_close()

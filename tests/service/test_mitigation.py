@@ -1,0 +1,471 @@
+"""Alert-driven mitigation: the state per alert (idempotent, order-proof, bounded in requests and
+time), the webhook receiver on real loopback sockets (auth, bad payloads, size), and a served model
+whose requests get shadow-checked or run at full depth while an alert fires."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from alerts.specs import ALERTS
+from demo.processes import free_port
+from inference_shim.service import mitigation_receiver
+from inference_shim.service.mitigation import (
+    MITIGATING_ALERTS,
+    NO_MITIGATION,
+    PAGING_SEVERITY,
+    MitigationMetrics,
+    Mitigations,
+    MitigationSettings,
+    PagingEvent,
+    RequestMitigation,
+    parse_notification,
+)
+from inference_shim.service.mitigation_receiver import MAX_BODY_BYTES, WEBHOOK_PATH, MitigationReceiver
+from mixin import config
+from tests.service.conftest import MODEL_NAME, sample_sum
+
+TOKEN = b"mitigation-token-0123456789abcdef0123"
+T0 = datetime(2026, 12, 1, 3, 0, tzinfo=UTC)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def alert(
+    name: str = "LayerwatchRoutingStatic",
+    *,
+    status: str = "firing",
+    model: str = MODEL_NAME,
+    severity: str = "critical",
+    fingerprint: str = "a1b2c3d4e5f60718",
+    starts_at: datetime = T0,
+) -> dict:
+    resolved = status == "resolved"
+    return {
+        "status": status,
+        "labels": {"alertname": name, "model_name": model, "severity": severity, "instance": "shim:8000"},
+        "annotations": {"summary": "..."},
+        "startsAt": starts_at.isoformat().replace("+00:00", "Z"),
+        "endsAt": (starts_at + timedelta(minutes=5)).isoformat() if resolved else "0001-01-01T00:00:00Z",
+        "generatorURL": "http://prometheus/graph",
+        "fingerprint": fingerprint,
+    }
+
+
+def notification(*alerts: dict) -> bytes:
+    status = "firing" if any(a["status"] == "firing" for a in alerts) else "resolved"
+    return json.dumps(
+        {
+            "version": "4",
+            "groupKey": "{}:{}",
+            "truncatedAlerts": 0,
+            "status": status,
+            "receiver": "mitigation",
+            "groupLabels": {},
+            "commonLabels": {},
+            "commonAnnotations": {},
+            "externalURL": "http://alertmanager:9093",
+            "alerts": list(alerts),
+        }
+    ).encode()
+
+
+def mitigations(requests: int = 3, minutes: float = 10.0, full_depth: bool = False, shadow_rate: float = 0.0):
+    registry = CollectorRegistry()
+    clock = FakeClock()
+    state = Mitigations(
+        MODEL_NAME,
+        MitigationSettings(requests, minutes * 60, full_depth, shadow_rate),
+        MitigationMetrics(registry, MODEL_NAME),
+        clock=clock,
+    )
+    return state, registry, clock
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return registry.get_sample_value(name, {"model_name": MODEL_NAME, **labels}) or 0.0
+
+
+def apply(state: Mitigations, *alerts: dict) -> list[str]:
+    return state.apply(parse_notification(notification(*alerts)))
+
+
+# --- the state ---------------------------------------------------------------------------------------
+
+
+def test_the_mitigating_alerts_and_the_paging_severity_are_the_generated_ones():
+    assert set(MITIGATING_ALERTS) <= {spec.name for spec in ALERTS}
+    assert PAGING_SEVERITY == config.SEVERITY_PAGE
+
+
+def test_a_firing_alert_shadow_checks_the_next_n_requests_then_ends(caplog):
+    state, registry, _ = mitigations(requests=3, shadow_rate=0.25)
+    assert state.for_new_request() == NO_MITIGATION
+    assert value(registry, "layerwatch_mitigation_shadow_rate") == 0.25
+    with caplog.at_level(logging.WARNING, logger="inference_shim.service.mitigation"):
+        assert apply(state, alert()) == ["started"]
+        assert value(registry, "layerwatch_mitigations_active") == 1
+        assert value(registry, "layerwatch_mitigation_shadow_rate") == 1
+        assert value(registry, "layerwatch_mitigations_started_total", alertname="LayerwatchRoutingStatic") == 1
+        got = [state.for_new_request() for _ in range(4)]
+    assert got == [RequestMitigation(None, 1.0)] * 3 + [NO_MITIGATION]
+    assert value(registry, "layerwatch_mitigated_requests_total") == 3
+    assert value(registry, "layerwatch_mitigations_ended_total", reason="requests") == 1
+    assert value(registry, "layerwatch_mitigations_active") == 0
+    assert value(registry, "layerwatch_mitigation_shadow_rate") == 0.25
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith(
+        f"MITIGATION_START alertname=LayerwatchRoutingStatic fingerprint=a1b2c3d4e5f60718 model={MODEL_NAME} "
+        "action=shadow_rate=1 requests=3 until="
+    )
+    assert lines[1] == (
+        f"MITIGATION_END alertname=LayerwatchRoutingStatic fingerprint=a1b2c3d4e5f60718 model={MODEL_NAME} "
+        "reason=requests requests_left=0"
+    )
+    # A repeat of the same incident (Alertmanager's repeat_interval) does not start it again.
+    assert apply(state, alert()) == ["unchanged"]
+    assert state.for_new_request() == NO_MITIGATION
+
+
+def test_a_mitigation_ends_when_its_time_is_up_or_its_alert_resolves():
+    state, registry, clock = mitigations(minutes=2, requests=100)
+    apply(state, alert("LayerwatchEntropyDrift", severity="warning"))
+    clock.now += 119
+    state.expire()
+    assert value(registry, "layerwatch_mitigations_active") == 1
+    clock.now += 1
+    state.expire()
+    assert value(registry, "layerwatch_mitigations_active") == 0
+    assert value(registry, "layerwatch_mitigations_ended_total", reason="time") == 1
+    assert state.for_new_request() == NO_MITIGATION
+
+    apply(state, alert("LayerwatchRunawaySkipping"))
+    assert apply(state, alert("LayerwatchRunawaySkipping", status="resolved")) == ["ended"]
+    assert value(registry, "layerwatch_mitigations_ended_total", reason="resolved") == 1
+    assert state.for_new_request() == NO_MITIGATION
+
+
+def test_full_depth_runs_mitigated_requests_at_threshold_zero_without_shadow_checks():
+    state, registry, _ = mitigations(full_depth=True, shadow_rate=0.5)
+    assert value(registry, "layerwatch_mitigation_full_depth") == 0
+    apply(state, alert())
+    assert state.for_new_request() == RequestMitigation(threshold=0.0, shadow_rate=0.0)
+    assert value(registry, "layerwatch_mitigation_full_depth") == 1
+    assert value(registry, "layerwatch_mitigation_shadow_rate") == 0
+    apply(state, alert(status="resolved"))
+    assert value(registry, "layerwatch_mitigation_full_depth") == 0
+    assert value(registry, "layerwatch_mitigation_shadow_rate") == 0.5
+
+
+def test_each_alert_has_its_own_budget_and_requests_count_against_all():
+    state, registry, _ = mitigations(requests=2)
+    apply(state, alert(fingerprint="1"))
+    state.for_new_request()
+    assert apply(state, alert("LayerwatchEntropyDrift", fingerprint="2"), alert(fingerprint="1")) == [
+        "started",
+        "unchanged",
+    ]
+    assert value(registry, "layerwatch_mitigations_active") == 2
+    state.for_new_request()  # the first alert's second request, the drift's first
+    assert value(registry, "layerwatch_mitigations_active") == 1
+    assert state.for_new_request() != NO_MITIGATION
+    assert state.for_new_request() == NO_MITIGATION
+
+
+@pytest.mark.parametrize(
+    "order",
+    [("firing", "resolved"), ("resolved", "firing"), ("firing", "resolved", "firing", "resolved")],
+    ids=["in-order", "resolved-first", "repeated"],
+)
+def test_any_order_of_one_incidents_deliveries_ends_with_no_mitigation(order):
+    state, registry, _ = mitigations()
+    for status in order:
+        apply(state, alert(status=status))
+    assert state.for_new_request() == NO_MITIGATION
+    assert value(registry, "layerwatch_mitigations_active") == 0
+    assert value(registry, "layerwatch_mitigations_started_total", alertname="LayerwatchRoutingStatic") == (
+        0 if order[0] == "resolved" else 1
+    )
+
+
+def test_a_late_notification_of_an_earlier_incident_is_stale():
+    state, registry, _ = mitigations()
+    later = T0 + timedelta(hours=1)
+    apply(state, alert(starts_at=later))
+    assert apply(state, alert(status="resolved", starts_at=T0)) == ["stale"]
+    assert value(registry, "layerwatch_mitigations_active") == 1
+    assert apply(state, alert(status="resolved", starts_at=later)) == ["ended"]
+    # The same alert firing again later is a new incident: a new mitigation.
+    assert apply(state, alert(starts_at=later + timedelta(hours=1))) == ["started"]
+    assert value(registry, "layerwatch_mitigation_alerts_total", outcome="stale") == 1
+
+
+def test_alerts_of_other_models_and_other_alerts_are_ignored_and_counted():
+    state, registry, _ = mitigations()
+    outcomes = apply(
+        state,
+        alert(model="another-model"),
+        alert("LayerwatchSkipRateSurge", severity="warning"),
+        alert("LayerwatchEntropySinglePeak", severity="critical"),
+    )
+    assert outcomes == ["other_model", "not_mitigating", "not_mitigating"]
+    assert state.for_new_request() == NO_MITIGATION
+    assert value(registry, "layerwatch_mitigation_alerts_total", outcome="other_model") == 1
+    assert value(registry, "layerwatch_mitigation_alerts_total", outcome="not_mitigating") == 2
+
+
+def test_paging_callbacks_hear_each_paging_alert_fire_and_resolve_once():
+    state, _, _ = mitigations()
+    events: list[PagingEvent] = []
+    state.on_paging.append(events.append)
+    state.on_paging.insert(0, lambda event: 1 / 0)  # a failing reaction does not stop the others
+    apply(state, alert("LayerwatchEntropySinglePeak"), alert("LayerwatchEntropyDrift", severity="warning"))
+    apply(state, alert("LayerwatchEntropySinglePeak"))  # a repeat
+    apply(state, alert("LayerwatchEntropySinglePeak", status="resolved"))
+    apply(state, alert("LayerwatchEntropySinglePeak", model="another-model"))
+    assert [(e.alertname, e.firing) for e in events] == [
+        ("LayerwatchEntropySinglePeak", True),
+        ("LayerwatchEntropySinglePeak", False),
+    ]
+
+
+def test_settings_out_of_range_are_refused():
+    with pytest.raises(ValueError, match="--mitigation-requests must be >= 1"):
+        MitigationSettings(0, 60, False, 0.0)
+    with pytest.raises(ValueError, match="--mitigation-minutes must be a positive number"):
+        MitigationSettings(1, float("nan"), False, 0.0)
+
+
+# --- the receiver on a real socket -------------------------------------------------------------------
+
+
+@pytest.fixture
+def receiver():
+    state, registry, _ = mitigations()
+    server = MitigationReceiver(("127.0.0.1", 0), state, TOKEN)
+    server.start()
+    host, port = server.address
+    yield f"http://{host}:{port}", state, registry
+    server.stop()
+
+
+def post(url: str, body: bytes, authorization: str | None = f"Bearer {TOKEN.decode()}", path: str = WEBHOOK_PATH):
+    headers = {"Content-Type": "application/json"}
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    return httpx.post(f"{url}{path}", content=body, headers=headers, timeout=10)
+
+
+def test_the_receiver_acts_on_an_authenticated_notification(receiver):
+    url, state, registry = receiver
+    response = post(url, notification(alert()))
+    assert response.status_code == 200 and response.json() == {"outcomes": ["started"]}
+    assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="accepted") == 1
+    assert state.for_new_request().shadow_rate == 1.0
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [None, "Bearer wrong-token-0123456789abcdef0123456", f"Bearer {TOKEN.decode()}x", f"Basic {TOKEN.decode()}"],
+    ids=["none", "wrong", "longer", "basic"],
+)
+def test_no_or_a_wrong_token_gets_401_and_changes_nothing(receiver, authorization):
+    url, state, registry = receiver
+    response = post(url, notification(alert()), authorization)
+    assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
+    assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="unauthorized") == 1
+    assert state.for_new_request() == NO_MITIGATION
+    # Not even which paths exist: a GET without the token gets 401 too.
+    assert httpx.get(f"{url}/", timeout=10).status_code == 401
+
+
+@pytest.mark.parametrize(
+    "body, problem",
+    [
+        (b"{not json", "Invalid JSON"),
+        (json.dumps({"version": "3", "status": "firing", "alerts": []}).encode(), "version"),
+        (notification({**alert(), "status": "pending"}), "alerts.0.status"),
+        (notification({**alert(), "labels": {"model_name": MODEL_NAME}}), "an alert needs the label alertname"),
+        (notification({**alert(), "startsAt": "yesterday"}), "alerts.0.startsAt"),
+        (notification({k: v for k, v in alert().items() if k != "fingerprint"}), "alerts.0.fingerprint"),
+        (json.dumps([1, 2]).encode(), "body"),
+    ],
+    ids=["not-json", "version-3", "bad-status", "no-alertname", "bad-time", "no-fingerprint", "not-an-object"],
+)
+def test_a_malformed_notification_gets_400_naming_the_problem(receiver, body, problem):
+    url, state, registry = receiver
+    response = post(url, body)
+    assert response.status_code == 400, response.text
+    assert problem in response.json()["error"] and "Alertmanager version-4 webhook payload" in response.json()["error"]
+    assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="malformed") == 1
+    assert state.for_new_request() == NO_MITIGATION
+
+
+def test_a_body_over_the_limit_is_refused_unread_and_other_paths_are_not_found(receiver):
+    url, _, registry = receiver
+    huge = notification(alert()) + b" " * MAX_BODY_BYTES
+    assert post(url, huge).status_code == 413
+    assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="too_large") == 1
+    assert post(url, notification(alert()), path="/other").status_code == 404
+    assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="not_found") == 1
+
+
+def test_a_stalled_body_is_cut_off_with_408(monkeypatch):
+    monkeypatch.setattr(mitigation_receiver, "BODY_TIMEOUT_SECONDS", 0.5)
+    state, registry, _ = mitigations()
+    server = MitigationReceiver(("127.0.0.1", 0), state, TOKEN)
+    server.start()
+    try:
+        with socket.create_connection(server.address, timeout=10) as client:
+            client.sendall(
+                f"POST {WEBHOOK_PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN.decode()}\r\n"
+                'Content-Length: 100\r\n\r\n{"version"'.encode()
+            )
+            assert client.recv(4096).startswith(b"HTTP/1.0 408")
+        assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="malformed") == 1
+    finally:
+        server.stop()
+
+
+def test_an_operator_lists_and_ends_the_mitigations_and_repeats_do_not_restart_them(receiver):
+    url, state, registry = receiver
+    headers = {"Authorization": f"Bearer {TOKEN.decode()}"}
+    post(url, notification(alert(), alert("LayerwatchEntropyDrift", severity="warning", fingerprint="2")))
+    listed = httpx.get(f"{url}/mitigations", headers=headers, timeout=10).json()["mitigations"]
+    assert sorted(m["alertname"] for m in listed) == ["LayerwatchEntropyDrift", "LayerwatchRoutingStatic"]
+    assert listed[0]["requests_left"] == 3
+    assert httpx.delete(f"{url}/mitigations", timeout=10).status_code == 401
+    assert httpx.delete(f"{url}/mitigations", headers=headers, timeout=10).json() == {"ended": 2}
+    assert value(registry, "layerwatch_mitigations_ended_total", reason="operator") == 2
+    assert post(url, notification(alert())).json() == {"outcomes": ["unchanged"]}  # Alertmanager's repeat
+    assert state.for_new_request() == NO_MITIGATION
+    assert httpx.get(f"{url}/mitigations", headers=headers, timeout=10).json() == {"mitigations": []}
+
+
+def test_the_receiver_ends_mitigations_on_time_without_any_traffic():
+    registry = CollectorRegistry()
+    state = Mitigations(MODEL_NAME, MitigationSettings(100, 0.5, False, 0.0), MitigationMetrics(registry, MODEL_NAME))
+    server = MitigationReceiver(("127.0.0.1", 0), state, TOKEN)
+    server.start()
+    try:
+        host, port = server.address
+        post(f"http://{host}:{port}", notification(alert()))
+        assert value(registry, "layerwatch_mitigations_active") == 1
+        deadline = time.monotonic() + 10
+        while value(registry, "layerwatch_mitigations_active") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert value(registry, "layerwatch_mitigations_ended_total", reason="time") == 1
+    finally:
+        server.stop()
+
+
+# --- the served model --------------------------------------------------------------------------------
+
+
+def token_file(tmp_path: Path, mode: int = 0o600, content: bytes = TOKEN) -> Path:
+    path = tmp_path / "mitigation.token"
+    path.write_bytes(content + b"\n")
+    path.chmod(mode)
+    return path
+
+
+def greedy(server, max_tokens: int = 6) -> None:
+    body = {"model": MODEL_NAME, "prompt": "And God said", "max_tokens": max_tokens, "temperature": 0}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+
+
+def wait_for(server, name: str, at_least: float, timeout: float = 30.0, **labels: str) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        snapshot = server.metrics()
+        if sample_sum(snapshot, name, **labels) >= at_least or time.monotonic() > deadline:
+            return snapshot
+        time.sleep(0.1)
+
+
+def test_a_served_model_shadow_checks_the_requests_of_a_mitigations_budget(in_process, tmp_path):
+    port = free_port()
+    server = in_process(
+        mitigation_address=f"127.0.0.1:{port}", mitigation_token_file=token_file(tmp_path), mitigation_requests=2
+    )
+    greedy(server)
+    assert sample_sum(server.metrics(), "layerwatch_shadow_tokens_total") == 0  # --shadow-rate 0
+    assert post(f"http://127.0.0.1:{port}", notification(alert())).json() == {"outcomes": ["started"]}
+    for _ in range(3):  # the third is past the budget of 2
+        greedy(server)
+    snapshot = wait_for(server, "layerwatch_shadow_tokens_total", 12)
+    assert sample_sum(snapshot, "layerwatch_shadow_tokens_total") == 12  # 2 requests x 6 tokens
+    assert sample_sum(snapshot, "layerwatch_mitigated_requests_total") == 2
+    assert sample_sum(snapshot, "layerwatch_mitigations_ended_total", reason="requests") == 1
+    assert sample_sum(snapshot, "layerwatch_mitigations_active") == 0
+
+
+def test_a_served_model_runs_mitigated_requests_at_full_depth(in_process, tmp_path):
+    port = free_port()
+    server = in_process(
+        mitigation_address=f"127.0.0.1:{port}", mitigation_token_file=token_file(tmp_path), mitigation_full_depth=True
+    )
+    greedy(server, max_tokens=12)
+    skips = sample_sum(server.metrics(), "layerwatch_layer_skips_total")
+    assert skips > 0  # the tiny gates skip layers 1-3 after the patience
+    post(f"http://127.0.0.1:{port}", notification(alert()))
+    assert sample_sum(server.metrics(), "layerwatch_mitigation_full_depth") == 1
+    greedy(server, max_tokens=12)
+    assert sample_sum(server.metrics(), "layerwatch_layer_skips_total") == skips  # nothing skipped
+    post(f"http://127.0.0.1:{port}", notification(alert(status="resolved")))
+    greedy(server, max_tokens=12)
+    snapshot = server.metrics()
+    assert sample_sum(snapshot, "layerwatch_layer_skips_total") > skips
+    assert sample_sum(snapshot, "layerwatch_mitigation_full_depth") == 0
+    assert sample_sum(snapshot, "layerwatch_shadow_tokens_total") == 0  # full depth has nothing to check
+
+
+@pytest.mark.parametrize(
+    "mode, content, problem",
+    [
+        (0o644, TOKEN, "group or others may access it (mode 0644)"),
+        (0o600, b"", "0 bytes, at least 32 needed"),
+    ],
+)
+def test_an_unusable_token_file_stops_the_shim_before_the_model_loads(tmp_path, mode, content, problem):
+    from inference_shim.service.shim import ServeSettings, ShimService
+
+    path = token_file(tmp_path, mode, content)
+    settings = ServeSettings(
+        model_dir=tmp_path / "no-model", mitigation_address="127.0.0.1:0", mitigation_token_file=path
+    )
+    with pytest.raises(
+        ValueError, match=f"mitigation token file {path}: .*" + problem.replace("(", r"\(").replace(")", r"\)")
+    ):
+        ShimService.load(settings)
+
+
+def test_the_receiver_needs_a_token_file_and_a_listening_address(tmp_path):
+    from inference_shim.service.shim import ServeSettings, ShimService
+
+    no_model = tmp_path / "no-model"
+    with pytest.raises(ValueError, match="--mitigation-address needs --mitigation-token-file"):
+        ShimService.load(ServeSettings(model_dir=no_model, mitigation_address="127.0.0.1:8001"))
+    with pytest.raises(ValueError, match="is not HOST:PORT"):
+        ShimService.load(ServeSettings(model_dir=no_model, mitigation_address="8001"))
+    with pytest.raises(ValueError, match="No such file"):
+        ShimService.load(
+            ServeSettings(
+                model_dir=no_model, mitigation_address="127.0.0.1:0", mitigation_token_file=tmp_path / "absent"
+            )
+        )
