@@ -29,7 +29,7 @@ import numpy as np
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, SequenceUpdate, StepHook, StepRecord
 from inference_shim.runtime.model import GateBank
 from inference_shim.service.schemas import APIError, server_error
-from inference_shim.service.shadow import ShadowChecker
+from inference_shim.service.shadow import ShadowCallback, ShadowChecker
 from inference_shim.service.telemetry import StepTelemetry
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,8 @@ class RequestHandle:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     capture_activity: bool = False  # debug header: keep per-token layer activity
+    request_id: str | None = None  # names the request in the engine's log lines
+    on_shadow_result: ShadowCallback | None = None  # told the choice's shadow re-check, if one runs
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)  # SequenceUpdate | EngineFailure
     # Written by the engine thread; read by the handler once the final update has arrived.
     sequence_id: int | None = None
@@ -189,7 +191,7 @@ class EngineWorker:
             handle.deliver(EngineFailure(self._cut_message, shutting_down=True))
             return
         try:
-            handle.sequence_id = self._engine.submit(handle.prompt_ids, handle.params)
+            handle.sequence_id = self._engine.submit(handle.prompt_ids, handle.params, request_id=handle.request_id)
         except ValueError as exc:  # input the engine refuses (the HTTP layer checks limits first)
             handle.deliver(EngineFailure(str(exc), client_error=True))
             return
@@ -248,7 +250,12 @@ class EngineWorker:
             del self._handles[sequence_id]
             self._capturing.pop(sequence_id, None)
             if self._shadow is not None and update.finish_reason in ("stop", "length"):
-                self._shadow.offer(handle.prompt_ids, handle.generated_ids, greedy=handle.params.plain_greedy())
+                self._shadow.offer(
+                    handle.prompt_ids,
+                    handle.generated_ids,
+                    greedy=handle.params.plain_greedy(),
+                    on_result=handle.on_shadow_result,
+                )
 
     @staticmethod
     def _finish_probe(probe: _Probe, error: str | None) -> None:
