@@ -301,9 +301,7 @@ def wait_for(condition, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def test_serve_sends_spans_over_otlp_http_and_survives_a_collector_that_refuses(
-    tiny_checkpoint, receiver, tmp_path
-):
+def test_serve_sends_spans_over_otlp_http_and_survives_a_collector_that_refuses(tiny_checkpoint, receiver, tmp_path):
     port = free_port()
     argv = [
         sys.executable,
