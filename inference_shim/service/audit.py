@@ -113,7 +113,7 @@ def request_attributes(record: RequestRecord) -> dict[str, AttributeValue]:
     if record.layers:
         # Bounded by the layer count, however long the generation: per-layer totals, not per-token lists.
         skipped = np.sum([counts.skipped for counts in record.layers], axis=0)
-        attributes["layerwatch.layers.skipped_per_layer"] = [int(n) for n in skipped]
+        attributes["layerwatch.layers.skipped_per_layer"] = skipped.tolist()
         attributes["layerwatch.fallbacks"] = sum(counts.fallbacks for counts in record.layers)
         tokens = sum(counts.tokens for counts in record.layers)
         score_sum = float(np.sum([counts.score_sum for counts in record.layers]))
