@@ -173,7 +173,7 @@ class _CountingExporter(SpanExporter):
     def __init__(self, exporter: SpanExporter, counts: AuditSpanCounts) -> None:
         self._exporter = exporter
         self._counts = counts
-        self._failing = False
+        self._failed_before: int | None = None  # while failing: the failed count when it began
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         try:
@@ -182,16 +182,21 @@ class _CountingExporter(SpanExporter):
             log.exception("audit spans: the exporter raised")
             result = SpanExportResult.FAILURE
         ok = result is SpanExportResult.SUCCESS
+        failed_before = self._counts.failed
         self._counts.settle(len(spans), ok)
-        if ok == self._failing:  # the state changed: say so once, not at every batch
-            self._failing = not ok
-            if ok:
-                log.info("audit spans: exporting again")
-            else:
-                log.error(
-                    'audit spans: export failed, %d span(s) lost (layerwatch_audit_spans_total{outcome="failed"})',
-                    len(spans),
-                )
+        # Said when the state changes, not at every batch (the SDK logs each failed batch itself).
+        if not ok and self._failed_before is None:
+            self._failed_before = failed_before
+            log.error(
+                "audit spans: export failed, %d span(s) lost; until it recovers, lost spans are only counted "
+                '(layerwatch_audit_spans_total{outcome="failed"})',
+                len(spans),
+            )
+        elif ok and self._failed_before is not None:
+            log.warning(
+                "audit spans: exporting again, %d span(s) lost meanwhile", self._counts.failed - self._failed_before
+            )
+            self._failed_before = None
         return result
 
     def shutdown(self) -> None:

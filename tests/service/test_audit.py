@@ -49,14 +49,8 @@ def audited(tiny_checkpoint):
 
     def start(**overrides) -> tuple[InProcessServer, InMemorySpanExporter]:
         exporter = InMemorySpanExporter()
-        settings = ServeSettings(
-            model_dir=tiny_checkpoint.path,
-            model_name=MODEL_NAME,
-            exporter_address="",
-            max_tokens_cap=32,
-            max_prompt_tokens=64,
-            **overrides,
-        )
+        limits = {"max_tokens_cap": 32, "max_prompt_tokens": 64, **overrides}
+        settings = ServeSettings(model_dir=tiny_checkpoint.path, model_name=MODEL_NAME, exporter_address="", **limits)
         server = InProcessServer(ShimService.load(settings, span_exporter=exporter)).__enter__()
         started.append(server)
         return server, exporter
@@ -168,6 +162,19 @@ def test_fallbacks_in_the_span_match_the_fallback_lines(audited, caplog):
     assert all(re.fullmatch(r"ILP_FALLBACK: HIGH_SKIPPING( \w+=\S+)+", line) for line in lines)
     assert span.attributes["layerwatch.fallbacks"] == len(lines) == 2  # 3 patience + 3 skipping + 16 full, again
     assert span.attributes["layerwatch.skip.threshold"] == 1.0
+
+
+def test_a_request_the_client_abandons_ends_its_span_as_cancelled(audited):
+    server, exporter = audited(max_tokens_cap=200, max_prompt_tokens=32)  # a long generation, cut short
+    body = {"model": MODEL_NAME, "prompt": "And God called the light Day", "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as response:
+        next(response.iter_lines())  # the first event: the generation runs; then the client goes away
+    (span,) = finished_spans(server, exporter, 1)
+    a = span.attributes
+    assert a["layerwatch.request.status"] == "cancelled" and list(a["gen_ai.response.finish_reasons"]) == ["cancelled"]
+    assert 0 < a["gen_ai.usage.output_tokens"] < 200
+    assert sum(a["layerwatch.layers.skipped_per_layer"]) == a["layerwatch.layers.skipped"]
+    assert "error.type" not in a
 
 
 def test_full_depth_reads_full_and_skips_nothing(audited):
@@ -348,8 +355,13 @@ def test_serve_sends_spans_over_otlp_http_and_survives_a_collector_that_refuses(
         metrics = scrape(base_url)
         assert sample_sum(metrics, "layerwatch_audit_spans_total", outcome="exported") == 1
         assert sample_sum(metrics, "layerwatch_requests_total", status="ok") == 4
+        assert httpx.get(f"{base_url}/readyz", timeout=20).status_code == 200
+
+        receiver.status = 200  # the collector is back
+        client.completions.create(model=MODEL_NAME, prompt="Night", max_tokens=2)
+        wait_for(lambda: sample_sum(scrape(base_url), "layerwatch_audit_spans_total", outcome="exported") == 2)
         log = (tmp_path / "serve.log").read_text()
         assert log.count("audit spans: export failed") == 1  # said once, not per batch
-        assert httpx.get(f"{base_url}/readyz", timeout=20).status_code == 200
+        assert log.count("audit spans: exporting again, 3 span(s) lost meanwhile") == 1
     finally:
         process.stop()
