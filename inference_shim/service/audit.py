@@ -131,8 +131,7 @@ class AuditTrail:
         defaults = {SERVICE_NAME: SERVICE, SERVICE_INSTANCE_ID: shim_id}
         resource = Resource.create({**defaults, **OTELResourceDetector().detect().attributes})
         self._provider = TracerProvider(resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False)
-        self._processor = _BoundedBatchProcessor(_CountingExporter(exporter, counts), counts)
-        self._provider.add_span_processor(self._processor)
+        self._provider.add_span_processor(_BoundedBatchProcessor(_CountingExporter(exporter, counts), counts))
         self._tracer = self._provider.get_tracer("layerwatch.serve")
         self._propagator = TraceContextTextMapPropagator()
 
