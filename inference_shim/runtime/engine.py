@@ -148,7 +148,7 @@ class LayerCounts:
     skipped: np.ndarray  # int64 [L]: steps that skipped the layer (sums to `layers_skipped`)
     below_threshold: np.ndarray  # int64 [L]: steps whose gate score was below the sequence's threshold
     score_sum: np.ndarray  # float64 [L]: the gate scores of those steps, summed (NaN without gates)
-    fallbacks: int = 0  # fallback episodes that began in those steps
+    fallbacks: int  # fallback episodes that began in those steps
 
 
 @dataclass
