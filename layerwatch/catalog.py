@@ -24,6 +24,9 @@ ZERO_ENTROPY_LIMIT = 0.01
 # The gate-importance correlation is computed over the last this many (token, layer) samples of the
 # shadow check, and exported once that many were measured (docs/service.md, "Layer signals").
 GATE_IMPORTANCE_SAMPLES = 4096
+# The shim's audit-trail spans waiting for export, at most (the OTel SDK's default queue); beyond it
+# a newly ended span is dropped and counted (docs/service.md, "Audit trail").
+AUDIT_QUEUE_SPANS = 2048
 
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.001,
@@ -468,6 +471,23 @@ METRICS: tuple[MetricSpec, ...] = (
         ("model_name", "reason"),
         "Trace lines not written (reason=max_bytes: --trace-max-bytes reached; write_error: a write failed, "
         "e.g. a full disk). Either stops trace writing for good; serving goes on.",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_audit_spans_total",
+        "counter",
+        ("model_name", "outcome"),
+        "Audit-trail spans (--otlp-endpoint: one per request, one per shadow re-check) by outcome: exported "
+        "(the collector accepted them), failed (the export failed: collector unreachable, refused or timed out; "
+        "the spans are lost), dropped (ended while the export queue was full). All 0 while spans are off.",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_audit_spans_queued",
+        "gauge",
+        ("model_name",),
+        f"Audit-trail spans waiting for export or being exported (at most {AUDIT_QUEUE_SPANS}: beyond, new ones "
+        "are dropped).",
         SHIM,
     ),
     # --- exporter: entropy statistics -----------------------------------------------------------

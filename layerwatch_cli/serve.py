@@ -217,6 +217,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"model's profile in alerts/profiles, else {DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION})",
     )
     telemetry.add_argument(
+        "--otlp-endpoint",
+        default=SETTINGS_DEFAULTS["otlp_endpoint"],
+        metavar="URL",
+        help="send an audit span per request (OpenTelemetry, OTLP over HTTP/protobuf) to this collector: a base "
+        "URL such as http://127.0.0.1:4318 (spans go to /v1/traces) or the full traces URL (default: the "
+        "standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT; without them, no spans)",
+    )
+    telemetry.add_argument(
         "--shadow-rate",
         type=argtypes.fraction,
         default=SETTINGS_DEFAULTS["shadow_rate"],

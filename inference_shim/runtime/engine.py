@@ -30,6 +30,7 @@ The engine is single-threaded: the service calls it from one worker thread.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -50,6 +51,8 @@ DEFAULT_MAX_SEQ_LEN = 4096  # cache length when neither the caller nor a shorter
 MAX_LOGPROBS = 20  # most alternatives per token (vLLM's default limit; OpenAI's chat API allows 20)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
+# The fallback log line's marker, the field's (`ILP_FALLBACK: HIGH_SKIPPING`); key=value pairs follow.
+FALLBACK_MARKER = "ILP_FALLBACK: HIGH_SKIPPING"
 NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this sequence"
 FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)
 
@@ -144,6 +147,8 @@ class LayerCounts:
     tokens: int  # decode steps = generated tokens
     skipped: np.ndarray  # int64 [L]: steps that skipped the layer (sums to `layers_skipped`)
     below_threshold: np.ndarray  # int64 [L]: steps whose gate score was below the sequence's threshold
+    score_sum: np.ndarray  # float64 [L]: the gate scores of those steps, summed (NaN without gates)
+    fallbacks: int  # fallback episodes that began in those steps
 
 
 @dataclass
@@ -188,6 +193,9 @@ class _Sequence:
     held: str = ""  # decoded text held back while it may be the start of a stop string
     activity: list[np.ndarray] = field(default_factory=list)
     below: list[np.ndarray] = field(default_factory=list)  # bool [L] per decode step: score < threshold
+    scores: list[np.ndarray] = field(default_factory=list)  # float32 [L] per decode step: the gate scores
+    fallbacks: int = 0  # fallback episodes begun in its generating steps
+    request_id: str | None = None  # the caller's name for it, for log lines
     threshold: float | None = None  # the sequence's own tau; None = the policy's
     layers_executed: int = 0
     layers_skipped: int = 0
@@ -247,10 +255,17 @@ class GenerationEngine:
 
     # --- public API ------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, threshold: float | None = None) -> int:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        threshold: float | None = None,
+        request_id: str | None = None,
+    ) -> int:
         """Queue a sequence; it joins the batch at the next step boundary. Returns its id.
-        `threshold`: the sequence's own tau in [0, 1] (0 = full depth); None = the policy's."""
-        return self._submit(prompt_ids, params, threshold).id
+        `threshold`: the sequence's own tau in [0, 1] (0 = full depth); None = the policy's.
+        `request_id`: the caller's name for the sequence's request, in the engine's log lines."""
+        return self._submit(prompt_ids, params, threshold, request_id).id
 
     def cancel(self, sequence_id: int) -> None:
         """Stop a sequence at the next step boundary (unknown or finished ids are ignored)."""
@@ -297,7 +312,9 @@ class GenerationEngine:
 
     # --- admission and prefill -------------------------------------------------------------------
 
-    def _submit(self, prompt_ids: list[int], params: SamplingParams, threshold: float | None) -> _Sequence:
+    def _submit(
+        self, prompt_ids: list[int], params: SamplingParams, threshold: float | None, request_id: str | None = None
+    ) -> _Sequence:
         params.validate()
         if threshold is not None:
             check_threshold(threshold)
@@ -321,6 +338,7 @@ class GenerationEngine:
             decoder=self.tokenizer.incremental_decoder(),
             generator=generator,
             threshold=threshold,
+            request_id=request_id,
         )
         self._next_id += 1
         self._waiting.append(sequence)
@@ -436,9 +454,7 @@ class GenerationEngine:
         )
         self.steps += 1
         for sequence in (s for s, started_now in zip(rows, step.fallback_started) if started_now):
-            log.warning(
-                "[FALLBACK: HIGH_SKIPPING] model=%s sequence=%d step=%d", self.model_name, sequence.id, self.steps
-            )
+            self._log_fallback(sequence)
         # The skip policy's own comparison, each row at its own threshold.
         below = self.skip_policy.below_threshold(slots, step.entropies)
         logprobs = self._step_logprobs(step.logits, rows, step.next_tokens)
@@ -451,7 +467,7 @@ class GenerationEngine:
                     if scoring[i]:
                         update = self._score(sequence, logprobs[i])
                     else:
-                        update = self._advance(sequence, token, step.run_mask[i], below[i], logprobs.get(i))
+                        update = self._advance(sequence, token, step, i, below[i], logprobs.get(i))
                     if update is not None:
                         updates.append(update)
                     continue
@@ -543,11 +559,21 @@ class GenerationEngine:
             return dict(zip(asking, token_logprobs(selected, torch.tensor(chosen, device=logits.device), ks)))
 
     def _advance(
-        self, sequence: _Sequence, token: int, ran: np.ndarray, below: np.ndarray, logprob: TokenLogprob | None
+        self,
+        sequence: _Sequence,
+        token: int,
+        step: DecodedStep,
+        row: int,
+        below: np.ndarray,
+        logprob: TokenLogprob | None,
     ) -> SequenceUpdate:
+        """Row `row` of `step` generated `token` for the sequence."""
+        ran = step.run_mask[row]
         sequence.generated.append(token)
         sequence.activity.append(ran.copy())
         sequence.below.append(below)
+        sequence.scores.append(step.entropies[row])
+        sequence.fallbacks += int(step.fallback_started[row])
         executed = int(ran.sum())
         sequence.layers_executed += executed
         sequence.layers_skipped += self.num_layers - executed
@@ -583,6 +609,16 @@ class GenerationEngine:
         emitted, sequence.held = pending[: len(pending) - hold], pending[len(pending) - hold :]
         sequence.text += emitted
         return emitted, False
+
+    def _log_fallback(self, sequence: _Sequence) -> None:
+        """One line per fallback episode, in the field's form: the marker, then key=value pairs."""
+        fields = {
+            "model": self.model_name,
+            "request": sequence.request_id or "-",
+            "sequence": sequence.id,
+            "step": self.steps,
+        }
+        log.warning("%s %s", FALLBACK_MARKER, " ".join(f"{key}={_logfmt(value)}" for key, value in fields.items()))
 
     def _fail(self, sequence: _Sequence, error: str) -> SequenceUpdate:
         """End one sequence that raised; the rest of the batch goes on."""
@@ -621,10 +657,17 @@ class GenerationEngine:
         tokens = len(sequence.activity)
         if tokens == 0:
             zeros = np.zeros(self.num_layers, dtype=np.int64)
-            return LayerCounts(0, zeros, zeros.copy())
+            return LayerCounts(0, zeros, zeros.copy(), np.zeros(self.num_layers), sequence.fallbacks)
         ran = np.asarray(sequence.activity, dtype=bool)
         below = np.asarray(sequence.below, dtype=bool)
-        return LayerCounts(tokens, tokens - ran.sum(axis=0, dtype=np.int64), below.sum(axis=0, dtype=np.int64))
+        scores = np.asarray(sequence.scores, dtype=np.float64)
+        return LayerCounts(
+            tokens,
+            tokens - ran.sum(axis=0, dtype=np.int64),
+            below.sum(axis=0, dtype=np.int64),
+            scores.sum(axis=0),
+            sequence.fallbacks,
+        )
 
 
 @dataclass
@@ -718,6 +761,14 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int]) ->
         top = tuple((int(row[2 + j]), float(row[2 + k + j])) for j in range(k_row))
         result.append(TokenLogprob(int(row[0]), float(row[1]), top))
     return result
+
+
+def _logfmt(value: object) -> str:
+    """A log field's value as logfmt writes it: bare when it holds no space, quote or '=', else quoted."""
+    text = str(value)
+    if text and not any(c.isspace() or c in '"=' for c in text):
+        return text
+    return json.dumps(text, ensure_ascii=False)
 
 
 def _longest_stop_prefix_suffix(text: str, stops: tuple[str, ...]) -> int:

@@ -154,7 +154,8 @@ async def _generate(service: ShimService, request: Request, kind: Literal["compl
         prepared.params.max_tokens,
         prepared.stream,
     )
-    generation = Generation(service, prepared, arrived)
+    audit = None if service.audit is None else service.audit.start(kind, prepared.model_name, arrived, request.headers)
+    generation = Generation(service, prepared, arrived, audit)
     generation.start()
     if prepared.stream:
 

@@ -10,6 +10,9 @@ them. A client that goes away cancels every choice; each is then counted as `can
 tokens it had generated until the engine stopped it (those tokens were decoded and are in the
 layer counters too). A choice that fails fails the request, and the other choices are cancelled.
 
+With the audit trail on (audit.py), a request also has a span from its arrival until its last
+choice is counted, ended with a `RequestRecord` of the same numbers.
+
 Log-probabilities are the served model's (`TokenLogprob`): generated tokens' from the gated decode
 step that produced them, prompt tokens' from the gated decode steps that scored the prompt
 teacher-forced (the engine's module doc).
@@ -21,13 +24,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from starlette.requests import Request
 
-from inference_shim.runtime.engine import SamplingParams, SequenceUpdate, TokenLogprob
+from inference_shim.runtime.agreement import ShadowResult
+from inference_shim.runtime.engine import LayerCounts, SamplingParams, SequenceUpdate, TokenLogprob
 from inference_shim.service.engine_worker import EngineFailure, RequestHandle
 from inference_shim.service.metrics import FinishedRequest
 from inference_shim.service.mitigation import NO_MITIGATION, RequestMitigation
@@ -35,6 +39,7 @@ from inference_shim.service.schemas import APIError
 from layerwatch.request_tail import RequestLayers
 
 if TYPE_CHECKING:
+    from inference_shim.service.audit import RequestSpan
     from inference_shim.service.shim import ShimService
 
 log = logging.getLogger(__name__)
@@ -71,6 +76,30 @@ class Prepared:
         return replace(self.params, seed=(self.params.seed + j) % 2**63)
 
 
+def depth_mode(threshold: float) -> str:
+    """How deep a request runs: "full" when nothing can be skipped (tau 0), else "gated"."""
+    return "full" if threshold == 0.0 else "gated"
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What a request's audit span says (audit.py), from the same numbers as its `usage` and metrics."""
+
+    kind: Literal["completion", "chat"]
+    request_id: str
+    model_name: str
+    gates_sha256: str  # of the gates serving when it finished
+    params: SamplingParams
+    n: int  # choices per prompt
+    stream: bool
+    threshold: float  # the tau its sequences ran at
+    depth_mode: str
+    status: str  # the request's, as layerwatch_requests_total names it: its worst choice's
+    finish_reasons: list[str]  # one per choice
+    usage: Mapping[str, int]
+    layers: list[LayerCounts]  # of the choices the engine finished
+
+
 class Choice:
     """One sequence of a request: its engine handle, what it has produced, its metrics."""
 
@@ -85,6 +114,7 @@ class Choice:
         arrived: float,
         on_recorded: Callable[[], None],
         mitigation: RequestMitigation = NO_MITIGATION,
+        audit: RequestSpan | None = None,
     ) -> None:
         self.service = service
         self.prepared = prepared
@@ -92,6 +122,7 @@ class Choice:
         self.prompt = prompt
         self.arrived = arrived
         self._on_recorded = on_recorded
+        self._audit = audit
         self.handle = RequestHandle(
             prompt.ids,
             prepared.choice_params(index % prepared.n),
@@ -99,6 +130,8 @@ class Choice:
             capture_activity=prepared.debug and index == 0,
             threshold=mitigation.threshold,
             shadow_rate=mitigation.shadow_rate,
+            request_id=prepared.request_id,
+            on_shadow_result=None if audit is None else self._shadow_checked,
         )
         self.text = prompt.text if prepared.echo else ""
         self.completion_tokens = 0
@@ -110,6 +143,7 @@ class Choice:
         self.last_token_at: float | None = None
         self.gaps: list[float] = []
         self.final: SequenceUpdate | None = None
+        self.status: str | None = None  # once counted
         self.recorded = False
         self.abandoned = False
 
@@ -169,6 +203,7 @@ class Choice:
         if self.recorded:
             return
         self.recorded = True
+        self.status = status
         self._on_recorded()
         # A prompt the engine refused was never prefilled.
         prompt_tokens = 0 if status == "client_error" else len(self.prompt.ids)
@@ -192,6 +227,11 @@ class Choice:
             )
         )
 
+    def _shadow_checked(self, result: ShadowResult, seconds: float) -> None:
+        """Called in the engine thread when the choice's shadow re-check ran (audit spans on)."""
+        assert self._audit is not None
+        self._audit.shadow_checked(self.index, result.tokens, result.agreements, seconds)
+
     def _layers(self) -> RequestLayers | None:
         """The choice's decode steps per layer, from the engine's final update (None without one)."""
         counts = self.final.layer_counts if self.final is not None else None
@@ -203,13 +243,18 @@ class Choice:
 class Generation:
     """A request's choices, and the response they make up."""
 
-    def __init__(self, service: ShimService, prepared: Prepared, arrived: float) -> None:
+    def __init__(
+        self, service: ShimService, prepared: Prepared, arrived: float, audit: RequestSpan | None = None
+    ) -> None:
         self.service = service
         self.prepared = prepared
         self.created = int(time.time())
         mitigation = service.mitigations.for_new_request()  # once per request, whatever its choices
+        # The skip threshold its sequences run at.
+        self.threshold = service.policy.threshold if mitigation.threshold is None else mitigation.threshold
+        self._audit = audit
         self.choices = [
-            Choice(service, prepared, i * prepared.n + j, prompt, arrived, self._choice_recorded, mitigation)
+            Choice(service, prepared, i * prepared.n + j, prompt, arrived, self._choice_recorded, mitigation, audit)
             for i, prompt in enumerate(prepared.prompts)
             for j in range(prepared.n)
         ]
@@ -221,6 +266,28 @@ class Generation:
         self._unrecorded -= 1
         if self._unrecorded == 0:
             self.service.admission.leave()
+            if self._audit is not None:
+                self._audit.end(self.record())
+
+    def record(self) -> RequestRecord:
+        """The request once every choice is counted."""
+        statuses = {c.status for c in self.choices}
+        p = self.prepared
+        return RequestRecord(
+            kind=p.kind,
+            request_id=p.request_id,
+            model_name=p.model_name,
+            gates_sha256=self.service.gates_sha256,
+            params=p.params,
+            n=p.n,
+            stream=p.stream,
+            threshold=self.threshold,
+            depth_mode=depth_mode(self.threshold),
+            status=next((s for s in ("server_error", "client_error", "cancelled") if s in statuses), "ok"),
+            finish_reasons=[(c.final.finish_reason if c.final else None) or "error" for c in self.choices],
+            usage=self.usage(),
+            layers=[c.final.layer_counts for c in self.choices if c.final and c.final.layer_counts],
+        )
 
     def start(self) -> None:
         for choice in self.choices:

@@ -29,7 +29,7 @@ import numpy as np
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, SequenceUpdate, StepHook, StepRecord
 from inference_shim.runtime.model import GateBank
 from inference_shim.service.schemas import APIError, server_error
-from inference_shim.service.shadow import ShadowChecker
+from inference_shim.service.shadow import ShadowCallback, ShadowChecker
 from inference_shim.service.telemetry import StepTelemetry
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class RequestHandle:
     capture_activity: bool = False  # debug header: keep per-token layer activity
     threshold: float | None = None  # the sequence's own skip threshold (0: full depth); None: the policy's
     shadow_rate: float | None = None  # its own shadow check rate; None: the checker's
+    request_id: str | None = None  # names the request in the engine's log lines
+    on_shadow_result: ShadowCallback | None = None  # told the choice's shadow re-check, if one runs
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)  # SequenceUpdate | EngineFailure
     # Written by the engine thread; read by the handler once the final update has arrived.
     sequence_id: int | None = None
@@ -191,7 +193,9 @@ class EngineWorker:
             handle.deliver(EngineFailure(self._cut_message, shutting_down=True))
             return
         try:
-            handle.sequence_id = self._engine.submit(handle.prompt_ids, handle.params, handle.threshold)
+            handle.sequence_id = self._engine.submit(
+                handle.prompt_ids, handle.params, threshold=handle.threshold, request_id=handle.request_id
+            )
         except ValueError as exc:  # input the engine refuses (the HTTP layer checks limits first)
             handle.deliver(EngineFailure(str(exc), client_error=True))
             return
@@ -251,7 +255,11 @@ class EngineWorker:
             self._capturing.pop(sequence_id, None)
             if self._shadow is not None and update.finish_reason in ("stop", "length"):
                 self._shadow.offer(
-                    handle.prompt_ids, handle.generated_ids, handle.params.plain_greedy(), handle.shadow_rate
+                    handle.prompt_ids,
+                    handle.generated_ids,
+                    greedy=handle.params.plain_greedy(),
+                    rate=handle.shadow_rate,
+                    on_result=handle.on_shadow_result,
                 )
 
     @staticmethod

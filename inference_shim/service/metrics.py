@@ -293,6 +293,56 @@ class ShadowMetrics:
         self.agreements = make_counter("layerwatch_shadow_agreements_total", registry).labels(model_name)
 
 
+class AuditSpanCounts:
+    """The audit trail's spans by outcome, and how many wait for export (inference_shim/service/
+    audit.py; all zero while spans are off). Updated from the request path, the engine thread
+    (shadow spans) and the SDK's export thread, hence the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.exported = 0  # the collector accepted them
+        self.failed = 0  # their export failed: lost
+        self.dropped = 0  # ended while the queue was full: never sent
+        self.queued = 0  # waiting for export or being exported
+
+    def enqueue(self, capacity: int) -> bool:
+        """An ended span: True when it may join the queue, False (and counted) when it is dropped."""
+        with self._lock:
+            if self.queued >= capacity:
+                self.dropped += 1
+                return False
+            self.queued += 1
+            return True
+
+    def settle(self, spans: int, ok: bool) -> None:
+        """An export of `spans` spans finished."""
+        with self._lock:
+            self.queued -= spans
+            if ok:
+                self.exported += spans
+            else:
+                self.failed += spans
+
+
+class AuditCollector(ShimCollector):
+    """layerwatch_audit_spans_total{outcome} and layerwatch_audit_spans_queued, at scrape time."""
+
+    metric_names = ("layerwatch_audit_spans_total", "layerwatch_audit_spans_queued")
+
+    def __init__(self, counts: AuditSpanCounts, model_name: str) -> None:
+        self._counts = counts
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        spans, queued = map(family, self.metric_names)
+        c = self._counts
+        for outcome, value in (("exported", c.exported), ("failed", c.failed), ("dropped", c.dropped)):
+            spans.add_metric([self._model_name, outcome], value)
+        yield spans
+        queued.add_metric([self._model_name], c.queued)
+        yield queued
+
+
 class RequestQueueCollector(ShimCollector):
     """Requests running (holding a batch slot) and waiting for one, at scrape time."""
 

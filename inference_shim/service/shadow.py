@@ -21,13 +21,17 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 
-from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
+from inference_shim.runtime.agreement import ShadowJob, ShadowResult, full_depth_agreement
 from inference_shim.runtime.model import Transformer
 from inference_shim.service.metrics import ShadowMetrics
 from layerwatch.gate_importance import LayerSignalStats
 
 log = logging.getLogger(__name__)
+
+# Told a job's result and how many seconds it took (the request's audit span, when spans are on).
+ShadowCallback = Callable[[ShadowResult, float], None]
 
 QUEUE_LIMIT = 64  # sampled requests waiting for a re-check; beyond it new samples are not taken
 DUTY_CYCLE = 0.1  # while requests are decoding, shadow work takes at most this share of the engine thread
@@ -44,17 +48,25 @@ class ShadowChecker:
         self._signals = signals
         self.rate = rate
         self._random = random.Random()
-        self._jobs: deque[ShadowJob] = deque()
+        self._jobs: deque[tuple[ShadowJob, ShadowCallback | None]] = deque()
         self._next_allowed = 0.0  # monotonic time before which a busy engine runs no shadow job
 
-    def offer(self, prompt_ids: list[int], generated_ids: list[int], greedy: bool, rate: float | None = None) -> None:
+    def offer(
+        self,
+        prompt_ids: list[int],
+        generated_ids: list[int],
+        greedy: bool,
+        rate: float | None = None,
+        on_result: ShadowCallback | None = None,
+    ) -> None:
         """Called for every request that finished normally; keeps a `rate` sample of greedy ones.
-        `rate`: the request's own (a mitigation's, mitigation.py); None: the configured one."""
+        `rate`: the request's own (a mitigation's, mitigation.py); None: the configured one.
+        `on_result` is told the check's result once it has run."""
         rate = self.rate if rate is None else rate
         if not greedy or not generated_ids or rate == 0.0 or len(self._jobs) >= QUEUE_LIMIT:
             return
         if self._random.random() < rate:
-            self._jobs.append(ShadowJob(list(prompt_ids), list(generated_ids)))
+            self._jobs.append((ShadowJob(list(prompt_ids), list(generated_ids)), on_result))
 
     def pending(self) -> int:
         return len(self._jobs)
@@ -64,7 +76,7 @@ class ShadowChecker:
         return bool(self._jobs) and (not engine_busy or time.monotonic() >= self._next_allowed)
 
     def run_one(self) -> None:
-        job = self._jobs.popleft()
+        job, on_result = self._jobs.popleft()
         started = time.monotonic()
         try:
             result = full_depth_agreement(self._model, job, layer_signals=self._signals is not None)
@@ -78,3 +90,8 @@ class ShadowChecker:
             self._next_allowed = started + elapsed / DUTY_CYCLE
         self._metrics.tokens.inc(result.tokens)
         self._metrics.agreements.inc(result.agreements)
+        if on_result is not None:
+            try:
+                on_result(result, elapsed)
+            except Exception:  # the audit span is a report on the job: it must not take the engine thread down
+                log.exception("reporting a shadow re-check failed")

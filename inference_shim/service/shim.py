@@ -9,9 +9,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
 
@@ -26,6 +30,8 @@ from inference_shim.service.engine_worker import EngineWorker
 from inference_shim.service.gate_watch import MIN_GATES_WATCH_SECONDS, GateFileWatcher
 from inference_shim.service.layer_signals import LayerSignalsCollector
 from inference_shim.service.metrics import (
+    AuditCollector,
+    AuditSpanCounts,
     DecodeStats,
     DecodeStatsCollector,
     GateReloadMetrics,
@@ -54,6 +60,11 @@ from layerwatch.secret_file import read_secret_file
 from layerwatch.trace import TraceWriter
 from layerwatch.wire import DEFAULT_FRAMES_ADDRESS, load_frame_key, parse_address
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    from inference_shim.service.audit import AuditTrail
+
 log = logging.getLogger(__name__)
 
 RESET_GATES_SEED = 0
@@ -61,6 +72,8 @@ PROBE_TEXT = "ready"
 DEFAULT_MAX_TOKENS_CAP = 512
 DEFAULT_MAX_PROMPT_TOKENS = 1024
 GATE_SWAP_TIMEOUT_SECONDS = 60.0  # the engine takes new gates at its next step boundary
+OTLP_PROTOCOL = "http/protobuf"  # the one OTLP transport the audit trail speaks
+OTLP_TRACES_PATH = "v1/traces"
 
 
 @dataclass
@@ -107,6 +120,10 @@ class ServeSettings:
     mitigation_requests: int = 100  # a mitigation covers the next this many requests ...
     mitigation_minutes: float = 30.0  # ... for at most this long, and ends earlier when the alert resolves
     mitigation_full_depth: bool = False  # mitigated requests run at full depth instead of shadow-checked
+    # Audit-trail spans go to this OTLP/HTTP endpoint: a base URL (/v1/traces is appended) or a traces
+    # URL with its path. None: the standard OTEL_EXPORTER_OTLP_* variables decide, and without them
+    # spans are off (resolve_otlp_endpoint).
+    otlp_endpoint: str | None = None
 
 
 def gates_file(settings: ServeSettings) -> Path:
@@ -133,6 +150,42 @@ class Limits:
     # A longer prompt has more than max_prompt_tokens tokens whatever it says: refused untokenized.
     # None: the tokenizer gives no such bound (Tokenizer.max_chars_per_token).
     max_prompt_chars: int | None = None
+
+
+def resolve_otlp_endpoint(endpoint: str | None, environ: Mapping[str, str]) -> str | None:
+    """The OTLP/HTTP traces URL of the audit trail; None: spans off, the default.
+
+    `endpoint` (--otlp-endpoint) first: a base URL such as http://collector:4318 gets /v1/traces,
+    a URL with a path is used as it is. Else the standard variables, as OTel SDKs read them:
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT as it is, else OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces.
+    OTEL_SDK_DISABLED=true turns spans off whatever is set. Spans travel as OTLP over HTTP with
+    protobuf only: another OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, or a URL that is not http(s), is
+    refused rather than silently not exported.
+    """
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        if endpoint:
+            log.warning("OTEL_SDK_DISABLED=true: no audit spans, although --otlp-endpoint is set")
+        return None
+    if endpoint:
+        source, url = "--otlp-endpoint", endpoint if urlsplit(endpoint).path.strip("/") else _traces_url(endpoint)
+    elif environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        source, url = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+    elif environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        source, url = "OTEL_EXPORTER_OTLP_ENDPOINT", _traces_url(environ["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    else:
+        return None
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{source} must be an http:// or https:// URL with a host, got {url!r}")
+    for variable in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        protocol = environ.get(variable)
+        if protocol and protocol.strip() != OTLP_PROTOCOL:
+            raise ValueError(f"{variable}={protocol}: audit spans are sent as OTLP {OTLP_PROTOCOL} only")
+    return url
+
+
+def _traces_url(base: str) -> str:
+    return f"{base.rstrip('/')}/{OTLP_TRACES_PATH}"
 
 
 def resolve_limits(settings: ServeSettings, context: int, chars_per_token: int | None = None) -> Limits:
@@ -171,7 +224,10 @@ class ShimService:
         frame_key: bytes | None,
         registry: CollectorRegistry | None = None,
         mitigation_token: bytes | None = None,
+        span_exporter: SpanExporter | None = None,
     ) -> None:
+        """`settings.otlp_endpoint` is the resolved traces URL (None: spans off); a `span_exporter`
+        turns spans on with that exporter instead (tests: the SDK's in-memory exporter)."""
         model, config = checkpoint.model, checkpoint.config
         model.attach_gates(gates.gates)
         self.model = model
@@ -236,6 +292,9 @@ class ShimService:
             else None
         )
 
+        self.audit_spans = AuditSpanCounts()
+        self.audit = self._audit_trail(settings.otlp_endpoint, span_exporter, shim_id)
+
         self.layer_signals = LayerSignalStats(config.num_layers)
         # The custom collectors compute at scrape time (hardware readings, statistics): isolated, so
         # that one failing leaves the rest of /metrics served (docs/service.md, "Metrics").
@@ -254,6 +313,7 @@ class ShimService:
                     "request_queue": RequestQueueCollector(
                         self.admission.running, self.admission.waiting, self.model_name
                     ),
+                    "audit": AuditCollector(self.audit_spans, self.model_name),
                 }
             )
         )
@@ -287,8 +347,15 @@ class ShimService:
         self.gate_watcher = self._gate_watcher(settings, gates)
 
     @classmethod
-    def load(cls, settings: ServeSettings, registry: CollectorRegistry | None = None) -> ShimService:
+    def load(
+        cls,
+        settings: ServeSettings,
+        registry: CollectorRegistry | None = None,
+        span_exporter: SpanExporter | None = None,
+    ) -> ShimService:
         resolve_device(settings.device)  # a clear error for a malformed name or a missing GPU
+        endpoint = resolve_otlp_endpoint(settings.otlp_endpoint, os.environ)  # before the model loads: fail fast
+        settings = dataclasses.replace(settings, otlp_endpoint=endpoint)
         drills = [
             flag
             for flag, on in (
@@ -345,11 +412,23 @@ class ShimService:
         if settings.shuffle_gates:
             gates = shuffle_gates(gates)
             log.warning("serving the gates on the wrong layers (--shuffle-gates), gates_sha256=%s", gates.sha256)
-        return cls(checkpoint, gates, settings, frame_key, registry, mitigation_token)
+        return cls(checkpoint, gates, settings, frame_key, registry, mitigation_token, span_exporter)
 
     @property
     def gates_sha256(self) -> str:
         return self.model_info.gates_sha256
+
+    def _audit_trail(self, endpoint: str | None, exporter: SpanExporter | None, shim_id: str) -> AuditTrail | None:
+        if endpoint is None and exporter is None:
+            return None  # spans off: the OTel SDK is not even imported
+        # Imported only now: the SDK and its exporter take 0.4 s to import.
+        from inference_shim.service.audit import AuditTrail
+
+        if exporter is not None:
+            return AuditTrail(exporter, self.audit_spans, shim_id)
+        assert endpoint is not None
+        log.info("audit spans: one per request, over OTLP/HTTP to %s", endpoint)
+        return AuditTrail.over_otlp(endpoint, self.audit_spans, shim_id)
 
     def _gate_watcher(self, settings: ServeSettings, gates: LoadedGates) -> GateFileWatcher | None:
         seconds = settings.gates_watch_seconds
@@ -425,6 +504,8 @@ class ShimService:
         if self.gate_watcher is not None:
             self.gate_watcher.stop()
         self.worker.stop()
+        if self.audit is not None:
+            self.audit.shutdown()  # after the engine: its last shadow spans are in the queue
         if self.sender is not None:
             self.sender.close()
         if self.trace is not None:

@@ -45,6 +45,7 @@ def test_final_update_counts_each_sequences_skips_and_low_scores(tokenizer):
         assert counts.tokens == len(rows) <= lengths[sequence_id]  # EOS may end it early
         assert counts.skipped.tolist() == skipped.sum(axis=0).tolist()
         assert counts.below_threshold.tolist() == (entropies < POLICY.threshold).sum(axis=0).tolist()
+        np.testing.assert_allclose(counts.score_sum, entropies.astype(np.float64).sum(axis=0))
         assert int(counts.skipped.sum()) == update.layers_skipped  # the client's usage
     assert any(int(u.layer_counts.skipped.sum()) for u in finals.values())  # something was skipped
     assert max(u.layer_counts.tokens for u in finals.values()) > 6

@@ -332,9 +332,30 @@ def test_fallback_after_sustained_high_skipping(tokenizer, caplog):
     assert started == [6, 25]
     messages = [r.getMessage() for r in caplog.records if "FALLBACK" in r.getMessage()]
     assert messages == [
-        "[FALLBACK: HIGH_SKIPPING] model=tiny sequence=0 step=6",
-        "[FALLBACK: HIGH_SKIPPING] model=tiny sequence=0 step=25",
+        "ILP_FALLBACK: HIGH_SKIPPING model=tiny request=- sequence=0 step=6",
+        "ILP_FALLBACK: HIGH_SKIPPING model=tiny request=- sequence=0 step=25",
     ]
+
+
+def test_fallback_line_names_the_request_and_counts_in_the_sequence(tokenizer, caplog):
+    model = gated_model("near-zero")
+    records = []
+    policy = SkipPolicyConfig(protected_layers=())
+    engine = GenerationEngine(model, tokenizer, model_name="tiny model", policy=policy, step_hook=records.append)
+    sequence_id = engine.submit(PROMPTS[0], SamplingParams(max_tokens=30), request_id="cmpl-42")
+    with caplog.at_level(logging.WARNING, logger="inference_shim.runtime.engine"):
+        finals = [u for _ in range(40) for u in engine.step() if u.finished]
+    messages = [r.getMessage() for r in caplog.records if "FALLBACK" in r.getMessage()]
+    # A value with a space is quoted, as logfmt does, so the line still splits into key=value pairs.
+    assert messages == [
+        f'ILP_FALLBACK: HIGH_SKIPPING model="tiny model" request=cmpl-42 sequence={sequence_id} step=6',
+        f'ILP_FALLBACK: HIGH_SKIPPING model="tiny model" request=cmpl-42 sequence={sequence_id} step=25',
+    ]
+    (final,) = finals
+    counts = final.layer_counts
+    assert counts.fallbacks == 2 == sum(int(r.fallback_started[0]) for r in records)
+    scores = np.stack([r.entropies[0] for r in records]).astype(np.float64)
+    np.testing.assert_allclose(counts.score_sum, scores.sum(axis=0))
 
 
 def test_fallback_settings_are_configurable(tokenizer):

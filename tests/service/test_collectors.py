@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry
 from inference_shim.runtime.agreement import LayerSignals
 from inference_shim.service.layer_signals import LayerSignalsCollector
 from inference_shim.service.metrics import (
+    AuditCollector,
+    AuditSpanCounts,
     DecodeStats,
     DecodeStatsCollector,
     GateReloadMetrics,
@@ -43,6 +45,7 @@ def shim_collectors() -> list:
         NvmlCollector(reader=lambda: [GpuReading(0, "GPU-0", 120.0, 5.0)]),
         RaplCollector(zones=[]),
         RequestQueueCollector(lambda: 2, lambda: 3, "m"),
+        AuditCollector(AuditSpanCounts(), "m"),
     ]
     return [*collectors, isolated({})]  # the isolation's own success and duration gauges
 
@@ -108,6 +111,7 @@ def test_a_failing_collector_leaves_the_rest_of_the_shims_scrape_served(in_proce
         "rapl": 1,
         "layer_signals": 0,
         "request_queue": 1,
+        "audit": 1,
     }
     names = {name for name, _ in samples}
     assert "layerwatch_gate_importance_samples" not in names
