@@ -134,6 +134,8 @@ class PrefillRecord:
 
 StepHook = Callable[[StepRecord], None]
 PrefillHook = Callable[[PrefillRecord], None]
+# A sequence's own say after its prefill: its tau from what the full-depth prefill saw (None: keep it).
+AfterPrefill = Callable[[PrefillRecord], float | None]
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: ndarray fields
@@ -189,6 +191,7 @@ class _Sequence:
     activity: list[np.ndarray] = field(default_factory=list)
     below: list[np.ndarray] = field(default_factory=list)  # bool [L] per decode step: score < threshold
     threshold: float | None = None  # the sequence's own tau; None = the policy's
+    after_prefill: AfterPrefill | None = None  # may set the threshold once the prompt is prefilled
     layers_executed: int = 0
     layers_skipped: int = 0
     cancel_requested: bool = False
@@ -247,10 +250,21 @@ class GenerationEngine:
 
     # --- public API ------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, threshold: float | None = None) -> int:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        threshold: float | None = None,
+        after_prefill: AfterPrefill | None = None,
+    ) -> int:
         """Queue a sequence; it joins the batch at the next step boundary. Returns its id.
-        `threshold`: the sequence's own tau in [0, 1] (0 = full depth); None = the policy's."""
-        return self._submit(prompt_ids, params, threshold).id
+        `threshold`: the sequence's own tau in [0, 1] (0 = full depth); None = the policy's.
+        `after_prefill`: called with the prompt's full-depth prefill (its gate scores) before the
+        first decode step; a tau it returns replaces `threshold` for the generation (a scored
+        prompt's log-probabilities were taken before, at `threshold`)."""
+        sequence = self._submit(prompt_ids, params, threshold)
+        sequence.after_prefill = after_prefill
+        return sequence.id
 
     def cancel(self, sequence_id: int) -> None:
         """Stop a sequence at the next step boundary (unknown or finished ids are ignored)."""
@@ -407,15 +421,22 @@ class GenerationEngine:
                 entropies = prompt_entropies.float().cpu().numpy()
         sequence.position = len(context)
         sequence.next_input = sequence.prompt_ids[-1]
+        if self.prefill_hook is None and sequence.after_prefill is None:
+            return
+        record = PrefillRecord(
+            sequence_id=sequence.id,
+            token_ids=np.array(context, dtype=np.int64),
+            entropies=entropies,
+            seconds=time.perf_counter() - started,
+        )
         if self.prefill_hook is not None:
-            self.prefill_hook(
-                PrefillRecord(
-                    sequence_id=sequence.id,
-                    token_ids=np.array(context, dtype=np.int64),
-                    entropies=entropies,
-                    seconds=time.perf_counter() - started,
-                )
-            )
+            self.prefill_hook(record)
+        if sequence.after_prefill is not None:
+            threshold = sequence.after_prefill(record)
+            if threshold is not None:
+                # No decode step has run: the slot's skip history is still empty, only tau changes.
+                self.skip_policy.reset(sequence.slot, threshold)
+                sequence.threshold = threshold
 
     # --- one decode step -------------------------------------------------------------------------
 
