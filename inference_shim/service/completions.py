@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from starlette.requests import Request
 
 from inference_shim.runtime.engine import SamplingParams, SequenceUpdate, TokenLogprob
+from inference_shim.service.depth import DepthDecision
 from inference_shim.service.engine_worker import EngineFailure, RequestHandle
-from inference_shim.service.metrics import FinishedRequest
+from inference_shim.service.metrics import SKIPPING_STATUSES, FinishedRequest
 from inference_shim.service.schemas import APIError
 from layerwatch.request_tail import RequestLayers
 
@@ -56,6 +57,7 @@ class Prepared:
     request_id: str
     model_name: str
     prompts: list[Prompt]
+    depth: list[DepthDecision]  # per prompt, before its prefill: every choice of a prompt shares it
     n: int  # choices per prompt
     params: SamplingParams  # choice j of a prompt draws with seed + j
     stream: bool
@@ -95,6 +97,7 @@ class Choice:
             prepared.choice_params(index % prepared.n),
             asyncio.get_running_loop(),
             capture_activity=prepared.debug and index == 0,
+            depth=prepared.depth[index // prepared.n],
         )
         self.text = prompt.text if prepared.echo else ""
         self.completion_tokens = 0
@@ -168,14 +171,21 @@ class Choice:
         self._on_recorded()
         # A prompt the engine refused was never prefilled.
         prompt_tokens = 0 if status == "client_error" else len(self.prompt.ids)
+        depth = self.handle.depth
+        assert depth is not None
         log.info(
-            "%s[%d]: %s, %d prompt + %d completion tokens",
+            "%s[%d]: %s, %d prompt + %d completion tokens, depth %s (threshold %g, %s)",
             self.prepared.request_id,
             self.index,
             status,
             prompt_tokens,
             self.completion_tokens,
+            depth.mode,
+            depth.threshold,
+            depth.reason,
         )
+        if status in SKIPPING_STATUSES:
+            self.service.depth.record(depth, self.handle.complexity)
         self.service.request_metrics.finish(
             FinishedRequest(
                 status=status,

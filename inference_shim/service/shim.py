@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 
 from inference_shim.runtime.checkpoint import DTYPES, LoadedCheckpoint, load_checkpoint, resolve_device
@@ -22,6 +23,7 @@ from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.static_gates import static_gates
 from inference_shim.service.admission import Admission
+from inference_shim.service.depth import DepthDecider, DepthMetrics, DepthSettings, RolloutLevel
 from inference_shim.service.engine_worker import EngineWorker
 from inference_shim.service.gate_watch import MIN_GATES_WATCH_SECONDS, GateFileWatcher
 from inference_shim.service.layer_signals import LayerSignalsCollector
@@ -97,6 +99,15 @@ class ServeSettings:
     # are counted); a bucket edge of layerwatch_request_skip_fraction. None: the catalog's default
     # (`layerwatch serve` first looks for the served model's profile, docs/service.md).
     request_runaway_fraction: float | None = None
+    # The depth each request runs at (service/depth.py; the defaults are DepthSettings'): the
+    # request field's range, the long-prompt rule, the complexity pre-check, the staged rollout.
+    request_threshold_range: tuple[float, float] | None = DepthSettings.request_threshold_range
+    long_prompt_tokens: int | None = DepthSettings.long_prompt_tokens
+    long_prompt_threshold: float = DepthSettings.long_prompt_threshold
+    complexity_cutoff: float | None = DepthSettings.complexity_cutoff
+    complexity_threshold: float = DepthSettings.complexity_threshold
+    rollout_levels: tuple[RolloutLevel, ...] = DepthSettings.rollout_levels
+    rollout_level: int | None = DepthSettings.rollout_level
 
 
 def gates_file(settings: ServeSettings) -> Path:
@@ -240,9 +251,17 @@ class ShimService:
             if settings.shadow_rate > 0
             else None
         )
+        skippable = np.ones(config.num_layers, dtype=bool)
+        skippable[list(self.policy.protected(config.num_layers))] = False
+        self.depth = DepthDecider(
+            DepthSettings(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(DepthSettings)}),
+            self.policy.threshold,
+            skippable,
+            DepthMetrics(self.registry, self.model_name),
+        )
         telemetry = StepTelemetry(self.model_name, self.decode_stats, self.sender, self.trace)
         probe_prompt = self.tokenizer.encode(PROBE_TEXT)
-        self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow)
+        self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow, self.depth)
         self.readiness = Readiness(self.worker)
         self.gate_watcher = self._gate_watcher(settings, gates)
 

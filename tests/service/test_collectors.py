@@ -22,6 +22,7 @@ from inference_shim.service.metrics import (
     isolated,
     make_metric,
 )
+from inference_shim.service.depth import DepthMetrics
 from inference_shim.service.power import GpuReading, NvmlCollector, RaplCollector
 from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, TraceCollector
 from layerwatch import catalog
@@ -62,6 +63,7 @@ def test_a_full_shim_registry_covers_the_catalog_and_refuses_clashes():
     RequestMetrics(registry, "m")
     ShadowMetrics(registry, "m")
     GateReloadMetrics(registry, "m")
+    DepthMetrics(registry, "m")
     exposed = {m.name for m in registry.collect()}
     assert exposed == {spec.base_name for spec in catalog.for_component(catalog.SHIM)}
 
