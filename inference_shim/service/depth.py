@@ -90,10 +90,12 @@ def parse_rollout_levels(text: str) -> tuple[RolloutLevel, ...]:
                     f"rollout level {number}: {part!r} is not one of share=S, max_tokens=N, min_temperature=T "
                     "(each at most once)"
                 )
+            kind = int if key == "max_tokens" else float
             try:
-                conditions[key] = int(value) if key == "max_tokens" else float(value)
+                conditions[key] = kind(value)
             except ValueError:
-                raise ValueError(f"rollout level {number}: {key} must be a number, got {value.strip()!r}") from None
+                expected = "an integer" if kind is int else "a number"
+                raise ValueError(f"rollout level {number}: {key} must be {expected}, got {value.strip()!r}") from None
         if not conditions:
             raise ValueError(f"rollout level {number} is empty")
         share = float(conditions.get("share", 1.0))
@@ -271,6 +273,6 @@ class DepthDecider:
         self.metrics.level.set(level)
         self.metrics.demotions.inc()
         log.warning(
-            "ROLLOUT_DEMOTED: from_level=%d to_level=%d level=%s reason=%s", level + 1, level, described, reason
+            'ROLLOUT_DEMOTED: from_level=%d to_level=%d conditions="%s" reason=%s', level + 1, level, described, reason
         )
         return True

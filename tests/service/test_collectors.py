@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from inference_shim.runtime.agreement import LayerSignals
+from inference_shim.service.depth import DepthMetrics
 from inference_shim.service.layer_signals import LayerSignalsCollector
 from inference_shim.service.metrics import (
     DecodeStats,
@@ -22,7 +23,6 @@ from inference_shim.service.metrics import (
     isolated,
     make_metric,
 )
-from inference_shim.service.depth import DepthMetrics
 from inference_shim.service.power import GpuReading, NvmlCollector, RaplCollector
 from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, TraceCollector
 from layerwatch import catalog

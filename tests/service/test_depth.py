@@ -127,7 +127,8 @@ def test_rollout_enables_skipping_per_level_and_demotes_to_the_previous_one(in_p
     with caplog.at_level(logging.WARNING, logger="inference_shim.service.depth"):
         assert depth.demote("LayerwatchRunawaySkipping") is True
         assert depth.demote("LayerwatchRunawaySkipping") is False  # already at the first level
-    assert "ROLLOUT_DEMOTED: from_level=2 to_level=1 level=share=0 reason=LayerwatchRunawaySkipping" in caplog.text
+    demoted = 'ROLLOUT_DEMOTED: from_level=2 to_level=1 conditions="share=0" reason=LayerwatchRunawaySkipping'
+    assert demoted in caplog.text
     snapshot = server.metrics()
     assert sample_sum(snapshot, "layerwatch_rollout_level") == 1
     assert sample_sum(snapshot, "layerwatch_rollout_demotions_total") == 1
@@ -167,7 +168,8 @@ def test_rollout_share_is_a_deterministic_share_of_request_ids():
         ("share=0.1;;share=1", "rollout level 2 is empty"),
         ("share=0.1;depth=3", "rollout level 2: 'depth=3' is not one of share=S"),
         ("share=0.1,share=0.2", "rollout level 1: 'share=0.2' is not one of"),
-        ("max_tokens=many", "rollout level 1: max_tokens must be a number, got 'many'"),
+        ("max_tokens=8.5", "rollout level 1: max_tokens must be an integer, got '8.5'"),
+        ("share=half", "rollout level 1: share must be a number, got 'half'"),
         ("max_tokens=0", "rollout level 1: max_tokens must be >= 1, got 0"),
         ("min_temperature=-1", "rollout level 1: min_temperature must be >= 0, got -1"),
     ],
