@@ -53,11 +53,14 @@ def test_request_field_sets_the_threshold_within_the_operator_range(in_process):
     full = run(0.0)
     assert full["layers_skipped"] == 0 and full["layers_executed"] == 16 * 6
     assert run(0.18)["layers_skipped"] > 0  # the tiny gates' low layers, after the patience
+    run(0.05)
     assert decisions(server, "full", "request") == 1
     assert decisions(server, "gated", "request") == 1
+    assert decisions(server, "strict", "request") == 1  # below the served 0.18
     snapshot = server.metrics()
     assert sample_sum(snapshot, "layerwatch_request_threshold_bucket", le="0.0") == 1  # the full-depth one
-    assert sample_sum(snapshot, "layerwatch_request_threshold_count") == 2
+    assert sample_sum(snapshot, "layerwatch_request_threshold_bucket", le="0.05") == 2
+    assert sample_sum(snapshot, "layerwatch_request_threshold_count") == 3
 
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL_NAME, prompt=SHORT, max_tokens=4, extra_body={"skip_threshold": 0.5})
@@ -146,8 +149,10 @@ def test_operator_override_forces_full_depth_over_everything(in_process):
     server = in_process(request_threshold_range=(0.0, 1.0))
     forced = True
     server.service.depth.override = lambda: forced
+    skips = sample_sum(server.metrics(), "layerwatch_layer_skips_total")
     assert complete(server.base_url, skip_threshold=0.5)["usage"]["layers_skipped"] == 0
     assert decisions(server, "full", "override") == 1
+    assert sample_sum(server.metrics(), "layerwatch_layer_skips_total") == skips  # the counters agree
     forced = False
     assert complete(server.base_url)["usage"]["layers_skipped"] > 0
 
