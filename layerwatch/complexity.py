@@ -4,10 +4,9 @@ The prefill runs every prompt at full depth and every gate scores its layer for 
 token, so the gates' own view of the prompt comes for free before the first decode step. The
 score is the share of the prompt's gate scores on skippable layers that fall below the served
 threshold: how much of the prompt the gates would have let the decode skip. Measured on the demo
-model's held-out text (benchmarks/depth_precheck.py, docs/performance.md), the prompts scoring
-highest are those whose continuations lose most to skipping, so running them at full depth buys
-back more of the gated perplexity increase than any other prompt signal measured (the prompt's
-own perplexity, its mean gate score, its length).
+model's held-out text (benchmarks/depth_precheck.py, docs/performance.md), running the top decile
+by this score at full depth buys back more of the gated perplexity increase than a random decile,
+as much as the prompt's own perplexity or mean gate score and far more than its length.
 
 Torch-free: the shim (inference_shim/service/depth.py) and the benchmark share it.
 """
