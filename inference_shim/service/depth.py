@@ -140,6 +140,9 @@ class DepthSettings:
     rollout_level: int | None = None  # 1-based level to start at; None: the last (fully rolled out)
 
     def check(self) -> None:
+        bounds = self.request_threshold_range
+        if bounds is not None and not 0.0 <= bounds[0] <= bounds[1] <= 1.0:
+            raise ValueError(f"--request-threshold-range must satisfy 0 <= LO <= HI <= 1, got {bounds}")
         for flag, tau in (
             ("--long-prompt-threshold", self.long_prompt_threshold),
             ("--complexity-threshold", self.complexity_threshold),

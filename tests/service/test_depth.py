@@ -191,6 +191,8 @@ def test_bad_threshold_ranges_are_refused(text):
 
 
 def test_bad_depth_settings_are_refused_at_start():
+    with pytest.raises(ValueError, match="--request-threshold-range must satisfy"):
+        DepthSettings(request_threshold_range=(0.5, 0.1)).check()
     with pytest.raises(ValueError, match="--rollout-level needs --rollout-levels"):
         DepthSettings(rollout_level=1).check()
     with pytest.raises(ValueError, match=r"--rollout-level must be in 1\.\.2"):
