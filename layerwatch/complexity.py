@@ -5,8 +5,9 @@ token, so the gates' own view of the prompt comes for free before the first deco
 score is the share of the prompt's gate scores on skippable layers that fall below the served
 threshold: how much of the prompt the gates would have let the decode skip. Measured on the demo
 model's held-out text (benchmarks/depth_precheck.py, docs/performance.md), running the top decile
-by this score at full depth buys back more of the gated perplexity increase than a random decile,
-as much as the prompt's own perplexity or mean gate score and far more than its length.
+by this score at full depth buys back as much of the gated perplexity increase as the prompt's
+own perplexity or mean gate score and more than its length; with short prompts a little more than
+a random decile, with long ones no more.
 
 Torch-free: the shim (inference_shim/service/depth.py) and the benchmark share it.
 """
