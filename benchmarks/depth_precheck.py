@@ -14,8 +14,8 @@ that top share; against the same for a random choice of windows (its mean and 5-
 
 Scorers: `complexity` is the shim's (layerwatch/complexity.py: share of the prompt's prefill gate
 scores on skippable layers below tau); the others are the candidates it was chosen over: the
-prompt's own full-depth log-perplexity, its mean gate score (low: the gates expect to skip), and its
-length in characters (the text heuristics' proxy: longer words and names, more entities).
+prompt's own full-depth log-perplexity, its mean gate score (low: the gates expect to skip), the
+field's text heuristic (entity, nesting and term density: `text_heuristic`) and its length in characters.
 Results go into docs/performance.md ("Complexity pre-check").
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -62,13 +63,28 @@ def window_losses(gated: GatedModel, windows: torch.Tensor, prefill: int, policy
     return np.concatenate(sums)
 
 
+def text_heuristic(text: str) -> float:
+    """The field's text scorer: the mean of entity density (capitalised words not opening a sentence),
+    nesting (clause punctuation per word) and term density (words of 7 letters or more), each a
+    share of the prompt's words (its cut-offs 0.3 / 0.7 split simple, medium and complex)."""
+    words = re.findall(r"[A-Za-z']+|[.!?]", text)
+    letters = [w for w in words if w[0].isalpha()]
+    if not letters:
+        return 0.0
+    opens_sentence = [i == 0 or words[i - 1] in ".!?" for i in range(len(words))]
+    entities = sum(w[0].isupper() and not first for w, first in zip(words, opens_sentence) if w[0].isalpha())
+    nesting = min(1.0, len(re.findall(r"[,;:()]", text)) / len(letters))
+    terms = sum(len(w) >= 7 for w in letters)
+    return (entities / len(letters) + nesting + terms / len(letters)) / 3
+
+
 def prompt_scores(gated: GatedModel, windows: torch.Tensor, prefill: int, threshold: float) -> dict[str, np.ndarray]:
     """What each scorer says about each window's prompt, from what the engine's prefill computes
     (the prompt but its last token, at full depth)."""
     model, tokenizer = gated.model, gated.loaded.tokenizer
     skippable = np.ones(model.config.num_layers, dtype=bool)
     skippable[list(SkipPolicyConfig(threshold=threshold).protected(model.config.num_layers))] = False
-    names = ("complexity", "prompt log-perplexity", "low mean gate score", "length")
+    names = ("complexity", "prompt log-perplexity", "low mean gate score", "text heuristic", "length")
     scores: dict[str, list[float]] = {name: [] for name in names}
     with torch.no_grad():
         for window in windows:
@@ -78,7 +94,9 @@ def prompt_scores(gated: GatedModel, windows: torch.Tensor, prefill: int, thresh
             scores["complexity"].append(prompt_complexity(gate_scores, threshold, skippable))
             scores["prompt log-perplexity"].append(F.cross_entropy(logits[0, :-1], context[1:]).item())
             scores["low mean gate score"].append(-float(gate_scores[:, skippable].mean()))
-            scores["length"].append(len(tokenizer.decode(window[:prefill].tolist())))
+            text = tokenizer.decode(window[:prefill].tolist())
+            scores["text heuristic"].append(text_heuristic(text))
+            scores["length"].append(len(text))
     return {name: np.array(values) for name, values in scores.items()}
 
 
