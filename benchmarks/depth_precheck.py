@@ -82,8 +82,7 @@ def prompt_scores(gated: GatedModel, windows: torch.Tensor, prefill: int, thresh
     """What each scorer says about each window's prompt, from what the engine's prefill computes
     (the prompt but its last token, at full depth)."""
     model, tokenizer = gated.model, gated.loaded.tokenizer
-    skippable = np.ones(model.config.num_layers, dtype=bool)
-    skippable[list(SkipPolicyConfig(threshold=threshold).protected(model.config.num_layers))] = False
+    skippable = SkipPolicyConfig(threshold=threshold).skippable(model.config.num_layers)
     names = ("complexity", "prompt log-perplexity", "low mean gate score", "text heuristic", "length")
     scores: dict[str, list[float]] = {name: [] for name in names}
     with torch.no_grad():

@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 from prometheus_client import CollectorRegistry
 
 from inference_shim.runtime.checkpoint import DTYPES, LoadedCheckpoint, load_checkpoint, resolve_device
@@ -251,12 +250,10 @@ class ShimService:
             if settings.shadow_rate > 0
             else None
         )
-        skippable = np.ones(config.num_layers, dtype=bool)
-        skippable[list(self.policy.protected(config.num_layers))] = False
         self.depth = DepthDecider(
             DepthSettings(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(DepthSettings)}),
             self.policy.threshold,
-            skippable,
+            self.policy.skippable(config.num_layers),
             DepthMetrics(self.registry, self.model_name),
         )
         telemetry = StepTelemetry(self.model_name, self.decode_stats, self.sender, self.trace)
