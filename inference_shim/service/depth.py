@@ -192,7 +192,7 @@ class DepthDecider:
         self.served_threshold = served_threshold
         self.skippable = skippable  # bool [L]: the layers the policy may skip
         self.metrics = metrics
-        # Consulted once per request: True forces full depth (the alert-driven mitigation sets it).
+        # Consulted once per request: True forces full depth (for the alert-driven mitigation to set).
         self.override = override
         self._lock = threading.Lock()
         levels = settings.rollout_levels
