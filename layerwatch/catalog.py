@@ -226,6 +226,49 @@ METRICS: tuple[MetricSpec, ...] = (
         "skipping more than this share of its decode layer evaluations is runaway.",
         SHIM,
     ),
+    # --- shim: the depth each request runs at (docs/service.md, "Depth") ------------------------
+    _m(
+        "layerwatch_depth_decisions_total",
+        "counter",
+        ("model_name", "mode", "reason"),
+        "Requests that ran (status ok or cancelled), by the depth they ran at: mode=full (threshold 0), "
+        "strict (below the served threshold) or gated; reason=override, rollout, request, prompt_length, "
+        "complexity or default (what decided it).",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_request_threshold",
+        "histogram",
+        ("model_name",),
+        "Per request that ran (status ok or cancelled): the skip threshold it ran at (0 = full depth).",
+        SHIM,
+        REQUEST_FRACTION_BUCKETS,
+    ),
+    _m(
+        "layerwatch_prompt_complexity",
+        "histogram",
+        ("model_name",),
+        "Per request that ran and was prefilled: its prompt's complexity score (layerwatch/complexity.py: the "
+        "share of its prefill gate scores on skippable layers below the served threshold), whether or not "
+        "the pre-check is on (--complexity-cutoff).",
+        SHIM,
+        REQUEST_FRACTION_BUCKETS,
+    ),
+    _m(
+        "layerwatch_rollout_level",
+        "gauge",
+        ("model_name",),
+        "The staged rollout's current level, from 1 (--rollout-levels); 0 without levels (skipping enabled "
+        "for every request).",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_rollout_demotions_total",
+        "counter",
+        ("model_name",),
+        "Drops to the previous rollout level (DepthDecider.demote, e.g. on a paging alert).",
+        SHIM,
+    ),
     # --- shim: latency -----------------------------------------------------------------------
     _m(
         "layerwatch_time_to_first_token_seconds",

@@ -9,22 +9,38 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from inference_shim.runtime.checkpoint import DTYPES
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME, demo_model_present
 from inference_shim.runtime.model import KV_POLICIES
+from inference_shim.service.depth import REQUEST_FIELD, parse_rollout_levels, parse_threshold_range
 from inference_shim.service.shim import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServeSettings
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
 from layerwatch.ports import LOOPBACK, SHIM_HTTP_PORT, SHIM_MITIGATION_PORT
 from layerwatch_cli import argtypes
 
+T = TypeVar("T")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Every flag below that sets a ServeSettings field has that field's name as its dest and its default
 # as its default: ServeSettings is the one source of both (tests/test_cli.py holds serve to that).
 SETTINGS_DEFAULTS = {
     f.name: f.default for f in dataclasses.fields(ServeSettings) if f.default is not dataclasses.MISSING
 }
+
+
+def _argument(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """A parser raising ValueError as an argparse type: its message becomes the flag's error."""
+
+    def parsed(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parsed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,6 +133,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=KV_POLICIES,
         help="what the KV cache holds for a skipped layer: K/V projected from its input, or "
         "nothing (the position is left out of that layer's attention)",
+    )
+
+    depth = parser.add_argument_group('depth per request (docs/service.md, "Depth")')
+    depth.add_argument(
+        "--request-threshold-range",
+        type=_argument(parse_threshold_range),
+        default=SETTINGS_DEFAULTS["request_threshold_range"],
+        metavar="LO:HI",
+        help=f"accept the request field `{REQUEST_FIELD}` (the request's own skip threshold) within "
+        "[LO, HI]; outside it, 400 (default: the field is refused with a 400)",
+    )
+    depth.add_argument(
+        "--long-prompt-tokens",
+        type=argtypes.positive(int),
+        default=SETTINGS_DEFAULTS["long_prompt_tokens"],
+        metavar="N",
+        help="prompts over N tokens run at --long-prompt-threshold (default: no such rule)",
+    )
+    depth.add_argument(
+        "--long-prompt-threshold",
+        type=argtypes.fraction,
+        default=SETTINGS_DEFAULTS["long_prompt_threshold"],
+        metavar="T",
+        help="the skip threshold of long prompts (default %(default)s: full depth)",
+    )
+    depth.add_argument(
+        "--complexity-cutoff",
+        type=argtypes.fraction,
+        default=SETTINGS_DEFAULTS["complexity_cutoff"],
+        metavar="C",
+        help="complexity pre-check: a prompt whose complexity score (share of its prefill gate scores "
+        "below the threshold) is at least C runs at --complexity-threshold (default: off; "
+        "layerwatch_prompt_complexity shows the scores either way)",
+    )
+    depth.add_argument(
+        "--complexity-threshold",
+        type=argtypes.fraction,
+        default=SETTINGS_DEFAULTS["complexity_threshold"],
+        metavar="T",
+        help="the skip threshold of complex prompts (default %(default)s: full depth)",
+    )
+    depth.add_argument(
+        "--rollout-levels",
+        type=_argument(parse_rollout_levels),
+        default=SETTINGS_DEFAULTS["rollout_levels"],
+        metavar="LEVELS",
+        help="staged rollout: levels separated by ';', each enabling skipping for the requests meeting "
+        "all of share=S (a share of requests), max_tokens=N (at most N tokens asked), min_temperature=T "
+        "(sampling at T or above); the others run at full depth. A demotion (on a paging alert) drops to "
+        "the previous level (e.g. 'share=0.1;share=0.5;share=1'; default: skipping for every request)",
+    )
+    depth.add_argument(
+        "--rollout-level",
+        type=argtypes.positive(int),
+        default=SETTINGS_DEFAULTS["rollout_level"],
+        metavar="N",
+        help="start at rollout level N, from 1 (default: the last)",
     )
 
     server = parser.add_argument_group("server")

@@ -137,6 +137,8 @@ class PrefillRecord:
 
 StepHook = Callable[[StepRecord], None]
 PrefillHook = Callable[[PrefillRecord], None]
+# A sequence's own say after its prefill: its tau from what the full-depth prefill saw (None: keep it).
+AfterPrefill = Callable[[PrefillRecord], float | None]
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: ndarray fields
@@ -197,6 +199,7 @@ class _Sequence:
     fallbacks: int = 0  # fallback episodes begun in its generating steps
     request_id: str | None = None  # the caller's name for it, for log lines
     threshold: float | None = None  # the sequence's own tau; None = the policy's
+    after_prefill: AfterPrefill | None = None  # may set the threshold once the prompt is prefilled
     layers_executed: int = 0
     layers_skipped: int = 0
     cancel_requested: bool = False
@@ -261,11 +264,17 @@ class GenerationEngine:
         params: SamplingParams,
         threshold: float | None = None,
         request_id: str | None = None,
+        after_prefill: AfterPrefill | None = None,
     ) -> int:
         """Queue a sequence; it joins the batch at the next step boundary. Returns its id.
         `threshold`: the sequence's own tau in [0, 1] (0 = full depth); None = the policy's.
-        `request_id`: the caller's name for the sequence's request, in the engine's log lines."""
-        return self._submit(prompt_ids, params, threshold, request_id).id
+        `request_id`: the caller's name for the sequence's request, in the engine's log lines.
+        `after_prefill`: called with the prompt's full-depth prefill (its gate scores) before the
+        first decode step; a tau it returns replaces `threshold` for the generation (a scored
+        prompt's log-probabilities were taken before, at `threshold`)."""
+        sequence = self._submit(prompt_ids, params, threshold, request_id)
+        sequence.after_prefill = after_prefill
+        return sequence.id
 
     def cancel(self, sequence_id: int) -> None:
         """Stop a sequence at the next step boundary (unknown or finished ids are ignored)."""
@@ -425,15 +434,22 @@ class GenerationEngine:
                 entropies = prompt_entropies.float().cpu().numpy()
         sequence.position = len(context)
         sequence.next_input = sequence.prompt_ids[-1]
+        if self.prefill_hook is None and sequence.after_prefill is None:
+            return
+        record = PrefillRecord(
+            sequence_id=sequence.id,
+            token_ids=np.array(context, dtype=np.int64),
+            entropies=entropies,
+            seconds=time.perf_counter() - started,
+        )
         if self.prefill_hook is not None:
-            self.prefill_hook(
-                PrefillRecord(
-                    sequence_id=sequence.id,
-                    token_ids=np.array(context, dtype=np.int64),
-                    entropies=entropies,
-                    seconds=time.perf_counter() - started,
-                )
-            )
+            self.prefill_hook(record)
+        if sequence.after_prefill is not None:
+            threshold = sequence.after_prefill(record)
+            if threshold is not None:
+                # No decode step has run: the slot's skip history is still empty, only tau changes.
+                self.skip_policy.reset(sequence.slot, threshold)
+                sequence.threshold = threshold
 
     # --- one decode step -------------------------------------------------------------------------
 

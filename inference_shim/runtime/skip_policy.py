@@ -65,6 +65,12 @@ class SkipPolicyConfig:
                 raise ValueError(f"protected layer {l} is outside 0..{num_layers - 1}")
         return tuple(sorted(set(layers)))
 
+    def skippable(self, num_layers: int) -> np.ndarray:
+        """bool [L]: the layers the rule may skip (all but the protected)."""
+        mask = np.ones(num_layers, dtype=bool)
+        mask[list(self.protected(num_layers))] = False
+        return mask
+
 
 @dataclass
 class StepDecision:
@@ -77,8 +83,7 @@ class SkipPolicy:
     def __init__(self, config: SkipPolicyConfig, num_layers: int, slots: int) -> None:
         self.config = config
         self.num_layers = num_layers
-        self.skippable = np.ones(num_layers, dtype=bool)
-        self.skippable[list(config.protected(num_layers))] = False
+        self.skippable = config.skippable(num_layers)
         self._threshold = np.full(slots, config.threshold, dtype=np.float32)  # tau of each slot's sequence
         self._below_streak = np.zeros((slots, num_layers), dtype=np.int32)
         self._high_skip_streak = np.zeros(slots, dtype=np.int32)

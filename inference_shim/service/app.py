@@ -37,6 +37,7 @@ from inference_shim.service.completions import (
     run_to_end,
     stream_events,
 )
+from inference_shim.service.depth import REQUEST_FIELD
 from inference_shim.service.metrics import FinishedRequest
 from inference_shim.service.schemas import (
     MAX_CHOICES,
@@ -260,13 +261,22 @@ async def _prepare(service: ShimService, request: Request, kind: Literal["comple
             param="n",
             code="invalid_value",
         )
+    try:
+        service.depth.check_request_threshold(body.skip_threshold)
+    except ValueError as exc:
+        raise APIError(400, f"{exc}.", param=REQUEST_FIELD, code="invalid_value") from None
     debug = service.allow_debug and request.headers.get(DEBUG_HEADER, "").strip().lower() == "true"
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
     return Prepared(
         kind=kind,
-        request_id=f"{prefix}-{uuid.uuid4().hex[:24]}",
+        request_id=request_id,
         model_name=service.model_name,
         prompts=prompts,
+        depth=[
+            service.depth.decide(request_id, len(p.ids), max_tokens, body.temperature, body.skip_threshold)
+            for p in prompts
+        ],
         n=body.n,
         params=_sampling(body, max_tokens, logprobs, prompt_logprobs=logprobs if echo else None),
         stream=body.stream,

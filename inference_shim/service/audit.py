@@ -101,6 +101,7 @@ def request_attributes(record: RequestRecord) -> dict[str, AttributeValue]:
         "layerwatch.gates.sha256": record.gates_sha256,
         "layerwatch.skip.threshold": record.threshold,
         "layerwatch.depth.mode": record.depth_mode,
+        "layerwatch.depth.reason": record.depth_reason,
         "layerwatch.layers.executed": record.usage["layers_executed"],
         "layerwatch.layers.skipped": record.usage["layers_skipped"],
     }

@@ -32,8 +32,9 @@ from starlette.requests import Request
 
 from inference_shim.runtime.agreement import ShadowResult
 from inference_shim.runtime.engine import LayerCounts, SamplingParams, SequenceUpdate, TokenLogprob
+from inference_shim.service.depth import DepthDecision
 from inference_shim.service.engine_worker import EngineFailure, RequestHandle
-from inference_shim.service.metrics import FinishedRequest
+from inference_shim.service.metrics import SKIPPING_STATUSES, FinishedRequest
 from inference_shim.service.mitigation import NO_MITIGATION, RequestMitigation
 from inference_shim.service.schemas import APIError
 from layerwatch.request_tail import RequestLayers
@@ -62,6 +63,7 @@ class Prepared:
     request_id: str
     model_name: str
     prompts: list[Prompt]
+    depth: list[DepthDecision]  # per prompt, before its prefill: every choice of a prompt shares it
     n: int  # choices per prompt
     params: SamplingParams  # choice j of a prompt draws with seed + j
     stream: bool
@@ -76,11 +78,6 @@ class Prepared:
         return replace(self.params, seed=(self.params.seed + j) % 2**63)
 
 
-def depth_mode(threshold: float) -> str:
-    """How deep a request runs: "full" when nothing can be skipped (tau 0), else "gated"."""
-    return "full" if threshold == 0.0 else "gated"
-
-
 @dataclass(frozen=True)
 class RequestRecord:
     """What a request's audit span says (audit.py), from the same numbers as its `usage` and metrics."""
@@ -92,8 +89,9 @@ class RequestRecord:
     params: SamplingParams
     n: int  # choices per prompt
     stream: bool
-    threshold: float  # the tau its sequences ran at
-    depth_mode: str
+    threshold: float  # the tau its sequences ran at (its first prompt's, when its prompts differ)
+    depth_mode: str  # full | strict | gated, or "mixed" when its prompts ran at different depths
+    depth_reason: str  # why (depth.REASONS), or "mixed"
     status: str  # the request's, as layerwatch_requests_total names it: its worst choice's
     finish_reasons: list[str]  # one per choice
     usage: Mapping[str, int]
@@ -113,6 +111,7 @@ class Choice:
         prompt: Prompt,
         arrived: float,
         on_recorded: Callable[[], None],
+        depth: DepthDecision,
         mitigation: RequestMitigation = NO_MITIGATION,
         audit: RequestSpan | None = None,
     ) -> None:
@@ -128,7 +127,7 @@ class Choice:
             prepared.choice_params(index % prepared.n),
             asyncio.get_running_loop(),
             capture_activity=prepared.debug and index == 0,
-            threshold=mitigation.threshold,
+            depth=depth,
             shadow_rate=mitigation.shadow_rate,
             request_id=prepared.request_id,
             on_shadow_result=None if audit is None else self._shadow_checked,
@@ -207,14 +206,21 @@ class Choice:
         self._on_recorded()
         # A prompt the engine refused was never prefilled.
         prompt_tokens = 0 if status == "client_error" else len(self.prompt.ids)
+        depth = self.handle.depth
+        assert depth is not None
         log.info(
-            "%s[%d]: %s, %d prompt + %d completion tokens",
+            "%s[%d]: %s, %d prompt + %d completion tokens, depth %s (threshold %g, %s)",
             self.prepared.request_id,
             self.index,
             status,
             prompt_tokens,
             self.completion_tokens,
+            depth.mode,
+            depth.threshold,
+            depth.reason,
         )
+        if status in SKIPPING_STATUSES:
+            self.service.depth.record(depth, self.handle.complexity)
         self.service.request_metrics.finish(
             FinishedRequest(
                 status=status,
@@ -250,11 +256,21 @@ class Generation:
         self.prepared = prepared
         self.created = int(time.time())
         mitigation = service.mitigations.for_new_request()  # once per request, whatever its choices
-        # The skip threshold its sequences run at.
-        self.threshold = service.policy.threshold if mitigation.threshold is None else mitigation.threshold
+        # A mitigation forcing full depth outranks every other reason (depth.py).
+        depth = prepared.depth if mitigation.threshold is None else [service.depth.override()] * len(prepared.depth)
         self._audit = audit
         self.choices = [
-            Choice(service, prepared, i * prepared.n + j, prompt, arrived, self._choice_recorded, mitigation, audit)
+            Choice(
+                service,
+                prepared,
+                i * prepared.n + j,
+                prompt,
+                arrived,
+                self._choice_recorded,
+                depth[i],
+                mitigation,
+                audit,
+            )
             for i, prompt in enumerate(prepared.prompts)
             for j in range(prepared.n)
         ]
@@ -272,6 +288,8 @@ class Generation:
     def record(self) -> RequestRecord:
         """The request once every choice is counted."""
         statuses = {c.status for c in self.choices}
+        # Each choice's final decision (the pre-check may have revised it after the prefill).
+        decisions = [c.handle.depth for c in self.choices if c.handle.depth is not None]
         p = self.prepared
         return RequestRecord(
             kind=p.kind,
@@ -281,8 +299,9 @@ class Generation:
             params=p.params,
             n=p.n,
             stream=p.stream,
-            threshold=self.threshold,
-            depth_mode=depth_mode(self.threshold),
+            threshold=decisions[0].threshold,
+            depth_mode=decisions[0].mode if len({d.mode for d in decisions}) == 1 else "mixed",
+            depth_reason=decisions[0].reason if len({d.reason for d in decisions}) == 1 else "mixed",
             status=next((s for s in ("server_error", "client_error", "cancelled") if s in statuses), "ok"),
             finish_reasons=[(c.final.finish_reason if c.final else None) or "error" for c in self.choices],
             usage=self.usage(),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -26,8 +27,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams, SequenceUpdate, StepHook, StepRecord
+from inference_shim.runtime.engine import (
+    GenerationEngine,
+    PrefillRecord,
+    SamplingParams,
+    SequenceUpdate,
+    StepHook,
+    StepRecord,
+)
 from inference_shim.runtime.model import GateBank
+from inference_shim.service.depth import DepthDecider, DepthDecision
 from inference_shim.service.schemas import APIError, server_error
 from inference_shim.service.shadow import ShadowCallback, ShadowChecker
 from inference_shim.service.telemetry import StepTelemetry
@@ -61,8 +70,11 @@ class RequestHandle:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     capture_activity: bool = False  # debug header: keep per-token layer activity
-    threshold: float | None = None  # the sequence's own skip threshold (0: full depth); None: the policy's
-    shadow_rate: float | None = None  # its own shadow check rate; None: the checker's
+    # The depth it runs at (decided before prefill; the engine thread may revise it after the
+    # prefill) and its prompt's complexity score (set after the prefill). None: the policy's tau.
+    depth: DepthDecision | None = None
+    complexity: float | None = None
+    shadow_rate: float | None = None  # its own shadow check rate (a mitigation's); None: the checker's
     request_id: str | None = None  # names the request in the engine's log lines
     on_shadow_result: ShadowCallback | None = None  # told the choice's shadow re-check, if one runs
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)  # SequenceUpdate | EngineFailure
@@ -99,8 +111,10 @@ class EngineWorker:
         probe_prompt_ids: list[int],
         telemetry: StepTelemetry | None = None,
         shadow: ShadowChecker | None = None,
+        depth: DepthDecider | None = None,
     ) -> None:
         self._engine_factory = engine_factory
+        self._depth = depth
         self._probe_prompt_ids = probe_prompt_ids
         self._telemetry = telemetry
         self._shadow = shadow
@@ -192,9 +206,16 @@ class EngineWorker:
         if self._cut_message is not None:
             handle.deliver(EngineFailure(self._cut_message, shutting_down=True))
             return
+        depth, after_prefill = handle.depth, None
+        if depth is not None and self._depth is not None:
+            after_prefill = functools.partial(self._after_prefill, self._depth, handle)
         try:
             handle.sequence_id = self._engine.submit(
-                handle.prompt_ids, handle.params, threshold=handle.threshold, request_id=handle.request_id
+                handle.prompt_ids,
+                handle.params,
+                threshold=None if depth is None else depth.threshold,
+                request_id=handle.request_id,
+                after_prefill=after_prefill,
             )
         except ValueError as exc:  # input the engine refuses (the HTTP layer checks limits first)
             handle.deliver(EngineFailure(str(exc), client_error=True))
@@ -206,6 +227,13 @@ class EngineWorker:
         self._handles[handle.sequence_id] = handle
         if handle.capture_activity:
             self._capturing[handle.sequence_id] = handle
+
+    @staticmethod
+    def _after_prefill(decider: DepthDecider, handle: RequestHandle, record: PrefillRecord) -> float:
+        """The complexity pre-check, between the prefill and the first decode step."""
+        assert handle.depth is not None
+        handle.depth, handle.complexity = decider.after_prefill(handle.depth, record.entropies)
+        return handle.depth.threshold
 
     def _cut(self, message: str) -> None:
         self._cut_message = message

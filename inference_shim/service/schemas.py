@@ -189,6 +189,8 @@ class SamplingFields(NullIsAbsent):
     frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
     ignore_eos: bool = False  # vLLM's: run to the token limit through EOS (benchmark clients send it)
+    # layerwatch's: this request's skip threshold, within the operator's range (service/depth.py checks it)
+    skip_threshold: float | None = None
 
     @field_validator("stop")
     @classmethod

@@ -26,6 +26,7 @@ from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.static_gates import static_gates
 from inference_shim.service.admission import Admission
+from inference_shim.service.depth import DepthDecider, DepthMetrics, DepthSettings, RolloutLevel
 from inference_shim.service.engine_worker import EngineWorker
 from inference_shim.service.gate_watch import MIN_GATES_WATCH_SECONDS, GateFileWatcher
 from inference_shim.service.layer_signals import LayerSignalsCollector
@@ -42,7 +43,7 @@ from inference_shim.service.metrics import (
     ShadowMetrics,
     isolated,
 )
-from inference_shim.service.mitigation import MitigationMetrics, Mitigations, MitigationSettings
+from inference_shim.service.mitigation import MitigationMetrics, Mitigations, MitigationSettings, PagingEvent
 from inference_shim.service.mitigation_receiver import WEBHOOK_PATH, MitigationReceiver
 from inference_shim.service.power import NvmlCollector, RaplCollector
 from inference_shim.service.readiness import Readiness
@@ -124,6 +125,15 @@ class ServeSettings:
     # URL with its path. None: the standard OTEL_EXPORTER_OTLP_* variables decide, and without them
     # spans are off (resolve_otlp_endpoint).
     otlp_endpoint: str | None = None
+    # The depth each request runs at (service/depth.py; the defaults are DepthSettings'): the
+    # request field's range, the long-prompt rule, the complexity pre-check, the staged rollout.
+    request_threshold_range: tuple[float, float] | None = DepthSettings.request_threshold_range
+    long_prompt_tokens: int | None = DepthSettings.long_prompt_tokens
+    long_prompt_threshold: float = DepthSettings.long_prompt_threshold
+    complexity_cutoff: float | None = DepthSettings.complexity_cutoff
+    complexity_threshold: float = DepthSettings.complexity_threshold
+    rollout_levels: tuple[RolloutLevel, ...] = DepthSettings.rollout_levels
+    rollout_level: int | None = DepthSettings.rollout_level
 
 
 def gates_file(settings: ServeSettings) -> Path:
@@ -340,11 +350,25 @@ class ShimService:
             if settings.shadow_rate > 0 or self.mitigation_receiver is not None
             else None
         )
+        self.depth = DepthDecider(
+            DepthSettings(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(DepthSettings)}),
+            self.policy.threshold,
+            self.policy.skippable(config.num_layers),
+            DepthMetrics(self.registry, self.model_name),
+        )
+        if settings.rollout_levels:
+            self.mitigations.on_paging.append(self._demote_rollout)
         telemetry = StepTelemetry(self.model_name, self.decode_stats, self.sender, self.trace)
         probe_prompt = self.tokenizer.encode(PROBE_TEXT)
-        self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow)
+        self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow, self.depth)
         self.readiness = Readiness(self.worker)
         self.gate_watcher = self._gate_watcher(settings, gates)
+
+    def _demote_rollout(self, event: PagingEvent) -> None:
+        """A paging alert of this model fired: back to the previous rollout level. A resolution
+        does not promote again: going back up is the operator's decision (a restart or the flag)."""
+        if event.firing:
+            self.depth.demote(f"{event.alertname} fired")
 
     @classmethod
     def load(

@@ -304,6 +304,33 @@ def test_each_sequence_skips_at_its_own_threshold_in_a_shared_batch(tokenizer):
     assert max(len(r.sequence_ids) for r in recorder.records) == 3
 
 
+def test_after_prefill_sets_the_threshold_from_the_prefill_before_the_first_decode_step(tokenizer):
+    """A sequence's `after_prefill` sees its prompt's full-depth gate scores, and the tau it returns
+    replaces the submitted one: the sequence decodes exactly as one submitted at that tau."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    model = gated_model()
+    engine = engine_for(model, tokenizer)
+    reference = engine.generate(PROMPTS[0], params, threshold=0.0)
+    seen = []
+
+    def full_depth_after_prefill(record):
+        seen.append(record.entropies.shape)
+        return 0.0
+
+    sequence_id = engine.submit(PROMPTS[0], params, after_prefill=full_depth_after_prefill)
+    recorder = Recorder()
+    engine.step_hook = recorder.on_step
+    while engine.has_work():
+        recorder.drain(engine)
+    assert seen == [(len(PROMPTS[0]) - 1, model.config.num_layers)]
+    assert recorder.tokens[sequence_id] == reference.token_ids
+    assert np.array(recorder.activity[sequence_id]).all()  # every layer ran for every token
+    kept = engine.submit(PROMPTS[0], params, after_prefill=lambda record: None)  # None: the submitted tau
+    while engine.has_work():
+        recorder.drain(engine)
+    assert recorder.final[kept].layers_skipped > 0
+
+
 @pytest.mark.parametrize("threshold", [-0.1, 1.5, float("nan")])
 def test_a_threshold_outside_zero_to_one_is_refused_at_submit(tokenizer, threshold):
     engine = engine_for(gated_model(), tokenizer)

@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from inference_shim.runtime.agreement import LayerSignals
+from inference_shim.service.depth import DepthMetrics
 from inference_shim.service.layer_signals import LayerSignalsCollector
 from inference_shim.service.metrics import (
     AuditCollector,
@@ -67,6 +68,7 @@ def test_a_full_shim_registry_covers_the_catalog_and_refuses_clashes():
     ShadowMetrics(registry, "m")
     GateReloadMetrics(registry, "m")
     MitigationMetrics(registry, "m")
+    DepthMetrics(registry, "m")
     exposed = {m.name for m in registry.collect()}
     assert exposed == {spec.base_name for spec in catalog.for_component(catalog.SHIM)}
 

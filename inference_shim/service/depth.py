@@ -1,0 +1,280 @@
+"""The depth each request runs at: its skip threshold tau, and why (docs/service.md, "Depth").
+
+Before a request is submitted, `DepthDecider.decide` picks tau from the first source that has a
+say, in this order:
+
+    override        the alert-driven mitigation forces full depth (mitigation.py; the request
+                    then runs at `override()` instead of its decision): tau = 0
+    rollout         the current rollout level does not enable skipping for this request: tau = 0
+    request         the request's `skip_threshold`, within --request-threshold-range
+    prompt_length   prompts over --long-prompt-tokens run at --long-prompt-threshold
+    default         the served policy's tau
+
+A request still at `default` may be moved after its prefill, before its first decode step, by the
+complexity pre-check (`after_prefill`): its prompt's complexity score (layerwatch/complexity.py,
+from the gates' prefill scores) at or above --complexity-cutoff runs at --complexity-threshold
+(reason `complexity`). Every choice of a request shares the request's decision.
+
+The mode names the depth: `full` (tau = 0), `strict` (below the served tau), `gated` (the served tau
+or looser). Modes and reasons are the bounded label values of the depth metrics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from inference_shim.service.metrics import make_counter, make_gauge, make_histogram
+from layerwatch.complexity import prompt_complexity
+
+log = logging.getLogger(__name__)
+
+MODES = ("full", "strict", "gated")
+REASONS = ("override", "rollout", "request", "prompt_length", "complexity", "default")
+REQUEST_FIELD = "skip_threshold"
+
+
+@dataclass(frozen=True)
+class DepthDecision:
+    threshold: float  # the tau the request runs at; 0 = full depth
+    mode: str  # one of MODES
+    reason: str  # one of REASONS
+
+
+@dataclass(frozen=True)
+class RolloutLevel:
+    """Skipping is enabled for a request when every condition holds."""
+
+    share: float = 1.0  # of requests (by a hash of the request id)
+    max_tokens: int | None = None  # only requests asking for at most this many tokens
+    min_temperature: float | None = None  # only requests sampling at this temperature or above
+
+    def enables(self, request_id: str, max_tokens: int, temperature: float) -> bool:
+        if self.max_tokens is not None and max_tokens > self.max_tokens:
+            return False
+        if self.min_temperature is not None and temperature < self.min_temperature:
+            return False
+        return request_position(request_id) < self.share
+
+    def describe(self) -> str:
+        parts = [f"share={self.share:g}"]
+        if self.max_tokens is not None:
+            parts.append(f"max_tokens={self.max_tokens}")
+        if self.min_temperature is not None:
+            parts.append(f"min_temperature={self.min_temperature:g}")
+        return ",".join(parts)
+
+
+def request_position(request_id: str) -> float:
+    """A request's place in [0, 1), uniform over ids and the same for every choice of the request."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def parse_rollout_levels(text: str) -> tuple[RolloutLevel, ...]:
+    """`share=0.1;share=0.5,max_tokens=256;share=1`: levels separated by `;`, each a comma-separated
+    list of conditions (share in [0, 1], max_tokens >= 1, min_temperature >= 0). Raises ValueError."""
+    levels = []
+    for number, item in enumerate(text.split(";"), 1):
+        conditions: dict[str, float | int] = {}
+        for part in (p.strip() for p in item.split(",") if p.strip()):
+            key, equals, value = part.partition("=")
+            key = key.strip()
+            if not equals or key not in ("share", "max_tokens", "min_temperature") or key in conditions:
+                raise ValueError(
+                    f"rollout level {number}: {part!r} is not one of share=S, max_tokens=N, min_temperature=T "
+                    "(each at most once)"
+                )
+            kind = int if key == "max_tokens" else float
+            try:
+                conditions[key] = kind(value)
+            except ValueError:
+                expected = "an integer" if kind is int else "a number"
+                raise ValueError(f"rollout level {number}: {key} must be {expected}, got {value.strip()!r}") from None
+        if not conditions:
+            raise ValueError(f"rollout level {number} is empty")
+        share = float(conditions.get("share", 1.0))
+        max_tokens = conditions.get("max_tokens")
+        min_temperature = conditions.get("min_temperature")
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"rollout level {number}: share must be in [0, 1], got {share:g}")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"rollout level {number}: max_tokens must be >= 1, got {max_tokens}")
+        if min_temperature is not None and not min_temperature >= 0:
+            raise ValueError(f"rollout level {number}: min_temperature must be >= 0, got {min_temperature:g}")
+        levels.append(
+            RolloutLevel(
+                share,
+                None if max_tokens is None else int(max_tokens),
+                None if min_temperature is None else float(min_temperature),
+            )
+        )
+    return tuple(levels)
+
+
+def parse_threshold_range(text: str) -> tuple[float, float]:
+    """`LO:HI`, 0 <= LO <= HI <= 1. Raises ValueError."""
+    lo, colon, hi = text.partition(":")
+    try:
+        bounds = (float(lo), float(hi))
+    except ValueError:
+        bounds = (float("nan"), float("nan"))
+    if not colon or not 0.0 <= bounds[0] <= bounds[1] <= 1.0:
+        raise ValueError(f"expected LO:HI with 0 <= LO <= HI <= 1, got {text!r}")
+    return bounds
+
+
+@dataclass(frozen=True)
+class DepthSettings:
+    request_threshold_range: tuple[float, float] | None = None  # None: the request field is refused
+    long_prompt_tokens: int | None = None  # prompts over this many tokens run at long_prompt_threshold
+    long_prompt_threshold: float = 0.0
+    complexity_cutoff: float | None = None  # prompts scoring at least this run at complexity_threshold
+    complexity_threshold: float = 0.0
+    rollout_levels: tuple[RolloutLevel, ...] = ()  # empty: skipping enabled for every request
+    rollout_level: int | None = None  # 1-based level to start at; None: the last (fully rolled out)
+
+    def check(self) -> None:
+        bounds = self.request_threshold_range
+        if bounds is not None and not 0.0 <= bounds[0] <= bounds[1] <= 1.0:
+            raise ValueError(f"--request-threshold-range must satisfy 0 <= LO <= HI <= 1, got {bounds}")
+        for flag, tau in (
+            ("--long-prompt-threshold", self.long_prompt_threshold),
+            ("--complexity-threshold", self.complexity_threshold),
+        ):
+            if not 0.0 <= tau <= 1.0:
+                raise ValueError(f"{flag} must be in [0, 1], got {tau}")
+        if self.long_prompt_tokens is not None and self.long_prompt_tokens < 1:
+            raise ValueError(f"--long-prompt-tokens must be >= 1, got {self.long_prompt_tokens}")
+        if self.complexity_cutoff is not None and not 0.0 <= self.complexity_cutoff <= 1.0:
+            raise ValueError(f"--complexity-cutoff must be in [0, 1], got {self.complexity_cutoff}")
+        if self.rollout_level is not None:
+            if not self.rollout_levels:
+                raise ValueError("--rollout-level needs --rollout-levels")
+            if not 1 <= self.rollout_level <= len(self.rollout_levels):
+                raise ValueError(
+                    f"--rollout-level must be in 1..{len(self.rollout_levels)} (the levels given), "
+                    f"got {self.rollout_level}"
+                )
+
+
+class DepthMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        decisions = make_counter("layerwatch_depth_decisions_total", registry)
+        self.decisions = {
+            (mode, reason): decisions.labels(model_name, mode, reason) for mode in MODES for reason in REASONS
+        }
+        self.threshold = make_histogram("layerwatch_request_threshold", registry).labels(model_name)
+        self.complexity = make_histogram("layerwatch_prompt_complexity", registry).labels(model_name)
+        self.level = make_gauge("layerwatch_rollout_level", registry).labels(model_name)
+        self.demotions = make_counter("layerwatch_rollout_demotions_total", registry).labels(model_name)
+
+
+class DepthDecider:
+    """Decides each request's tau (module doc). Thread-safe: handlers decide, the engine thread
+    runs `after_prefill`, and `demote` may come from anywhere."""
+
+    def __init__(
+        self,
+        settings: DepthSettings,
+        served_threshold: float,
+        skippable: np.ndarray,
+        metrics: DepthMetrics,
+    ) -> None:
+        settings.check()
+        self.settings = settings
+        self.served_threshold = served_threshold
+        self.skippable = skippable  # bool [L]: the layers the policy may skip
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        levels = settings.rollout_levels
+        self._level = (settings.rollout_level or len(levels)) - 1 if levels else -1  # index; -1: no rollout
+        metrics.level.set(self._level + 1)
+
+    # --- the decision ------------------------------------------------------------------------------
+
+    def check_request_threshold(self, value: float | None) -> None:
+        """Raises ValueError (the message names the field and the limits) for a field this server refuses."""
+        if value is None:
+            return
+        bounds = self.settings.request_threshold_range
+        if bounds is None:
+            raise ValueError(
+                f"{REQUEST_FIELD}: this server does not accept per-request thresholds "
+                "(the operator enables them with --request-threshold-range LO:HI)"
+            )
+        lo, hi = bounds
+        if not lo <= value <= hi:
+            raise ValueError(f"{REQUEST_FIELD} must be in [{lo:g}, {hi:g}] on this server, got {value:g}")
+
+    def decide(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        temperature: float,
+        requested: float | None = None,
+    ) -> DepthDecision:
+        """The decision before prefill (`requested` already checked by check_request_threshold)."""
+        with self._lock:
+            level = self.settings.rollout_levels[self._level] if self._level >= 0 else None
+        if level is not None and not level.enables(request_id, max_tokens, temperature):
+            return self._decision(0.0, "rollout")
+        if requested is not None:
+            return self._decision(requested, "request")
+        long_prompt = self.settings.long_prompt_tokens
+        if long_prompt is not None and prompt_tokens > long_prompt:
+            return self._decision(self.settings.long_prompt_threshold, "prompt_length")
+        return self._decision(self.served_threshold, "default")
+
+    def override(self) -> DepthDecision:
+        """Full depth for a request an operator's override covers (the alert-driven mitigation)."""
+        return self._decision(0.0, "override")
+
+    def after_prefill(self, decision: DepthDecision, prefill_scores: np.ndarray) -> tuple[DepthDecision, float]:
+        """The complexity pre-check on the prompt's prefill gate scores float [T, L]: -> (the
+        decision the generation runs at, the prompt's complexity score)."""
+        score = prompt_complexity(prefill_scores, self.served_threshold, self.skippable)
+        cutoff = self.settings.complexity_cutoff
+        if decision.reason == "default" and cutoff is not None and score >= cutoff:
+            decision = self._decision(self.settings.complexity_threshold, "complexity")
+        return decision, score
+
+    def record(self, decision: DepthDecision, complexity: float | None) -> None:
+        """Count a request that ran (once per choice, as layerwatch_requests_total counts)."""
+        self.metrics.decisions[decision.mode, decision.reason].inc()
+        self.metrics.threshold.observe(decision.threshold)
+        if complexity is not None:
+            self.metrics.complexity.observe(complexity)
+
+    def _decision(self, threshold: float, reason: str) -> DepthDecision:
+        mode = "full" if threshold == 0.0 else "strict" if threshold < self.served_threshold else "gated"
+        return DepthDecision(threshold, mode, reason)
+
+    # --- the rollout -------------------------------------------------------------------------------
+
+    @property
+    def rollout_level(self) -> int:
+        """The current level, 1-based; 0 without rollout levels."""
+        with self._lock:
+            return self._level + 1
+
+    def demote(self, reason: str) -> bool:
+        """Drop to the previous rollout level (e.g. a paging alert fired). False when there is none."""
+        with self._lock:
+            if self._level <= 0:
+                log.warning("ROLLOUT_DEMOTION_SKIPPED: level=%d reason=%s (no lower level)", self._level + 1, reason)
+                return False
+            self._level -= 1
+            level, described = self._level + 1, self.settings.rollout_levels[self._level].describe()
+        self.metrics.level.set(level)
+        self.metrics.demotions.inc()
+        log.warning(
+            'ROLLOUT_DEMOTED: from_level=%d to_level=%d conditions="%s" reason=%s', level + 1, level, described, reason
+        )
+        return True
