@@ -1,7 +1,8 @@
 """The depth each request runs at (inference_shim/service/depth.py), against the real served tiny
 model over real HTTP: the request field (through the official `openai` client's extra_body), the
-long-prompt rule, the complexity pre-check, the staged rollout with its demotion, the operator
-override. "Ran at tau" is read from what the engine did: a request at full depth skips no layer
+long-prompt rule, the complexity pre-check, the staged rollout with its demotion (the
+override and the demotion by a paging alert, which come from the alert-driven mitigation, are in
+test_mitigation.py). "Ran at tau" is read from what the engine did: a request at full depth skips no layer
 (usage.layers_skipped, the per-layer counters), one at the served tau skips the tiny gates' low
 layers; the depth metrics count each request once by mode and reason.
 """
@@ -143,18 +144,6 @@ def test_rollout_starts_at_the_level_the_operator_sets(in_process):
     server = in_process(rollout_levels=parse_rollout_levels("share=0;share=1"), rollout_level=1)
     assert complete(server.base_url)["usage"]["layers_skipped"] == 0
     assert sample_sum(server.metrics(), "layerwatch_rollout_level") == 1
-
-
-def test_operator_override_forces_full_depth_over_everything(in_process):
-    server = in_process(request_threshold_range=(0.0, 1.0))
-    forced = True
-    server.service.depth.override = lambda: forced
-    skips = sample_sum(server.metrics(), "layerwatch_layer_skips_total")
-    assert complete(server.base_url, skip_threshold=0.5)["usage"]["layers_skipped"] == 0
-    assert decisions(server, "full", "override") == 1
-    assert sample_sum(server.metrics(), "layerwatch_layer_skips_total") == skips  # the counters agree
-    forced = False
-    assert complete(server.base_url)["usage"]["layers_skipped"] > 0
 
 
 def test_rollout_share_is_a_deterministic_share_of_request_ids():

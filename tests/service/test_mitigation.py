@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from alerts.specs import ALERTS
 from demo.processes import free_port
 from inference_shim.service import mitigation_receiver
+from inference_shim.service.depth import parse_rollout_levels
 from inference_shim.service.mitigation import (
     MITIGATING_ALERTS,
     NO_MITIGATION,
@@ -433,6 +434,53 @@ def test_a_served_model_runs_mitigated_requests_at_full_depth(in_process, tmp_pa
     assert sample_sum(snapshot, "layerwatch_layer_skips_total") > skips
     assert sample_sum(snapshot, "layerwatch_mitigation_full_depth") == 0
     assert sample_sum(snapshot, "layerwatch_shadow_tokens_total") == 0  # full depth has nothing to check
+    depth = {
+        (mode, reason): sample_sum(snapshot, "layerwatch_depth_decisions_total", mode=mode, reason=reason)
+        for mode, reason in (("full", "override"), ("gated", "default"))
+    }
+    assert depth == {("full", "override"): 1, ("gated", "default"): 2}
+
+
+def test_a_forced_full_depth_outranks_the_request_field(in_process, tmp_path):
+    port = free_port()
+    server = in_process(
+        mitigation_address=f"127.0.0.1:{port}",
+        mitigation_token_file=token_file(tmp_path),
+        mitigation_full_depth=True,
+        request_threshold_range=(0.0, 1.0),
+    )
+    post(f"http://127.0.0.1:{port}", notification(alert()))
+    body = {"model": MODEL_NAME, "prompt": "And God said", "max_tokens": 12, "temperature": 0, "skip_threshold": 0.5}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["layers_skipped"] == 0
+    snapshot = server.metrics()
+    assert sample_sum(snapshot, "layerwatch_depth_decisions_total", mode="full", reason="override") == 1
+    assert sample_sum(snapshot, "layerwatch_depth_decisions_total", reason="request") == 0
+
+
+def test_a_paging_alert_demotes_the_staged_rollout_and_its_resolution_does_not_promote(in_process, tmp_path, caplog):
+    port = free_port()
+    server = in_process(
+        mitigation_address=f"127.0.0.1:{port}",
+        mitigation_token_file=token_file(tmp_path),
+        rollout_levels=parse_rollout_levels("share=0;share=1"),
+    )
+    greedy(server, max_tokens=12)
+    assert sample_sum(server.metrics(), "layerwatch_rollout_level") == 2
+    with caplog.at_level(logging.WARNING, logger="inference_shim.service.depth"):
+        post(f"http://127.0.0.1:{port}", notification(alert("LayerwatchRunawaySkipping", severity="warning")))
+        assert sample_sum(server.metrics(), "layerwatch_rollout_level") == 2  # a ticket does not demote
+        post(f"http://127.0.0.1:{port}", notification(alert(fingerprint="0f0f0f0f0f0f0f0f")))
+    snapshot = server.metrics()
+    assert sample_sum(snapshot, "layerwatch_rollout_level") == 1
+    assert sample_sum(snapshot, "layerwatch_rollout_demotions_total") == 1
+    assert any("ROLLOUT_DEMOTED: from_level=2 to_level=1" in r.getMessage() for r in caplog.records)
+    skips = sample_sum(snapshot, "layerwatch_layer_skips_total")
+    greedy(server, max_tokens=12)  # level 1 enables skipping for no request
+    assert sample_sum(server.metrics(), "layerwatch_layer_skips_total") == skips
+    post(f"http://127.0.0.1:{port}", notification(alert(status="resolved", fingerprint="0f0f0f0f0f0f0f0f")))
+    assert sample_sum(server.metrics(), "layerwatch_rollout_level") == 1
 
 
 @pytest.mark.parametrize(
