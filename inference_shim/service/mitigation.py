@@ -31,7 +31,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal
 
 from prometheus_client import CollectorRegistry
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from inference_shim.service.metrics import make_counter, make_gauge
 
@@ -56,8 +56,9 @@ class _WebhookAlert(BaseModel):
 
     status: Literal["firing", "resolved"]
     labels: dict[str, Annotated[str, Field(max_length=1024)]] = Field(max_length=64)
-    startsAt: datetime
-    endsAt: datetime  # validated as version 4 has it; the status says whether it resolved
+    # With a zone, as Alertmanager sends them: a naive time could not be ordered against a known one.
+    startsAt: AwareDatetime
+    endsAt: AwareDatetime  # validated as version 4 has it; the status says whether it resolved
     fingerprint: str = Field(min_length=1, max_length=64)
 
     @field_validator("labels")

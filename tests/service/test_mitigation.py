@@ -315,6 +315,18 @@ def test_a_malformed_notification_gets_400_naming_the_problem(receiver, body, pr
     assert state.for_new_request() == NO_MITIGATION
 
 
+def test_a_time_without_a_zone_gets_400_and_leaves_the_known_incident_as_it_was(receiver):
+    # Ordering a naive startsAt against the known (zoned) one raised TypeError: the connection was
+    # dropped without a reply or a count, part of the notification applied.
+    url, state, registry = receiver
+    assert post(url, notification(alert())).json() == {"outcomes": ["started"]}
+    naive = {**alert(status="resolved"), "startsAt": T0.replace(tzinfo=None).isoformat()}
+    response = post(url, notification(naive))
+    assert response.status_code == 400 and "alerts.0.startsAt" in response.json()["error"]
+    assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="malformed") == 1
+    assert [m["starts_at"] for m in state.in_effect()] == [T0.isoformat()]
+
+
 def test_a_body_over_the_limit_is_refused_unread_and_other_paths_are_not_found(receiver):
     url, _, registry = receiver
     huge = notification(alert()) + b" " * MAX_BODY_BYTES
