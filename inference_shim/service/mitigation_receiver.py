@@ -18,6 +18,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import cast
 
@@ -52,7 +53,7 @@ def _handler_class(mitigations: Mitigations, token: bytes) -> type[BaseHTTPReque
                 self._refuse(413, "too_large", f"the body has {length} bytes, at most {MAX_BODY_BYTES} are accepted")
                 return
             try:
-                alerts = parse_notification(self.rfile.read(int(length)))
+                alerts = parse_notification(self._read_body(int(length)))
             except TimeoutError:
                 self._refuse(408, "malformed", f"the body did not arrive within {BODY_TIMEOUT_SECONDS:g} s")
                 return
@@ -82,6 +83,25 @@ def _handler_class(mitigations: Mitigations, token: bytes) -> type[BaseHTTPReque
             ended = mitigations.end_all()
             log.warning("the operator ended %d mitigation(s) (DELETE %s)", ended, MITIGATIONS_PATH)
             self._reply(200, {"ended": ended})
+
+        def _read_body(self, length: int) -> bytes:
+            """The body, all of it within BODY_TIMEOUT_SECONDS: the socket's timeout bounds each read
+            only, and a client sending a byte now and then would hold this thread for ever."""
+            deadline = time.monotonic() + BODY_TIMEOUT_SECONDS
+            body = bytearray()
+            try:
+                while len(body) < length:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError
+                    self.connection.settimeout(left)
+                    chunk = self.rfile.read1(length - len(body))
+                    if not chunk:
+                        break  # the client closed early: the short body fails validation
+                    body += chunk
+            finally:
+                self.connection.settimeout(self.timeout)
+            return bytes(body)
 
         def _authorized(self) -> bool:
             scheme, _, given = self.headers.get("Authorization", "").partition(" ")

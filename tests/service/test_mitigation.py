@@ -4,6 +4,7 @@ whose requests get shadow-checked or run at full depth while an alert fires."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -349,6 +350,35 @@ def test_a_stalled_body_is_cut_off_with_408(monkeypatch):
             )
             assert client.recv(4096).startswith(b"HTTP/1.0 408")
         assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="malformed") == 1
+    finally:
+        server.stop()
+
+
+def test_a_body_trickled_byte_by_byte_is_cut_off_with_408_on_time(monkeypatch):
+    # Each byte comes well within the socket's timeout; the body as a whole does not.
+    monkeypatch.setattr(mitigation_receiver, "BODY_TIMEOUT_SECONDS", 1.0)
+    state, registry, _ = mitigations()
+    server = MitigationReceiver(("127.0.0.1", 0), state, TOKEN)
+    server.start()
+    body = notification(alert())
+    try:
+        with socket.create_connection(server.address, timeout=10) as client:
+            client.sendall(
+                f"POST {WEBHOOK_PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN.decode()}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n".encode()
+            )
+            client.settimeout(0.3)
+            reply = b""
+            for byte in body[:12]:  # 12 x 0.3 s: over three times the limit
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    client.sendall(bytes([byte]))
+                with contextlib.suppress(TimeoutError):
+                    reply = client.recv(4096)
+                if reply:
+                    break
+            assert reply.startswith(b"HTTP/1.0 408"), reply
+        assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="malformed") == 1
+        assert state.for_new_request() == NO_MITIGATION
     finally:
         server.stop()
 
