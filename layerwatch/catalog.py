@@ -362,7 +362,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         ("model_name", "reason"),
         "Mitigations ended, by reason: resolved (the alert resolved), requests (its request budget was spent), "
-        "time (its time budget ran out), operator (DELETE /mitigations on the receiver).",
+        "time (its time budget ran out), operator (DELETE /mitigations on the receiver), evicted (over 1000 alerts "
+        "known: the mitigation that would end soonest makes room for a newer incident's).",
         SHIM,
     ),
     _m(

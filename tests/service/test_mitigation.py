@@ -20,6 +20,7 @@ from alerts.specs import ALERTS
 from demo.processes import free_port
 from inference_shim.service import mitigation_receiver
 from inference_shim.service.mitigation import (
+    MAX_TRACKED_ALERTS,
     MITIGATING_ALERTS,
     NO_MITIGATION,
     PAGING_SEVERITY,
@@ -227,6 +228,19 @@ def test_alerts_of_other_models_and_other_alerts_are_ignored_and_counted():
     assert state.for_new_request() == NO_MITIGATION
     assert value(registry, "layerwatch_mitigation_alerts_total", outcome="other_model") == 1
     assert value(registry, "layerwatch_mitigation_alerts_total", outcome="not_mitigating") == 2
+
+
+def test_the_alerts_known_stay_bounded_when_all_of_them_mitigate():
+    # Only inactive alerts were evicted: 1005 firing fingerprints were 1005 budgets, each one
+    # walked by every request under the lock.
+    state, registry, clock = mitigations(requests=100)
+    apply(state, *(alert(fingerprint=f"old-{i}") for i in range(5)))
+    clock.now += 1
+    apply(state, *(alert(fingerprint=f"new-{i}") for i in range(MAX_TRACKED_ALERTS)))
+    in_effect = {m["fingerprint"] for m in state.in_effect()}
+    assert in_effect == {f"new-{i}" for i in range(MAX_TRACKED_ALERTS)}
+    assert value(registry, "layerwatch_mitigations_ended_total", reason="evicted") == 5
+    assert value(registry, "layerwatch_mitigations_active") == MAX_TRACKED_ALERTS
 
 
 def test_paging_callbacks_hear_each_paging_alert_fire_and_resolve_once():
