@@ -150,7 +150,14 @@ class MitigationReceiver:
     """Binds on construction (a taken port fails start-up), serves after start()."""
 
     def __init__(self, address: tuple[str, int], mitigations: Mitigations, token: bytes) -> None:
-        self._server = _HTTPServer(address, _handler_class(mitigations, token), mitigations)
+        try:
+            self._server = _HTTPServer(address, _handler_class(mitigations, token), mitigations)
+        except OSError as exc:  # said as such: the API's own port is another flag
+            host, port = address
+            raise OSError(
+                exc.errno,
+                f"the mitigation receiver cannot listen on {host}:{port} (--mitigation-address): {exc.strerror}",
+            ) from None
         self._thread = threading.Thread(
             target=self._server.serve_forever, args=(EXPIRY_POLL_SECONDS,), name="mitigation-receiver", daemon=True
         )

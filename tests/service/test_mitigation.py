@@ -397,6 +397,16 @@ def test_a_body_trickled_byte_by_byte_is_cut_off_with_408_on_time(monkeypatch):
         server.stop()
 
 
+def test_a_taken_port_fails_naming_the_receiver_and_its_address():
+    state, _, _ = mitigations()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"mitigation receiver cannot listen on 127.0.0.1:{port}"):
+            MitigationReceiver(("127.0.0.1", port), state, TOKEN)
+
+
 def test_an_operator_lists_and_ends_the_mitigations_and_repeats_do_not_restart_them(receiver):
     url, state, registry = receiver
     headers = {"Authorization": f"Bearer {TOKEN.decode()}"}
