@@ -19,6 +19,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import cast
 
@@ -33,7 +34,7 @@ BODY_TIMEOUT_SECONDS = 10.0
 EXPIRY_POLL_SECONDS = 0.5
 
 
-def _handler_class(mitigations: Mitigations, token: bytes) -> type[BaseHTTPRequestHandler]:
+def _handler_class(mitigations: Mitigations, token: Callable[[], bytes]) -> type[BaseHTTPRequestHandler]:
     counts = mitigations.metrics.webhook
 
     class Handler(BaseHTTPRequestHandler):
@@ -106,7 +107,7 @@ def _handler_class(mitigations: Mitigations, token: bytes) -> type[BaseHTTPReque
         def _authorized(self) -> bool:
             scheme, _, given = self.headers.get("Authorization", "").partition(" ")
             # Compared in constant time, so that timing does not tell how much of a guess was right.
-            if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "replace"), token):
+            if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "replace"), token()):
                 return True
             self._refuse(401, "unauthorized", "a valid bearer token is required", {"WWW-Authenticate": "Bearer"})
             return False
@@ -149,7 +150,8 @@ class _HTTPServer(ThreadingHTTPServer):
 class MitigationReceiver:
     """Binds on construction (a taken port fails start-up), serves after start()."""
 
-    def __init__(self, address: tuple[str, int], mitigations: Mitigations, token: bytes) -> None:
+    def __init__(self, address: tuple[str, int], mitigations: Mitigations, token: Callable[[], bytes]) -> None:
+        """`token` gives the bearer token at each request (RotatingSecret.current: the file may be rotated)."""
         try:
             self._server = _HTTPServer(address, _handler_class(mitigations, token), mitigations)
         except OSError as exc:  # said as such: the API's own port is another flag

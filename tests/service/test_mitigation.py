@@ -271,7 +271,7 @@ def test_settings_out_of_range_are_refused():
 @pytest.fixture
 def receiver():
     state, registry, _ = mitigations()
-    server = MitigationReceiver(("127.0.0.1", 0), state, TOKEN)
+    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
     server.start()
     host, port = server.address
     yield f"http://{host}:{port}", state, registry
@@ -354,7 +354,7 @@ def test_a_body_over_the_limit_is_refused_unread_and_other_paths_are_not_found(r
 def test_a_stalled_body_is_cut_off_with_408(monkeypatch):
     monkeypatch.setattr(mitigation_receiver, "BODY_TIMEOUT_SECONDS", 0.5)
     state, registry, _ = mitigations()
-    server = MitigationReceiver(("127.0.0.1", 0), state, TOKEN)
+    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
     server.start()
     try:
         with socket.create_connection(server.address, timeout=10) as client:
@@ -372,7 +372,7 @@ def test_a_body_trickled_byte_by_byte_is_cut_off_with_408_on_time(monkeypatch):
     # Each byte comes well within the socket's timeout; the body as a whole does not.
     monkeypatch.setattr(mitigation_receiver, "BODY_TIMEOUT_SECONDS", 1.0)
     state, registry, _ = mitigations()
-    server = MitigationReceiver(("127.0.0.1", 0), state, TOKEN)
+    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
     server.start()
     body = notification(alert())
     try:
@@ -404,7 +404,7 @@ def test_a_taken_port_fails_naming_the_receiver_and_its_address():
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(OSError, match=f"mitigation receiver cannot listen on 127.0.0.1:{port}"):
-            MitigationReceiver(("127.0.0.1", port), state, TOKEN)
+            MitigationReceiver(("127.0.0.1", port), state, lambda: TOKEN)
 
 
 def test_an_operator_lists_and_ends_the_mitigations_and_repeats_do_not_restart_them(receiver):
@@ -425,7 +425,7 @@ def test_an_operator_lists_and_ends_the_mitigations_and_repeats_do_not_restart_t
 def test_the_receiver_ends_mitigations_on_time_without_any_traffic():
     registry = CollectorRegistry()
     state = Mitigations(MODEL_NAME, MitigationSettings(100, 0.5, False, 0.0), MitigationMetrics(registry, MODEL_NAME))
-    server = MitigationReceiver(("127.0.0.1", 0), state, TOKEN)
+    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
     server.start()
     try:
         host, port = server.address
@@ -499,6 +499,22 @@ def test_a_served_model_runs_mitigated_requests_at_full_depth(in_process, tmp_pa
     assert sample_sum(snapshot, "layerwatch_layer_skips_total") > skips
     assert sample_sum(snapshot, "layerwatch_mitigation_full_depth") == 0
     assert sample_sum(snapshot, "layerwatch_shadow_tokens_total") == 0  # full depth has nothing to check
+
+
+def test_a_rotated_token_file_is_read_again_and_a_broken_replacement_keeps_the_last_token(in_process, tmp_path, caplog):
+    # The token was read once at start: after a rotation (Alertmanager reads its credentials_file at
+    # each notification) every notification got 401 until the shim restarted.
+    port, path = free_port(), token_file(tmp_path)
+    in_process(mitigation_address=f"127.0.0.1:{port}", mitigation_token_file=path)
+    url, rotated = f"http://127.0.0.1:{port}", b"rotated-token-0123456789abcdef0123456789"
+    (tmp_path / "new").mkdir()
+    token_file(tmp_path / "new", content=rotated).replace(path)  # written aside, renamed over it
+    assert post(url, notification(alert()), f"Bearer {rotated.decode()}").status_code == 200
+    assert post(url, notification(alert())).status_code == 401
+    path.chmod(0o644)  # broken: the rotated token stays in use, and the log says why
+    with caplog.at_level(logging.ERROR, logger="layerwatch.secret_file"):
+        assert post(url, notification(alert()), f"Bearer {rotated.decode()}").status_code == 200
+    assert "group or others may access it" in caplog.text and "stays in use" in caplog.text
 
 
 @pytest.mark.parametrize(
