@@ -338,7 +338,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         ("model_name", "outcome"),
         "Requests to the mitigation webhook receiver by outcome: accepted, unauthorized (no or a wrong bearer "
-        "token), malformed (not Alertmanager's version-4 webhook JSON), too_large, not_found (another path or method).",
+        "token), malformed (not Alertmanager's version-4 webhook JSON), too_large, not_found "
+        "(another path or method), too_many_connections (a connection refused: 32 were open).",
         SHIM,
     ),
     _m(

@@ -45,7 +45,7 @@ MAX_ALERTS_PER_NOTIFICATION = 1000  # the generated config sends at most 100 (ma
 MAX_TRACKED_ALERTS = 1000  # known alerts kept, in effect or not (_evict)
 END_REASONS = ("resolved", "requests", "time", "operator", "evicted")
 ALERT_OUTCOMES = ("started", "ended", "unchanged", "stale", "other_model", "not_mitigating")
-WEBHOOK_OUTCOMES = ("accepted", "unauthorized", "malformed", "too_large", "not_found")
+WEBHOOK_OUTCOMES = ("accepted", "unauthorized", "malformed", "too_large", "not_found", "too_many_connections")
 
 
 # --- Alertmanager's webhook payload -----------------------------------------------------------------

@@ -13,6 +13,7 @@ time is up (`Mitigations.expire`) between requests, so that they end on time wit
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -32,6 +33,8 @@ MITIGATIONS_PATH = "/mitigations"  # GET: the mitigations in effect; DELETE: end
 MAX_BODY_BYTES = 1 << 20
 BODY_TIMEOUT_SECONDS = 10.0
 EXPIRY_POLL_SECONDS = 0.5
+MAX_CONNECTIONS = 32  # Alertmanager sends a few notifications at a time
+REQUEST_SECONDS = 2 * BODY_TIMEOUT_SECONDS  # for a whole request, headers and body, to arrive
 
 
 def _handler_class(mitigations: Mitigations, token: Callable[[], bytes]) -> type[BaseHTTPRequestHandler]:
@@ -128,6 +131,7 @@ def _handler_class(mitigations: Mitigations, token: Callable[[], bytes]) -> type
                 self.send_header(name, value)
             self.end_headers()
             self.wfile.write(data)
+            cast(_HTTPServer, self.server).answered(self.connection)
 
         def log_message(self, format: str, *args: object) -> None:
             log.debug("%s %s", self.address_string(), format % args)
@@ -136,15 +140,49 @@ def _handler_class(mitigations: Mitigations, token: Callable[[], bytes]) -> type
 
 
 class _HTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most MAX_CONNECTIONS of them (more are closed at once, counted
+    too_many_connections). A connection whose next request has not fully arrived REQUEST_SECONDS
+    after it opened or after its last answer is read no further: its handler answers what arrived
+    (without the token, 401) and closes it. The socket's timeout bounds each read only, and a peer
+    sending a byte now and then, token or not, would keep a thread for ever."""
+
     daemon_threads = True  # a stuck client never blocks shutdown
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], mitigations: Mitigations):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.mitigations = mitigations
+        self._deadlines: dict[socket.socket, float] = {}  # each open connection's (monotonic)
+        self._deadlines_lock = threading.Lock()
         super().__init__(address, handler)
+
+    def verify_request(self, request: socket.socket, client_address: object) -> bool:  # type: ignore[override]
+        with self._deadlines_lock:
+            if len(self._deadlines) >= MAX_CONNECTIONS:
+                self.mitigations.metrics.webhook["too_many_connections"].inc()
+                return False
+            self._deadlines[request] = time.monotonic() + REQUEST_SECONDS
+            return True
+
+    def answered(self, connection: socket.socket) -> None:
+        """The connection's request was answered: the next one gets REQUEST_SECONDS from now."""
+        with self._deadlines_lock:
+            self._deadlines[connection] = time.monotonic() + REQUEST_SECONDS
+
+    def shutdown_request(self, request: socket.socket) -> None:  # type: ignore[override]
+        with self._deadlines_lock:
+            self._deadlines.pop(request, None)
+        super().shutdown_request(request)
 
     def service_actions(self) -> None:  # serve_forever calls this between requests, at least every poll
         self.mitigations.expire()
+        now = time.monotonic()
+        with self._deadlines_lock:
+            overdue = [connection for connection, deadline in self._deadlines.items() if now >= deadline]
+            for connection in overdue:
+                del self._deadlines[connection]  # cut once
+        for connection in overdue:
+            with contextlib.suppress(OSError):  # already closed by its peer
+                connection.shutdown(socket.SHUT_RD)  # its handler reads the end, answers and closes
 
 
 class MitigationReceiver:

@@ -407,6 +407,58 @@ def test_a_taken_port_fails_naming_the_receiver_and_its_address():
             MitigationReceiver(("127.0.0.1", port), state, lambda: TOKEN)
 
 
+def closed_by_server(client: socket.socket, within: float) -> bool:
+    """Whether the server closes the connection within `within` seconds (the client sending nothing)."""
+    client.settimeout(within)
+    try:
+        return client.recv(4096) == b""
+    except TimeoutError:
+        return False
+
+
+def test_a_request_trickled_without_a_token_is_cut_off_and_connections_are_capped(monkeypatch):
+    # The socket's timeout bounds each read only: headers sent a byte at a time, without any token,
+    # held a thread for ever, and every new connection took another one.
+    monkeypatch.setattr(mitigation_receiver, "REQUEST_SECONDS", 1.0)
+    state, registry, _ = mitigations()
+    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
+    server.start()
+    try:
+        with socket.create_connection(server.address, timeout=10) as client:
+            client.sendall(f"POST {WEBHOOK_PATH} HTTP/1.1\r\nHost: x\r\nX-Slow: ".encode())
+            reply = b""
+            for _ in range(12):  # 12 x 0.3 s: over three times the limit
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    client.sendall(b"X")
+                client.settimeout(0.3)
+                with contextlib.suppress(TimeoutError):
+                    reply = client.recv(4096)
+                if reply:
+                    break
+            client.settimeout(5.0)
+            while chunk := client.recv(4096):  # to the end: the server closes it
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.0 401"), reply
+        assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="unauthorized") == 1
+
+        monkeypatch.setattr(mitigation_receiver, "REQUEST_SECONDS", 30.0)  # the held ones stay
+        monkeypatch.setattr(mitigation_receiver, "MAX_CONNECTIONS", 4)
+        held = [
+            socket.create_connection(server.address, timeout=10) for _ in range(mitigation_receiver.MAX_CONNECTIONS)
+        ]
+        try:
+            with socket.create_connection(server.address, timeout=10) as extra:
+                assert closed_by_server(extra, 5.0)
+            assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="too_many_connections") == 1
+        finally:
+            for connection in held:
+                connection.close()
+        time.sleep(0.2)  # their threads see the close
+        assert post(f"http://{server.address[0]}:{server.address[1]}", notification(alert())).status_code == 200
+    finally:
+        server.stop()
+
+
 def test_an_operator_lists_and_ends_the_mitigations_and_repeats_do_not_restart_them(receiver):
     url, state, registry = receiver
     headers = {"Authorization": f"Bearer {TOKEN.decode()}"}
