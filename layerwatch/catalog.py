@@ -381,7 +381,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         ("model_name", "outcome"),
         "Requests to the mitigation webhook receiver by outcome: accepted, unauthorized (no or a wrong bearer "
-        "token), malformed (not Alertmanager's version-4 webhook JSON), too_large, not_found (another path or method).",
+        "token), malformed (not Alertmanager's version-4 webhook JSON), too_large, not_found "
+        "(another path or method), too_many_connections (a connection refused: 32 were open).",
         SHIM,
     ),
     _m(
@@ -405,7 +406,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         ("model_name", "reason"),
         "Mitigations ended, by reason: resolved (the alert resolved), requests (its request budget was spent), "
-        "time (its time budget ran out), operator (DELETE /mitigations on the receiver).",
+        "time (its time budget ran out), operator (DELETE /mitigations on the receiver), evicted (over 1000 alerts "
+        "known: the mitigation that would end soonest makes room for a newer incident's).",
         SHIM,
     ),
     _m(

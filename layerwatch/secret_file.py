@@ -3,8 +3,12 @@ webhook token (docs/security.md). One set of rules for both, as for an SSH priva
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
+import threading
+
+log = logging.getLogger(__name__)
 
 MIN_SECRET_BYTES = 32  # e.g. `openssl rand -hex 32` (64 characters)
 _MAX_SECRET_FILE_BYTES = 4096
@@ -45,3 +49,37 @@ def read_secret_file(path: str | os.PathLike[str], what: str) -> bytes:
             f"(e.g. openssl rand -hex 32 > {path})"
         )
     return secret
+
+
+class RotatingSecret:
+    """A secret file read again when it changes, so that it can be rotated without a restart (as
+    Alertmanager reads its credentials_file at each notification). The first read raises
+    SecretFileError; a later replacement that breaks the rules is logged and the last good secret
+    stays in use."""
+
+    def __init__(self, path: str | os.PathLike[str], what: str) -> None:
+        self._path = path
+        self._what = what
+        self._lock = threading.Lock()
+        self._stamp = self._stat()
+        self._secret = read_secret_file(path, what)
+
+    def current(self) -> bytes:
+        with self._lock:
+            stamp = self._stat()
+            if stamp != self._stamp:
+                self._stamp = stamp
+                try:
+                    self._secret = read_secret_file(self._path, self._what)
+                    log.warning("%s %s changed: its new secret is in use", self._what, self._path)
+                except SecretFileError as exc:
+                    log.error("%s; the secret read before stays in use", exc)
+            return self._secret
+
+    def _stat(self) -> tuple[int, ...] | None:
+        """What tells a changed file: a new inode (a rename over it), mtime, size or mode."""
+        try:
+            info = os.stat(self._path)
+        except OSError:
+            return None
+        return (info.st_ino, info.st_mtime_ns, info.st_size, info.st_mode)

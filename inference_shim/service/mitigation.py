@@ -31,7 +31,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal
 
 from prometheus_client import CollectorRegistry
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from inference_shim.service.metrics import make_counter, make_gauge
 
@@ -42,10 +42,10 @@ log = logging.getLogger(__name__)
 MITIGATING_ALERTS = ("LayerwatchEntropyDrift", "LayerwatchRoutingStatic", "LayerwatchRunawaySkipping")
 PAGING_SEVERITY = "critical"  # mixin/config.py: SEVERITY_PAGE
 MAX_ALERTS_PER_NOTIFICATION = 1000  # the generated config sends at most 100 (max_alerts)
-MAX_TRACKED_ALERTS = 1000  # known alerts kept for ordering deliveries; the oldest inactive go first
-END_REASONS = ("resolved", "requests", "time", "operator")
+MAX_TRACKED_ALERTS = 1000  # known alerts kept, in effect or not (_evict)
+END_REASONS = ("resolved", "requests", "time", "operator", "evicted")
 ALERT_OUTCOMES = ("started", "ended", "unchanged", "stale", "other_model", "not_mitigating")
-WEBHOOK_OUTCOMES = ("accepted", "unauthorized", "malformed", "too_large", "not_found")
+WEBHOOK_OUTCOMES = ("accepted", "unauthorized", "malformed", "too_large", "not_found", "too_many_connections")
 
 
 # --- Alertmanager's webhook payload -----------------------------------------------------------------
@@ -56,8 +56,9 @@ class _WebhookAlert(BaseModel):
 
     status: Literal["firing", "resolved"]
     labels: dict[str, Annotated[str, Field(max_length=1024)]] = Field(max_length=64)
-    startsAt: datetime
-    endsAt: datetime  # validated as version 4 has it; the status says whether it resolved
+    # With a zone, as Alertmanager sends them: a naive time could not be ordered against a known one.
+    startsAt: AwareDatetime
+    endsAt: AwareDatetime  # validated as version 4 has it; the status says whether it resolved
     fingerprint: str = Field(min_length=1, max_length=64)
 
     @field_validator("labels")
@@ -332,11 +333,19 @@ class Mitigations:
         return [(key, known, known.budget) for key, known in self._known.items() if known.budget is not None]
 
     def _evict(self) -> None:
+        """Keep MAX_TRACKED_ALERTS: the inactive heard of longest ago go first; if the mitigations in
+        effect alone are too many, those that end soonest are ended (evicted). Each does the same to
+        requests, so the newest incidents keep it in effect, and the cost per request stays bounded."""
         excess = len(self._known) - MAX_TRACKED_ALERTS
-        if excess > 0:
-            inactive = sorted((k for k, v in self._known.items() if v.budget is None), key=self._touched)
-            for key in inactive[:excess]:
-                del self._known[key]
+        if excess <= 0:
+            return
+        inactive = sorted((k for k, v in self._known.items() if v.budget is None), key=self._touched)
+        for key in inactive[:excess]:
+            del self._known[key]
+        excess -= len(inactive[:excess])
+        for key, known, _ in sorted(self._active(), key=lambda active: active[2].deadline)[:excess]:
+            self._end(key, known, "evicted")
+            del self._known[key]
 
     def _touched(self, key: tuple[str, str]) -> float:
         return self._known[key].touched

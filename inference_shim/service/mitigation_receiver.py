@@ -13,11 +13,14 @@ time is up (`Mitigations.expire`) between requests, so that they end on time wit
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
 import socket
 import threading
+import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import cast
 
@@ -30,9 +33,11 @@ MITIGATIONS_PATH = "/mitigations"  # GET: the mitigations in effect; DELETE: end
 MAX_BODY_BYTES = 1 << 20
 BODY_TIMEOUT_SECONDS = 10.0
 EXPIRY_POLL_SECONDS = 0.5
+MAX_CONNECTIONS = 32  # Alertmanager sends a few notifications at a time
+REQUEST_SECONDS = 2 * BODY_TIMEOUT_SECONDS  # for a whole request, headers and body, to arrive
 
 
-def _handler_class(mitigations: Mitigations, token: bytes) -> type[BaseHTTPRequestHandler]:
+def _handler_class(mitigations: Mitigations, token: Callable[[], bytes]) -> type[BaseHTTPRequestHandler]:
     counts = mitigations.metrics.webhook
 
     class Handler(BaseHTTPRequestHandler):
@@ -52,7 +57,7 @@ def _handler_class(mitigations: Mitigations, token: bytes) -> type[BaseHTTPReque
                 self._refuse(413, "too_large", f"the body has {length} bytes, at most {MAX_BODY_BYTES} are accepted")
                 return
             try:
-                alerts = parse_notification(self.rfile.read(int(length)))
+                alerts = parse_notification(self._read_body(int(length)))
             except TimeoutError:
                 self._refuse(408, "malformed", f"the body did not arrive within {BODY_TIMEOUT_SECONDS:g} s")
                 return
@@ -83,10 +88,29 @@ def _handler_class(mitigations: Mitigations, token: bytes) -> type[BaseHTTPReque
             log.warning("the operator ended %d mitigation(s) (DELETE %s)", ended, MITIGATIONS_PATH)
             self._reply(200, {"ended": ended})
 
+        def _read_body(self, length: int) -> bytes:
+            """The body, all of it within BODY_TIMEOUT_SECONDS: the socket's timeout bounds each read
+            only, and a client sending a byte now and then would hold this thread for ever."""
+            deadline = time.monotonic() + BODY_TIMEOUT_SECONDS
+            body = bytearray()
+            try:
+                while len(body) < length:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError
+                    self.connection.settimeout(left)
+                    chunk = self.rfile.read1(length - len(body))
+                    if not chunk:
+                        break  # the client closed early: the short body fails validation
+                    body += chunk
+            finally:
+                self.connection.settimeout(self.timeout)
+            return bytes(body)
+
         def _authorized(self) -> bool:
             scheme, _, given = self.headers.get("Authorization", "").partition(" ")
             # Compared in constant time, so that timing does not tell how much of a guess was right.
-            if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "replace"), token):
+            if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "replace"), token()):
                 return True
             self._refuse(401, "unauthorized", "a valid bearer token is required", {"WWW-Authenticate": "Bearer"})
             return False
@@ -107,6 +131,7 @@ def _handler_class(mitigations: Mitigations, token: bytes) -> type[BaseHTTPReque
                 self.send_header(name, value)
             self.end_headers()
             self.wfile.write(data)
+            cast(_HTTPServer, self.server).answered(self.connection)
 
         def log_message(self, format: str, *args: object) -> None:
             log.debug("%s %s", self.address_string(), format % args)
@@ -115,22 +140,64 @@ def _handler_class(mitigations: Mitigations, token: bytes) -> type[BaseHTTPReque
 
 
 class _HTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most MAX_CONNECTIONS of them (more are closed at once, counted
+    too_many_connections). A connection whose next request has not fully arrived REQUEST_SECONDS
+    after it opened or after its last answer is read no further: its handler answers what arrived
+    (without the token, 401) and closes it. The socket's timeout bounds each read only, and a peer
+    sending a byte now and then, token or not, would keep a thread for ever."""
+
     daemon_threads = True  # a stuck client never blocks shutdown
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], mitigations: Mitigations):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.mitigations = mitigations
+        self._deadlines: dict[socket.socket, float] = {}  # each open connection's (monotonic)
+        self._deadlines_lock = threading.Lock()
         super().__init__(address, handler)
+
+    def verify_request(self, request: socket.socket, client_address: object) -> bool:  # type: ignore[override]
+        with self._deadlines_lock:
+            if len(self._deadlines) >= MAX_CONNECTIONS:
+                self.mitigations.metrics.webhook["too_many_connections"].inc()
+                return False
+            self._deadlines[request] = time.monotonic() + REQUEST_SECONDS
+            return True
+
+    def answered(self, connection: socket.socket) -> None:
+        """The connection's request was answered: the next one gets REQUEST_SECONDS from now."""
+        with self._deadlines_lock:
+            self._deadlines[connection] = time.monotonic() + REQUEST_SECONDS
+
+    def shutdown_request(self, request: socket.socket) -> None:  # type: ignore[override]
+        with self._deadlines_lock:
+            self._deadlines.pop(request, None)
+        super().shutdown_request(request)
 
     def service_actions(self) -> None:  # serve_forever calls this between requests, at least every poll
         self.mitigations.expire()
+        now = time.monotonic()
+        with self._deadlines_lock:
+            overdue = [connection for connection, deadline in self._deadlines.items() if now >= deadline]
+            for connection in overdue:
+                del self._deadlines[connection]  # cut once
+        for connection in overdue:
+            with contextlib.suppress(OSError):  # already closed by its peer
+                connection.shutdown(socket.SHUT_RD)  # its handler reads the end, answers and closes
 
 
 class MitigationReceiver:
     """Binds on construction (a taken port fails start-up), serves after start()."""
 
-    def __init__(self, address: tuple[str, int], mitigations: Mitigations, token: bytes) -> None:
-        self._server = _HTTPServer(address, _handler_class(mitigations, token), mitigations)
+    def __init__(self, address: tuple[str, int], mitigations: Mitigations, token: Callable[[], bytes]) -> None:
+        """`token` gives the bearer token at each request (RotatingSecret.current: the file may be rotated)."""
+        try:
+            self._server = _HTTPServer(address, _handler_class(mitigations, token), mitigations)
+        except OSError as exc:  # said as such: the API's own port is another flag
+            host, port = address
+            raise OSError(
+                exc.errno,
+                f"the mitigation receiver cannot listen on {host}:{port} (--mitigation-address): {exc.strerror}",
+            ) from None
         self._thread = threading.Thread(
             target=self._server.serve_forever, args=(EXPIRY_POLL_SECONDS,), name="mitigation-receiver", daemon=True
         )

@@ -57,7 +57,7 @@ from inference_shim.service.telemetry import (
 )
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
 from layerwatch.gate_importance import LayerSignalStats
-from layerwatch.secret_file import read_secret_file
+from layerwatch.secret_file import RotatingSecret
 from layerwatch.trace import TraceWriter
 from layerwatch.wire import DEFAULT_FRAMES_ADDRESS, load_frame_key, parse_address
 
@@ -140,15 +140,15 @@ def gates_file(settings: ServeSettings) -> Path:
     return gates_path_for(settings.model_dir, settings.gates_path)
 
 
-def _mitigation_token(settings: ServeSettings) -> bytes | None:
-    """The receiver's bearer token when it is on; read (and its address checked) before the model
-    loads, so that a bad setting fails at once."""
+def _mitigation_token(settings: ServeSettings) -> RotatingSecret | None:
+    """The receiver's bearer token file when it is on; read (and its address checked) before the
+    model loads, so that a bad setting fails at once."""
     if not settings.mitigation_address:
         return None
     parse_address(settings.mitigation_address, listening=True)
     if settings.mitigation_token_file is None:
         raise ValueError("--mitigation-address needs --mitigation-token-file: the receiver never runs unauthenticated")
-    return read_secret_file(settings.mitigation_token_file, "mitigation token file")
+    return RotatingSecret(settings.mitigation_token_file, "mitigation token file")
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,7 @@ class ShimService:
         settings: ServeSettings,
         frame_key: bytes | None,
         registry: CollectorRegistry | None = None,
-        mitigation_token: bytes | None = None,
+        mitigation_token: RotatingSecret | None = None,
         span_exporter: SpanExporter | None = None,
     ) -> None:
         """`settings.otlp_endpoint` is the resolved traces URL (None: spans off); a `span_exporter`
@@ -339,7 +339,7 @@ class ShimService:
         )
         self.mitigation_receiver = (
             MitigationReceiver(
-                parse_address(settings.mitigation_address, listening=True), self.mitigations, mitigation_token
+                parse_address(settings.mitigation_address, listening=True), self.mitigations, mitigation_token.current
             )
             if mitigation_token is not None
             else None

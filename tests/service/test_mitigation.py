@@ -4,6 +4,7 @@ whose requests get shadow-checked or run at full depth while an alert fires."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -20,6 +21,7 @@ from demo.processes import free_port
 from inference_shim.service import mitigation_receiver
 from inference_shim.service.depth import parse_rollout_levels
 from inference_shim.service.mitigation import (
+    MAX_TRACKED_ALERTS,
     MITIGATING_ALERTS,
     NO_MITIGATION,
     PAGING_SEVERITY,
@@ -229,6 +231,19 @@ def test_alerts_of_other_models_and_other_alerts_are_ignored_and_counted():
     assert value(registry, "layerwatch_mitigation_alerts_total", outcome="not_mitigating") == 2
 
 
+def test_the_alerts_known_stay_bounded_when_all_of_them_mitigate():
+    # Only inactive alerts were evicted: 1005 firing fingerprints were 1005 budgets, each one
+    # walked by every request under the lock.
+    state, registry, clock = mitigations(requests=100)
+    apply(state, *(alert(fingerprint=f"old-{i}") for i in range(5)))
+    clock.now += 1
+    apply(state, *(alert(fingerprint=f"new-{i}") for i in range(MAX_TRACKED_ALERTS)))
+    in_effect = {m["fingerprint"] for m in state.in_effect()}
+    assert in_effect == {f"new-{i}" for i in range(MAX_TRACKED_ALERTS)}
+    assert value(registry, "layerwatch_mitigations_ended_total", reason="evicted") == 5
+    assert value(registry, "layerwatch_mitigations_active") == MAX_TRACKED_ALERTS
+
+
 def test_paging_callbacks_hear_each_paging_alert_fire_and_resolve_once():
     state, _, _ = mitigations()
     events: list[PagingEvent] = []
@@ -257,7 +272,7 @@ def test_settings_out_of_range_are_refused():
 @pytest.fixture
 def receiver():
     state, registry, _ = mitigations()
-    server = MitigationReceiver(("127.0.0.1", 0), state, TOKEN)
+    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
     server.start()
     host, port = server.address
     yield f"http://{host}:{port}", state, registry
@@ -316,6 +331,18 @@ def test_a_malformed_notification_gets_400_naming_the_problem(receiver, body, pr
     assert state.for_new_request() == NO_MITIGATION
 
 
+def test_a_time_without_a_zone_gets_400_and_leaves_the_known_incident_as_it_was(receiver):
+    # Ordering a naive startsAt against the known (zoned) one raised TypeError: the connection was
+    # dropped without a reply or a count, part of the notification applied.
+    url, state, registry = receiver
+    assert post(url, notification(alert())).json() == {"outcomes": ["started"]}
+    naive = {**alert(status="resolved"), "startsAt": T0.replace(tzinfo=None).isoformat()}
+    response = post(url, notification(naive))
+    assert response.status_code == 400 and "alerts.0.startsAt" in response.json()["error"]
+    assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="malformed") == 1
+    assert [m["starts_at"] for m in state.in_effect()] == [T0.isoformat()]
+
+
 def test_a_body_over_the_limit_is_refused_unread_and_other_paths_are_not_found(receiver):
     url, _, registry = receiver
     huge = notification(alert()) + b" " * MAX_BODY_BYTES
@@ -328,7 +355,7 @@ def test_a_body_over_the_limit_is_refused_unread_and_other_paths_are_not_found(r
 def test_a_stalled_body_is_cut_off_with_408(monkeypatch):
     monkeypatch.setattr(mitigation_receiver, "BODY_TIMEOUT_SECONDS", 0.5)
     state, registry, _ = mitigations()
-    server = MitigationReceiver(("127.0.0.1", 0), state, TOKEN)
+    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
     server.start()
     try:
         with socket.create_connection(server.address, timeout=10) as client:
@@ -338,6 +365,97 @@ def test_a_stalled_body_is_cut_off_with_408(monkeypatch):
             )
             assert client.recv(4096).startswith(b"HTTP/1.0 408")
         assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="malformed") == 1
+    finally:
+        server.stop()
+
+
+def test_a_body_trickled_byte_by_byte_is_cut_off_with_408_on_time(monkeypatch):
+    # Each byte comes well within the socket's timeout; the body as a whole does not.
+    monkeypatch.setattr(mitigation_receiver, "BODY_TIMEOUT_SECONDS", 1.0)
+    state, registry, _ = mitigations()
+    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
+    server.start()
+    body = notification(alert())
+    try:
+        with socket.create_connection(server.address, timeout=10) as client:
+            client.sendall(
+                f"POST {WEBHOOK_PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN.decode()}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n".encode()
+            )
+            client.settimeout(0.3)
+            reply = b""
+            for byte in body[:12]:  # 12 x 0.3 s: over three times the limit
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    client.sendall(bytes([byte]))
+                with contextlib.suppress(TimeoutError):
+                    reply = client.recv(4096)
+                if reply:
+                    break
+            assert reply.startswith(b"HTTP/1.0 408"), reply
+        assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="malformed") == 1
+        assert state.for_new_request() == NO_MITIGATION
+    finally:
+        server.stop()
+
+
+def test_a_taken_port_fails_naming_the_receiver_and_its_address():
+    state, _, _ = mitigations()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"mitigation receiver cannot listen on 127.0.0.1:{port}"):
+            MitigationReceiver(("127.0.0.1", port), state, lambda: TOKEN)
+
+
+def closed_by_server(client: socket.socket, within: float) -> bool:
+    """Whether the server closes the connection within `within` seconds (the client sending nothing)."""
+    client.settimeout(within)
+    try:
+        return client.recv(4096) == b""
+    except TimeoutError:
+        return False
+
+
+def test_a_request_trickled_without_a_token_is_cut_off_and_connections_are_capped(monkeypatch):
+    # The socket's timeout bounds each read only: headers sent a byte at a time, without any token,
+    # held a thread for ever, and every new connection took another one.
+    monkeypatch.setattr(mitigation_receiver, "REQUEST_SECONDS", 1.0)
+    state, registry, _ = mitigations()
+    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
+    server.start()
+    try:
+        with socket.create_connection(server.address, timeout=10) as client:
+            client.sendall(f"POST {WEBHOOK_PATH} HTTP/1.1\r\nHost: x\r\nX-Slow: ".encode())
+            reply = b""
+            for _ in range(12):  # 12 x 0.3 s: over three times the limit
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    client.sendall(b"X")
+                client.settimeout(0.3)
+                with contextlib.suppress(TimeoutError):
+                    reply = client.recv(4096)
+                if reply:
+                    break
+            client.settimeout(5.0)
+            while chunk := client.recv(4096):  # to the end: the server closes it
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.0 401"), reply
+        assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="unauthorized") == 1
+
+        monkeypatch.setattr(mitigation_receiver, "REQUEST_SECONDS", 30.0)  # the held ones stay
+        monkeypatch.setattr(mitigation_receiver, "MAX_CONNECTIONS", 4)
+        held = [
+            socket.create_connection(server.address, timeout=10) for _ in range(mitigation_receiver.MAX_CONNECTIONS)
+        ]
+        try:
+            with socket.create_connection(server.address, timeout=10) as extra:
+                assert closed_by_server(extra, 5.0)
+            assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="too_many_connections") == 1
+        finally:
+            for connection in held:
+                connection.close()
+        time.sleep(0.2)  # their threads see the close
+        assert post(f"http://{server.address[0]}:{server.address[1]}", notification(alert())).status_code == 200
     finally:
         server.stop()
 
@@ -360,7 +478,7 @@ def test_an_operator_lists_and_ends_the_mitigations_and_repeats_do_not_restart_t
 def test_the_receiver_ends_mitigations_on_time_without_any_traffic():
     registry = CollectorRegistry()
     state = Mitigations(MODEL_NAME, MitigationSettings(100, 0.5, False, 0.0), MitigationMetrics(registry, MODEL_NAME))
-    server = MitigationReceiver(("127.0.0.1", 0), state, TOKEN)
+    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
     server.start()
     try:
         host, port = server.address
@@ -481,6 +599,22 @@ def test_a_paging_alert_demotes_the_staged_rollout_and_its_resolution_does_not_p
     assert sample_sum(server.metrics(), "layerwatch_layer_skips_total") == skips
     post(f"http://127.0.0.1:{port}", notification(alert(status="resolved", fingerprint="0f0f0f0f0f0f0f0f")))
     assert sample_sum(server.metrics(), "layerwatch_rollout_level") == 1
+
+
+def test_a_rotated_token_file_is_read_again_and_a_broken_replacement_keeps_the_last_token(in_process, tmp_path, caplog):
+    # The token was read once at start: after a rotation (Alertmanager reads its credentials_file at
+    # each notification) every notification got 401 until the shim restarted.
+    port, path = free_port(), token_file(tmp_path)
+    in_process(mitigation_address=f"127.0.0.1:{port}", mitigation_token_file=path)
+    url, rotated = f"http://127.0.0.1:{port}", b"rotated-token-0123456789abcdef0123456789"
+    (tmp_path / "new").mkdir()
+    token_file(tmp_path / "new", content=rotated).replace(path)  # written aside, renamed over it
+    assert post(url, notification(alert()), f"Bearer {rotated.decode()}").status_code == 200
+    assert post(url, notification(alert())).status_code == 401
+    path.chmod(0o644)  # broken: the rotated token stays in use, and the log says why
+    with caplog.at_level(logging.ERROR, logger="layerwatch.secret_file"):
+        assert post(url, notification(alert()), f"Bearer {rotated.decode()}").status_code == 200
+    assert "group or others may access it" in caplog.text and "stays in use" in caplog.text
 
 
 @pytest.mark.parametrize(
