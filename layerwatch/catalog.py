@@ -421,7 +421,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_mitigation_shadow_rate",
         "gauge",
         ("model_name",),
-        "The shadow check rate new gated requests get now: 1 during a mitigation, else --shadow-rate.",
+        "The shadow check rate new gated requests get now: 1 during a mitigation (0 when it forces full depth: "
+        "nothing to check), else --shadow-rate.",
         SHIM,
     ),
     _m(

@@ -147,6 +147,7 @@ class _HTTPServer(ThreadingHTTPServer):
     sending a byte now and then, token or not, would keep a thread for ever."""
 
     daemon_threads = True  # a stuck client never blocks shutdown
+    request_queue_size = MAX_CONNECTIONS  # the stdlib's backlog of 5 drops SYNs in a burst (a 1 s retry)
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], mitigations: Mitigations):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
