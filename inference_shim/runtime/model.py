@@ -119,6 +119,10 @@ FAMILY_FIELDS = (
 )
 
 
+class CompileError(RuntimeError):
+    """torch.compile cannot build the layer bodies here (Transformer.compile_layers)."""
+
+
 # --- building blocks ---------------------------------------------------------------------------
 
 
@@ -264,6 +268,9 @@ class Attention(nn.Module):
         self.scale = config.attention_scale  # None: SDPA's default, head_dim**-0.5
         self.softcap = config.attn_logit_softcapping
         self.window = config.sliding_window if layer in config.sliding_layers else None
+        # The projections decoding calls, replaced by compiled ones by Transformer.compile_layers.
+        self.decode_queries: Callable[..., torch.Tensor] = self.queries
+        self.decode_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self.project_kv
 
     def _heads(self, projected: torch.Tensor, norm: RMSNorm | None, heads: int) -> torch.Tensor:
         # projected: [B, T, heads * D], or [B, heads * D] for one token per row -> [B, heads, T, D],
@@ -351,9 +358,9 @@ class Attention(nn.Module):
         # One new token per row. x: [B, d] -> [B, d]. write_kv=False: the rows' K/V are already in
         # the cache (the `project` policy wrote the whole batch's at once, see Block.write_kv).
         B = x.shape[0]
-        q = self.queries(x, cos, sin)
+        q = self.decode_queries(x, cos, sin)
         if write_kv:
-            k, v = self.project_kv(x[:, None, :], cos, sin)
+            k, v = self.decode_kv(x[:, None, :], cos, sin)
             cache.write(layer, slots, positions, k[:, :, 0], v[:, :, 0])
         # A slice of contiguous slots reads the cache in place; index tensors would copy it.
         keys, values, mask = cache.read(layer, slots if read_slots is None else read_slots, length)
@@ -412,6 +419,8 @@ class Block(nn.Module):
         if self.layout != "pre":
             self.post_feedforward_layernorm = norm()
         self.mlp = GatedMLP(config)
+        # The residual updates decoding calls, replaced by a compiled one by Transformer.compile_layers.
+        self.decode_updates: Callable[..., torch.Tensor] = self._residual_updates
 
     def attention_input(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # What attention reads: the normed input x, or the residual h itself (OLMo2).
@@ -443,7 +452,7 @@ class Block(nn.Module):
         attn = self.self_attn.forward_decode(
             self.attention_input(h, x), cos, sin, cache, layer, slots, positions, length, read_slots, write_kv
         )
-        return self._residual_updates(h, attn)
+        return self.decode_updates(h, attn)
 
     def write_kv(
         self,
@@ -459,7 +468,7 @@ class Block(nn.Module):
         # Project and cache every row's K/V from its normed input: under `project` that is what a
         # row that skips the layer keeps, and what a running row's attention writes anyway, so a
         # layer that only some rows run reads the K/V weights once for the whole batch. h, x: [B, d]
-        k, v = self.self_attn.project_kv(self.attention_input(h, x)[:, None, :], cos, sin)
+        k, v = self.self_attn.decode_kv(self.attention_input(h, x)[:, None, :], cos, sin)
         cache.write(layer, slots, positions, k[:, :, 0], v[:, :, 0])
 
     def _residual_updates(self, h: torch.Tensor, attn: torch.Tensor, scale: torch.Tensor | None = None):
@@ -740,6 +749,38 @@ class Transformer(nn.Module):
 
     def reset_counters(self) -> None:
         self.layer_rows_executed = [0] * self.config.num_layers
+
+    def compile_layers(self, backend: str | Callable = "inductor") -> None:
+        """torch.compile the bodies of every layer that decoding runs: the attention's projections
+        (with RoPE) and the residual updates (attention output, norms, FFN). Never the step: which
+        rows run a layer stays the Python decision in `decode_step`, so a compiled graph cannot run a
+        skipped layer (compiling the whole step would trace every layer into one graph). Shapes are
+        dynamic, so one graph serves any number of running rows (and one more is built for a single
+        row, which torch.compile specialises). The graphs are built here, not by the first request;
+        raises CompileError when the backend cannot work on this machine.
+        """
+        blocks = list(cast("Iterable[Block]", self.layers))  # nn.ModuleList is not generic
+        for block in blocks:
+            attention = block.self_attn
+            attention.decode_queries = torch.compile(attention.queries, backend=backend, dynamic=True)
+            attention.decode_kv = torch.compile(attention.project_kv, backend=backend, dynamic=True)
+            block.decode_updates = torch.compile(block._residual_updates, backend=backend, dynamic=True)
+        weight = self.embed_tokens.weight
+        try:
+            with torch.no_grad():
+                for rows in (1, 2):
+                    h = torch.zeros(rows, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
+                    cos, sin = self.rope(torch.zeros(rows, 1, dtype=torch.long, device=weight.device), h.dtype)
+                    for block in blocks:
+                        block.self_attn.decode_queries(h, cos, sin)
+                        block.self_attn.decode_kv(h[:, None, :], cos, sin)
+                        block.decode_updates(h, h)
+        except Exception as exc:  # whatever the backend raised (no C++ compiler, unsupported device, ...)
+            reason = str(exc).split("\n\n")[0]  # the cause, without torch's advice on debug logging
+            raise CompileError(
+                f"torch.compile (backend {getattr(backend, '__name__', backend)!r}) cannot compile the layers "
+                f"on this machine: {type(exc).__name__}: {reason}"
+            ) from exc
 
 
 class _RowPlan:
