@@ -21,7 +21,9 @@ Printed: gated ÷ full tokens/s (goal ≥ 1 when ≥ 25 % of row-layer evaluatio
 realised ÷ ideal, with ideal = 1 / (1 − f·w): f the skipped share of row-layer evaluations (a CPU
 computes rows, so every skipped row saves its work) and w the share of a τ = 0 step spent in
 attention + FFN, measured per batch size by a per-layer profile. The whole-batch column gives f for
-skips every row shares (the only ones that save weight reads on a memory-bound GPU).
+skips every row shares (the only ones that save weight reads on a memory-bound GPU). First, per
+model, the cost of every layer's decode at R rows against 1 row: the "a CPU computes rows" premise
+of that ideal holds only as far as this grows like R.
 `--compile` adds the same model with its layer bodies compiled (Transformer.compile_layers, what
 `serve --compile` does), full depth and gated, and prints compiled ÷ eager tokens/s for both.
 
@@ -144,6 +146,27 @@ def skippable_share(model: Transformer, batch: int, steps: int) -> float:
     return sum(e - s for s, e in zip(starts[-spans:], ends[-spans:])) / total
 
 
+def row_costs(model: Transformer, rows: list[int], repeats: int = 20) -> dict[int, float]:
+    """CPU seconds of one pass through every layer's decode (attention + FFN) for R rows, R in
+    `rows`: a batch of R with nothing gathered, so what R running rows cost this device at least."""
+    config = model.config
+    cache = KVCache(config, slots=max(rows), max_len=2 * PROMPT_TOKENS, dtype=torch.float32, device="cpu")
+    costs = {}
+    with torch.no_grad():
+        for count in rows:
+            h = torch.randn(count, config.hidden_size)
+            slots, positions = torch.arange(count), torch.full((count,), PROMPT_TOKENS)
+            cos, sin = model.rope(positions[:, None], h.dtype)
+            times = []
+            for _ in range(repeats):
+                started = time.process_time()
+                for l, block in enumerate(model.layers):
+                    block.decode(h, block.input_layernorm(h), cos, sin, cache, l, slots, positions, PROMPT_TOKENS + 1)
+                times.append(time.process_time() - started)
+            costs[count] = statistics.median(times)
+    return costs
+
+
 def parse_models(text: str) -> list[tuple[int, int]]:
     """ "12x512,16x1024" -> [(12, 512), (16, 1024)] (layers, d)."""
     return [(int(layers), int(hidden)) for layers, hidden in (item.split("x") for item in text.split(","))]
@@ -158,6 +181,12 @@ def compiled_copy(model: Transformer) -> Transformer:
 
 
 def cpu_section(recorded: np.ndarray, models: list[tuple[int, int]], batches: list[int], args) -> None:
+    for layers, hidden in models:
+        costs = row_costs(build_model(layers, hidden, vocab=8192), sorted({1, 2, *range(4, max(batches) + 1, 4)}))
+        print(
+            f"{layers} x {hidden}: every layer's decode at R rows ÷ at 1 row, CPU clock (proportional "
+            "to the rows would be R): " + ", ".join(f"R = {r}: {c / costs[1]:.2f}" for r, c in costs.items())
+        )
     print(
         "| model | batch | KV | skipped | whole-batch | w | full tok/s | gated tok/s | gated / full | "
         f"realised / ideal | consensus {CONSENSUS:g}: skipped | gated / full |"
