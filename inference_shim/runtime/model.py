@@ -739,7 +739,7 @@ class Transformer(nn.Module):
                 run = rows.run
                 r_cos, r_sin, r_slots, r_pos = rows.running()
                 hr = block.decode(h[run], x[run], r_cos, r_sin, cache, l, r_slots, r_pos, length, write_kv=not project)
-                h.index_copy_(0, run, hr)  # h is this step's own tensor (x, the gates' input, is apart)
+                h.index_copy_(0, run, hr)  # in place: h is this step's own tensor, apart from the gates' inputs
                 self.layer_rows_executed[l] += rows.count
         logits = self.logits(h)
         entropies = (
