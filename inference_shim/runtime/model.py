@@ -767,14 +767,14 @@ class Transformer(nn.Module):
             block.decode_updates = torch.compile(block._residual_updates, backend=backend, dynamic=True)
         weight = self.embed_tokens.weight
         try:
-            with torch.no_grad():
+            with torch.inference_mode():  # as the engine decodes: Dynamo guards on the grad mode
                 for rows in (1, 2):
                     h = torch.zeros(rows, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
                     cos, sin = self.rope(torch.zeros(rows, 1, dtype=torch.long, device=weight.device), h.dtype)
                     for block in blocks:
                         block.self_attn.decode_queries(h, cos, sin)
                         block.self_attn.decode_kv(h[:, None, :], cos, sin)
-                        block.decode_updates(h, h)
+                        block.decode_updates(h, torch.zeros_like(h))  # not h itself: Dynamo guards on aliasing
         except Exception as exc:  # whatever the backend raised (no C++ compiler, unsupported device, ...)
             reason = str(exc).split("\n\n")[0]  # the cause, without torch's advice on debug logging
             raise CompileError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from inference_shim.runtime.engine import SamplingParams
 from inference_shim.runtime.model import CompileError
@@ -45,6 +46,7 @@ def decode_batch(model, tokenizer) -> Recorder:
 def test_compiled_bodies_never_see_a_skipped_row_and_decode_the_eager_tokens(tokenizer):
     eager, compiled = gated_model(), gated_model()
     compiled.compile_layers(backend="aot_eager")
+    graphs_built = counters["stats"]["unique_graphs"]
     L = compiled.config.num_layers
     rows: dict[str, list[int]] = {name: [0] * L for name in BODIES}
     for l, block in enumerate(compiled.layers):
@@ -58,6 +60,7 @@ def test_compiled_bodies_never_see_a_skipped_row_and_decode_the_eager_tokens(tok
     expected, got = decode_batch(eager, tokenizer), decode_batch(compiled, tokenizer)
 
     assert got.tokens == expected.tokens
+    assert counters["stats"]["unique_graphs"] == graphs_built  # compile_layers built them all, none at serving time
     activity = np.concatenate([np.array(a) for a in got.activity.values()])
     assert np.array_equal(activity, np.concatenate([np.array(a) for a in expected.activity.values()]))
     ran = activity.sum(axis=0)
