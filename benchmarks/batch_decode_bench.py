@@ -1,6 +1,7 @@
 """Batched decode benchmark: does skipping pay at batch > 1, with the skip patterns real gates produce?
 
     .venv/bin/python benchmarks/batch_decode_bench.py [--batches 1,4,8,16] [--steps 48] [--repeats 5]
+        [--models 12x512,16x1024] [--compile]
 
 The skip patterns are real: the embedded demo model decodes its held-out text teacher-forced at its
 own τ (inference_shim/offline/evaluation.py, the engine's step semantics), and every step's per-row
@@ -20,7 +21,19 @@ Printed: gated ÷ full tokens/s (goal ≥ 1 when ≥ 25 % of row-layer evaluatio
 realised ÷ ideal, with ideal = 1 / (1 − f·w): f the skipped share of row-layer evaluations (a CPU
 computes rows, so every skipped row saves its work) and w the share of a τ = 0 step spent in
 attention + FFN, measured per batch size by a per-layer profile. The whole-batch column gives f for
-skips every row shares (the only ones that save weight reads on a memory-bound GPU).
+skips every row shares (the only ones that save weight reads on a memory-bound GPU). First, per
+model, the cost of every layer's decode at R rows against 1 row: the "a CPU computes rows" premise
+of that ideal holds only as far as this grows like R.
+`--compile` adds the same model with its layer bodies compiled (Transformer.compile_layers, what
+`serve --compile` does), full depth and gated, and prints compiled ÷ eager tokens/s for both.
+
+With CUDA present, a GPU section follows (the model on cuda:0, wall clock with the device
+synchronised): tokens/s at full depth, gated and with consensus, and realised ÷ ideal where the ideal
+counts only whole-batch skips (decode on a GPU is memory-bound: a layer saves its weight reads only
+when no row runs it), w there being the layers' attention + FFN share of the weights a step reads;
+with nvidia-ml-py, the GPU's energy per token (NVML's total-energy counter) at full depth and gated.
+Toy models leave a GPU launch-bound rather than memory-bound: give `--models` a real size (e.g.
+32x4096) for GPU figures.
 Results go into docs/performance.md ("Decode at batch > 1").
 """
 
@@ -31,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -46,10 +60,11 @@ from inference_shim.offline.training import text_file_stream
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from inference_shim.runtime.model import KV_POLICIES, GateBank, KVCache, Transformer
 from inference_shim.runtime.skip_policy import SkipPolicyConfig, consensus_mask
+from inference_shim.service.power import NvmlReader
 
 PROMPT_TOKENS = 16
 CONSENSUS = 0.5
-MODELS = ((12, 512), (16, 1024))  # (layers, d)
+MODELS = "12x512,16x1024"  # layers x d
 
 
 def demo_run_masks(rows: int, steps: int) -> np.ndarray:
@@ -78,24 +93,47 @@ def for_depth(masks: np.ndarray, layers: int) -> np.ndarray:
 
 
 def decode_run(model: Transformer, masks: np.ndarray | None, batch: int, steps: int, kv_policy: str) -> float:
-    """CPU seconds of `steps` decode steps of `batch` rows (masks [steps, batch, L] or None), after a
-    full-depth prompt per row."""
+    """Seconds of `steps` decode steps of `batch` rows (masks [steps, batch, L] or None), after a
+    full-depth prompt per row: the process CPU clock on a CPU, the wall clock around the
+    synchronised device on a GPU (which runs asynchronously)."""
+    return metered_decode_run(model, masks, batch, steps, kv_policy)[0]
+
+
+def metered_decode_run(
+    model: Transformer,
+    masks: np.ndarray | None,
+    batch: int,
+    steps: int,
+    kv_policy: str,
+    energy: Callable[[], float] | None = None,
+) -> tuple[float, float | None]:
+    """decode_run's seconds, and the joules `energy` (a cumulative reading) grew by over the same
+    decode steps (None without it)."""
     config = model.config
-    cache = KVCache(config, slots=batch, max_len=PROMPT_TOKENS + steps + 1, dtype=torch.float32, device="cpu")
+    device = model.embed_tokens.weight.device
+    cache = KVCache(config, slots=batch, max_len=PROMPT_TOKENS + steps + 1, dtype=torch.float32, device=device)
     generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(2, config.vocab_size, (batch, PROMPT_TOKENS), generator=generator)
+    prompts = torch.randint(2, config.vocab_size, (batch, PROMPT_TOKENS), generator=generator).to(device)
     for slot in range(batch):
         model.prefill(prompts[slot], cache, slot)
     tokens = prompts[:, -1]
     slots = list(range(batch))
-    started = time.process_time()
+    on_gpu = device.type == "cuda"
+    clock = time.perf_counter if on_gpu else time.process_time
+    if on_gpu:
+        torch.cuda.synchronize(device)
+    joules_before = energy() if energy is not None else None
+    started = clock()
     for step in range(steps):
         positions = [PROMPT_TOKENS + step] * batch
         logits, _ = model.decode_step(
             tokens, cache, slots, positions, None if masks is None else masks[step], kv_policy
         )
         tokens = logits.argmax(dim=-1)
-    return time.process_time() - started
+    if on_gpu:
+        torch.cuda.synchronize(device)
+    seconds = clock() - started
+    return seconds, (energy() - joules_before if energy is not None and joules_before is not None else None)
 
 
 def skippable_share(model: Transformer, batch: int, steps: int) -> float:
@@ -108,29 +146,60 @@ def skippable_share(model: Transformer, batch: int, steps: int) -> float:
     return sum(e - s for s, e in zip(starts[-spans:], ends[-spans:])) / total
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", default="1,4,8,16", help="comma-separated batch sizes")
-    parser.add_argument("--steps", type=int, default=48, help="decode steps per measurement")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions per configuration")
-    args = parser.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    torch.set_num_threads(1)
+def row_costs(model: Transformer, rows: list[int], repeats: int = 20) -> dict[int, float]:
+    """CPU seconds of one pass through every layer's decode (attention + FFN) for R rows, R in
+    `rows`: a batch of R with nothing gathered, so what R running rows cost this device at least."""
+    config = model.config
+    cache = KVCache(config, slots=max(rows), max_len=2 * PROMPT_TOKENS, dtype=torch.float32, device="cpu")
+    costs = {}
+    with torch.no_grad():
+        for count in rows:
+            h = torch.randn(count, config.hidden_size)
+            slots, positions = torch.arange(count), torch.full((count,), PROMPT_TOKENS)
+            cos, sin = model.rope(positions[:, None], h.dtype)
+            times = []
+            for _ in range(repeats):
+                started = time.process_time()
+                for l, block in enumerate(model.layers):
+                    block.decode(h, block.input_layernorm(h), cos, sin, cache, l, slots, positions, PROMPT_TOKENS + 1)
+                times.append(time.process_time() - started)
+            costs[count] = statistics.median(times)
+    return costs
 
-    recorded = demo_run_masks(max(batches), args.steps)
-    print(
-        f"demo model's run masks: {recorded.shape[1]} rows x {recorded.shape[0]} steps, "
-        f"{1 - recorded.mean():.1%} of row-layer evaluations skipped"
-    )
+
+def parse_models(text: str) -> list[tuple[int, int]]:
+    """ "12x512,16x1024" -> [(12, 512), (16, 1024)] (layers, d)."""
+    return [(int(layers), int(hidden)) for layers, hidden in (item.split("x") for item in text.split(","))]
+
+
+def compiled_copy(model: Transformer) -> Transformer:
+    """The same weights with the layer bodies compiled, as `serve --compile` runs them."""
+    copy = Transformer(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    copy.compile_layers()
+    for batch in (1, 2):  # compile_layers builds the graphs for the engine's inference mode, these
+        decode_run(copy, None, batch, 2, "project")  # runs the ones for this benchmark's no_grad
+    return copy
+
+
+def cpu_section(recorded: np.ndarray, models: list[tuple[int, int]], batches: list[int], args) -> None:
+    for layers, hidden in models:
+        costs = row_costs(build_model(layers, hidden, vocab=8192), sorted({1, 2, *range(4, max(batches) + 1, 4)}))
+        print(
+            f"{layers} x {hidden}: every layer's decode at R rows ÷ at 1 row, CPU clock (proportional "
+            "to the rows would be R): " + ", ".join(f"R = {r}: {c / costs[1]:.2f}" for r, c in costs.items())
+        )
     print(
         "| model | batch | KV | skipped | whole-batch | w | full tok/s | gated tok/s | gated / full | "
         f"realised / ideal | consensus {CONSENSUS:g}: skipped | gated / full |"
+        + (" compiled / eager: full | gated |" if args.compile else "")
     )
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for layers, hidden in MODELS:
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if args.compile else ""))
+    for layers, hidden in models:
         model = build_model(layers, hidden, vocab=8192)
         torch.manual_seed(1)
         gates = GateBank(layers, hidden).eval()
+        compiled = compiled_copy(model) if args.compile else None
         masks_all = for_depth(recorded, layers)
         for batch in batches:
             masks = masks_all[:, :batch]
@@ -141,24 +210,130 @@ def main() -> int:
             model.attach_gates(gates)
             w = skippable_share(model, batch, args.steps)
             for kv_policy in KV_POLICIES:
-                runs = (
-                    ("full", None, None),
-                    ("tau0", gates, None),
-                    ("gated", gates, masks),
-                    ("consensus", gates, merged),
-                )
+                runs = [
+                    ("full", model, None, None),
+                    ("tau0", model, gates, None),
+                    ("gated", model, gates, masks),
+                    ("consensus", model, gates, merged),
+                ]
+                if compiled is not None:
+                    runs += [("compiled full", compiled, None, None), ("compiled gated", compiled, gates, masks)]
                 seconds: dict[str, list[float]] = {name: [] for name, *_ in runs}
                 for _ in range(args.repeats):  # interleaved: a slow spell hits every configuration
-                    for name, bank, run_masks in runs:
-                        model.attach_gates(bank)
-                        seconds[name].append(decode_run(model, run_masks, batch, args.steps, kv_policy))
+                    for name, runner, bank, run_masks in runs:
+                        runner.attach_gates(bank)
+                        seconds[name].append(decode_run(runner, run_masks, batch, args.steps, kv_policy))
                 rate = {name: batch * args.steps / statistics.median(values) for name, values in seconds.items()}
                 speedup, ideal = rate["gated"] / rate["tau0"], 1 / (1 - f * w)
-                print(
+                line = (
                     f"| {layers} x {hidden} | {batch} | {kv_policy} | {f:.1%} | {f_whole:.1%} | {w:.2f} | "
                     f"{rate['full']:.0f} | {rate['gated']:.0f} | {rate['gated'] / rate['full']:.3f} | "
                     f"{speedup / ideal:.3f} | {1 - merged.mean():.1%} | {rate['consensus'] / rate['full']:.3f} |"
                 )
+                if compiled is not None:
+                    line += (
+                        f" {rate['compiled full'] / rate['full']:.3f} | {rate['compiled gated'] / rate['gated']:.3f} |"
+                    )
+                print(line, flush=True)
+
+
+def weight_share(model: Transformer, kv_policy: str) -> float:
+    """w on a memory-bound GPU: the share of the weights a decode step reads that a skipped layer
+    leaves unread: its attention and FFN, but for the K/V projections under `project` (they still
+    run). The norms, the gates and the LM head are always read; of the embedding table, one row."""
+    kept = ("k_proj.", "v_proj.") if kv_policy == "project" else ()
+    skippable = sum(
+        p.numel()
+        for block in model.layers
+        for part in ("self_attn", "mlp")
+        for name, p in block.get_submodule(part).named_parameters()
+        if not name.startswith(kept)
+    )
+    read = sum(
+        p.numel()
+        for name, p in model.named_parameters()  # the attached gates included
+        if model.config.tie_word_embeddings or not name.startswith("embed_tokens.")
+    )
+    return skippable / read
+
+
+def gpu_section(
+    recorded: np.ndarray, models: list[tuple[int, int]], batches: list[int], args, device: torch.device
+) -> None:
+    energy: Callable[[], float] | None = None
+    try:
+        reader = NvmlReader()
+        reader()
+    except Exception as exc:  # no nvidia-ml-py, or NVML does not work here: no energy column
+        print(f"(no GPU energy: {type(exc).__name__}: {exc})")
+    else:
+
+        def gpu_joules() -> float:  # what this GPU has used since its driver loaded
+            return reader()[device.index or 0].energy_joules
+
+        energy = gpu_joules
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    print(f"GPU: {name}; KV policy project; wall clock, device synchronised")
+    print(
+        "| model | batch | skipped | whole-batch | w (weights) | full tok/s | gated tok/s | gated / full | "
+        f"realised / ideal (whole-batch) | consensus {CONSENSUS:g} / full | J/token full | J/token gated |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for layers, hidden in models:
+        model = build_model(layers, hidden, vocab=8192).to(device)
+        torch.manual_seed(1)
+        gates = GateBank(layers, hidden).eval().to(device)
+        model.attach_gates(gates)
+        w = weight_share(model, "project")
+        masks_all = for_depth(recorded, layers)
+        for batch in batches:
+            masks = masks_all[:, :batch]
+            no_fallback = np.zeros(batch, dtype=bool)
+            merged = np.stack([consensus_mask(step, CONSENSUS, no_fallback) for step in masks])
+            f_whole = float((~masks).all(axis=1).mean())
+            runs = (("full", None, None), ("tau0", gates, None), ("gated", gates, masks), ("consensus", gates, merged))
+            decode_run(model, masks, batch, args.steps, "project")  # warm-up: kernels, allocator
+            seconds: dict[str, list[float]] = {name: [] for name, *_ in runs}
+            joules: dict[str, list[float]] = {name: [] for name, *_ in runs}
+            for _ in range(args.repeats):
+                for name, bank, run_masks in runs:
+                    model.attach_gates(bank)
+                    spent, used = metered_decode_run(model, run_masks, batch, args.steps, "project", energy)
+                    seconds[name].append(spent)
+                    if used is not None:
+                        joules[name].append(used / (batch * args.steps))
+            rate = {name: batch * args.steps / statistics.median(values) for name, values in seconds.items()}
+            ideal = 1 / (1 - f_whole * w)
+            energy = {name: f"{statistics.median(v):.3g}" if v else "n/a" for name, v in joules.items()}
+            print(
+                f"| {layers} x {hidden} | {batch} | {1 - masks.mean():.1%} | {f_whole:.1%} | {w:.2f} | "
+                f"{rate['full']:.0f} | {rate['gated']:.0f} | {rate['gated'] / rate['full']:.3f} | "
+                f"{rate['gated'] / rate['tau0'] / ideal:.3f} | {rate['consensus'] / rate['full']:.3f} | "
+                f"{energy['full']} | {energy['gated']} |",
+                flush=True,
+            )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,4,8,16", help="comma-separated batch sizes")
+    parser.add_argument("--steps", type=int, default=48, help="decode steps per measurement")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions per configuration")
+    parser.add_argument("--models", default=MODELS, help="comma-separated random models, layers x d")
+    parser.add_argument("--compile", action="store_true", help="also measure the compiled layer bodies (CPU)")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    models = parse_models(args.models)
+    torch.set_num_threads(1)
+
+    recorded = demo_run_masks(max(batches), args.steps)
+    print(
+        f"demo model's run masks: {recorded.shape[1]} rows x {recorded.shape[0]} steps, "
+        f"{1 - recorded.mean():.1%} of row-layer evaluations skipped"
+    )
+    cpu_section(recorded, models, batches, args)
+    if torch.cuda.is_available():
+        gpu_section(recorded, models, batches, args, torch.device("cuda", 0))
     return 0
 
 

@@ -47,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="evaluate serve's batch-consensus mode: one run/skip decision per layer for each batch of "
         "--batch-size windows (a layer runs for all when a share Q of them would run it)",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each layer's attention and FFN bodies first (the skip decision stays eager)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -56,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
 
     def prepare():
         gated = load_from_arguments(args)
+        if args.compile:
+            gated.model.compile_layers()
         stream = text_file_stream(gated.loaded.tokenizer, args.data, min_tokens=args.window)
         return gated, heldout_windows(stream, args.window, args.max_tokens, args.prefill)
 
@@ -88,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         "patience": gated.patience,
         "kv_policy": args.kv_policy,
         "batch_consensus": args.batch_consensus,
+        "compiled": args.compile,
         "decoded_tokens": full.tokens,
         "repeats": args.repeats,
     }
@@ -110,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         f"{full.tokens} decoded tokens, batch {args.batch_size}, patience {gated.patience}, "
         f"kv policy {args.kv_policy}"
         + ("" if args.batch_consensus is None else f", batch consensus {args.batch_consensus:g}")
+        + (", compiled layer bodies" if args.compile else "")
     )
     if args.sweep is None:
         print(format_single(results[0]))

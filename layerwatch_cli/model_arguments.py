@@ -45,9 +45,10 @@ def report_errors(action: Callable[[], T]) -> T | None:
     from inference_shim.offline.corpus import CorpusError
     from inference_shim.runtime.checkpoint import CheckpointError
     from inference_shim.runtime.gates import GateFileError
+    from inference_shim.runtime.model import CompileError
 
     try:
         return action()
-    except (CheckpointError, GateFileError, CorpusError, ValueError) as exc:
+    except (CheckpointError, GateFileError, CorpusError, CompileError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None

@@ -97,6 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--device", default=SETTINGS_DEFAULTS["device"], help="torch device: cpu, cuda, cuda:1, ...")
     model.add_argument("--dtype", default=SETTINGS_DEFAULTS["dtype"], choices=tuple(DTYPES))
+    model.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each layer's attention and FFN bodies at start-up (the skip decision stays "
+        "eager: skipped layers still do not run); docs/performance.md has what it buys",
+    )
 
     policy = parser.add_argument_group("skipping")
     policy.add_argument(
@@ -375,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
 
     from inference_shim.runtime.checkpoint import CheckpointError
     from inference_shim.runtime.gates import GateFileError
+    from inference_shim.runtime.model import CompileError
     from inference_shim.service.app import create_app
     from inference_shim.service.server import ShimServer
     from inference_shim.service.shim import ShimService
@@ -393,7 +400,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         service = ShimService.load(settings)
-    except (CheckpointError, GateFileError, ValueError, OSError) as exc:
+    except (CheckpointError, GateFileError, CompileError, ValueError, OSError) as exc:
         log.error("cannot start: %s", exc)
         return 2
     log.info(

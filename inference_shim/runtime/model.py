@@ -119,6 +119,10 @@ FAMILY_FIELDS = (
 )
 
 
+class CompileError(RuntimeError):
+    """torch.compile cannot build the layer bodies here (Transformer.compile_layers)."""
+
+
 # --- building blocks ---------------------------------------------------------------------------
 
 
@@ -264,6 +268,9 @@ class Attention(nn.Module):
         self.scale = config.attention_scale  # None: SDPA's default, head_dim**-0.5
         self.softcap = config.attn_logit_softcapping
         self.window = config.sliding_window if layer in config.sliding_layers else None
+        # The projections decoding calls, replaced by compiled ones by Transformer.compile_layers.
+        self.decode_queries: Callable[..., torch.Tensor] = self.queries
+        self.decode_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self.project_kv
 
     def _heads(self, projected: torch.Tensor, norm: RMSNorm | None, heads: int) -> torch.Tensor:
         # projected: [B, T, heads * D], or [B, heads * D] for one token per row -> [B, heads, T, D],
@@ -346,12 +353,15 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         length: int,
         read_slots: torch.Tensor | slice | None = None,
+        write_kv: bool = True,
     ) -> torch.Tensor:
-        # One new token per row. x: [B, d] -> [B, d]
+        # One new token per row. x: [B, d] -> [B, d]. write_kv=False: the rows' K/V are already in
+        # the cache (the `project` policy wrote the whole batch's at once, see Block.write_kv).
         B = x.shape[0]
-        q = self.queries(x, cos, sin)
-        k, v = self.project_kv(x[:, None, :], cos, sin)
-        cache.write(layer, slots, positions, k[:, :, 0], v[:, :, 0])
+        q = self.decode_queries(x, cos, sin)
+        if write_kv:
+            k, v = self.decode_kv(x[:, None, :], cos, sin)
+            cache.write(layer, slots, positions, k[:, :, 0], v[:, :, 0])
         # A slice of contiguous slots reads the cache in place; index tensors would copy it.
         keys, values, mask = cache.read(layer, slots if read_slots is None else read_slots, length)
         if self.window is not None:
@@ -409,6 +419,8 @@ class Block(nn.Module):
         if self.layout != "pre":
             self.post_feedforward_layernorm = norm()
         self.mlp = GatedMLP(config)
+        # The residual updates decoding calls, replaced by a compiled one by Transformer.compile_layers.
+        self.decode_updates: Callable[..., torch.Tensor] = self._residual_updates
 
     def attention_input(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # What attention reads: the normed input x, or the residual h itself (OLMo2).
@@ -434,16 +446,16 @@ class Block(nn.Module):
         positions: torch.Tensor,
         length: int,
         read_slots: torch.Tensor | slice | None = None,
+        write_kv: bool = True,
     ) -> torch.Tensor:
-        # One new token per row, its K/V written to the cache. h, x: [B, d] -> h [B, d]
+        # One new token per row, its K/V written to the cache unless already there. h, x: [B, d] -> h [B, d]
         attn = self.self_attn.forward_decode(
-            self.attention_input(h, x), cos, sin, cache, layer, slots, positions, length, read_slots
+            self.attention_input(h, x), cos, sin, cache, layer, slots, positions, length, read_slots, write_kv
         )
-        return self._residual_updates(h, attn)
+        return self.decode_updates(h, attn)
 
-    def decode_skipped(
+    def write_kv(
         self,
-        rows: torch.Tensor,
         h: torch.Tensor,
         x: torch.Tensor,
         cos: torch.Tensor,
@@ -452,15 +464,12 @@ class Block(nn.Module):
         layer: int,
         slots: torch.Tensor,
         positions: torch.Tensor,
-        kv_policy: str,
     ) -> None:
-        # The batch's `rows` [R] skip the layer: their residual passes through unchanged, and the
-        # cache keeps what the KV policy says for their positions. h, x: [B, d]
-        if kv_policy == "evict":
-            cache.evict(layer, slots[rows], positions[rows])
-            return
-        k, v = self.self_attn.project_kv(self.attention_input(h, x)[rows][:, None, :], cos[rows], sin[rows])
-        cache.write(layer, slots[rows], positions[rows], k[:, :, 0], v[:, :, 0])
+        # Project and cache every row's K/V from its normed input: under `project` that is what a
+        # row that skips the layer keeps, and what a running row's attention writes anyway, so a
+        # layer that only some rows run reads the K/V weights once for the whole batch. h, x: [B, d]
+        k, v = self.self_attn.decode_kv(self.attention_input(h, x)[:, None, :], cos, sin)
+        cache.write(layer, slots, positions, k[:, :, 0], v[:, :, 0])
 
     def _residual_updates(self, h: torch.Tensor, attn: torch.Tensor, scale: torch.Tensor | None = None):
         # h + attention, then + MLP, normed where the layout says; training's `scale` weighs both
@@ -709,23 +718,29 @@ class Transformer(nn.Module):
         h = self.embed(tokens)  # [B, d]
         cos, sin = self.rope(pos_t[:, None], h.dtype)  # [B, 1, 1, D]
         normed_inputs = []  # the gates' inputs, scored together after the last layer
-        plan = _RowPlan(run_mask, B, self.config.num_layers, device)
+        plan = _RowPlan(run_mask, B, self.config.num_layers, (cos, sin, slot_t, pos_t))
         first = slots[0]
         all_slots = slice(first, first + B) if list(slots) == list(range(first, first + B)) else slot_t
+        project = kv_policy == "project"
         for l, block in enumerate(cast("Iterable[Block]", self.layers)):  # nn.ModuleList is not generic
             x = block.input_layernorm(h)  # [B, d]
             if self.gates is not None:
                 normed_inputs.append(x)
-            run, skip = plan.rows(l)  # None = all rows / no rows
-            if skip is not None:
-                block.decode_skipped(skip, h, x, cos, sin, cache, l, slot_t, pos_t, kv_policy)
-            if run is None:
+            rows = plan.rows(l)
+            if rows is None:  # every row runs the layer
                 h = block.decode(h, x, cos, sin, cache, l, slot_t, pos_t, length, read_slots=all_slots)
                 self.layer_rows_executed[l] += B
-            elif run.numel():
-                hr = block.decode(h[run], x[run], cos[run], sin[run], cache, l, slot_t[run], pos_t[run], length)
-                h = h.index_copy(0, run, hr)
-                self.layer_rows_executed[l] += int(run.numel())
+                continue
+            if project:  # one K/V projection for the whole batch, skipped rows included
+                block.write_kv(h, x, cos, sin, cache, l, slot_t, pos_t)
+            else:
+                cache.evict(l, *rows.skipping())
+            if rows.count:
+                run = rows.run
+                r_cos, r_sin, r_slots, r_pos = rows.running()
+                hr = block.decode(h[run], x[run], r_cos, r_sin, cache, l, r_slots, r_pos, length, write_kv=not project)
+                h.index_copy_(0, run, hr)  # in place: h is this step's own tensor, apart from the gates' inputs
+                self.layer_rows_executed[l] += rows.count
         logits = self.logits(h)
         entropies = (
             self.gates.scores(torch.stack(normed_inputs)).float() if normed_inputs and self.gates is not None else None
@@ -735,21 +750,94 @@ class Transformer(nn.Module):
     def reset_counters(self) -> None:
         self.layer_rows_executed = [0] * self.config.num_layers
 
+    def compile_layers(self, backend: str | Callable = "inductor") -> None:
+        """torch.compile the bodies of every layer that decoding runs: the attention's projections
+        (with RoPE) and the residual updates (attention output, norms, FFN). Never the step: which
+        rows run a layer stays the Python decision in `decode_step`, so a compiled graph cannot run a
+        skipped layer (compiling the whole step would trace every layer into one graph). Shapes are
+        dynamic, so one graph serves any number of running rows (and one more is built for a single
+        row, which torch.compile specialises). The graphs are built here, not by the first request;
+        raises CompileError when the backend cannot work on this machine.
+        """
+        blocks = list(cast("Iterable[Block]", self.layers))  # nn.ModuleList is not generic
+        for block in blocks:
+            attention = block.self_attn
+            attention.decode_queries = torch.compile(attention.queries, backend=backend, dynamic=True)
+            attention.decode_kv = torch.compile(attention.project_kv, backend=backend, dynamic=True)
+            block.decode_updates = torch.compile(block._residual_updates, backend=backend, dynamic=True)
+        weight = self.embed_tokens.weight
+        try:
+            with torch.inference_mode():  # as the engine decodes: Dynamo guards on the grad mode
+                for rows in (1, 2):
+                    h = torch.zeros(rows, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
+                    cos, sin = self.rope(torch.zeros(rows, 1, dtype=torch.long, device=weight.device), h.dtype)
+                    for block in blocks:
+                        block.self_attn.decode_queries(h, cos, sin)
+                        block.self_attn.decode_kv(h[:, None, :], cos, sin)
+                        block.decode_updates(h, torch.zeros_like(h))  # not h itself: Dynamo guards on aliasing
+        except Exception as exc:  # whatever the backend raised (no C++ compiler, unsupported device, ...)
+            reason = str(exc).split("\n\n")[0]  # the cause, without torch's advice on debug logging
+            raise CompileError(
+                f"torch.compile (backend {getattr(backend, '__name__', backend)!r}) cannot compile the layers "
+                f"on this machine: {type(exc).__name__}: {reason}"
+            ) from exc
+
 
 class _RowPlan:
-    """Per-layer row indices from a host-side run mask, built once per step before any layer runs."""
+    """Which rows run each layer, from the host-side run mask, built once per step before any layer
+    runs. Layers whose running rows are the same share one `_Rows`, so those rows' RoPE, slots and
+    positions are gathered once per step for all of them."""
 
-    def __init__(self, run_mask: np.ndarray | None, batch: int, num_layers: int, device) -> None:
-        self._run: list[torch.Tensor | None] = [None] * num_layers
-        self._skip: list[torch.Tensor | None] = [None] * num_layers
+    def __init__(
+        self,
+        run_mask: np.ndarray | None,
+        batch: int,
+        num_layers: int,
+        per_row: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> None:
+        # per_row: the step's cos, sin, slots and positions, [B, ...] each
+        self._rows: list[_Rows | None] = [None] * num_layers
         if run_mask is None:
             return
         if run_mask.shape != (batch, num_layers):
             raise ValueError(f"run_mask shape {run_mask.shape} != (batch={batch}, layers={num_layers})")
+        shared: dict[bytes, _Rows] = {}
         for l in np.flatnonzero(~run_mask.all(axis=0)):
             column = run_mask[:, l]
-            self._run[l] = torch.as_tensor(np.flatnonzero(column), device=device)
-            self._skip[l] = torch.as_tensor(np.flatnonzero(~column), device=device)
+            key = column.tobytes()
+            if key not in shared:
+                shared[key] = _Rows(column, per_row)
+            self._rows[l] = shared[key]
 
-    def rows(self, layer: int):
-        return self._run[layer], self._skip[layer]
+    def rows(self, layer: int) -> _Rows | None:
+        """None: every row runs the layer."""
+        return self._rows[layer]
+
+
+class _Rows:
+    """The rows of a batch that run a layer (`run`, `count` of them) and those that skip it; what
+    each gathers is computed on first use and kept for the step's other layers with these rows."""
+
+    def __init__(
+        self, column: np.ndarray, per_row: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    ) -> None:
+        device = per_row[0].device
+        self.run = torch.as_tensor(np.flatnonzero(column), device=device)
+        self.count = int(self.run.numel())
+        self._skip = torch.as_tensor(np.flatnonzero(~column), device=device)
+        self._per_row = per_row
+        self._running: tuple[torch.Tensor, ...] | None = None
+        self._skipping: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def running(self) -> tuple[torch.Tensor, ...]:
+        """The running rows' cos, sin, slots and positions."""
+        if self._running is None:
+            self._running = tuple(t[self.run] for t in self._per_row)
+        return self._running
+
+    def skipping(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The skipping rows' slots and positions (what `evict` clears)."""
+        if self._skipping is None:
+            _, _, slots, positions = self._per_row
+            self._skipping = (slots[self._skip], positions[self._skip])
+        return self._skipping

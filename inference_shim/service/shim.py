@@ -106,6 +106,7 @@ class ServeSettings:
     allow_debug: bool = False
     device: str = "cpu"
     dtype: str = "float32"
+    compile: bool = False  # torch.compile the layer bodies (Transformer.compile_layers)
     reset_gates: bool = False
     static_gates: bool = False  # each gate a constant at its healthy mean score (runtime/static_gates.py)
     shuffle_gates: bool = False  # drill: each gate on another layer (a fixed derangement)
@@ -406,6 +407,8 @@ class ShimService:
         )
         mitigation_token = _mitigation_token(settings)
         checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])
+        if settings.compile:
+            checkpoint.model.compile_layers()
         if settings.reset_gates:
             gates = reset_gates(checkpoint.model, seed=RESET_GATES_SEED)
             log.warning("serving freshly initialised gates (--reset-gates), gates_sha256=%s", gates.sha256)
