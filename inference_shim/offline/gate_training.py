@@ -228,9 +228,9 @@ def train_gate_file(
     on_step: Callable[[GateStepStats], None] | None = None,
 ) -> str:
     """Train gates for the frozen checkpoint in `model_dir` on the text file `data` and write them to
-    `out`, with the skip policy they were trained for (threshold, patience, rule); returns the file's sha256. With no
-    protected layers in the schedule, the skip policy's default ones (first and last) are kept at
-    full depth. Raises CheckpointError, CorpusError or ValueError on bad input."""
+    `out`, with the skip policy they were trained for (threshold, patience, rule); returns the
+    file's sha256. With no protected layers in the schedule, the skip policy's default ones (first
+    and last) are kept at full depth. Raises CheckpointError, CorpusError or ValueError on bad input."""
     loaded = load_checkpoint(model_dir, device=resolve_device(device))
     stream = text_file_stream(loaded.tokenizer, data, min_tokens=schedule.seq_len + 2)
     model, config = loaded.model, loaded.config

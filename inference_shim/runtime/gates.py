@@ -34,6 +34,8 @@ HEADER_LENGTH_BYTES = 8
 # room to spare (a gate file's size limit is derived from the model's shape with it).
 HEADER_BYTES_BASE = 4096
 HEADER_BYTES_PER_TENSOR = 256
+# The skip policy settings a gate file records, named as in SkipPolicyConfig.
+POLICY_FIELDS = ("threshold", "patience", "skip_rule", "ewma_alpha")
 
 
 def gates_path_for(model_dir: str | Path, gates_path: str | Path | None = None) -> Path:
@@ -59,7 +61,7 @@ class GateMetadata:
     def policy(self, **settings: Any) -> SkipPolicyConfig:
         """The skip policy this file records; `settings` (SkipPolicyConfig fields) set the others or
         override what it records."""
-        recorded = {name: getattr(self, name) for name in ("threshold", "patience", "skip_rule", "ewma_alpha")}
+        recorded = {name: getattr(self, name) for name in POLICY_FIELDS}
         return SkipPolicyConfig(**(recorded | settings))
 
 

@@ -7,8 +7,8 @@ Two rules (threshold tau, patience k), chosen by `SkipPolicyConfig.skip_rule`:
 - "ewma": layer l is skipped iff the exponentially weighted moving average of its entropy over the
   sequence's previous decode steps is below tau, e = alpha * score + (1 - alpha) * e (started at
   the first score), once the sequence has at least k decode steps behind it (warm-up, as patience:
-  its first k steps run full depth). One low score among high ones may skip; one high score among
-  low ones need not end a skip: the average smooths both ways, where the streak rule resets.
+  its first k steps run full depth). One high score among low ones need not end a skip, where the
+  streak rule starts counting again; one low score among high ones need not start one.
 
 Under either rule a protected layer, or a sequence in a fallback episode, runs. Because step t's
 mask depends only on steps < t, it is known before step t starts: no layer ever waits on the

@@ -17,7 +17,14 @@ from prometheus_client import CollectorRegistry
 
 from inference_shim.runtime.checkpoint import DTYPES, LoadedCheckpoint, load_checkpoint, resolve_device
 from inference_shim.runtime.engine import GenerationEngine, StepHook
-from inference_shim.runtime.gates import LoadedGates, gates_path_for, load_gates, reset_gates, shuffle_gates
+from inference_shim.runtime.gates import (
+    POLICY_FIELDS,
+    LoadedGates,
+    gates_path_for,
+    load_gates,
+    reset_gates,
+    shuffle_gates,
+)
 from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.runtime.static_gates import static_gates
 from inference_shim.service.admission import Admission
@@ -100,17 +107,14 @@ class ServeSettings:
     request_runaway_fraction: float | None = None
 
 
-# The skip policy settings a gate file records (GateMetadata) and serve may override, named alike.
-FILE_POLICY_FIELDS = ("threshold", "patience", "skip_rule", "ewma_alpha")
-
-
 def gates_file(settings: ServeSettings) -> Path:
     return gates_path_for(settings.model_dir, settings.gates_path)
 
 
 def policy_from_file(settings: ServeSettings) -> tuple[str, ...]:
-    """The skip policy settings served as the gate file says: those not set on the command line."""
-    return tuple(name for name in FILE_POLICY_FIELDS if getattr(settings, name) is None)
+    """The skip policy settings served as the gate file says: those not set on the command line
+    (ServeSettings names them as the gate file does)."""
+    return tuple(name for name in POLICY_FIELDS if getattr(settings, name) is None)
 
 
 @dataclass(frozen=True)
@@ -173,7 +177,7 @@ class ShimService:
                 "tokenized in full (up to --max-body-bytes) before the --max-prompt-tokens check"
             )
         from_file = policy_from_file(settings)
-        overrides = {name: getattr(settings, name) for name in FILE_POLICY_FIELDS if name not in from_file}
+        overrides = {name: getattr(settings, name) for name in POLICY_FIELDS if name not in from_file}
         self.policy = gates.metadata.policy(
             **overrides, protected_layers=settings.protected_layers, batch_consensus=settings.batch_consensus
         )
