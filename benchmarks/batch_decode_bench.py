@@ -59,7 +59,7 @@ from inference_shim.offline.gated_model import load_gated_model
 from inference_shim.offline.training import text_file_stream
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from inference_shim.runtime.model import KV_POLICIES, GateBank, KVCache, Transformer
-from inference_shim.runtime.skip_policy import SkipPolicyConfig, consensus_mask
+from inference_shim.runtime.skip_policy import consensus_mask
 from inference_shim.service.power import NvmlReader
 
 PROMPT_TOKENS = 16
@@ -80,7 +80,7 @@ def demo_run_masks(rows: int, steps: int) -> np.ndarray:
     def record(step: DecodeStep) -> None:
         masks.append(~step.skipped)
 
-    policy = SkipPolicyConfig(threshold=gated.gates.metadata.threshold, patience=gated.patience)
+    policy = gated.policy()
     teacher_forced_decode(gated.model, windows, PROMPT_TOKENS, policy, batch_size=rows, on_step=record)
     return np.stack(masks)[:steps]
 

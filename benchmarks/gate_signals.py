@@ -34,14 +34,13 @@ from inference_shim.runtime.checkpoint import load_checkpoint
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.gates import GATES_FILE, LoadedGates, load_gates, shuffle_gates
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from layerwatch.gate_importance import LayerSignalStats
 
 
 def measure(loaded, gates: LoadedGates, requests: int, max_tokens: int, temperature: float) -> dict:
     model, tokenizer = loaded.model, loaded.tokenizer
     model.attach_gates(gates.gates)
-    policy = SkipPolicyConfig(threshold=gates.metadata.threshold, patience=gates.metadata.patience)
+    policy = gates.metadata.policy()
     engine = GenerationEngine(model, tokenizer, model_name="bench", policy=policy)
     stats = LayerSignalStats(model.config.num_layers)
     gauge, probed_s, plain_s, tokens, agreements = [], [], [], 0, 0

@@ -32,13 +32,12 @@ from inference_shim.offline.gated_model import GatedModel, load_gated_model
 from inference_shim.offline.training import text_file_stream
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, token_logprobs
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
 
 VICTIM_PROMPT = 16
 
 
 def engine_for(gated: GatedModel) -> GenerationEngine:
-    policy = SkipPolicyConfig(threshold=gated.gates.metadata.threshold, patience=gated.patience)
+    policy = gated.policy()
     return GenerationEngine(gated.model, gated.loaded.tokenizer, model_name="demo", policy=policy, max_batch_size=4)
 
 

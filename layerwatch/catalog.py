@@ -92,8 +92,10 @@ METRICS: tuple[MetricSpec, ...] = (
     _m(
         "layerwatch_model_info",
         "gauge",
-        ("model_name", "layers", "threshold", "patience", "kv_policy", "gates_sha256"),
-        "What is being served (always 1); gates_sha256 is the hash of the loaded gate weights.",
+        ("model_name", "layers", "threshold", "patience", "skip_rule", "ewma_alpha", "kv_policy", "gates_sha256"),
+        "What is being served (always 1): skip_rule is streak (below threshold for patience steps) or ewma "
+        "(the scores' moving average below threshold, ewma_alpha the newest score's weight; empty under streak); "
+        "gates_sha256 is the hash of the loaded gate weights.",
         SHIM,
     ),
     _m(

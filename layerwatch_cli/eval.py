@@ -2,7 +2,8 @@
 
 Gated numbers use the real decode semantics step by step (inference_shim/offline/evaluation.py): patience,
 protected layers, fallback and the KV policy, exactly as the generation engine applies them.
-`--sweep` repeats the gated run for several thresholds and prints the trade-off table. Speed is
+`--sweep` repeats the gated run for several thresholds and prints the trade-off table; `--compare-rules`
+runs each threshold under both skip rules (streak and ewma), so the table compares them. Speed is
 measured in pairs, full depth and gated interleaved batch by batch, `--repeats` times
 (docs/performance.md says why).
 """
@@ -29,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="T1,T2,...",
         help="evaluate these thresholds and print the trade-off table",
+    )
+    parser.add_argument(
+        "--compare-rules",
+        action="store_true",
+        help="evaluate each threshold under every skip rule (streak, ewma), one row each",
     )
     parser.add_argument("--max-tokens", type=int, default=4096, help="decoded (predicted) tokens to evaluate")
     parser.add_argument("--window", type=int, default=128, help="tokens per held-out window")
@@ -58,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from inference_shim.offline.evaluation import gated_result, heldout_windows, paired_decode
     from inference_shim.offline.training import text_file_stream
+    from inference_shim.runtime.skip_policy import SKIP_RULES
 
     def prepare():
         gated = load_from_arguments(args)
@@ -71,17 +78,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     gated, windows = prepared
     thresholds = args.sweep or [args.threshold if args.threshold is not None else gated.gates.metadata.threshold]
+    rules = SKIP_RULES if args.compare_rules else (gated.skip_rule,)
+    policies = [
+        gated.policy(threshold, skip_rule=rule, batch_consensus=args.batch_consensus)
+        for threshold in thresholds
+        for rule in rules
+    ]
     runs = paired_decode(
         gated,
         windows,
-        thresholds,
+        policies,
         prefill=args.prefill,
         kv_policy=args.kv_policy,
         batch_size=args.batch_size,
         repeats=args.repeats,
-        batch_consensus=args.batch_consensus,
     )
-    results = [gated_result(runs, index) for index in range(len(thresholds))]
+    results = [gated_result(runs, index) for index in range(len(policies))]
     full = runs.full[0]
     header = {
         "model": str(args.model),
@@ -93,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         "prefill": args.prefill,
         "batch_size": args.batch_size,
         "patience": gated.patience,
+        "ewma_alpha": gated.ewma_alpha,
         "kv_policy": args.kv_policy,
         "batch_consensus": args.batch_consensus,
         "compiled": args.compile,
@@ -102,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         body = (
             {**header, **results[0]}
-            if args.sweep is None
+            if len(results) == 1
             else {
                 **header,
                 "perplexity_full": full.perplexity,
@@ -116,11 +129,11 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"data {args.data}: {len(windows)} windows of {args.window} tokens, prefill {args.prefill}, "
         f"{full.tokens} decoded tokens, batch {args.batch_size}, patience {gated.patience}, "
-        f"kv policy {args.kv_policy}"
+        f"ewma alpha {gated.ewma_alpha:g}, kv policy {args.kv_policy}"
         + ("" if args.batch_consensus is None else f", batch consensus {args.batch_consensus:g}")
         + (", compiled layer bodies" if args.compile else "")
     )
-    if args.sweep is None:
+    if len(results) == 1:
         print(format_single(results[0]))
     else:
         print(format_sweep(results))
@@ -131,7 +144,7 @@ def format_single(r: dict) -> str:
     layers = " ".join(f"{l}:{rate:.2f}" for l, rate in enumerate(r["per_layer_skip_rate"]))
     return "\n".join(
         [
-            f"threshold {r['threshold']:g}",
+            f"threshold {r['threshold']:g}, skip rule {r['skip_rule']}",
             f"perplexity full {r['perplexity_full']:.3f}  gated {r['perplexity_gated']:.3f} "
             f"({r['perplexity_increase']:+.2%})",
             f"decode layer evaluations skipped {r['skip_fraction']:.1%}  fallbacks {r['fallbacks']}",
@@ -150,12 +163,13 @@ def format_sweep(results: list[dict]) -> str:
         f"full-depth perplexity {results[0]['perplexity_full']:.3f}, "
         f"{results[0]['tokens_per_second_full']:.0f} tokens/s",
         "",
-        "| threshold | layer evaluations skipped | perplexity | increase | fallbacks | tokens/s | gated / full |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| rule | threshold | layer evaluations skipped | perplexity | increase | fallbacks | tokens/s "
+        "| gated / full |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
-            f"| {r['threshold']:g} | {r['skip_fraction']:.1%} | {r['perplexity_gated']:.3f} | "
+            f"| {r['skip_rule']} | {r['threshold']:g} | {r['skip_fraction']:.1%} | {r['perplexity_gated']:.3f} | "
             f"{r['perplexity_increase']:+.2%} | {r['fallbacks']} | {r['tokens_per_second_gated']:.0f} | "
             f"{_spread_text(r['speed']['gated_over_full'])} |"
         )

@@ -11,6 +11,8 @@ from typing import TypeVar
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from inference_shim.runtime.gates import GATES_FILE
 from inference_shim.runtime.model import KV_POLICIES
+from inference_shim.runtime.skip_policy import SKIP_RULES
+from layerwatch_cli import argtypes
 
 T = TypeVar("T")
 
@@ -27,6 +29,20 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--gates", type=Path, default=None, help=f"gate file (default: {GATES_FILE} in the model folder)"
     )
     parser.add_argument("--patience", type=int, default=None, help="default: the gates' own")
+    parser.add_argument(
+        "--skip-rule",
+        choices=SKIP_RULES,
+        default=None,
+        help="streak (patience consecutive scores below tau) or ewma (their moving average below tau); "
+        "default: the gates' own",
+    )
+    parser.add_argument(
+        "--ewma-alpha",
+        type=argtypes.positive_fraction,
+        default=None,
+        metavar="A",
+        help="the ewma rule's weight of the newest score, in (0, 1]; default: the gates' own",
+    )
     parser.add_argument("--kv-policy", choices=KV_POLICIES, default=KV_POLICIES[0])
     parser.add_argument("--batch-size", type=int, default=8, help="sequences decoded together")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
@@ -37,7 +53,15 @@ def load_from_arguments(args: argparse.Namespace):
     """The gated model the shared flags name (see add_model_arguments)."""
     from inference_shim.offline.gated_model import load_gated_model
 
-    return load_gated_model(args.model, args.gates, patience=args.patience, device=args.device, threads=args.threads)
+    return load_gated_model(
+        args.model,
+        args.gates,
+        patience=args.patience,
+        skip_rule=args.skip_rule,
+        ewma_alpha=args.ewma_alpha,
+        device=args.device,
+        threads=args.threads,
+    )
 
 
 def report_errors(action: Callable[[], T]) -> T | None:

@@ -16,6 +16,7 @@ from typing import TypeVar
 from inference_shim.runtime.checkpoint import DTYPES
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME, demo_model_present
 from inference_shim.runtime.model import KV_POLICIES
+from inference_shim.runtime.skip_policy import SKIP_RULES
 from inference_shim.service.depth import REQUEST_FIELD, parse_rollout_levels, parse_threshold_range
 from inference_shim.service.shim import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServeSettings
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
@@ -115,7 +116,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--patience",
         type=int,
         default=SETTINGS_DEFAULTS["patience"],
-        help="consecutive tokens below the threshold before a layer is skipped (default: the gate file's)",
+        help="consecutive tokens below the threshold before a layer is skipped; under the ewma rule, the "
+        "decode steps a sequence runs full depth before its first skip (default: the gate file's)",
+    )
+    policy.add_argument(
+        "--skip-rule",
+        choices=SKIP_RULES,
+        default=SETTINGS_DEFAULTS["skip_rule"],
+        help="streak: skip a layer after --patience consecutive scores below the threshold; ewma: skip "
+        "while the moving average of its scores is below the threshold (default: the gate file's)",
+    )
+    policy.add_argument(
+        "--ewma-alpha",
+        type=argtypes.positive_fraction,
+        default=SETTINGS_DEFAULTS["ewma_alpha"],
+        metavar="A",
+        help="the ewma rule's weight of the newest score, in (0, 1] (default: the gate file's)",
     )
     policy.add_argument(
         "--protected-layers",

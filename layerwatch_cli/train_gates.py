@@ -10,10 +10,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from layerwatch_cli import argtypes
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from inference_shim.offline.gate_training import GateSchedule
     from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+    from inference_shim.runtime.skip_policy import SKIP_RULES
 
     d = GateSchedule()
     parser.add_argument(
@@ -30,6 +33,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learning-rate", type=float, default=d.learning_rate)
     parser.add_argument("--threshold", type=float, default=d.threshold, help="tau the gates are trained for")
     parser.add_argument("--patience", type=int, default=d.patience)
+    parser.add_argument(
+        "--skip-rule",
+        choices=SKIP_RULES,
+        default=d.skip_rule,
+        help="the skip rule the gates are trained for and that their file names: streak (--patience "
+        "consecutive low scores) or ewma (the scores' moving average low, after --patience warm-up steps)",
+    )
+    parser.add_argument(
+        "--ewma-alpha",
+        type=argtypes.positive_fraction,
+        default=d.ewma_alpha,
+        metavar="A",
+        help="the ewma rule's weight of the newest score, in (0, 1]",
+    )
     parser.add_argument(
         "--target-skip",
         type=float,
@@ -68,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         learning_rate=args.learning_rate,
         threshold=args.threshold,
         patience=args.patience,
+        skip_rule=args.skip_rule,
+        ewma_alpha=args.ewma_alpha,
         target_skip=args.target_skip,
         sparsity_weight=args.sparsity_weight,
         commit_weight=args.commit_weight,

@@ -529,7 +529,7 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
     s = settings
     prompts = line_prompts(documents, s.prompts, random.Random(s.seed))
     threshold = s.threshold if s.threshold is not None else gated.gates.metadata.threshold
-    policy = SkipPolicyConfig(threshold=threshold, patience=gated.patience)
+    policy = gated.policy(threshold)
     baseline = Baseline()
     fallbacks = generate_baseline(
         gated,
@@ -564,7 +564,8 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
     source = (
         f"layerwatch calibrate {datetime.date.today().isoformat()}: {len(prompts)} prompts from {data_name}, "
         f"{len(entropies)} decoded tokens (temperature {s.temperature:g}, top_p {s.top_p:g}), threshold "
-        f"{threshold:g}, gates sha256 {gated.gates.sha256[:12]}, kv policy {s.kv_policy}"
+        f"{threshold:g}, skip rule {policy.rule_description()}, gates sha256 {gated.gates.sha256[:12]}, "
+        f"kv policy {s.kv_policy}"
     )
     profile, stats = build_profile(
         s.model_name,

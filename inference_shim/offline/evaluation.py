@@ -11,7 +11,7 @@ is the text's: that gives perplexity under the decode semantics, not under a one
 With no policy nothing is skipped. A policy with threshold 0 skips nothing either and gives
 bit-identical logits, so "full" and "gated" differ only by what the policy skipped.
 
-Speed is measured in pairs: `paired_decode` runs full depth and every threshold on the same batch of
+Speed is measured in pairs: `paired_decode` runs full depth and every policy on the same batch of
 windows one after the other, rotating their order from batch to batch, and repeats the whole pass. On a
 shared machine a slow spell then hits every configuration alike, so the gated ÷ full ratio of one
 repetition is meaningful even when the absolute times are not; the spread over repetitions shows how much.
@@ -159,32 +159,29 @@ def _decode_batch(
 
 @dataclass
 class PairedRuns:
-    """`paired_decode`'s totals: one DecodeTotals per repetition, for full depth and per threshold."""
+    """`paired_decode`'s totals: one DecodeTotals per repetition, for full depth and per policy."""
 
-    thresholds: list[float]
+    policies: list[SkipPolicyConfig]
     full: list[DecodeTotals]  # [repeat]
-    gated: list[list[DecodeTotals]]  # [threshold][repeat]
+    gated: list[list[DecodeTotals]]  # [policy][repeat]
 
 
 def paired_decode(
     gated: GatedModel,
     windows: torch.Tensor,
-    thresholds: list[float],
+    policies: list[SkipPolicyConfig],
     *,
     prefill: int,
     kv_policy: str,
     batch_size: int,
     repeats: int,
-    batch_consensus: float | None = None,
 ) -> PairedRuns:
-    """Full depth (gates detached: the ungated model) and each threshold, interleaved batch by batch."""
+    """Full depth (gates detached: the ungated model) and each policy (e.g. a threshold sweep, or the
+    skip rules side by side: `gated.policy(t, skip_rule=...)`), interleaved batch by batch."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     model = gated.model
-    configs = [
-        None,
-        *(SkipPolicyConfig(threshold=t, patience=gated.patience, batch_consensus=batch_consensus) for t in thresholds),
-    ]
+    configs: list[SkipPolicyConfig | None] = [None, *policies]
     totals = [[DecodeTotals(num_layers=model.config.num_layers) for _ in range(repeats)] for _ in configs]
     for repeat in range(repeats):
         for batch_index, start in enumerate(range(0, len(windows), batch_size)):
@@ -196,22 +193,25 @@ def paired_decode(
                 teacher_forced_decode(
                     model, batch, prefill, policy, kv_policy, batch_size=batch_size, totals=totals[index][repeat]
                 )
-    return PairedRuns(list(thresholds), full=totals[0], gated=totals[1:])
+    return PairedRuns(list(policies), full=totals[0], gated=totals[1:])
 
 
 def _spread(values: list[float]) -> dict:
     return {"median": float(np.median(values)), "min": min(values), "max": max(values), "runs": values}
 
 
-def gated_result(runs: PairedRuns, threshold_index: int) -> dict:
-    """The `eval --json` keys for one threshold (docs/model.md). Quality comes from the first
+def gated_result(runs: PairedRuns, policy_index: int) -> dict:
+    """The `eval --json` keys for one policy (docs/interfaces.md). Quality comes from the first
     repetition (every repetition computes the same numbers); speed from all of them."""
-    full_runs, gated_runs = runs.full, runs.gated[threshold_index]
+    policy = runs.policies[policy_index]
+    full_runs, gated_runs = runs.full, runs.gated[policy_index]
     full, gated = full_runs[0], gated_runs[0]
     tokens_per_second_full = [r.tokens_per_second for r in full_runs]
     tokens_per_second_gated = [r.tokens_per_second for r in gated_runs]
     return {
-        "threshold": runs.thresholds[threshold_index],
+        "threshold": policy.threshold,
+        "skip_rule": policy.skip_rule,
+        "ewma_alpha": policy.ewma_alpha if policy.skip_rule == "ewma" else None,
         "perplexity_full": full.perplexity,
         "perplexity_gated": gated.perplexity,
         "perplexity_increase": gated.perplexity / full.perplexity - 1.0,

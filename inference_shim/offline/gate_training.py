@@ -11,6 +11,11 @@ and the loss is
 
     LM loss  +  sparsity_weight * (mean skip - target_skip)^2  +  commit_weight * double_well(logit).
 
+Under the "ewma" skip rule (`skip_rule`), the event relaxed is "the moving average of the
+previous tokens' scores is high" instead: the average of the gate scores, a linear function of
+them (`moving_average`), is compared with tau the same way, and token t is skipped by the average
+up to token t - 1, from token `patience` on (`average_skip`).
+
 The temperature anneals towards zero so the relaxed skip becomes the hard one; the target skip
 sets the rate; the double well pulls every score towards one of two values on either side of tau
 (`low_score`, `high_score`), which gives the two humps a healthy entropy histogram has, and keeps
@@ -45,6 +50,8 @@ class GateSchedule:
     learning_rate: float = 5e-3
     threshold: float = SkipPolicyConfig.threshold  # tau the gates are trained for (and stored with)
     patience: int = SkipPolicyConfig.patience
+    skip_rule: str = SkipPolicyConfig.skip_rule  # the rule the gates are trained for (and stored with)
+    ewma_alpha: float = SkipPolicyConfig.ewma_alpha
     protected_layers: tuple[int, ...] = ()
     target_skip: float = 0.28  # share of (token, skippable layer) pairs to skip
     sparsity_weight: float = 20.0
@@ -97,6 +104,24 @@ def patience_skip(high: torch.Tensor, patience: int) -> torch.Tensor:
     return skip
 
 
+def moving_average(scores: torch.Tensor, alpha: float) -> torch.Tensor:
+    """[B, T] scores -> [B, T]: the ewma rule's average after each token, average_t = alpha *
+    score_t + (1 - alpha) * average_{t-1}, average_0 = score_0; one matmul with the decay weights."""
+    t = torch.arange(scores.shape[-1], device=scores.device)
+    age = (t[:, None] - t[None, :]).to(scores.dtype)  # [T, T]: how many tokens ago score j came
+    weights = alpha * (1.0 - alpha) ** age.clamp(min=0)
+    weights[:, 0] = (1.0 - alpha) ** t.to(scores.dtype)  # the first score starts the average
+    return scores @ weights.tril().T
+
+
+def average_skip(high: torch.Tensor, patience: int) -> torch.Tensor:
+    """[B, T] relaxed "the average up to token t was high" -> [B, T] relaxed "skipped": the average
+    up to the previous token was low. The first `patience` tokens (warm-up) never skip."""
+    skip = F.pad(1.0 - high[:, :-1], (1, 0), value=0.0)
+    warm = torch.arange(high.shape[-1], device=high.device) >= patience
+    return skip * warm
+
+
 class GatedForward:
     """The `update_scale` hook of one training step; remembers the gate logits and relaxed skips."""
 
@@ -121,9 +146,13 @@ class GatedForward:
         s = self.schedule
         u = torch.rand(logit.shape, generator=self.generator, device=logit.device).clamp(1e-6, 1 - 1e-6)
         noise = torch.log(u) - torch.log1p(-u)
-        decision = s.sharpness * (logit - _logit(s.threshold))
-        high = torch.sigmoid((decision + noise) / self.temperature)
-        skip = patience_skip(high, s.patience)
+        if s.skip_rule == "ewma":
+            average = moving_average(torch.sigmoid(logit), s.ewma_alpha)
+            decision = s.sharpness * (torch.logit(average, eps=1e-6) - _logit(s.threshold))
+            skip = average_skip(torch.sigmoid((decision + noise) / self.temperature), s.patience)
+        else:
+            decision = s.sharpness * (logit - _logit(s.threshold))
+            skip = patience_skip(torch.sigmoid((decision + noise) / self.temperature), s.patience)
         self.skips.append(skip)
         return (1.0 - skip)[..., None].to(x.dtype)
 
@@ -199,14 +228,19 @@ def train_gate_file(
     on_step: Callable[[GateStepStats], None] | None = None,
 ) -> str:
     """Train gates for the frozen checkpoint in `model_dir` on the text file `data` and write them to
-    `out`, with the threshold and patience they were trained for; returns the file's sha256. With no
-    protected layers in the schedule, the skip policy's default ones (first and last) are kept at
-    full depth. Raises CheckpointError, CorpusError or ValueError on bad input."""
+    `out`, with the skip policy they were trained for (threshold, patience, rule); returns the
+    file's sha256. With no protected layers in the schedule, the skip policy's default ones (first
+    and last) are kept at full depth. Raises CheckpointError, CorpusError or ValueError on bad input."""
     loaded = load_checkpoint(model_dir, device=resolve_device(device))
     stream = text_file_stream(loaded.tokenizer, data, min_tokens=schedule.seq_len + 2)
     model, config = loaded.model, loaded.config
+    policy = SkipPolicyConfig(
+        threshold=schedule.threshold,
+        patience=schedule.patience,
+        skip_rule=schedule.skip_rule,
+        ewma_alpha=schedule.ewma_alpha,
+    )  # refuses a bad rule or alpha before training
     if not schedule.protected_layers:
-        policy = SkipPolicyConfig(threshold=schedule.threshold, patience=schedule.patience)
         schedule = replace(schedule, protected_layers=policy.protected(config.num_layers))
     gates = init_gates(config.num_layers, config.hidden_size, schedule)
     train_gates(model, gates, stream, schedule, on_step=on_step)
@@ -216,5 +250,7 @@ def train_gate_file(
         threshold=schedule.threshold,
         patience=schedule.patience,
         base_fingerprint=model_fingerprint(model),
+        skip_rule=schedule.skip_rule,
+        ewma_alpha=schedule.ewma_alpha,
     )
     return save_gates(out, gates, metadata)

@@ -1,10 +1,10 @@
 """Gate heads stored apart from the model, in `gates.safetensors`.
 
 The file holds the GateBank's tensors (fp32) and one metadata entry, `layerwatch_gates`, a JSON
-object: layer count, hidden size, the threshold and patience the gates were trained for, and the
-fingerprint of the base model. Gates only make sense on the model they were trained on, so
-loading them onto another model fails. The sha256 of the file bytes identifies the served gates
-(`layerwatch_model_info{gates_sha256}`).
+object: layer count, hidden size, the skip policy the gates were trained or calibrated for
+(threshold, patience, skip rule and its EWMA weight), and the fingerprint of the base model. Gates
+only make sense on the model they were trained on, so loading them onto another model fails. The
+sha256 of the file bytes identifies the served gates (`layerwatch_model_info{gates_sha256}`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -21,7 +22,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as serialize_tensors
 
 from inference_shim.runtime.model import FAMILY_FIELDS, GateBank, Transformer
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
+from inference_shim.runtime.skip_policy import SKIP_RULES, SkipPolicyConfig
 
 GATES_FILE = "gates.safetensors"  # a checkpoint folder's gate file, when none is named
 METADATA_KEY = "layerwatch_gates"  # one key only: the serialised header (and so the sha256) is deterministic
@@ -33,6 +34,8 @@ HEADER_LENGTH_BYTES = 8
 # room to spare (a gate file's size limit is derived from the model's shape with it).
 HEADER_BYTES_BASE = 4096
 HEADER_BYTES_PER_TENSOR = 256
+# The skip policy settings a gate file records, named as in SkipPolicyConfig.
+POLICY_FIELDS = ("threshold", "patience", "skip_rule", "ewma_alpha")
 
 
 def gates_path_for(model_dir: str | Path, gates_path: str | Path | None = None) -> Path:
@@ -51,6 +54,15 @@ class GateMetadata:
     threshold: float
     patience: int
     base_fingerprint: str
+    # Optional in a file: gate files written before the EWMA rule came lack them and mean "streak".
+    skip_rule: str = SkipPolicyConfig.skip_rule
+    ewma_alpha: float = SkipPolicyConfig.ewma_alpha
+
+    def policy(self, **settings: Any) -> SkipPolicyConfig:
+        """The skip policy this file records; `settings` (SkipPolicyConfig fields) set the others or
+        override what it records."""
+        recorded = {name: getattr(self, name) for name in POLICY_FIELDS}
+        return SkipPolicyConfig(**(recorded | settings))
 
 
 @dataclass
@@ -241,10 +253,11 @@ def _read_metadata(path: Path, data: bytes) -> GateMetadata:
         raise bad(f"expected a JSON object, got {type(values).__name__}")
     if values.get("format_version") != FORMAT_VERSION:
         raise bad(f"format_version {values.get('format_version')!r}, expected {FORMAT_VERSION}")
-    missing = [f.name for f in fields(GateMetadata) if f.name not in values]
+    required = [f.name for f in fields(GateMetadata) if f.default is MISSING]
+    missing = [name for name in required if name not in values]
     if missing:
         raise bad(f"missing field(s) {', '.join(missing)}")
-    metadata = GateMetadata(**{f.name: values[f.name] for f in fields(GateMetadata)})
+    metadata = GateMetadata(**{f.name: values[f.name] for f in fields(GateMetadata) if f.name in values})
     problem = _metadata_problem(metadata)
     if problem:
         raise bad(problem)
@@ -266,6 +279,12 @@ def _metadata_problem(metadata: GateMetadata) -> str | None:
         return f"threshold must be a number in [0, 1], got {json.dumps(threshold)}"
     if not isinstance(metadata.base_fingerprint, str):
         return f"base_fingerprint must be a string, got {json.dumps(metadata.base_fingerprint)}"
+    if metadata.skip_rule not in SKIP_RULES:
+        rules = ", ".join(map(json.dumps, SKIP_RULES))
+        return f"skip_rule must be one of {rules}, got {json.dumps(metadata.skip_rule)}"
+    alpha = metadata.ewma_alpha
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+        return f"ewma_alpha must be a number in (0, 1], got {json.dumps(alpha)}"
     return None
 
 

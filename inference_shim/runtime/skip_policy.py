@@ -1,9 +1,18 @@
 """Which layers each sequence skips at the next decode step, decided from earlier steps only.
 
-Rule (threshold tau, patience k): at decode step t, layer l is skipped for a sequence iff that
-layer's entropy was below tau at each of the sequence's previous k decode steps, unless the layer
-is protected or the sequence is in a fallback episode. Because step t's mask depends only on steps
-< t, it is known before step t starts: no layer ever waits on the device to learn whether it runs.
+Two rules (threshold tau, patience k), chosen by `SkipPolicyConfig.skip_rule`:
+
+- "streak" (default): at decode step t, layer l is skipped for a sequence iff that layer's
+  entropy was below tau at each of the sequence's previous k decode steps;
+- "ewma": layer l is skipped iff the exponentially weighted moving average of its entropy over the
+  sequence's previous decode steps is below tau, e = alpha * score + (1 - alpha) * e (started at
+  the first score), once the sequence has at least k decode steps behind it (warm-up, as patience:
+  its first k steps run full depth). One high score among low ones need not end a skip, where the
+  streak rule starts counting again; one low score among high ones need not start one.
+
+Under either rule a protected layer, or a sequence in a fallback episode, runs. Because step t's
+mask depends only on steps < t, it is known before step t starts: no layer ever waits on the
+device to learn whether it runs.
 
 Fallback breaker: when more than `fallback_skip_fraction` of all layers were skipped for
 `fallback_trigger_steps` consecutive steps of a sequence, the next `fallback_steps` steps of that
@@ -30,6 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+SKIP_RULES = ("streak", "ewma")
+
 
 def check_threshold(threshold: float) -> float:
     if not 0.0 <= threshold <= 1.0:  # NaN fails too
@@ -46,17 +57,31 @@ class SkipPolicyConfig:
     fallback_trigger_steps: int = 3  # consecutive such steps that start a fallback episode
     fallback_steps: int = 16  # full-depth steps of one fallback episode
     batch_consensus: float | None = None  # q in (0, 1]: one run/skip decision per layer for the batch
+    skip_rule: str = SKIP_RULES[0]  # "streak" or "ewma" (see the module docstring)
+    # "ewma": the newest score's weight in (0, 1]; 0.5 averages over about as many steps as patience 3
+    # (an EWMA's span N = 2 / alpha - 1). 1 = the last score alone. Unused by "streak".
+    ewma_alpha: float = 0.5
 
     def __post_init__(self) -> None:
         check_threshold(self.threshold)
         if self.patience < 1:
             raise ValueError(f"patience must be >= 1, got {self.patience}")
+        if self.skip_rule not in SKIP_RULES:
+            raise ValueError(f"skip rule must be one of {', '.join(SKIP_RULES)}, got {self.skip_rule!r}")
+        if not 0.0 < self.ewma_alpha <= 1.0:  # NaN fails too
+            raise ValueError(f"ewma_alpha must be in (0, 1], got {self.ewma_alpha}")
         if not 0.0 <= self.fallback_skip_fraction <= 1.0:
             raise ValueError(f"fallback_skip_fraction must be in [0, 1], got {self.fallback_skip_fraction}")
         if self.fallback_trigger_steps < 1 or self.fallback_steps < 0:
             raise ValueError("fallback_trigger_steps must be >= 1 and fallback_steps >= 0")
         if self.batch_consensus is not None and not 0.0 < self.batch_consensus <= 1.0:
             raise ValueError(f"batch_consensus must be in (0, 1], got {self.batch_consensus}")
+
+    def rule_description(self) -> str:
+        """The rule in words, for reports: "streak, patience 3" or "ewma alpha 0.5, warm-up 3"."""
+        if self.skip_rule == "ewma":
+            return f"ewma alpha {self.ewma_alpha:g}, warm-up {self.patience}"
+        return f"streak, patience {self.patience}"
 
     def protected(self, num_layers: int) -> tuple[int, ...]:
         layers = (0, num_layers - 1) if self.protected_layers is None else self.protected_layers
@@ -85,7 +110,9 @@ class SkipPolicy:
         self.num_layers = num_layers
         self.skippable = config.skippable(num_layers)
         self._threshold = np.full(slots, config.threshold, dtype=np.float32)  # tau of each slot's sequence
-        self._below_streak = np.zeros((slots, num_layers), dtype=np.int32)
+        self._below_streak = np.zeros((slots, num_layers), dtype=np.int32)  # "streak"
+        self._ewma = np.zeros((slots, num_layers), dtype=np.float64)  # "ewma": the average of past scores
+        self._steps_seen = np.zeros(slots, dtype=np.int32)  # "ewma": observed steps, counted up to patience
         self._high_skip_streak = np.zeros(slots, dtype=np.int32)
         self._fallback_left = np.zeros(slots, dtype=np.int32)
 
@@ -95,6 +122,7 @@ class SkipPolicy:
         threshold = self.config.threshold if threshold is None else check_threshold(threshold)
         self._threshold[slot] = threshold
         self._below_streak[slot] = 0
+        self._steps_seen[slot] = 0  # the next observation starts the average afresh
         self._high_skip_streak[slot] = 0
         self._fallback_left[slot] = 0
 
@@ -104,7 +132,11 @@ class SkipPolicy:
 
     def run_mask(self, slots: np.ndarray) -> np.ndarray:
         """bool [B, L] for the next step: True = the layer runs for that row. Reads only past steps."""
-        skip = (self._below_streak[slots] >= self.config.patience) & self.skippable
+        if self.config.skip_rule == "ewma":
+            warm = self._steps_seen[slots] >= self.config.patience
+            skip = warm[:, None] & (self._ewma[slots] < self._threshold[slots, None]) & self.skippable
+        else:
+            skip = (self._below_streak[slots] >= self.config.patience) & self.skippable
         fallback = self.in_fallback(slots)
         skip &= ~fallback[:, None]
         if self.config.batch_consensus is None:
@@ -117,9 +149,11 @@ class SkipPolicy:
 
     def observe(self, slots: np.ndarray, entropies: np.ndarray, run_mask: np.ndarray) -> StepDecision:
         """Record a finished step: entropies float [B, L] and the run mask it used."""
-        below = self.below_threshold(slots, entropies)
-        streak = self._below_streak[slots]
-        self._below_streak[slots] = np.where(below, streak + 1, 0)
+        if self.config.skip_rule == "ewma":
+            self._update_ewma(slots, entropies)
+        else:
+            below = self.below_threshold(slots, entropies)
+            self._below_streak[slots] = np.where(below, self._below_streak[slots] + 1, 0)
 
         was_fallback = self._fallback_left[slots] > 0
         self._fallback_left[slots] = np.maximum(self._fallback_left[slots] - 1, 0)
@@ -130,6 +164,15 @@ class SkipPolicy:
         self._high_skip_streak[slots] = np.where(started, 0, high_streak)
         self._fallback_left[slots] = np.where(started, self.config.fallback_steps, self._fallback_left[slots])
         return StepDecision(fallback_started=started)
+
+    def _update_ewma(self, slots: np.ndarray, entropies: np.ndarray) -> None:
+        """Fold a step's scores into each row's average (NaN, no gates: stays NaN, never below tau)."""
+        alpha = self.config.ewma_alpha
+        seen = self._steps_seen[slots]
+        scores = entropies.astype(np.float64)
+        averaged = alpha * scores + (1.0 - alpha) * self._ewma[slots]
+        self._ewma[slots] = np.where(seen[:, None] > 0, averaged, scores)
+        self._steps_seen[slots] = np.minimum(seen + 1, self.config.patience)
 
 
 def consensus_mask(run: np.ndarray, share: float, full_depth_rows: np.ndarray) -> np.ndarray:

@@ -142,10 +142,10 @@ def static_gates(
     protected_layers: tuple[int, ...] | None,
     kv_policy: str,
 ) -> StaticGates:
-    """The drill's constant gates for `loaded`, measured under the gate file's own threshold and
-    patience with the served protected layers and KV policy."""
+    """The drill's constant gates for `loaded`, measured under the gate file's own skip policy
+    (threshold, patience, rule) with the served protected layers and KV policy."""
     threshold = loaded.metadata.threshold
-    policy = SkipPolicyConfig(threshold=threshold, patience=loaded.metadata.patience, protected_layers=protected_layers)
+    policy = loaded.metadata.policy(protected_layers=protected_layers)
     scores, skipped = healthy_decode(model, tokenizer, loaded.gates, policy, kv_policy)
     constants, static = plan_constants(scores, skipped, threshold)
     return StaticGates(constant_gates(loaded, constants), constants, static, skipped.mean(axis=0))

@@ -4,12 +4,13 @@ swapped in at a decode-step boundary or rejected while the previous gates keep s
 Every `interval` seconds the watcher compares the file's size, mtime and inode with what it saw
 last (a stat: cheap). When they change it reads the file once and validates those bytes completely
 with `load_gates` (safetensors structure, metadata, shapes, the base model's fingerprint), and
-checks that the file calibrates the skip policy being served: a new threshold or patience is a
-deploy decision (restart to apply), not something to slip in mid-stream. A half-written file fails
-to parse (safetensors checks the header's offsets against the data length), so it is rejected and
-judged again when the file changes next; the sha256 that `layerwatch_model_info` reports is always
-that of bytes that were loaded in full. The swap itself happens in the engine thread between two
-decode steps (`EngineWorker.swap_gates`), so no step ever mixes two gate banks.
+checks that the file calibrates the skip policy being served: a new threshold, patience, skip
+rule or EWMA weight is a deploy decision (restart to apply), not something to slip in mid-stream.
+A half-written file fails to parse (safetensors checks the header's offsets against the data
+length), so it is rejected and judged again when the file changes next; the sha256 that
+`layerwatch_model_info` reports is always that of bytes that were loaded in full. The swap itself
+happens in the engine thread between two decode steps (`EngineWorker.swap_gates`), so no step ever
+mixes two gate banks.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class GateFileWatcher:
         path: Path,
         model: Transformer,
         policy: SkipPolicyConfig,
-        policy_from_file: tuple[bool, bool],
+        policy_from_file: tuple[str, ...],
         served_sha256: str,
         apply: Callable[[LoadedGates], None],
         metrics: GateReloadMetrics,
@@ -62,7 +63,7 @@ class GateFileWatcher:
         self.path = path
         self._model = model
         self._policy = policy
-        self._threshold_from_file, self._patience_from_file = policy_from_file
+        self._policy_from_file = policy_from_file  # the policy fields (GateMetadata's names) the file set
         self.served_sha256 = served_sha256
         self._apply = apply
         self._metrics = metrics
@@ -123,17 +124,12 @@ class GateFileWatcher:
         log.warning("reloaded gate file %s: gates_sha256 %s -> %s", self.path, previous, loaded.sha256)
 
     def _check_policy(self, loaded: LoadedGates) -> None:
-        metadata, policy = loaded.metadata, self._policy
-        if self._threshold_from_file and metadata.threshold != policy.threshold:
-            raise GateFileError(
-                f"calibrated for threshold {metadata.threshold}, serving {policy.threshold}: "
-                f"restart to apply a new threshold"
-            )
-        if self._patience_from_file and metadata.patience != policy.patience:
-            raise GateFileError(
-                f"calibrated for patience {metadata.patience}, serving {policy.patience}: "
-                f"restart to apply a new patience"
-            )
+        for name in self._policy_from_file:
+            if name == "ewma_alpha" and self._policy.skip_rule != "ewma":
+                continue  # the streak rule does not read it
+            in_file, served = getattr(loaded.metadata, name), getattr(self._policy, name)
+            if in_file != served:
+                raise GateFileError(f"calibrated for {name} {in_file}, serving {served}: restart to apply a new {name}")
 
     def _reject(self, reason: str) -> None:
         self._metrics.rejected.inc()

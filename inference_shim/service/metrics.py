@@ -365,6 +365,8 @@ class ModelInfo:
     layers: int
     threshold: float
     patience: int
+    skip_rule: str
+    ewma_alpha: float  # exported only under the ewma rule (the streak rule does not read it)
     kv_policy: str
     gates_sha256: str
 
@@ -386,6 +388,8 @@ class ModelInfoCollector(ShimCollector):
                 str(info.layers),
                 floatToGoString(info.threshold),
                 str(info.patience),
+                info.skip_rule,
+                floatToGoString(info.ewma_alpha) if info.skip_rule == "ewma" else "",
                 info.kv_policy,
                 info.gates_sha256,
             ],

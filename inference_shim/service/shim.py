@@ -21,9 +21,15 @@ from prometheus_client import CollectorRegistry
 
 from inference_shim.runtime.checkpoint import DTYPES, LoadedCheckpoint, load_checkpoint, resolve_device
 from inference_shim.runtime.engine import GenerationEngine, StepHook
-from inference_shim.runtime.gates import LoadedGates, gates_path_for, load_gates, reset_gates, shuffle_gates
+from inference_shim.runtime.gates import (
+    POLICY_FIELDS,
+    LoadedGates,
+    gates_path_for,
+    load_gates,
+    reset_gates,
+    shuffle_gates,
+)
 from inference_shim.runtime.model import KV_POLICIES
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.static_gates import static_gates
 from inference_shim.service.admission import Admission
 from inference_shim.service.depth import DepthDecider, DepthMetrics, DepthSettings, RolloutLevel
@@ -84,6 +90,8 @@ class ServeSettings:
     model_name: str | None = None  # None: the model folder's name
     threshold: float | None = None  # None: the gate file's calibrated threshold
     patience: int | None = None  # None: the gate file's patience
+    skip_rule: str | None = None  # "streak" or "ewma" (runtime/skip_policy.py); None: the gate file's
+    ewma_alpha: float | None = None  # the ewma rule's newest-score weight; None: the gate file's
     protected_layers: tuple[int, ...] | None = None  # None: first and last layer
     batch_consensus: float | None = None  # None: rows skip independently (runtime/skip_policy.py)
     kv_policy: str = KV_POLICIES[0]  # "project"
@@ -150,6 +158,12 @@ def _mitigation_token(settings: ServeSettings) -> RotatingSecret | None:
     if settings.mitigation_token_file is None:
         raise ValueError("--mitigation-address needs --mitigation-token-file: the receiver never runs unauthenticated")
     return RotatingSecret(settings.mitigation_token_file, "mitigation token file")
+
+
+def policy_from_file(settings: ServeSettings) -> tuple[str, ...]:
+    """The skip policy settings served as the gate file says: those not set on the command line
+    (ServeSettings names them as the gate file does)."""
+    return tuple(name for name in POLICY_FIELDS if getattr(settings, name) is None)
 
 
 @dataclass(frozen=True)
@@ -251,11 +265,10 @@ class ShimService:
                 "this tokenizer may drop or merge characters: prompts cannot be refused by size and are "
                 "tokenized in full (up to --max-body-bytes) before the --max-prompt-tokens check"
             )
-        self.policy = SkipPolicyConfig(
-            threshold=gates.metadata.threshold if settings.threshold is None else settings.threshold,
-            patience=gates.metadata.patience if settings.patience is None else settings.patience,
-            protected_layers=settings.protected_layers,
-            batch_consensus=settings.batch_consensus,
+        from_file = policy_from_file(settings)
+        overrides = {name: getattr(settings, name) for name in POLICY_FIELDS if name not in from_file}
+        self.policy = gates.metadata.policy(
+            **overrides, protected_layers=settings.protected_layers, batch_consensus=settings.batch_consensus
         )
         self.policy.protected(config.num_layers)  # refuse out-of-range protected layers at start-up
         if settings.max_batch_size < 1:
@@ -272,6 +285,8 @@ class ShimService:
             config.num_layers,
             self.policy.threshold,
             self.policy.patience,
+            self.policy.skip_rule,
+            self.policy.ewma_alpha,
             self.kv_policy,
             gates.sha256,
         )
@@ -472,7 +487,7 @@ class ShimService:
             gates_file(settings),
             self.model,
             self.policy,
-            policy_from_file=(settings.threshold is None, settings.patience is None),
+            policy_from_file=policy_from_file(settings),
             served_sha256=gates.sha256,
             apply=self._swap_gates,
             metrics=metrics,

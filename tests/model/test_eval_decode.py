@@ -205,13 +205,19 @@ def test_interleaved_repeated_passes_compute_what_separate_passes_do(model_dir):
     # nothing but the timing: every repetition equals a pass run on its own.
     gated = load_gated_model(model_dir)
     runs = paired_decode(
-        gated, windows(count=5), [0.18, 0.5], prefill=PREFILL, kv_policy="project", batch_size=2, repeats=3
+        gated,
+        windows(count=5),
+        [gated.policy(0.18), gated.policy(0.5)],
+        prefill=PREFILL,
+        kv_policy="project",
+        batch_size=2,
+        repeats=3,
     )
     gated.model.attach_gates(None)
     alone_full = teacher_forced_decode(gated.model, windows(count=5), PREFILL, None, batch_size=2)
     gated.model.attach_gates(gated.gates.gates)
     for threshold, repeats in zip([0.18, 0.5], runs.gated):
-        policy = SkipPolicyConfig(threshold=threshold, patience=gated.patience)
+        policy = gated.policy(threshold)
         alone = teacher_forced_decode(gated.model, windows(count=5), PREFILL, policy, batch_size=2)
         assert len(repeats) == 3
         for totals in repeats:
@@ -241,8 +247,26 @@ def test_eval_refuses_zero_repeats(model_dir, text_file, capsys):
 def test_eval_sweep_prints_one_row_per_threshold(model_dir, text_file, capsys):
     assert run_eval(model_dir, text_file, "--sweep", "0,0.5") == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("| 0")]
-    assert len(rows) == 2 and "| 0 | 0.0% |" in rows[0] and "+0.00%" in rows[0]
+    rows = [line for line in out.splitlines() if line.startswith("| streak |")]
+    assert len(rows) == 2 and "| streak | 0 | 0.0% |" in rows[0] and "+0.00%" in rows[0]
+
+
+def test_eval_compare_rules_runs_each_threshold_under_both_rules(model_dir, text_file, capsys):
+    assert run_eval(model_dir, text_file, "--sweep", "0,0.5", "--compare-rules", "--ewma-alpha", "0.3", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = [(r["skip_rule"], r["threshold"], r["ewma_alpha"]) for r in report["sweep"]]
+    assert rows == [("streak", 0, None), ("ewma", 0, 0.3), ("streak", 0.5, None), ("ewma", 0.5, 0.3)]
+    at_zero, at_half = report["sweep"][:2], report["sweep"][2:]
+    assert all(r["skip_fraction"] == 0 and r["perplexity_increase"] == 0 for r in at_zero)
+    # Constant gates: the average is the constant, so both rules skip the same layers after warm-up.
+    assert at_half[0]["per_layer_skip_rate"] == at_half[1]["per_layer_skip_rate"]
+    assert at_half[0]["per_layer_skip_rate"][1] == pytest.approx((DECODE_STEPS - 3) / DECODE_STEPS)
+
+
+def test_eval_refuses_an_ewma_alpha_outside_0_1(model_dir, text_file, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_eval(model_dir, text_file, "--skip-rule", "ewma", "--ewma-alpha", "0")
+    assert exit_info.value.code == 2 and "argument --ewma-alpha: must be in (0, 1], got 0" in capsys.readouterr().err
 
 
 def test_eval_refuses_gates_of_another_model(model_dir, text_file, tmp_path, capsys):

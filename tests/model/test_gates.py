@@ -56,6 +56,26 @@ def test_round_trip_and_sha256_of_file_bytes(tmp_path, model):
     assert all(torch.equal(loaded.gates[l](x), gates[l](x)) for l in range(model.config.num_layers))
 
 
+def test_the_skip_rule_travels_with_the_file(tmp_path, model):
+    path = tmp_path / "gates.safetensors"
+    save_gates(path, random_gates(model.config), metadata_for(model, skip_rule="ewma", ewma_alpha=0.3))
+    policy = load_gates(path, model).metadata.policy()
+    assert (policy.skip_rule, policy.ewma_alpha, policy.threshold, policy.patience) == ("ewma", 0.3, 0.18, 3)
+    assert load_gates(path, model).metadata.policy(skip_rule="streak").skip_rule == "streak"  # an override wins
+
+
+def test_a_file_written_before_the_skip_rules_means_the_streak_rule(tmp_path, model):
+    path = tmp_path / "gates.safetensors"
+    old_fields = {f.name: v for f, v in zip(dataclasses.fields(GateMetadata), dataclasses.astuple(metadata_for(model)))}
+    del old_fields["skip_rule"], old_fields["ewma_alpha"]
+    save_file(
+        {name: t.contiguous() for name, t in random_gates(model.config).state_dict().items()},
+        path,
+        metadata={"layerwatch_gates": json.dumps({"format_version": 1, **old_fields})},
+    )
+    assert load_gates(path, model).metadata.policy().skip_rule == "streak"
+
+
 def test_gates_for_another_model_are_refused(tmp_path, model):
     path = tmp_path / "gates.safetensors"
     save_gates(path, random_gates(model.config), metadata_for(model))
@@ -213,6 +233,12 @@ def test_metadata_that_is_not_a_json_object_is_refused(tmp_path, model, metadata
         ("patience", 2.0, "patience must be an integer >= 1, got 2.0"),
         ("num_layers", True, "num_layers must be an integer >= 1, got true"),
         ("base_fingerprint", 7, "base_fingerprint must be a string, got 7"),
+        ("skip_rule", "sliding", 'skip_rule must be one of "streak", "ewma", got "sliding"'),
+        ("skip_rule", None, 'skip_rule must be one of "streak", "ewma", got null'),
+        ("ewma_alpha", 0, r"ewma_alpha must be a number in \(0, 1\], got 0"),
+        ("ewma_alpha", 1.5, r"ewma_alpha must be a number in \(0, 1\], got 1.5"),
+        ("ewma_alpha", float("nan"), r"ewma_alpha must be a number in \(0, 1\], got NaN"),
+        ("ewma_alpha", True, r"ewma_alpha must be a number in \(0, 1\], got true"),
     ],
 )
 def test_bad_metadata_values_are_refused_naming_file_and_field(tmp_path, model, field, value, message):

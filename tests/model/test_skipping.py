@@ -7,6 +7,7 @@ state through, and under `evict` its key is masked out of that layer's attention
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 
@@ -23,6 +24,7 @@ from inference_shim.runtime.tokenizer import Tokenizer
 from .conftest import constant_gates, random_gates, random_model, tiny_config
 
 MIXED = SkipPolicyConfig(threshold=0.5, patience=2)  # random gates score around 0.5: patterns switch
+EWMA_MIXED = SkipPolicyConfig(threshold=0.5, patience=2, skip_rule="ewma", ewma_alpha=0.4)
 PROMPTS = [[0, 17, 54, 120, 9], [0, 250, 3], [0, 77, 78, 79, 80, 81, 82, 83, 84]]
 
 
@@ -145,6 +147,86 @@ def test_engine_skips_exactly_by_the_previous_k_steps(tokenizer):
             expected[protected] = False
         assert skipped[t].tolist() == expected.tolist(), f"step {t}"
     assert 0.1 < skipped.mean() < 0.6 and all(switches(~skipped))  # a non-trivial, switching pattern
+
+
+def streak_skips(entropies: np.ndarray, policy: SkipPolicyConfig) -> np.ndarray:
+    """bool [T, L]: what the streak rule skips at each step, from the scores [T, L] alone (no fallback)."""
+    k, skips = policy.patience, np.zeros(entropies.shape, dtype=bool)
+    for t in range(k, len(entropies)):
+        skips[t] = (entropies[t - k : t] < np.float32(policy.threshold)).all(axis=0)
+    return skips
+
+
+def ewma_skips(entropies: np.ndarray, policy: SkipPolicyConfig) -> np.ndarray:
+    """bool [T, L]: what the ewma rule skips at each step, re-derived step by step in Python floats:
+    average[t] = alpha * score[t] + (1 - alpha) * average[t - 1], average[0] = score[0]; step t
+    skips where average[t - 1] < tau, from step `patience` on (no fallback)."""
+    alpha, skips = policy.ewma_alpha, np.zeros(entropies.shape, dtype=bool)
+    average = [float(score) for score in entropies[0]]
+    for t in range(1, len(entropies)):
+        if t >= policy.patience:
+            skips[t] = [a < float(np.float32(policy.threshold)) for a in average]
+        average = [alpha * float(score) + (1 - alpha) * a for score, a in zip(entropies[t], average)]
+    return skips
+
+
+def test_engine_ewma_rule_skips_exactly_by_the_average_of_the_previous_steps(tokenizer):
+    model = gated_model()
+    records = []
+    engine = engine_for(model, tokenizer, policy=EWMA_MIXED, step_hook=records.append)
+    engine.generate(PROMPTS[0], SamplingParams(max_tokens=60))
+    entropies = np.concatenate([r.entropies for r in records])
+    skipped = np.concatenate([r.skipped for r in records])
+    fallback = np.concatenate([r.fallback for r in records])
+    expected = ewma_skips(entropies, EWMA_MIXED)
+    expected[:, [0, model.config.num_layers - 1]] = False  # protected
+    expected[fallback] = False
+    assert skipped.tolist() == expected.tolist()
+    assert not skipped[: EWMA_MIXED.patience].any()  # warm-up: the first k steps run full depth
+    assert 0.1 < skipped.mean() < 0.6 and all(switches(~skipped))  # a non-trivial, switching pattern
+    # The average decides differently from the streak on these very scores.
+    assert (streak_skips(entropies, EWMA_MIXED)[:, 1:-1] != expected[:, 1:-1]).any()
+
+
+def test_ewma_with_alpha_one_is_the_streak_rule_with_patience_one_after_warm_up():
+    scores = np.random.default_rng(0).uniform(0.3, 0.7, size=(12, 4)).astype(np.float32)
+    masks = {}
+    for rule in ("streak", "ewma"):
+        config = SkipPolicyConfig(threshold=0.5, patience=1, protected_layers=(), skip_rule=rule, ewma_alpha=1.0)
+        policy, slots, masks[rule] = SkipPolicy(config, num_layers=4, slots=1), np.array([0]), []
+        for row in scores:
+            masks[rule].append(policy.run_mask(slots)[0])
+            policy.observe(slots, row[None], masks[rule][-1][None])
+    assert np.array_equal(masks["streak"], masks["ewma"]) and not np.all(masks["ewma"])
+
+
+def test_a_new_sequence_in_the_slot_starts_a_fresh_average():
+    config = SkipPolicyConfig(threshold=0.5, patience=2, protected_layers=(), skip_rule="ewma")
+    policy, slots = SkipPolicy(config, num_layers=2, slots=2), np.array([0, 1])
+    for _ in range(3):
+        policy.observe(slots, np.array([[0.1, 0.9], [0.1, 0.9]]), policy.run_mask(slots))
+    assert policy.run_mask(slots).tolist() == [[False, True], [False, True]]
+    policy.reset(1)
+    policy.observe(slots, np.array([[0.1, 0.9], [0.9, 0.9]]), policy.run_mask(slots))
+    assert policy.run_mask(slots).tolist() == [[False, True], [True, True]]  # slot 1 warms up again
+    policy.observe(slots, np.array([[0.1, 0.9], [0.3, 0.9]]), policy.run_mask(slots))
+    # Its average starts at its own first score: (0.9 + 0.3) / 2 (the old 0.1s would have given 0.4).
+    assert policy.run_mask(slots).tolist() == [[False, True], [True, True]]
+    policy.observe(slots, np.array([[0.1, 0.9], [0.3, 0.9]]), policy.run_mask(slots))
+    assert policy.run_mask(slots).tolist() == [[False, True], [False, True]]  # (0.6 + 0.3) / 2 < 0.5
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"skip_rule": "sliding"}, "skip rule must be one of streak, ewma, got 'sliding'"),
+        ({"ewma_alpha": 0.0}, r"ewma_alpha must be in \(0, 1\], got 0.0"),
+        ({"ewma_alpha": float("nan")}, r"ewma_alpha must be in \(0, 1\], got nan"),
+    ],
+)
+def test_a_bad_rule_or_alpha_is_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        SkipPolicyConfig(**settings)
 
 
 # --- skipped means skipped -----------------------------------------------------------------------
@@ -279,14 +361,15 @@ def test_batched_rows_match_running_alone(tokenizer, kv_policy):
 # --- per-sequence threshold ----------------------------------------------------------------------
 
 
-def test_each_sequence_skips_at_its_own_threshold_in_a_shared_batch(tokenizer):
+@pytest.mark.parametrize("policy", [MIXED, EWMA_MIXED], ids=["streak", "ewma"])
+def test_each_sequence_skips_at_its_own_threshold_in_a_shared_batch(tokenizer, policy):
     """Rows at tau 0 (full depth), the policy's tau and a stricter-than-policy tau share one batch:
-    each decodes exactly as it does alone at a policy with its tau."""
+    each decodes exactly as it does alone at a policy with its tau, under either rule."""
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     model = gated_model()
     thresholds = [0.0, None, 0.45]
     alone = [
-        engine_for(model, tokenizer, policy=MIXED if t is None else SkipPolicyConfig(threshold=t, patience=2)).generate(
+        engine_for(model, tokenizer, policy=policy if t is None else dataclasses.replace(policy, threshold=t)).generate(
             PROMPTS[0], params
         )
         for t in thresholds
@@ -294,7 +377,7 @@ def test_each_sequence_skips_at_its_own_threshold_in_a_shared_batch(tokenizer):
     assert alone[0].layers_skipped == 0 < alone[2].layers_skipped < alone[1].layers_skipped
 
     recorder = Recorder()
-    engine = engine_for(model, tokenizer, max_batch_size=3, step_hook=recorder.on_step)
+    engine = engine_for(model, tokenizer, policy=policy, max_batch_size=3, step_hook=recorder.on_step)
     ids = [engine.submit(PROMPTS[0], params, threshold=t) for t in thresholds]
     while engine.has_work():
         recorder.drain(engine)

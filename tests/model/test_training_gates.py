@@ -1,16 +1,25 @@
-"""`layerwatch train-gates` on a tiny random model: determinism, the relaxed patience rule, bad input."""
+"""`layerwatch train-gates` on a tiny random model: determinism, the relaxed skip rules, bad input."""
 
 from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import pytest
 import torch
 
-from inference_shim.offline.gate_training import GateSchedule, init_gates, patience_skip, train_gates
+from inference_shim.offline.gate_training import (
+    GateSchedule,
+    average_skip,
+    init_gates,
+    moving_average,
+    patience_skip,
+    train_gates,
+)
 from inference_shim.offline.training import text_file_stream
 from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint
 from inference_shim.runtime.gates import load_gates
+from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch_cli.main import main
 from tests.model.conftest import TRAINING_TEXT, build_backend_tokenizer, random_model
@@ -76,7 +85,30 @@ def test_written_gates_load_onto_the_model_with_their_threshold(model_dir, text_
     assert loaded.metadata.num_layers == 4
 
 
-def test_training_moves_the_skip_rate_towards_the_target(model_dir, text_file):
+def test_gates_trained_for_the_ewma_rule_say_so_in_their_file(model_dir, text_file, tmp_path):
+    out = tmp_path / "gates.safetensors"
+    assert train(model_dir, text_file, out, "--skip-rule", "ewma", "--ewma-alpha", "0.25") == 0
+    metadata = load_gates(out, load_checkpoint(model_dir).model).metadata
+    assert (metadata.skip_rule, metadata.ewma_alpha) == ("ewma", 0.25)
+
+
+def test_the_relaxed_ewma_rule_at_hard_decisions_is_the_decode_rule():
+    # Scores of one layer over 12 tokens; hard "high" events from the average, as the temperature -> 0.
+    scores = torch.tensor([[0.1, 0.9, 0.2, 0.1, 0.15, 0.6, 0.1, 0.1, 0.3, 0.9, 0.05, 0.1]])
+    alpha, tau, patience = 0.4, 0.3, 2
+    average = moving_average(scores.double(), alpha)
+    skip = average_skip((average >= tau).double(), patience)
+    config = SkipPolicyConfig(threshold=tau, patience=patience, protected_layers=(), skip_rule="ewma", ewma_alpha=alpha)
+    policy, slots, expected = SkipPolicy(config, num_layers=1, slots=1), np.array([0]), []
+    for score in scores[0].tolist():
+        run = policy.run_mask(slots)
+        expected.append(float(not run[0, 0]))
+        policy.observe(slots, np.array([[score]], dtype=np.float32), run)
+    assert skip[0].tolist() == expected and 0 < sum(expected) < len(expected) - patience
+
+
+@pytest.mark.parametrize("skip_rule", ["streak", "ewma"])
+def test_training_moves_the_skip_rate_towards_the_target(model_dir, text_file, skip_rule):
     loaded = load_checkpoint(model_dir)
     stream = text_file_stream(loaded.tokenizer, text_file, min_tokens=18)
     rates = []
@@ -90,6 +122,7 @@ def test_training_moves_the_skip_rate_towards_the_target(model_dir, text_file):
             protected_layers=(0, 3),
             commit_weight=0.0,
             end_temperature=0.5,
+            skip_rule=skip_rule,
         )
         seen = []
         train_gates(

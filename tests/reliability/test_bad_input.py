@@ -411,6 +411,14 @@ def negative_gate_patience(folder: Path) -> str:
     return rewrite_gates(folder, patience=-1)
 
 
+def unknown_gate_skip_rule(folder: Path) -> str:
+    return rewrite_gates(folder, skip_rule="sliding")
+
+
+def zero_gate_ewma_alpha(folder: Path) -> str:
+    return rewrite_gates(folder, skip_rule="ewma", ewma_alpha=0)
+
+
 def huge_gate_file(folder: Path) -> str:
     with open(folder / "gates.safetensors", "wb") as file:  # sparse: no disk, and no memory unless read
         file.truncate(1_500_000_000)
@@ -422,6 +430,8 @@ GATE_BREAKAGES = {
     gate_metadata_not_an_object: "bad 'layerwatch_gates' metadata: expected a JSON object, got list",
     nan_gate_threshold: "bad 'layerwatch_gates' metadata: threshold must be a number in [0, 1], got NaN",
     negative_gate_patience: "bad 'layerwatch_gates' metadata: patience must be an integer >= 1, got -1",
+    unknown_gate_skip_rule: 'metadata: skip_rule must be one of "streak", "ewma", got "sliding"',
+    zero_gate_ewma_alpha: "bad 'layerwatch_gates' metadata: ewma_alpha must be a number in (0, 1], got 0",
     huge_gate_file: "1500000000 bytes; a gate file for this model has at most",
 }
 
@@ -469,9 +479,9 @@ def test_serve_refuses_broken_checkpoints_naming_the_file(tiny_checkpoint, tmp_p
 
 
 def test_serve_refuses_broken_gate_files_naming_file_and_fault(tiny_checkpoint, tmp_path):
-    """NaN weights, metadata that is JSON but no object, a NaN threshold, a negative patience, and a
-    gate path at a 1.5 GB file (refused from its size, never read): exit 2 naming the file and the
-    tensor or field at fault."""
+    """NaN weights, metadata that is JSON but no object, a NaN threshold, a negative patience, an
+    unknown skip rule, an EWMA weight of 0, and a gate path at a 1.5 GB file (refused from its size,
+    never read): exit 2 naming the file and the tensor or field at fault."""
     for run, detail in zip(
         start_broken_serves(tiny_checkpoint.path, tmp_path, GATE_BREAKAGES), GATE_BREAKAGES.values()
     ):

@@ -198,6 +198,10 @@ def test_bad_replacements_are_rejected_and_the_old_gates_keep_serving(watched_sh
             lambda: replace_atomically(path, gate_file_bytes(tmp_path, bias=4.0, threshold=0.3)),
             "restart to apply a new threshold",
         ),
+        "another skip rule": (
+            lambda: replace_atomically(path, with_metadata(original, json.dumps({**metadata, "skip_rule": "ewma"}))),
+            "restart to apply a new skip_rule",
+        ),
         "deleted": (path.unlink, "gate file not found"),
     }
     load = BackgroundLoad(shim.url, duration=5.0, concurrency=2, max_tokens=8, seed=23)

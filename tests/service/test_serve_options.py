@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from inference_shim.service.shim import ServeSettings, ShimService, resolve_limits
 from layerwatch.trace import read_trace
@@ -16,8 +19,7 @@ from tests.service.conftest import MODEL_NAME
 
 
 def gates_sha256(server) -> str:
-    [labels] = [dict(labels) for (name, labels), _ in server.metrics().items() if name == "layerwatch_model_info"]
-    return labels["gates_sha256"]
+    return model_info(server)["gates_sha256"]
 
 
 def test_reset_gates_serves_fresh_gates_and_says_so_in_model_info(in_process, tiny_checkpoint):
@@ -55,6 +57,35 @@ def test_static_gates_refuse_a_threshold_or_patience_they_were_not_measured_at(t
     settings = ServeSettings(model_dir=tiny_checkpoint.path, static_gates=True, **override)
     with pytest.raises(ValueError, match="leave --threshold and --patience unset"):
         ShimService.load(settings)
+
+
+def model_info(server) -> dict[str, str]:
+    [labels] = [dict(labels) for (name, labels), _ in server.metrics().items() if name == "layerwatch_model_info"]
+    return labels
+
+
+def test_the_gate_files_skip_rule_is_served_unless_the_command_line_says_otherwise(
+    in_process, tiny_checkpoint, tmp_path
+):
+    ewma_file = tmp_path / "ewma-gates.safetensors"
+    with safe_open(tiny_checkpoint.gates_path, "pt") as original:
+        metadata = json.loads(original.metadata()["layerwatch_gates"])
+    save_file(
+        load_file(tiny_checkpoint.gates_path),
+        ewma_file,
+        metadata={"layerwatch_gates": json.dumps({**metadata, "skip_rule": "ewma", "ewma_alpha": 0.3})},
+    )
+    from_file = in_process(gates_path=ewma_file)
+    assert (from_file.service.policy.skip_rule, from_file.service.policy.ewma_alpha) == ("ewma", 0.3)
+    assert {k: model_info(from_file)[k] for k in ("skip_rule", "ewma_alpha")} == {
+        "skip_rule": "ewma",
+        "ewma_alpha": "0.3",
+    }
+    overridden = in_process(gates_path=ewma_file, skip_rule="streak")
+    assert overridden.service.policy.skip_rule == "streak"
+    assert model_info(overridden)["skip_rule"] == "streak" and model_info(overridden)["ewma_alpha"] == ""
+    assert in_process(gates_path=ewma_file, ewma_alpha=0.7).service.policy.ewma_alpha == 0.7
+    assert model_info(in_process())["skip_rule"] == "streak"  # the checkpoint's own file
 
 
 def test_trace_stops_at_its_size_cap(in_process, tmp_path):
