@@ -42,13 +42,13 @@ def read_secret_file(path: str | os.PathLike[str], what: str) -> bytes:
         raise SecretFileError(f"{what} {path}: {exc.strerror or exc}") from None
     if len(raw) > _MAX_SECRET_FILE_BYTES:
         raise SecretFileError(f"{what} {path}: larger than {_MAX_SECRET_FILE_BYTES} bytes, not a secret")
-    secret = raw.strip()
-    if len(secret) < MIN_SECRET_BYTES:
+    content = raw.strip()
+    if len(content) < MIN_SECRET_BYTES:
         raise SecretFileError(
-            f"{what} {path}: {len(secret)} bytes, at least {MIN_SECRET_BYTES} needed "
+            f"{what} {path}: {len(content)} bytes, at least {MIN_SECRET_BYTES} needed "
             f"(e.g. openssl rand -hex 32 > {path})"
         )
-    return secret
+    return content
 
 
 class RotatingSecret:
@@ -62,7 +62,7 @@ class RotatingSecret:
         self._what = what
         self._lock = threading.Lock()
         self._stamp = self._stat()
-        self._secret = read_secret_file(path, what)
+        self._value = read_secret_file(path, what)
 
     def current(self) -> bytes:
         with self._lock:
@@ -70,11 +70,11 @@ class RotatingSecret:
             if stamp != self._stamp:
                 self._stamp = stamp
                 try:
-                    self._secret = read_secret_file(self._path, self._what)
+                    self._value = read_secret_file(self._path, self._what)
                     log.warning("%s %s changed: its new secret is in use", self._what, self._path)
                 except SecretFileError as exc:
                     log.error("%s; the secret read before stays in use", exc)
-            return self._secret
+            return self._value
 
     def _stat(self) -> tuple[int, ...] | None:
         """What tells a changed file: a new inode (a rename over it), mtime, size or mode."""
