@@ -24,6 +24,7 @@ from inference_shim.service.depth import (
     request_position,
 )
 from tests.service.conftest import MODEL_NAME, sample_sum
+from tests.service.test_shadow import settled
 
 SHORT = "In"  # BOS + 1 token
 LONG = "In the beginning God created the heaven and the earth."  # well over 8 tokens
@@ -200,3 +201,14 @@ def test_serve_flags_parse_and_refuse_with_the_reason(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--rollout-levels", "share=0.1;speed=2"])
     assert "'speed=2' is not one of share=S" in capsys.readouterr().err
+
+
+def test_full_depth_decisions_are_not_shadow_checked(in_process):
+    """A request that ran at full depth by its decision has nothing gated to check: its shadow check
+    would always agree and dilute the agreement ratio LayerwatchShadowAgreementLow reads (with a
+    rollout at share 0.1, nine checks in ten were of full-depth requests)."""
+    server = in_process(shadow_rate=1.0, request_threshold_range=(0.0, 1.0))
+    complete(server.base_url, skip_threshold=0.0)  # full depth, by the request field
+    complete(server.base_url)  # the served tau
+    tokens, _ = settled(server)
+    assert tokens == 16  # the gated request's alone
