@@ -189,6 +189,16 @@ def test_bad_depth_settings_are_refused_at_start():
         DepthSettings(rollout_levels=parse_rollout_levels("share=0;share=1"), rollout_level=3).check()
 
 
+def test_bad_depth_settings_fail_before_the_model_loads(tmp_path):
+    """As a bad token file does: a typo in a depth flag must not wait for minutes of loading (and
+    compiling) to be reported. The model folder here does not exist: the flag is named first."""
+    from inference_shim.service.shim import ServeSettings, ShimService
+
+    settings = ServeSettings(model_dir=tmp_path / "absent", exporter_address="", rollout_level=2)
+    with pytest.raises(ValueError, match="--rollout-level needs --rollout-levels"):
+        ShimService.load(settings)
+
+
 def test_serve_flags_parse_and_refuse_with_the_reason(capsys):
     from layerwatch_cli import serve
 
