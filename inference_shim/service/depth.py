@@ -210,7 +210,8 @@ class DepthDecider:
             )
         lo, hi = bounds
         if not lo <= value <= hi:
-            raise ValueError(f"{REQUEST_FIELD} must be in [{lo:g}, {hi:g}] on this server, got {value:g}")
+            # The value as sent, not rounded: 0.50000000001 is not "0.5" to a client told it is out of range.
+            raise ValueError(f"{REQUEST_FIELD} must be in [{lo:g}, {hi:g}] on this server, got {value!r}")
 
     def decide(
         self,
@@ -258,12 +259,6 @@ class DepthDecider:
 
     # --- the rollout -------------------------------------------------------------------------------
 
-    @property
-    def rollout_level(self) -> int:
-        """The current level, 1-based; 0 without rollout levels."""
-        with self._lock:
-            return self._level + 1
-
     def demote(self, reason: str) -> bool:
         """Drop to the previous rollout level (e.g. a paging alert fired). False when there is none."""
         with self._lock:
@@ -272,7 +267,8 @@ class DepthDecider:
                 return False
             self._level -= 1
             level, described = self._level + 1, self.settings.rollout_levels[self._level].describe()
-        self.metrics.level.set(level)
+            # Under the lock: two demotions at once must not leave the gauge at the one set first.
+            self.metrics.level.set(level)
         self.metrics.demotions.inc()
         log.warning(
             'ROLLOUT_DEMOTED: from_level=%d to_level=%d conditions="%s" reason=%s', level + 1, level, described, reason
