@@ -61,6 +61,18 @@ class RolloutLevel:
             return False
         return request_position(request_id) < self.share
 
+    def covers(self, other: RolloutLevel) -> bool:
+        """Whether every request `other` enables is enabled here too (shares of the same positions
+        are nested, so a share at least as large covers a smaller one; a share of 0 enables none)."""
+        return other.share == 0 or (
+            self.share >= other.share
+            and (self.max_tokens is None or (other.max_tokens is not None and self.max_tokens >= other.max_tokens))
+            and (
+                self.min_temperature is None
+                or (other.min_temperature is not None and self.min_temperature <= other.min_temperature)
+            )
+        )
+
     def describe(self) -> str:
         parts = [f"share={self.share:g}"]
         if self.max_tokens is not None:
@@ -78,7 +90,8 @@ def request_position(request_id: str) -> float:
 
 def parse_rollout_levels(text: str) -> tuple[RolloutLevel, ...]:
     """`share=0.1;share=0.5,max_tokens=256;share=1`: levels separated by `;`, each a comma-separated
-    list of conditions (share in [0, 1], max_tokens >= 1, min_temperature >= 0). Raises ValueError."""
+    list of conditions (share in [0, 1], max_tokens >= 1, min_temperature >= 0), each level enabling
+    at least the requests the one before enables. Raises ValueError."""
     levels = []
     for number, item in enumerate(text.split(";"), 1):
         conditions: dict[str, float | int] = {}
@@ -107,13 +120,19 @@ def parse_rollout_levels(text: str) -> tuple[RolloutLevel, ...]:
             raise ValueError(f"rollout level {number}: max_tokens must be >= 1, got {max_tokens}")
         if min_temperature is not None and not min_temperature >= 0:
             raise ValueError(f"rollout level {number}: min_temperature must be >= 0, got {min_temperature:g}")
-        levels.append(
-            RolloutLevel(
-                share,
-                None if max_tokens is None else int(max_tokens),
-                None if min_temperature is None else float(min_temperature),
-            )
+        level = RolloutLevel(
+            share,
+            None if max_tokens is None else int(max_tokens),
+            None if min_temperature is None else float(min_temperature),
         )
+        if levels and not level.covers(levels[-1]):
+            # A demotion goes back one level: were an earlier level wider, a paging alert would
+            # widen skipping instead of narrowing it.
+            raise ValueError(
+                f"rollout level {number} ({level.describe()}) enables skipping for fewer requests than level "
+                f"{number - 1} ({levels[-1].describe()}): each level must enable at least what the one before does"
+            )
+        levels.append(level)
     return tuple(levels)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 
 import httpx
 import openai
@@ -167,10 +168,15 @@ def test_rollout_share_is_a_deterministic_share_of_request_ids():
         ("share=half", "rollout level 1: share must be a number, got 'half'"),
         ("max_tokens=0", "rollout level 1: max_tokens must be >= 1, got 0"),
         ("min_temperature=-1", "rollout level 1: min_temperature must be >= 0, got -1"),
+        # Out of order: a demotion (back one level) would widen skipping on a paging alert.
+        ("share=1;share=0.1", "rollout level 2 (share=0.1) enables skipping for fewer requests than level 1"),
+        ("share=0.5;share=1,max_tokens=8", "rollout level 2 (share=1,max_tokens=8) enables skipping for fewer"),
+        ("share=0.5,max_tokens=64;share=1,max_tokens=8", "rollout level 2 (share=1,max_tokens=8) enables"),
+        ("min_temperature=0.5;min_temperature=0.7", "rollout level 2 (share=1,min_temperature=0.7) enables"),
     ],
 )
 def test_bad_rollout_levels_are_refused_by_name(text, message):
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         parse_rollout_levels(text)
 
 
