@@ -1,4 +1,4 @@
-"""The depth each request runs at: its skip threshold tau, and why (docs/service.md, "Depth").
+"""The depth each request runs at: its skip threshold tau, and why (docs/service.md, "Depth per request").
 
 Before a request is submitted, `DepthDecider.decide` picks tau from the first source that has a
 say, in this order:
@@ -13,7 +13,8 @@ say, in this order:
 A request still at `default` may be moved after its prefill, before its first decode step, by the
 complexity pre-check (`after_prefill`): its prompt's complexity score (layerwatch/complexity.py,
 from the gates' prefill scores) at or above --complexity-cutoff runs at --complexity-threshold
-(reason `complexity`). Every choice of a request shares the request's decision.
+(reason `complexity`). Every choice of a prompt shares its decision (a completions request with
+several prompts decides per prompt).
 
 The mode names the depth: `full` (tau = 0), `strict` (below the served tau), `gated` (the served tau
 or looser). Modes and reasons are the bounded label values of the depth metrics.
