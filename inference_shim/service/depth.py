@@ -93,7 +93,7 @@ def parse_rollout_levels(text: str) -> tuple[RolloutLevel, ...]:
     """`share=0.1;share=0.5,max_tokens=256;share=1`: levels separated by `;`, each a comma-separated
     list of conditions (share in [0, 1], max_tokens >= 1, min_temperature >= 0), each level enabling
     at least the requests the one before enables. Raises ValueError."""
-    levels = []
+    levels: list[RolloutLevel] = []
     for number, item in enumerate(text.split(";"), 1):
         conditions: dict[str, float | int] = {}
         for part in (p.strip() for p in item.split(",") if p.strip()):
