@@ -228,7 +228,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "skipping more than this share of its decode layer evaluations is runaway.",
         SHIM,
     ),
-    # --- shim: the depth each request runs at (docs/service.md, "Depth") ------------------------
+    # --- shim: the depth each request runs at (docs/service.md, "Depth per request") ------------------------
     _m(
         "layerwatch_depth_decisions_total",
         "counter",

@@ -1,4 +1,4 @@
-"""A prompt's complexity score for the depth pre-check (docs/service.md, "Depth").
+"""A prompt's complexity score for the depth pre-check (docs/service.md, "Depth per request").
 
 The prefill runs every prompt at full depth and every gate scores its layer for every prompt
 token, so the gates' own view of the prompt comes for free before the first decode step. The

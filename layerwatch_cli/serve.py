@@ -157,7 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "nothing (the position is left out of that layer's attention)",
     )
 
-    depth = parser.add_argument_group('depth per request (docs/service.md, "Depth")')
+    depth = parser.add_argument_group('depth per request (docs/service.md, "Depth per request")')
     depth.add_argument(
         "--request-threshold-range",
         type=_argument(parse_threshold_range),

@@ -20,7 +20,7 @@ sequence run at full depth.
 
 Batch consensus (optional, `batch_consensus` = q): the rows' masks are merged into one decision
 per layer: the layer runs for the whole batch when at least a share q of the rows would run it, and
-is skipped for every row otherwise (rows in a fallback episode still run every layer). Skips then
+is skipped for every row otherwise (rows in a fallback episode or at tau 0 still run every layer). Skips then
 save whole-layer work, which is what pays on a memory-bound GPU and avoids per-row gathers, at the
 price of running some rows shallower than their gates asked: `layerwatch eval --batch-consensus`
 measures that cost (docs/model.md).
@@ -141,7 +141,10 @@ class SkipPolicy:
         skip &= ~fallback[:, None]
         if self.config.batch_consensus is None:
             return ~skip
-        return consensus_mask(~skip, self.config.batch_consensus, fallback)
+        # A row at tau 0 runs full depth (an override, a rollout's or the request's choice) whatever
+        # the batch decides, as a row in a fallback episode does.
+        full_depth = fallback | (self._threshold[slots] == 0.0)
+        return consensus_mask(~skip, self.config.batch_consensus, full_depth)
 
     def below_threshold(self, slots: np.ndarray, entropies: np.ndarray) -> np.ndarray:
         """bool [B, L]: each row's scores float [B, L] below its own tau (NaN, no gates: never)."""

@@ -1,4 +1,4 @@
-"""The depth each request runs at: its skip threshold tau, and why (docs/service.md, "Depth").
+"""The depth each request runs at: its skip threshold tau, and why (docs/service.md, "Depth per request").
 
 Before a request is submitted, `DepthDecider.decide` picks tau from the first source that has a
 say, in this order:
@@ -13,7 +13,8 @@ say, in this order:
 A request still at `default` may be moved after its prefill, before its first decode step, by the
 complexity pre-check (`after_prefill`): its prompt's complexity score (layerwatch/complexity.py,
 from the gates' prefill scores) at or above --complexity-cutoff runs at --complexity-threshold
-(reason `complexity`). Every choice of a request shares the request's decision.
+(reason `complexity`). Every choice of a prompt shares its decision (a completions request with
+several prompts decides per prompt).
 
 The mode names the depth: `full` (tau = 0), `strict` (below the served tau), `gated` (the served tau
 or looser). Modes and reasons are the bounded label values of the depth metrics.
@@ -61,6 +62,18 @@ class RolloutLevel:
             return False
         return request_position(request_id) < self.share
 
+    def covers(self, other: RolloutLevel) -> bool:
+        """Whether every request `other` enables is enabled here too (shares of the same positions
+        are nested, so a share at least as large covers a smaller one; a share of 0 enables none)."""
+        return other.share == 0 or (
+            self.share >= other.share
+            and (self.max_tokens is None or (other.max_tokens is not None and self.max_tokens >= other.max_tokens))
+            and (
+                self.min_temperature is None
+                or (other.min_temperature is not None and self.min_temperature <= other.min_temperature)
+            )
+        )
+
     def describe(self) -> str:
         parts = [f"share={self.share:g}"]
         if self.max_tokens is not None:
@@ -78,8 +91,9 @@ def request_position(request_id: str) -> float:
 
 def parse_rollout_levels(text: str) -> tuple[RolloutLevel, ...]:
     """`share=0.1;share=0.5,max_tokens=256;share=1`: levels separated by `;`, each a comma-separated
-    list of conditions (share in [0, 1], max_tokens >= 1, min_temperature >= 0). Raises ValueError."""
-    levels = []
+    list of conditions (share in [0, 1], max_tokens >= 1, min_temperature >= 0), each level enabling
+    at least the requests the one before enables. Raises ValueError."""
+    levels: list[RolloutLevel] = []
     for number, item in enumerate(text.split(";"), 1):
         conditions: dict[str, float | int] = {}
         for part in (p.strip() for p in item.split(",") if p.strip()):
@@ -107,13 +121,19 @@ def parse_rollout_levels(text: str) -> tuple[RolloutLevel, ...]:
             raise ValueError(f"rollout level {number}: max_tokens must be >= 1, got {max_tokens}")
         if min_temperature is not None and not min_temperature >= 0:
             raise ValueError(f"rollout level {number}: min_temperature must be >= 0, got {min_temperature:g}")
-        levels.append(
-            RolloutLevel(
-                share,
-                None if max_tokens is None else int(max_tokens),
-                None if min_temperature is None else float(min_temperature),
-            )
+        level = RolloutLevel(
+            share,
+            None if max_tokens is None else int(max_tokens),
+            None if min_temperature is None else float(min_temperature),
         )
+        if levels and not level.covers(levels[-1]):
+            # A demotion goes back one level: were an earlier level wider, a paging alert would
+            # widen skipping instead of narrowing it.
+            raise ValueError(
+                f"rollout level {number} ({level.describe()}) enables skipping for fewer requests than level "
+                f"{number - 1} ({levels[-1].describe()}): each level must enable at least what the one before does"
+            )
+        levels.append(level)
     return tuple(levels)
 
 
@@ -210,7 +230,8 @@ class DepthDecider:
             )
         lo, hi = bounds
         if not lo <= value <= hi:
-            raise ValueError(f"{REQUEST_FIELD} must be in [{lo:g}, {hi:g}] on this server, got {value:g}")
+            # The value as sent, not rounded: 0.50000000001 is not "0.5" to a client told it is out of range.
+            raise ValueError(f"{REQUEST_FIELD} must be in [{lo:g}, {hi:g}] on this server, got {value!r}")
 
     def decide(
         self,
@@ -258,12 +279,6 @@ class DepthDecider:
 
     # --- the rollout -------------------------------------------------------------------------------
 
-    @property
-    def rollout_level(self) -> int:
-        """The current level, 1-based; 0 without rollout levels."""
-        with self._lock:
-            return self._level + 1
-
     def demote(self, reason: str) -> bool:
         """Drop to the previous rollout level (e.g. a paging alert fired). False when there is none."""
         with self._lock:
@@ -272,7 +287,8 @@ class DepthDecider:
                 return False
             self._level -= 1
             level, described = self._level + 1, self.settings.rollout_levels[self._level].describe()
-        self.metrics.level.set(level)
+            # Under the lock: two demotions at once must not leave the gauge at the one set first.
+            self.metrics.level.set(level)
         self.metrics.demotions.inc()
         log.warning(
             'ROLLOUT_DEMOTED: from_level=%d to_level=%d conditions="%s" reason=%s', level + 1, level, described, reason

@@ -281,7 +281,10 @@ class EngineWorker:
         if update.finished:
             del self._handles[sequence_id]
             self._capturing.pop(sequence_id, None)
-            if self._shadow is not None and update.finish_reason in ("stop", "length"):
+            # A run at full depth by its depth decision has nothing gated to check: its check would
+            # always agree and dilute the agreement ratio the shadow alert reads.
+            full_depth = handle.depth is not None and handle.depth.mode == "full"
+            if self._shadow is not None and not full_depth and update.finish_reason in ("stop", "length"):
                 self._shadow.offer(
                     handle.prompt_ids,
                     handle.generated_ids,

@@ -160,6 +160,11 @@ def _mitigation_token(settings: ServeSettings) -> RotatingSecret | None:
     return RotatingSecret(settings.mitigation_token_file, "mitigation token file")
 
 
+def depth_settings(settings: ServeSettings) -> DepthSettings:
+    """The depth decider's settings, which ServeSettings names as DepthSettings does."""
+    return DepthSettings(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(DepthSettings)})
+
+
 def policy_from_file(settings: ServeSettings) -> tuple[str, ...]:
     """The skip policy settings served as the gate file says: those not set on the command line
     (ServeSettings names them as the gate file does)."""
@@ -367,7 +372,7 @@ class ShimService:
             else None
         )
         self.depth = DepthDecider(
-            DepthSettings(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(DepthSettings)}),
+            depth_settings(settings),
             self.policy.threshold,
             self.policy.skippable(config.num_layers),
             DepthMetrics(self.registry, self.model_name),
@@ -421,6 +426,7 @@ class ShimService:
             load_frame_key(settings.frame_key_file) if settings.frame_key_file and settings.exporter_address else None
         )
         mitigation_token = _mitigation_token(settings)
+        depth_settings(settings).check()  # the depth flags too: a bad level fails before minutes of loading
         checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])
         if settings.compile:
             checkpoint.model.compile_layers()

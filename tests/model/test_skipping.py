@@ -414,6 +414,23 @@ def test_after_prefill_sets_the_threshold_from_the_prefill_before_the_first_deco
     assert recorder.final[kept].layers_skipped > 0
 
 
+@pytest.mark.parametrize("policy", [MIXED, EWMA_MIXED], ids=["streak", "ewma"])
+def test_a_full_depth_sequence_stays_at_full_depth_under_batch_consensus(tokenizer, policy):
+    """Tau 0 is full depth (a mitigation's override, a rollout's or the request's choice) even when
+    the batch's consensus skips a layer: the other rows, whose gates all score low, outvote it."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    consensus = dataclasses.replace(policy, batch_consensus=0.5)
+    engine = engine_for(gated_model("constant"), tokenizer, policy=consensus, max_batch_size=3)
+    recorder = Recorder()
+    engine.step_hook = recorder.on_step
+    ids = [engine.submit(PROMPTS[0], params, threshold=t) for t in (None, None, 0.0)]
+    while engine.has_work():
+        recorder.drain(engine)
+    gated, _, full = (recorder.final[i] for i in ids)
+    assert gated.layers_skipped > 0  # the consensus skipped layers for the batch
+    assert full.layers_skipped == 0
+
+
 @pytest.mark.parametrize("threshold", [-0.1, 1.5, float("nan")])
 def test_a_threshold_outside_zero_to_one_is_refused_at_submit(tokenizer, threshold):
     engine = engine_for(gated_model(), tokenizer)

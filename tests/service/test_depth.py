@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 
 import httpx
 import openai
@@ -24,6 +25,7 @@ from inference_shim.service.depth import (
     request_position,
 )
 from tests.service.conftest import MODEL_NAME, sample_sum
+from tests.service.test_shadow import settled
 
 SHORT = "In"  # BOS + 1 token
 LONG = "In the beginning God created the heaven and the earth."  # well over 8 tokens
@@ -166,10 +168,15 @@ def test_rollout_share_is_a_deterministic_share_of_request_ids():
         ("share=half", "rollout level 1: share must be a number, got 'half'"),
         ("max_tokens=0", "rollout level 1: max_tokens must be >= 1, got 0"),
         ("min_temperature=-1", "rollout level 1: min_temperature must be >= 0, got -1"),
+        # Out of order: a demotion (back one level) would widen skipping on a paging alert.
+        ("share=1;share=0.1", "rollout level 2 (share=0.1) enables skipping for fewer requests than level 1"),
+        ("share=0.5;share=1,max_tokens=8", "rollout level 2 (share=1,max_tokens=8) enables skipping for fewer"),
+        ("share=0.5,max_tokens=64;share=1,max_tokens=8", "rollout level 2 (share=1,max_tokens=8) enables"),
+        ("min_temperature=0.5;min_temperature=0.7", "rollout level 2 (share=1,min_temperature=0.7) enables"),
     ],
 )
 def test_bad_rollout_levels_are_refused_by_name(text, message):
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         parse_rollout_levels(text)
 
 
@@ -188,6 +195,16 @@ def test_bad_depth_settings_are_refused_at_start():
         DepthSettings(rollout_levels=parse_rollout_levels("share=0;share=1"), rollout_level=3).check()
 
 
+def test_bad_depth_settings_fail_before_the_model_loads(tmp_path):
+    """As a bad token file does: a typo in a depth flag must not wait for minutes of loading (and
+    compiling) to be reported. The model folder here does not exist: the flag is named first."""
+    from inference_shim.service.shim import ServeSettings, ShimService
+
+    settings = ServeSettings(model_dir=tmp_path / "absent", exporter_address="", rollout_level=2)
+    with pytest.raises(ValueError, match="--rollout-level needs --rollout-levels"):
+        ShimService.load(settings)
+
+
 def test_serve_flags_parse_and_refuse_with_the_reason(capsys):
     from layerwatch_cli import serve
 
@@ -200,3 +217,14 @@ def test_serve_flags_parse_and_refuse_with_the_reason(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--rollout-levels", "share=0.1;speed=2"])
     assert "'speed=2' is not one of share=S" in capsys.readouterr().err
+
+
+def test_full_depth_decisions_are_not_shadow_checked(in_process):
+    """A request that ran at full depth by its decision has nothing gated to check: its shadow check
+    would always agree and dilute the agreement ratio LayerwatchShadowAgreementLow reads (with a
+    rollout at share 0.1, nine checks in ten were of full-depth requests)."""
+    server = in_process(shadow_rate=1.0, request_threshold_range=(0.0, 1.0))
+    complete(server.base_url, skip_threshold=0.0)  # full depth, by the request field
+    complete(server.base_url)  # the served tau
+    tokens, _ = settled(server)
+    assert tokens == 16  # the gated request's alone
