@@ -194,8 +194,11 @@ class _Sequence:
     text: str = ""  # emitted text
     held: str = ""  # decoded text held back while it may be the start of a stop string
     activity: list[np.ndarray] = field(default_factory=list)
-    below: list[np.ndarray] = field(default_factory=list)  # bool [L] per decode step: score < threshold
-    scores: list[np.ndarray] = field(default_factory=list)  # float32 [L] per decode step: the gate scores
+    # Running sums over its decode steps, int64 / float64 [L] (empty until it is submitted): steps
+    # whose score was below its threshold, and the scores (NaN without gates). Sums, not per-step
+    # rows: a row is a view that would keep its step's whole [B, L] array alive.
+    below_count: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    score_sum: np.ndarray = field(default_factory=lambda: np.zeros(0))
     fallbacks: int = 0  # fallback episodes begun in its generating steps
     request_id: str | None = None  # the caller's name for it, for log lines
     threshold: float | None = None  # the sequence's own tau; None = the policy's
@@ -348,6 +351,8 @@ class GenerationEngine:
             generator=generator,
             threshold=threshold,
             request_id=request_id,
+            below_count=np.zeros(self.num_layers, dtype=np.int64),
+            score_sum=np.zeros(self.num_layers),
         )
         self._next_id += 1
         self._waiting.append(sequence)
@@ -587,8 +592,8 @@ class GenerationEngine:
         ran = step.run_mask[row]
         sequence.generated.append(token)
         sequence.activity.append(ran.copy())
-        sequence.below.append(below)
-        sequence.scores.append(step.entropies[row])
+        sequence.below_count += below
+        sequence.score_sum += step.entropies[row]
         sequence.fallbacks += int(step.fallback_started[row])
         executed = int(ran.sum())
         sequence.layers_executed += executed
@@ -669,19 +674,14 @@ class GenerationEngine:
         )
 
     def _layer_counts(self, sequence: _Sequence) -> LayerCounts:
-        """Summed once, when the sequence ends: nothing per token beyond keeping its rows."""
+        """When the sequence ends: its skips summed from the activity rows it keeps anyway."""
         tokens = len(sequence.activity)
-        if tokens == 0:
-            zeros = np.zeros(self.num_layers, dtype=np.int64)
-            return LayerCounts(0, zeros, zeros.copy(), np.zeros(self.num_layers), sequence.fallbacks)
-        ran = np.asarray(sequence.activity, dtype=bool)
-        below = np.asarray(sequence.below, dtype=bool)
-        scores = np.asarray(sequence.scores, dtype=np.float64)
+        ran = np.asarray(sequence.activity, dtype=bool).reshape(tokens, self.num_layers)
         return LayerCounts(
             tokens,
             tokens - ran.sum(axis=0, dtype=np.int64),
-            below.sum(axis=0, dtype=np.int64),
-            scores.sum(axis=0),
+            sequence.below_count.copy(),
+            sequence.score_sum.copy(),
             sequence.fallbacks,
         )
 
