@@ -109,7 +109,7 @@ class SkipPolicy:
         self.config = config
         self.num_layers = num_layers
         self.skippable = config.skippable(num_layers)
-        self._threshold = np.full(slots, config.threshold)  # float64: a tiny tau stays above 0  # tau of each slot's sequence
+        self._threshold = np.full(slots, config.threshold)  # tau per slot (float64: a tiny tau stays > 0)
         self._below_streak = np.zeros((slots, num_layers), dtype=np.int32)  # "streak"
         self._ewma = np.zeros((slots, num_layers), dtype=np.float64)  # "ewma": the average of past scores
         self._steps_seen = np.zeros(slots, dtype=np.int32)  # "ewma": observed steps, counted up to patience
