@@ -213,6 +213,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="start at rollout level N, from 1 (default: the last)",
     )
+    depth.add_argument(
+        "--rollout-demotion-holdoff-minutes",
+        type=float,
+        default=SETTINGS_DEFAULTS["rollout_demotion_holdoff_minutes"],
+        metavar="M",
+        help="after a demotion, further paging alerts demote no further for M minutes: one incident "
+        "pages once per alert and per instance (default %(default)s)",
+    )
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,6 +159,9 @@ class DepthSettings:
     complexity_threshold: float = 0.0
     rollout_levels: tuple[RolloutLevel, ...] = ()  # empty: skipping enabled for every request
     rollout_level: int | None = None  # 1-based level to start at; None: the last (fully rolled out)
+    # After a demotion, further ones wait this long: one incident pages once per alert and per
+    # instance of the model (each shim hears them all), and should cost one level, not N.
+    rollout_demotion_holdoff_minutes: float = 10.0
 
     def check(self) -> None:
         bounds = self.request_threshold_range
@@ -173,6 +177,10 @@ class DepthSettings:
             raise ValueError(f"--long-prompt-tokens must be >= 1, got {self.long_prompt_tokens}")
         if self.complexity_cutoff is not None and not 0.0 <= self.complexity_cutoff <= 1.0:
             raise ValueError(f"--complexity-cutoff must be in [0, 1], got {self.complexity_cutoff}")
+        if not self.rollout_demotion_holdoff_minutes >= 0.0:
+            raise ValueError(
+                f"--rollout-demotion-holdoff-minutes must be >= 0, got {self.rollout_demotion_holdoff_minutes}"
+            )
         if self.rollout_level is not None:
             if not self.rollout_levels:
                 raise ValueError("--rollout-level needs --rollout-levels")
@@ -212,6 +220,7 @@ class DepthDecider:
         self.skippable = skippable  # bool [L]: the layers the policy may skip
         self.metrics = metrics
         self._lock = threading.Lock()
+        self._last_demotion: float | None = None  # monotonic time of the last demotion
         levels = settings.rollout_levels
         self._level = (settings.rollout_level or len(levels)) - 1 if levels else -1  # index; -1: no rollout
         metrics.level.set(self._level + 1)
@@ -280,11 +289,24 @@ class DepthDecider:
     # --- the rollout -------------------------------------------------------------------------------
 
     def demote(self, reason: str) -> bool:
-        """Drop to the previous rollout level (e.g. a paging alert fired). False when there is none."""
+        """Drop to the previous rollout level (e.g. a paging alert fired). False when there is none,
+        or when the last demotion was less than the hold-off ago."""
         with self._lock:
             if self._level <= 0:
                 log.warning("ROLLOUT_DEMOTION_SKIPPED: level=%d reason=%s (no lower level)", self._level + 1, reason)
                 return False
+            now = time.monotonic()
+            holdoff = self.settings.rollout_demotion_holdoff_minutes * 60
+            if self._last_demotion is not None and now - self._last_demotion < holdoff:
+                log.warning(
+                    "ROLLOUT_DEMOTION_SKIPPED: level=%d reason=%s (the last demotion was %.0f s ago, hold-off %.0f s)",
+                    self._level + 1,
+                    reason,
+                    now - self._last_demotion,
+                    holdoff,
+                )
+                return False
+            self._last_demotion = now
             self._level -= 1
             level, described = self._level + 1, self.settings.rollout_levels[self._level].describe()
             # Under the lock: two demotions at once must not leave the gauge at the one set first.

@@ -143,6 +143,7 @@ class ServeSettings:
     complexity_threshold: float = DepthSettings.complexity_threshold
     rollout_levels: tuple[RolloutLevel, ...] = DepthSettings.rollout_levels
     rollout_level: int | None = DepthSettings.rollout_level
+    rollout_demotion_holdoff_minutes: float = DepthSettings.rollout_demotion_holdoff_minutes
 
 
 def gates_file(settings: ServeSettings) -> Path:

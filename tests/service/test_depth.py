@@ -142,6 +142,24 @@ def test_rollout_enables_skipping_per_level_and_demotes_to_the_previous_one(in_p
     assert decisions(server, "full", "rollout") == 2
 
 
+@pytest.mark.parametrize("holdoff_minutes, levels_after", [(10.0, [2, 2]), (0.0, [2, 1])])
+def test_demotions_within_the_holdoff_cost_one_level(in_process, caplog, holdoff_minutes, levels_after):
+    """One incident pages once per alert and per instance: the second page within the hold-off
+    leaves the level where the first put it."""
+    server = in_process(
+        rollout_levels=parse_rollout_levels("share=0;share=0.5;share=1"),
+        rollout_demotion_holdoff_minutes=holdoff_minutes,
+    )
+    levels = []
+    with caplog.at_level(logging.WARNING, logger="inference_shim.service.depth"):
+        for alertname in ("LayerwatchRoutingStatic", "LayerwatchRunawaySkipping"):
+            server.service.depth.demote(alertname)
+            levels.append(sample_sum(server.metrics(), "layerwatch_rollout_level"))
+    assert levels == levels_after
+    assert sample_sum(server.metrics(), "layerwatch_rollout_demotions_total") == 3 - levels_after[-1]
+    assert ("hold-off" in caplog.text) == (holdoff_minutes > 0)
+
+
 def test_rollout_starts_at_the_level_the_operator_sets(in_process):
     server = in_process(rollout_levels=parse_rollout_levels("share=0;share=1"), rollout_level=1)
     assert complete(server.base_url)["usage"]["layers_skipped"] == 0
