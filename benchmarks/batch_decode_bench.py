@@ -18,12 +18,17 @@ torch thread, timed by the process CPU clock (the machine may be shared):
   consensus  the recorded masks merged per step by serve's --batch-consensus rule (q = 0.5): only
          whole-batch skips (its quality cost: `layerwatch eval --batch-consensus 0.5`).
 Printed: gated ÷ full tokens/s (goal ≥ 1 when ≥ 25 % of row-layer evaluations are skipped), and
-realised ÷ ideal, with ideal = 1 / (1 − f·w): f the skipped share of row-layer evaluations (a CPU
-computes rows, so every skipped row saves its work) and w the share of a τ = 0 step spent in
-attention + FFN, measured per batch size by a per-layer profile. The whole-batch column gives f for
-skips every row shares (the only ones that save weight reads on a memory-bound GPU). First, per
-model, the cost of every layer's decode at R rows against 1 row: the "a CPU computes rows" premise
-of that ideal holds only as far as this grows like R.
+realised (gated ÷ τ = 0) against two ideals 1 / (1 − s·w), w the share of a τ = 0 step spent in
+attention + FFN, measured per batch size by a per-layer profile, and s the share of that work the
+masks leave undone:
+  per row  s = f, the skipped share of row-layer evaluations: every skipped row saves its work, as
+           if a layer's cost were proportional to the rows that run it;
+  device   s = 1 − Σ cost(rows running the layer) / Σ cost(B), summed over steps and layers, with
+           cost(r) this device's measured cost of a layer at r rows (cost(0) = 0): what a skip can
+           save on this device (equal to f at batch 1, and whenever cost(r) grows like r).
+The whole-batch column gives the skips every row shares (the only ones that save weight reads on a
+memory-bound GPU). First, per model, cost(r) ÷ cost(1) for r = 1 .. the largest batch, measured in
+the same run: the device ideal's cost table.
 `--compile` adds the same model with its layer bodies compiled (Transformer.compile_layers, what
 `serve --compile` does), full depth and gated, and prints compiled ÷ eager tokens/s for both.
 
@@ -148,23 +153,32 @@ def skippable_share(model: Transformer, batch: int, steps: int) -> float:
 
 def row_costs(model: Transformer, rows: list[int], repeats: int = 20) -> dict[int, float]:
     """CPU seconds of one pass through every layer's decode (attention + FFN) for R rows, R in
-    `rows`: a batch of R with nothing gathered, so what R running rows cost this device at least."""
+    `rows`: a batch of R with nothing gathered, so what R running rows cost this device at least.
+    The row counts take turns, so that a slow spell of a shared machine hits all of them."""
     config = model.config
     cache = KVCache(config, slots=max(rows), max_len=2 * PROMPT_TOKENS, dtype=torch.float32, device="cpu")
-    costs = {}
+    inputs = {}
+    for count in rows:
+        h = torch.randn(count, config.hidden_size)
+        slots, positions = torch.arange(count), torch.full((count,), PROMPT_TOKENS)
+        inputs[count] = h, *model.rope(positions[:, None], h.dtype), slots, positions
+    times: dict[int, list[float]] = {count: [] for count in rows}
     with torch.no_grad():
-        for count in rows:
-            h = torch.randn(count, config.hidden_size)
-            slots, positions = torch.arange(count), torch.full((count,), PROMPT_TOKENS)
-            cos, sin = model.rope(positions[:, None], h.dtype)
-            times = []
-            for _ in range(repeats):
+        for _ in range(repeats):
+            for count, (h, cos, sin, slots, positions) in inputs.items():
                 started = time.process_time()
                 for l, block in enumerate(model.layers):
                     block.decode(h, block.input_layernorm(h), cos, sin, cache, l, slots, positions, PROMPT_TOKENS + 1)
-                times.append(time.process_time() - started)
-            costs[count] = statistics.median(times)
-    return costs
+                times[count].append(time.process_time() - started)
+    return {count: statistics.median(values) for count, values in times.items()}
+
+
+def device_saved_share(masks: np.ndarray, costs: dict[int, float]) -> float:
+    """s of the device ideal: the share of full depth's layer cost (every layer at B rows) that the
+    masks [steps, B, L] leave undone, a layer that r rows run costing costs[r] (nothing at r = 0)."""
+    steps, batch, layers = masks.shape
+    cost = np.array([0.0, *(costs[r] for r in range(1, batch + 1))])
+    return 1 - cost[masks.sum(axis=1)].sum() / (steps * layers * cost[batch])
 
 
 def parse_models(text: str) -> list[tuple[int, int]]:
@@ -183,18 +197,24 @@ def compiled_copy(model: Transformer) -> Transformer:
 
 
 def cpu_section(recorded: np.ndarray, models: list[tuple[int, int]], batches: list[int], args) -> None:
+    costs_of: dict[tuple[int, int], dict[int, float]] = {}  # (layers, d) -> cost(r), r = 1 .. max(batches)
     for layers, hidden in models:
-        costs = row_costs(build_model(layers, hidden, vocab=8192), sorted({1, 2, *range(4, max(batches) + 1, 4)}))
+        costs = costs_of[layers, hidden] = row_costs(
+            build_model(layers, hidden, vocab=8192), list(range(1, max(batches) + 1))
+        )
         print(
             f"{layers} x {hidden}: every layer's decode at R rows ÷ at 1 row, CPU clock (proportional "
             "to the rows would be R): " + ", ".join(f"R = {r}: {c / costs[1]:.2f}" for r, c in costs.items())
         )
     print(
         "| model | batch | KV | skipped | whole-batch | w | full tok/s | gated tok/s | gated / full | "
-        f"realised / ideal | consensus {CONSENSUS:g}: skipped | gated / full |"
-        + (" compiled / eager: full | gated |" if args.compile else "")
+        f"ideal: per row | device | realised / ideal: per row | device | consensus {CONSENSUS:g}: skipped | "
+        "gated / full |" + (" compiled / eager: full | gated |" if args.compile else "")
     )
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if args.compile else ""))
+    print(
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        + ("---:|---:|" if args.compile else "")
+    )
     for layers, hidden in models:
         model = build_model(layers, hidden, vocab=8192)
         torch.manual_seed(1)
@@ -207,6 +227,7 @@ def cpu_section(recorded: np.ndarray, models: list[tuple[int, int]], batches: li
             merged = np.stack([consensus_mask(step, CONSENSUS, no_fallback) for step in masks])
             f = 1 - masks.mean()
             f_whole = float((~masks).all(axis=1).mean())
+            s_device = device_saved_share(masks, costs_of[layers, hidden])
             model.attach_gates(gates)
             w = skippable_share(model, batch, args.steps)
             for kv_policy in KV_POLICIES:
@@ -224,11 +245,13 @@ def cpu_section(recorded: np.ndarray, models: list[tuple[int, int]], batches: li
                         runner.attach_gates(bank)
                         seconds[name].append(decode_run(runner, run_masks, batch, args.steps, kv_policy))
                 rate = {name: batch * args.steps / statistics.median(values) for name, values in seconds.items()}
-                speedup, ideal = rate["gated"] / rate["tau0"], 1 / (1 - f * w)
+                speedup = rate["gated"] / rate["tau0"]
+                ideal_row, ideal_device = 1 / (1 - f * w), 1 / (1 - s_device * w)
                 line = (
                     f"| {layers} x {hidden} | {batch} | {kv_policy} | {f:.1%} | {f_whole:.1%} | {w:.2f} | "
                     f"{rate['full']:.0f} | {rate['gated']:.0f} | {rate['gated'] / rate['full']:.3f} | "
-                    f"{speedup / ideal:.3f} | {1 - merged.mean():.1%} | {rate['consensus'] / rate['full']:.3f} |"
+                    f"{ideal_row:.3f} | {ideal_device:.3f} | {speedup / ideal_row:.3f} | "
+                    f"{speedup / ideal_device:.3f} | {1 - merged.mean():.1%} | {rate['consensus'] / rate['full']:.3f} |"
                 )
                 if compiled is not None:
                     line += (
