@@ -11,7 +11,8 @@ depth), through `Transformer.decode_step` with both KV policies. Rows skip diffe
 do in a served batch, so this measures what row-partial skipping costs.
 
 Per model, batch size and KV policy, three configurations run interleaved, `--repeats` times, on one
-torch thread, timed by the process CPU clock (the machine may be shared):
+torch thread, timed by the process CPU clock (the machine may be shared); every ratio printed is
+paired, the median of each repetition's own ratio:
   full   the model without gates, every layer for every row;
   τ = 0  gates attached, every layer runs (the gated baseline: what skipping is measured against);
   gated  gates attached, the recorded masks;
@@ -181,6 +182,12 @@ def device_saved_share(masks: np.ndarray, costs: dict[int, float]) -> float:
     return 1 - cost[masks.sum(axis=1)].sum() / (steps * layers * cost[batch])
 
 
+def paired(seconds: dict[str, list[float]], faster: str, slower: str) -> float:
+    """`faster`'s speed ÷ `slower`'s: the median of each repetition's own ratio (one repetition runs
+    every configuration back to back, so a slow spell of the shared machine divides out)."""
+    return statistics.median(s / f for f, s in zip(seconds[faster], seconds[slower], strict=True))
+
+
 def parse_models(text: str) -> list[tuple[int, int]]:
     """ "12x512,16x1024" -> [(12, 512), (16, 1024)] (layers, d)."""
     return [(int(layers), int(hidden)) for layers, hidden in (item.split("x") for item in text.split(","))]
@@ -245,17 +252,19 @@ def cpu_section(recorded: np.ndarray, models: list[tuple[int, int]], batches: li
                         runner.attach_gates(bank)
                         seconds[name].append(decode_run(runner, run_masks, batch, args.steps, kv_policy))
                 rate = {name: batch * args.steps / statistics.median(values) for name, values in seconds.items()}
-                speedup = rate["gated"] / rate["tau0"]
+                speedup = paired(seconds, "gated", "tau0")
                 ideal_row, ideal_device = 1 / (1 - f * w), 1 / (1 - s_device * w)
                 line = (
                     f"| {layers} x {hidden} | {batch} | {kv_policy} | {f:.1%} | {f_whole:.1%} | {w:.2f} | "
-                    f"{rate['full']:.0f} | {rate['gated']:.0f} | {rate['gated'] / rate['full']:.3f} | "
+                    f"{rate['full']:.0f} | {rate['gated']:.0f} | {paired(seconds, 'gated', 'full'):.3f} | "
                     f"{ideal_row:.3f} | {ideal_device:.3f} | {speedup / ideal_row:.3f} | "
-                    f"{speedup / ideal_device:.3f} | {1 - merged.mean():.1%} | {rate['consensus'] / rate['full']:.3f} |"
+                    f"{speedup / ideal_device:.3f} | {1 - merged.mean():.1%} | "
+                    f"{paired(seconds, 'consensus', 'full'):.3f} |"
                 )
                 if compiled is not None:
                     line += (
-                        f" {rate['compiled full'] / rate['full']:.3f} | {rate['compiled gated'] / rate['gated']:.3f} |"
+                        f" {paired(seconds, 'compiled full', 'full'):.3f} |"
+                        f" {paired(seconds, 'compiled gated', 'gated'):.3f} |"
                     )
                 print(line, flush=True)
 
@@ -330,8 +339,8 @@ def gpu_section(
             energy = {name: f"{statistics.median(v):.3g}" if v else "n/a" for name, v in joules.items()}
             print(
                 f"| {layers} x {hidden} | {batch} | {1 - masks.mean():.1%} | {f_whole:.1%} | {w:.2f} | "
-                f"{rate['full']:.0f} | {rate['gated']:.0f} | {rate['gated'] / rate['full']:.3f} | "
-                f"{rate['gated'] / rate['tau0'] / ideal:.3f} | {rate['consensus'] / rate['full']:.3f} | "
+                f"{rate['full']:.0f} | {rate['gated']:.0f} | {paired(seconds, 'gated', 'full'):.3f} | "
+                f"{paired(seconds, 'gated', 'tau0') / ideal:.3f} | {paired(seconds, 'consensus', 'full'):.3f} | "
                 f"{energy['full']} | {energy['gated']} |",
                 flush=True,
             )
