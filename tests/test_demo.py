@@ -27,7 +27,14 @@ def test_demo_shows_the_live_histogram_and_leaves_nothing_behind_on_ctrl_c(tmp_p
     argv = [*LAYERWATCH_COMMAND, "demo", "--workdir", str(tmp_path), "--interval", "1"]
     for name, port in ports.items():
         argv += [f"--{name}", str(port)]
-    demo = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Ctrl-C reaches a demo run from a terminal; one started by a background job (`cmd &` in a
+    # script, nohup: how CI may run this suite) inherits SIGINT ignored and would never see it.
+    # The child gets SIGINT's default, as a foreground job has it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        demo = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     output: list[str] = []
     try:
         deadline = time.monotonic() + 240
