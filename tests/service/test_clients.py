@@ -119,13 +119,14 @@ def test_guidellm_synchronous_and_concurrent_runs_get_the_tokens_they_ask(demo_s
 # --- lm-eval ------------------------------------------------------------------------------------------
 
 
-def lm_eval(demo_server: str, tmp_path: Path, tasks: dict[str, dict], docs: list[dict]) -> dict:
-    """Run lm-eval's local-completions on task YAMLs over a local jsonl file; -> its results."""
+def lm_eval(server: str, work: Path, tasks: dict[str, tuple[dict, list[dict]]]) -> dict:
+    """Run lm-eval's local-completions on task YAMLs, each over its own local jsonl file; -> its
+    results. All tasks in one run: each run pays lm-eval's start-up again."""
     import yaml
 
-    data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    for name, fields in tasks.items():
+    for name, (fields, docs) in tasks.items():
+        data = work / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(d) + "\n" for d in docs))
         task = {
             "task": name,
             "dataset_path": "json",
@@ -133,8 +134,8 @@ def lm_eval(demo_server: str, tmp_path: Path, tasks: dict[str, dict], docs: list
             "test_split": "test",
             **fields,
         }
-        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(task))
-    model_args = f"model={DEMO_NAME},base_url={demo_server}/v1/completions,tokenizer={DEMO_MODEL_DIR}"
+        (work / f"{name}.yaml").write_text(yaml.safe_dump(task))
+    model_args = f"model={DEMO_NAME},base_url={server}/v1/completions,tokenizer={DEMO_MODEL_DIR}"
     command = [
         sys.executable,
         "-m",
@@ -146,32 +147,33 @@ def lm_eval(demo_server: str, tmp_path: Path, tasks: dict[str, dict], docs: list
         "--tasks",
         ",".join(tasks),
         "--include_path",
-        str(tmp_path),
+        str(work),
         "--output_path",
-        str(tmp_path / "out"),
+        str(work / "out"),
     ]
-    run = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, env={**os.environ, **OFFLINE}, cwd=tmp_path
-    )
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, **OFFLINE}, cwd=work)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    (results_file,) = (tmp_path / "out").rglob("results_*.json")
+    (results_file,) = (work / "out").rglob("results_*.json")
     return json.loads(results_file.read_text())["results"]
 
 
-def test_lm_eval_generate_until_and_loglikelihood_tasks(demo_server, tmp_path):
-    docs = [
-        {"prompt": "In the beginning God created", "answer": " the heaven", "choices": [" the heaven", " a fish"]},
-        {"prompt": "And God said, Let there be", "answer": " light", "choices": [" light", " stones"]},
-    ]
-    tasks = {
-        "layerwatch_generate": {
+GENERATE_AND_CHOICE_DOCS = [
+    {"prompt": "In the beginning God created", "answer": " the heaven", "choices": [" the heaven", " a fish"]},
+    {"prompt": "And God said, Let there be", "answer": " light", "choices": [" light", " stones"]},
+]
+GENERATE_AND_CHOICE_TASKS = {
+    "layerwatch_generate": (
+        {
             "output_type": "generate_until",
             "doc_to_text": "{{prompt}}",
             "doc_to_target": "{{answer}}",
             "generation_kwargs": {"until": ["\n"], "max_gen_toks": 8, "do_sample": False},
             "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
         },
-        "layerwatch_choice": {
+        GENERATE_AND_CHOICE_DOCS,
+    ),
+    "layerwatch_choice": (
+        {
             "output_type": "multiple_choice",
             "doc_to_text": "{{prompt}}",
             "doc_to_choice": "{{choices}}",
@@ -179,58 +181,80 @@ def test_lm_eval_generate_until_and_loglikelihood_tasks(demo_server, tmp_path):
             "target_delimiter": "",
             "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
         },
-    }
-    results = lm_eval(demo_server, tmp_path, tasks, docs)
-    assert 0.0 <= results["layerwatch_generate"]["exact_match,none"] <= 1.0
-    assert results["layerwatch_choice"]["acc,none"] == 1.0  # the demo model knows its Genesis
-
-
-@pytest.mark.parametrize("server", ["full_depth_server", "demo_server"])
-def test_lm_eval_perplexity_agrees_with_layerwatch_eval(server, request, tmp_path):
-    """lm-eval scores the text after the BOS token (its prefix token for an empty context) from the
-    served prompt log-probabilities; `layerwatch eval` decodes the same tokens, one window of BOS +
-    text, prefilling the BOS only, at the served threshold: 0 (full depth), or the gates' own, where
-    the API's perplexity must be the gated one, not the full-depth one."""
-    from inference_shim.runtime.checkpoint import load_checkpoint
-    from inference_shim.runtime.gates import gates_path_for, load_gates
-
-    checkpoint = load_checkpoint(DEMO_MODEL_DIR)
-    threshold = (
-        0.0
-        if server == "full_depth_server"
-        else load_gates(gates_path_for(DEMO_MODEL_DIR), checkpoint.model).metadata.threshold
-    )
-    tokens = len(checkpoint.tokenizer.encode(GENESIS, add_special_tokens=False))
-    tasks = {
-        "layerwatch_perplexity": {
+        GENERATE_AND_CHOICE_DOCS,
+    ),
+}
+# lm-eval scores the text after the BOS token (its prefix token for an empty context) from the
+# served prompt log-probabilities.
+PERPLEXITY_TASK = {
+    "layerwatch_perplexity": (
+        {
             "output_type": "loglikelihood",
             "doc_to_text": "",
             "doc_to_target": "{{text}}",
             "target_delimiter": "",
             "metric_list": [{"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False}],
-        }
-    }
-    results = lm_eval(request.getfixturevalue(server), tmp_path, tasks, [{"text": GENESIS}])
-    # lm-eval's perplexity is exp(-mean document log-likelihood): one document here.
-    loglikelihood = -math.log(results["layerwatch_perplexity"]["perplexity,none"])
+        },
+        [{"text": GENESIS}],
+    )
+}
 
-    text = tmp_path / "genesis.txt"
+
+@pytest.fixture(scope="module")
+def demo_lm_eval(demo_server, tmp_path_factory) -> dict:
+    """lm-eval's results from the gated server: every task in one run."""
+    return lm_eval(demo_server, tmp_path_factory.mktemp("lm-eval"), {**GENERATE_AND_CHOICE_TASKS, **PERPLEXITY_TASK})
+
+
+@pytest.fixture(scope="module")
+def full_depth_lm_eval(full_depth_server, tmp_path_factory) -> dict:
+    return lm_eval(full_depth_server, tmp_path_factory.mktemp("lm-eval-full"), PERPLEXITY_TASK)
+
+
+@pytest.fixture(scope="module")
+def genesis_eval(tmp_path_factory) -> dict:
+    """`layerwatch eval` on the same tokens lm-eval sends: one window of BOS + text, prefilling the
+    BOS only, at the gates' own threshold; it reports the full-depth perplexity beside the gated one."""
+    from inference_shim.runtime.checkpoint import load_checkpoint
+    from inference_shim.runtime.gates import gates_path_for, load_gates
+
+    checkpoint = load_checkpoint(DEMO_MODEL_DIR)
+    threshold = load_gates(gates_path_for(DEMO_MODEL_DIR), checkpoint.model).metadata.threshold
+    tokens = len(checkpoint.tokenizer.encode(GENESIS, add_special_tokens=False))
+    text = tmp_path_factory.mktemp("genesis") / "genesis.txt"
     text.write_text(GENESIS + "\n")
-    window = tokens + 1  # BOS + the text: exactly the tokens lm-eval sent
     command = [sys.executable, "-m", "layerwatch_cli.main", "eval", "--data", str(text), "--json", "--repeats", "1"]
-    command += ["--window", str(window), "--prefill", "1", "--max-tokens", str(tokens), "--threshold", str(threshold)]
+    command += ["--window", str(tokens + 1), "--prefill", "1", "--max-tokens", str(tokens)]
+    command += ["--threshold", str(threshold)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, **OFFLINE})
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
     assert report["windows"] == 1 and report["decoded_tokens"] == tokens
-    through_api = math.exp(-loglikelihood / tokens)
-    print(
-        f"threshold {threshold}: perplexity over {tokens} tokens: lm-eval via the API {through_api:.9f}, "
-        f"eval gated {report['perplexity_gated']:.9f}, full depth {report['perplexity_full']:.9f}"
+    assert report["skip_fraction"] > 0.1  # layers really were skipped on this text
+    return {**report, "threshold": threshold, "tokens": tokens}
+
+
+def test_lm_eval_generate_until_and_loglikelihood_tasks(demo_lm_eval):
+    assert 0.0 <= demo_lm_eval["layerwatch_generate"]["exact_match,none"] <= 1.0
+    assert demo_lm_eval["layerwatch_choice"]["acc,none"] == 1.0  # the demo model knows its Genesis
+
+
+@pytest.mark.parametrize("server", ["full_depth", "demo"])
+def test_lm_eval_perplexity_agrees_with_layerwatch_eval(server, request, genesis_eval):
+    """Perplexity through the API agrees with `layerwatch eval` on the same tokens: its full-depth
+    figure for the server at threshold 0, its gated one (not the full-depth one) for the server at
+    the gates' own threshold."""
+    results = request.getfixturevalue(f"{server}_lm_eval")
+    # lm-eval's perplexity is exp(-mean document log-likelihood): one document here.
+    loglikelihood = -math.log(results["layerwatch_perplexity"]["perplexity,none"])
+    through_api = math.exp(-loglikelihood / genesis_eval["tokens"])
+    expected, other = (
+        ("perplexity_full", "perplexity_gated") if server == "full_depth" else ("perplexity_gated", "perplexity_full")
     )
-    assert through_api == pytest.approx(report["perplexity_gated"], rel=1e-6)
-    if threshold == 0:
-        assert report["perplexity_gated"] == report["perplexity_full"]  # threshold 0 skips nothing
-    else:
-        assert report["skip_fraction"] > 0.1  # layers really were skipped on this text
-        assert through_api != pytest.approx(report["perplexity_full"], rel=1e-3)
+    print(
+        f"{server} server: perplexity over {genesis_eval['tokens']} tokens: lm-eval via the API {through_api:.9f}, "
+        f"eval gated {genesis_eval['perplexity_gated']:.9f} (threshold {genesis_eval['threshold']}), "
+        f"full depth {genesis_eval['perplexity_full']:.9f}"
+    )
+    assert through_api == pytest.approx(genesis_eval[expected], rel=1e-6)
+    assert through_api != pytest.approx(genesis_eval[other], rel=1e-3)
