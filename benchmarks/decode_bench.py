@@ -22,9 +22,10 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
 
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepRecord
-from inference_shim.runtime.model import KV_POLICIES, GateBank, ModelConfig, Transformer
+from inference_shim.runtime.model import KV_POLICIES, Block, GateBank, ModelConfig, Transformer
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
 
@@ -111,11 +112,10 @@ def skippable_spans(model: Transformer, clock: Callable[[], float]) -> Iterator[
     """
     starts: list[float] = []
     ends: list[float] = []
-    handles = [
-        block.self_attn.q_proj.register_forward_pre_hook(lambda *_: starts.append(clock())) for block in model.layers
-    ]
+    blocks = list(cast("Iterable[Block]", model.layers))  # nn.ModuleList is not generic
+    handles = [block.self_attn.q_proj.register_forward_pre_hook(lambda *_: starts.append(clock())) for block in blocks]
     handles += [
-        block.input_layernorm.register_forward_pre_hook(lambda *_: ends.append(clock())) for block in model.layers[1:]
+        block.input_layernorm.register_forward_pre_hook(lambda *_: ends.append(clock())) for block in blocks[1:]
     ]
     handles.append(model.norm.register_forward_pre_hook(lambda *_: ends.append(clock())))
     try:
