@@ -191,7 +191,11 @@ def paired(seconds: dict[str, list[float]], faster: str, slower: str) -> float:
 
 def parse_models(text: str) -> list[tuple[int, int]]:
     """ "12x512,16x1024" -> [(12, 512), (16, 1024)] (layers, d)."""
-    return [(int(layers), int(hidden)) for layers, hidden in (item.split("x") for item in text.split(","))]
+    models = [(int(layers), int(hidden)) for layers, hidden in (item.split("x") for item in text.split(","))]
+    for layers, _ in models:
+        if layers < 2:  # for_depth maps the demo's first and last layers onto the model's
+            raise ValueError(f"--models {text}: a model needs at least 2 layers")
+    return models
 
 
 def compiled_copy(model: Transformer) -> Transformer:
