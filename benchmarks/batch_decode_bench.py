@@ -328,7 +328,8 @@ def gpu_section(
     """The GPU table, `energy` the cumulative joules reading (gpu_energy) behind its J/token columns
     ("n/a" without one). Any device runs it (the tests run it on the CPU)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
-    print(f"GPU: {name}; KV policy project; wall clock, device synchronised")
+    clock = "wall clock, device synchronised" if device.type == "cuda" else "CPU clock"  # as metered_decode_run
+    print(f"GPU: {name}; KV policy project; {clock}")
     print(
         "| model | batch | skipped | whole-batch | w (weights) | full tok/s | gated tok/s | gated / full | "
         f"realised / ideal (whole-batch) | consensus {CONSENSUS:g} / full | J/token full | J/token gated |"
