@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inference_shim.runtime.engine import LayerCounts, SamplingParams
 from inference_shim.service.audit import AuditTrail
-from inference_shim.service.completions import RequestRecord, depth_mode
+from inference_shim.service.completions import RequestRecord
 from inference_shim.service.metrics import AuditSpanCounts
 
 # The collector stand-in: an OTLP/HTTP endpoint that reads every export and accepts it.
@@ -68,7 +68,8 @@ def record(layers: int, choices: int, tokens: int, rng: np.random.Generator) -> 
         n=choices,
         stream=True,
         threshold=0.18,
-        depth_mode=depth_mode(0.18),
+        depth_mode="gated",  # at the served tau, the reason most requests run there
+        depth_reason="default",
         status="ok",
         finish_reasons=["length"] * choices,
         usage={

@@ -50,8 +50,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -64,7 +65,7 @@ from inference_shim.offline.evaluation import DecodeStep, heldout_windows, teach
 from inference_shim.offline.gated_model import load_gated_model
 from inference_shim.offline.training import text_file_stream
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
-from inference_shim.runtime.model import KV_POLICIES, GateBank, KVCache, Transformer
+from inference_shim.runtime.model import KV_POLICIES, Block, GateBank, KVCache, Transformer
 from inference_shim.runtime.skip_policy import consensus_mask
 from inference_shim.service.power import NvmlReader
 
@@ -168,7 +169,7 @@ def row_costs(model: Transformer, rows: list[int], repeats: int = 20) -> dict[in
         for _ in range(repeats):
             for count, (h, cos, sin, slots, positions) in inputs.items():
                 started = time.process_time()
-                for l, block in enumerate(model.layers):
+                for l, block in enumerate(cast("Iterable[Block]", model.layers)):  # nn.ModuleList is not generic
                     block.decode(h, block.input_layernorm(h), cos, sin, cache, l, slots, positions, PROMPT_TOKENS + 1)
                 times[count].append(time.process_time() - started)
     return {count: statistics.median(values) for count, values in times.items()}
@@ -190,7 +191,11 @@ def paired(seconds: dict[str, list[float]], faster: str, slower: str) -> float:
 
 def parse_models(text: str) -> list[tuple[int, int]]:
     """ "12x512,16x1024" -> [(12, 512), (16, 1024)] (layers, d)."""
-    return [(int(layers), int(hidden)) for layers, hidden in (item.split("x") for item in text.split(","))]
+    models = [(int(layers), int(hidden)) for layers, hidden in (item.split("x") for item in text.split(","))]
+    for layers, _ in models:
+        if layers < 2:  # for_depth maps the demo's first and last layers onto the model's
+            raise ValueError(f"--models {text}: a model needs at least 2 layers")
+    return models
 
 
 def compiled_copy(model: Transformer) -> Transformer:
@@ -289,23 +294,42 @@ def weight_share(model: Transformer, kv_policy: str) -> float:
     return skippable / read
 
 
-def gpu_section(
-    recorded: np.ndarray, models: list[tuple[int, int]], batches: list[int], args, device: torch.device
-) -> None:
-    energy: Callable[[], float] | None = None
+def gpu_energy(device: torch.device) -> Callable[[], float] | None:
+    """The joules `device`'s GPU has used since its driver loaded, as a callable reading NVML's
+    total-energy counter; None (and a line saying why) where NVML or the counter is missing."""
+    index = device.index or 0
     try:
         reader = NvmlReader()
-        reader()
+        joules = reader()[index].energy_joules
     except Exception as exc:  # no nvidia-ml-py, or NVML does not work here: no energy column
         print(f"(no GPU energy: {type(exc).__name__}: {exc})")
-    else:
+        return None
+    if joules is None:
+        print(f"(no GPU energy: GPU {index} has no total-energy counter)")
+        return None
 
-        def gpu_joules() -> float:  # what this GPU has used since its driver loaded
-            return reader()[device.index or 0].energy_joules
+    def gpu_joules() -> float:
+        reading = reader()[index].energy_joules
+        if reading is None:
+            raise RuntimeError(f"GPU {index}'s total-energy counter stopped answering")
+        return reading
 
-        energy = gpu_joules
+    return gpu_joules
+
+
+def gpu_section(
+    recorded: np.ndarray,
+    models: list[tuple[int, int]],
+    batches: list[int],
+    args,
+    device: torch.device,
+    energy: Callable[[], float] | None,
+) -> None:
+    """The GPU table, `energy` the cumulative joules reading (gpu_energy) behind its J/token columns
+    ("n/a" without one). Any device runs it (the tests run it on the CPU)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
-    print(f"GPU: {name}; KV policy project; wall clock, device synchronised")
+    clock = "wall clock, device synchronised" if device.type == "cuda" else "CPU clock"  # as metered_decode_run
+    print(f"GPU: {name}; KV policy project; {clock}")
     print(
         "| model | batch | skipped | whole-batch | w (weights) | full tok/s | gated tok/s | gated / full | "
         f"realised / ideal (whole-batch) | consensus {CONSENSUS:g} / full | J/token full | J/token gated |"
@@ -336,12 +360,12 @@ def gpu_section(
                         joules[name].append(used / (batch * args.steps))
             rate = {name: batch * args.steps / statistics.median(values) for name, values in seconds.items()}
             ideal = 1 / (1 - f_whole * w)
-            energy = {name: f"{statistics.median(v):.3g}" if v else "n/a" for name, v in joules.items()}
+            per_token = {name: f"{statistics.median(v):.3g}" if v else "n/a" for name, v in joules.items()}
             print(
                 f"| {layers} x {hidden} | {batch} | {1 - masks.mean():.1%} | {f_whole:.1%} | {w:.2f} | "
                 f"{rate['full']:.0f} | {rate['gated']:.0f} | {paired(seconds, 'gated', 'full'):.3f} | "
                 f"{paired(seconds, 'gated', 'tau0') / ideal:.3f} | {paired(seconds, 'consensus', 'full'):.3f} | "
-                f"{energy['full']} | {energy['gated']} |",
+                f"{per_token['full']} | {per_token['gated']} |",
                 flush=True,
             )
 
@@ -365,7 +389,8 @@ def main() -> int:
     )
     cpu_section(recorded, models, batches, args)
     if torch.cuda.is_available():
-        gpu_section(recorded, models, batches, args, torch.device("cuda", 0))
+        device = torch.device("cuda", 0)
+        gpu_section(recorded, models, batches, args, device, gpu_energy(device))
     return 0
 
 

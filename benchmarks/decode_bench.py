@@ -22,9 +22,10 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -35,20 +36,26 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
 
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepRecord
-from inference_shim.runtime.model import KV_POLICIES, GateBank, ModelConfig, Transformer
+from inference_shim.runtime.model import KV_POLICIES, Block, GateBank, ModelConfig, Transformer
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
 
+HEAD_DIM = 64
+
 
 def build_model(layers: int, hidden: int, vocab: int) -> Transformer:
+    """A random Llama-shaped model: heads of HEAD_DIM, one KV head per four query heads."""
+    if hidden < HEAD_DIM or hidden % HEAD_DIM:
+        # Else its heads would not cover d (at d < 64: none at all, and the model computes nothing).
+        raise ValueError(f"d = {hidden}: a random benchmark model needs a positive multiple of {HEAD_DIM}")
     config = ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=hidden * 11 // 4,
         num_layers=layers,
-        num_heads=hidden // 64,
+        num_heads=hidden // HEAD_DIM,
         num_kv_heads=max(1, hidden // 256),
-        head_dim=64,
+        head_dim=HEAD_DIM,
         max_position_embeddings=4096,
     )
     torch.manual_seed(0)
@@ -111,11 +118,10 @@ def skippable_spans(model: Transformer, clock: Callable[[], float]) -> Iterator[
     """
     starts: list[float] = []
     ends: list[float] = []
-    handles = [
-        block.self_attn.q_proj.register_forward_pre_hook(lambda *_: starts.append(clock())) for block in model.layers
-    ]
+    blocks = list(cast("Iterable[Block]", model.layers))  # nn.ModuleList is not generic
+    handles = [block.self_attn.q_proj.register_forward_pre_hook(lambda *_: starts.append(clock())) for block in blocks]
     handles += [
-        block.input_layernorm.register_forward_pre_hook(lambda *_: ends.append(clock())) for block in model.layers[1:]
+        block.input_layernorm.register_forward_pre_hook(lambda *_: ends.append(clock())) for block in blocks[1:]
     ]
     handles.append(model.norm.register_forward_pre_hook(lambda *_: ends.append(clock())))
     try:
@@ -158,6 +164,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128, help="decode steps per measurement")
     parser.add_argument("--repeats", type=int, default=5, help="generations per configuration, interleaved")
     args = parser.parse_args()
+    if args.layers < 4:  # the forced patterns skip up to half the layers, never the first or the last
+        parser.error(f"--layers {args.layers}: at least 4 (the forced patterns skip half the inner layers)")
     torch.set_num_threads(1)  # one thread: the thread's CPU clock then measures all of a step's work
 
     model = build_model(args.layers, args.hidden, args.vocab)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -23,6 +22,7 @@ from prometheus_client import generate_latest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.fleet_simulation import start_exporter
 from exporter.collectors import build_registry
 from exporter.exposition import TextEncoder
 from exporter.state import ExporterConfig, ExporterState
@@ -132,10 +132,18 @@ def bench_render() -> dict[str, tuple[float, float]]:
     return results
 
 
-def bench_bimodality() -> float:
+def bench_bimodality() -> tuple[float, float]:
     rng = np.random.default_rng(1)
     window = two_hump_entropies(rng, WINDOW, 1).ravel()
     return median_ms(lambda: check_bimodality(window, 1000), 20)
+
+
+def unlabelled(page: str, name: str) -> float:
+    """The value of the sample `name` (without labels) on a /metrics page."""
+    found = re.search(rf"^{name} (\S+)$", page, re.M)
+    if found is None:
+        raise RuntimeError(f"the exporter's /metrics has no {name} sample")
+    return float(found[1])
 
 
 def bench_live_exporter() -> dict[str, float]:
@@ -145,25 +153,8 @@ def bench_live_exporter() -> dict[str, float]:
     own CPU seconds (process_cpu_seconds_total) measure what receiving, decoding and counting cost
     it, syscalls included. Memory: its RSS after four 80-layer models have filled their windows.
     """
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "layerwatch_cli.main",
-            "exporter",
-            "--per-layer",
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process, udp_port, http_port = start_exporter("--per-layer")
     try:
-        line = process.stderr.readline()
-        udp_port, http_port = map(int, re.search(r"udp://[\d.]+:(\d+), serving http://[\d.]+:(\d+)", line).groups())
         url = f"http://127.0.0.1:{http_port}/metrics"
 
         def scrape() -> tuple[float, float, float, float]:
@@ -175,9 +166,12 @@ def bench_live_exporter() -> dict[str, float]:
                 )
                 for kind in ("received", "lost")
             )
-            cpu = float(re.search(r"^process_cpu_seconds_total (\S+)$", page, re.M)[1])
-            rss = float(re.search(r"^process_resident_memory_bytes (\S+)$", page, re.M)[1])
-            return received, lost, cpu, rss
+            return (
+                received,
+                lost,
+                unlabelled(page, "process_cpu_seconds_total"),
+                unlabelled(page, "process_resident_memory_bytes"),
+            )
 
         sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         address = ("127.0.0.1", udp_port)

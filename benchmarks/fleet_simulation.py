@@ -48,6 +48,7 @@ def start_exporter(*extra: str) -> tuple[subprocess.Popen, int, int]:
         stderr=subprocess.PIPE,
         text=True,
     )
+    assert process.stderr is not None  # a pipe: stderr=PIPE
     line = process.stderr.readline()
     found = re.search(r"udp://[\d.]+:(\d+), serving http://[\d.]+:(\d+)", line)
     if found is None:

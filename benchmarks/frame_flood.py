@@ -36,10 +36,14 @@ WIDEST_SINGLE_ROW_LAYERS = 15_742  # 24 + names + 4·L + ⌈L/8⌉ bytes must st
 def resident_mb(pid: int) -> tuple[float, float]:
     """(current, peak) resident memory of the process in MB, from /proc."""
     status = Path(f"/proc/{pid}/status").read_text()
-    current, peak = (
-        int(re.search(rf"^{field}:\s+(\d+) kB", status, re.M)[1]) * 1024 / 1e6 for field in ("VmRSS", "VmHWM")
-    )
-    return current, peak
+
+    def megabytes(field: str) -> float:
+        found = re.search(rf"^{field}:\s+(\d+) kB", status, re.M)
+        if found is None:
+            raise RuntimeError(f"/proc/{pid}/status has no {field} line")
+        return int(found[1]) * 1024 / 1e6
+
+    return megabytes("VmRSS"), megabytes("VmHWM")
 
 
 def scrape(url: str) -> tuple[str, float]:

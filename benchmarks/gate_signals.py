@@ -54,6 +54,8 @@ def measure(loaded, gates: LoadedGates, requests: int, max_tokens: int, temperat
         started = time.perf_counter()
         full_depth_agreement(model, job)
         plain_s.append(time.perf_counter() - started)
+        if result.layer_signals is None:
+            raise RuntimeError("full_depth_agreement(..., layer_signals=True) returned no layer signals")
         stats.observe(result.layer_signals)
         tokens, agreements = tokens + result.tokens, agreements + result.agreements
         correlation = stats.snapshot().correlation

@@ -76,7 +76,9 @@ def generation_ms(gated: GatedModel, prompt: list[int]) -> float:
     return 1000 * (times[-1] - times[0]) / (len(times) - 1)  # per decode step after the first
 
 
-def victim(gated: GatedModel, victim_prompt: list[int], tokens: int, neighbour: SamplingParams | None, prompt):
+def victim(
+    gated: GatedModel, victim_prompt: list[int], tokens: int, neighbour: SamplingParams | None, prompt: list[int]
+) -> tuple[float, float]:
     """-> (time to first token, median inter-token latency) of the victim, in ms."""
     engine = engine_for(gated)
     if neighbour is not None:
@@ -120,9 +122,9 @@ def main() -> int:
     for name, values in costs.items():
         print(f"  {name:20s} {statistics.median(values):8.3f} ms/token")
     print(f"a {args.victim_tokens}-token generation (the victim):")
-    for name, values in latencies.items():
-        ttft = statistics.median(v[0] for v in values)
-        itl = statistics.median(v[1] for v in values)
+    for name, pairs in latencies.items():
+        ttft = statistics.median(first for first, _ in pairs)
+        itl = statistics.median(gap for _, gap in pairs)
         print(f"  {name:40s} first token {ttft:7.2f} ms, inter-token {itl:6.2f} ms")
     return 0
 

@@ -28,8 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decode_bench import bench_tokenizer, build_model
-
+from benchmarks.decode_bench import bench_tokenizer, build_model
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, demo_model_present
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepHook, StepRecord
 from inference_shim.runtime.gates import gates_path_for
@@ -152,6 +151,7 @@ def main() -> int:
     prompt = list(range(2, 34))
     receiver = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True)
     try:
+        assert receiver.stdout is not None  # a pipe: stdout=PIPE
         exporter = f"127.0.0.1:{int(receiver.stdout.readline())}"
         hook, sender = telemetry_hook("bench", model.config.num_layers, exporter)
         runs: dict[str, list[Run]] = {"off": [], "on": []}

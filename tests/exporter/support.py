@@ -72,8 +72,11 @@ class RunningExporter:
         for offset in range(0, len(frames), burst):
             for frame in frames[offset : offset + burst]:
                 self.send(frame)
-            expected = start + min(offset + burst, len(frames))
-            self.wait_for(lambda expected=expected: self.received_frames() >= expected)
+
+            def all_counted(expected: float = start + min(offset + burst, len(frames))) -> bool:
+                return self.received_frames() >= expected
+
+            self.wait_for(all_counted)
 
     def stop(self) -> int:
         self._socket.close()
@@ -89,7 +92,7 @@ def trace_frames(
 
     Frames carry `threshold`, else the trace's own (wire version 2); neither: version 1.
     """
-    frames = []
+    frames: list[bytes] = []
     for batch in read_trace_batches(path, max_rows=rows_per_frame):
         tau = batch.threshold if threshold is None else threshold
         frames.append(

@@ -1,0 +1,84 @@
+"""benchmarks/batch_decode_bench.py on a tiny model: its tables, the GPU one included, run on the CPU.
+
+The GPU section otherwise runs only where CUDA is present (never in CI); `gpu_section` takes its
+device, so here it runs on torch.device("cpu") with what NVML offers on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.batch_decode_bench import cpu_section, gpu_energy, gpu_section
+from inference_shim.runtime.model import KV_POLICIES
+
+MODELS = [(2, 64)]  # layers x d: the smallest build_model makes (one attention head of 64)
+BATCHES = [1, 2]
+STEPS = 2
+ARGS = argparse.Namespace(steps=STEPS, repeats=1, compile=False)
+
+
+def recorded_masks() -> np.ndarray:
+    """Run masks [steps, rows, 16] as demo_run_masks returns them; theirs come from the demo model,
+    any pattern does for the tables' form."""
+    return np.random.default_rng(0).random((STEPS, max(BATCHES), 16)) < 0.7
+
+
+def table(output: str) -> list[list[str]]:
+    """The cells of each row of the markdown table in `output`, every row as wide as its header."""
+    lines = output.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| model |"))
+    rows = [line for line in lines[header + 2 :] if line.startswith("|")]
+    for row in rows:
+        assert row.count("|") == lines[header].count("|"), row
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+
+
+def numbers(cells: list[str]) -> list[float]:
+    values = [float(cell.removesuffix("%")) for cell in cells]
+    assert all(math.isfinite(v) for v in values), cells
+    return values
+
+
+def test_gpu_section_without_nvml_prints_no_energy(capsys: pytest.CaptureFixture[str]) -> None:
+    energy = gpu_energy(torch.device("cuda", 0))  # the real NVML probe: fails without a GPU
+    if energy is not None:
+        pytest.skip("NVML works on this machine: the absent-NVML path cannot be taken here")
+    assert "(no GPU energy: " in capsys.readouterr().out
+
+    gpu_section(recorded_masks(), MODELS, BATCHES, ARGS, torch.device("cpu"), energy)
+
+    rows = table(capsys.readouterr().out)
+    assert [row[:2] for row in rows] == [["2 x 64", "1"], ["2 x 64", "2"]]
+    for row in rows:
+        numbers(row[2:10])  # skipped, whole-batch, w, tokens/s full and gated, the three ratios
+        assert row[10:] == ["n/a", "n/a"]  # J/token full, gated
+
+
+def test_gpu_section_energy_per_token(capsys: pytest.CaptureFixture[str]) -> None:
+    """The J/token arithmetic only: a counter that every reading advances by 6 J stands in for
+    NVML's total-energy counter (no real energy is measured), so each metered decode of `batch`
+    rows x STEPS tokens uses 6 J: 6 / (batch x STEPS) J per token, at full depth and gated alike."""
+    readings = itertools.count(1000.0, 6.0)
+
+    gpu_section(recorded_masks(), MODELS, BATCHES, ARGS, torch.device("cpu"), lambda: next(readings))
+
+    rows = table(capsys.readouterr().out)
+    assert [row[1] for row in rows] == ["1", "2"]
+    for row in rows:
+        per_token = f"{6 / (int(row[1]) * STEPS):.3g}"
+        assert row[10:] == [per_token, per_token]
+
+
+def test_cpu_section(capsys: pytest.CaptureFixture[str]) -> None:
+    cpu_section(recorded_masks(), MODELS, BATCHES, ARGS)
+
+    rows = table(capsys.readouterr().out)
+    assert [row[:3] for row in rows] == [["2 x 64", str(b), kv] for b in BATCHES for kv in KV_POLICIES]
+    for row in rows:
+        numbers(row[3:])
