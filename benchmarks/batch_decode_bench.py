@@ -297,13 +297,20 @@ def weight_share(model: Transformer, kv_policy: str) -> float:
 def gpu_energy(device: torch.device) -> Callable[[], float] | None:
     """The joules `device`'s GPU has used since its driver loaded, as a callable reading NVML's
     total-energy counter; None (and a line saying why) where NVML or the counter is missing."""
-    index = device.index or 0
     try:
         reader = NvmlReader()
-        joules = reader()[index].energy_joules
+        readings = reader()
     except Exception as exc:  # no nvidia-ml-py, or NVML does not work here: no energy column
         print(f"(no GPU energy: {type(exc).__name__}: {exc})")
         return None
+    # NVML numbers GPUs in PCI order, CUDA by its own order and CUDA_VISIBLE_DEVICES: match by UUID.
+    uuid = "GPU-" + str(torch.cuda.get_device_properties(device).uuid).removeprefix("GPU-")
+    matching = [i for i, reading in enumerate(readings) if reading.uuid == uuid]
+    if not matching:
+        print(f"(no GPU energy: NVML lists no GPU with {device}'s UUID {uuid})")
+        return None
+    (index,) = matching
+    joules = readings[index].energy_joules
     if joules is None:
         print(f"(no GPU energy: GPU {index} has no total-energy counter)")
         return None
