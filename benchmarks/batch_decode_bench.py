@@ -12,7 +12,7 @@ do in a served batch, so this measures what row-partial skipping costs.
 
 Per model, batch size and KV policy, three configurations run interleaved, `--repeats` times, on one
 torch thread, timed by the process CPU clock (the machine may be shared); every ratio printed is
-paired, the median of each repetition's own ratio:
+paired, the median of each repetition's own ratio, with the lowest and highest in brackets:
   full   the model without gates, every layer for every row;
   τ = 0  gates attached, every layer runs (the gated baseline: what skipping is measured against);
   gated  gates attached, the recorded masks;
@@ -183,10 +183,18 @@ def device_saved_share(masks: np.ndarray, costs: dict[int, float]) -> float:
     return 1 - cost[masks.sum(axis=1)].sum() / (steps * layers * cost[batch])
 
 
-def paired(seconds: dict[str, list[float]], faster: str, slower: str) -> float:
-    """`faster`'s speed ÷ `slower`'s: the median of each repetition's own ratio (one repetition runs
-    every configuration back to back, so a slow spell of the shared machine divides out)."""
-    return statistics.median(s / f for f, s in zip(seconds[faster], seconds[slower], strict=True))
+def paired(seconds: dict[str, list[float]], faster: str, slower: str) -> list[float]:
+    """`faster`'s speed ÷ `slower`'s in each repetition (one repetition runs every configuration
+    back to back, so a slow spell of the shared machine divides out)."""
+    return [s / f for f, s in zip(seconds[faster], seconds[slower], strict=True)]
+
+
+def spread(ratios: list[float], scale: float = 1.0) -> str:
+    """ "median (lowest–highest)" of the ratios ÷ scale: the figure, and how far single repetitions
+    strayed from it."""
+    values = sorted(r / scale for r in ratios)
+    median = f"{statistics.median(values):.3f}"
+    return median if len(values) == 1 else f"{median} ({values[0]:.2f}–{values[-1]:.2f})"
 
 
 def parse_models(text: str) -> list[tuple[int, int]]:
@@ -261,15 +269,15 @@ def cpu_section(recorded: np.ndarray, models: list[tuple[int, int]], batches: li
                 ideal_row, ideal_device = 1 / (1 - f * w), 1 / (1 - s_device * w)
                 line = (
                     f"| {layers} x {hidden} | {batch} | {kv_policy} | {f:.1%} | {f_whole:.1%} | {w:.2f} | "
-                    f"{rate['full']:.0f} | {rate['gated']:.0f} | {paired(seconds, 'gated', 'full'):.3f} | "
-                    f"{ideal_row:.3f} | {ideal_device:.3f} | {speedup / ideal_row:.3f} | "
-                    f"{speedup / ideal_device:.3f} | {1 - merged.mean():.1%} | "
-                    f"{paired(seconds, 'consensus', 'full'):.3f} |"
+                    f"{rate['full']:.0f} | {rate['gated']:.0f} | {spread(paired(seconds, 'gated', 'full'))} | "
+                    f"{ideal_row:.3f} | {ideal_device:.3f} | {spread(speedup, ideal_row)} | "
+                    f"{spread(speedup, ideal_device)} | {1 - merged.mean():.1%} | "
+                    f"{spread(paired(seconds, 'consensus', 'full'))} |"
                 )
                 if compiled is not None:
                     line += (
-                        f" {paired(seconds, 'compiled full', 'full'):.3f} |"
-                        f" {paired(seconds, 'compiled gated', 'gated'):.3f} |"
+                        f" {spread(paired(seconds, 'compiled full', 'full'))} |"
+                        f" {spread(paired(seconds, 'compiled gated', 'gated'))} |"
                     )
                 print(line, flush=True)
 
@@ -370,8 +378,8 @@ def gpu_section(
             per_token = {name: f"{statistics.median(v):.3g}" if v else "n/a" for name, v in joules.items()}
             print(
                 f"| {layers} x {hidden} | {batch} | {1 - masks.mean():.1%} | {f_whole:.1%} | {w:.2f} | "
-                f"{rate['full']:.0f} | {rate['gated']:.0f} | {paired(seconds, 'gated', 'full'):.3f} | "
-                f"{paired(seconds, 'gated', 'tau0') / ideal:.3f} | {paired(seconds, 'consensus', 'full'):.3f} | "
+                f"{rate['full']:.0f} | {rate['gated']:.0f} | {spread(paired(seconds, 'gated', 'full'))} | "
+                f"{spread(paired(seconds, 'gated', 'tau0'), ideal)} | {spread(paired(seconds, 'consensus', 'full'))} | "
                 f"{per_token['full']} | {per_token['gated']} |",
                 flush=True,
             )

@@ -20,7 +20,7 @@ from inference_shim.runtime.model import KV_POLICIES
 MODELS = [(2, 64)]  # layers x d: the smallest build_model makes (one attention head of 64)
 BATCHES = [1, 2]
 STEPS = 2
-ARGS = argparse.Namespace(steps=STEPS, repeats=1, compile=False)
+ARGS = argparse.Namespace(steps=STEPS, repeats=2, compile=False)  # 2: the ratios print their spread
 
 
 def recorded_masks() -> np.ndarray:
@@ -40,7 +40,15 @@ def table(output: str) -> list[list[str]]:
 
 
 def numbers(cells: list[str]) -> list[float]:
-    values = [float(cell.removesuffix("%")) for cell in cells]
+    """Each cell's figure: "24.5%", "1.23" or a ratio with its spread, "1.23 (1.10–1.31)", whose
+    median must lie within the spread."""
+    values = []
+    for cell in cells:
+        figure, _, bracket = cell.partition(" (")
+        values.append(float(figure.removesuffix("%")))
+        if bracket:
+            low, high = (float(end) for end in bracket.removesuffix(")").split("–"))
+            assert low - 0.005 <= values[-1] <= high + 0.005, cell
     assert all(math.isfinite(v) for v in values), cells
     return values
 
