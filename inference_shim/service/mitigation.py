@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from inference_shim.service.metrics import make_counter, make_gauge
+from layerwatch.logfmt import logfmt_line
 
 log = logging.getLogger(__name__)
 
@@ -299,25 +300,31 @@ class Mitigations:
         self.metrics.started[alert.alertname].inc()
         action = "full_depth" if s.full_depth else "shadow_rate=1"
         log.warning(
-            "MITIGATION_START alertname=%s fingerprint=%s model=%s action=%s requests=%d until=%s starts_at=%s",
-            key[0],
-            key[1],
-            self.model_name,
-            action,
-            s.requests,
-            until.isoformat(timespec="seconds"),
-            alert.starts_at.isoformat(),
+            "%s",
+            logfmt_line(
+                "MITIGATION_START",
+                alertname=key[0],
+                fingerprint=key[1],
+                model=self.model_name,
+                action=action,
+                requests=s.requests,
+                until=until.isoformat(timespec="seconds"),
+                starts_at=alert.starts_at.isoformat(),
+            ),
         )
 
     def _end(self, key: tuple[str, str], known: _KnownAlert, reason: str) -> None:
         assert known.budget is not None
         log.warning(
-            "MITIGATION_END alertname=%s fingerprint=%s model=%s reason=%s requests_left=%d",
-            key[0],
-            key[1],
-            self.model_name,
-            reason,
-            known.budget.requests_left,
+            "%s",
+            logfmt_line(
+                "MITIGATION_END",
+                alertname=key[0],
+                fingerprint=key[1],
+                model=self.model_name,
+                reason=reason,
+                requests_left=known.budget.requests_left,
+            ),
         )
         known.budget = None
         self.metrics.ended[reason].inc()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import socket
 import time
 from datetime import UTC, datetime, timedelta
@@ -133,7 +134,7 @@ def test_a_firing_alert_shadow_checks_the_next_n_requests_then_ends(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0].startswith(
         f"MITIGATION_START alertname=LayerwatchRoutingStatic fingerprint=a1b2c3d4e5f60718 model={MODEL_NAME} "
-        "action=shadow_rate=1 requests=3 until="
+        'action="shadow_rate=1" requests=3 until='
     )
     assert lines[1] == (
         f"MITIGATION_END alertname=LayerwatchRoutingStatic fingerprint=a1b2c3d4e5f60718 model={MODEL_NAME} "
@@ -651,3 +652,54 @@ def test_the_receiver_needs_a_token_file_and_a_listening_address(tmp_path):
                 model_dir=no_model, mitigation_address="127.0.0.1:0", mitigation_token_file=tmp_path / "absent"
             )
         )
+
+
+# --- the log lines -----------------------------------------------------------------------------------
+
+LOGFMT_FIELD = r'(\w+)=("(?:[^"\\]|\\.)*"|[^\s"=]+)'
+
+
+def logfmt_fields(line: str, marker: str) -> dict[str, str]:
+    """A `MARKER key=value ...` line's fields as a logfmt reader gets them (quoted values are JSON
+    strings); fails unless the whole line is the marker and such pairs."""
+    assert re.fullmatch(re.escape(marker) + f"(?: {LOGFMT_FIELD})*", line), line
+    return {key: json.loads(value) if value.startswith('"') else value for key, value in re.findall(LOGFMT_FIELD, line)}
+
+
+def test_values_from_a_webhook_cannot_forge_log_fields_or_lines(in_process, tmp_path, caplog):
+    """An alert's fingerprint and alertname reach MITIGATION_* and ROLLOUT_* lines: a space, '=' or
+    a newline in them must stay inside their own field."""
+    forged_fingerprint = "f0 reason=operator\nMITIGATION_END alertname=X"
+    forged_name = 'Evil fired" reason=operator\r\nROLLOUT_DEMOTED: from_level=9 to_level=8 \x1b[2K\u2028'
+    port = free_port()
+    in_process(
+        mitigation_address=f"127.0.0.1:{port}",
+        mitigation_token_file=token_file(tmp_path),
+        rollout_levels=parse_rollout_levels("share=0;share=1"),
+    )
+    url = f"http://127.0.0.1:{port}"
+    with caplog.at_level(logging.WARNING, logger="inference_shim.service"):
+        post(url, notification(alert(fingerprint=forged_fingerprint)))  # starts, pages: demotes to level 1
+        post(url, notification(alert(forged_name, fingerprint="0f0f0f0f0f0f0f0f")))  # pages: no lower level
+        post(url, notification(alert(status="resolved", fingerprint=forged_fingerprint)))  # ends
+    markers = ("MITIGATION_START", "MITIGATION_END", "ROLLOUT_DEMOTED:", "ROLLOUT_DEMOTION_SKIPPED:")
+    lines = {m: r.getMessage() for r in caplog.records for m in markers if r.getMessage().startswith(m + " ")}
+    assert len(lines) == 4, caplog.text
+    assert all(line.isprintable() for line in lines.values()), lines  # no newline, escape or separator
+    started = logfmt_fields(lines["MITIGATION_START"], "MITIGATION_START")
+    assert (started["fingerprint"], started["model"], started["action"]) == (
+        forged_fingerprint,
+        MODEL_NAME,
+        "shadow_rate=1",
+    )
+    ended = logfmt_fields(lines["MITIGATION_END"], "MITIGATION_END")
+    assert (ended["fingerprint"], ended["reason"]) == (forged_fingerprint, "resolved")
+    demoted = logfmt_fields(lines["ROLLOUT_DEMOTED:"], "ROLLOUT_DEMOTED:")
+    assert demoted == {
+        "from_level": "2",
+        "to_level": "1",
+        "conditions": "share=0",
+        "reason": "LayerwatchRoutingStatic fired",
+    }
+    skipped = logfmt_fields(lines["ROLLOUT_DEMOTION_SKIPPED:"], "ROLLOUT_DEMOTION_SKIPPED:")
+    assert skipped == {"level": "1", "reason": f"{forged_name} fired", "why": "no lower level"}
