@@ -5,7 +5,7 @@ When one of MITIGATING_ALERTS fires for the served model (label model_name), a m
 the next `requests` requests, for at most `seconds`, are shadow-checked at rate 1 (every greedy one
 is re-scored at full depth), or, with `full_depth`, run at full depth (threshold 0). It ends when
 the alert resolves or its budget runs out, whichever comes first (or an operator ends it:
-DELETE /mitigations on the receiver). Every start and end is a metric
+DELETE /mitigations on the receiver), or the shim shuts down. Every start and end is a metric
 and one log line (MITIGATION_START / MITIGATION_END).
 
 State is kept per (alertname, fingerprint), the alert's identity in Alertmanager, together with the
@@ -44,7 +44,7 @@ MITIGATING_ALERTS = ("LayerwatchEntropyDrift", "LayerwatchRoutingStatic", "Layer
 PAGING_SEVERITY = "critical"  # mixin/config.py: SEVERITY_PAGE
 MAX_ALERTS_PER_NOTIFICATION = 1000  # the generated config sends at most 100 (max_alerts)
 MAX_TRACKED_ALERTS = 1000  # known alerts kept, in effect or not (_evict)
-END_REASONS = ("resolved", "requests", "time", "operator", "evicted")
+END_REASONS = ("resolved", "requests", "time", "operator", "evicted", "shutdown")
 ALERT_OUTCOMES = ("started", "ended", "unchanged", "stale", "other_model", "not_mitigating")
 WEBHOOK_OUTCOMES = ("accepted", "unauthorized", "malformed", "too_large", "not_found", "too_many_connections")
 
@@ -234,13 +234,14 @@ class Mitigations:
                 for key, known, budget in self._active()
             ]
 
-    def end_all(self) -> int:
-        """An operator ends every mitigation now (DELETE /mitigations); returns how many. Repeats of the
-        same incidents do not start them again; a new incident of an alert does."""
+    def end_all(self, reason: str = "operator") -> int:
+        """End every mitigation now; returns how many. An operator does (DELETE /mitigations): repeats
+        of the same incidents do not start them again, a new incident of an alert does. At shutdown
+        ("shutdown"), so that every MITIGATION_START in the log has its MITIGATION_END."""
         with self._lock:
             active = self._active()
             for key, known, _ in active:
-                self._end(key, known, "operator")
+                self._end(key, known, reason)
             self._publish()
             return len(active)
 

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import re
+import signal
 import socket
 import time
 from datetime import UTC, datetime, timedelta
@@ -18,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from alerts.specs import ALERTS
-from demo.processes import free_port
+from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
 from inference_shim.service import mitigation_receiver
 from inference_shim.service.depth import parse_rollout_levels
 from inference_shim.service.mitigation import (
@@ -703,3 +704,36 @@ def test_values_from_a_webhook_cannot_forge_log_fields_or_lines(in_process, tmp_
     }
     skipped = logfmt_fields(lines["ROLLOUT_DEMOTION_SKIPPED:"], "ROLLOUT_DEMOTION_SKIPPED:")
     assert skipped == {"level": "1", "reason": f"{forged_name} fired", "why": "no lower level"}
+
+
+# --- `layerwatch serve` as a process -----------------------------------------------------------------
+
+
+def serve(tmp_path: Path, checkpoint, *args: str) -> ManagedProcess:
+    argv = [*LAYERWATCH_COMMAND, "serve", "--model", str(checkpoint.path), "--model-name", MODEL_NAME]
+    argv += ["--exporter-address", "", "--log-level", "info", *args]
+    return ManagedProcess("serve", argv, tmp_path / "serve.log", env={"OMP_NUM_THREADS": "1"})
+
+
+def test_a_shutdown_ends_the_mitigations_in_effect_in_the_log(tiny_checkpoint, tmp_path):
+    """A log audit pairs every MITIGATION_START with a MITIGATION_END: SIGTERM ends those in effect."""
+    api, receiver = free_port(), free_port()
+    process = serve(
+        tmp_path,
+        tiny_checkpoint,
+        *("--port", str(api), "--mitigation-address", f"127.0.0.1:{receiver}"),
+        *("--mitigation-token-file", str(token_file(tmp_path)), "--drain-timeout-seconds", "0"),
+    )
+    try:
+        process.wait_http(f"http://127.0.0.1:{api}/healthz", timeout=90)
+        drift = alert("LayerwatchEntropyDrift", fingerprint="0f0f0f0f0f0f0f0f")
+        response = post(f"http://127.0.0.1:{receiver}", notification(alert(), drift))
+        assert response.json() == {"outcomes": ["started", "started"]}
+        process.proc.send_signal(signal.SIGTERM)
+        assert process.proc.wait(30) == -signal.SIGTERM
+    finally:
+        process.stop()
+    log = process.log_path.read_text()
+    ended = [line for line in log.splitlines() if "MITIGATION_END" in line]
+    assert len(ended) == 2, log
+    assert all(line.endswith(" reason=shutdown requests_left=100") for line in ended), ended
