@@ -246,6 +246,44 @@ def resolve_limits(settings: ServeSettings, context: int, chars_per_token: int |
     return Limits(prompt, cap, settings.max_body_bytes, settings.body_timeout_seconds, max_chars)
 
 
+def _load_model(settings: ServeSettings) -> tuple[LoadedCheckpoint, LoadedGates]:
+    """The checkpoint and the gates it serves (a drill's, when one is asked for)."""
+    log.info("loading the model %s (%s, %s)", settings.model_dir, settings.device, settings.dtype)
+    checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])
+    if settings.compile:
+        checkpoint.model.compile_layers()
+    if settings.reset_gates:
+        gates = reset_gates(checkpoint.model, seed=RESET_GATES_SEED)
+        log.warning("serving freshly initialised gates (--reset-gates), gates_sha256=%s", gates.sha256)
+    elif settings.static_gates:
+        healthy = load_gates(gates_file(settings), checkpoint.model)
+        # Decoded in a thread of its own, as the engine worker decodes: torch's CPU kernels called
+        # from the main thread ran 30-90 times slower on the busy 2-core development machine
+        # (18-45 s against 0.5 s for the measurement).
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="static-gates") as pool:
+            drill = pool.submit(
+                static_gates,
+                checkpoint.model,
+                checkpoint.tokenizer,
+                healthy,
+                protected_layers=settings.protected_layers,
+                kv_policy=settings.kv_policy,
+            ).result()
+        gates = drill.gates
+        log.warning(
+            "serving constant gates (--static-gates): layers %s skipped for every token; scores %s; gates_sha256=%s",
+            list(drill.static_layers),
+            " ".join(f"{layer}:{c:.3f}" for layer, c in enumerate(drill.constants.tolist())),
+            gates.sha256,
+        )
+    else:
+        gates = load_gates(gates_file(settings), checkpoint.model)
+    if settings.shuffle_gates:
+        gates = shuffle_gates(gates)
+        log.warning("serving the gates on the wrong layers (--shuffle-gates), gates_sha256=%s", gates.sha256)
+    return checkpoint, gates
+
+
 class ShimService:
     def __init__(
         self,
@@ -428,39 +466,7 @@ class ShimService:
         )
         mitigation_token = _mitigation_token(settings)
         depth_settings(settings).check()  # the depth flags too: a bad level fails before minutes of loading
-        checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])
-        if settings.compile:
-            checkpoint.model.compile_layers()
-        if settings.reset_gates:
-            gates = reset_gates(checkpoint.model, seed=RESET_GATES_SEED)
-            log.warning("serving freshly initialised gates (--reset-gates), gates_sha256=%s", gates.sha256)
-        elif settings.static_gates:
-            healthy = load_gates(gates_file(settings), checkpoint.model)
-            # Decoded in a thread of its own, as the engine worker decodes: torch's CPU kernels called
-            # from the main thread ran 30-90 times slower on the busy 2-core development machine
-            # (18-45 s against 0.5 s for the measurement).
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="static-gates") as pool:
-                drill = pool.submit(
-                    static_gates,
-                    checkpoint.model,
-                    checkpoint.tokenizer,
-                    healthy,
-                    protected_layers=settings.protected_layers,
-                    kv_policy=settings.kv_policy,
-                ).result()
-            gates = drill.gates
-            log.warning(
-                "serving constant gates (--static-gates): layers %s skipped for every token; scores %s; "
-                "gates_sha256=%s",
-                list(drill.static_layers),
-                " ".join(f"{layer}:{c:.3f}" for layer, c in enumerate(drill.constants.tolist())),
-                gates.sha256,
-            )
-        else:
-            gates = load_gates(gates_file(settings), checkpoint.model)
-        if settings.shuffle_gates:
-            gates = shuffle_gates(gates)
-            log.warning("serving the gates on the wrong layers (--shuffle-gates), gates_sha256=%s", gates.sha256)
+        checkpoint, gates = _load_model(settings)
         return cls(checkpoint, gates, settings, frame_key, registry, mitigation_token, span_exporter)
 
     @property
