@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import math
 import os
+import socket
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from inference_shim.service.metrics import (
     isolated,
 )
 from inference_shim.service.mitigation import MitigationMetrics, Mitigations, MitigationSettings, PagingEvent
-from inference_shim.service.mitigation_receiver import WEBHOOK_PATH, MitigationReceiver
+from inference_shim.service.mitigation_receiver import WEBHOOK_PATH, MitigationReceiver, reserve
 from inference_shim.service.power import NvmlCollector, RaplCollector
 from inference_shim.service.readiness import Readiness
 from inference_shim.service.shadow import ShadowChecker
@@ -150,15 +151,24 @@ def gates_file(settings: ServeSettings) -> Path:
     return gates_path_for(settings.model_dir, settings.gates_path)
 
 
-def _mitigation_token(settings: ServeSettings) -> RotatingSecret | None:
-    """The receiver's bearer token file when it is on; read (and its address checked) before the
-    model loads, so that a bad setting fails at once."""
+@dataclass(frozen=True)
+class MitigationListener:
+    """The mitigation receiver's socket, bound (mitigation_receiver.reserve), and its bearer token."""
+
+    socket: socket.socket
+    token: RotatingSecret
+
+
+def _mitigation_listener(settings: ServeSettings) -> MitigationListener | None:
+    """The receiver's token read and its address bound when it is on, before the model loads, so
+    that a bad setting or a taken port fails at once (the socket is closed if the start fails later)."""
     if not settings.mitigation_address:
         return None
-    parse_address(settings.mitigation_address, listening=True)
+    address = parse_address(settings.mitigation_address, listening=True)
     if settings.mitigation_token_file is None:
         raise ValueError("--mitigation-address needs --mitigation-token-file: the receiver never runs unauthenticated")
-    return RotatingSecret(settings.mitigation_token_file, "mitigation token file")
+    token = RotatingSecret(settings.mitigation_token_file, "mitigation token file")
+    return MitigationListener(reserve(address), token)
 
 
 def depth_settings(settings: ServeSettings) -> DepthSettings:
@@ -292,7 +302,7 @@ class ShimService:
         settings: ServeSettings,
         frame_key: bytes | None,
         registry: CollectorRegistry | None = None,
-        mitigation_token: RotatingSecret | None = None,
+        mitigation: MitigationListener | None = None,
         span_exporter: SpanExporter | None = None,
     ) -> None:
         """`settings.otlp_endpoint` is the resolved traces URL (None: spans off); a `span_exporter`
@@ -398,10 +408,8 @@ class ShimService:
             MitigationMetrics(self.registry, self.model_name),  # exposed (at 0) even without the receiver
         )
         self.mitigation_receiver = (
-            MitigationReceiver(
-                parse_address(settings.mitigation_address, listening=True), self.mitigations, mitigation_token.current
-            )
-            if mitigation_token is not None
+            MitigationReceiver(mitigation.socket, self.mitigations, mitigation.token.current)
+            if mitigation is not None
             else None
         )
         # A mitigation raises the shadow rate of its requests: the checker is needed even at rate 0.
@@ -464,10 +472,15 @@ class ShimService:
         frame_key = (
             load_frame_key(settings.frame_key_file) if settings.frame_key_file and settings.exporter_address else None
         )
-        mitigation_token = _mitigation_token(settings)
         depth_settings(settings).check()  # the depth flags too: a bad level fails before minutes of loading
-        checkpoint, gates = _load_model(settings)
-        return cls(checkpoint, gates, settings, frame_key, registry, mitigation_token, span_exporter)
+        mitigation = _mitigation_listener(settings)
+        try:
+            checkpoint, gates = _load_model(settings)
+            return cls(checkpoint, gates, settings, frame_key, registry, mitigation, span_exporter)
+        except BaseException:
+            if mitigation is not None:
+                mitigation.socket.close()
+            raise
 
     @property
     def gates_sha256(self) -> str:

@@ -34,7 +34,7 @@ from inference_shim.service.mitigation import (
     RequestMitigation,
     parse_notification,
 )
-from inference_shim.service.mitigation_receiver import MAX_BODY_BYTES, WEBHOOK_PATH, MitigationReceiver
+from inference_shim.service.mitigation_receiver import MAX_BODY_BYTES, WEBHOOK_PATH, MitigationReceiver, reserve
 from mixin import config
 from tests.service.conftest import MODEL_NAME, sample_sum
 
@@ -274,7 +274,7 @@ def test_settings_out_of_range_are_refused():
 @pytest.fixture
 def receiver():
     state, registry, _ = mitigations()
-    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
+    server = MitigationReceiver(reserve(("127.0.0.1", 0)), state, lambda: TOKEN)
     server.start()
     host, port = server.address
     yield f"http://{host}:{port}", state, registry
@@ -357,7 +357,7 @@ def test_a_body_over_the_limit_is_refused_unread_and_other_paths_are_not_found(r
 def test_a_stalled_body_is_cut_off_with_408(monkeypatch):
     monkeypatch.setattr(mitigation_receiver, "BODY_TIMEOUT_SECONDS", 0.5)
     state, registry, _ = mitigations()
-    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
+    server = MitigationReceiver(reserve(("127.0.0.1", 0)), state, lambda: TOKEN)
     server.start()
     try:
         with socket.create_connection(server.address, timeout=10) as client:
@@ -375,7 +375,7 @@ def test_a_body_trickled_byte_by_byte_is_cut_off_with_408_on_time(monkeypatch):
     # Each byte comes well within the socket's timeout; the body as a whole does not.
     monkeypatch.setattr(mitigation_receiver, "BODY_TIMEOUT_SECONDS", 1.0)
     state, registry, _ = mitigations()
-    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
+    server = MitigationReceiver(reserve(("127.0.0.1", 0)), state, lambda: TOKEN)
     server.start()
     body = notification(alert())
     try:
@@ -401,13 +401,14 @@ def test_a_body_trickled_byte_by_byte_is_cut_off_with_408_on_time(monkeypatch):
 
 
 def test_a_taken_port_fails_naming_the_receiver_and_its_address():
-    state, _, _ = mitigations()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(OSError, match=f"mitigation receiver cannot listen on 127.0.0.1:{port}"):
-            MitigationReceiver(("127.0.0.1", port), state, lambda: TOKEN)
+        with pytest.raises(
+            OSError, match=f"mitigation receiver cannot listen on 127.0.0.1:{port} \\(--mitigation-address\\)"
+        ):
+            reserve(("127.0.0.1", port))
 
 
 def closed_by_server(client: socket.socket, within: float) -> bool:
@@ -424,7 +425,7 @@ def test_a_request_trickled_without_a_token_is_cut_off_and_connections_are_cappe
     # held a thread for ever, and every new connection took another one.
     monkeypatch.setattr(mitigation_receiver, "REQUEST_SECONDS", 1.0)
     state, registry, _ = mitigations()
-    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
+    server = MitigationReceiver(reserve(("127.0.0.1", 0)), state, lambda: TOKEN)
     server.start()
     try:
         with socket.create_connection(server.address, timeout=10) as client:
@@ -480,7 +481,7 @@ def test_an_operator_lists_and_ends_the_mitigations_and_repeats_do_not_restart_t
 def test_the_receiver_ends_mitigations_on_time_without_any_traffic():
     registry = CollectorRegistry()
     state = Mitigations(MODEL_NAME, MitigationSettings(100, 0.5, False, 0.0), MitigationMetrics(registry, MODEL_NAME))
-    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
+    server = MitigationReceiver(reserve(("127.0.0.1", 0)), state, lambda: TOKEN)
     server.start()
     try:
         host, port = server.address
@@ -737,3 +738,30 @@ def test_a_shutdown_ends_the_mitigations_in_effect_in_the_log(tiny_checkpoint, t
     ended = [line for line in log.splitlines() if "MITIGATION_END" in line]
     assert len(ended) == 2, log
     assert all(line.endswith(" reason=shutdown requests_left=100") for line in ended), ended
+
+
+@pytest.mark.parametrize(
+    "taken, what, flag",
+    [("mitigation", "the mitigation receiver", "--mitigation-address"), ("api", "the API", "--host/--port")],
+)
+def test_a_taken_port_stops_serve_before_the_model_loads(tiny_checkpoint, tmp_path, taken, what, flag):
+    """Exit 2 naming the flag and the address before the model loads (minutes for a real model),
+    and so before either listener serves anything."""
+    with socket.socket() as occupied:
+        occupied.bind(("127.0.0.1", 0))
+        occupied.listen()
+        port = occupied.getsockname()[1]
+        api, receiver = (port, free_port()) if taken == "api" else (free_port(), port)
+        process = serve(
+            tmp_path,
+            tiny_checkpoint,
+            *("--port", str(api), "--mitigation-address", f"127.0.0.1:{receiver}"),
+            *("--mitigation-token-file", str(token_file(tmp_path))),
+        )
+        try:
+            assert process.proc.wait(60) == 2
+        finally:
+            process.stop()
+    log = process.log_path.read_text()
+    assert f"{what} cannot listen on 127.0.0.1:{port} ({flag}): Address already in use" in log, log
+    assert "loading the model" not in log, log
