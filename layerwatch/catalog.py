@@ -409,7 +409,8 @@ METRICS: tuple[MetricSpec, ...] = (
         ("model_name", "reason"),
         "Mitigations ended, by reason: resolved (the alert resolved), requests (its request budget was spent), "
         "time (its time budget ran out), operator (DELETE /mitigations on the receiver), evicted (over 1000 alerts "
-        "known: the mitigation that would end soonest makes room for a newer incident's).",
+        "known: the mitigation that would end soonest makes room for a newer incident's), shutdown (the shim stopped "
+        "while it was in effect).",
         SHIM,
     ),
     _m(

@@ -20,7 +20,7 @@ from inference_shim.runtime.skip_policy import SKIP_RULES
 from inference_shim.service.depth import REQUEST_FIELD, parse_rollout_levels, parse_threshold_range
 from inference_shim.service.shim import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServeSettings
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
-from layerwatch.ports import LOOPBACK, SHIM_HTTP_PORT, SHIM_MITIGATION_PORT
+from layerwatch.ports import LOOPBACK, SHIM_HTTP_PORT, SHIM_MITIGATION_PORT, reserve
 from layerwatch_cli import argtypes
 
 T = TypeVar("T")
@@ -422,9 +422,15 @@ def run(args: argparse.Namespace) -> int:
             DEMO_MODEL_DIR,
         )
         return 2
+    try:  # the port before the model loads (minutes): a taken one fails at once
+        api = reserve((args.host, args.port), "the API", "--host/--port")
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
     try:
         service = ShimService.load(settings)
     except (CheckpointError, GateFileError, CompileError, ValueError, OSError) as exc:
+        api.close()
         log.error("cannot start: %s", exc)
         return 2
     log.info(
@@ -438,5 +444,5 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         create_app(service), host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )
-    ShimServer(config, service).run()
+    ShimServer(config, service).run(sockets=[api])  # uvicorn listens on it once the service has started
     return 0

@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from inference_shim.service.metrics import make_counter, make_gauge, make_histogram
 from layerwatch.complexity import prompt_complexity
+from layerwatch.logfmt import logfmt_line
 
 log = logging.getLogger(__name__)
 
@@ -293,18 +294,13 @@ class DepthDecider:
         or when the last demotion was less than the hold-off ago."""
         with self._lock:
             if self._level <= 0:
-                log.warning("ROLLOUT_DEMOTION_SKIPPED: level=%d reason=%s (no lower level)", self._level + 1, reason)
+                log.warning("%s", _skipped_line(self._level + 1, reason, "no lower level"))
                 return False
             now = time.monotonic()
             holdoff = self.settings.rollout_demotion_holdoff_minutes * 60
             if self._last_demotion is not None and now - self._last_demotion < holdoff:
-                log.warning(
-                    "ROLLOUT_DEMOTION_SKIPPED: level=%d reason=%s (the last demotion was %.0f s ago, hold-off %.0f s)",
-                    self._level + 1,
-                    reason,
-                    now - self._last_demotion,
-                    holdoff,
-                )
+                why = f"the last demotion was {now - self._last_demotion:.0f} s ago, hold-off {holdoff:.0f} s"
+                log.warning("%s", _skipped_line(self._level + 1, reason, why))
                 return False
             self._last_demotion = now
             self._level -= 1
@@ -313,6 +309,11 @@ class DepthDecider:
             self.metrics.level.set(level)
         self.metrics.demotions.inc()
         log.warning(
-            'ROLLOUT_DEMOTED: from_level=%d to_level=%d conditions="%s" reason=%s', level + 1, level, described, reason
+            "%s",
+            logfmt_line("ROLLOUT_DEMOTED:", from_level=level + 1, to_level=level, conditions=described, reason=reason),
         )
         return True
+
+
+def _skipped_line(level: int, reason: str, why: str) -> str:
+    return logfmt_line("ROLLOUT_DEMOTION_SKIPPED:", level=level, reason=reason, why=why)

@@ -25,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import cast
 
 from inference_shim.service.mitigation import MalformedNotification, Mitigations, parse_notification
+from layerwatch import ports
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +150,13 @@ class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True  # a stuck client never blocks shutdown
     request_queue_size = MAX_CONNECTIONS  # the stdlib's backlog of 5 drops SYNs in a burst (a 1 s retry)
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], mitigations: Mitigations):
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+    def __init__(self, bound: socket.socket, handler: type[BaseHTTPRequestHandler], mitigations: Mitigations):
         self.mitigations = mitigations
         self._deadlines: dict[socket.socket, float] = {}  # each open connection's (monotonic)
         self._deadlines_lock = threading.Lock()
-        super().__init__(address, handler)
+        super().__init__(bound.getsockname(), handler, bind_and_activate=False)
+        self.socket.close()  # the stdlib's own, never bound: the one bound before the model loaded serves
+        self.socket = bound
 
     def verify_request(self, request: socket.socket, client_address: object) -> bool:  # type: ignore[override]
         with self._deadlines_lock:
@@ -186,19 +188,17 @@ class _HTTPServer(ThreadingHTTPServer):
                 connection.shutdown(socket.SHUT_RD)  # its handler reads the end, answers and closes
 
 
-class MitigationReceiver:
-    """Binds on construction (a taken port fails start-up), serves after start()."""
+def reserve(address: tuple[str, int]) -> socket.socket:
+    """The receiver's socket, bound and not yet listening (layerwatch.ports.reserve), for MitigationReceiver."""
+    return ports.reserve(address, "the mitigation receiver", "--mitigation-address")
 
-    def __init__(self, address: tuple[str, int], mitigations: Mitigations, token: Callable[[], bytes]) -> None:
+
+class MitigationReceiver:
+    """Listens on a socket from reserve() and serves after start(); stop() closes it."""
+
+    def __init__(self, bound: socket.socket, mitigations: Mitigations, token: Callable[[], bytes]) -> None:
         """`token` gives the bearer token at each request (RotatingSecret.current: the file may be rotated)."""
-        try:
-            self._server = _HTTPServer(address, _handler_class(mitigations, token), mitigations)
-        except OSError as exc:  # said as such: the API's own port is another flag
-            host, port = address
-            raise OSError(
-                exc.errno,
-                f"the mitigation receiver cannot listen on {host}:{port} (--mitigation-address): {exc.strerror}",
-            ) from None
+        self._server = _HTTPServer(bound, _handler_class(mitigations, token), mitigations)
         self._thread = threading.Thread(
             target=self._server.serve_forever, args=(EXPIRY_POLL_SECONDS,), name="mitigation-receiver", daemon=True
         )
@@ -208,6 +208,7 @@ class MitigationReceiver:
         return cast(tuple[str, int], self._server.server_address[:2])
 
     def start(self) -> None:
+        self._server.server_activate()  # listen
         self._thread.start()
 
     def stop(self) -> None:

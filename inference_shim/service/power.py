@@ -94,8 +94,8 @@ class NvmlReader:
     """Reads every GPU through pynvml (nvidia-ml-py).
 
     Raises pynvml.NVMLError when NVML itself does not work: no driver, a GPU that cannot be listed,
-    or a lost GPU. Each reading of a listed GPU fails on its own: a GPU without fans still reports
-    its temperature, power and clocks.
+    or a lost GPU. Each reading of a listed GPU fails on its own, whatever it raises: a GPU without
+    fans still reports its temperature, power and clocks.
     """
 
     def __init__(self) -> None:
@@ -135,7 +135,10 @@ class NvmlReader:
                 else:
                     failed.add(reading)
                 self._log_once(uuid, reading, exc)
-                return None
+            except Exception as exc:  # e.g. nvidia-ml-py without the call, or a value that does not convert
+                failed.add(reading)  # NVML answered: only this reading is lost, not every GPU's for a minute
+                self._log_once(uuid, reading, exc)
+            return None
 
         return GpuReading(
             index=index,
@@ -155,7 +158,13 @@ class NvmlReader:
     def _log_once(self, uuid: str, reading: str, exc: Exception) -> None:
         if (uuid, reading) not in self._logged:
             self._logged.add((uuid, reading))
-            log.info("NVML reading %s of GPU %s unavailable (%s); its other readings are exported", reading, uuid, exc)
+            log.info(
+                "NVML reading %s of GPU %s unavailable (%s: %s); its other readings are exported",
+                reading,
+                uuid,
+                type(exc).__name__,
+                exc,
+            )
 
     def _shutdown(self) -> None:
         # After a driver reload the old handles are stale: start over with a fresh nvmlInit.

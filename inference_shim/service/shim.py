@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import math
 import os
+import socket
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from inference_shim.service.metrics import (
     isolated,
 )
 from inference_shim.service.mitigation import MitigationMetrics, Mitigations, MitigationSettings, PagingEvent
-from inference_shim.service.mitigation_receiver import WEBHOOK_PATH, MitigationReceiver
+from inference_shim.service.mitigation_receiver import WEBHOOK_PATH, MitigationReceiver, reserve
 from inference_shim.service.power import NvmlCollector, RaplCollector
 from inference_shim.service.readiness import Readiness
 from inference_shim.service.shadow import ShadowChecker
@@ -150,15 +151,24 @@ def gates_file(settings: ServeSettings) -> Path:
     return gates_path_for(settings.model_dir, settings.gates_path)
 
 
-def _mitigation_token(settings: ServeSettings) -> RotatingSecret | None:
-    """The receiver's bearer token file when it is on; read (and its address checked) before the
-    model loads, so that a bad setting fails at once."""
+@dataclass(frozen=True)
+class MitigationListener:
+    """The mitigation receiver's socket, bound (mitigation_receiver.reserve), and its bearer token."""
+
+    socket: socket.socket
+    token: RotatingSecret
+
+
+def _mitigation_listener(settings: ServeSettings) -> MitigationListener | None:
+    """The receiver's token read and its address bound when it is on, before the model loads, so
+    that a bad setting or a taken port fails at once (the socket is closed if the start fails later)."""
     if not settings.mitigation_address:
         return None
-    parse_address(settings.mitigation_address, listening=True)
+    address = parse_address(settings.mitigation_address, listening=True)
     if settings.mitigation_token_file is None:
         raise ValueError("--mitigation-address needs --mitigation-token-file: the receiver never runs unauthenticated")
-    return RotatingSecret(settings.mitigation_token_file, "mitigation token file")
+    token = RotatingSecret(settings.mitigation_token_file, "mitigation token file")
+    return MitigationListener(reserve(address), token)
 
 
 def depth_settings(settings: ServeSettings) -> DepthSettings:
@@ -246,6 +256,44 @@ def resolve_limits(settings: ServeSettings, context: int, chars_per_token: int |
     return Limits(prompt, cap, settings.max_body_bytes, settings.body_timeout_seconds, max_chars)
 
 
+def _load_model(settings: ServeSettings) -> tuple[LoadedCheckpoint, LoadedGates]:
+    """The checkpoint and the gates it serves (a drill's, when one is asked for)."""
+    log.info("loading the model %s (%s, %s)", settings.model_dir, settings.device, settings.dtype)
+    checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])
+    if settings.compile:
+        checkpoint.model.compile_layers()
+    if settings.reset_gates:
+        gates = reset_gates(checkpoint.model, seed=RESET_GATES_SEED)
+        log.warning("serving freshly initialised gates (--reset-gates), gates_sha256=%s", gates.sha256)
+    elif settings.static_gates:
+        healthy = load_gates(gates_file(settings), checkpoint.model)
+        # Decoded in a thread of its own, as the engine worker decodes: torch's CPU kernels called
+        # from the main thread ran 30-90 times slower on the busy 2-core development machine
+        # (18-45 s against 0.5 s for the measurement).
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="static-gates") as pool:
+            drill = pool.submit(
+                static_gates,
+                checkpoint.model,
+                checkpoint.tokenizer,
+                healthy,
+                protected_layers=settings.protected_layers,
+                kv_policy=settings.kv_policy,
+            ).result()
+        gates = drill.gates
+        log.warning(
+            "serving constant gates (--static-gates): layers %s skipped for every token; scores %s; gates_sha256=%s",
+            list(drill.static_layers),
+            " ".join(f"{layer}:{c:.3f}" for layer, c in enumerate(drill.constants.tolist())),
+            gates.sha256,
+        )
+    else:
+        gates = load_gates(gates_file(settings), checkpoint.model)
+    if settings.shuffle_gates:
+        gates = shuffle_gates(gates)
+        log.warning("serving the gates on the wrong layers (--shuffle-gates), gates_sha256=%s", gates.sha256)
+    return checkpoint, gates
+
+
 class ShimService:
     def __init__(
         self,
@@ -254,7 +302,7 @@ class ShimService:
         settings: ServeSettings,
         frame_key: bytes | None,
         registry: CollectorRegistry | None = None,
-        mitigation_token: RotatingSecret | None = None,
+        mitigation: MitigationListener | None = None,
         span_exporter: SpanExporter | None = None,
     ) -> None:
         """`settings.otlp_endpoint` is the resolved traces URL (None: spans off); a `span_exporter`
@@ -360,10 +408,8 @@ class ShimService:
             MitigationMetrics(self.registry, self.model_name),  # exposed (at 0) even without the receiver
         )
         self.mitigation_receiver = (
-            MitigationReceiver(
-                parse_address(settings.mitigation_address, listening=True), self.mitigations, mitigation_token.current
-            )
-            if mitigation_token is not None
+            MitigationReceiver(mitigation.socket, self.mitigations, mitigation.token.current)
+            if mitigation is not None
             else None
         )
         # A mitigation raises the shadow rate of its requests: the checker is needed even at rate 0.
@@ -426,42 +472,15 @@ class ShimService:
         frame_key = (
             load_frame_key(settings.frame_key_file) if settings.frame_key_file and settings.exporter_address else None
         )
-        mitigation_token = _mitigation_token(settings)
         depth_settings(settings).check()  # the depth flags too: a bad level fails before minutes of loading
-        checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])
-        if settings.compile:
-            checkpoint.model.compile_layers()
-        if settings.reset_gates:
-            gates = reset_gates(checkpoint.model, seed=RESET_GATES_SEED)
-            log.warning("serving freshly initialised gates (--reset-gates), gates_sha256=%s", gates.sha256)
-        elif settings.static_gates:
-            healthy = load_gates(gates_file(settings), checkpoint.model)
-            # Decoded in a thread of its own, as the engine worker decodes: torch's CPU kernels called
-            # from the main thread ran 30-90 times slower on the busy 2-core development machine
-            # (18-45 s against 0.5 s for the measurement).
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="static-gates") as pool:
-                drill = pool.submit(
-                    static_gates,
-                    checkpoint.model,
-                    checkpoint.tokenizer,
-                    healthy,
-                    protected_layers=settings.protected_layers,
-                    kv_policy=settings.kv_policy,
-                ).result()
-            gates = drill.gates
-            log.warning(
-                "serving constant gates (--static-gates): layers %s skipped for every token; scores %s; "
-                "gates_sha256=%s",
-                list(drill.static_layers),
-                " ".join(f"{layer}:{c:.3f}" for layer, c in enumerate(drill.constants.tolist())),
-                gates.sha256,
-            )
-        else:
-            gates = load_gates(gates_file(settings), checkpoint.model)
-        if settings.shuffle_gates:
-            gates = shuffle_gates(gates)
-            log.warning("serving the gates on the wrong layers (--shuffle-gates), gates_sha256=%s", gates.sha256)
-        return cls(checkpoint, gates, settings, frame_key, registry, mitigation_token, span_exporter)
+        mitigation = _mitigation_listener(settings)
+        try:
+            checkpoint, gates = _load_model(settings)
+            return cls(checkpoint, gates, settings, frame_key, registry, mitigation, span_exporter)
+        except BaseException:
+            if mitigation is not None:
+                mitigation.socket.close()
+            raise
 
     @property
     def gates_sha256(self) -> str:
@@ -549,7 +568,8 @@ class ShimService:
 
     def stop(self) -> None:
         if self.mitigation_receiver is not None:
-            self.mitigation_receiver.stop()
+            self.mitigation_receiver.stop()  # first: no notification starts one after the end below
+        self.mitigations.end_all("shutdown")  # a log audit must not see mitigations that never ended
         if self.gate_watcher is not None:
             self.gate_watcher.stop()
         self.worker.stop()

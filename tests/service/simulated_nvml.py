@@ -16,7 +16,8 @@ class SimulatedNvml:
 
     `errors` maps a pynvml function name to the NVML error that call raises, by the name of its
     code (NVML_ERROR_NOT_SUPPORTED for a reading the GPU does not offer, NVML_ERROR_FUNCTION_NOT_FOUND
-    for a driver without the function, ...); `fail()` loses the GPU: from then on every call raises
+    for a driver without the function, ...), or to an exception it raises as it is (not an
+    NVMLError: the binding itself failing); `fail()` loses the GPU: from then on every call raises
     GPU_IS_LOST, as after an Xid fault."""
 
     UUID = "GPU-simulated-0"
@@ -25,7 +26,9 @@ class SimulatedNvml:
     SM_CLOCK_MHZ = 1_980
     MEMORY_USED_BYTES = 81 * 2**30
 
-    def __init__(self, pynvml, fans_percent: tuple[int, ...] = (), errors: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, pynvml, fans_percent: tuple[int, ...] = (), errors: dict[str, str | Exception] | None = None
+    ) -> None:
         self.pynvml = pynvml
         self.fans_percent = fans_percent
         self.errors = dict(errors or {})
@@ -78,8 +81,11 @@ class SimulatedNvml:
             real.bind(*args)  # called as the real pynvml function must be (TypeError otherwise)
             if self.failed:
                 raise self.pynvml.NVMLError(self.pynvml.NVML_ERROR_GPU_IS_LOST)
-            if name in self.errors:
-                raise self.pynvml.NVMLError(getattr(self.pynvml, self.errors[name]))
+            error = self.errors.get(name)
+            if isinstance(error, Exception):
+                raise error
+            if error is not None:
+                raise self.pynvml.NVMLError(getattr(self.pynvml, error))
             return function(*args)
 
         return call

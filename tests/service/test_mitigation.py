@@ -7,7 +7,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
+import signal
 import socket
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -17,10 +20,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from alerts.specs import ALERTS
-from demo.processes import free_port
+from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
 from inference_shim.service import mitigation_receiver
 from inference_shim.service.depth import parse_rollout_levels
 from inference_shim.service.mitigation import (
+    ALERT_OUTCOMES,
+    ALERTS_PER_LOCK_HOLD,
+    MAX_ALERTS_PER_NOTIFICATION,
     MAX_TRACKED_ALERTS,
     MITIGATING_ALERTS,
     NO_MITIGATION,
@@ -32,7 +38,7 @@ from inference_shim.service.mitigation import (
     RequestMitigation,
     parse_notification,
 )
-from inference_shim.service.mitigation_receiver import MAX_BODY_BYTES, WEBHOOK_PATH, MitigationReceiver
+from inference_shim.service.mitigation_receiver import MAX_BODY_BYTES, WEBHOOK_PATH, MitigationReceiver, reserve
 from mixin import config
 from tests.service.conftest import MODEL_NAME, sample_sum
 
@@ -133,7 +139,7 @@ def test_a_firing_alert_shadow_checks_the_next_n_requests_then_ends(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0].startswith(
         f"MITIGATION_START alertname=LayerwatchRoutingStatic fingerprint=a1b2c3d4e5f60718 model={MODEL_NAME} "
-        "action=shadow_rate=1 requests=3 until="
+        'action="shadow_rate=1" requests=3 until='
     )
     assert lines[1] == (
         f"MITIGATION_END alertname=LayerwatchRoutingStatic fingerprint=a1b2c3d4e5f60718 model={MODEL_NAME} "
@@ -244,6 +250,34 @@ def test_the_alerts_known_stay_bounded_when_all_of_them_mitigate():
     assert value(registry, "layerwatch_mitigations_active") == MAX_TRACKED_ALERTS
 
 
+def test_a_large_notification_is_applied_a_few_alerts_per_lock_hold():
+    """Every new request takes the lock at admission, on the API's event loop: a body of 1000
+    alerts starting mitigations held it about 50 ms in one piece (docs/service.md)."""
+    state, registry, _ = mitigations(requests=100)
+    per_hold: list[int] = []
+
+    def applied() -> float:
+        return sum(value(registry, "layerwatch_mitigation_alerts_total", outcome=o) for o in ALERT_OUTCOMES)
+
+    class CountingLock:  # how many alerts each hold of the state's lock applied
+        def __init__(self) -> None:
+            self._lock = threading.Lock()
+
+        def __enter__(self) -> None:
+            self._lock.acquire()
+            self._before = applied()
+
+        def __exit__(self, *exc: object) -> None:
+            per_hold.append(int(applied() - self._before))
+            self._lock.release()
+
+    state._lock = CountingLock()  # type: ignore[assignment]
+    outcomes = apply(state, *(alert(fingerprint=f"{i:016x}") for i in range(MAX_ALERTS_PER_NOTIFICATION)))
+    assert outcomes == ["started"] * MAX_ALERTS_PER_NOTIFICATION
+    assert value(registry, "layerwatch_mitigations_active") == MAX_ALERTS_PER_NOTIFICATION
+    assert sum(per_hold) == MAX_ALERTS_PER_NOTIFICATION and max(per_hold) == ALERTS_PER_LOCK_HOLD
+
+
 def test_paging_callbacks_hear_each_paging_alert_fire_and_resolve_once():
     state, _, _ = mitigations()
     events: list[PagingEvent] = []
@@ -272,7 +306,7 @@ def test_settings_out_of_range_are_refused():
 @pytest.fixture
 def receiver():
     state, registry, _ = mitigations()
-    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
+    server = MitigationReceiver(reserve(("127.0.0.1", 0)), state, lambda: TOKEN)
     server.start()
     host, port = server.address
     yield f"http://{host}:{port}", state, registry
@@ -355,7 +389,7 @@ def test_a_body_over_the_limit_is_refused_unread_and_other_paths_are_not_found(r
 def test_a_stalled_body_is_cut_off_with_408(monkeypatch):
     monkeypatch.setattr(mitigation_receiver, "BODY_TIMEOUT_SECONDS", 0.5)
     state, registry, _ = mitigations()
-    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
+    server = MitigationReceiver(reserve(("127.0.0.1", 0)), state, lambda: TOKEN)
     server.start()
     try:
         with socket.create_connection(server.address, timeout=10) as client:
@@ -373,7 +407,7 @@ def test_a_body_trickled_byte_by_byte_is_cut_off_with_408_on_time(monkeypatch):
     # Each byte comes well within the socket's timeout; the body as a whole does not.
     monkeypatch.setattr(mitigation_receiver, "BODY_TIMEOUT_SECONDS", 1.0)
     state, registry, _ = mitigations()
-    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
+    server = MitigationReceiver(reserve(("127.0.0.1", 0)), state, lambda: TOKEN)
     server.start()
     body = notification(alert())
     try:
@@ -399,13 +433,14 @@ def test_a_body_trickled_byte_by_byte_is_cut_off_with_408_on_time(monkeypatch):
 
 
 def test_a_taken_port_fails_naming_the_receiver_and_its_address():
-    state, _, _ = mitigations()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(OSError, match=f"mitigation receiver cannot listen on 127.0.0.1:{port}"):
-            MitigationReceiver(("127.0.0.1", port), state, lambda: TOKEN)
+        with pytest.raises(
+            OSError, match=f"mitigation receiver cannot listen on 127.0.0.1:{port} \\(--mitigation-address\\)"
+        ):
+            reserve(("127.0.0.1", port))
 
 
 def closed_by_server(client: socket.socket, within: float) -> bool:
@@ -422,7 +457,7 @@ def test_a_request_trickled_without_a_token_is_cut_off_and_connections_are_cappe
     # held a thread for ever, and every new connection took another one.
     monkeypatch.setattr(mitigation_receiver, "REQUEST_SECONDS", 1.0)
     state, registry, _ = mitigations()
-    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
+    server = MitigationReceiver(reserve(("127.0.0.1", 0)), state, lambda: TOKEN)
     server.start()
     try:
         with socket.create_connection(server.address, timeout=10) as client:
@@ -478,7 +513,7 @@ def test_an_operator_lists_and_ends_the_mitigations_and_repeats_do_not_restart_t
 def test_the_receiver_ends_mitigations_on_time_without_any_traffic():
     registry = CollectorRegistry()
     state = Mitigations(MODEL_NAME, MitigationSettings(100, 0.5, False, 0.0), MitigationMetrics(registry, MODEL_NAME))
-    server = MitigationReceiver(("127.0.0.1", 0), state, lambda: TOKEN)
+    server = MitigationReceiver(reserve(("127.0.0.1", 0)), state, lambda: TOKEN)
     server.start()
     try:
         host, port = server.address
@@ -651,3 +686,114 @@ def test_the_receiver_needs_a_token_file_and_a_listening_address(tmp_path):
                 model_dir=no_model, mitigation_address="127.0.0.1:0", mitigation_token_file=tmp_path / "absent"
             )
         )
+
+
+# --- the log lines -----------------------------------------------------------------------------------
+
+LOGFMT_FIELD = r'(\w+)=("(?:[^"\\]|\\.)*"|[^\s"=]+)'
+
+
+def logfmt_fields(line: str, marker: str) -> dict[str, str]:
+    """A `MARKER key=value ...` line's fields as a logfmt reader gets them (quoted values are JSON
+    strings); fails unless the whole line is the marker and such pairs."""
+    assert re.fullmatch(re.escape(marker) + f"(?: {LOGFMT_FIELD})*", line), line
+    return {key: json.loads(value) if value.startswith('"') else value for key, value in re.findall(LOGFMT_FIELD, line)}
+
+
+def test_values_from_a_webhook_cannot_forge_log_fields_or_lines(in_process, tmp_path, caplog):
+    """An alert's fingerprint and alertname reach MITIGATION_* and ROLLOUT_* lines: a space, '=' or
+    a newline in them must stay inside their own field."""
+    forged_fingerprint = "f0 reason=operator\nMITIGATION_END alertname=X"
+    forged_name = 'Evil fired" reason=operator\r\nROLLOUT_DEMOTED: from_level=9 to_level=8 \x1b[2K\u2028'
+    port = free_port()
+    in_process(
+        mitigation_address=f"127.0.0.1:{port}",
+        mitigation_token_file=token_file(tmp_path),
+        rollout_levels=parse_rollout_levels("share=0;share=1"),
+    )
+    url = f"http://127.0.0.1:{port}"
+    with caplog.at_level(logging.WARNING, logger="inference_shim.service"):
+        post(url, notification(alert(fingerprint=forged_fingerprint)))  # starts, pages: demotes to level 1
+        post(url, notification(alert(forged_name, fingerprint="0f0f0f0f0f0f0f0f")))  # pages: no lower level
+        post(url, notification(alert(status="resolved", fingerprint=forged_fingerprint)))  # ends
+    markers = ("MITIGATION_START", "MITIGATION_END", "ROLLOUT_DEMOTED:", "ROLLOUT_DEMOTION_SKIPPED:")
+    lines = {m: r.getMessage() for r in caplog.records for m in markers if r.getMessage().startswith(m + " ")}
+    assert len(lines) == 4, caplog.text
+    assert all(line.isprintable() for line in lines.values()), lines  # no newline, escape or separator
+    started = logfmt_fields(lines["MITIGATION_START"], "MITIGATION_START")
+    assert (started["fingerprint"], started["model"], started["action"]) == (
+        forged_fingerprint,
+        MODEL_NAME,
+        "shadow_rate=1",
+    )
+    ended = logfmt_fields(lines["MITIGATION_END"], "MITIGATION_END")
+    assert (ended["fingerprint"], ended["reason"]) == (forged_fingerprint, "resolved")
+    demoted = logfmt_fields(lines["ROLLOUT_DEMOTED:"], "ROLLOUT_DEMOTED:")
+    assert demoted == {
+        "from_level": "2",
+        "to_level": "1",
+        "conditions": "share=0",
+        "reason": "LayerwatchRoutingStatic fired",
+    }
+    skipped = logfmt_fields(lines["ROLLOUT_DEMOTION_SKIPPED:"], "ROLLOUT_DEMOTION_SKIPPED:")
+    assert skipped == {"level": "1", "reason": f"{forged_name} fired", "why": "no lower level"}
+
+
+# --- `layerwatch serve` as a process -----------------------------------------------------------------
+
+
+def serve(tmp_path: Path, checkpoint, *args: str) -> ManagedProcess:
+    argv = [*LAYERWATCH_COMMAND, "serve", "--model", str(checkpoint.path), "--model-name", MODEL_NAME]
+    argv += ["--exporter-address", "", "--log-level", "info", *args]
+    return ManagedProcess("serve", argv, tmp_path / "serve.log", env={"OMP_NUM_THREADS": "1"})
+
+
+def test_a_shutdown_ends_the_mitigations_in_effect_in_the_log(tiny_checkpoint, tmp_path):
+    """A log audit pairs every MITIGATION_START with a MITIGATION_END: SIGTERM ends those in effect."""
+    api, receiver = free_port(), free_port()
+    process = serve(
+        tmp_path,
+        tiny_checkpoint,
+        *("--port", str(api), "--mitigation-address", f"127.0.0.1:{receiver}"),
+        *("--mitigation-token-file", str(token_file(tmp_path)), "--drain-timeout-seconds", "0"),
+    )
+    try:
+        process.wait_http(f"http://127.0.0.1:{api}/healthz", timeout=90)
+        drift = alert("LayerwatchEntropyDrift", fingerprint="0f0f0f0f0f0f0f0f")
+        response = post(f"http://127.0.0.1:{receiver}", notification(alert(), drift))
+        assert response.json() == {"outcomes": ["started", "started"]}
+        process.proc.send_signal(signal.SIGTERM)
+        assert process.proc.wait(30) == -signal.SIGTERM
+    finally:
+        process.stop()
+    log = process.log_path.read_text()
+    ended = [line for line in log.splitlines() if "MITIGATION_END" in line]
+    assert len(ended) == 2, log
+    assert all(line.endswith(" reason=shutdown requests_left=100") for line in ended), ended
+
+
+@pytest.mark.parametrize(
+    "taken, what, flag",
+    [("mitigation", "the mitigation receiver", "--mitigation-address"), ("api", "the API", "--host/--port")],
+)
+def test_a_taken_port_stops_serve_before_the_model_loads(tiny_checkpoint, tmp_path, taken, what, flag):
+    """Exit 2 naming the flag and the address before the model loads (minutes for a real model),
+    and so before either listener serves anything."""
+    with socket.socket() as occupied:
+        occupied.bind(("127.0.0.1", 0))
+        occupied.listen()
+        port = occupied.getsockname()[1]
+        api, receiver = (port, free_port()) if taken == "api" else (free_port(), port)
+        process = serve(
+            tmp_path,
+            tiny_checkpoint,
+            *("--port", str(api), "--mitigation-address", f"127.0.0.1:{receiver}"),
+            *("--mitigation-token-file", str(token_file(tmp_path))),
+        )
+        try:
+            assert process.proc.wait(60) == 2
+        finally:
+            process.stop()
+    log = process.log_path.read_text()
+    assert f"{what} cannot listen on 127.0.0.1:{port} ({flag}): Address already in use" in log, log
+    assert "loading the model" not in log, log

@@ -171,6 +171,30 @@ def test_each_reading_fails_on_its_own(pynvml, monkeypatch):
     assert seen["layerwatch_gpu_reading_errors_total{reading=temperature}"] == 2
 
 
+@pytest.mark.parametrize("broken", ["a call that raises", "a call the package lacks"])
+def test_a_reading_failing_outside_nvml_costs_only_that_reading(pynvml, monkeypatch, broken):
+    """Not an NVMLError (a value that does not convert, an nvidia-ml-py without the per-fan calls):
+    NVML answered, so only that reading is lost and counted, at every scrape, not every reading of
+    every GPU until the next try a minute later."""
+    if broken == "a call that raises":
+        errors: dict[str, str | Exception] = {"nvmlDeviceGetMemoryInfo": TypeError("unexpected struct")}
+        reading = "memory_used"
+    else:
+        errors, reading = {}, "fan_speed"
+    SimulatedNvml(pynvml, fans_percent=(50,), errors=errors).install(monkeypatch)
+    if broken == "a call the package lacks":
+        monkeypatch.delattr(pynvml, "nvmlDeviceGetNumFans")
+    collector = NvmlCollector()
+    for scrape in (1, 2):
+        everything = samples(collector)
+        seen = gpu_samples(everything)
+        assert everything[("layerwatch_nvml_up", ())] == 1
+        assert seen["layerwatch_gpu_power_watts"] == 250.0 and seen["layerwatch_gpu_temperature_celsius"] == 61.0
+        assert seen["layerwatch_gpu_energy_joules_total"] > 0 and seen["layerwatch_gpu_sm_clock_hertz"] == 1.98e9
+        assert unavailable(seen) == {"unsupported": [], "errors": [reading]}
+        assert seen[f"layerwatch_gpu_reading_errors_total{{reading={reading}}}"] == scrape
+
+
 def test_a_driver_without_per_fan_calls_reports_the_board_fan(pynvml, monkeypatch):
     SimulatedNvml(pynvml, fans_percent=(40,), errors={"nvmlDeviceGetNumFans": "NVML_ERROR_FUNCTION_NOT_FOUND"}).install(
         monkeypatch
