@@ -18,7 +18,8 @@ paired, the median of each repetition's own ratio, with the lowest and highest i
   gated  gates attached, the recorded masks;
   consensus  the recorded masks merged per step by serve's --batch-consensus rule (q = 0.5): only
          whole-batch skips (its quality cost: `layerwatch eval --batch-consensus 0.5`).
-Printed: gated ÷ full tokens/s (goal ≥ 1 when ≥ 25 % of row-layer evaluations are skipped), and
+Printed: gated ÷ full tokens/s (goal ≥ 1 when ≥ 25 % of row-layer evaluations are skipped), by the
+CPU clock and, beside it, by the wall clock (what the other jobs of a shared machine stretch), and
 realised (gated ÷ τ = 0) against two ideals 1 / (1 − s·w), w the share of a τ = 0 step spent in
 attention + FFN, measured per batch size by a per-layer profile, and s the share of that work the
 masks leave undone:
@@ -51,6 +52,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -103,7 +105,16 @@ def decode_run(model: Transformer, masks: np.ndarray | None, batch: int, steps: 
     """Seconds of `steps` decode steps of `batch` rows (masks [steps, batch, L] or None), after a
     full-depth prompt per row: the process CPU clock on a CPU, the wall clock around the
     synchronised device on a GPU (which runs asynchronously)."""
-    return metered_decode_run(model, masks, batch, steps, kv_policy)[0]
+    return metered_decode_run(model, masks, batch, steps, kv_policy).seconds
+
+
+@dataclass(frozen=True)
+class Metered:
+    """One metered run of decode steps."""
+
+    seconds: float  # decode_run's: the process CPU clock on a CPU, the synchronised wall clock on a GPU
+    wall: float  # the wall clock over the same steps (on a CPU: what a shared machine's other jobs stretch)
+    joules: float | None  # what the cumulative energy reading grew by (None without one)
 
 
 def metered_decode_run(
@@ -113,9 +124,9 @@ def metered_decode_run(
     steps: int,
     kv_policy: str,
     energy: Callable[[], float] | None = None,
-) -> tuple[float, float | None]:
-    """decode_run's seconds, and the joules `energy` (a cumulative reading) grew by over the same
-    decode steps (None without it)."""
+) -> Metered:
+    """decode_run's seconds, the wall clock, and the joules `energy` (a cumulative reading) grew by
+    over the same decode steps."""
     config = model.config
     device = model.embed_tokens.weight.device
     cache = KVCache(config, slots=batch, max_len=PROMPT_TOKENS + steps + 1, dtype=torch.float32, device=device)
@@ -130,7 +141,7 @@ def metered_decode_run(
     if on_gpu:
         torch.cuda.synchronize(device)
     joules_before = energy() if energy is not None else None
-    started = clock()
+    started, wall_started = clock(), time.perf_counter()
     for step in range(steps):
         positions = [PROMPT_TOKENS + step] * batch
         logits, _ = model.decode_step(
@@ -139,8 +150,9 @@ def metered_decode_run(
         tokens = logits.argmax(dim=-1)
     if on_gpu:
         torch.cuda.synchronize(device)
-    seconds = clock() - started
-    return seconds, (energy() - joules_before if energy is not None and joules_before is not None else None)
+    seconds, wall = clock() - started, time.perf_counter() - wall_started
+    joules = energy() - joules_before if energy is not None and joules_before is not None else None
+    return Metered(seconds, wall, joules)
 
 
 def skippable_share(model: Transformer, batch: int, steps: int) -> float:
@@ -227,12 +239,12 @@ def cpu_section(recorded: np.ndarray, models: list[tuple[int, int]], batches: li
             "to the rows would be R): " + ", ".join(f"R = {r}: {c / costs[1]:.2f}" for r, c in costs.items())
         )
     print(
-        "| model | batch | KV | skipped | whole-batch | w | full tok/s | gated tok/s | gated / full | "
+        "| model | batch | KV | skipped | whole-batch | w | full tok/s | gated tok/s | gated / full | wall | "
         f"ideal: per row | device | realised / ideal: per row | device | consensus {CONSENSUS:g}: skipped | "
         "gated / full |" + (" compiled / eager: full | gated |" if args.compile else "")
     )
     print(
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         + ("---:|---:|" if args.compile else "")
     )
     for layers, hidden in models:
@@ -260,18 +272,21 @@ def cpu_section(recorded: np.ndarray, models: list[tuple[int, int]], batches: li
                 if compiled is not None:
                     runs += [("compiled full", compiled, None, None), ("compiled gated", compiled, gates, masks)]
                 seconds: dict[str, list[float]] = {name: [] for name, *_ in runs}
+                walls: dict[str, list[float]] = {name: [] for name, *_ in runs}
                 for _ in range(args.repeats):  # interleaved: a slow spell hits every configuration
                     for name, runner, bank, run_masks in runs:
                         runner.attach_gates(bank)
-                        seconds[name].append(decode_run(runner, run_masks, batch, args.steps, kv_policy))
+                        metered = metered_decode_run(runner, run_masks, batch, args.steps, kv_policy)
+                        seconds[name].append(metered.seconds)
+                        walls[name].append(metered.wall)
                 rate = {name: batch * args.steps / statistics.median(values) for name, values in seconds.items()}
                 speedup = paired(seconds, "gated", "tau0")
                 ideal_row, ideal_device = 1 / (1 - f * w), 1 / (1 - s_device * w)
                 line = (
                     f"| {layers} x {hidden} | {batch} | {kv_policy} | {f:.1%} | {f_whole:.1%} | {w:.2f} | "
                     f"{rate['full']:.0f} | {rate['gated']:.0f} | {spread(paired(seconds, 'gated', 'full'))} | "
-                    f"{ideal_row:.3f} | {ideal_device:.3f} | {spread(speedup, ideal_row)} | "
-                    f"{spread(speedup, ideal_device)} | {1 - merged.mean():.1%} | "
+                    f"{spread(paired(walls, 'gated', 'full'))} | {ideal_row:.3f} | {ideal_device:.3f} | "
+                    f"{spread(speedup, ideal_row)} | {spread(speedup, ideal_device)} | {1 - merged.mean():.1%} | "
                     f"{spread(paired(seconds, 'consensus', 'full'))} |"
                 )
                 if compiled is not None:
@@ -369,10 +384,10 @@ def gpu_section(
             for _ in range(args.repeats):
                 for name, bank, run_masks in runs:
                     model.attach_gates(bank)
-                    spent, used = metered_decode_run(model, run_masks, batch, args.steps, "project", energy)
-                    seconds[name].append(spent)
-                    if used is not None:
-                        joules[name].append(used / (batch * args.steps))
+                    metered = metered_decode_run(model, run_masks, batch, args.steps, "project", energy)
+                    seconds[name].append(metered.seconds)
+                    if metered.joules is not None:
+                        joules[name].append(metered.joules / (batch * args.steps))
             rate = {name: batch * args.steps / statistics.median(values) for name, values in seconds.items()}
             ideal = 1 / (1 - f_whole * w)
             per_token = {name: f"{statistics.median(v):.3g}" if v else "n/a" for name, v in joules.items()}
