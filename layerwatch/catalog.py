@@ -384,7 +384,8 @@ METRICS: tuple[MetricSpec, ...] = (
         ("model_name", "outcome"),
         "Requests to the mitigation webhook receiver by outcome: accepted, unauthorized (no or a wrong bearer "
         "token), malformed (not Alertmanager's version-4 webhook JSON), too_large, not_found "
-        "(another path or method), too_many_connections (a connection refused: 32 were open).",
+        "(another path or method), too_many_connections (a connection refused: 32 were open), shutting_down (503: a "
+        "notification that arrived while the shim stopped, not applied).",
         SHIM,
     ),
     _m(

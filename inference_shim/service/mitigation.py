@@ -47,7 +47,15 @@ MAX_TRACKED_ALERTS = 1000  # known alerts kept, in effect or not (_evict)
 ALERTS_PER_LOCK_HOLD = 25  # Mitigations.apply: a lock hold of 1-2 ms, log lines included
 END_REASONS = ("resolved", "requests", "time", "operator", "evicted", "shutdown")
 ALERT_OUTCOMES = ("started", "ended", "unchanged", "stale", "other_model", "not_mitigating")
-WEBHOOK_OUTCOMES = ("accepted", "unauthorized", "malformed", "too_large", "not_found", "too_many_connections")
+WEBHOOK_OUTCOMES = (
+    "accepted",
+    "unauthorized",
+    "malformed",
+    "too_large",
+    "not_found",
+    "too_many_connections",
+    "shutting_down",
+)
 
 
 # --- Alertmanager's webhook payload -----------------------------------------------------------------
@@ -88,6 +96,10 @@ class AlertNotice:
     firing: bool
     labels: Mapping[str, str]
     starts_at: datetime
+
+
+class ShuttingDown(RuntimeError):
+    """Mitigations.apply after Mitigations.shut_down: the shim is stopping."""
 
 
 class MalformedNotification(ValueError):
@@ -193,6 +205,7 @@ class Mitigations:
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
+        self._shut_down = False
         self._known: dict[tuple[str, str], _KnownAlert] = {}
         # At full depth there is nothing gated to check: a full-depth shadow check would always agree.
         self._shadow_rate = 0.0 if self.settings.full_depth else 1.0
@@ -237,14 +250,17 @@ class Mitigations:
 
     def end_all(self, reason: str = "operator") -> int:
         """End every mitigation now; returns how many. An operator does (DELETE /mitigations): repeats
-        of the same incidents do not start them again, a new incident of an alert does. At shutdown
-        ("shutdown"), so that every MITIGATION_START in the log has its MITIGATION_END."""
+        of the same incidents do not start them again, a new incident of an alert does."""
         with self._lock:
-            active = self._active()
-            for key, known, _ in active:
-                self._end(key, known, reason)
-            self._publish()
-            return len(active)
+            return self._end_all(reason)
+
+    def shut_down(self) -> None:
+        """End every mitigation (reason "shutdown") and apply no notification after: every
+        MITIGATION_START in the log has its MITIGATION_END. A receiver's handler can still be
+        reading a body when its listener closes; its apply raises ShuttingDown."""
+        with self._lock:
+            self._shut_down = True
+            self._end_all("shutdown")
 
     def apply(self, alerts: Sequence[AlertNotice]) -> list[str]:
         """A webhook notification's alerts, in order; returns each one's outcome (ALERT_OUTCOMES).
@@ -252,10 +268,13 @@ class Mitigations:
         ALERTS_PER_LOCK_HOLD at a time: every new request takes the lock, on the API's event loop,
         and a body of 1000 alerts that start mitigations held it for about 45 ms (its log lines
         included). Each alert stands alone, so a request admitted in between sees the earlier ones
-        applied, as if Alertmanager had sent them in two notifications."""
+        applied, as if Alertmanager had sent them in two notifications. Raises ShuttingDown after
+        shut_down, the alerts applied before it stay applied (and ended)."""
         outcomes, events = [], []
         for first in range(0, len(alerts), ALERTS_PER_LOCK_HOLD):
             with self._lock:
+                if self._shut_down:
+                    raise ShuttingDown("the shim is shutting down")
                 now = self.clock()
                 self._expire(now)
                 for alert in alerts[first : first + ALERTS_PER_LOCK_HOLD]:
@@ -336,6 +355,13 @@ class Mitigations:
         )
         known.budget = None
         self.metrics.ended[reason].inc()
+
+    def _end_all(self, reason: str) -> int:
+        active = self._active()
+        for key, known, _ in active:
+            self._end(key, known, reason)
+        self._publish()
+        return len(active)
 
     def _expire(self, now: float) -> None:
         expired = [(key, known) for key, known, budget in self._active() if now >= budget.deadline]

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import cast
 
-from inference_shim.service.mitigation import MalformedNotification, Mitigations, parse_notification
+from inference_shim.service.mitigation import MalformedNotification, Mitigations, ShuttingDown, parse_notification
 from layerwatch import ports
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,11 @@ def _handler_class(mitigations: Mitigations, token: Callable[[], bytes]) -> type
             except MalformedNotification as exc:
                 self._refuse(400, "malformed", str(exc))
                 return
-            outcomes = mitigations.apply(alerts)
+            try:
+                outcomes = mitigations.apply(alerts)
+            except ShuttingDown as exc:  # Alertmanager retries it: another replica, or this one restarted
+                self._refuse(503, "shutting_down", f"{exc}: the notification was not applied, send it again")
+                return
             counts["accepted"].inc()
             self._reply(200, {"outcomes": outcomes})
 

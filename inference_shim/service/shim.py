@@ -568,8 +568,8 @@ class ShimService:
 
     def stop(self) -> None:
         if self.mitigation_receiver is not None:
-            self.mitigation_receiver.stop()  # first: no notification starts one after the end below
-        self.mitigations.end_all("shutdown")  # a log audit must not see mitigations that never ended
+            self.mitigation_receiver.stop()
+        self.mitigations.shut_down()  # a log audit must not see mitigations that never ended
         if self.gate_watcher is not None:
             self.gate_watcher.stop()
         self.worker.stop()

@@ -797,3 +797,38 @@ def test_a_taken_port_stops_serve_before_the_model_loads(tiny_checkpoint, tmp_pa
     log = process.log_path.read_text()
     assert f"{what} cannot listen on 127.0.0.1:{port} ({flag}): Address already in use" in log, log
     assert "loading the model" not in log, log
+
+
+def test_a_notification_still_arriving_at_shutdown_starts_no_mitigation(tiny_checkpoint, tmp_path):
+    """ShimService.stop closes the receiver's listener, then ends the mitigations; a connection it
+    had accepted outlives the listener, and its notification, complete only after that end, must
+    not start a mitigation that no MITIGATION_END will ever pair: it is refused 503, and
+    Alertmanager retries it (another replica, or this one restarted)."""
+    from inference_shim.service.shim import ServeSettings, ShimService
+
+    settings = ServeSettings(
+        model_dir=tiny_checkpoint.path,
+        model_name=MODEL_NAME,
+        exporter_address="",
+        mitigation_address="127.0.0.1:0",
+        mitigation_token_file=token_file(tmp_path),
+    )
+    service = ShimService.load(settings)
+    service.start()
+    assert service.mitigation_receiver is not None
+    body = notification(alert())
+    head = (
+        f"POST {WEBHOOK_PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN.decode()}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(service.mitigation_receiver.address, timeout=10) as client:
+        client.sendall(head + body[:10])
+        deadline = time.monotonic() + 10
+        while not service.mitigation_receiver._server._deadlines:  # accepted: its handler reads the body
+            assert time.monotonic() < deadline, "the receiver never accepted the connection"
+            time.sleep(0.01)
+        service.stop()
+        client.sendall(body[10:])
+        answer = client.recv(65536).decode()
+    assert answer.startswith("HTTP/1.0 503"), answer
+    assert service.mitigations.in_effect() == []
