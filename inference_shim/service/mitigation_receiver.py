@@ -162,6 +162,9 @@ class _HTTPServer(ThreadingHTTPServer):
         self.socket.close()  # the stdlib's own, never bound: the one bound before the model loaded serves
         self.socket = bound
 
+    def server_activate(self) -> None:
+        ports.listen(self.socket, self.request_queue_size)
+
     def verify_request(self, request: socket.socket, client_address: object) -> bool:  # type: ignore[override]
         with self._deadlines_lock:
             if len(self._deadlines) >= MAX_CONNECTIONS:

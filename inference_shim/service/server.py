@@ -19,6 +19,7 @@ from types import FrameType
 import uvicorn
 
 from inference_shim.service.shim import ShimService
+from layerwatch import ports
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ class ShimServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop.add_signal_handler(signal.SIGHUP, self.service.hangup)
+        for sock in sockets or ():  # reserved before the model loaded (layerwatch.ports.reserve)
+            ports.listen(sock, self.config.backlog)
         await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:

@@ -832,3 +832,39 @@ def test_a_notification_still_arriving_at_shutdown_starts_no_mitigation(tiny_che
         answer = client.recv(65536).decode()
     assert answer.startswith("HTTP/1.0 503"), answer
     assert service.mitigations.in_effect() == []
+
+
+def test_a_port_another_starting_serve_holds_stops_serve_before_the_model_loads(tiny_checkpoint, tmp_path):
+    """Another `serve` still loading its model holds its port bound, not listening: on Linux two
+    SO_REUSEADDR sockets may both bind a port until one listens, so the second start loaded its
+    model (minutes) and only then failed, in uvicorn, at listen."""
+    other = reserve(("127.0.0.1", 0))  # as a starting serve reserves its ports
+    port = other.getsockname()[1]
+    try:
+        process = serve(tmp_path, tiny_checkpoint, "--port", str(port))
+        try:
+            code = process.proc.wait(60)
+        finally:
+            process.stop()
+    finally:
+        other.close()
+    log = process.log_path.read_text()
+    assert code == 2, log
+    assert f"the API cannot listen on 127.0.0.1:{port} (--host/--port): Address already in use" in log, log
+    assert "loading the model" not in log, log
+
+
+def test_a_reserved_port_with_connections_in_time_wait_still_serves():
+    """A restarted receiver's port still has its last connections in TIME_WAIT: reserve binds
+    with SO_REUSEADDR, held alone until it listens, and listens with it again."""
+    first = MitigationReceiver(reserve(("127.0.0.1", 0)), mitigations()[0], lambda: TOKEN)
+    first.start()
+    host, port = first.address
+    assert post(f"http://{host}:{port}", notification(alert())).status_code == 200  # its connection: TIME_WAIT
+    first.stop()
+    second = MitigationReceiver(reserve((host, port)), mitigations()[0], lambda: TOKEN)
+    second.start()
+    try:
+        assert post(f"http://{host}:{port}", notification(alert())).status_code == 200
+    finally:
+        second.stop()
