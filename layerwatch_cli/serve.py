@@ -433,16 +433,18 @@ def run(args: argparse.Namespace) -> int:
         api.close()
         log.error("cannot start: %s", exc)
         return 2
+    host, port = api.getsockname()[:2]  # where it is bound (--port 0: the port the system chose)
     log.info(
         "serving %s (%d layers, gates_sha256=%s) on http://%s:%d",
         service.model_name,
         service.model.config.num_layers,
         service.gates_sha256,
-        args.host,
-        args.port,
+        f"[{host}]" if ":" in host else host,
+        port,
     )
     config = uvicorn.Config(
         create_app(service), host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )
-    ShimServer(config, service).run(sockets=[api])  # uvicorn listens on it once the service has started
+    # uvicorn listens on it once the service has started (and, given a socket, does not log where)
+    ShimServer(config, service).run(sockets=[api])
     return 0

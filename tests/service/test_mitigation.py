@@ -868,3 +868,18 @@ def test_a_reserved_port_with_connections_in_time_wait_still_serves():
         assert post(f"http://{host}:{port}", notification(alert())).status_code == 200
     finally:
         second.stop()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_serve_on_port_0_logs_the_port_it_serves_on(tiny_checkpoint, tmp_path, host):
+    """uvicorn given a bound socket does not log where it runs: the start's own line must say it."""
+    process = serve(tmp_path, tiny_checkpoint, "--host", host, "--port", "0")
+    try:
+        deadline, found = time.monotonic() + 60, None
+        while found is None and time.monotonic() < deadline and process.proc.poll() is None:
+            found = re.search(r"serving .* on (http://\S+:(\d+))$", process.log_path.read_text(), re.MULTILINE)
+            time.sleep(0.1)
+        assert found is not None and found.group(2) != "0", process.log_path.read_text()
+        assert httpx.get(f"{found.group(1)}/healthz", timeout=10).status_code == 200
+    finally:
+        process.stop()
