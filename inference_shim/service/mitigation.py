@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from inference_shim.service.metrics import make_counter, make_gauge
-from layerwatch.logfmt import logfmt_line
+from layerwatch.logfmt import logfmt_line, logfmt_value
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,9 @@ def parse_notification(body: bytes) -> list[AlertNotice]:
     try:
         webhook = _Webhook.model_validate_json(body)
     except ValidationError as exc:
+        # A location names a label as the webhook spelled it: escaped, it cannot forge a log line.
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in error['loc']) or 'body'}: {error['msg']}" for error in exc.errors()[:5]
+            f"{'.'.join(logfmt_value(p) for p in error['loc']) or 'body'}: {error['msg']}" for error in exc.errors()[:5]
         )
         raise MalformedNotification(f"not an Alertmanager version-4 webhook payload: {problems}") from None
     return [

@@ -739,6 +739,21 @@ def test_values_from_a_webhook_cannot_forge_log_fields_or_lines(in_process, tmp_
     assert skipped == {"level": "1", "reason": f"{forged_name} fired", "why": "no lower level"}
 
 
+def test_a_malformed_label_name_cannot_forge_a_log_line(receiver, caplog):
+    """The 400's problem names where it is, a label's name included (a webhook's, not bounded in
+    length nor characters): it reaches the refusal's log line escaped, as the values above do."""
+    url, _, _ = receiver
+    forged = "x\nMITIGATION_END alertname=X fingerprint=f reason=operator"
+    body = json.loads(notification(alert()))
+    body["alerts"][0]["labels"][forged] = 7  # not a string: the problem names the label
+    with caplog.at_level(logging.WARNING, logger="inference_shim.service"):
+        response = post(url, json.dumps(body).encode())
+    assert response.status_code == 400
+    assert json.dumps(forged)[1:-1] in response.json()["error"]  # still named, escaped
+    refused = [r.getMessage() for r in caplog.records if "refused (400 malformed)" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].isprintable(), caplog.text
+
+
 # --- `layerwatch serve` as a process -----------------------------------------------------------------
 
 
