@@ -48,6 +48,7 @@ from demo.loadgen import STUTTER, Category, LoadReport, run_load
 from demo.processes import ManagedProcess, free_port
 from deploy.render import render_stack
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from inference_shim.service.power import NvmlReader, find_rapl_zones
 from mixin import config
 
 from .conftest import REPO
@@ -621,18 +622,27 @@ def _wait_for_data(stack: Stack, expr: str, timeout: float = 15.0) -> list[dict]
         time.sleep(EVALUATION_INTERVAL)
 
 
+def _host_has_nvml_gpu() -> bool:
+    """Whether NVML lists a GPU on this host, where the stack's shim runs."""
+    try:
+        return bool(NvmlReader()())
+    except Exception:  # no nvidia-ml-py, no driver, no GPU
+        return False
+
+
 def _missing_hardware(expr: str, stack: Stack) -> str | None:
     """What the host lacks for `expr` to have data, if `expr` reads hardware-only series it lacks;
-    None when the series should be there."""
+    None when the series should be there. The host itself is asked, not only the shim's series: a
+    shim that exports nothing on a host that has the hardware is a failure, not a missing reading."""
     shim = f'instance="{stack.shim_instance}"'
     for needle, reading in NVML_READINGS.items():
         if needle in expr and not stack.query(f'{{__name__=~"layerwatch_{needle}.*", {shim}}}'):
-            if values(stack.query(f"layerwatch_nvml_up{{{shim}}}")) == [0.0]:
-                return "a GPU with NVML (layerwatch_nvml_up is 0)"
+            if not _host_has_nvml_gpu():
+                return "a GPU with NVML"
             if values(stack.query(f'min(layerwatch_gpu_reading_unsupported{{reading="{reading}", {shim}}})')) == [1.0]:
                 return f"a GPU that offers the {reading} reading (NVML: not supported)"
             return None
-    if RAPL_SERIES in expr and not stack.query(f'{{__name__=~"layerwatch_{RAPL_SERIES}.*", {shim}}}'):
+    if RAPL_SERIES in expr and not find_rapl_zones():
         return "readable RAPL counters (/sys/class/powercap)"
     return None
 
