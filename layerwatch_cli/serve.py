@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -446,5 +448,9 @@ def run(args: argparse.Namespace) -> int:
         create_app(service), host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )
     # uvicorn listens on it once the service has started (and, given a socket, does not log where)
-    ShimServer(config, service).run(sockets=[api])
+    try:
+        ShimServer(config, service).run(sockets=[api])
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it drained on: exit by it, as SIGTERM exits,
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # not with a traceback and status 1
+        os.kill(os.getpid(), signal.SIGINT)
     return 0

@@ -123,3 +123,29 @@ def test_a_sighup_during_start_up_is_logged_and_ignored(tiny_checkpoint, tmp_pat
         assert "SIGHUP received during start-up: ignored" in shim.process.log_path.read_text()
     finally:
         shim.stop()
+
+
+# Runs `python -m MODULE ARGS...` with SIGINT raising KeyboardInterrupt, as Python sets it up in a
+# foreground terminal (a test run from a background job would inherit SIGINT ignored).
+WITH_CTRL_C = """
+import runpy, signal, sys
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+module = sys.argv[3]  # sys.argv: -c PYTHON -m MODULE ARGS...
+sys.argv = [module, *sys.argv[4:]]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_drains_and_exits_by_the_signal_without_a_traceback(tiny_checkpoint, tmp_path):
+    shim = Shim(tmp_path, tiny_checkpoint, "--log-level", "info", launcher=(sys.executable, "-c", WITH_CTRL_C))
+    try:
+        shim.start()
+        assert shim.complete().status_code == 200
+        shim.process.proc.send_signal(signal.SIGINT)
+        assert shim.process.proc.wait(30) == -signal.SIGINT
+        log = shim.process.log_path.read_text()
+        assert "SIGINT received: draining" in log
+        assert "Traceback" not in log, log[-2000:]
+    finally:
+        shim.stop()
