@@ -38,3 +38,9 @@ def listen(sock: socket.socket, backlog: int) -> None:
     still has connections in TIME_WAIT (a server restarted after serving)."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.listen(backlog)
+
+
+def http_url(address: tuple[str, int], path: str = "") -> str:
+    """http://HOST:PORT/path for a bound address, an IPv6 host in brackets."""
+    host, port = address[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}{path}"

@@ -22,7 +22,7 @@ from inference_shim.runtime.skip_policy import SKIP_RULES
 from inference_shim.service.depth import REQUEST_FIELD, parse_rollout_levels, parse_threshold_range
 from inference_shim.service.shim import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServeSettings
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
-from layerwatch.ports import LOOPBACK, SHIM_HTTP_PORT, SHIM_MITIGATION_PORT, reserve
+from layerwatch.ports import LOOPBACK, SHIM_HTTP_PORT, SHIM_MITIGATION_PORT, http_url, reserve
 from layerwatch_cli import argtypes
 
 T = TypeVar("T")
@@ -435,14 +435,12 @@ def run(args: argparse.Namespace) -> int:
         api.close()
         log.error("cannot start: %s", exc)
         return 2
-    host, port = api.getsockname()[:2]  # where it is bound (--port 0: the port the system chose)
     log.info(
-        "serving %s (%d layers, gates_sha256=%s) on http://%s:%d",
+        "serving %s (%d layers, gates_sha256=%s) on %s",
         service.model_name,
         service.model.config.num_layers,
         service.gates_sha256,
-        f"[{host}]" if ":" in host else host,
-        port,
+        http_url(api.getsockname()),  # where it is bound (--port 0: the port the system chose)
     )
     config = uvicorn.Config(
         create_app(service), host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5

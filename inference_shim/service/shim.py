@@ -64,6 +64,7 @@ from inference_shim.service.telemetry import (
 )
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
 from layerwatch.gate_importance import LayerSignalStats
+from layerwatch.ports import http_url
 from layerwatch.secret_file import RotatingSecret
 from layerwatch.trace import TraceWriter
 from layerwatch.wire import DEFAULT_FRAMES_ADDRESS, load_frame_key, parse_address
@@ -563,8 +564,7 @@ class ShimService:
             self.gate_watcher.start()
         if self.mitigation_receiver is not None:
             self.mitigation_receiver.start()
-            host, port = self.mitigation_receiver.address
-            log.info("mitigation webhook receiver on http://%s:%d%s", host, port, WEBHOOK_PATH)
+            log.info("mitigation webhook receiver on %s", http_url(self.mitigation_receiver.address, WEBHOOK_PATH))
 
     def stop(self) -> None:
         if self.mitigation_receiver is not None:
