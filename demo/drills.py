@@ -102,11 +102,14 @@ class DrillRun:
         if self.injected_at is None:
             left = max(0.0, self.inject_at - time.monotonic())
             return lines + [f"  healthy baseline: the fault comes in {left:.0f}s"]
-        serving = (
-            "the shim is restarting"
-            if self.serving_at is None
-            else f"the faulty shim serves since {self.serving_at - self.injected_at:.1f}s after the fault"
-        )
+        if self.serving_at is None:
+            return lines + [f"  fault injected {time.monotonic() - self.injected_at:.0f}s ago; the shim is restarting"]
+        restart = self.serving_at - self.injected_at
         if self.paged_at is None:
-            return lines + [f"  fault injected {time.monotonic() - self.injected_at:.0f}s ago; {serving}; no page yet"]
-        return lines + [f"  PAGED {d.page} {self.paged_at - self.injected_at:.1f}s after the fault ({serving})"]
+            since = time.monotonic() - self.injected_at
+            return lines + [f"  fault injected {since:.0f}s ago; the restart took {restart:.1f}s; no page yet"]
+        page = self.paged_at - self.injected_at
+        return lines + [
+            f"  PAGED {d.page} {page:.1f}s after the fault "
+            f"(the restart took {restart:.1f}s, the page {page - restart:.1f}s more)"
+        ]

@@ -126,6 +126,10 @@ class DemoStack:
             evaluation_interval=EVALUATION_INTERVAL,
             time_scale=TIME_SCALE,
         )
+        # A fresh store each run: a reused --workdir's old series (other ports, other gates) would
+        # still answer queries for Prometheus' 5-minute lookback, and old alerts would fire again.
+        for store in ("prometheus-data", "alertmanager-data"):
+            shutil.rmtree(self.workdir / store, ignore_errors=True)
         am_url = f"http://127.0.0.1:{alertmanager_port}"
         prom_url = f"http://127.0.0.1:{prometheus_port}"
         am = self._start(

@@ -58,12 +58,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shadow-rate",
         type=float,
-        default=0.5,
-        help="share of greedy requests the shim re-checks at full depth (default %(default)s)",
+        default=1.0,
+        help="share of greedy requests the shim re-checks at full depth, within its duty cycle "
+        "(default %(default)s, as in the end-to-end test: the shuffle drill's page needs the samples)",
     )
     parser.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0 = until Ctrl-C)")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between screen refreshes")
-    parser.add_argument("--workdir", default=None, help="where configs and logs go (default: a temporary folder)")
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="where configs, logs and the Prometheus and Alertmanager data go (those two start empty every run; "
+        "default: a temporary folder)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

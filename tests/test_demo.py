@@ -1,6 +1,7 @@
 """The README's first commands: `layerwatch demo` runs the stack on the demo model with Prometheus and
 Alertmanager, `--drill static` injects static pruning after a healthy baseline and the terminal shows
-the LayerwatchRoutingStatic page arriving at the demo's own receiver; Ctrl-C then stops everything."""
+the LayerwatchRoutingStatic page arriving at the demo's own receiver, `layerwatch top --prometheus`
+shows the same alert state; Ctrl-C then stops everything."""
 
 from __future__ import annotations
 
@@ -52,6 +53,14 @@ def test_the_static_drill_shows_its_page_and_ctrl_c_leaves_nothing_behind(tmp_pa
                 break
         for _ in range(40):  # the rest of the screen that says PAGED: the alert panel
             output.append(demo.stdout.readline())
+        # `layerwatch top` shows the same alert state, given the demo's Prometheus and time scale.
+        top = subprocess.run(
+            [*LAYERWATCH_COMMAND, "top", "--once", "--url", f"http://127.0.0.1:{ports['exporter-port']}"]
+            + ["--prometheus", f"http://127.0.0.1:{ports['prometheus-port']}", "--time-scale", "0.01"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         demo.send_signal(signal.SIGINT)
         rest, _ = demo.communicate(timeout=60)
     finally:
@@ -70,6 +79,10 @@ def test_the_static_drill_shows_its_page_and_ctrl_c_leaves_nothing_behind(tmp_pa
     assert any("FIRING" in line and PAGE in line for line in output[injected:]), drill
     assert any("pager" in line and PAGE in line and "ago" in line for line in output[injected:]), drill
     assert any("token-dependent share" in line and "past the limit" in line for line in output[injected:]), drill
+    assert top.returncode == 0, top.stderr
+    top_lines = top.stdout.splitlines()
+    assert any("FIRING" in line and PAGE in line for line in top_lines), top.stdout
+    assert any("token-dependent share" in line and "past the limit" in line for line in top_lines), top.stdout
     assert demo.returncode == 0, text + rest
     assert "stopped every process it started" in rest
     assert f"drill static: {PAGE} paged" in rest, rest
