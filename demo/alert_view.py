@@ -42,7 +42,7 @@ class Snapshot:
     prometheus_url: str
     alerts: list[PrometheusAlert] = field(default_factory=list)
     figures: dict[tuple[str, str], float | None] = field(default_factory=dict)  # (model, label) -> value
-    notifications: list[Notification] = field(default_factory=list)
+    notifications: list[Notification] | None = None  # None: no receiver to read (`top`)
     error: str | None = None
     profiles: dict[str, Profile] = field(default_factory=dict)
     taken_at: float = field(default_factory=time.monotonic)
@@ -50,7 +50,8 @@ class Snapshot:
     def lines(self, model: str) -> list[str]:
         if self.error is not None:
             return [f"Prometheus {self.prometheus_url}: not readable ({self.error})"]
-        return self._alert_lines(model) + self._notification_lines(model) + self._figure_lines(model)
+        notifications = [] if self.notifications is None else self._notification_lines(self.notifications, model)
+        return self._alert_lines(model) + notifications + self._figure_lines(model)
 
     def _alert_lines(self, model: str) -> list[str]:
         mine = [a for a in self.alerts if a.labels.get("model_name", model) == model]
@@ -65,10 +66,10 @@ class Snapshot:
             )
         return lines
 
-    def _notification_lines(self, model: str) -> list[str]:
+    def _notification_lines(self, notifications: list[Notification], model: str) -> list[str]:
         lines = ["notifications delivered (Alertmanager → this demo's receiver)"]
         shown = 0
-        for notification in self.notifications:
+        for notification in notifications:
             alerts = [
                 f"{name}" + ("" if status == "firing" else f" ({status})")
                 for name, status, labels in notification.alerts()
@@ -92,7 +93,7 @@ class Snapshot:
             mark = "" if value is None or not figure.breached(value, profile) else "  ← past the limit"
             lines.append(
                 f"  {figure.label:28} {_number(value):>7}  {'≥' if figure.fires_below else '≤'} "
-                f"{figure.limit(profile):g}  {figure.alert}{mark}"
+                f"{figure.limit(profile):<6g} {figure.alert}{mark}"
             )
         return lines
 

@@ -30,8 +30,7 @@ DRILLS: dict[str, Drill] = {
             "static",
             ("--static-gates",),
             "LayerwatchRoutingStatic",
-            "every gate a constant: the same layers skipped for every token (static pruning), "
-            "while the entropy histogram keeps its two humps",
+            "every gate a constant: the same layers skipped for every token, the histogram keeps its two humps",
         ),
         Drill(
             "shuffle",

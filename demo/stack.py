@@ -32,9 +32,9 @@ EXPORTER_WINDOW_SECONDS = 10.0  # the bimodality and routing window (the exporte
 TIMING = Timing(TIME_SCALE)
 # What the terminal says about it.
 TIMING_NOTE = (
-    f"rules: every window, for: and Alertmanager wait x {TIME_SCALE:g} (5m -> {TIMING(300)}, "
-    f"10m -> {TIMING(600)}); scrape and evaluation every {SCRAPE_INTERVAL:g}s; exporter window "
-    f"{EXPORTER_WINDOW_SECONDS:g}s: a fault pages within about a minute (in production: 10-20 minutes)"
+    f"timing             rules' windows, for: and Alertmanager waits x {TIME_SCALE:g} (5m -> {TIMING(300)}, "
+    f"10m -> {TIMING(600)}), scrape and evaluation {SCRAPE_INTERVAL:g}s, exporter window {EXPORTER_WINDOW_SECONDS:g}s\n"
+    "                   so that a fault pages within about a minute (in production: 10-20 minutes)"
 )
 
 
