@@ -3,8 +3,9 @@
 For views that show a model's state beside its alerts (`layerwatch top --prometheus`, `layerwatch
 demo`): every entry is one PromQL query over the series the alert itself reads (alerts/specs.py,
 under the recorded names of the rendering's timing) and the profile field that holds its limit.
-Adding a figure is one entry in FIGURES. The bimodality and routing verdicts are the exporter's
-own and are shown with its histogram (exporter/live_view.py); LayerwatchTargetDown reads `up`.
+Adding a figure is one entry in FIGURES (one without an alert and limit is shown for context). The
+bimodality and routing verdicts are the exporter's own and are shown with its histogram
+(exporter/live_view.py); LayerwatchTargetDown reads `up`.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from mixin import config
 @dataclass(frozen=True)
 class Figure:
     label: str
-    alert: str  # the alert that reads it (alerts/specs.py)
+    alert: str | None  # the alert that reads it (alerts/specs.py); None: shown for context only
     # PromQL over the series the alert reads, given the model's selector (`model_name="..."`).
     series: Callable[[Recorded, Profile, str], str]
-    limit: Callable[[Profile], float]
-    fires_below: bool  # the alert fires below the limit (else above it)
+    limit: Callable[[Profile], float] | None  # None with no alert
+    fires_below: bool  # the alert fires below the limit (else above it); the worse direction
 
     def query(self, recorded: Recorded, profile: Profile) -> str:
         """The worst of the model's series (lowest or highest across its targets)."""
@@ -32,6 +33,8 @@ class Figure:
         return f"{'min' if self.fires_below else 'max'}({self.series(recorded, profile, selector)})"
 
     def breached(self, value: float, profile: Profile) -> bool:
+        if self.limit is None:
+            return False
         limit = self.limit(profile)
         return value < limit if self.fires_below else value > limit
 

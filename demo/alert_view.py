@@ -91,10 +91,8 @@ class Snapshot:
         for figure in FIGURES:
             value = self.figures.get((model, figure.label))
             mark = "" if value is None or not figure.breached(value, profile) else "  ← past the limit"
-            lines.append(
-                f"  {figure.label:28} {_number(value):>7}  {'≥' if figure.fires_below else '≤'} "
-                f"{figure.limit(profile):<6g} {figure.alert}{mark}"
-            )
+            limit = "" if figure.limit is None else f"{'≥' if figure.fires_below else '≤'} {figure.limit(profile):<6g}"
+            lines.append(f"  {figure.label:28} {_number(value):>7}  {limit:8} {figure.alert or ''}{mark}".rstrip())
         return lines
 
 
