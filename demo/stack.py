@@ -52,6 +52,7 @@ class DemoStack:
         # once stop_all began, or it would outlive the demo.
         self._lock = threading.Lock()
         self._stopping = False
+        self._retiring: list[ManagedProcess] = []  # a shim being replaced: stop_all stops it too
 
     def _start(self, name: str, argv: list[str]) -> ManagedProcess:
         with self._lock:
@@ -96,7 +97,10 @@ class DemoStack:
         with self._lock:
             (old,) = [proc for proc in self.processes if proc.name == "shim"]
             self.processes.remove(old)  # before it stops: check_alive must not take it for a crash
+            self._retiring.append(old)
         old.stop()
+        with self._lock:
+            self._retiring.remove(old)
         self._shim_restarts += 1
         old.log_path.rename(self.workdir / f"shim-{self._shim_restarts}.log")
         self._start("shim", [*self._shim_argv, *flags]).wait_http(self.shim_url + "/readyz", timeout=180)
@@ -165,7 +169,7 @@ class DemoStack:
     def stop_all(self) -> None:
         with self._lock:
             self._stopping = True
-            processes = list(self.processes)
+            processes = self._retiring + self.processes
         for proc in reversed(processes):
             proc.stop()
 
