@@ -1,6 +1,11 @@
 """The processes of one demo run: the exporter and the shim, then Prometheus and Alertmanager with
 the repository's own rendered configs when their binaries are installed.
 
+The monitoring side runs on the end-to-end test's timing (docs/end-to-end.md): the production rules
+with every window, `for:` and Alertmanager wait scaled by TIME_SCALE, scraped and evaluated every
+second, and a 10 s exporter window, so that a fault pages within about a minute instead of 10 to 20.
+Alertmanager delivers to a receiver in the demo's own process (demo/receiver.py).
+
 Every process is started through ManagedProcess (its log in the run's workdir) and stopped, in
 reverse order of starting, by `stop_all`, whatever the way out is.
 """
@@ -10,13 +15,27 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
-from alerts.profile import PROFILES_DIR, load_profiles
+from alerts.durations import Timing
+from alerts.profile import Profile
 from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
+from demo.receiver import PAGER_PATH, TICKET_PATH, WebhookReceiver
 from deploy.render import render_stack
-from mixin import config
+
+TIME_SCALE = 0.01  # 5m -> 3s, 10m -> 6s, 1h -> 36s
+SCRAPE_INTERVAL = EVALUATION_INTERVAL = 1.0
+EXPORTER_WINDOW_SECONDS = 10.0  # the bimodality and routing window (the exporter's default: 300 s)
+TIMING = Timing(TIME_SCALE)
+# What the terminal says about it.
+TIMING_NOTE = (
+    f"timing             rules' windows, for: and Alertmanager waits x {TIME_SCALE:g} (5m -> {TIMING(300)}, "
+    f"10m -> {TIMING(600)}), scrape and evaluation {SCRAPE_INTERVAL:g}s, exporter window {EXPORTER_WINDOW_SECONDS:g}s\n"
+    "                   so that a fault pages within about a minute (in production: 10-20 minutes)"
+)
 
 
 class DemoStack:
@@ -26,10 +45,21 @@ class DemoStack:
         self.workdir = workdir
         self.processes: list[ManagedProcess] = []
         self.model_name = ""
+        self.shim_url = ""
+        self._shim_argv: list[str] = []
+        self._shim_restarts = 0
+        # A drill restarts the shim from a thread of its own (demo/drills.py): no process may start
+        # once stop_all began, or it would outlive the demo.
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._retiring: list[ManagedProcess] = []  # a shim being replaced: stop_all stops it too
 
     def _start(self, name: str, argv: list[str]) -> ManagedProcess:
-        proc = ManagedProcess(name, argv, self.workdir / f"{name}.log")
-        self.processes.append(proc)
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError(f"not starting {name}: the demo is stopping")
+            proc = ManagedProcess(name, argv, self.workdir / f"{name}.log")
+            self.processes.append(proc)
         return proc
 
     def start_core(self, *, port: int, exporter_port: int, shadow_rate: float, model: str | None) -> tuple[str, str]:
@@ -37,7 +67,10 @@ class DemoStack:
         udp_port = free_port(socket.SOCK_DGRAM)
         exporter_url = f"http://127.0.0.1:{exporter_port}"
         exporter = self._start(
-            "exporter", cli + ["exporter", "--listen", f"127.0.0.1:{udp_port}", "--http", f"127.0.0.1:{exporter_port}"]
+            "exporter",
+            cli
+            + ["exporter", "--listen", f"127.0.0.1:{udp_port}", "--http", f"127.0.0.1:{exporter_port}"]
+            + ["--window-seconds", f"{EXPORTER_WINDOW_SECONDS:g}", "--statistics-cache-seconds", "0.5"],
         )
         shim_argv = cli + [
             "serve",
@@ -50,27 +83,57 @@ class DemoStack:
         ]
         if model:
             shim_argv += ["--model", model]
+        self._shim_argv = shim_argv
         shim = self._start("shim", shim_argv)
         exporter.wait_http(exporter_url + "/healthz", timeout=30)
-        shim_url = f"http://127.0.0.1:{port}"
-        shim.wait_http(shim_url + "/readyz", timeout=180)
-        self.model_name = served_model_name(shim_url)
-        return shim_url, exporter_url
+        self.shim_url = f"http://127.0.0.1:{port}"
+        shim.wait_http(self.shim_url + "/readyz", timeout=180)
+        self.model_name = served_model_name(self.shim_url)
+        return self.shim_url, exporter_url
+
+    def restart_shim(self, *flags: str) -> float:
+        """Replace the shim by one started with `flags` at the same address (the same scrape target),
+        as the end-to-end test injects its faults; returns when the new one was ready (monotonic)."""
+        with self._lock:
+            (old,) = [proc for proc in self.processes if proc.name == "shim"]
+            self.processes.remove(old)  # before it stops: check_alive must not take it for a crash
+            self._retiring.append(old)
+        old.stop()
+        with self._lock:
+            self._retiring.remove(old)
+        self._shim_restarts += 1
+        old.log_path.rename(self.workdir / f"shim-{self._shim_restarts}.log")
+        self._start("shim", [*self._shim_argv, *flags]).wait_http(self.shim_url + "/readyz", timeout=180)
+        return time.monotonic()
 
     def start_prometheus(
-        self, shim_url: str, exporter_url: str, *, prometheus_port: int, alertmanager_port: int
-    ) -> list[str]:
-        if not (shutil.which("prometheus") and shutil.which("prometheus-alertmanager")):
-            return ["prometheus         not installed: skipped (Debian packages prometheus, prometheus-alertmanager)"]
+        self,
+        shim_url: str,
+        exporter_url: str,
+        *,
+        profiles: list[Profile],
+        receiver: WebhookReceiver,
+        prometheus_port: int,
+        alertmanager_port: int,
+    ) -> str:
+        """Start Alertmanager (routing to `receiver`) and Prometheus (evaluating the rules of
+        `profiles`); returns Prometheus' URL."""
         paths = render_stack(
             self.workdir / "config",
-            profiles=load_profiles(PROFILES_DIR),
+            profiles=profiles,
             shim_targets=[host_port(shim_url)],
             exporter_targets=[host_port(exporter_url)],
             alertmanager_target=f"127.0.0.1:{alertmanager_port}",
-            pager_url=config.PAGER_URL,
-            ticket_url=config.TICKET_URL,
+            pager_url=receiver.url(PAGER_PATH),
+            ticket_url=receiver.url(TICKET_PATH),
+            scrape_interval=SCRAPE_INTERVAL,
+            evaluation_interval=EVALUATION_INTERVAL,
+            time_scale=TIME_SCALE,
         )
+        # A fresh store each run: a reused --workdir's old series (other ports, other gates) would
+        # still answer queries for Prometheus' 5-minute lookback, and old alerts would fire again.
+        for store in ("prometheus-data", "alertmanager-data"):
+            shutil.rmtree(self.workdir / store, ignore_errors=True)
         am_url = f"http://127.0.0.1:{alertmanager_port}"
         prom_url = f"http://127.0.0.1:{prometheus_port}"
         am = self._start(
@@ -94,16 +157,25 @@ class DemoStack:
         )
         am.wait_http(am_url + "/-/ready", timeout=30)
         prom.wait_http(prom_url + "/-/ready", timeout=30)
-        return [f"prometheus         {prom_url}/alerts", f"alertmanager       {am_url}"]
+        return prom_url
 
     def check_alive(self) -> None:
-        for proc in self.processes:
+        with self._lock:
+            processes = list(self.processes)
+        for proc in processes:
             if not proc.running():
                 raise RuntimeError(f"{proc.name} exited unexpectedly:\n{proc.log_tail()}")
 
     def stop_all(self) -> None:
-        for proc in reversed(self.processes):
+        with self._lock:
+            self._stopping = True
+            processes = self._retiring + self.processes
+        for proc in reversed(processes):
             proc.stop()
+
+
+def monitoring_installed() -> bool:
+    return bool(shutil.which("prometheus") and shutil.which("prometheus-alertmanager"))
 
 
 def served_model_name(shim_url: str) -> str:

@@ -2,7 +2,8 @@
 
 It reads the page like Prometheus would: per model, the verdict and the window statistics, mean / std /
 zero ratio / skip ratio, the routing verdict, and the 20-bin histogram (counts since the exporter
-started, from the `layerwatch_entropy` buckets). `layerwatch top` and `layerwatch demo` show it.
+started, from the `layerwatch_entropy` buckets). `layerwatch top` and `layerwatch demo` show it, with
+whatever they put beside the histogram (the alert state).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import collections
 import time
 import urllib.request
+from collections.abc import Callable
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,7 +24,9 @@ CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, clear screen
 Samples = dict[str, list[tuple[dict[str, str], float]]]  # sample name -> [(labels, value)]
 
 
-def render_screen(url: str) -> str:
+def render_screen(url: str, beside: Callable[[str], list[str]] | None = None, width: int = 0) -> str:
+    """The exporter's view of every model; `beside(model)`: lines shown beside that model's
+    histogram (the alert state, demo/alert_view.py) when `width` columns hold both, else below it."""
     samples = scrape(url)
     models = sorted({labels["model_name"] for labels, _ in samples.get("layerwatch_entropy_count", [])})
     header = (
@@ -33,7 +37,10 @@ def render_screen(url: str) -> str:
     )
     if not models:
         return header + "\n\nno gate frames received yet"
-    return "\n\n".join([header] + [format_report(model_report(samples, model)) for model in models])
+    return "\n\n".join(
+        [header]
+        + [format_report(model_report(samples, model), beside(model) if beside else (), width) for model in models]
+    )
 
 
 def scrape(url: str, timeout: float = 5.0) -> Samples:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import zip_longest
 from typing import Any
 
 from layerwatch.statistics import BINS
 
 BAR_WIDTH = 40
+GAP = 4  # columns between the histogram and what is shown beside it
 
 
-def format_report(report: dict[str, object]) -> str:
-    """A few lines per model: verdict, statistics, then the 20-bin histogram as bars."""
+def format_report(report: dict[str, object], beside: Sequence[str] = (), width: int = 0) -> str:
+    """A few lines per model: verdict, statistics, then the 20-bin histogram as bars, with the lines
+    `beside` to the right of the bars when `width` columns hold both, else below them."""
     lines = [
         f"{report['model_name']}: {report['verdict']}  "
         f"({report['observations']:,} observations, window {report['window_observations']:,})",
@@ -22,7 +26,12 @@ def format_report(report: dict[str, object]) -> str:
     ]
     if "routing_verdict" in report:
         lines += routing_lines(report)
-    lines += histogram_bars(_list(report["histogram"]))
+    bars = histogram_bars(_list(report["histogram"]))
+    left = max(len(bar) for bar in bars)
+    if beside and left + GAP + max(map(len, beside)) <= width:
+        lines += [f"{bar:<{left}}{' ' * GAP}{line}".rstrip() for bar, line in zip_longest(bars, beside, fillvalue="")]
+    else:
+        lines += bars + ([""] + list(beside) if beside else [])
     return "\n".join(lines)
 
 

@@ -1,24 +1,34 @@
 """`layerwatch demo`: the whole stack on the embedded demo model, in one terminal.
 
 Starts the exporter and the shim (on the demo model unless --model is given), Prometheus and
-Alertmanager with the repo's own configs when their binaries are installed, and a load generator;
-then shows the live entropy histogram (`layerwatch top`) until Ctrl-C or --duration. Every process it
-started is stopped on the way out, whatever the way out is.
+Alertmanager with the repo's own configs on the end-to-end test's scaled timing when their binaries
+are installed (Alertmanager delivering to a receiver in this process), and a load generator; then
+shows the live entropy histogram with the alert state beside it until Ctrl-C or --duration. With
+--drill, a fault is injected after a healthy baseline and the view shows its page arriving. Every
+process it started is stopped on the way out, whatever the way out is.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from alerts.profile import PROFILES_DIR, ProfileError, load_profiles
+from demo.alert_view import AlertView
+from demo.drills import DRILLS, DrillRun
 from demo.loadgen import run_load
-from demo.stack import DemoStack
+from demo.receiver import WebhookReceiver
+from demo.stack import TIMING, TIMING_NOTE, DemoStack, monitoring_installed
 from exporter.live_view import CLEAR_SCREEN, render_screen
 from layerwatch import ports
+
+INSTALL_HINT = "scripts/install-system-deps.sh --demo installs them (root or sudo)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,24 +40,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prometheus-port", type=int, default=ports.PROMETHEUS_PORT, help="(default %(default)s)")
     parser.add_argument("--alertmanager-port", type=int, default=ports.ALERTMANAGER_PORT, help="(default %(default)s)")
     parser.add_argument("--no-prometheus", action="store_true", help="do not start Prometheus and Alertmanager")
+    parser.add_argument(
+        "--drill",
+        choices=sorted(DRILLS),
+        default=None,
+        help="after --baseline seconds of healthy traffic, restart the shim with a fault and show its page: "
+        + "; ".join(f"{d.name}: {' '.join(d.serve_flags)} pages {d.page}" for d in DRILLS.values()),
+    )
+    parser.add_argument(
+        "--baseline",
+        type=float,
+        default=20.0,
+        help="seconds of healthy traffic before a drill's fault (default %(default)s)",
+    )
     parser.add_argument("--concurrency", type=int, default=2, help="load generator clients (default %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per generated completion")
     parser.add_argument(
         "--shadow-rate",
         type=float,
-        default=0.5,
-        help="share of greedy requests the shim re-checks at full depth (default %(default)s)",
+        default=1.0,
+        help="share of greedy requests the shim re-checks at full depth, within its duty cycle "
+        "(default %(default)s, as in the end-to-end test: the shuffle drill's page needs the samples)",
     )
     parser.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0 = until Ctrl-C)")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between screen refreshes")
-    parser.add_argument("--workdir", default=None, help="where configs and logs go (default: a temporary folder)")
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="where configs, logs and the Prometheus and Alertmanager data go (those two start empty every run; "
+        "default: a temporary folder)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    drill = DRILLS[args.drill] if args.drill else None
+    monitoring = not args.no_prometheus and monitoring_installed()
+    if drill is not None and not monitoring:
+        why = "--no-prometheus was given" if args.no_prometheus else f"they are not installed: {INSTALL_HINT}"
+        print(f"layerwatch demo: --drill needs Prometheus and Alertmanager to page; {why}", file=sys.stderr)
+        return 2
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="layerwatch-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     stack = DemoStack(workdir)
+    receiver = WebhookReceiver() if monitoring else None
     stop = threading.Event()
+    drill_run: DrillRun | None = None
+    interrupted = False
     try:
         shim_url, exporter_url = stack.start_core(
             port=args.port, exporter_port=args.exporter_port, shadow_rate=args.shadow_rate, model=args.model
@@ -56,10 +94,28 @@ def run(args: argparse.Namespace) -> int:
             f"shim (OpenAI API)  {shim_url}/v1   metrics {shim_url}/metrics",
             f"exporter           {exporter_url}/metrics",
         ]
-        if not args.no_prometheus:
-            lines += stack.start_prometheus(
-                shim_url, exporter_url, prometheus_port=args.prometheus_port, alertmanager_port=args.alertmanager_port
+        view = None
+        if receiver is not None:
+            profiles = load_profiles(PROFILES_DIR)
+            prometheus_url = stack.start_prometheus(
+                shim_url,
+                exporter_url,
+                profiles=profiles,
+                receiver=receiver,
+                prometheus_port=args.prometheus_port,
+                alertmanager_port=args.alertmanager_port,
             )
+            view = AlertView(prometheus_url, profiles, TIMING, receiver)
+            lines += [
+                f"prometheus         {prometheus_url}/alerts",
+                f"alertmanager       http://127.0.0.1:{args.alertmanager_port}   "
+                f"delivers to this demo: {receiver.url('/pager')}, /ticket",
+                TIMING_NOTE,
+            ]
+        elif args.no_prometheus:
+            lines.append("prometheus         off (--no-prometheus): no rule is evaluated, no alert can fire")
+        else:
+            lines.append(f"prometheus         not installed: no rule is evaluated, no alert can fire ({INSTALL_HINT})")
         lines.append(f"logs and configs   {workdir}")
         banner = "\n".join(lines)
         print(banner, flush=True)
@@ -71,31 +127,60 @@ def run(args: argparse.Namespace) -> int:
             daemon=True,
         )
         load.start()
-        _show(exporter_url, banner, args, stack)
+        if drill is not None and receiver is not None:
+            drill_run = DrillRun(drill, stack, receiver, args.baseline)
+        _show(exporter_url, banner, args, stack, view, drill_run)
     except KeyboardInterrupt:
-        pass
-    except (RuntimeError, TimeoutError) as exc:
+        interrupted = True
+    except (RuntimeError, TimeoutError, ProfileError) as exc:
         print(f"layerwatch demo: {exc}", file=sys.stderr)
         return 1
     finally:
         stop.set()
         stack.stop_all()
+        if receiver is not None:
+            receiver.close()
     print("layerwatch demo: stopped every process it started.")
-    return 0
+    return 0 if drill_run is None else _drill_verdict(drill_run, interrupted)
 
 
-def _show(exporter_url: str, banner: str, args: argparse.Namespace, stack: DemoStack) -> None:
+def _drill_verdict(drill_run: DrillRun, interrupted: bool) -> int:
+    """The drill's time to page; 1 when it ran its course (--duration) without paging."""
+    drill_run.check_page()
+    name, page = drill_run.drill.name, drill_run.drill.page
+    if drill_run.time_to_page is not None:
+        print(f"layerwatch demo: drill {name}: {page} paged {drill_run.time_to_page:.1f}s after the fault")
+        return 0
+    if interrupted:
+        return 0
+    print(f"layerwatch demo: drill {name}: {page} did not page before --duration ran out", file=sys.stderr)
+    return 1
+
+
+def _show(
+    exporter_url: str,
+    banner: str,
+    args: argparse.Namespace,
+    stack: DemoStack,
+    view: AlertView | None,
+    drill_run: DrillRun | None,
+) -> None:
     deadline = time.monotonic() + args.duration if args.duration > 0 else float("inf")
     interactive = sys.stdout.isatty()
     while time.monotonic() < deadline:
         stack.check_alive()
+        status = ""
+        if drill_run is not None:
+            drill_run.poll()
+            status = "\n".join(drill_run.status()) + "\n\n"
+        beside: Callable[[str], list[str]] | None = view.snapshot().lines if view is not None else None
         try:
-            screen = render_screen(exporter_url)
+            screen = render_screen(exporter_url, beside, shutil.get_terminal_size().columns)
         except OSError as exc:
             screen = f"exporter not readable yet: {exc}"
         if interactive:
-            sys.stdout.write(CLEAR_SCREEN + banner + "\n\n" + screen + "\n\n(Ctrl-C stops the demo)\n")
+            sys.stdout.write(CLEAR_SCREEN + banner + "\n\n" + status + screen + "\n\n(Ctrl-C stops the demo)\n")
         else:
-            sys.stdout.write(screen + "\n\n")
+            sys.stdout.write(status + screen + "\n\n")
         sys.stdout.flush()
         time.sleep(min(args.interval, max(0.0, deadline - time.monotonic())))

@@ -11,6 +11,7 @@ import math
 import sys
 
 from exporter.replay import replay_trace
+from exporter.replay_plot import DEFAULT_PLOT_TOKENS, MissingPlotLibrary, plot_reports
 from exporter.report_text import format_report
 from exporter.state import ExporterConfig
 from layerwatch.routing import DEFAULT_THRESHOLD
@@ -22,6 +23,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ExporterConfig()
     parser.add_argument("trace", metavar="TRACE.jsonl", help="trace file (JSON Lines, as serve --trace-file writes it)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per model")
+    parser.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        default=None,
+        help="also draw, per model, the layer x token heat map of the gate scores (skipped cells marked), "
+        "the per-layer below-threshold rate with the static line, the histogram and the verdicts "
+        "(needs matplotlib: pip install 'layerwatch[plot]')",
+    )
+    parser.add_argument(
+        "--plot-tokens",
+        type=argtypes.positive(int),
+        default=DEFAULT_PLOT_TOKENS,
+        help="the heat map shows each model's last this-many tokens (default %(default)s)",
+    )
     parser.add_argument(
         "--window-max-observations",
         type=int,
@@ -79,4 +94,17 @@ def run(args: argparse.Namespace) -> int:
         return 1
     for model_report in reports:
         print(json.dumps(model_report) if args.json else format_report(model_report) + "\n")
+    return 0 if args.plot is None else _plot(args, reports)
+
+
+def _plot(args: argparse.Namespace, reports: list[dict[str, object]]) -> int:
+    try:
+        plot_reports(args.trace, reports, args.plot, args.plot_tokens)
+    except MissingPlotLibrary as exc:
+        print(f"layerwatch replay: --plot: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:  # an unwritable path, an extension matplotlib does not know
+        print(f"layerwatch replay: cannot write {args.plot}: {exc}", file=sys.stderr)
+        return 1
+    print(f"layerwatch replay: drew {args.plot}", file=sys.stderr)
     return 0

@@ -1,32 +1,68 @@
-"""`layerwatch top`: a terminal view of a live exporter, refreshing in place.
+"""`layerwatch top`: a terminal view of a live exporter, refreshing in place; with --prometheus, each
+model's alerts and the figures its pages read, with their profile limits, beside its histogram.
 
-The view itself is exporter/live_view.py.
+The views themselves are exporter/live_view.py and demo/alert_view.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 import urllib.error
+from collections.abc import Callable
 
+from alerts.durations import Timing
+from alerts.profile import PROFILES_DIR, ProfileError, load_profiles
+from demo.alert_view import AlertView
 from exporter.live_view import CLEAR_SCREEN, render_screen
 from layerwatch.ports import EXPORTER_HTTP_PORT, LOOPBACK
+from layerwatch_cli import argtypes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url", default=f"http://{LOOPBACK}:{EXPORTER_HTTP_PORT}", help="the exporter (default %(default)s)"
     )
+    parser.add_argument(
+        "--prometheus",
+        default=None,
+        metavar="URL",
+        help="a Prometheus that evaluates the layerwatch rules (e.g. http://127.0.0.1:9090): show each "
+        "model's pending and firing alerts and the figures its pages read beside its histogram",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=argtypes.positive(float),
+        default=1.0,
+        help="the time scale the rules were rendered with, which names the recorded series "
+        "(default %(default)s: production; `layerwatch demo`'s is 0.01)",
+    )
+    parser.add_argument(
+        "--profiles", default=str(PROFILES_DIR), metavar="DIR", help="the models' profiles, for the limits"
+    )
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default %(default)s)")
     parser.add_argument("--once", action="store_true", help="print one view without terminal control codes and exit")
 
 
 def run(args: argparse.Namespace) -> int:
+    view = None
+    if args.prometheus:
+        try:
+            view = AlertView(args.prometheus, load_profiles(args.profiles), Timing(args.time_scale))
+        except ProfileError as exc:
+            print(f"layerwatch top: {exc}", file=sys.stderr)
+            return 2
+
+    def screen() -> str:
+        beside: Callable[[str], list[str]] | None = view.snapshot().lines if view is not None else None
+        return render_screen(args.url, beside, shutil.get_terminal_size().columns)
+
     if args.once:
         try:
-            print(render_screen(args.url))
+            print(screen())
         except (urllib.error.URLError, OSError) as exc:
             print(f"layerwatch top: cannot read {args.url}/metrics: {exc}", file=sys.stderr)
             return 1
@@ -34,10 +70,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         while True:
             try:
-                screen = render_screen(args.url)
+                text = screen()
             except (urllib.error.URLError, OSError) as exc:
-                screen = f"layerwatch top: cannot read {args.url}/metrics: {exc} (retrying)"
-            sys.stdout.write(CLEAR_SCREEN + screen + "\n")
+                text = f"layerwatch top: cannot read {args.url}/metrics: {exc} (retrying)"
+            sys.stdout.write(CLEAR_SCREEN + text + "\n")
             sys.stdout.flush()
             time.sleep(args.interval)
     except KeyboardInterrupt:

@@ -2,15 +2,19 @@
 # Debian packages the tests use for real: Prometheus + promtool, Alertmanager + amtool,
 # VictoriaMetrics (the long-term store Prometheus remote-writes to in the fleet test), docker-compose
 # (to validate the compose file; no engine needed) and the KJV text for the demo model.
+# With --demo, only what `layerwatch demo` runs: Prometheus and Alertmanager.
+# Needs root or sudo when something is missing.
 set -euo pipefail
 need=()
 command -v prometheus >/dev/null || need+=(prometheus)
-command -v promtool >/dev/null || need+=(prometheus)
 command -v prometheus-alertmanager >/dev/null || need+=(prometheus-alertmanager)
-command -v amtool >/dev/null || need+=(prometheus-alertmanager)
-command -v victoria-metrics >/dev/null || need+=(victoria-metrics)
-command -v docker-compose >/dev/null || need+=(docker-compose)
-command -v bible >/dev/null || need+=(bible-kjv)
+if [ "${1:-}" != "--demo" ]; then
+  command -v promtool >/dev/null || need+=(prometheus)
+  command -v amtool >/dev/null || need+=(prometheus-alertmanager)
+  command -v victoria-metrics >/dev/null || need+=(victoria-metrics)
+  command -v docker-compose >/dev/null || need+=(docker-compose)
+  command -v bible >/dev/null || need+=(bible-kjv)
+fi
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

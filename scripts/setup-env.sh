@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
-extras="serve,generate,test,lint"
+extras="serve,generate,test,lint,plot"
 stamp=".venv/.layerwatch-installed"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1) $extras"
 

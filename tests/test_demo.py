@@ -1,4 +1,7 @@
-"""The README's first command: `layerwatch demo` runs the stack on the demo model and stops cleanly on Ctrl-C."""
+"""The README's first commands: `layerwatch demo` runs the stack on the demo model with Prometheus and
+Alertmanager, `--drill static` injects static pruning after a healthy baseline and the terminal shows
+the LayerwatchRoutingStatic page arriving at the demo's own receiver, `layerwatch top --prometheus`
+shows the same alert state; Ctrl-C then stops everything."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import pytest
 
 from demo.processes import LAYERWATCH_COMMAND, free_port
 
+PAGE = "LayerwatchRoutingStatic"
+
 
 def _port_closed(port: int) -> bool:
     with socket.socket() as s:
@@ -20,11 +25,12 @@ def _port_closed(port: int) -> bool:
 
 @pytest.mark.skipif(
     not (shutil.which("prometheus") and shutil.which("prometheus-alertmanager")),
-    reason="the demo starts Prometheus and Alertmanager when they are installed",
+    reason="the demo's drills need Prometheus and Alertmanager (scripts/install-system-deps.sh)",
 )
-def test_demo_shows_the_live_histogram_and_leaves_nothing_behind_on_ctrl_c(tmp_path):
+def test_the_static_drill_shows_its_page_and_ctrl_c_leaves_nothing_behind(tmp_path):
     ports = {name: free_port() for name in ("port", "exporter-port", "prometheus-port", "alertmanager-port")}
     argv = [*LAYERWATCH_COMMAND, "demo", "--workdir", str(tmp_path), "--interval", "1"]
+    argv += ["--drill", "static", "--baseline", "12", "--duration", "240"]
     for name, port in ports.items():
         argv += [f"--{name}", str(port)]
     # Ctrl-C reaches a demo run from a terminal; one started by a background job (`cmd &` in a
@@ -38,22 +44,46 @@ def test_demo_shows_the_live_histogram_and_leaves_nothing_behind_on_ctrl_c(tmp_p
     output: list[str] = []
     try:
         deadline = time.monotonic() + 240
-        # The exporter's view shows a model's histogram once gate frames arrive from the load.
         while time.monotonic() < deadline:
             line = demo.stdout.readline()
             if not line:
                 break
             output.append(line)
-            if "observations" in line:  # a model's report line: frames have arrived
+            if f"PAGED {PAGE}" in line:
                 break
-        assert any("prometheus" in line and "/alerts" in line for line in output), "".join(output)
-        assert any("observations" in line for line in output), "".join(output)
+        for _ in range(40):  # the rest of the screen that says PAGED: the alert panel
+            output.append(demo.stdout.readline())
+        # `layerwatch top` shows the same alert state, given the demo's Prometheus and time scale.
+        top = subprocess.run(
+            [*LAYERWATCH_COMMAND, "top", "--once", "--url", f"http://127.0.0.1:{ports['exporter-port']}"]
+            + ["--prometheus", f"http://127.0.0.1:{ports['prometheus-port']}", "--time-scale", "0.01"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         demo.send_signal(signal.SIGINT)
         rest, _ = demo.communicate(timeout=60)
     finally:
         if demo.poll() is None:
             demo.kill()
             demo.wait()
-    assert demo.returncode == 0, "".join(output) + rest
+    text = "".join(output)
+    injected = next((i for i, line in enumerate(output) if "fault injected" in line), len(output))
+    baseline, drill = "".join(output[:injected]), "".join(output[injected:])
+    assert "prometheus" in text and "/alerts" in text and "x 0.01" in text, text  # the scaled rules, said
+    assert "observations" in baseline and "routing: dynamic" in baseline, baseline  # the healthy histogram
+    assert not [line for line in output[:injected] if "FIRING" in line and PAGE in line], baseline
+    assert f"PAGED {PAGE}" in drill, text
+    # The panel beside the histogram: Prometheus holds it firing, the demo's receiver got the page,
+    # and the figure it reads is past its profile limit.
+    assert any("FIRING" in line and PAGE in line for line in output[injected:]), drill
+    assert any("pager" in line and PAGE in line and "ago" in line for line in output[injected:]), drill
+    assert any("token-dependent share" in line and "past the limit" in line for line in output[injected:]), drill
+    assert top.returncode == 0, top.stderr
+    top_lines = top.stdout.splitlines()
+    assert any("FIRING" in line and PAGE in line for line in top_lines), top.stdout
+    assert any("token-dependent share" in line and "past the limit" in line for line in top_lines), top.stdout
+    assert demo.returncode == 0, text + rest
     assert "stopped every process it started" in rest
+    assert f"drill static: {PAGE} paged" in rest, rest
     assert all(_port_closed(port) for port in ports.values()), ports

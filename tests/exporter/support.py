@@ -1,4 +1,4 @@
-"""Helpers for the exporter tests: a running exporter process, frames from traces."""
+"""Helpers for the exporter tests: a running exporter process, frames from traces, the pixels of a plot."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporter.replay_plot import HeatMapBox
 from layerwatch.trace import read_trace_batches
 from layerwatch.wire import GateFrame, encode_frame
 
@@ -114,4 +115,19 @@ def forged_flood(models: int, layers: int) -> list[bytes]:
     return [
         encode_frame(random_frame(rng, index, model=f"forged-{index}", shim="forger", rows=1, layers=layers))
         for index in range(models)
+    ]
+
+
+def heat_map_row_colours(png: Path, box: HeatMapBox) -> list[int]:
+    """How many distinct colours each layer's row of a `replay --plot` heat map has in the written
+    image: 1 for a layer whose score never changes. Read a quarter of a row's height from its top,
+    clear of the dots that mark skipped cells at the cells' centres, and 2 pixels inside the frame."""
+    from matplotlib.image import imread
+
+    pixels = imread(png)
+    row_height = (box.bottom - box.top) / box.layers
+    left, right = int(np.ceil(box.left)) + 2, int(box.right) - 2
+    return [
+        len({tuple(p) for p in pixels[int(box.top + (layer + 0.25) * row_height), left:right]})
+        for layer in range(box.layers)
     ]

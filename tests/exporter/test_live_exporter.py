@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -162,6 +163,21 @@ def test_top_shows_histogram_verdict_and_statistics(start_exporter) -> None:
     assert "skip ratio 0.560" in top.stdout
     assert "0.05-0.10 ████" in top.stdout
     assert "frames received 500" in top.stdout
+
+    # With a Prometheus it cannot read, the view still shows the exporter, and says so beside each
+    # model's histogram when the terminal is wide enough (COLUMNS), below it when not.
+    for columns, beside in (("200", True), ("80", False)):
+        top = subprocess.run(
+            [*LAYERWATCH_COMMAND, "top", "--url", exporter.url, "--once", "--prometheus", "http://127.0.0.1:9"],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "COLUMNS": columns},
+        )
+        assert "demo: bimodal  (6,000 observations, window 6,000)" in top.stdout
+        unreadable = [line for line in top.stdout.splitlines() if "Prometheus http://127.0.0.1:9: not readable" in line]
+        assert len(unreadable) == 2, top.stdout  # one per model
+        assert all(("0.00-0.05" in line) == beside for line in unreadable), top.stdout
 
 
 def test_top_reports_an_unreachable_exporter() -> None:

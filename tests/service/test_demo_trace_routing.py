@@ -3,7 +3,8 @@ traffic, replayed with `layerwatch replay --json`, routes per token (verdict dyn
 of its layers are static; the static-gates drill's trace of the same traffic is judged static.
 
 This is the routing statistic on real gates rather than constructed traces (tests/exporter/
-test_routing.py covers those)."""
+test_routing.py covers those). `replay --plot` draws both traces: the static one is a heat map of
+uniform rows, the served one is not (tests/exporter/test_replay_plot.py covers constructed traces)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import pytest
 
 from demo.loadgen import run_load
 from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
+from exporter.replay_plot import plot_reports
 from inference_shim.runtime.demo_model import DEMO_MODEL_NAME, demo_model_present
+from tests.exporter.support import heat_map_row_colours
 
 pytestmark = pytest.mark.skipif(not demo_model_present(), reason="the demo model is not in this checkout")
 
@@ -53,8 +56,15 @@ def replay(trace: Path) -> dict:
     return report
 
 
+def drawn_rows(trace: Path, report: dict, out: Path) -> list[int]:
+    """The distinct colours of each layer's row in the heat map `replay --plot` draws."""
+    (box,) = plot_reports(trace, [report], out).values()
+    return heat_map_row_colours(out, box)
+
+
 def test_the_demo_models_served_trace_routes_per_token(tmp_path: Path) -> None:
-    report = replay(served_trace(tmp_path))
+    trace = served_trace(tmp_path)
+    report = replay(trace)
     assert report["threshold"] == pytest.approx(0.18)  # the trace carries the served tau
     assert report["routing_tokens"] >= 500
     assert report["routing_verdict"] == "dynamic", report
@@ -64,11 +74,17 @@ def test_the_demo_models_served_trace_routes_per_token(tmp_path: Path) -> None:
     assert report["static_layers"], report
     low = report["per_layer_low_rate"]
     assert len(low) == 16 and low[0] <= 0.01 and low[-1] <= 0.01  # the protected first and last layers
+    rows = drawn_rows(trace, report, tmp_path / "healthy.png")
+    token_dependent = set(range(16)) - set(report["static_layers"]) - set(report["static_run_layers"])
+    assert all(rows[layer] > 5 for layer in token_dependent), rows
 
 
 def test_the_static_gates_drill_is_judged_static_on_the_same_traffic(tmp_path: Path) -> None:
-    report = replay(served_trace(tmp_path, "--static-gates"))
+    trace = served_trace(tmp_path, "--static-gates")
+    report = replay(trace)
     assert report["routing_verdict"] == "static", report
     assert report["token_dependent_share"] < 0.1, report
     # The pooled histogram cannot tell: the drill keeps two humps (docs/exporter.md).
     assert report["bimodal"] is True, report
+    # ... the picture can: every gate is a constant, every row of the heat map one colour.
+    assert drawn_rows(trace, report, tmp_path / "static.png") == [1] * 16

@@ -1,6 +1,6 @@
 """What the end-to-end stacks share (tests/stack/test_end_to_end.py, test_fleet.py): the scaled timing,
-the command lines of the layerwatch processes, load, the pager and ticket receivers, and the queries a
-test sends to Prometheus as Grafana would."""
+the command lines of the layerwatch processes, load, where an alert is routed (the pager and ticket
+receivers are demo/receiver.py's), and the queries a test sends to Prometheus as Grafana would."""
 
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ import math
 import re
 import sys
 import threading
-import time
 import urllib.parse
 import urllib.request
-from dataclasses import astuple, dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import astuple
 from pathlib import Path
 
 from alerts.durations import Timing
 from alerts.recorded import Recorded
 from demo.loadgen import LoadReport, run_load
+from demo.receiver import PAGER_PATH, TICKET_PATH
 
 TIME_SCALE = 0.01  # 5m -> 3s, 10m -> 6s, 1h -> 36s
 SCRAPE_INTERVAL = 1.0
@@ -109,61 +108,12 @@ def values(result: list[dict]) -> list[float]:
     return [float(sample["value"][1]) for sample in result]
 
 
-# --- the pager and ticket bridges: a loopback webhook receiver --------------------------------------
-
-
-@dataclass(frozen=True)
-class Notification:
-    received_at: float  # time.monotonic()
-    receiver: str  # the URL path: /pager or /ticket
-    payload: dict  # Alertmanager's webhook body
-
-
-class WebhookReceiver:
-    """Records every POST Alertmanager sends, like a pager or ticket bridge would receive it."""
-
-    def __init__(self) -> None:
-        self.notifications: list[Notification] = []
-        received = self.notifications
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                received.append(Notification(time.monotonic(), self.path, json.loads(body)))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args) -> None:  # keep pytest's output for the results
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def url(self, receiver: str) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}{receiver}"
-
-    def first_firing(self, receiver: str, alertname: str, since: float = -math.inf) -> float | None:
-        """When `receiver` was first notified of `alertname` firing (monotonic), at or after `since`, or None."""
-        return next(
-            (
-                n.received_at
-                for n in list(self.notifications)
-                if n.receiver == receiver and n.received_at >= since
-                for alert in n.payload["alerts"]
-                if alert["labels"].get("alertname") == alertname and alert["status"] == "firing"
-            ),
-            None,
-        )
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+# --- routing ----------------------------------------------------------------------------------
 
 
 def receiver(alert: dict) -> str:
     """Where the rendered alertmanager.yml routes an alert: critical pages, warning opens a ticket."""
-    return {"critical": "/pager", "warning": "/ticket"}[alert["labels"]["severity"]]
+    return {"critical": PAGER_PATH, "warning": TICKET_PATH}[alert["labels"]["severity"]]
 
 
 # --- load ----------------------------------------------------------------------------------------

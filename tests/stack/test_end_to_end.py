@@ -46,6 +46,7 @@ from alerts.profile import Profile, load_profiles
 from alerts.recorded import Recorded
 from demo.loadgen import STUTTER, Category, LoadReport, run_load
 from demo.processes import ManagedProcess, free_port
+from demo.receiver import WebhookReceiver
 from deploy.render import render_stack
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from inference_shim.service.power import NvmlReader, find_rapl_zones
@@ -59,7 +60,6 @@ from .support import (
     SCRAPE_INTERVAL,
     TIME_SCALE,
     Load,
-    WebhookReceiver,
     alertmanager_alerts,
     alertmanager_argv,
     dashboard_expr,

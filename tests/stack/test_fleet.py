@@ -29,6 +29,7 @@ from alerts.durations import Timing
 from alerts.profile import load_profiles
 from alerts.recorded import Recorded
 from demo.processes import ManagedProcess, free_port
+from demo.receiver import WebhookReceiver
 from deploy.render import render_stack
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 
@@ -39,7 +40,6 @@ from .support import (
     SCRAPE_INTERVAL,
     TIME_SCALE,
     Load,
-    WebhookReceiver,
     alertmanager_alerts,
     alertmanager_argv,
     dashboard_expr,

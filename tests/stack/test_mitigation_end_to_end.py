@@ -26,11 +26,12 @@ import pytest
 from alerts.durations import Timing
 from alerts.rules import to_yaml
 from demo.processes import ManagedProcess, free_port
+from demo.receiver import WebhookReceiver
 from deploy.render import HEADER, MitigationWebhook, alertmanager_config
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from tests.service.conftest import sample_sum, scrape
 from tests.stack.conftest import run_tool
-from tests.stack.support import TIME_SCALE, WebhookReceiver, alertmanager_alerts, alertmanager_argv
+from tests.stack.support import TIME_SCALE, alertmanager_alerts, alertmanager_argv
 
 ALERTNAME = "LayerwatchRoutingStatic"
 TOKEN = "e2e-mitigation-token-" + "0123456789abcdef" * 2

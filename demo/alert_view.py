@@ -1,0 +1,175 @@
+"""What Prometheus and Alertmanager say about each model, as lines of text for the terminal view.
+
+Per model: the alerts Prometheus holds pending or firing (`/api/v1/alerts`), the last
+notifications Alertmanager delivered to the demo's receiver (demo/receiver.py) with their age, and
+every figure a page reads next to its profile limit (alerts/signals.py). `layerwatch demo` and
+`layerwatch top --prometheus` show it beside the exporter's histogram (exporter/live_view.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from alerts.durations import Timing
+from alerts.profile import Profile
+from alerts.recorded import Recorded
+from alerts.signals import FIGURES, Figure
+from demo.receiver import Notification, WebhookReceiver
+
+NOTIFICATIONS_SHOWN = 5
+TIMEOUT = 3.0  # seconds per Prometheus request: a slow one must not freeze the view
+
+
+@dataclass(frozen=True)
+class PrometheusAlert:
+    name: str
+    state: str  # pending | firing
+    labels: dict[str, str]
+    active_for: float | None  # seconds since it became active
+
+
+@dataclass
+class Snapshot:
+    """One read of Prometheus (and the receiver), rendered per model by `lines`."""
+
+    prometheus_url: str
+    alerts: list[PrometheusAlert] = field(default_factory=list)
+    figures: dict[tuple[str, str], float | None] = field(default_factory=dict)  # (model, label) -> value
+    notifications: list[Notification] | None = None  # None: no receiver to read (`top`)
+    error: str | None = None
+    profiles: dict[str, Profile] = field(default_factory=dict)
+    taken_at: float = field(default_factory=time.monotonic)
+
+    def lines(self, model: str) -> list[str]:
+        if self.error is not None:
+            return [f"Prometheus {self.prometheus_url}: not readable ({self.error})"]
+        notifications = [] if self.notifications is None else self._notification_lines(self.notifications, model)
+        return self._alert_lines(model) + notifications + self._figure_lines(model)
+
+    def _alert_lines(self, model: str) -> list[str]:
+        mine = [a for a in self.alerts if a.labels.get("model_name", model) == model]
+        lines = [f"alerts in Prometheus ({len(mine)} pending or firing; for how long)"]
+        for alert in sorted(mine, key=lambda a: (a.state != "firing", a.name)):
+            # Which rule of the alert fired; for an alert of no model (a target down), the target.
+            target = "" if "model_name" in alert.labels else alert.labels.get("instance", "")
+            detail = alert.labels.get("trigger", target)
+            lines.append(
+                f"  {alert.state.upper():8} {_age(alert.active_for):>4}  {alert.name:33} "
+                f"{alert.labels.get('severity', ''):9}{detail}".rstrip()
+            )
+        return lines
+
+    def _notification_lines(self, notifications: list[Notification], model: str) -> list[str]:
+        lines = ["notifications delivered (Alertmanager → this demo's receiver)"]
+        shown = 0
+        for notification in notifications:
+            alerts = [
+                f"{name}" + ("" if status == "firing" else f" ({status})")
+                for name, status, labels in notification.alerts()
+                if labels.get("model_name", model) == model
+            ]
+            if alerts and shown < NOTIFICATIONS_SHOWN:
+                age = _age(self.taken_at - notification.received_at)
+                lines.append(f"  {age:>4} ago  {notification.receiver.strip('/'):6} {', '.join(sorted(set(alerts)))}")
+                shown += 1
+        if not shown:
+            lines.append("  none yet")
+        return lines
+
+    def _figure_lines(self, model: str) -> list[str]:
+        profile = self.profiles.get(model)
+        if profile is None:
+            return [f"no profile for {model}: no limits to show"]
+        lines = [f"{'what the pages read':30} {'now':>7}  limit"]
+        for figure in FIGURES:
+            value = self.figures.get((model, figure.label))
+            mark = "" if value is None or not figure.breached(value, profile) else "  ← past the limit"
+            limit = "" if figure.limit is None else f"{'≥' if figure.fires_below else '≤'} {figure.limit(profile):<6g}"
+            lines.append(f"  {figure.label:28} {_number(value):>7}  {limit:8} {figure.alert or ''}{mark}".rstrip())
+        return lines
+
+
+class AlertView:
+    """Reads Prometheus (and a demo's receiver) for every refresh of the terminal view."""
+
+    def __init__(
+        self,
+        prometheus_url: str,
+        profiles: list[Profile],
+        timing: Timing = Timing(),
+        receiver: WebhookReceiver | None = None,
+    ) -> None:
+        self.prometheus_url = prometheus_url.rstrip("/")
+        self.profiles = {p.model_name: p for p in profiles}
+        self.recorded = Recorded.for_timing(timing)
+        self.receiver = receiver
+
+    def snapshot(self, models: list[str] | None = None) -> Snapshot:
+        """Prometheus' alerts and the figures of `models` (default: every model with a profile)."""
+        snap = Snapshot(self.prometheus_url, profiles=self.profiles)
+        if self.receiver is not None:
+            snap.notifications = self.receiver.latest(50)
+        try:
+            snap.alerts = self._alerts()
+            for model in self.profiles if models is None else models:
+                profile = self.profiles.get(model)
+                if profile is not None:
+                    for figure in FIGURES:
+                        snap.figures[(model, figure.label)] = self._value(figure, profile)
+        except (OSError, ValueError) as exc:
+            snap.error = str(exc)
+        return snap
+
+    def _alerts(self) -> list[PrometheusAlert]:
+        now = time.time()
+        return [
+            PrometheusAlert(a["labels"]["alertname"], a["state"], a["labels"], _since(a.get("activeAt"), now))
+            for a in self._api("/api/v1/alerts")["alerts"]
+            if a.get("state") in ("pending", "firing")
+        ]
+
+    def _value(self, figure: Figure, profile: Profile) -> float | None:
+        result = self._api("/api/v1/query", query=figure.query(self.recorded, profile))["result"]
+        if not result:
+            return None
+        value = float(result[0]["value"][1])
+        return None if math.isnan(value) else value
+
+    def _api(self, path: str, **params: str) -> dict:
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        try:
+            with urllib.request.urlopen(f"{self.prometheus_url}{path}{query}", timeout=TIMEOUT) as response:
+                body = json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            raise ValueError(f"{path}: HTTP {exc.code}") from None
+        if body.get("status") != "success":
+            raise ValueError(f"{path}: {body.get('error', body)}")
+        return body["data"]
+
+
+def _since(active_at: str | None, now: float) -> float | None:
+    if not active_at:
+        return None
+    try:  # RFC 3339 with nanoseconds; datetime takes microseconds
+        head, _, fraction = active_at.rstrip("Z").partition(".")
+        stamp = datetime.fromisoformat(f"{head}.{(fraction or '0')[:6]}+00:00")
+    except ValueError:
+        return None
+    return max(0.0, now - stamp.timestamp())
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
