@@ -142,6 +142,22 @@ def create_app(service: ShimService) -> FastAPI:
         check_model(service, model_id)
         return JSONResponse(model_card())
 
+    _tokenizer_routes(app, service)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(service, request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(service, request, "chat")
+
+    return app
+
+
+def _tokenizer_routes(app: FastAPI, service: ShimService) -> None:
+    """vLLM's tokenizer routes: what lm-eval's remote tokenizer (and anyone counting tokens) asks."""
+
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> JSONResponse:
         tokenizer = service.tokenizer
@@ -175,16 +191,6 @@ def create_app(service: ShimService) -> FastAPI:
                 code="context_length_exceeded",
             )
         return JSONResponse({"prompt": service.tokenizer.decode(body.tokens)})
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _generate(service, request, "completion")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _generate(service, request, "chat")
-
-    return app
 
 
 async def _generate(service: ShimService, request: Request, kind: Literal["completion", "chat"]) -> Response:
