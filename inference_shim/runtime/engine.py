@@ -54,6 +54,9 @@ MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
 # The fallback log line's marker, the field's (`ILP_FALLBACK: HIGH_SKIPPING`); key=value pairs follow.
 FALLBACK_MARKER = "ILP_FALLBACK: HIGH_SKIPPING"
 NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this sequence"
+EVERY_TOKEN_BANNED = "allowed_token_ids and bad_words left no token to draw at this step"
+# What `_sample` puts in a row's token when it has none: the host then fails that sequence alone.
+NO_TOKEN = {-1: NON_FINITE_LOGITS, -2: EVERY_TOKEN_BANNED}
 FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)
 
 
@@ -69,6 +72,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # vLLM's token bans: only these tokens may be drawn (None: any), and never the last token of a
+    # banned token sequence whose other tokens end what was generated (a one-token sequence: never).
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()
     ignore_eos: bool = False  # run to max_tokens through EOS tokens (vLLM's option, for benchmarks)
     logprobs: int | None = None  # each generated token's log-probability and its k most likely alternatives
     # The same for the prompt's tokens from the second on, from teacher-forced decode steps (module doc).
@@ -88,13 +95,28 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
         if not all(-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS for bias in self.logit_bias.values()):
             raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must allow at least one token")
+        if any(not word for word in self.bad_words):
+            raise ValueError("bad_words token sequences must not be empty")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in 0..{MAX_LOGPROBS}, got {k}")
 
     def adjusts_logits(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.bans_tokens())
+
+    def bans_tokens(self) -> bool:
+        return self.allowed_token_ids is not None or bool(self.bad_words)
+
+    def token_ids(self) -> dict[str, list[int]]:
+        """The token ids each field names (the engine checks them against the vocabulary)."""
+        return {
+            "logit_bias": list(self.logit_bias),
+            "allowed_token_ids": list(self.allowed_token_ids or ()),
+            "bad_words": [token for word in self.bad_words for token in word],
+        }
 
     def plain_greedy(self) -> bool:
         """The argmax of the model's own logits: what a full-depth re-run can reproduce."""
@@ -208,6 +230,9 @@ class _Sequence:
     cancel_requested: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    # allowed_token_ids and one-token bad_words as one additive row [V] (0 or -inf) on the device,
+    # built at its first draw: the multi-token bad_words are matched against `generated` each step.
+    token_mask: torch.Tensor | None = None
     # While the prompt is scored: its log-probabilities so far (the first token's None); else None.
     scored: list[TokenLogprob | None] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once scored, until the next update carries them
@@ -335,8 +360,9 @@ class GenerationEngine:
             raise ValueError("the prompt must hold at least one token")
         if not all(0 <= int(t) < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
-        if not all(0 <= t < vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in 0..{vocab - 1}")
+        for name, ids in params.token_ids().items():
+            if not all(0 <= t < vocab for t in ids):
+                raise ValueError(f"{name} token ids must be in 0..{vocab - 1}")
         if len(prompt_ids) > self.max_seq_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds max_seq_len={self.max_seq_len}")
         generator = None
@@ -482,7 +508,7 @@ class GenerationEngine:
         scoring = np.array([s.scored is not None for s in rows], dtype=bool)
         updates, ok = [], np.ones(len(rows), dtype=bool)
         for i, (sequence, token) in enumerate(zip(rows, step.next_tokens.tolist())):
-            failure = sequence.error or (NON_FINITE_LOGITS if token < 0 else None)
+            failure = sequence.error or NO_TOKEN.get(token)
             if failure is None:
                 try:
                     if scoring[i]:
@@ -519,8 +545,9 @@ class GenerationEngine:
 
     def _sample(self, logits: torch.Tensor, rows: list[_Sequence]) -> torch.Tensor:
         """Next token per row, on the device: argmax, or a draw from that row's own generator,
-        after the row's penalties and bias. A row whose sampling raised keeps the error, a row with
-        non-finite logits gets token -1: the host then fails that sequence alone."""
+        after the row's penalties, bias and bans. A row whose sampling raised keeps the error, a row
+        with non-finite logits gets token -1, a row whose bans leave no token -2 (`NO_TOKEN`): the
+        host then fails that sequence alone."""
         tokens = logits.argmax(dim=-1)
         for i, sequence in enumerate(rows):
             params = sequence.params
@@ -530,9 +557,13 @@ class GenerationEngine:
             try:
                 row = self._adjusted_logits(logits[i], sequence)
                 if sequence.generator is None:
-                    tokens[i] = row.argmax()
+                    token = row.argmax()
                 else:
-                    tokens[i] = sample_token(row, params.temperature, params.top_p, sequence.generator)
+                    token = sample_token(row, params.temperature, params.top_p, sequence.generator)
+                # Every token can be banned only by allowed_token_ids, or by a bad word per token of the
+                # vocabulary. Checked on the device: a row banned throughout has a "most likely" token too.
+                exhaustible = params.allowed_token_ids is not None or len(params.bad_words) >= row.shape[0]
+                tokens[i] = torch.where(row.isfinite().any(), token, -2) if exhaustible else token
             except Exception as exc:
                 sequence.error = f"sampling failed: {type(exc).__name__}: {exc}"
         # Non-finite logits have no distribution to draw from; checked on the device, so the mark
@@ -541,9 +572,17 @@ class GenerationEngine:
         return torch.where(all_finite, tokens, -1)
 
     def _adjusted_logits(self, logits: torch.Tensor, sequence: _Sequence) -> torch.Tensor:
-        """A row's logits [V] (float32) with its logit bias and its presence and frequency penalties."""
+        """A row's logits [V] (float32) with its logit bias, its presence and frequency penalties, and
+        -inf for the tokens it bans."""
         params = sequence.params
         adjusted = logits.float()
+        if params.bans_tokens():
+            if sequence.token_mask is None:
+                sequence.token_mask = self._token_mask(params)
+            adjusted = adjusted + sequence.token_mask
+            completing = banned_now(params.bad_words, sequence.generated)
+            if completing:
+                adjusted = adjusted.index_fill(0, torch.tensor(completing, device=adjusted.device), float("-inf"))
         if params.logit_bias:
             ids = torch.tensor(list(params.logit_bias), device=adjusted.device)
             bias = torch.tensor(list(params.logit_bias.values()), device=adjusted.device)
@@ -554,6 +593,18 @@ class GenerationEngine:
             ).float()
             adjusted = adjusted - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
         return adjusted
+
+    def _token_mask(self, params: SamplingParams) -> torch.Tensor:
+        """0 for the tokens a sequence may draw at any step, -inf for the others: outside
+        allowed_token_ids, or a one-token bad word."""
+        vocab = self.model.config.vocab_size
+        always = [word[0] for word in params.bad_words if len(word) == 1]
+        mask = torch.zeros(vocab, device=self.device)
+        if params.allowed_token_ids is not None:
+            mask.fill_(float("-inf")).index_fill_(0, torch.tensor(params.allowed_token_ids, device=self.device), 0.0)
+        if always:
+            mask.index_fill_(0, torch.tensor(always, device=self.device), float("-inf"))
+        return mask
 
     def _step_logprobs(
         self, logits: torch.Tensor, rows: list[_Sequence], tokens: np.ndarray
@@ -777,6 +828,16 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int]) ->
         top = tuple((int(row[2 + j]), float(row[2 + k + j])) for j in range(k_row))
         result.append(TokenLogprob(int(row[0]), float(row[1]), top))
     return result
+
+
+def banned_now(bad_words: tuple[tuple[int, ...], ...], generated: list[int]) -> list[int]:
+    """The last tokens of the multi-token bad words whose other tokens end `generated` (vLLM's rule:
+    such a token would complete the word; the one-token words are in the sequence's mask)."""
+    return [
+        word[-1]
+        for word in bad_words
+        if 1 < len(word) <= len(generated) + 1 and tuple(generated[len(generated) - len(word) + 1 :]) == word[:-1]
+    ]
 
 
 def _logfmt(value: object) -> str:

@@ -11,15 +11,21 @@ A checkpoint without one gets the plain template:
     user: Hello
     assistant:
 
+OpenAI's `developer` role is its system instruction: a template that never names the role (Qwen2.5
+would drop the text and write its default system prompt) gets such messages as `system` ones
+(`TemplateFacts`, read off the template's syntax tree).
+
 Streaming uses `IncrementalDecoder`: it turns one token at a time into text deltas whose
 concatenation is the text of all tokens, never emitting half a UTF-8 character.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +34,7 @@ import tokenizers
 from tokenizers import processors
 
 if TYPE_CHECKING:
-    from jinja2 import Template
+    from jinja2 import Environment, Template
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +44,30 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers 4.50+: takes priority
 CHAT_TEMPLATE_DIR = "additional_chat_templates"  # more named templates, one NAME.jinja each
 # Names a message's reasoning arrives under; transformers fills the ones templates read from any of them.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# What continue_final_message appends to the final message to find where it ends once rendered
+# (transformers' tag: the text after it is the template's closing of the message, cut off).
+CONTINUE_FINAL_MESSAGE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+@dataclass(frozen=True)
+class TemplateFacts:
+    """What a chat template reads, from its syntax tree: the variables it takes from the caller (those
+    it never assigns itself, but for the environment's globals) and the string constants it holds (the
+    roles it compares with, ...).
+    A role the template names is one it knows; literal text outside tags and comments is not a constant,
+    so a template that merely mentions "developer" in its prose does not count."""
+
+    variables: frozenset[str]
+    constants: frozenset[str]
+
+
+PLAIN_TEMPLATE_FACTS = TemplateFacts(frozenset({"messages", "add_generation_prompt"}), frozenset())
 
 
 def plain_chat_prompt(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-    """The template for checkpoints without one: a "role: content" line per message (OpenAI roles),
-    then the assistant's turn opened. Plain Python, so the default path needs no Jinja."""
+    """The template for checkpoints without one: a "role: content" line per message (OpenAI roles,
+    developer as system), then the assistant's turn opened. Plain Python, so the default path needs
+    no Jinja."""
     lines = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
     return lines + ("assistant:" if add_generation_prompt else "")
 
@@ -89,6 +114,7 @@ class Tokenizer:
             raise TokenizerError(f"chat templates {sorted(templates)} include no 'default' one")
         self.chat_templates: dict[str, str] = templates
         self._compiled: dict[str, Template] = {}  # compiled lazily (needs jinja2): most callers never render a chat
+        self._facts: dict[str, TemplateFacts] = {}
 
     @classmethod
     def from_files(
@@ -184,28 +210,54 @@ class Tokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
         """Render OpenAI-style messages [{"role": ..., "content": ...}] (and tool schemas, documents,
         further template variables; plain JSON values) into the prompt text, as transformers'
         `apply_chat_template(..., tokenize=False)`: the "tool_use" template when tools are given and
-        the checkpoint has one. A template's `raise_exception` raises jinja2's TemplateError."""
-        if not self.chat_templates:
-            return plain_chat_prompt(messages, add_generation_prompt)
-        name = "tool_use" if tools is not None and "tool_use" in self.chat_templates else "default"
-        return self._template(name).render(
-            messages=[_template_message(m) for m in messages],
-            tools=tools,
-            documents=documents,
-            add_generation_prompt=add_generation_prompt,
-            **{**self.special_tokens, **template_kwargs},  # as in transformers, the caller's win
-        )
+        the checkpoint has one. `continue_final_message` leaves the last message open (the text
+        ends with its content, as transformers cuts it). Messages of the `developer` role are
+        `system` ones for a template that does not name the role. A template's `raise_exception`,
+        and a conversation continue_final_message cannot continue, raise jinja2's TemplateError."""
+        name = self.template_name(tools is not None)
+        knows_developer = "developer" in self.template_facts(name).constants
+        prepared = [_template_message(m, knows_developer) for m in messages]
+        if continue_final_message:
+            prepared = _tag_final_message(prepared, add_generation_prompt)
+        if name is None:
+            text = plain_chat_prompt(prepared, add_generation_prompt)
+        else:
+            text = self._template(name).render(
+                messages=prepared,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                **{**self.special_tokens, **template_kwargs},  # as in transformers, the caller's win
+            )
+        return _cut_at_tag(text, prepared[-1]["content"]) if continue_final_message else text
 
-    def encode_chat_prompt(self, prompt: str) -> list[int]:
-        """The ids of a prompt `apply_chat_template` rendered. A checkpoint template's text is encoded
-        without special tokens, as transformers' `apply_chat_template(tokenize=True)` does (BOS only
-        where the template writes it); the plain template's like a completion prompt."""
-        return self.encode(prompt, add_special_tokens=not self.chat_templates)
+    def template_name(self, tools: bool = False) -> str | None:
+        """The chat template a conversation is rendered with; None: the plain one."""
+        if not self.chat_templates:
+            return None
+        return "tool_use" if tools and "tool_use" in self.chat_templates else "default"
+
+    def template_facts(self, name: str | None) -> TemplateFacts:
+        """What the named chat template reads (None: the plain one); computed once per template."""
+        if name is None:
+            return PLAIN_TEMPLATE_FACTS
+        if name not in self._facts:
+            self._facts[name] = _template_facts(self.chat_templates[name])
+        return self._facts[name]
+
+    def encode_chat_prompt(self, prompt: str, add_special_tokens: bool | None = None) -> list[int]:
+        """The ids of a prompt `apply_chat_template` rendered. By default a checkpoint template's text is
+        encoded without special tokens, as transformers' `apply_chat_template(tokenize=True)` does (BOS
+        only where the template writes it); the plain template's like a completion prompt."""
+        if add_special_tokens is None:
+            add_special_tokens = not self.chat_templates
+        return self.encode(prompt, add_special_tokens=add_special_tokens)
 
     def incremental_decoder(self) -> IncrementalDecoder:
         return IncrementalDecoder(self)
@@ -405,23 +457,70 @@ def _with_bos_post_processor(backend: tokenizers.Tokenizer, bos_token: str | Non
     return backend
 
 
-def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+def _template_message(message: Mapping[str, Any], knows_developer: bool) -> dict[str, Any]:
     # As transformers prepares each message: keys whose value is None are dropped (templates test
     # for a missing key, and would print "None"), and reasoning under any of its names fills the
-    # names templates read.
+    # names templates read. And OpenAI's developer message is the system instruction (module doc).
     message = {key: value for key, value in message.items() if value is not None}
     reasoning = next((message[key] for key in REASONING_FIELDS if key in message), None)
     if reasoning is not None:
         message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    if message.get("role") == "developer" and not knows_developer:
+        message["role"] = "system"
     return message
 
 
+def _tag_final_message(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[dict[str, Any]]:
+    """The conversation with CONTINUE_FINAL_MESSAGE_TAG after the final message's text (transformers' way)."""
+    from jinja2.exceptions import TemplateError
+
+    if add_generation_prompt:
+        raise TemplateError("continue_final_message and add_generation_prompt cannot both be true")
+    if not isinstance(messages[-1].get("content"), str):
+        raise TemplateError("continue_final_message is set but the final message has no text to continue")
+    final = messages[-1]
+    return [*messages[:-1], {**final, "content": final["content"] + CONTINUE_FINAL_MESSAGE_TAG}]
+
+
+def _cut_at_tag(text: str, tagged: str) -> str:
+    """The rendered text up to the final message's end (`_tag_final_message`), as transformers cuts it:
+    at the tag, or before the spaces a template trimmed off it."""
+    from jinja2.exceptions import TemplateError
+
+    final = tagged.removesuffix(CONTINUE_FINAL_MESSAGE_TAG)
+    if final.strip() not in text or CONTINUE_FINAL_MESSAGE_TAG.strip() not in text:
+        raise TemplateError(
+            "continue_final_message is set but the chat template does not write the final message as it is"
+        )
+    at = text.rindex(CONTINUE_FINAL_MESSAGE_TAG.strip())
+    if text[at : at + len(CONTINUE_FINAL_MESSAGE_TAG)] == CONTINUE_FINAL_MESSAGE_TAG:
+        return text[:at]
+    return text[:at].rstrip()
+
+
+def _template_facts(source: str) -> TemplateFacts:
+    from jinja2 import meta, nodes
+
+    environment = _chat_template_environment()
+    tree = environment.parse(source)
+    constants = {node.value for node in tree.find_all(nodes.Const) if isinstance(node.value, str)}
+    # (the environment's globals, raise_exception and the like, are not the caller's to give)
+    variables = meta.find_undeclared_variables(tree) - environment.globals.keys()
+    return TemplateFacts(frozenset(variables), frozenset(constants))
+
+
 def _compile_template(source: str) -> Template:
+    return _chat_template_environment().from_string(source)
+
+
+@functools.cache
+def _chat_template_environment() -> Environment:
     """The Jinja environment of transformers' `apply_chat_template`: sandboxed (a checkpoint's template
     is data, not trusted code), trim_blocks and lstrip_blocks, loop controls, the `{% generation %}`
     tag (here a no-op: it only marks assistant text for training masks), a `tojson` that does not
     escape HTML and takes json.dumps's arguments, and the globals `raise_exception`, `strftime_now`,
-    `dict` and `namespace` (the last two refusing what could reach Python internals)."""
+    `dict` and `namespace` (the last two refusing what could reach Python internals). One for every
+    template: an environment renders in several threads at once."""
     import jinja2
     from jinja2 import nodes
     from jinja2.exceptions import SecurityError, TemplateError
@@ -477,4 +576,4 @@ def _compile_template(source: str) -> Template:
     env.globals.update(
         raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(), namespace=TemplateNamespace
     )
-    return env.from_string(source)
+    return env

@@ -68,9 +68,11 @@ class Prepared:
     params: SamplingParams  # choice j of a prompt draws with seed + j
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # every streamed chunk carries its choice's usage so far (vLLM's continuous_usage_stats)
     debug: bool  # return the per-token layer activity (of the first choice)
     echo: bool = False  # completions: the prompt opens the text (and its logprobs the logprobs)
     logprobs: int | None = None  # alternatives per token (chat: top_logprobs); None: no logprobs
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
     def choice_params(self, j: int) -> SamplingParams:
         if j == 0 or self.params.seed is None:
@@ -400,7 +402,15 @@ class Generation:
             body = {"index": choice.index, "delta": delta, "finish_reason": finish_reason, "logprobs": entries}
         else:
             body = {"index": choice.index, "text": text or "", "finish_reason": finish_reason, "logprobs": entries}
-        return {**self.envelope(chunk=True), "choices": [body]}
+        chunk = {**self.envelope(chunk=True), "choices": [body]}
+        if self.prepared.continuous_usage:
+            prompt, completion = len(choice.prompt.ids), choice.completion_tokens
+            chunk["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
+        return chunk
 
     def _logprobs(self, choice: Choice, start: int, end: int) -> dict[str, Any] | None:
         """Entries [start, end) of a choice's log-probabilities in the endpoint's shape; None when
@@ -411,12 +421,17 @@ class Generation:
         ids, entries = choice.logprob_ids[start:end], choice.logprobs[start:end]
         if self.prepared.kind == "chat":
             return {"content": [self._chat_logprob(e, k) for e in entries if e is not None]}
-        return completion_logprobs(ids, entries, self._token_text, self._text_offset(choice, start))
+        return completion_logprobs(ids, entries, self._token_text, self._text_offset(choice, start), self._token_label)
+
+    def _token_label(self, token_id: int) -> str:
+        """How the log-probabilities name a token: its text, or with return_tokens_as_token_ids its id
+        (which tells apart tokens of one text, such as the bytes of one character)."""
+        return f"token_id:{token_id}" if self.prepared.tokens_as_ids else self._token_text(token_id)
 
     def _chat_logprob(self, entry: TokenLogprob, k: int) -> dict[str, Any]:
         def item(token_id: int, logprob: float) -> dict[str, Any]:
             text = self._token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": self._token_label(token_id), "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
         return {**item(entry.token_id, entry.logprob), "top_logprobs": [item(t, lp) for t, lp in entry.top[:k]]}
 
@@ -436,26 +451,31 @@ class Generation:
 
 
 def completion_logprobs(
-    ids: list[int], entries: list[TokenLogprob | None], token_text: Callable[[int], str], offset: int
+    ids: list[int],
+    entries: list[TokenLogprob | None],
+    token_text: Callable[[int], str],
+    offset: int,
+    label: Callable[[int], str] | None = None,
 ) -> dict[str, list]:
     """The completions API's logprobs object. As OpenAI's (and vLLM's), each top_logprobs dict also
-    holds the chosen token, so it may have one entry more than asked for."""
+    holds the chosen token, so it may have one entry more than asked for. `label` names the tokens
+    (default: their text); the text offsets are always the tokens' texts'."""
+    label = label or token_text
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
     for token_id, entry in zip(ids, entries):
-        text = token_text(token_id)
-        tokens.append(text)
+        tokens.append(label(token_id))
         text_offset.append(offset)
-        offset += len(text)
+        offset += len(token_text(token_id))
         token_logprobs.append(None if entry is None else entry.logprob)
         if entry is None:
             top_logprobs.append(None)
         else:
             top: dict[str, float] = {}
             for token, logprob in (*entry.top, (token_id, entry.logprob)):
-                top.setdefault(token_text(token), logprob)  # tokens of one text: the most likely's
+                top.setdefault(label(token), logprob)  # tokens of one text: the most likely's
             top_logprobs.append(top)
     return {
         "tokens": tokens,
@@ -487,7 +507,8 @@ async def stream_events(generation: Generation) -> AsyncIterator[str]:
 
     Each chunk carries one choice's new text (with echo, the prompt first) and, when asked for,
     the log-probabilities of its new tokens, so a chunk may come with an empty text. With
-    `stream_options.include_usage` a last chunk carries `usage`; with the debug header a final
+    `stream_options.include_usage` a last chunk carries `usage` (and with `continuous_usage_stats`
+    every chunk its choice's usage so far, as vLLM's do); with the debug header a final
     `layerwatch.layer_activity` event carries the per-token layer activity. If the client
     disconnects, Starlette cancels the stream (possibly before this generator has started), and the
     response's background task abandons the generation.

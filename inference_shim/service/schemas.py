@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar, cast
 
 from pydantic import (
@@ -98,14 +99,27 @@ def body_too_large(max_bytes: int) -> APIError:
     return APIError(413, f"The request body exceeds the limit of {max_bytes} bytes.", code="request_too_large")
 
 
-def parse_request(model: type[_Request], data: Any) -> _Request:
+def parse_request(model: type[_Request], data: Any, unsupported: Mapping[str, Unsupported] | None = None) -> _Request:
+    """The validated body. Fields of `unsupported` are refused unless at their "not used" value, then
+    left out; any other field the model does not know is refused: nothing sent is silently ignored."""
     if not isinstance(data, dict):
         raise APIError(400, f"The request body must be a JSON object, not {type(data).__name__}.", code="invalid_json")
+    if unsupported:
+        refuse_unsupported(data, unsupported)
+        data = {name: value for name, value in data.items() if name not in unsupported}
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = _param(first["loc"])
+        if first["type"] == "extra_forbidden":
+            raise APIError(
+                400,
+                f"Unknown field {param}: this server does not know it, and would not ignore it silently "
+                "(docs/service.md lists every field).",
+                param=param,
+                code="unknown_parameter",
+            ) from None
         raise APIError(
             400,
             f"Invalid request: {param}: {first['msg']}" if param else first["msg"],
@@ -139,8 +153,8 @@ def _encodable(text: str) -> str:
 Text = Annotated[str, AfterValidator(_encodable)]
 
 
-# Strict: "5" is not a number and "yes" not a boolean. Unknown fields are ignored.
-STRICT = ConfigDict(extra="ignore", strict=True)
+# Strict: "5" is not a number and "yes" not a boolean; a field the model does not declare is refused.
+STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 class NullIsAbsent(BaseModel):
@@ -162,15 +176,23 @@ class NullIsAbsent(BaseModel):
 class StreamOptions(NullIsAbsent):
     model_config = STRICT
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage
 
 
 MAX_CHOICES = 128  # choices per request (n × prompts): OpenAI's largest n
+# Stop strings and bad words per request, and their characters in all: far more than clients send
+# (OpenAI allows 4 stop strings, lm-eval's humaneval sends 6), few enough that checking them per
+# generated token stays cheap (1,024 characters of stop strings: at worst 0.5 ms per token on this machine).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 1024
 
 
 class SamplingFields(NullIsAbsent):
-    """What completions and chat share. Unknown fields are ignored (as many OpenAI-compatible
-    servers do), but fields whose other values would change the result are checked (and the
-    known ones this server does not implement are refused: `refuse_unsupported`)."""
+    """What completions and chat share. A field the model does not declare is refused, and so are
+    the known ones this server does not implement, at values that would change the result
+    (`parse_request`); the accepted ones are honoured (docs/service.md has the table)."""
 
     model_config = STRICT
 
@@ -189,6 +211,11 @@ class SamplingFields(NullIsAbsent):
     frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
     ignore_eos: bool = False  # vLLM's: run to the token limit through EOS (benchmark clients send it)
+    # vLLM's token bans (the engine's SamplingParams), and token ids in place of token texts in logprobs
+    bad_words: list[Text] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    return_tokens_as_token_ids: bool = False
+    user: Text | None = None  # OpenAI's end-user id for abuse monitoring: no effect on the result
     # layerwatch's: this request's skip threshold, within the operator's range (service/depth.py checks it)
     skip_threshold: float | None = None
 
@@ -196,10 +223,20 @@ class SamplingFields(NullIsAbsent):
     @classmethod
     def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
         stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop strings")
+        if len(stops) > MAX_STOP_STRINGS or sum(map(len, stops)) > MAX_STOP_CHARS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings of {MAX_STOP_CHARS} characters in all")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, value: list[str] | None) -> list[str] | None:
+        words = value or []
+        if len(words) > MAX_BAD_WORDS or sum(map(len, words)) > MAX_BAD_WORD_CHARS:
+            raise ValueError(f"at most {MAX_BAD_WORDS} bad words of {MAX_BAD_WORD_CHARS} characters in all")
+        if any(not w.strip() for w in words):
+            raise ValueError("bad words must hold more than spaces")
         return value
 
     @field_validator("best_of")
@@ -223,6 +260,10 @@ class SamplingFields(NullIsAbsent):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats, which (as in vLLM) applies with include_usage only."""
+        return self.include_usage() and self.stream_options is not None and self.stream_options.continuous_usage_stats
+
     def token_limit(self) -> tuple[int | None, str]:
         """(the generation's token limit, the field it came from): max_completion_tokens wins over
         the deprecated max_tokens, as OpenAI documents."""
@@ -234,10 +275,13 @@ class SamplingFields(NullIsAbsent):
         return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
 
 
+# A field this server does not implement: the values that mean "not used", and why any other is refused.
+Unsupported = tuple[tuple[Any, ...], str]
+
 # Fields this server does not implement, with the values that mean "not used": any other value
 # would change the result, so it is refused with a 400 naming the field rather than ignored.
 # (OpenAI's fields, and vLLM's sampling extensions that clients send.)
-_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+_UNSUPPORTED: dict[str, Unsupported] = {
     "tools": ((None, []), "tool calling is not supported"),
     "tool_choice": ((None, "none"), "tool calling is not supported"),
     "functions": ((None, []), "function calling is not supported"),
@@ -265,13 +309,25 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_grammar": ((None,), "guided decoding is not supported"),
     "structured_outputs": ((None,), "structured outputs are not supported"),
     "truncate_prompt_tokens": ((None,), "prompt truncation is not supported"),
+    "priority": ((None, 0), "priority scheduling is not supported"),
+    "store": ((None, False), "completions are not stored"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+    "reasoning_effort": ((None,), "reasoning effort is not supported"),
+    "verbosity": ((None,), "verbosity is not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
 }
-_CHAT_UNSUPPORTED = {"echo": ((None, False), "echo is a completions field")}
+COMPLETION_UNSUPPORTED = _UNSUPPORTED
+CHAT_UNSUPPORTED = _UNSUPPORTED | {
+    "echo": ((None, False), "echo is a completions field"),
+    # A template is code the server would run, and Jinja's sandbox bounds neither its time nor its
+    # memory (docs/security.md): vLLM refuses it too unless told to trust it.
+    "chat_template": ((None,), "a chat template of the request's own is not accepted; the checkpoint's renders"),
+}
 
 
-def refuse_unsupported(data: dict[str, Any], chat: bool) -> None:
+def refuse_unsupported(data: dict[str, Any], unsupported: Mapping[str, Unsupported]) -> None:
     """400 naming the first field that asks for something this server does not do."""
-    for name, (neutral, why) in (_UNSUPPORTED | (_CHAT_UNSUPPORTED if chat else {})).items():
+    for name, (neutral, why) in unsupported.items():
         value = data.get(name)
         # (a boolean is not a number here: "top_k": false is not top_k 0)
         if name in data and not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
@@ -283,6 +339,7 @@ class CompletionRequest(SamplingFields):
     prompt: Text | list[Text] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's special tokens (BOS)
 
     @field_validator("prompt")
     @classmethod
@@ -306,19 +363,52 @@ class TextPart(BaseModel):
     text: Text
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(NullIsAbsent):
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart]
+    # Handed to the chat template as transformers hands them (reasoning under each of its names)
+    name: Text | None = None
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
+    thinking: Text | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
+    def template_message(self) -> dict[str, Any]:
+        return {**self.model_dump(exclude={"content"}, exclude_none=True), "content": self.text()}
 
-class ChatCompletionRequest(SamplingFields):
+
+class ChatTemplateFields(NullIsAbsent):
+    """How a conversation becomes the prompt (vLLM's fields): chat and /tokenize take them alike."""
+
+    model_config = STRICT
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool | None = None  # default: true, unless continue_final_message
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None  # default: the template's own (`Tokenizer.encode_chat_prompt`)
+    documents: list[dict[str, Text]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _generation_prompt_or_continuation(self) -> ChatTemplateFields:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+    def generation_prompt(self) -> bool:
+        return not self.continue_final_message if self.add_generation_prompt is None else self.add_generation_prompt
+
+
+class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # OpenAI's, with no effect on the result (tools, which parallel_tool_calls is about, are refused)
+    metadata: dict[str, Text] | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: Text | None = None
+    safety_identifier: Text | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -326,3 +416,25 @@ class ChatCompletionRequest(SamplingFields):
         if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
         return value
+
+
+# --- tokenizer routes (vLLM's /tokenize and /detokenize) -----------------------------------------------
+
+
+class TokenizeCompletion(NullIsAbsent):
+    model_config = STRICT
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChat(ChatTemplateFields):
+    model: Text | None = None
+    return_token_strs: bool = False
+
+
+class Detokenize(NullIsAbsent):
+    model_config = STRICT
+    model: Text | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]

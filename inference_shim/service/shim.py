@@ -193,6 +193,11 @@ class Limits:
     # None: the tokenizer gives no such bound (Tokenizer.max_chars_per_token).
     max_prompt_chars: int | None = None
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence served, prompt and generation (vLLM's name; the engine's cache length)."""
+        return self.max_prompt_tokens + self.max_tokens_cap
+
 
 def resolve_otlp_endpoint(endpoint: str | None, environ: Mapping[str, str]) -> str | None:
     """The OTLP/HTTP traces URL of the audit trail; None: spans off, the default.
@@ -544,7 +549,7 @@ class ShimService:
 
     @property
     def max_seq_len(self) -> int:
-        return self.limits.max_prompt_tokens + self.limits.max_tokens_cap
+        return self.limits.max_model_len
 
     def _engine_factory(self, step_hook: StepHook) -> GenerationEngine:
         return GenerationEngine(

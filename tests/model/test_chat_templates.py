@@ -201,3 +201,68 @@ def test_the_tool_use_template_is_chosen_when_tools_are_given(tmp_path, backend_
     for tools, expected in ((None, "plain"), ([WEATHER_TOOL], "1")):
         assert ours.apply_chat_template(messages, tools=tools) == expected
         assert reference.apply_chat_template(messages, tools=tools, tokenize=False) == expected
+
+
+# --- OpenAI's developer role, continue_final_message, what a template reads ------------------------
+
+DEVELOPER = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hello"}]
+
+
+def test_a_developer_message_is_the_system_instruction_for_templates_without_the_role(pair):
+    """OpenAI's developer message is its system instruction: none of these templates names the role,
+    so it renders as their system message does (Qwen2.5 wrote its default system prompt and dropped
+    the text; gemma, which has no system role, refuses both alike)."""
+    ours, reference = pair
+    as_system = [{**DEVELOPER[0], "role": "system"}, DEVELOPER[1]]
+    try:
+        expected = reference.apply_chat_template(as_system, tokenize=False, add_generation_prompt=True)
+    except TemplateError as refused:
+        with pytest.raises(TemplateError) as ours_refused:
+            ours.apply_chat_template(DEVELOPER)
+        assert str(ours_refused.value) == str(refused)
+        return
+    assert "Answer in French." in expected
+    assert ours.apply_chat_template(DEVELOPER) == expected
+
+
+def test_a_template_that_names_the_developer_role_gets_it(backend_tokenizer):
+    knows = "{% for m in messages %}{% if m.role == 'developer' %}[dev]{% else %}[{{ m.role }}]{% endif %}"
+    knows += "{{ m.content }}{% endfor %}"
+    prose = "{# a developer note #}Made by developers. {% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+    assert Tokenizer(backend_tokenizer, chat_template=knows).apply_chat_template(DEVELOPER) == (
+        "[dev]Answer in French.[user]Hello"
+    )
+    # Mentioning the word in text or comments is not knowing the role.
+    assert Tokenizer(backend_tokenizer, chat_template=prose).apply_chat_template(DEVELOPER) == (
+        "Made by developers. [system]Answer in French.[user]Hello"
+    )
+    assert Tokenizer(backend_tokenizer).apply_chat_template(DEVELOPER) == (
+        "system: Answer in French.\nuser: Hello\nassistant:"
+    )
+
+
+@pytest.mark.parametrize("final", ["Once upon a", "Trailing space "])
+def test_continue_final_message_leaves_the_last_message_open_as_transformers_does(pair, final):
+    ours, reference = pair
+    messages = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": final}]
+    expected = reference.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    text = ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text == expected and text.rstrip().endswith(final.rstrip())
+    with pytest.raises(TemplateError, match="cannot both be true"):
+        ours.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+
+
+def test_template_facts_are_the_variables_a_template_reads(pair):
+    ours, _ = pair
+    facts = ours.template_facts(ours.template_name())
+    assert "messages" in facts.variables
+    assert "raise_exception" not in facts.variables and "namespace" not in facts.variables  # the environment's
+    assert "developer" not in facts.constants
+
+
+def test_llama_reads_its_date_and_tool_options(tmp_path):
+    folder = make_folder(tmp_path / "llama", FAMILIES["llama-3.2"])
+    llama = Tokenizer.from_files(folder / "tokenizer.json", folder / "tokenizer_config.json")
+    assert {"date_string", "tools_in_user_message", "tools"} <= llama.template_facts("default").variables

@@ -158,6 +158,10 @@ def test_model_without_gates_runs_full_depth(no_eos):
         (PROMPT, SamplingParams(temperature=-1.0), "temperature"),
         (PROMPT, SamplingParams(top_p=0.0), "top_p"),
         (PROMPT, SamplingParams(stop=("",)), "stop strings"),
+        (PROMPT, SamplingParams(allowed_token_ids=(5, 300)), "allowed_token_ids token ids must be in 0..299"),
+        (PROMPT, SamplingParams(allowed_token_ids=()), "at least one token"),
+        (PROMPT, SamplingParams(bad_words=((4, 300),)), "bad_words token ids must be in 0..299"),
+        (PROMPT, SamplingParams(bad_words=((),)), "must not be empty"),
     ],
 )
 def test_bad_requests_are_refused_at_submit(model, no_eos, prompt, params, message):
@@ -297,3 +301,19 @@ def test_a_row_with_non_finite_logits_fails_alone(model, no_eos):
         finals.update({u.sequence_id: u for u in eng.step() if u.finished})
     assert finals[broken].finish_reason == "error" and "non-finite logits" in finals[broken].error
     assert finals[victim].finish_reason == "length" and finals[victim].error is None
+
+
+def test_bans_that_leave_no_token_fail_that_sequence_alone(model, no_eos):
+    """allowed_token_ids {a, b}, b banned always and a after a: the first token is a, and then no
+    token is left; that sequence fails with the reason, its batch neighbour goes on."""
+    eng = engine(model, no_eos)
+    a, b = 40, 41
+    banned = eng.submit(PROMPT, SamplingParams(max_tokens=4, allowed_token_ids=(a, b), bad_words=((b,), (a, a))))
+    neighbour = eng.submit(PROMPT, SamplingParams(max_tokens=4))
+    updates = []
+    while eng.has_work():
+        updates += eng.step()
+    mine = [u for u in updates if u.sequence_id == banned]
+    assert [t for u in mine for t in u.new_token_ids] == [a]
+    assert mine[-1].finish_reason == "error" and "no token" in mine[-1].error
+    assert [u for u in updates if u.sequence_id == neighbour][-1].finish_reason == "length"

@@ -1,9 +1,12 @@
 """The clients people already use, each with its default settings, against a live `layerwatch serve`
-on the demo model: LangChain, guidellm (a benchmark) and lm-eval's `local-completions` (a
+on the demo model: LangChain, litellm, guidellm and aiperf (benchmarks) and lm-eval's
+`local-completions` (a humaneval-style generate-until task with its five stop strings, a
 generate-until and a loglikelihood task over local data, and perplexity through the API, which
 must agree with `layerwatch eval` on the same text: full depth at threshold 0, gated at the gates'
-own threshold). Nothing is downloaded: the tokenizer the clients load is the demo model's folder,
-the data sets are files the tests write.
+own threshold). lm-eval is given no tokenizer: it finds the server's (`/tokenizer_info`,
+`/tokenize`). Nothing is downloaded: the tokenizer the benchmarks load is the demo model's
+folder, the data sets are files the tests write. A client that is not installed (litellm, aiperf:
+pyproject.toml's `test` extra, and docs/service.md, "Clients") is skipped.
 
 (The official `openai` client is in test_openai_api.py and test_openai_fields.py.)
 """
@@ -13,6 +16,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,6 +27,7 @@ import pytest
 
 from demo.processes import ManagedProcess, free_port
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+from inference_shim.runtime.tokenizer import Tokenizer
 from tests.service.conftest import sample_sum, scrape
 
 DEMO_NAME = "layerwatch-demo"
@@ -65,6 +71,66 @@ def test_langchain_chat_openai_keeps_to_max_tokens(demo_server):
     llm = OpenAI(model=DEMO_NAME, base_url=f"{demo_server}/v1", api_key="x", max_tokens=6, max_retries=0)
     texts = llm.batch(["In the beginning", "And the evening and the morning"])  # one request, two prompts
     assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+
+
+def test_litellm_chat_and_text_completion(demo_server):
+    litellm = pytest.importorskip("litellm")
+    options = dict(api_base=f"{demo_server}/v1", api_key="x", max_tokens=6, num_retries=0)
+    messages = [{"role": "user", "content": "And God said"}]
+    chat = litellm.completion(model=f"hosted_vllm/{DEMO_NAME}", messages=messages, temperature=0.8, **options)
+    assert chat.choices[0].message.content and chat.usage.completion_tokens <= 6
+    streamed = litellm.completion(model=f"hosted_vllm/{DEMO_NAME}", messages=messages, stream=True, **options)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed)
+    text = litellm.text_completion(model=f"hosted_vllm/{DEMO_NAME}", prompt="In the beginning", **options)
+    assert text.choices[0].text and text.usage.completion_tokens <= 6
+
+
+def test_bad_words_keep_the_word_out_of_sampled_chats(demo_server):
+    """The issue's case: `bad_words: [" the"]` and " the" never appears, in sampled chats of a model
+    that says it all the time (seeded: the same draws each run)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{demo_server}/v1", api_key="x", max_retries=0, timeout=60)
+    request = dict(
+        model=DEMO_NAME,
+        messages=[{"role": "user", "content": "And God said, Let there be light"}],
+        max_tokens=32,
+        temperature=0.8,
+        n=4,
+        seed=11,
+    )
+    the = re.compile(r" the\b")  # the word, not " there" or " them" (other words, other tokens)
+    free = client.chat.completions.create(**request)
+    assert any(the.search(c.message.content) for c in free.choices)  # the test can tell
+    banned = client.chat.completions.create(**request, extra_body={"bad_words": [" the"]})
+    assert not any(the.search(c.message.content) for c in banned.choices), [c.message.content for c in banned.choices]
+
+
+def test_aiperf_streamed_chat_profile(demo_server, tmp_path):
+    # aiperf pins older versions of packages this venv holds (docs/service.md, "Clients"): it may
+    # live in an environment of its own, found on PATH.
+    aiperf = shutil.which("aiperf", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if aiperf is None:
+        pytest.skip("aiperf is not installed")
+    command = [aiperf, "profile", "--model", DEMO_NAME, "--url", demo_server, "--endpoint-type", "chat", "--streaming"]
+    command += ["--tokenizer", str(DEMO_MODEL_DIR), "--request-count", "4", "--concurrency", "2"]
+    command += ["--prompt-input-tokens-mean", "16", "--prompt-output-tokens-mean", "8"]
+    command += ["--extra-inputs", "ignore_eos:true", "--output-artifact-dir", str(tmp_path), "--ui-type", "none"]
+    before = scrape(demo_server)
+    # Not OFFLINE: aiperf 0.13 in offline mode looks a tokenizer folder up in the hub cache; a local
+    # folder needs no network otherwise.
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    after = scrape(demo_server)
+    report = json.loads((tmp_path / "profile_export_aiperf.json").read_text())
+    assert report["request_count"]["avg"] == 4 and not report["error_summary"]
+    assert report["output_sequence_length"]["min"] == report["output_sequence_length"]["max"] == 8
+    served = {
+        status: sample_sum(after, "layerwatch_requests_total", status=status)
+        - sample_sum(before, "layerwatch_requests_total", status=status)
+        for status in ("ok", "client_error", "server_error")
+    }
+    assert served == {"ok": 4, "client_error": 0, "server_error": 0}
 
 
 def test_guidellm_synchronous_and_concurrent_runs_get_the_tokens_they_ask(demo_server, tmp_path):
@@ -120,8 +186,9 @@ def test_guidellm_synchronous_and_concurrent_runs_get_the_tokens_they_ask(demo_s
 
 
 def lm_eval(server: str, work: Path, tasks: dict[str, tuple[dict, list[dict]]]) -> dict:
-    """Run lm-eval's local-completions on task YAMLs, each over its own local jsonl file; -> its
-    results. All tasks in one run: each run pays lm-eval's start-up again."""
+    """Run lm-eval's local-completions with its defaults on task YAMLs, each over its own local jsonl
+    file; -> its results. No tokenizer is given: lm-eval finds the server's; only the prefix token of
+    empty contexts is named (below). All tasks in one run: each run pays lm-eval's start-up again."""
     import yaml
 
     for name, (fields, docs) in tasks.items():
@@ -135,7 +202,10 @@ def lm_eval(server: str, work: Path, tasks: dict[str, tuple[dict, list[dict]]]) 
             **fields,
         }
         (work / f"{name}.yaml").write_text(yaml.safe_dump(task))
-    model_args = f"model={DEMO_NAME},base_url={server}/v1/completions,tokenizer={DEMO_MODEL_DIR}"
+    # lm-eval 0.4.13's remote tokenizer takes `bos_token_id or eos_token_id` for the token it puts
+    # before an empty context, which is EOS for a BOS of id 0 (the demo's): name it (docs/service.md).
+    bos = Tokenizer.from_files(DEMO_MODEL_DIR / "tokenizer.json", DEMO_MODEL_DIR / "tokenizer_config.json").bos_token_id
+    model_args = f"model={DEMO_NAME},base_url={server}/v1/completions,custom_prefix_token_id={bos}"
     command = [
         sys.executable,
         "-m",
@@ -153,6 +223,7 @@ def lm_eval(server: str, work: Path, tasks: dict[str, tuple[dict, list[dict]]]) 
     ]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, **OFFLINE}, cwd=work)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "Using remote tokenizer" in run.stdout + run.stderr
     (results_file,) = (work / "out").rglob("results_*.json")
     return json.loads(results_file.read_text())["results"]
 
@@ -161,6 +232,21 @@ GENERATE_AND_CHOICE_DOCS = [
     {"prompt": "In the beginning God created", "answer": " the heaven", "choices": [" the heaven", " a fish"]},
     {"prompt": "And God said, Let there be", "answer": " light", "choices": [" light", " stones"]},
 ]
+# humaneval's generation settings (lm_eval/tasks/humaneval/humaneval.yaml) over local prompts: five
+# stop strings, to which lm-eval adds the EOS text (six in all: the old limit was OpenAI's 4), and
+# lm-eval's default max_gen_toks (humaneval's own 1,024 is more than the demo's whole context).
+HUMANEVAL_STYLE_TASK = {
+    "layerwatch_humaneval_style": (
+        {
+            "output_type": "generate_until",
+            "doc_to_text": "{{prompt}}",
+            "doc_to_target": "{{answer}}",
+            "generation_kwargs": {"until": ["\nclass", "\ndef", "\n#", "\nif", "\nprint"], "do_sample": False},
+            "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+        },
+        [{"prompt": "def light():\n    return", "answer": " 1"}, {"prompt": "And God said", "answer": " Let"}],
+    )
+}
 GENERATE_AND_CHOICE_TASKS = {
     "layerwatch_generate": (
         {
@@ -203,7 +289,8 @@ PERPLEXITY_TASK = {
 @pytest.fixture(scope="module")
 def demo_lm_eval(demo_server, tmp_path_factory) -> dict:
     """lm-eval's results from the gated server: every task in one run."""
-    return lm_eval(demo_server, tmp_path_factory.mktemp("lm-eval"), {**GENERATE_AND_CHOICE_TASKS, **PERPLEXITY_TASK})
+    tasks = {**HUMANEVAL_STYLE_TASK, **GENERATE_AND_CHOICE_TASKS, **PERPLEXITY_TASK}
+    return lm_eval(demo_server, tmp_path_factory.mktemp("lm-eval"), tasks)
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +322,7 @@ def genesis_eval(tmp_path_factory) -> dict:
 
 
 def test_lm_eval_generate_until_and_loglikelihood_tasks(demo_lm_eval):
+    assert 0.0 <= demo_lm_eval["layerwatch_humaneval_style"]["exact_match,none"] <= 1.0
     assert 0.0 <= demo_lm_eval["layerwatch_generate"]["exact_match,none"] <= 1.0
     assert demo_lm_eval["layerwatch_choice"]["acc,none"] == 1.0  # the demo model knows its Genesis
 

@@ -297,3 +297,134 @@ def test_extreme_sampling_values_fail_nobody(server, hostile):
     assert [r.json()["choices"][0]["text"] for r in responses[1:]] == alone
     assert responses[0].json()["usage"]["completion_tokens"] == 24
     assert all(math.isfinite(v) for v in server.metrics().values() if isinstance(v, float))
+
+
+# --- vLLM's token bans and token ids in logprobs -------------------------------------------------------
+
+
+def served_ids(client, **fields) -> list[list[int]]:
+    """Each choice's generated token ids, read from its logprobs (return_tokens_as_token_ids)."""
+    result = client.completions.create(
+        model=MODEL_NAME,
+        logprobs=0,
+        extra_body={"return_tokens_as_token_ids": True, **fields.pop("extra", {})},
+        **fields,
+    )
+    return [[int(t.removeprefix("token_id:")) for t in c.logprobs.tokens] for c in result.choices]
+
+
+def vllm_bad_words(tokenizer, word: str) -> list[list[int]]:
+    """The token sequences vLLM bans for a bad word (its `update_from_tokenizer`), and the word's own."""
+    bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+    spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+    own = tokenizer.encode(word, add_special_tokens=False)
+    return [bare, *([spaced] if spaced[0] != bare[0] and len(spaced) == len(bare) else []), own]
+
+
+def completes(sequences: list[list[int]], generated: list[int]) -> list[int]:
+    return [
+        s[-1] for s in sequences if len(s) <= len(generated) + 1 and generated[len(generated) - len(s) + 1 :] == s[:-1]
+    ]
+
+
+def contains(generated: list[int], sequence: list[int]) -> bool:
+    return any(generated[i : i + len(sequence)] == sequence for i in range(len(generated)))
+
+
+def test_return_tokens_as_token_ids_names_each_token_by_its_id(full_depth):
+    server, client = full_depth
+    ids = server.service.tokenizer.encode(PROMPT)
+    result = client.completions.create(
+        model=MODEL_NAME,
+        prompt=ids,
+        max_tokens=5,
+        temperature=0,
+        logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    logprobs = result.choices[0].logprobs
+    generated = reference_greedy(server.service, ids, 5, lambda logits, _: logits)
+    assert logprobs.tokens == [f"token_id:{t}" for t in generated]
+    assert all(key.startswith("token_id:") for top in logprobs.top_logprobs for key in top)
+    decoded = [server.service.tokenizer.decode([t], skip_special_tokens=False) for t in generated]
+    assert logprobs.text_offset == [sum(len(t) for t in decoded[:i]) for i in range(5)]  # still the text's
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "light"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    assert all(
+        e.token.startswith("token_id:") and e.top_logprobs[0].token.startswith("token_id:")
+        for e in chat.choices[0].logprobs.content
+    )
+
+
+def words_in(tokenizer, generated: list[int], size: int) -> list[str]:
+    """The texts of `size` consecutive generated tokens that tokenize back to those tokens."""
+    pieces = [generated[i : i + size] for i in range(len(generated) - size + 1)]
+    texts = [tokenizer.decode(p) for p in pieces]
+    return [t for p, t in zip(pieces, texts) if t.strip() and tokenizer.encode(t, add_special_tokens=False) == p]
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_bad_words_are_banned_as_vllm_bans_them(full_depth, size):
+    """Greedy: the served tokens are a reference's that bans, at each step, the last token of every
+    bad word's token sequence whose other tokens end the generation (one-token words always)."""
+    server, client = full_depth
+    service, tokenizer = server.service, server.service.tokenizer
+    ids = tokenizer.encode(PROMPT)
+    plain = reference_greedy(service, ids, 12, lambda logits, _: logits)
+    words = words_in(tokenizer, plain, size)[:1]  # a word this generation says
+    sequences = [s for w in words for s in vllm_bad_words(tokenizer, w)]
+    assert words and any(len(s) == size for s in sequences)
+
+    def banned(logits, generated):
+        logits = logits.clone()
+        logits[completes(sequences, generated)] = float("-inf")
+        return logits
+
+    expected = reference_greedy(service, ids, 12, banned)
+    assert expected != plain  # the ban changes this generation: the test can tell
+    assert not any(contains(expected, s) for s in sequences)
+    assert served_ids(client, prompt=ids, max_tokens=12, temperature=0, extra={"bad_words": words}) == [expected]
+
+
+def test_sampled_choices_never_hold_a_bad_word_and_keep_to_allowed_token_ids(full_depth):
+    server, client = full_depth
+    tokenizer = server.service.tokenizer
+    sampled = dict(prompt=PROMPT, max_tokens=24, temperature=0.9, n=6, seed=7)
+    free = served_ids(client, **sampled)
+    # Words these choices say, one and two tokens long: banning them must change what is drawn.
+    words = sorted({w for c in free for size in (1, 2) for w in words_in(tokenizer, c, size)})[:8]
+    sequences = [s for w in words for s in vllm_bad_words(tokenizer, w)]
+    assert any(contains(c, s) for c in free for s in sequences if len(s) == 2)
+    for choice in served_ids(client, **sampled, extra={"bad_words": words}):
+        assert not any(contains(choice, s) for s in sequences), (choice, sequences)
+    allowed = sorted({t for c in free for t in c})[:5]
+    for choice in served_ids(client, **sampled, extra={"allowed_token_ids": allowed}):
+        assert set(choice) <= set(allowed)
+    # Greedy too: the most likely allowed token.
+    ids = tokenizer.encode(PROMPT)
+    only = torch.full((server.service.model.config.vocab_size,), float("-inf"), dtype=torch.float64)
+    only[allowed] = 0.0
+    expected = reference_greedy(server.service, ids, 6, lambda logits, _: logits + only)
+    assert served_ids(client, prompt=ids, max_tokens=6, temperature=0, extra={"allowed_token_ids": allowed}) == [
+        expected
+    ]
+
+
+def test_bans_that_leave_nothing_to_draw_are_refused(server):
+    from inference_shim.runtime.checkpoint import load_checkpoint
+
+    tokenizer = load_checkpoint(server.checkpoint.path).tokenizer
+    (token,) = tokenizer.encode(" the", add_special_tokens=False)
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, "allowed_token_ids": [token], "bad_words": [" the"]}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "allowed_token_ids"
+    for field, value in (("allowed_token_ids", [320]), ("allowed_token_ids", []), ("bad_words", ["  "])):
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, field: value}
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
