@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-system-deps.sh
 scripts/setup-env.sh
+scripts/setup-aiperf.sh
 .venv/bin/layerwatch generate --check
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

@@ -5,8 +5,9 @@ generate-until and a loglikelihood task over local data, and perplexity through 
 must agree with `layerwatch eval` on the same text: full depth at threshold 0, gated at the gates'
 own threshold). lm-eval is given no tokenizer: it finds the server's (`/tokenizer_info`,
 `/tokenize`). Nothing is downloaded: the tokenizer the benchmarks load is the demo model's
-folder, the data sets are files the tests write. A client that is not installed (litellm, aiperf:
-pyproject.toml's `test` extra, and docs/service.md, "Clients") is skipped.
+folder, the data sets are files the tests write. The test command installs every client (litellm
+in pyproject.toml's `test` extra, aiperf in .venv-aiperf by scripts/setup-aiperf.sh; docs/service.md,
+"Clients"); one that is not installed is skipped.
 
 (The official `openai` client is in test_openai_api.py and test_openai_fields.py.)
 """
@@ -29,6 +30,8 @@ from demo.processes import ManagedProcess, free_port
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from inference_shim.runtime.tokenizer import Tokenizer
 from tests.service.conftest import sample_sum, scrape
+
+AIPERF_ENV = Path(__file__).resolve().parents[2] / ".venv-aiperf"
 
 DEMO_NAME = "layerwatch-demo"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -107,11 +110,11 @@ def test_bad_words_keep_the_word_out_of_sampled_chats(demo_server):
 
 
 def test_aiperf_streamed_chat_profile(demo_server, tmp_path):
-    # aiperf pins older versions of packages this venv holds (docs/service.md, "Clients"): it may
-    # live in an environment of its own, found on PATH.
-    aiperf = shutil.which("aiperf", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    # aiperf pins older versions of packages this venv holds (docs/service.md, "Clients"): the test
+    # command installs it in an environment of its own (scripts/setup-aiperf.sh); else found on PATH.
+    aiperf = shutil.which("aiperf", path=os.pathsep.join([str(AIPERF_ENV / "bin"), os.environ.get("PATH", "")]))
     if aiperf is None:
-        pytest.skip("aiperf is not installed")
+        pytest.skip("aiperf is not installed (scripts/setup-aiperf.sh)")
     command = [aiperf, "profile", "--model", DEMO_NAME, "--url", demo_server, "--endpoint-type", "chat", "--streaming"]
     command += ["--tokenizer", str(DEMO_MODEL_DIR), "--request-count", "4", "--concurrency", "2"]
     command += ["--prompt-input-tokens-mean", "16", "--prompt-output-tokens-mean", "8"]
