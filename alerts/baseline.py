@@ -288,9 +288,9 @@ def read_trace_baseline(
     """The rows of `model_name` (default: the trace's only model) from a trace of healthy traffic.
 
     τ is the one the lines carry (their "threshold" key), or `threshold`, which must agree with the
-    lines that carry one; lines without one are judged by the same τ. Raises TraceError for a bad line and ValueError for a
-    trace that cannot make one baseline (no such model, several models and none named, several
-    thresholds, no threshold at all, rows of different layer counts).
+    lines that carry one; lines without one are judged by the same τ. Raises TraceError for a bad
+    line and ValueError for a trace that cannot make one baseline (no such model, several models and
+    none named, several thresholds, no threshold at all, rows of different layer counts).
     """
     batches = [b for b in read_trace_batches(path) if model_name is None or b.model_name == model_name]
     names = list(dict.fromkeys(b.model_name for b in batches))
@@ -331,7 +331,7 @@ def profile_from_trace(
         f"from {source}, threshold {baseline.threshold:g}; shadow agreement, gate importance and request tail not "
         "measured (defaults)"
     )
-    return build_profile(
+    profile, stats = build_profile(
         baseline.model_name,
         baseline.threshold,
         patience,
@@ -344,6 +344,18 @@ def profile_from_trace(
         min_observations=min_observations,
         source=description,
     )
+    return dataclasses.replace(profile, request_tail=default_request_tail(profile.skip_ratio_normal)), stats
+
+
+def default_request_tail(skip_ratio_normal: float) -> RequestTail:
+    """The request tail's defaults, its cut-off raised to the first bucket edge above the normal skip
+    ratio where the default is not above it (a model that skips half its layers on average is not
+    runaway at 0.5). Raises ValueError when no edge below 1 is above it."""
+    default = RequestTail()
+    edges = [e for e in REQUEST_FRACTION_BUCKETS if skip_ratio_normal < e < 1.0]
+    if not edges:
+        raise ValueError(f"no bucket edge below 1 lies above the normal skip ratio {skip_ratio_normal}")
+    return dataclasses.replace(default, runaway_skip_fraction=max(default.runaway_skip_fraction, edges[0]))
 
 
 def baseline_summary(stats: BaselineStatistics, profile: Profile) -> list[str]:
