@@ -21,6 +21,7 @@ import secrets
 import socket
 import threading
 import time
+from typing import Self
 
 import numpy as np
 import numpy.typing as npt
@@ -149,7 +150,7 @@ class GateFrameSender:
         """Close the socket; later sends count as send errors."""
         self._socket.close()
 
-    def __enter__(self) -> GateFrameSender:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Self, cast
 
 import numpy as np
 import torch
@@ -146,7 +146,7 @@ class GenerateObserver:
             del self.model.generate
         self._generate = None
 
-    def __enter__(self) -> GenerateObserver:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -213,8 +213,11 @@ class GenerateObserver:
                 "modules that run at every step, e.g. the router's wrapper"
             )
         scores = torch.stack(read, dim=1).float()
-        ones = torch.ones(step.rows, dtype=torch.float32, device=scores.device)
-        ran = torch.stack([ones if r is None else r.float() for r in step.ran], dim=1)
+        if all(r is None for r in step.ran):  # every layer ran for every row
+            ran = torch.ones_like(scores)
+        else:
+            everyone = torch.ones(step.rows, dtype=torch.bool, device=scores.device)
+            ran = torch.stack([everyone if r is None else r.bool() for r in step.ran], dim=1).float()
         packed = torch.cat([scores, ran, generation.finished[:, None].float()], dim=1)
         host = packed.cpu().numpy()  # the one device-to-host transfer of the step
         layers = len(self.layers)
