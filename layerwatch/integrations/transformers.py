@@ -19,9 +19,9 @@ forward its one new position. Rows of sequences that already produced an end-of-
 of a sequence are exactly its generated tokens. Batches must be left-padded, as transformers
 requires for decoder-only generation (the last position is then every row's newest token).
 
-Cost: per layer, a forward hook and the adapter's tensor views, all on the device; per forward,
-one stack and one device-to-host transfer of `[batch, 2 * layers + 1]` float32; nothing waits on
-the device per layer (docs/performance.md, "Instrumenting transformers"). The sender never blocks
+Cost: per layer, a forward hook that keeps the adapter's two tensors (no device work, no check);
+per forward, a few operations on the device and one device-to-host transfer of `[batch, 2 * layers + 1]` float32;
+nothing waits on the device per layer (docs/performance.md, "Instrumenting transformers"). The sender never blocks
 or raises (layerwatch/client.py); a failing trace writer is logged and stops, as in the shim.
 
 Only `generate()` is observed (a model called directly publishes nothing), one call at a time per
@@ -196,9 +196,7 @@ class GenerateObserver:
         step = self._step
         if step is None:
             return
-        score, ran = self.read_layer(index, module, output)
-        step.scores[index] = _newest(score, step.rows, index, "score")
-        step.ran[index] = None if ran is None else _newest(ran, step.rows, index, "ran")
+        step.scores[index], step.ran[index] = self.read_layer(index, module, output)
 
     def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
         step, generation = self._step, self._generation
@@ -212,12 +210,15 @@ class GenerateObserver:
                 f"decoder layers {missing} gave no reading in this forward (their forward did not run): hook "
                 "modules that run at every step, e.g. the router's wrapper"
             )
-        scores = torch.stack(read, dim=1).float()
-        if all(r is None for r in step.ran):  # every layer ran for every row
-            ran = torch.ones_like(scores)
+        scores = _newest(read, range(len(read)), step.rows, "score").float()
+        decided = [i for i, r in enumerate(step.ran) if r is not None]
+        values = [r for r in step.ran if r is not None]
+        if len(decided) == len(step.ran):
+            ran = _newest(values, decided, step.rows, "ran").float()
         else:
-            everyone = torch.ones(step.rows, dtype=torch.bool, device=scores.device)
-            ran = torch.stack([everyone if r is None else r.bool() for r in step.ran], dim=1).float()
+            ran = torch.ones_like(scores)  # None: the layer ran for every row
+            if decided:
+                ran[:, decided] = _newest(values, decided, step.rows, "ran").float()
         packed = torch.cat([scores, ran, generation.finished[:, None].float()], dim=1)
         host = packed.cpu().numpy()  # the one device-to-host transfer of the step
         layers = len(self.layers)
@@ -271,14 +272,19 @@ class _Step:
         self.ran: list[torch.Tensor | None] = [None] * layers
 
 
-def _newest(value: torch.Tensor, rows: int, index: int, what: str) -> torch.Tensor:
-    """Each row's value at the forward's last position: [rows]. A view, no device work."""
-    if value.dim() == 0 or value.shape[0] != rows:
-        raise ValueError(
-            f"decoder layer {index}: the adapter's {what} has shape {tuple(value.shape)}; expected one value per "
-            f"token, [{rows}, tokens]"
-        )
-    return value.reshape(rows, -1)[:, -1]
+def _newest(values: list[torch.Tensor], layers: Sequence[int], rows: int, what: str) -> torch.Tensor:
+    """Each row's value at the forward's last position, layer by layer: [rows, len(values)]. Tensors of
+    one shape (the usual case: one router class) take three operations whatever the number of layers.
+    `layers` and `what` name the adapter's values in the error a wrong shape raises."""
+    for layer, value in zip(layers, values):
+        if value.dim() == 0 or value.shape[0] != rows:
+            raise ValueError(
+                f"decoder layer {layer}: the adapter's {what} has shape {tuple(value.shape)}; expected one value "
+                f"per token, [{rows}, tokens]"
+            )
+    if len({v.shape for v in values}) == 1:
+        return torch.stack(values, dim=1).reshape(rows, len(values), -1)[:, :, -1]
+    return torch.stack([v.reshape(rows, -1)[:, -1] for v in values], dim=1)
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:

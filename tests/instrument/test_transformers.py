@@ -124,8 +124,8 @@ def test_the_first_row_is_the_prompts_last_position_and_a_skipped_token_keeps_it
 
 
 def test_a_callable_adapter_and_close_leave_the_model_as_it_was(router_model, tmp_path):
-    def read(index, layer, output):  # a callable adapter: scores from the router itself
-        return layer.router_score, layer.router_score >= THRESHOLD
+    def read(index, layer, output):  # a callable adapter; layer 0 reported as always running
+        return layer.router_score, None if index == 0 else layer.router_score >= THRESHOLD
 
     trace = TraceWriter(tmp_path / "trace.jsonl", 1 << 20)
     watch = observe(router_model, read, trace=trace, model_name="routed")
@@ -133,6 +133,9 @@ def test_a_callable_adapter_and_close_leave_the_model_as_it_was(router_model, tm
     batch = prompts(2, 4, seed=3)
     router_model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=4, do_sample=False)
     watch.close()
+    scores, skipped = trace_rows(trace.path)
+    assert not skipped[:, 0].any() and (scores[:, 0] < THRESHOLD).any()
+    np.testing.assert_array_equal(skipped[:, 1:], scores[:, 1:] < THRESHOLD)
     assert watch.rows == 8 and "generate" not in router_model.__dict__
     assert not router_model._forward_hooks and not router_model._forward_pre_hooks
     assert not any(layer._forward_hooks for layer in router_model.model.layers)
