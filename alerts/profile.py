@@ -39,6 +39,7 @@ _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
 # Defaults of optional fields that `layerwatch calibrate` also starts from.
 DEFAULT_ZERO_RATIO_PAGE = 0.40  # the field's "a jump above 40 % means over-pruning"
 DEFAULT_SKIP_COLLAPSE_FRACTION = 0.5  # collapsed: skipping below half of its healthy ratio
+DEFAULT_RUNAWAY_SKIP_RATIO = 0.85  # the field's fallback trigger: more than 85 % of layers skipped
 # The alerts whose `for:` a profile may override, and their defaults (alerts/specs.py).
 _DEFAULT_FOR = {spec.name: spec.default_for for spec in PER_MODEL_ALERTS}
 
@@ -133,7 +134,7 @@ class Profile:
     skip_surge_factor: float = 2.0  # surge: skip ratio above factor x its own 1h baseline
     # collapse: skip ratio below this fraction of skip_ratio_normal (cost and power up)
     skip_collapse_fraction: float = field(default=DEFAULT_SKIP_COLLAPSE_FRACTION, metadata=_FRACTION)
-    runaway_skip_ratio: float = field(default=0.85, metadata=_FRACTION)
+    runaway_skip_ratio: float = field(default=DEFAULT_RUNAWAY_SKIP_RATIO, metadata=_FRACTION)
     runaway_fallbacks_per_minute: float = 0.0  # fallbacks above this rate, sustained, are runaway
     drift: Drift = Drift()
     shadow_agreement_min: float = field(default=0.90, metadata=_FRACTION)

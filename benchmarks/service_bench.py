@@ -36,7 +36,8 @@ from inference_shim.runtime.model import GateBank, Transformer
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
 from inference_shim.service.metrics import DecodeStats
-from inference_shim.service.telemetry import FrameSender, StepTelemetry
+from inference_shim.service.telemetry import StepTelemetry
+from layerwatch.client import GateFrameSender
 
 # The exporter stand-in: binds a loopback UDP port, prints it, discards what arrives.
 RECEIVER = (
@@ -66,9 +67,9 @@ def load_model(folder: Path) -> tuple[Transformer, Tokenizer]:
     return loaded.model, loaded.tokenizer
 
 
-def telemetry_hook(model_name: str, num_layers: int, exporter: str) -> tuple[StepHook, FrameSender]:
+def telemetry_hook(model_name: str, num_layers: int, exporter: str) -> tuple[StepHook, GateFrameSender]:
     """The service's step-hook work for client rows (see EngineWorker._on_step), trace off."""
-    sender = FrameSender(exporter, model_name, "bench", num_layers, threshold=0.18)
+    sender = GateFrameSender(exporter, model_name, num_layers, 0.18, shim_id="bench")
     telemetry = StepTelemetry(model_name, DecodeStats(num_layers), sender, trace=None)
 
     def hook(record: StepRecord) -> None:

@@ -68,8 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from alerts.baseline import ascii_histogram, baseline_summary
     from alerts.profile import ProfileError, dump_profile
-    from inference_shim.offline.calibration import CalibrationSettings, ascii_histogram, calibrate
+    from inference_shim.offline.calibration import CalibrationSettings, calibrate
     from inference_shim.offline.corpus import read_documents
 
     def prepare():
@@ -100,26 +101,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     profile, stats = result.profile, result.stats
-    b = stats.bimodality
     print(
         f"baseline: {result.requests} requests, {result.decoded_tokens} decoded tokens, {stats.observations} gate "
         f"entropies, skipped {stats.skip_ratio:.1%}, fallbacks {result.fallbacks}"
     )
-    print(
-        f"active-layer entropy mean {stats.active_mean:.4f} std {stats.active_std:.4f}; "
-        f"zero-entropy ratio {stats.zero_ratio:.4f}"
-    )
-    print(
-        f"bimodality: {'bimodal' if b.bimodal else 'NOT bimodal'} (peaks {b.peaks}, dip {b.dip:.4f}, "
-        f"p {b.dip_p_value:.4g}, BC {b.bimodality_coefficient:.3f}, window {b.observations})"
-    )
-    routing, rp = stats.routing, profile.routing
-    share = "n/a" if routing.token_dependent_share is None else f"{routing.token_dependent_share:.3f}"
-    print(
-        f"routing: {routing.verdict}, token-dependent share {share} (page below {rp.share_floor}), static layers "
-        f"{list(rp.static_layers)} (whole baseline or any chunk); skipping collapsed below "
-        f"{profile.skip_collapse_fraction} x {profile.skip_ratio_normal}"
-    )
+    print("\n".join(baseline_summary(stats, profile)))
     print(
         f"shadow agreement (greedy, full-depth top-1): {result.shadow_agreements}/{result.shadow_tokens} = "
         f"{result.shadow_agreements / max(result.shadow_tokens, 1):.3f}; alert floor {profile.shadow_agreement_min}"

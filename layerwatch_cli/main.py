@@ -29,6 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-gates": ("layerwatch_cli.train_gates", "train gate heads for a frozen model on a text file"),
     "eval": ("layerwatch_cli.eval", "perplexity full vs gated, skip rates and speed on a text file"),
     "calibrate": ("layerwatch_cli.calibrate", "measure a healthy baseline run and write the model's profile YAML"),
+    "calibrate-trace": (
+        "layerwatch_cli.calibrate_trace",
+        "write a model's profile YAML from a trace of its healthy traffic (any engine)",
+    ),
     "train-demo": (
         "layerwatch_cli.train_demo",
         "train the embedded demo model (tokenizer, backbone) from the KJV text",

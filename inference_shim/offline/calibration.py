@@ -1,17 +1,9 @@
-"""A model's healthy profile, measured from a baseline decode run.
+"""A model's healthy profile, measured from a baseline decode run of the serving engine.
 
-The bands are what a short monitoring window may show while the model is healthy: the baseline's
-decoded tokens are cut into chunks of `chunk_tokens` (roughly what the exporter's window holds at
-demo load), the statistic is computed per chunk, and the band is [lowest chunk - margin, highest
-chunk + margin], clipped to [0, 1]. The bimodality statistics are the exporter's own
-(layerwatch/statistics.py), on at most as many entropies as the exporter's window keeps.
-
-The routing baseline uses the exporter's own statistics (layerwatch/routing.py) on the same chunks:
-the token-dependent share of the whole baseline (informational) and its floor, half the lowest
-chunk's share (LayerwatchRoutingStatic pages below it: "well below" every healthy window); the
-static layers are those static in the whole baseline or in any chunk (their turning static is
-expected, any other layer's pages). The skip-collapse fraction stays at the profile's default
-(0.5 of the normal skip ratio) unless a healthy chunk, less the margin, skipped less than that.
+The baseline is served traffic in miniature: prompts from the held-out text, completed by the
+GenerationEngine with the service's sampling settings; its decoded rows become the profile's bands,
+bimodality and routing baseline by alerts/baseline.py (which `layerwatch calibrate-trace` shares, for
+a trace of any engine). What only the serving engine can measure is measured here:
 
 The shadow-agreement floor is measured the way the service's quality guard measures it (greedy
 requests re-scored at full depth), per chunk of requests: [lowest chunk - margin]. A model whose
@@ -29,10 +21,7 @@ command warns; the profile is still written).
 
 The request tail (LayerwatchRequestTailRunaway): every baseline prompt is one request, judged by
 layerwatch/request_tail.py's skip fraction from the engine's per-request counts of its decode steps
-(what the shim observes). The cut-off is the smallest bucket edge of layerwatch_request_skip_fraction
-above the healthy maximum plus one standard deviation of the requests' fractions (and above the
-normal skip ratio); the normal share is the one-sided 90 % Wilson upper bound of the share of
-baseline requests above the cut-off, at least MIN_REQUEST_NORMAL_SHARE (`request_tail_profile`).
+(what the shim observes), then cut as alerts/baseline.py's `request_tail_profile` says.
 
 `calibrate` is the whole run `layerwatch calibrate` makes (the command only parses its flags and
 prints the result): prompts from the held-out text, the baseline decode, the shadow checks, the
@@ -41,7 +30,6 @@ profile.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import math
 import random
@@ -49,33 +37,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from alerts.profile import (
-    DEFAULT_SKIP_COLLAPSE_FRACTION,
-    DEFAULT_ZERO_RATIO_PAGE,
-    Band,
-    BimodalityProfile,
-    Profile,
-    RequestTail,
-    RoutingProfile,
-)
+from alerts.baseline import DEFAULT_CHUNK_TOKENS, DEFAULT_MARGIN, BaselineStatistics, build_profile
+from alerts.profile import Profile
 from inference_shim.offline.gated_model import GatedModel
 from inference_shim.runtime.agreement import ShadowJob, ShadowResult, full_depth_agreement
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.gates import shuffle_gates
 from inference_shim.runtime.model import KV_POLICIES, Transformer
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
-from layerwatch.catalog import GATE_IMPORTANCE_SAMPLES, REQUEST_FRACTION_BUCKETS
+from layerwatch.catalog import GATE_IMPORTANCE_SAMPLES
 from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.request_tail import RequestLayers, request_skipping
-from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS, Routing, below_threshold, routing_from_rows, wilson_bounds
-from layerwatch.statistics import (
-    DEFAULT_MIN_WINDOW_OBSERVATIONS,
-    DEFAULT_WINDOW_OBSERVATIONS,
-    ZERO_ENTROPY_LIMIT,
-    Bimodality,
-    check_bimodality,
-    histogram20,
-)
+from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS
 
 
 @dataclass(frozen=True)
@@ -89,8 +62,8 @@ class CalibrationSettings:
     temperature: float = 0.8  # the demo load generator's sampling
     top_p: float = 0.95
     seed: int = 0
-    chunk_tokens: int = 512  # decoded tokens per chunk when measuring how much window statistics vary
-    margin: float = 0.03  # added on both sides of each measured band
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # decoded tokens per chunk when measuring how much window statistics vary
+    margin: float = DEFAULT_MARGIN  # added on both sides of each measured band
     # Entropies the exporter's window needs before the single-peak alert may fire: the exporter's own
     # minimum window.
     min_observations: int = DEFAULT_MIN_WINDOW_OBSERVATIONS
@@ -98,16 +71,9 @@ class CalibrationSettings:
     batch_size: int = 8
 
 
-# LayerwatchRoutingStatic's floor: this fraction of the lowest healthy chunk's token-dependent share.
-SHARE_FLOOR_FRACTION = 0.5
-# The smallest skip-collapse fraction calibrate writes (a model whose healthy chunks barely skip).
-MIN_SKIP_COLLAPSE_FRACTION = 0.01
 # LayerwatchGateMiscalibrated's floor: this fraction of the lowest healthy gate-importance reading
 # (and at least the margin below it).
 GATE_FLOOR_FRACTION = 0.5
-# The smallest request_tail.normal_share calibrate writes: a 5-minute window must hold more than 1 %
-# of its requests above the cut-off (the reference profile's "more than 1 % of requests") to page.
-MIN_REQUEST_NORMAL_SHARE = 0.01
 
 
 @dataclass
@@ -139,99 +105,6 @@ class Baseline:
         return np.concatenate(self.entropies), np.concatenate(self.skipped)
 
 
-@dataclass(frozen=True)
-class BaselineStatistics:
-    observations: int
-    histogram: list[int]  # the 20 bins of layerwatch.statistics.histogram20, all layers, both decisions
-    active_mean: float
-    active_std: float
-    zero_ratio: float
-    skip_ratio: float
-    bimodality: Bimodality
-    routing: Routing  # of the whole baseline, at the profile's threshold
-
-
-@dataclass(frozen=True)
-class RoutingBaseline:
-    """The routing statistics of the baseline's chunks, behind the profile's routing fields."""
-
-    chunk_shares: list[float]  # token-dependent share per chunk whose verdict was given
-    chunk_static_layers: list[tuple[int, ...]]  # static layers per such chunk
-    chunk_skip_ratios: list[float]  # skip ratio per chunk
-
-
-def chunk_band(values: list[float], margin: float) -> Band:
-    """[lowest - margin, highest + margin] in [0, 1]; NaN (a chunk without active layers) is ignored."""
-    low, high = np.nanmin(values), np.nanmax(values)
-    return Band(low=round(max(0.0, float(low) - margin), 4), high=round(min(1.0, float(high) + margin), 4))
-
-
-def _chunk_stats(entropies: np.ndarray, skipped: np.ndarray) -> tuple[float, float, float]:
-    active = entropies[~skipped]
-    zero_ratio = float((entropies < ZERO_ENTROPY_LIMIT).mean())
-    if active.size == 0:
-        return math.nan, math.nan, zero_ratio
-    return float(active.mean()), float(active.std()), zero_ratio
-
-
-def _routing(entropies: np.ndarray, skipped: np.ndarray, threshold: float) -> Routing:
-    # No minimum window: the Wilson bounds already keep a short chunk's layers from looking static.
-    return routing_from_rows(below_threshold(entropies, threshold), skipped, min_tokens=1)
-
-
-def summarize(
-    entropies: np.ndarray, skipped: np.ndarray, min_observations: int, threshold: float
-) -> BaselineStatistics:
-    mean, std, zero = _chunk_stats(entropies, skipped)
-    window = entropies.ravel()[-DEFAULT_WINDOW_OBSERVATIONS:]  # the exporter's window size
-    return BaselineStatistics(
-        observations=int(entropies.size),
-        histogram=[int(c) for c in histogram20(entropies.ravel())],
-        active_mean=mean,
-        active_std=std,
-        zero_ratio=zero,
-        skip_ratio=float(skipped.mean()),
-        bimodality=check_bimodality(window, min_observations),
-        routing=_routing(entropies, skipped, threshold),
-    )
-
-
-def routing_baseline(
-    entropies: np.ndarray, skipped: np.ndarray, threshold: float, chunk_tokens: int
-) -> RoutingBaseline:
-    """The routing statistics of every whole chunk of `chunk_tokens` decoded tokens."""
-    shares, static, skips = [], [], []
-    for i in range(0, len(entropies) - chunk_tokens + 1, chunk_tokens):
-        chunk = _routing(entropies[i : i + chunk_tokens], skipped[i : i + chunk_tokens], threshold)
-        skips.append(float(skipped[i : i + chunk_tokens].mean()))
-        # Withheld (nothing below tau in this chunk): no share to measure.
-        if chunk.token_dependent_share is not None and chunk.static_layers is not None:
-            shares.append(chunk.token_dependent_share)
-            static.append(chunk.static_layers)
-    return RoutingBaseline(shares, static, skips)
-
-
-def routing_profile(whole: Routing, chunks: RoutingBaseline) -> RoutingProfile:
-    """The profile's routing fields from the whole baseline and its chunks (see the module docstring)."""
-    whole_share = whole.token_dependent_share  # None while withheld
-    shares = chunks.chunk_shares + ([] if whole_share is None else [whole_share])
-    static = set(whole.static_layers or ()).union(*chunks.chunk_static_layers)
-    return RoutingProfile(
-        share_floor=round(SHARE_FLOOR_FRACTION * min(shares), 3) if shares else 0.0,
-        static_layers=tuple(sorted(static)),
-        min_tokens=DEFAULT_MIN_ROUTING_TOKENS,
-        token_dependent_share=None if whole_share is None else round(whole_share, 4),
-    )
-
-
-def skip_collapse_fraction(skip_ratio_normal: float, chunk_skip_ratios: list[float], margin: float) -> float:
-    """The default fraction, lowered if a healthy chunk (less the margin) skipped less than that."""
-    if skip_ratio_normal <= 0 or not chunk_skip_ratios:
-        return DEFAULT_SKIP_COLLAPSE_FRACTION
-    lowest = (min(chunk_skip_ratios) - margin) / skip_ratio_normal
-    return round(max(MIN_SKIP_COLLAPSE_FRACTION, min(DEFAULT_SKIP_COLLAPSE_FRACTION, lowest)), 3)
-
-
 def gate_importance_floor(readings: list[float], margin: float) -> float:
     """Half the lowest healthy reading of the gate-importance correlation, and at least `margin` below
     it (a reading near or below 0 has no useful half), in [-1, 1].
@@ -242,34 +115,6 @@ def gate_importance_floor(readings: list[float], margin: float) -> float:
         raise ValueError("no gate-importance reading: the shadow checks never filled the reservoir")
     lowest = min(readings)
     return round(max(-1.0, min(GATE_FLOOR_FRACTION * lowest, lowest - margin)), 3)
-
-
-def request_tail_profile(skip_fractions: list[float], skip_ratio_normal: float) -> RequestTail:
-    """The runaway cut-off and normal share of the healthy requests' skip fractions.
-
-    Cut-off: the smallest bucket edge of layerwatch_request_skip_fraction above the highest fraction
-    plus one standard deviation of the fractions (the highest of 128 normal samples lies about 2.6
-    standard deviations above their mean, of 5,000 about 3.7: the margin covers the healthy maximum
-    of a few thousand requests, and the normal share the rarer ones beyond), and above
-    `skip_ratio_normal` (the model's own average is never runaway); the
-    highest edge below 1 if the healthy requests reach beyond it. Normal share: the one-sided 90 %
-    Wilson upper bound of the share of these requests above the cut-off (none above it still leaves
-    z²/(n + z²): what n requests cannot rule out), at least MIN_REQUEST_NORMAL_SHARE.
-    """
-    fractions = np.asarray(skip_fractions, dtype=np.float64)
-    if fractions.size == 0:
-        raise ValueError("the baseline has no request with a decode token")
-    spread = float(fractions.std(ddof=1)) if fractions.size > 1 else 0.0
-    level = float(fractions.max()) + spread
-    edges = [e for e in REQUEST_FRACTION_BUCKETS if skip_ratio_normal < e < 1.0]
-    if not edges:
-        raise ValueError(f"no bucket edge below 1 lies above the normal skip ratio {skip_ratio_normal}")
-    cutoff = next((e for e in edges if e > level), edges[-1])
-    above = int((fractions > cutoff).sum())
-    _, upper = wilson_bounds(np.array([above]), int(fractions.size))
-    # Rounded up to 0.001 (the bound is what healthy traffic may show), below 1 (a share of requests).
-    share = min(0.999, math.ceil(float(upper[0]) * 1000 - 1e-9) / 1000)
-    return RequestTail(runaway_skip_fraction=cutoff, normal_share=max(MIN_REQUEST_NORMAL_SHARE, share))
 
 
 def agreement_floor(checks: list[tuple[int, int]], chunk_tokens: int, margin: float) -> float:
@@ -286,87 +131,6 @@ def agreement_floor(checks: list[tuple[int, int]], chunk_tokens: int, margin: fl
     if not ratios:
         raise ValueError(f"the shadow checks covered fewer than one chunk of {chunk_tokens} tokens")
     return round(max(0.0, min(ratios) - margin), 3)
-
-
-def build_profile(
-    model_name: str,
-    threshold: float,
-    patience: int,
-    runaway_skip_ratio: float,
-    entropies: np.ndarray,
-    skipped: np.ndarray,
-    shadow_agreement_min: float,
-    *,
-    chunk_tokens: int,
-    margin: float,
-    min_observations: int,
-    source: str,
-    gate_importance_correlation_min: float | None = None,
-    request_skip_fractions: list[float] | None = None,
-) -> tuple[Profile, BaselineStatistics]:
-    """entropies float [N, L] and skipped bool [N, L], one row per decoded token.
-
-    `gate_importance_correlation_min` (from `gate_importance_floor`) and `request_skip_fractions` (one
-    per request, for `request_tail_profile`) left out keep the profile's defaults (not measured)."""
-    if len(entropies) < chunk_tokens:
-        raise ValueError(f"the baseline decoded {len(entropies)} tokens, fewer than one chunk of {chunk_tokens}")
-    chunks = [
-        _chunk_stats(entropies[i : i + chunk_tokens], skipped[i : i + chunk_tokens])
-        for i in range(0, len(entropies) - chunk_tokens + 1, chunk_tokens)
-    ]
-    means, stds, zeros = zip(*chunks)
-    stats = summarize(entropies, skipped, min_observations, threshold)
-    routing = routing_baseline(entropies, skipped, threshold, chunk_tokens)
-    skip_ratio_normal = round(stats.skip_ratio, 4)
-    zero_band = chunk_band(list(zeros), margin)
-    b = stats.bimodality
-    bc = b.bimodality_coefficient
-    bc = None if bc is None or np.isnan(bc) else round(float(bc), 4)
-    profile = Profile(
-        model_name=model_name,
-        threshold=threshold,
-        patience=patience,
-        entropy_mean=chunk_band(list(means), margin),
-        entropy_std=chunk_band(list(stds), margin),
-        zero_ratio=zero_band,
-        zero_ratio_page=max(DEFAULT_ZERO_RATIO_PAGE, zero_band.high),
-        skip_ratio_normal=skip_ratio_normal,
-        skip_collapse_fraction=skip_collapse_fraction(skip_ratio_normal, routing.chunk_skip_ratios, margin),
-        runaway_skip_ratio=runaway_skip_ratio,
-        shadow_agreement_min=shadow_agreement_min,
-        bimodality=BimodalityProfile(
-            min_observations=min_observations,
-            peaks=b.peaks,
-            dip=_rounded(b.dip, 5),
-            dip_p_value=_rounded(b.dip_p_value, 6),
-            bimodality_coefficient=bc,
-        ),
-        routing=routing_profile(stats.routing, routing),
-        source=source,
-    )
-    if gate_importance_correlation_min is not None:
-        profile = dataclasses.replace(profile, gate_importance_correlation_min=gate_importance_correlation_min)
-    if request_skip_fractions is not None:
-        profile = dataclasses.replace(
-            profile, request_tail=request_tail_profile(request_skip_fractions, skip_ratio_normal)
-        )
-    return profile, stats
-
-
-def _rounded(value: float | None, digits: int) -> float | None:
-    return None if value is None else round(float(value), digits)
-
-
-def ascii_histogram(histogram: list[int], width: int = 40) -> str:
-    """The 20-bin histogram as text bars with counts (for the terminal and the model card)."""
-    top = max(histogram) or 1
-    bins = len(histogram)
-    lines = []
-    for i, count in enumerate(histogram):
-        bar = "#" * round(width * count / top)
-        closing = "]" if i == bins - 1 else ")"  # the last bin holds 1.0 (layerwatch.statistics.bin_index)
-        lines.append(f"[{i / bins:.2f}, {(i + 1) / bins:.2f}{closing} {bar:<{width}} {count}")
-    return "\n".join(lines)
 
 
 def line_prompts(documents: list[str], count: int, rng: random.Random) -> list[str]:

@@ -55,14 +55,9 @@ from inference_shim.service.mitigation_receiver import WEBHOOK_PATH, MitigationR
 from inference_shim.service.power import NvmlCollector, RaplCollector
 from inference_shim.service.readiness import Readiness
 from inference_shim.service.shadow import ShadowChecker
-from inference_shim.service.telemetry import (
-    FrameSender,
-    FrameSenderCollector,
-    StepTelemetry,
-    TraceCollector,
-    default_shim_id,
-)
+from inference_shim.service.telemetry import FrameSenderCollector, StepTelemetry, TraceCollector
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
+from layerwatch.client import GateFrameSender, default_shim_id
 from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.ports import http_url
 from layerwatch.secret_file import RotatingSecret
@@ -360,12 +355,12 @@ class ShimService:
         self.decode_stats = DecodeStats(config.num_layers)
         shim_id = settings.shim_id or default_shim_id()
         self.sender = (
-            FrameSender(
+            GateFrameSender(
                 settings.exporter_address,
                 self.model_name,
-                shim_id,
                 config.num_layers,
-                threshold=self.policy.threshold,
+                self.policy.threshold,
+                shim_id=shim_id,
                 key=frame_key,
             )
             if settings.exporter_address

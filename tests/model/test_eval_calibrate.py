@@ -7,20 +7,22 @@ import random
 import numpy as np
 import pytest
 
+from alerts.baseline import (
+    MIN_REQUEST_NORMAL_SHARE,
+    ascii_histogram,
+    build_profile,
+    request_tail_profile,
+    skip_collapse_fraction,
+)
 from alerts.profile import RequestTail, dump_profile, load_profile
 from inference_shim.offline.calibration import (
-    MIN_REQUEST_NORMAL_SHARE,
     Baseline,
     CalibrationSettings,
     agreement_floor,
-    ascii_histogram,
-    build_profile,
     calibrate,
     gate_importance_floor,
     generate_baseline,
     line_prompts,
-    request_tail_profile,
-    skip_collapse_fraction,
 )
 from inference_shim.offline.corpus import read_documents
 from inference_shim.offline.gated_model import load_gated_model

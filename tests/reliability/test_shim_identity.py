@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from inference_shim.service.telemetry import default_shim_id
+from layerwatch.client import default_shim_id
 from tests.reliability.conftest import MODEL_NAME, BackgroundLoad, sample_sum
 
 

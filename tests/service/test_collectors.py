@@ -27,8 +27,9 @@ from inference_shim.service.metrics import (
 )
 from inference_shim.service.mitigation import MitigationMetrics
 from inference_shim.service.power import GpuReading, NvmlCollector, RaplCollector
-from inference_shim.service.telemetry import FrameSender, FrameSenderCollector, TraceCollector
+from inference_shim.service.telemetry import FrameSenderCollector, TraceCollector
 from layerwatch import catalog
+from layerwatch.client import GateFrameSender
 from layerwatch.gate_importance import LayerSignalStats
 
 
@@ -86,7 +87,7 @@ def test_a_full_shim_registry_covers_the_catalog_and_refuses_clashes():
 def test_the_frame_sender_refuses_port_zero():
     """A destination needs a real port (the exporter may listen on port 0, the shim cannot send there)."""
     with pytest.raises(ValueError, match="exporter address '127.0.0.1:0'"):
-        FrameSender("127.0.0.1:0", "m", "shim", 4, threshold=0.18)
+        GateFrameSender("127.0.0.1:0", "m", 4, 0.18, shim_id="shim")
 
 
 def test_a_failing_collector_leaves_the_rest_of_the_shims_scrape_served(in_process) -> None:

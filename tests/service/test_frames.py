@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from demo.processes import LAYERWATCH_COMMAND, free_port
-from inference_shim.service.telemetry import FrameSender
+from layerwatch.client import GateFrameSender
 from layerwatch.trace import read_trace
 from layerwatch.wire import MAX_FRAME_BYTES, decode_frame
 from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum
@@ -49,7 +49,7 @@ def test_frames_decode_to_the_same_entropies_and_masks_as_the_trace(server):
 
 def test_a_missing_exporter_only_moves_the_dropped_counter():
     port = free_port(socket.SOCK_DGRAM)  # nobody listens: loopback answers with ICMP port unreachable
-    sender = FrameSender(f"127.0.0.1:{port}", MODEL_NAME, "test", NUM_LAYERS, threshold=0.18)
+    sender = GateFrameSender(f"127.0.0.1:{port}", MODEL_NAME, NUM_LAYERS, 0.18, shim_id="test")
     entropies = np.full((3, NUM_LAYERS), 0.5, dtype=np.float32)
     skipped = np.zeros((3, NUM_LAYERS), dtype=bool)
     for _ in range(20):
@@ -65,7 +65,7 @@ def test_a_batch_too_large_for_one_datagram_is_split_and_round_trips():
     receiver.bind(("127.0.0.1", 0))
     receiver.settimeout(5)
     layers = 200
-    sender = FrameSender(f"127.0.0.1:{receiver.getsockname()[1]}", MODEL_NAME, "test", layers, threshold=0.25)
+    sender = GateFrameSender(f"127.0.0.1:{receiver.getsockname()[1]}", MODEL_NAME, layers, 0.25, shim_id="test")
     rng = np.random.default_rng(0)
     rows = sender.rows_per_frame + 5
     entropies = rng.random((rows, layers), dtype=np.float32)
@@ -83,7 +83,7 @@ def test_a_batch_too_large_for_one_datagram_is_split_and_round_trips():
 
 def test_invalid_entropies_are_dropped_not_raised():
     port = free_port(socket.SOCK_DGRAM)
-    sender = FrameSender(f"127.0.0.1:{port}", MODEL_NAME, "test", NUM_LAYERS, threshold=0.18)
+    sender = GateFrameSender(f"127.0.0.1:{port}", MODEL_NAME, NUM_LAYERS, 0.18, shim_id="test")
     nan = np.full((2, NUM_LAYERS), np.nan, dtype=np.float32)  # what a model without gates reports
     sender.send(nan, np.zeros((2, NUM_LAYERS), dtype=bool))
     sender.close()
@@ -96,8 +96,8 @@ def test_with_a_key_every_frame_is_tagged_and_still_fits_a_datagram():
     receiver.settimeout(5)
     layers, key = 147, b"k" * 32  # 107 rows of 147 layers fill an untagged frame to 14 bytes short
     address = f"127.0.0.1:{receiver.getsockname()[1]}"
-    sender = FrameSender(address, MODEL_NAME, "test", layers, threshold=0.25, key=key)
-    untagged = FrameSender(address, MODEL_NAME, "test", layers, threshold=0.25)
+    sender = GateFrameSender(address, MODEL_NAME, layers, 0.25, shim_id="test", key=key)
+    untagged = GateFrameSender(address, MODEL_NAME, layers, 0.25, shim_id="test")
     assert sender.rows_per_frame < untagged.rows_per_frame  # room for the tag
     entropies = np.full((sender.rows_per_frame, layers), 0.5, dtype=np.float32)
     sender.send(entropies, np.zeros_like(entropies, dtype=bool))
@@ -151,7 +151,7 @@ def test_a_dropped_frame_leaves_no_sequence_gap():
     receiver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     receiver.bind(("127.0.0.1", 0))
     receiver.settimeout(5)
-    sender = FrameSender(f"127.0.0.1:{receiver.getsockname()[1]}", MODEL_NAME, "test", NUM_LAYERS, threshold=0.18)
+    sender = GateFrameSender(f"127.0.0.1:{receiver.getsockname()[1]}", MODEL_NAME, NUM_LAYERS, 0.18, shim_id="test")
     valid = np.full((2, NUM_LAYERS), 0.5, dtype=np.float32)
     skipped = np.zeros((2, NUM_LAYERS), dtype=bool)
     for entropies in (valid, np.full_like(valid, np.nan), valid):
