@@ -27,6 +27,7 @@ from alerts.specs import PER_MODEL_ALERTS
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, REQUEST_FRACTION_BUCKETS
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS
 from layerwatch.statistics import MAX_WINDOW_OBSERVATIONS
+from layerwatch.wire import MAX_NAME_BYTES
 
 Seconds = NewType("Seconds", float)  # written as a Prometheus duration in YAML
 
@@ -34,8 +35,10 @@ PROFILES_DIR = Path(__file__).resolve().parent / "profiles"  # the committed per
 
 # Fields whose values are fractions of something and must lie in [0, 1].
 _FRACTION = {"fraction": True}
-# model_name ends up inside PromQL selectors and label values: keep it to safe characters.
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+# model_name ends up inside PromQL selectors and label values: keep it to safe characters, and to
+# what a gate frame can carry (MAX_NAME_BYTES), or no series would ever match it. (fullmatch, not
+# match: `$` also matches before a trailing newline, and "demo\n" would pass.)
+_MODEL_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.:-]{{0,{MAX_NAME_BYTES - 1}}}")
 # Defaults of optional fields that `layerwatch calibrate` also starts from.
 DEFAULT_ZERO_RATIO_PAGE = 0.40  # the field's "a jump above 40 % means over-pruning"
 DEFAULT_SKIP_COLLAPSE_FRACTION = 0.5  # collapsed: skipping below half of its healthy ratio
@@ -263,7 +266,7 @@ def _check(p: Profile, where: str) -> None:
     def fail(key: str, problem: str) -> typing.NoReturn:
         raise ProfileError(f"{where}: {key}: {problem}")
 
-    if not _MODEL_NAME.match(p.model_name):
+    if not _MODEL_NAME.fullmatch(p.model_name):
         fail("model_name", f"{p.model_name!r} must match {_MODEL_NAME.pattern}")
     for name in ("entropy_mean", "entropy_std", "zero_ratio"):
         band = getattr(p, name)
@@ -271,8 +274,12 @@ def _check(p: Profile, where: str) -> None:
             fail(name, f"low {band.low} is above high {band.high}")
     if p.patience < 1:
         fail("patience", f"{p.patience} must be at least 1")
-    if p.bimodality.min_observations < 1:
-        fail("bimodality.min_observations", f"{p.bimodality.min_observations} must be at least 1")
+    if not 1 <= p.bimodality.min_observations <= MAX_WINDOW_OBSERVATIONS:  # (and a number PromQL can read)
+        fail(
+            "bimodality.min_observations",
+            f"{p.bimodality.min_observations} must be at least 1 and at most {MAX_WINDOW_OBSERVATIONS} "
+            f"(what a window can hold)",
+        )
     if p.zero_ratio_page < p.zero_ratio.high:
         fail("zero_ratio_page", f"{p.zero_ratio_page} is below the healthy band's high end {p.zero_ratio.high}")
     if p.runaway_skip_ratio <= p.skip_ratio_normal:
