@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import stat
 import types
 import typing
 from dataclasses import dataclass, field
@@ -157,10 +159,7 @@ class Profile:
 
 def load_profile(path: str | Path) -> Profile:
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ProfileError(f"{path}: cannot read profile: {exc}") from exc
+    data = _read_yaml(path)
     profile = _build(Profile, data, f"{path}")
     _check(profile, f"{path}")
     return profile
@@ -190,6 +189,60 @@ def dump_profile(profile: Profile, path: str | Path) -> None:
 
 
 # --- YAML -> dataclass --------------------------------------------------------------------------
+
+# A profile is a page of YAML: anything larger is not one (and is not read into memory).
+MAX_PROFILE_BYTES = 1 << 20
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key written twice in one mapping: YAML requires keys to be unique,
+    PyYAML keeps the last one silently, and a stale copy of a field further down would win unseen."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if not isinstance(key, typing.Hashable):
+            continue  # construct_mapping refuses it
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping", node.start_mark, f"found key {key!r} twice", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def _read_yaml(path: Path) -> Any:
+    """The file's YAML; ProfileError naming the file for anything that keeps it from being read."""
+    try:
+        # O_NONBLOCK: a FIFO is refused below rather than waited on in open().
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                raise ProfileError(f"{path}: cannot read profile: not a regular file")
+            raw = file.read(MAX_PROFILE_BYTES + 1)
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read profile: {exc}") from exc
+    if len(raw) > MAX_PROFILE_BYTES:
+        raise ProfileError(f"{path}: cannot read profile: larger than {MAX_PROFILE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{path}: cannot read profile: not UTF-8 text (byte {exc.start})") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: plain data only
+    except yaml.MarkedYAMLError as exc:
+        where = "" if exc.problem_mark is None else f"line {exc.problem_mark.line + 1}: "
+        raise ProfileError(f"{path}: cannot read profile: {where}{exc.problem}") from None
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{path}: cannot read profile: {exc}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ProfileError(f"{path}: cannot read profile: nested too deeply") from None
+    except ValueError as exc:  # an integer of more than 4,300 digits (Python's int/str conversion limit)
+        raise ProfileError(f"{path}: cannot read profile: {exc}") from None
 
 
 def _yaml_key(f: dataclasses.Field) -> str:

@@ -124,6 +124,25 @@ def test_generate_refuses_what_prometheus_would(tree: Path, changes: dict, probl
     assert not (tree / artifacts.RULES_PATH).exists()
 
 
+@pytest.mark.parametrize(
+    "rewrite, problem",
+    [
+        # Issue 27, item 8: the first two crashed generation with a traceback; the third was last-wins.
+        (lambda _: "model_name: café\n".encode("latin-1"), "not UTF-8 text (byte 15)"),
+        (lambda _: b"model_name: " + b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+        (lambda original: original + b"\nthreshold: 0.5\n", "found key 'threshold' twice"),
+    ],
+    ids=["latin-1", "5000-deep", "duplicate-key"],
+)
+def test_an_unreadable_profile_fails_generation_naming_the_file(tree: Path, rewrite, problem: str) -> None:
+    path = tree / "alerts" / "profiles" / "reference.yaml"
+    path.write_bytes(rewrite(path.read_bytes()))
+    result = layerwatch("--root", tree)
+    assert result.returncode == 2, result.stdout
+    assert f"layerwatch generate: {path}: cannot read profile: " in result.stderr and problem in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_generate_never_imports_torch() -> None:
     code = (
         "import sys; from layerwatch_cli.main import main; rc = main(['generate', '--check']); "
