@@ -27,6 +27,14 @@ class TraceError(ValueError):
     """A trace line is not valid; the message names the file and line."""
 
 
+# The longest line read: 4 MiB holds 200,000 layers of the widest numbers the writer formats
+# ("1.2345678e-05, " and "0, "), far beyond any model, while what one line costs to parse stays
+# bounded (~16 bytes of Python objects per byte of JSON: a 160 MB line took 2.5 GB).
+MAX_LINE_BYTES = 4 << 20
+# read_trace_batches stacks at most this many entropies per batch (4 MiB of float32).
+MAX_BATCH_VALUES = 1 << 20
+
+
 @dataclass(frozen=True, eq=False)
 class TraceRecord:
     line_number: int
@@ -44,6 +52,7 @@ class TraceBatch:
     entropies: np.ndarray  # float32 [rows, layers]
     skipped: np.ndarray  # bool [rows, layers]
     threshold: float | None = None
+    first_line: int = 0  # the line number of its first record
 
 
 DROP_REASONS = ("max_bytes", "write_error")
@@ -161,7 +170,10 @@ def read_trace(
     before it still count; without, it raises like any bad line.
     """
     with open(path, "rb") as file:
-        for line_number, raw in enumerate(file, start=1):
+        # readline with a limit: a line is never held whole before its length is checked.
+        for line_number, raw in enumerate(iter(lambda: file.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise TraceError(f"{path}:{line_number}: longer than {MAX_LINE_BYTES} bytes (MAX_LINE_BYTES)")
             if not raw.strip():
                 continue
             try:
@@ -177,9 +189,11 @@ def read_trace(
 def read_trace_batches(
     path: str | os.PathLike[str], max_rows: int = 4096, on_torn_line: Callable[[TraceError], None] | None = None
 ) -> Iterator[TraceBatch]:
-    """Like read_trace, stacked into per-model arrays so statistics run vectorised."""
+    """Like read_trace, stacked into per-model arrays so statistics run vectorised: at most `max_rows`
+    rows and MAX_BATCH_VALUES entropies per batch."""
     model = ""  # set from the first record, before any batch is yielded
     threshold: float | None = None
+    first_line = 0
     scores: list[np.ndarray] = []
     skipped: list[np.ndarray] = []
     for record in read_trace(path, on_torn_line):
@@ -188,14 +202,17 @@ def read_trace_batches(
             or threshold != record.threshold
             or (scores and len(scores[0]) != len(record.scores))
         )
-        if scores and (key_changed or len(scores) == max_rows):
-            yield TraceBatch(model, np.stack(scores), np.stack(skipped), threshold)
+        full = len(scores) == max_rows or (len(scores) + 1) * len(record.scores) > MAX_BATCH_VALUES
+        if scores and (key_changed or full):
+            yield TraceBatch(model, np.stack(scores), np.stack(skipped), threshold, first_line)
             scores, skipped = [], []
+        if not scores:
+            first_line = record.line_number
         model, threshold = record.model_name, record.threshold
         scores.append(record.scores)
         skipped.append(record.skipped)
     if scores:
-        yield TraceBatch(model, np.stack(scores), np.stack(skipped), threshold)
+        yield TraceBatch(model, np.stack(scores), np.stack(skipped), threshold, first_line)
 
 
 def _parse_line(path: str | os.PathLike[str], line_number: int, raw: bytes) -> TraceRecord:
