@@ -64,6 +64,14 @@ def non_negative(text: str) -> float:
     return value
 
 
+def port(text: str) -> int:
+    """A TCP port, 0..65535 (0: any free one); bind() raised OverflowError beyond."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0..65535, got {text}")
+    return value
+
+
 def listen_address(text: str) -> tuple[str, int]:
     """HOST:PORT to bind; port 0 asks for any free port."""
     try:

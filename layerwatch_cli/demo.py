@@ -19,13 +19,19 @@ from demo.loadgen import run_load
 from demo.stack import DemoStack
 from exporter.live_view import CLEAR_SCREEN, render_screen
 from layerwatch import ports
+from layerwatch_cli import argtypes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded demo model)")
-    parser.add_argument("--port", type=int, default=ports.SHIM_HTTP_PORT, help="shim HTTP port (default %(default)s)")
     parser.add_argument(
-        "--exporter-port", type=int, default=ports.EXPORTER_HTTP_PORT, help="exporter HTTP port (default %(default)s)"
+        "--port", type=argtypes.port, default=ports.SHIM_HTTP_PORT, help="shim HTTP port (default %(default)s)"
+    )
+    parser.add_argument(
+        "--exporter-port",
+        type=argtypes.port,
+        default=ports.EXPORTER_HTTP_PORT,
+        help="exporter HTTP port (default %(default)s)",
     )
     parser.add_argument("--prometheus-port", type=int, default=ports.PROMETHEUS_PORT, help="(default %(default)s)")
     parser.add_argument("--alertmanager-port", type=int, default=ports.ALERTMANAGER_PORT, help="(default %(default)s)")

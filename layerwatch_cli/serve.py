@@ -226,7 +226,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    server.add_argument("--port", type=int, default=SHIM_HTTP_PORT)
+    server.add_argument("--port", type=argtypes.port, default=SHIM_HTTP_PORT)
     server.add_argument(
         "--max-batch-size",
         type=int,

@@ -27,6 +27,7 @@ from inference_shim.service.mitigation import (
     ALERT_OUTCOMES,
     ALERTS_PER_LOCK_HOLD,
     MAX_ALERTS_PER_NOTIFICATION,
+    MAX_MITIGATION_MINUTES,
     MAX_TRACKED_ALERTS,
     MITIGATING_ALERTS,
     NO_MITIGATION,
@@ -296,8 +297,17 @@ def test_paging_callbacks_hear_each_paging_alert_fire_and_resolve_once():
 def test_settings_out_of_range_are_refused():
     with pytest.raises(ValueError, match="--mitigation-requests must be >= 1"):
         MitigationSettings(0, 60, False, 0.0)
-    with pytest.raises(ValueError, match="--mitigation-minutes must be a positive number"):
-        MitigationSettings(1, float("nan"), False, 0.0)
+    for minutes in (float("nan"), float("inf"), 5e9, MAX_MITIGATION_MINUTES + 1):
+        with pytest.raises(ValueError, match="--mitigation-minutes must be a positive number of at most 525600"):
+            MitigationSettings(1, minutes * 60, False, 0.0)
+
+
+def test_the_longest_mitigation_starts():
+    # Issue 27, item 10: 5e9 minutes were accepted, and the first mitigating alert raised
+    # OverflowError (a datetime past year 9999): no answer, no mitigation.
+    state, registry, _ = mitigations(minutes=MAX_MITIGATION_MINUTES)
+    assert apply(state, alert()) == ["started"]
+    assert value(registry, "layerwatch_mitigations_active") == 1
 
 
 # --- the receiver on a real socket -------------------------------------------------------------------
