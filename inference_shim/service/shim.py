@@ -173,7 +173,7 @@ def _mitigation_listener(settings: ServeSettings) -> MitigationListener | None:
     address = parse_address(settings.mitigation_address, listening=True)
     if settings.mitigation_token_file is None:
         raise ValueError("--mitigation-address needs --mitigation-token-file: the receiver never runs unauthenticated")
-    token = RotatingSecret(settings.mitigation_token_file, "mitigation token file")
+    token = RotatingSecret(settings.mitigation_token_file, "mitigation token file", header_value=True)
     return MitigationListener(reserve(address), token)
 
 

@@ -660,6 +660,11 @@ def test_a_rotated_token_file_is_read_again_and_a_broken_replacement_keeps_the_l
     with caplog.at_level(logging.ERROR, logger="layerwatch.secret_file"):
         assert post(url, notification(alert()), f"Bearer {rotated.decode()}").status_code == 200
     assert "group or others may access it" in caplog.text and "stays in use" in caplog.text
+    # Issue 27, item 11: a token of bytes no header carries was "in use", and every request got 401.
+    token_file(tmp_path / "new", content="é".encode() * 20).replace(path)
+    with caplog.at_level(logging.ERROR, logger="layerwatch.secret_file"):
+        assert post(url, notification(alert()), f"Bearer {rotated.decode()}").status_code == 200
+    assert "byte 0 (0xc3) is not printable ASCII" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -667,6 +672,8 @@ def test_a_rotated_token_file_is_read_again_and_a_broken_replacement_keeps_the_l
     [
         (0o644, TOKEN, "group or others may access it (mode 0644)"),
         (0o600, b"", "0 bytes, at least 32 needed"),
+        (0o600, TOKEN[:20] + b"\t" + TOKEN[20:], "byte 20 (0x09) is not printable ASCII"),
+        (0o600, "é".encode() * 20, "byte 0 (0xc3) is not printable ASCII"),
     ],
 )
 def test_an_unusable_token_file_stops_the_shim_before_the_model_loads(tmp_path, mode, content, problem):
