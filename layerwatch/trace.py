@@ -11,8 +11,11 @@ ignored. `layerwatch serve --trace-file` writes it, `layerwatch replay` reads it
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,6 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from layerwatch.wire import check_gate_arrays
+
+log = logging.getLogger(__name__)
 
 
 class TraceError(ValueError):
@@ -81,8 +86,7 @@ class TraceWriter:
         self.written = 0
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self._lock = threading.Lock()
-        # Unbuffered: a failed write leaves nothing behind in a buffer for close() to retry.
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        self._fd: int | None = _open_for_appending(self.path)
         self._size = os.fstat(self._fd).st_size
         self._stopped: str | None = None  # the drop reason once writing stopped
 
@@ -135,6 +139,42 @@ class TraceWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _open_for_appending(path: Path) -> int:
+    """An unbuffered descriptor appending to `path`, a file created owner-only (0600: a trace holds the
+    token-level routing of user traffic). ValueError for anything but a regular file or a character
+    device (/dev/null, /dev/full): a FIFO blocked `serve`'s start in open() for ever, holding its port,
+    and a block device is a disk. An existing file keeps its mode; one that group or others may read
+    is logged at WARNING.
+
+    Unbuffered, so that a failed write leaves nothing behind in a buffer for close() to retry.
+    """
+    # O_NONBLOCK: a FIFO opens at once (or fails, ENXIO, without a reader), to be refused by fstat
+    # rather than waited on; the check is on what was opened, so a file swapped in between cannot slip by.
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise ValueError(f"trace file {path}: not a regular file (a FIFO or socket nothing reads)") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
+            raise ValueError(f"trace file {path}: not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    if stat.S_ISREG(mode) and mode & 0o044:
+        log.warning(
+            "trace file %s: group or others may read it (mode %04o), and it holds the token-level routing of "
+            "user traffic: chmod 600 %s",
+            path,
+            stat.S_IMODE(mode),
+            path,
+        )
+    return fd
 
 
 def _append_whole(fd: int, data: bytes) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -163,3 +164,15 @@ def test_the_prompt_size_bound_is_the_token_limit_times_the_longest_token():
         resolve_limits(ServeSettings(model_dir=Path("unused"), max_prompt_tokens=100), 256, 14).max_prompt_chars == 1400
     )
     assert resolve_limits(ServeSettings(model_dir=Path("unused")), 256, None).max_prompt_chars is None
+
+
+def test_a_fifo_as_trace_file_stops_the_start_at_once(tiny_checkpoint, tmp_path):
+    # Issue 27, item 12: serve waited in open() for a reader for ever, holding its port.
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    argv = ["serve", "--model", str(tiny_checkpoint.path), "--exporter-address", "", "--port", "0"]
+    result = subprocess.run(
+        [*LAYERWATCH_COMMAND, *argv, "--trace-file", str(fifo)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"cannot start: trace file {fifo}: not a regular file" in result.stderr
