@@ -299,7 +299,9 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(f"{path}: file not found")
     try:
         value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:  # e.g. 100,000 "[": the parser recurses once per level
+        raise CheckpointError(f"{path}: not valid JSON (nested too deeply)") from None
+    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")

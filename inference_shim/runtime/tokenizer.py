@@ -350,7 +350,9 @@ def _has_byte_level_alphabet(vocab: Mapping[str, int]) -> bool:
 def _read_json_object(path: Path) -> dict:
     try:
         value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:  # e.g. 50,000 nested objects: the parser recurses once per level
+        raise TokenizerError(f"{path}: not valid JSON (nested too deeply)") from None
+    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits
         raise TokenizerError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(value, dict):
         raise TokenizerError(f"{path}: expected a JSON object, found {type(value).__name__}")
