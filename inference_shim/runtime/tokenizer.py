@@ -234,6 +234,8 @@ class Tokenizer:
                 self._compiled[name] = _compile_template(self.chat_templates[name])
             except TemplateSyntaxError as exc:
                 raise TokenizerError(f"chat template {name!r} is not valid Jinja (line {exc.lineno}: {exc})") from exc
+            except RecursionError:  # Jinja's parser recurses once per nested expression
+                raise TokenizerError(f"chat template {name!r} is nested too deeply for Jinja's parser") from None
         return self._compiled[name]
 
     @staticmethod
