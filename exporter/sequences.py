@@ -24,8 +24,8 @@ layerwatch_exporter_frames_rejected_total):
 - `sequence_jump`: a number more than MAX_SEQUENCE_GAP past its stream's last one. No shim loses
   that many frames between two that arrive; a forged number would otherwise count up to 2**64 lost
   frames at once, a counter no later loss could be seen on (float64 holds integers exactly only up
-  to 2**53). The stream goes on from the jumped-to number, so a shim that did lose that many is
-  followed again from its next frame.
+  to 2**53). The jump starts a stream of its own, so a shim that did lose that many is followed
+  again from its next frame, and the stream it jumped from keeps its number.
 - `replayed`, only when frames are authenticated (the exporter has the frame key): then a shim id
   is one sequence space, as an IPsec security association is, and the tracker keeps one stream per
   id with RFC 4303's anti-replay window (§3.4.3): a number above the last is new; one of the last
@@ -133,16 +133,22 @@ class SequenceTracker:
             if stream.last < sequence and (best is None or stream.last >= best.last):
                 best = stream
         if best is None:
-            shim.current = _Stream(sequence)
-            shim.streams = [*shim.streams, shim.current][-MAX_STREAMS_PER_SHIM:]
+            self._new_stream(shim, sequence)
             return _NEW
         return self._continue(shim, best, sequence)
 
-    @staticmethod
-    def _continue(shim: _ShimStreams, stream: _Stream, sequence: int) -> SequenceVerdict:
+    def _continue(self, shim: _ShimStreams, stream: _Stream, sequence: int) -> SequenceVerdict:
+        if sequence - stream.last - 1 > MAX_SEQUENCE_GAP:
+            # A stream of its own, as a restart's: the stream jumped from keeps its number, so a forged
+            # jump under a real shim id does not carry the real numbering off.
+            self._new_stream(shim, sequence)
+            return SequenceVerdict(0, False, SEQUENCE_JUMP)
         interleaved = stream is not shim.current
         shim.current = stream
-        if sequence - stream.last - 1 > MAX_SEQUENCE_GAP:
-            stream.last, stream.missing = sequence, 0  # followed from here; nothing counted as lost
-            return SequenceVerdict(0, False, SEQUENCE_JUMP)
         return SequenceVerdict(stream.advance(sequence), interleaved)
+
+    def _new_stream(self, shim: _ShimStreams, sequence: int) -> None:
+        shim.current = _Stream(sequence)
+        # Authenticated: one sequence space per shim id, which the new stream replaces.
+        kept = [] if self.authenticated else shim.streams
+        shim.streams = [*kept, shim.current][-MAX_STREAMS_PER_SHIM:]

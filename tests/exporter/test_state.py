@@ -130,7 +130,7 @@ def test_one_gap_counts_at_most_max_sequence_gap_lost_frames_and_a_longer_jump_i
     tracker.observe("a", 0)
     assert tracker.observe("a", MAX_SEQUENCE_GAP + 1) == (MAX_SEQUENCE_GAP, False, None)  # the longest gap
     assert tracker.observe("a", 2 * MAX_SEQUENCE_GAP + 3) == (0, False, "sequence_jump")  # one more: refused
-    assert tracker.observe("a", 2 * MAX_SEQUENCE_GAP + 5) == (1, False, None)  # followed on from the jump
+    assert tracker.observe("a", 2 * MAX_SEQUENCE_GAP + 5) == (1, False, None)  # its next frames continue the jump
     tracker.observe("b", 0)
     assert tracker.observe("b", 2**64 - 1) == (0, False, "sequence_jump")  # no shift of 2**64 bits either
 
@@ -144,6 +144,15 @@ def test_two_forged_datagrams_cannot_inflate_the_loss_and_a_real_loss_stays_visi
     demo = by_model(state)["demo"]
     assert (demo.frames_received, demo.frames_lost) == (13, 1)
     assert state.frames_rejected["sequence_jump"] == 1
+
+
+def test_a_forged_jump_under_a_real_shim_id_does_not_carry_its_numbering_off() -> None:
+    # Found in the self-review: the jump moved the real stream to 2**64 - 1, a forged 0 then started a
+    # stream the real shim's next frame continued, counting its whole numbering (99 frames) as lost.
+    state = make_state()
+    forged = [("real", 2**64 - 1), ("real", 0)]
+    ingest_sequences(state, [("real", n) for n in range(100)] + forged + [("real", 100), ("real", 102)])
+    assert by_model(state)["demo"].frames_lost == 1  # 101, really lost
 
 
 def test_with_a_frame_key_replayed_frames_are_rejected_and_late_ones_accepted_once() -> None:
