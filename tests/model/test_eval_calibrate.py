@@ -355,3 +355,20 @@ def test_calibrate_refuses_numbers_that_would_write_a_useless_profile(tmp_path, 
     assert main([*argv, *flags]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        # Found in the self-review of issue 27: the first three were tracebacks (ValueError,
+        # ZeroDivisionError, "range() arg 3 must not be zero"), the last evaluated and exited 0.
+        (["--threshold", "nan"], "argument --threshold: must be in [0, 1], got nan"),
+        (["--max-tokens", "0"], "argument --max-tokens: must be positive, got 0"),
+        (["--batch-size", "0"], "argument --batch-size: must be positive, got 0"),
+        (["--prefill", "-1"], "argument --prefill: must be positive, got -1"),
+    ],
+)
+def test_eval_refuses_numbers_it_cannot_use(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit:
+        main(["eval", "--data", str(tmp_path / "x"), *flags])
+    assert exit.value.code == 2 and message in capsys.readouterr().err
