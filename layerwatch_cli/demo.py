@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="share of greedy requests the shim re-checks at full depth (default %(default)s)",
     )
     parser.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0 = until Ctrl-C)")
-    parser.add_argument("--interval", type=float, default=2.0, help="seconds between screen refreshes")
+    parser.add_argument("--interval", type=argtypes.interval, default=2.0, help="seconds between screen refreshes")
     parser.add_argument("--workdir", default=None, help="where configs and logs go (default: a temporary folder)")
 
 

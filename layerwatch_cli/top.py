@@ -13,13 +13,16 @@ import urllib.error
 
 from exporter.live_view import CLEAR_SCREEN, render_screen
 from layerwatch.ports import EXPORTER_HTTP_PORT, LOOPBACK
+from layerwatch_cli import argtypes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url", default=f"http://{LOOPBACK}:{EXPORTER_HTTP_PORT}", help="the exporter (default %(default)s)"
     )
-    parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default %(default)s)")
+    parser.add_argument(
+        "--interval", type=argtypes.interval, default=2.0, help="seconds between refreshes (default %(default)s)"
+    )
     parser.add_argument("--once", action="store_true", help="print one view without terminal control codes and exit")
 
 
