@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import stat
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ from alerts.specs import PER_MODEL_ALERTS
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, REQUEST_FRACTION_BUCKETS
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS
 from layerwatch.statistics import MAX_WINDOW_OBSERVATIONS
+from layerwatch.wire import MAX_NAME_BYTES
 
 Seconds = NewType("Seconds", float)  # written as a Prometheus duration in YAML
 
@@ -34,8 +37,10 @@ PROFILES_DIR = Path(__file__).resolve().parent / "profiles"  # the committed per
 
 # Fields whose values are fractions of something and must lie in [0, 1].
 _FRACTION = {"fraction": True}
-# model_name ends up inside PromQL selectors and label values: keep it to safe characters.
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+# model_name ends up inside PromQL selectors and label values: keep it to safe characters, and to
+# what a gate frame can carry (MAX_NAME_BYTES), or no series would ever match it. (fullmatch, not
+# match: `$` also matches before a trailing newline, and "demo\n" would pass.)
+_MODEL_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.:-]{{0,{MAX_NAME_BYTES - 1}}}")
 # Defaults of optional fields that `layerwatch calibrate` also starts from.
 DEFAULT_ZERO_RATIO_PAGE = 0.40  # the field's "a jump above 40 % means over-pruning"
 DEFAULT_SKIP_COLLAPSE_FRACTION = 0.5  # collapsed: skipping below half of its healthy ratio
@@ -155,10 +160,7 @@ class Profile:
 
 def load_profile(path: str | Path) -> Profile:
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ProfileError(f"{path}: cannot read profile: {exc}") from exc
+    data = _read_yaml(path)
     profile = _build(Profile, data, f"{path}")
     _check(profile, f"{path}")
     return profile
@@ -188,6 +190,60 @@ def dump_profile(profile: Profile, path: str | Path) -> None:
 
 
 # --- YAML -> dataclass --------------------------------------------------------------------------
+
+# A profile is a page of YAML: anything larger is not one (and is not read into memory).
+MAX_PROFILE_BYTES = 1 << 20
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key written twice in one mapping: YAML requires keys to be unique,
+    PyYAML keeps the last one silently, and a stale copy of a field further down would win unseen."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if not isinstance(key, typing.Hashable):
+            continue  # construct_mapping refuses it
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping", node.start_mark, f"found key {key!r} twice", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def _read_yaml(path: Path) -> Any:
+    """The file's YAML; ProfileError naming the file for anything that keeps it from being read."""
+    try:
+        # O_NONBLOCK: a FIFO is refused below rather than waited on in open().
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                raise ProfileError(f"{path}: cannot read profile: not a regular file")
+            raw = file.read(MAX_PROFILE_BYTES + 1)
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read profile: {exc}") from exc
+    if len(raw) > MAX_PROFILE_BYTES:
+        raise ProfileError(f"{path}: cannot read profile: larger than {MAX_PROFILE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{path}: cannot read profile: not UTF-8 text (byte {exc.start})") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: plain data only
+    except yaml.MarkedYAMLError as exc:
+        where = "" if exc.problem_mark is None else f"line {exc.problem_mark.line + 1}: "
+        raise ProfileError(f"{path}: cannot read profile: {where}{exc.problem}") from None
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{path}: cannot read profile: {exc}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ProfileError(f"{path}: cannot read profile: nested too deeply") from None
+    except ValueError as exc:  # an integer of more than 4,300 digits (Python's int/str conversion limit)
+        raise ProfileError(f"{path}: cannot read profile: {exc}") from None
 
 
 def _yaml_key(f: dataclasses.Field) -> str:
@@ -264,7 +320,7 @@ def _check(p: Profile, where: str) -> None:
     def fail(key: str, problem: str) -> typing.NoReturn:
         raise ProfileError(f"{where}: {key}: {problem}")
 
-    if not _MODEL_NAME.match(p.model_name):
+    if not _MODEL_NAME.fullmatch(p.model_name):
         fail("model_name", f"{p.model_name!r} must match {_MODEL_NAME.pattern}")
     for name in ("entropy_mean", "entropy_std", "zero_ratio"):
         band = getattr(p, name)
@@ -272,8 +328,12 @@ def _check(p: Profile, where: str) -> None:
             fail(name, f"low {band.low} is above high {band.high}")
     if p.patience < 1:
         fail("patience", f"{p.patience} must be at least 1")
-    if p.bimodality.min_observations < 1:
-        fail("bimodality.min_observations", f"{p.bimodality.min_observations} must be at least 1")
+    if not 1 <= p.bimodality.min_observations <= MAX_WINDOW_OBSERVATIONS:  # (and a number PromQL can read)
+        fail(
+            "bimodality.min_observations",
+            f"{p.bimodality.min_observations} must be at least 1 and at most {MAX_WINDOW_OBSERVATIONS} "
+            f"(what a window can hold)",
+        )
     if p.zero_ratio_page < p.zero_ratio.high:
         fail("zero_ratio_page", f"{p.zero_ratio_page} is below the healthy band's high end {p.zero_ratio.high}")
     if p.runaway_skip_ratio <= p.skip_ratio_normal:

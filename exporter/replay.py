@@ -24,11 +24,25 @@ def replay_trace(
     path: str | os.PathLike[str], config: ExporterConfig, on_torn_line: Callable[[TraceError], None] | None = None
 ) -> list[dict[str, object]]:
     """One report per model, in order of first appearance; raises TraceError for a bad line (a torn
-    last line goes to `on_torn_line` when given, see read_trace)."""
+    last line goes to `on_torn_line` when given, see read_trace), and, as the exporter refuses such
+    frames, for the first line of a model beyond `config.max_models` or of more layers than
+    `config.max_layers`: what is kept per model and per layer stays in memory to the end (a trace
+    of 200,000 made-up model names took 3.2 GB)."""
     models: dict[str, ModelStatistics] = {}
     histograms: dict[str, np.ndarray] = {}
     for batch in read_trace_batches(path, on_torn_line=on_torn_line):
+        layers = batch.entropies.shape[1]
+        if layers > config.max_layers:
+            raise TraceError(
+                f"{path}:{batch.first_line}: {layers} layers, more than the {config.max_layers} replay takes "
+                f"(--max-layers)"
+            )
         if batch.model_name not in models:
+            if len(models) == config.max_models:
+                raise TraceError(
+                    f"{path}:{batch.first_line}: model {batch.model_name!r} is one more than the "
+                    f"{config.max_models} models replay keeps (--max-models)"
+                )
             models[batch.model_name] = ModelStatistics(config)
             histograms[batch.model_name] = np.zeros(BINS, dtype=np.int64)
         threshold = config.default_threshold if batch.threshold is None else batch.threshold

@@ -3,11 +3,12 @@
 The UDP receiver thread calls `ingest_datagram`; scrapes read through `snapshot`, `bimodality` and
 `routing`. What a forged frame can cost is bounded: a model's layer count is fixed by its first
 accepted frame, frames wider than `max_layers` are refused, at most `max_models` models are kept and
-a model that sends nothing for `model_idle_seconds` is forgotten (its slot and series freed); with a
-frame key, untagged and mistagged frames are refused before decoding. Each refusal is counted by
-reason. One lock guards the counters; the bimodality check runs outside it, at scrape time, cached
-(see `bimodality`), so frames keep flowing while a scrape computes the dip test. The routing
-statistics are cached the same way.
+a model that sends nothing for `model_idle_seconds` is forgotten (its slot and series freed); one
+pair of frames counts at most MAX_SEQUENCE_GAP lost frames (a longer jump is refused); with a frame
+key, untagged and mistagged frames are refused before decoding, and replayed ones by the sequence
+numbers (exporter/sequences.py). Each refusal is counted by reason. One lock guards the counters;
+the bimodality check runs outside it, at scrape time, cached (see `bimodality`), so frames keep
+flowing while a scrape computes the dip test. The routing statistics are cached the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from exporter.routing_window import RoutingWindow
+from exporter.sequences import REJECT_REASONS as SEQUENCE_REJECT_REASONS
 from exporter.sequences import SequenceTracker
 from exporter.window import SlidingWindow
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS, DEFAULT_THRESHOLD, Routing, check_routing
@@ -39,7 +41,14 @@ from layerwatch.wire import GateFrame, MalformedFrame, UnauthenticatedFrame, dec
 log = logging.getLogger(__name__)
 
 # Why a well-formed frame was dropped (layerwatch_exporter_frames_rejected_total{reason}).
-REJECT_REASONS = ("too_many_models", "too_many_layers", "layer_count_changed", "missing_tag", "bad_tag")
+REJECT_REASONS = (
+    "too_many_models",
+    "too_many_layers",
+    "layer_count_changed",
+    "missing_tag",
+    "bad_tag",
+    *SEQUENCE_REJECT_REASONS,
+)
 
 
 @dataclass(frozen=True)
@@ -146,7 +155,8 @@ class ExporterState:
         self._clock = clock
         self._lock = threading.Lock()
         self._models: dict[str, ModelStatistics] = {}
-        self._sequences = SequenceTracker()
+        # With the frame key every frame reaching the tracker is authenticated: replays are told apart.
+        self._sequences = SequenceTracker(authenticated=config.frame_key is not None)
         self.frames_malformed = 0
         self.frames_rejected = dict.fromkeys(REJECT_REASONS, 0)
         # One bimodality computation at a time: concurrent scrapes wait for it and reuse the result.
@@ -177,8 +187,10 @@ class ExporterState:
             # A refused frame did arrive: it moves its shim's sequence on, so it is not counted as lost
             # (a gap it reveals is not charged: its statistics are not counted either).
             verdict = self._sequences.observe(frame.shim_id, frame.sequence)
-            refusal = self._admit(frame.model_name, layers, now)
+            refusal = verdict.rejected or self._admit(frame.model_name, layers, now)
             if refusal is not None:
+                if verdict.rejected is not None:
+                    log.debug("dropped frame %d of shim %r: %s", frame.sequence, frame.shim_id, refusal)
                 self.frames_rejected[refusal] += 1
                 return
             model = self._models[frame.model_name]

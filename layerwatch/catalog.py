@@ -658,7 +658,9 @@ METRICS: tuple[MetricSpec, ...] = (
         ("reason",),
         "Well-formed frames dropped, by reason: too_many_models (beyond --max-models), too_many_layers "
         "(beyond --max-layers), layer_count_changed (not the layer count of the model's first frame), "
-        "missing_tag / bad_tag (not authenticated under --frame-key-file).",
+        "missing_tag / bad_tag (not authenticated under --frame-key-file), replayed (with --frame-key-file: "
+        "a sequence number its shim id already sent), sequence_jump (over 2^20 numbers past its shim's "
+        "previous frame: never counted as lost).",
         EXPORTER,
     ),
     _m(

@@ -18,12 +18,14 @@ class SecretFileError(ValueError):
     """The secret file cannot be used; the message names the file and the problem."""
 
 
-def read_secret_file(path: str | os.PathLike[str], what: str) -> bytes:
+def read_secret_file(path: str | os.PathLike[str], what: str, *, header_value: bool = False) -> bytes:
     """The file's bytes without surrounding whitespace. Raises SecretFileError, naming `what`
     ("frame key file") and the path.
 
     The file must be a regular file that only its owner can access and hold at least
-    MIN_SECRET_BYTES.
+    MIN_SECRET_BYTES. A `header_value` (a bearer token) must also be printable ASCII, what an HTTP
+    header carries as it is: a token of other bytes was accepted and could never match, so every
+    request got 401.
     """
     try:
         # O_NONBLOCK: a FIFO (or a device) opens at once, so the check below refuses it instead of
@@ -48,6 +50,13 @@ def read_secret_file(path: str | os.PathLike[str], what: str) -> bytes:
             f"{what} {path}: {len(content)} bytes, at least {MIN_SECRET_BYTES} needed "
             f"(e.g. openssl rand -hex 32 > {path})"
         )
+    if header_value:
+        for offset, byte in enumerate(content):
+            if not 0x20 <= byte <= 0x7E:
+                raise SecretFileError(
+                    f"{what} {path}: byte {offset} (0x{byte:02x}) is not printable ASCII, which an HTTP header "
+                    f"cannot carry as it is (e.g. openssl rand -hex 32 > {path})"
+                )
     return content
 
 
@@ -57,12 +66,13 @@ class RotatingSecret:
     SecretFileError; a later replacement that breaks the rules is logged and the last good secret
     stays in use."""
 
-    def __init__(self, path: str | os.PathLike[str], what: str) -> None:
+    def __init__(self, path: str | os.PathLike[str], what: str, *, header_value: bool = False) -> None:
         self._path = path
         self._what = what
+        self._header_value = header_value
         self._lock = threading.Lock()
         self._stamp = self._stat()
-        self._value = read_secret_file(path, what)
+        self._value = read_secret_file(path, what, header_value=header_value)
 
     def current(self) -> bytes:
         with self._lock:
@@ -70,7 +80,7 @@ class RotatingSecret:
             if stamp != self._stamp:
                 self._stamp = stamp
                 try:
-                    self._value = read_secret_file(self._path, self._what)
+                    self._value = read_secret_file(self._path, self._what, header_value=self._header_value)
                     log.warning("%s %s changed: its new secret is in use", self._what, self._path)
                 except SecretFileError as exc:
                     log.error("%s; the secret read before stays in use", exc)

@@ -11,8 +11,11 @@ ignored. `layerwatch serve --trace-file` writes it, `layerwatch replay` reads it
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,9 +25,19 @@ import numpy as np
 
 from layerwatch.wire import check_gate_arrays
 
+log = logging.getLogger(__name__)
+
 
 class TraceError(ValueError):
     """A trace line is not valid; the message names the file and line."""
+
+
+# The longest line read: 4 MiB holds 200,000 layers of the widest numbers the writer formats
+# ("1.2345678e-05, " and "0, "), far beyond any model, while what one line costs to parse stays
+# bounded (~16 bytes of Python objects per byte of JSON: a 160 MB line took 2.5 GB).
+MAX_LINE_BYTES = 4 << 20
+# read_trace_batches stacks at most this many entropies per batch (4 MiB of float32).
+MAX_BATCH_VALUES = 1 << 20
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,6 +57,7 @@ class TraceBatch:
     entropies: np.ndarray  # float32 [rows, layers]
     skipped: np.ndarray  # bool [rows, layers]
     threshold: float | None = None
+    first_line: int = 0  # the line number of its first record
 
 
 DROP_REASONS = ("max_bytes", "write_error")
@@ -72,8 +86,7 @@ class TraceWriter:
         self.written = 0
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self._lock = threading.Lock()
-        # Unbuffered: a failed write leaves nothing behind in a buffer for close() to retry.
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        self._fd: int | None = _open_for_appending(self.path)
         self._size = os.fstat(self._fd).st_size
         self._stopped: str | None = None  # the drop reason once writing stopped
 
@@ -128,6 +141,42 @@ class TraceWriter:
         self.close()
 
 
+def _open_for_appending(path: Path) -> int:
+    """An unbuffered descriptor appending to `path`, a file created owner-only (0600: a trace holds the
+    token-level routing of user traffic). ValueError for anything but a regular file or a character
+    device (/dev/null, /dev/full): a FIFO blocked `serve`'s start in open() for ever, holding its port,
+    and a block device is a disk. An existing file keeps its mode; one that group or others may read
+    is logged at WARNING.
+
+    Unbuffered, so that a failed write leaves nothing behind in a buffer for close() to retry.
+    """
+    # O_NONBLOCK: a FIFO opens at once (or fails, ENXIO, without a reader), to be refused by fstat
+    # rather than waited on; the check is on what was opened, so a file swapped in between cannot slip by.
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise ValueError(f"trace file {path}: not a regular file (a FIFO or socket nothing reads)") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
+            raise ValueError(f"trace file {path}: not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    if stat.S_ISREG(mode) and mode & 0o044:
+        log.warning(
+            "trace file %s: group or others may read it (mode %04o), and it holds the token-level routing of "
+            "user traffic: chmod 600 %s",
+            path,
+            stat.S_IMODE(mode),
+            path,
+        )
+    return fd
+
+
 def _append_whole(fd: int, data: bytes) -> None:
     """All of `data` at the end of the file or, when a write fails, nothing: a write cut short (a
     file-size limit, a full disk) is truncated back off, so the file still ends with a whole line."""
@@ -161,7 +210,10 @@ def read_trace(
     before it still count; without, it raises like any bad line.
     """
     with open(path, "rb") as file:
-        for line_number, raw in enumerate(file, start=1):
+        # readline with a limit: a line is never held whole before its length is checked.
+        for line_number, raw in enumerate(iter(lambda: file.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise TraceError(f"{path}:{line_number}: longer than {MAX_LINE_BYTES} bytes (MAX_LINE_BYTES)")
             if not raw.strip():
                 continue
             try:
@@ -177,9 +229,11 @@ def read_trace(
 def read_trace_batches(
     path: str | os.PathLike[str], max_rows: int = 4096, on_torn_line: Callable[[TraceError], None] | None = None
 ) -> Iterator[TraceBatch]:
-    """Like read_trace, stacked into per-model arrays so statistics run vectorised."""
+    """Like read_trace, stacked into per-model arrays so statistics run vectorised: at most `max_rows`
+    rows and MAX_BATCH_VALUES entropies per batch."""
     model = ""  # set from the first record, before any batch is yielded
     threshold: float | None = None
+    first_line = 0
     scores: list[np.ndarray] = []
     skipped: list[np.ndarray] = []
     for record in read_trace(path, on_torn_line):
@@ -188,14 +242,17 @@ def read_trace_batches(
             or threshold != record.threshold
             or (scores and len(scores[0]) != len(record.scores))
         )
-        if scores and (key_changed or len(scores) == max_rows):
-            yield TraceBatch(model, np.stack(scores), np.stack(skipped), threshold)
+        full = len(scores) == max_rows or (len(scores) + 1) * len(record.scores) > MAX_BATCH_VALUES
+        if scores and (key_changed or full):
+            yield TraceBatch(model, np.stack(scores), np.stack(skipped), threshold, first_line)
             scores, skipped = [], []
+        if not scores:
+            first_line = record.line_number
         model, threshold = record.model_name, record.threshold
         scores.append(record.scores)
         skipped.append(record.skipped)
     if scores:
-        yield TraceBatch(model, np.stack(scores), np.stack(skipped), threshold)
+        yield TraceBatch(model, np.stack(scores), np.stack(skipped), threshold, first_line)
 
 
 def _parse_line(path: str | os.PathLike[str], line_number: int, raw: bytes) -> TraceRecord:

@@ -44,23 +44,45 @@ def layer_numbers(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
 
 
-def positive(kind: Callable[[str], int] | Callable[[str], float]) -> Callable[[str], float]:
-    """A number of `kind` (int or float) above zero."""
+def positive(
+    kind: Callable[[str], int] | Callable[[str], float], at_most: float | None = None
+) -> Callable[[str], float]:
+    """A number of `kind` (int or float) above zero, and at most `at_most` if given."""
 
     def parse(text: str) -> float:
         value = kind(text)
         if not value > 0:  # written so that NaN fails too
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if at_most is not None and not value <= at_most:
+            raise argparse.ArgumentTypeError(f"must be at most {at_most:g}, got {text}")
         return value
 
     parse.__name__ = getattr(kind, "__name__", "number")  # argparse names the type in its error messages
     return parse
 
 
+# A screen refresh interval: time.sleep raises OverflowError beyond ~292 years (1e300 was a
+# traceback); a day is more than any refresh needs.
+MAX_INTERVAL_SECONDS = 86_400.0
+
+
+def interval(text: str) -> float:
+    """Seconds between refreshes: positive, at most MAX_INTERVAL_SECONDS."""
+    return positive(float, at_most=MAX_INTERVAL_SECONDS)(text)
+
+
 def non_negative(text: str) -> float:
     value = float(text)
     if not value >= 0:  # written so that NaN fails too
         raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port, 0..65535 (0: any free one); bind() raised OverflowError beyond."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0..65535, got {text}")
     return value
 
 

@@ -73,6 +73,25 @@ def run(args: argparse.Namespace) -> int:
     from inference_shim.offline.calibration import CalibrationSettings, calibrate
     from inference_shim.offline.corpus import read_documents
 
+    try:  # before the model loads: a bad number fails at once
+        settings = CalibrationSettings(
+            model_name=args.model_name,
+            threshold=args.threshold,
+            prompts=args.prompts,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            chunk_tokens=args.chunk_tokens,
+            margin=args.margin,
+            min_observations=args.min_observations,
+            kv_policy=args.kv_policy,
+            batch_size=args.batch_size,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
     def prepare():
         return load_from_arguments(args), read_documents(args.data)
 
@@ -80,20 +99,6 @@ def run(args: argparse.Namespace) -> int:
     if prepared is None:
         return 2
     gated, documents = prepared
-    settings = CalibrationSettings(
-        model_name=args.model_name,
-        threshold=args.threshold,
-        prompts=args.prompts,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        chunk_tokens=args.chunk_tokens,
-        margin=args.margin,
-        min_observations=args.min_observations,
-        kv_policy=args.kv_policy,
-        batch_size=args.batch_size,
-    )
     try:
         result = calibrate(gated, documents, settings, data_name=args.data.name)
         dump_profile(result.profile, args.out)

@@ -27,15 +27,21 @@ from demo.receiver import WebhookReceiver
 from demo.stack import TIMING, TIMING_NOTE, DemoStack, monitoring_installed
 from exporter.live_view import CLEAR_SCREEN, render_screen
 from layerwatch import ports
+from layerwatch_cli import argtypes
 
 INSTALL_HINT = "scripts/install-system-deps.sh --demo installs them (root or sudo)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded demo model)")
-    parser.add_argument("--port", type=int, default=ports.SHIM_HTTP_PORT, help="shim HTTP port (default %(default)s)")
     parser.add_argument(
-        "--exporter-port", type=int, default=ports.EXPORTER_HTTP_PORT, help="exporter HTTP port (default %(default)s)"
+        "--port", type=argtypes.port, default=ports.SHIM_HTTP_PORT, help="shim HTTP port (default %(default)s)"
+    )
+    parser.add_argument(
+        "--exporter-port",
+        type=argtypes.port,
+        default=ports.EXPORTER_HTTP_PORT,
+        help="exporter HTTP port (default %(default)s)",
     )
     parser.add_argument("--prometheus-port", type=int, default=ports.PROMETHEUS_PORT, help="(default %(default)s)")
     parser.add_argument("--alertmanager-port", type=int, default=ports.ALERTMANAGER_PORT, help="(default %(default)s)")
@@ -63,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default %(default)s, as in the end-to-end test: the shuffle drill's page needs the samples)",
     )
     parser.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0 = until Ctrl-C)")
-    parser.add_argument("--interval", type=float, default=2.0, help="seconds between screen refreshes")
+    parser.add_argument("--interval", type=argtypes.interval, default=2.0, help="seconds between screen refreshes")
     parser.add_argument(
         "--workdir",
         default=None,

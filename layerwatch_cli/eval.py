@@ -22,7 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--data", type=Path, required=True, help="held-out plain UTF-8 text")
     parser.add_argument(
-        "--threshold", type=float, default=None, help="tau (default: the threshold the gates were trained for)"
+        "--threshold",
+        type=argtypes.fraction,
+        default=None,
+        help="tau (default: the threshold the gates were trained for)",
     )
     parser.add_argument(
         "--sweep",
@@ -36,9 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="evaluate each threshold under every skip rule (streak, ewma), one row each",
     )
-    parser.add_argument("--max-tokens", type=int, default=4096, help="decoded (predicted) tokens to evaluate")
-    parser.add_argument("--window", type=int, default=128, help="tokens per held-out window")
-    parser.add_argument("--prefill", type=int, default=16, help="window tokens given as the full-depth prompt")
+    parser.add_argument(
+        "--max-tokens", type=argtypes.positive(int), default=4096, help="decoded (predicted) tokens to evaluate"
+    )
+    parser.add_argument("--window", type=argtypes.positive(int), default=128, help="tokens per held-out window")
+    parser.add_argument(
+        "--prefill", type=argtypes.positive(int), default=16, help="window tokens given as the full-depth prompt"
+    )
     parser.add_argument(
         "--repeats",
         type=argtypes.positive(int),

@@ -28,7 +28,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gates", type=Path, default=None, help=f"gate file (default: {GATES_FILE} in the model folder)"
     )
-    parser.add_argument("--patience", type=int, default=None, help="default: the gates' own")
+    parser.add_argument("--patience", type=argtypes.positive(int), default=None, help="default: the gates' own")
     parser.add_argument(
         "--skip-rule",
         choices=SKIP_RULES,
@@ -44,7 +44,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="the ewma rule's weight of the newest score, in (0, 1]; default: the gates' own",
     )
     parser.add_argument("--kv-policy", choices=KV_POLICIES, default=KV_POLICIES[0])
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences decoded together")
+    parser.add_argument("--batch-size", type=argtypes.positive(int), default=8, help="sequences decoded together")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 

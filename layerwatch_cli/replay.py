@@ -58,6 +58,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "count toward skipping in the routing statistics (default %(default)s)",
     )
     parser.add_argument(
+        "--max-models",
+        type=argtypes.positive(int),
+        default=defaults.max_models,
+        help="a trace naming more models is refused, naming the line (default %(default)s, as the exporter's)",
+    )
+    parser.add_argument(
+        "--max-layers",
+        type=argtypes.positive(int),
+        default=defaults.max_layers,
+        help="a trace line with more layers is refused, naming the line (default %(default)s, as the exporter's)",
+    )
+    parser.add_argument(
         "--min-routing-tokens",
         type=argtypes.positive(int),
         default=defaults.min_routing_tokens,
@@ -73,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
             min_window_observations=args.min_window_observations,
             default_threshold=args.threshold,
             min_routing_tokens=args.min_routing_tokens,
+            max_models=args.max_models,
+            max_layers=args.max_layers,
         )
     except ValueError as exc:
         print(f"layerwatch replay: {exc}", file=sys.stderr)

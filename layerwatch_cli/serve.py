@@ -226,7 +226,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    server.add_argument("--port", type=int, default=SHIM_HTTP_PORT)
+    server.add_argument("--port", type=argtypes.port, default=SHIM_HTTP_PORT)
     server.add_argument(
         "--max-batch-size",
         type=int,
@@ -391,8 +391,9 @@ def profile_runaway_fraction(settings: ServeSettings, profiles_dir: Path | None 
     for path in sorted((profiles_dir or PROFILES_DIR).glob("*.yaml")):
         try:
             profile = load_profile(path)
-        except ProfileError:
-            continue  # `layerwatch generate --check` reports a broken profile; serving goes on
+        except ProfileError as exc:  # (every way a file can be unreadable: load_profile says which)
+            logging.getLogger("layerwatch.serve").warning("ignoring a broken profile: %s", exc)
+            continue  # `layerwatch generate --check` reports it too; serving goes on
         if profile.model_name == model_name:
             return profile.request_tail.runaway_skip_fraction, str(path)
     return None

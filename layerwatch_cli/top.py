@@ -43,7 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profiles", default=str(PROFILES_DIR), metavar="DIR", help="the models' profiles, for the limits"
     )
-    parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default %(default)s)")
+    parser.add_argument(
+        "--interval", type=argtypes.interval, default=2.0, help="seconds between refreshes (default %(default)s)"
+    )
     parser.add_argument("--once", action="store_true", help="print one view without terminal control codes and exit")
 
 

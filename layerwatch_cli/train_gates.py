@@ -78,22 +78,26 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    schedule = GateSchedule(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        learning_rate=args.learning_rate,
-        threshold=args.threshold,
-        patience=args.patience,
-        skip_rule=args.skip_rule,
-        ewma_alpha=args.ewma_alpha,
-        target_skip=args.target_skip,
-        sparsity_weight=args.sparsity_weight,
-        commit_weight=args.commit_weight,
-        low_score=args.low_score,
-        high_score=args.high_score,
-        seed=args.seed,
-    )
+    try:  # before the model loads: a bad number fails at once
+        schedule = GateSchedule(
+            steps=args.steps,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            learning_rate=args.learning_rate,
+            threshold=args.threshold,
+            patience=args.patience,
+            skip_rule=args.skip_rule,
+            ewma_alpha=args.ewma_alpha,
+            target_skip=args.target_skip,
+            sparsity_weight=args.sparsity_weight,
+            commit_weight=args.commit_weight,
+            low_score=args.low_score,
+            high_score=args.high_score,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         with tqdm(total=schedule.steps, desc="train-gates", disable=args.quiet, file=sys.stderr) as bar:
 

@@ -101,3 +101,19 @@ def test_numeric_flags_refuse_nan(flag, value, capsys):
     with pytest.raises(SystemExit):
         build_parser(argv, environ={}).parse_args(argv)
     assert f"argument {flag}: must" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # Found in the self-review of issue 27: time.sleep(1e300) raised OverflowError (a traceback).
+        (["top", "--interval", "1e300"], "argument --interval: must be at most 86400"),
+        (["demo", "--interval", "nan"], "argument --interval: must be positive"),
+        (["serve", "--port", "70000"], "argument --port: must be 0..65535"),
+        (["demo", "--exporter-port", "-1"], "argument --exporter-port: must be 0..65535"),
+    ],
+)
+def test_intervals_and_ports_out_of_range_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        build_parser(argv, environ={}).parse_args(argv)
+    assert exit.value.code == 2 and message in capsys.readouterr().err

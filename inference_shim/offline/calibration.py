@@ -48,7 +48,10 @@ from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from layerwatch.catalog import GATE_IMPORTANCE_SAMPLES
 from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.request_tail import RequestLayers, request_skipping
-from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS
+from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS, MAX_WINDOW_OBSERVATIONS
+
+# The API's highest temperature (OpenAI's): the baseline samples as clients may.
+MAX_TEMPERATURE = 2.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,26 @@ class CalibrationSettings:
     min_observations: int = DEFAULT_MIN_WINDOW_OBSERVATIONS
     kv_policy: str = KV_POLICIES[0]
     batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        # NaN compares false with every limit: --margin nan wrote every band as [0, 1] (alerts that never
+        # fire) and exited 0.
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"--margin must be a number in [0, 1), got {self.margin}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"--temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.threshold is not None and not 0 <= self.threshold <= 1:
+            raise ValueError(f"--threshold must be in [0, 1], got {self.threshold}")
+        for name in ("prompts", "max_new_tokens", "chunk_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not 1 <= self.min_observations <= MAX_WINDOW_OBSERVATIONS:
+            raise ValueError(
+                f"--min-observations must be 1..{MAX_WINDOW_OBSERVATIONS} (what a window holds), "
+                f"got {self.min_observations}"
+            )
 
 
 # LayerwatchGateMiscalibrated's floor: this fraction of the lowest healthy gate-importance reading

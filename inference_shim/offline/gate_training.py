@@ -41,6 +41,18 @@ from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_g
 from inference_shim.runtime.model import GateBank, Transformer
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 
+_FINITE_FIELDS = (
+    "learning_rate",
+    "target_skip",
+    "sparsity_weight",
+    "commit_weight",
+    "low_score",
+    "high_score",
+    "sharpness",
+    "start_temperature",
+    "end_temperature",
+)
+
 
 @dataclass(frozen=True)
 class GateSchedule:
@@ -62,6 +74,15 @@ class GateSchedule:
     start_temperature: float = 1.0
     end_temperature: float = 0.1
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        # NaN compares false with every limit: a NaN weight trained and wrote a gate file, exit 0.
+        for name in _FINITE_FIELDS:
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
+        for name in ("steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
 
     def temperature_at(self, step: int) -> float:
         """Geometric annealing from start to end over the run."""

@@ -11,6 +11,7 @@ file and what is wrong: a server must not start on half a model.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,13 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available on this machine")
     return device
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """All the memory of `device`: a GPU's, or the machine's RAM for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def load_checkpoint(
@@ -291,7 +299,9 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(f"{path}: file not found")
     try:
         value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:  # e.g. 100,000 "[": the parser recurses once per level
+        raise CheckpointError(f"{path}: not valid JSON (nested too deeply)") from None
+    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")

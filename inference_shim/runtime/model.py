@@ -210,13 +210,23 @@ class KVCache(nn.Module):
         self, config: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         super().__init__()
-        shape = (config.num_layers, slots, config.num_kv_heads, max_len, config.head_dim)
+        shape = self._shape(config, slots, max_len)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer(
             "valid", torch.zeros(shape[:2] + (max_len,), dtype=torch.bool, device=device), persistent=False
         )
         self.max_len = max_len
+
+    @staticmethod
+    def _shape(config: ModelConfig, slots: int, max_len: int) -> tuple[int, int, int, int, int]:
+        return (config.num_layers, slots, config.num_kv_heads, max_len, config.head_dim)
+
+    @classmethod
+    def bytes_needed(cls, config: ModelConfig, slots: int, max_len: int, dtype: torch.dtype) -> int:
+        """What the cache allocates: K and V, and the validity mask."""
+        layers, slots, heads, length, width = cls._shape(config, slots, max_len)
+        return 2 * layers * slots * heads * length * width * dtype.itemsize + layers * slots * length
 
     def reset_slot(self, slot: int) -> None:
         self.valid[:, slot].fill_(False)

@@ -286,6 +286,8 @@ class Tokenizer:
                 self._compiled[name] = _compile_template(self.chat_templates[name])
             except TemplateSyntaxError as exc:
                 raise TokenizerError(f"chat template {name!r} is not valid Jinja (line {exc.lineno}: {exc})") from exc
+            except RecursionError:  # Jinja's parser recurses once per nested expression
+                raise TokenizerError(f"chat template {name!r} is nested too deeply for Jinja's parser") from None
         return self._compiled[name]
 
     @staticmethod
@@ -402,7 +404,9 @@ def _has_byte_level_alphabet(vocab: Mapping[str, int]) -> bool:
 def _read_json_object(path: Path) -> dict:
     try:
         value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:  # e.g. 50,000 nested objects: the parser recurses once per level
+        raise TokenizerError(f"{path}: not valid JSON (nested too deeply)") from None
+    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits
         raise TokenizerError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(value, dict):
         raise TokenizerError(f"{path}: expected a JSON object, found {type(value).__name__}")

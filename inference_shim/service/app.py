@@ -211,6 +211,9 @@ async def _generate(service: ShimService, request: Request, kind: Literal["compl
     except ClientDisconnect:  # gone before its body was read: nothing to answer
         service.request_metrics.finish(FinishedRequest("cancelled"))
         return Response(status_code=499)
+    except Exception:  # a bug (bad input is an APIError): answered 500 by unexpected_error, counted here
+        service.request_metrics.finish(FinishedRequest("server_error"))
+        raise
     log.info(
         "%s: %s, %d prompt(s) of %s tokens, n=%d, max_tokens=%d, stream=%s",
         prepared.request_id,

@@ -29,6 +29,9 @@ from inference_shim.service.metrics import GateReloadMetrics
 log = logging.getLogger(__name__)
 
 MIN_GATES_WATCH_SECONDS = 0.1  # polls closer than this would keep an idle shim busy for nothing
+# The watcher sleeps in Event.wait, which raises OverflowError beyond threading.TIMEOUT_MAX (1e300 s
+# killed the watcher thread, and with it every gate reload and SIGHUP check); a day is ample (0: never).
+MAX_GATES_WATCH_SECONDS = 86_400.0
 
 
 @dataclass(frozen=True)

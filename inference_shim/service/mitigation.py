@@ -124,6 +124,11 @@ def parse_notification(body: bytes) -> list[AlertNotice]:
 
 # --- the mitigation state -----------------------------------------------------------------------------
 
+# A mitigation's deadline is a wall-clock datetime (for its log line): 5e9 minutes raised OverflowError
+# at the first mitigating alert, which then got no answer and no mitigation. A year is more than any
+# incident needs; its alert resolving ends it earlier anyway.
+MAX_MITIGATION_MINUTES = 365 * 24 * 60
+
 
 @dataclass(frozen=True)
 class MitigationSettings:
@@ -135,8 +140,11 @@ class MitigationSettings:
     def __post_init__(self) -> None:
         if self.requests < 1:
             raise ValueError(f"--mitigation-requests must be >= 1, got {self.requests}")
-        if not 0 < self.seconds < float("inf"):
-            raise ValueError(f"--mitigation-minutes must be a positive number, got {self.seconds / 60:g}")
+        if not 0 < self.seconds <= MAX_MITIGATION_MINUTES * 60:  # (written so that NaN fails too)
+            raise ValueError(
+                f"--mitigation-minutes must be a positive number of at most {MAX_MITIGATION_MINUTES} (a year), "
+                f"got {self.seconds / 60:g}"
+            )
 
 
 @dataclass(frozen=True)

@@ -277,7 +277,7 @@ class NvmlCollector(ShimCollector):
 
 # --- RAPL -------------------------------------------------------------------------------------------
 
-_PACKAGE_ZONE = re.compile(r"intel-rapl:\d+$")  # top-level zones; sub-zones (core, dram) are inside them
+_PACKAGE_ZONE = re.compile(r"intel-rapl:[0-9]+")  # top-level zones; sub-zones (core, dram) are inside them
 
 
 @dataclass(frozen=True)
@@ -291,7 +291,7 @@ def find_rapl_zones(root: Path = RAPL_ROOT) -> list[RaplZone]:
     """Top-level RAPL zones whose energy is readable (reading needs root on most kernels)."""
     zones = []
     for directory in sorted(root.glob("intel-rapl:*")):
-        if not _PACKAGE_ZONE.match(directory.name):
+        if not _PACKAGE_ZONE.fullmatch(directory.name):
             continue
         try:
             name = (directory / "name").read_text().strip()

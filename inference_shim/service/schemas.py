@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar, cast
 
@@ -64,7 +65,7 @@ async def read_json_body(request: Request, max_bytes: int, timeout: float) -> An
     and bodies that do not arrive within `timeout` seconds (a slow client holds a connection only
     that long; uvicorn itself has no body timeout)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
         raise body_too_large(max_bytes)
     chunks, size = [], 0
     try:
@@ -85,14 +86,35 @@ async def read_json_body(request: Request, max_bytes: int, timeout: float) -> An
         ) from None
     if not text.strip():
         raise APIError(400, "The request body is empty; expected a JSON object.", code="invalid_json")
+    # In a worker thread: its stack starts almost empty, so how deep a body may nest does not depend
+    # on how deep the event loop's stack happens to be (and a large body does not hold the loop).
+    return await asyncio.to_thread(parse_json, text)
+
+
+def parse_json(text: str) -> Any:
+    """JSON text -> Python, every way it can fail an APIError 400 (code invalid_json)."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_int=_json_integer)
     except json.JSONDecodeError as exc:
-        raise APIError(
-            400,
-            f"The request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}).",
-            code="invalid_json",
-        ) from None
+        message = f"{exc.msg} (line {exc.lineno}, column {exc.colno})"
+    except RecursionError:  # the parser recurses once per level: Python's stack limit, ~1,000 levels
+        message = "it is nested too deeply"
+    except _IntegerTooLong as exc:
+        message = str(exc)
+    raise APIError(400, f"The request body is not valid JSON: {message}.", code="invalid_json")
+
+
+class _IntegerTooLong(ValueError):
+    pass
+
+
+def _json_integer(digits: str) -> int:
+    # Python refuses to convert longer ones (the int/str conversion limit, a guard against quadratic
+    # time), with a ValueError json.loads would pass on.
+    limit = sys.get_int_max_str_digits()
+    if len(digits.lstrip("-")) > limit:
+        raise _IntegerTooLong(f"an integer of {len(digits.lstrip('-'))} digits; at most {limit}")
+    return int(digits)
 
 
 def body_too_large(max_bytes: int) -> APIError:
@@ -187,6 +209,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 1024
+MAX_TOKEN_ID_DIGITS = 18  # a longer logit_bias key is no token id of any vocabulary
 
 
 class SamplingFields(NullIsAbsent):
@@ -252,6 +275,8 @@ class SamplingFields(NullIsAbsent):
         for key in value or {}:
             if not key.isascii() or not key.isdigit():
                 raise ValueError(f"keys must be token ids (decimal integers), not {key!r}")
+            if len(key) > MAX_TOKEN_ID_DIGITS:  # (and int() would refuse a key of over 4,300 digits)
+                raise ValueError(f"keys must be token ids; a {len(key)}-digit number is not one")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:

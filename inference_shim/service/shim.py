@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import socket
 from collections.abc import Mapping
@@ -20,7 +19,13 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
 
-from inference_shim.runtime.checkpoint import DTYPES, LoadedCheckpoint, load_checkpoint, resolve_device
+from inference_shim.runtime.checkpoint import (
+    DTYPES,
+    LoadedCheckpoint,
+    device_memory_bytes,
+    load_checkpoint,
+    resolve_device,
+)
 from inference_shim.runtime.engine import GenerationEngine, StepHook
 from inference_shim.runtime.gates import (
     POLICY_FIELDS,
@@ -30,12 +35,12 @@ from inference_shim.runtime.gates import (
     reset_gates,
     shuffle_gates,
 )
-from inference_shim.runtime.model import KV_POLICIES
+from inference_shim.runtime.model import KV_POLICIES, KVCache
 from inference_shim.runtime.static_gates import static_gates
 from inference_shim.service.admission import Admission
 from inference_shim.service.depth import DepthDecider, DepthMetrics, DepthSettings, RolloutLevel
 from inference_shim.service.engine_worker import EngineWorker
-from inference_shim.service.gate_watch import MIN_GATES_WATCH_SECONDS, GateFileWatcher
+from inference_shim.service.gate_watch import MAX_GATES_WATCH_SECONDS, MIN_GATES_WATCH_SECONDS, GateFileWatcher
 from inference_shim.service.layer_signals import LayerSignalsCollector
 from inference_shim.service.metrics import (
     AuditCollector,
@@ -163,8 +168,27 @@ def _mitigation_listener(settings: ServeSettings) -> MitigationListener | None:
     address = parse_address(settings.mitigation_address, listening=True)
     if settings.mitigation_token_file is None:
         raise ValueError("--mitigation-address needs --mitigation-token-file: the receiver never runs unauthenticated")
-    token = RotatingSecret(settings.mitigation_token_file, "mitigation token file")
+    token = RotatingSecret(settings.mitigation_token_file, "mitigation token file", header_value=True)
     return MitigationListener(reserve(address), token)
+
+
+def mitigation_settings(settings: ServeSettings) -> MitigationSettings:
+    """The mitigations' settings, checked (ValueError naming the flag)."""
+    return MitigationSettings(
+        settings.mitigation_requests,
+        settings.mitigation_minutes * 60,
+        settings.mitigation_full_depth,
+        settings.shadow_rate,
+    )
+
+
+def check_gates_watch_seconds(seconds: float) -> None:
+    # A tiny interval (or NaN, which waits not at all) would make an idle shim spin on stat().
+    if not (seconds == 0 or MIN_GATES_WATCH_SECONDS <= seconds <= MAX_GATES_WATCH_SECONDS):
+        raise ValueError(
+            f"--gates-watch-seconds must be 0 (never) or a number from {MIN_GATES_WATCH_SECONDS} to "
+            f"{MAX_GATES_WATCH_SECONDS:g}, got {seconds}"
+        )
 
 
 def depth_settings(settings: ServeSettings) -> DepthSettings:
@@ -295,6 +319,19 @@ def _load_model(settings: ServeSettings) -> tuple[LoadedCheckpoint, LoadedGates]
     return checkpoint, gates
 
 
+def _check_kv_cache_fits(checkpoint: LoadedCheckpoint, batch_size: int, max_seq_len: int) -> None:
+    """ValueError when the engine's KV cache would not fit in all of the device's memory: found here,
+    not as an allocation failure with a traceback once the server starts (--max-batch-size 1000000)."""
+    weight = checkpoint.model.embed_tokens.weight  # what the engine sizes its cache by
+    needed = KVCache.bytes_needed(checkpoint.config, batch_size, max_seq_len, weight.dtype)
+    available = device_memory_bytes(weight.device)
+    if needed > available:
+        raise ValueError(
+            f"--max-batch-size {batch_size}: the KV cache for {batch_size} sequences of {max_seq_len} tokens needs "
+            f"{needed / 2**30:,.1f} GiB, more than all {available / 2**30:,.1f} GiB of {weight.device}"
+        )
+
+
 class ShimService:
     def __init__(
         self,
@@ -330,6 +367,7 @@ class ShimService:
             raise ValueError(f"--max-batch-size must be >= 1, got {settings.max_batch_size}")
         self.kv_policy = settings.kv_policy
         self.max_batch_size = settings.max_batch_size
+        _check_kv_cache_fits(checkpoint, settings.max_batch_size, self.max_seq_len)
         if not settings.drain_timeout_seconds >= 0:
             raise ValueError(f"--drain-timeout-seconds must be >= 0, got {settings.drain_timeout_seconds}")
         self.drain_timeout_seconds = settings.drain_timeout_seconds
@@ -400,12 +438,7 @@ class ShimService:
         )
         self.mitigations = Mitigations(
             self.model_name,
-            MitigationSettings(
-                settings.mitigation_requests,
-                settings.mitigation_minutes * 60,
-                settings.mitigation_full_depth,
-                settings.shadow_rate,
-            ),
+            mitigation_settings(settings),
             MitigationMetrics(self.registry, self.model_name),  # exposed (at 0) even without the receiver
         )
         self.mitigation_receiver = (
@@ -474,6 +507,8 @@ class ShimService:
             load_frame_key(settings.frame_key_file) if settings.frame_key_file and settings.exporter_address else None
         )
         depth_settings(settings).check()  # the depth flags too: a bad level fails before minutes of loading
+        mitigation_settings(settings)
+        check_gates_watch_seconds(settings.gates_watch_seconds)
         mitigation = _mitigation_listener(settings)
         try:
             checkpoint, gates = _load_model(settings)
@@ -500,13 +535,7 @@ class ShimService:
         return AuditTrail.over_otlp(endpoint, self.audit_spans, shim_id)
 
     def _gate_watcher(self, settings: ServeSettings, gates: LoadedGates) -> GateFileWatcher | None:
-        seconds = settings.gates_watch_seconds
-        # A tiny interval (or NaN, which waits not at all) would make an idle shim spin on stat().
-        if not (seconds == 0 or MIN_GATES_WATCH_SECONDS <= seconds < math.inf):
-            raise ValueError(
-                f"--gates-watch-seconds must be 0 (never) or a finite number >= {MIN_GATES_WATCH_SECONDS}, "
-                f"got {seconds}"
-            )
+        check_gates_watch_seconds(settings.gates_watch_seconds)
         metrics = GateReloadMetrics(self.registry, self.model_name)  # exposed (at 0) even when not watching
         if settings.reset_gates or settings.static_gates or settings.shuffle_gates or settings.gates_watch_seconds == 0:
             return None

@@ -101,3 +101,35 @@ def test_a_frame_key_file_others_can_read_stops_the_exporter_naming_it(tmp_path:
     assert result.returncode == 2
     assert f"frame key file {key_file}: group or others may access it (mode 0644)" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_two_forged_datagrams_cannot_blind_the_loss_counter(start_exporter) -> None:
+    # Issue 27, item 3: a made-up shim id sent 0, then 2**64 - 1, for the real model: 1.84e19 "lost",
+    # and the one frame really lost afterwards was invisible in float64.
+    exporter = start_exporter()
+    rng = np.random.default_rng(0)
+    exporter.send_frames([encode_frame(random_frame(rng, n, shim="real")) for n in range(5)])
+    exporter.send_frames([encode_frame(random_frame(rng, 0, shim="made-up"))])
+    exporter.send(encode_frame(random_frame(rng, 2**64 - 1, shim="made-up")))
+    exporter.wait_for(lambda: rejected(exporter, "sequence_jump") == 1)
+    exporter.send_frames([encode_frame(random_frame(rng, n, shim="real")) for n in (6, 7)])  # 5 lost in transit
+    assert exporter.value("layerwatch_exporter_frames_lost_total", model_name="demo") == 1
+    assert exporter.value("layerwatch_exporter_frames_received_total", model_name="demo") == 8
+
+
+def test_with_a_frame_key_replayed_frames_are_counted_once(start_exporter, tmp_path: Path) -> None:
+    key = os.urandom(32).hex().encode()
+    key_file = tmp_path / "frame.key"
+    key_file.write_bytes(key)
+    key_file.chmod(0o600)
+    exporter = start_exporter("--frame-key-file", str(key_file))
+    rng = np.random.default_rng(0)
+    captured = [encode_frame(random_frame(rng, n), key) for n in range(10)]
+    exporter.send_frames(captured)
+    for _ in range(99):  # issue 27, item 3: ten captured frames sent 100 times were all counted
+        for datagram in captured:
+            exporter.send(datagram)
+        time.sleep(0.001)
+    exporter.wait_for(lambda: rejected(exporter, "replayed") == 990)
+    assert exporter.value("layerwatch_exporter_frames_received_total", model_name="demo") == 10
+    assert exporter.value("layerwatch_exporter_frames_lost_total", model_name="demo") == 0

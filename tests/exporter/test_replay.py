@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from demo.processes import LAYERWATCH_COMMAND
-from layerwatch.trace import read_trace
+from layerwatch import trace
+from layerwatch.trace import MAX_LINE_BYTES, read_trace, read_trace_batches
 from tests.exporter.support import GOLDEN_TRACE
 
 DOCUMENTED_KEYS = {
@@ -114,3 +115,45 @@ def test_missing_and_empty_traces_are_errors(tmp_path: Path) -> None:
 def test_impossible_windows_are_refused_like_the_exporter_does(flags: list[str], message: str) -> None:
     result = replay(str(GOLDEN_TRACE), *flags)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def trace_line(model: str, layers: int = 4) -> str:
+    return json.dumps({"model_name": model, "scores": [0.5] * layers, "skipped": [0] * layers}) + "\n"
+
+
+# Issue 27, item 7: replay's memory was unbounded (a 160 MB line took 2.53 GB, 200,000 model names
+# 3.2 GB and, under an 8 GB limit, a numpy MemoryError traceback). The bounds, each naming the line;
+# the figures are in docs/reliability.md ("Oversized inputs").
+def test_a_line_over_the_limit_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    path = tmp_path / "long.jsonl"
+    path.write_text(trace_line("demo") + "[" * MAX_LINE_BYTES + "\n")
+    result = replay(str(path))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"{path}:2: longer than {MAX_LINE_BYTES} bytes" in result.stderr
+
+
+def test_models_beyond_max_models_are_refused_naming_the_first_line_past_it(tmp_path: Path) -> None:
+    path = tmp_path / "models.jsonl"
+    path.write_text("".join(trace_line(f"model-{i}") for i in range(65)))
+    result = replay(str(path))
+    assert result.returncode == 1, result.stderr
+    assert f"{path}:65: model 'model-64' is one more than the 64 models replay keeps (--max-models)" in result.stderr
+    assert replay(str(path), "--max-models", "65").returncode == 0
+
+
+def test_lines_wider_than_max_layers_are_refused_naming_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "wide.jsonl"
+    path.write_text(trace_line("demo") + trace_line("demo", 257))
+    result = replay(str(path))
+    assert result.returncode == 1, result.stderr
+    assert f"{path}:2: 257 layers, more than the 256 replay takes (--max-layers)" in result.stderr
+    assert replay(str(path), "--max-layers", "257").returncode == 0
+
+
+def test_batches_hold_at_most_max_batch_values_entropies(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(trace, "MAX_BATCH_VALUES", 100)  # 1 Mi in the code: a cheap stand-in
+    path = tmp_path / "wide.jsonl"
+    path.write_text(trace_line("demo", 34) * 7)  # three such rows are two values too many
+    batches = list(read_trace_batches(path))
+    assert [len(b.entropies) for b in batches] == [2, 2, 2, 1]
+    assert [b.first_line for b in batches] == [1, 3, 5, 7]

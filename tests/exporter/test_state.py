@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from exporter.sequences import MAX_STREAMS_PER_SHIM, MAX_TRACKED_SHIMS, REORDER_WINDOW, SequenceTracker
+from exporter.sequences import (
+    MAX_SEQUENCE_GAP,
+    MAX_STREAMS_PER_SHIM,
+    MAX_TRACKED_SHIMS,
+    REORDER_WINDOW,
+    SequenceTracker,
+)
 from exporter.state import ExporterConfig, ExporterState, ModelStatistics
 from layerwatch.wire import GateFrame, encode_frame
 from tests.exporter.support import random_frame
@@ -113,12 +119,70 @@ def test_late_frames_are_only_gaps_counted_as_lost_within_the_reorder_window() -
 
     tracker = after_a_gap()
     oldest_remembered = 200 - REORDER_WINDOW
-    assert tracker.observe("a", oldest_remembered) == (-1, False)  # late
-    assert tracker.observe("a", oldest_remembered) == (0, False)  # again: it fills no gap, a new stream
-    assert after_a_gap().observe("a", oldest_remembered - 1) == (0, False)  # too old: a new stream
-    assert after_a_gap().observe("a", 2) == (0, False)  # never lost: a new stream (a restart)
+    assert tracker.observe("a", oldest_remembered) == (-1, False, None)  # late
+    assert tracker.observe("a", oldest_remembered) == (0, False, None)  # again: it fills no gap, a new stream
+    assert after_a_gap().observe("a", oldest_remembered - 1) == (0, False, None)  # too old: a new stream
+    assert after_a_gap().observe("a", 2) == (0, False, None)  # never lost: a new stream (a restart)
+
+
+def test_one_gap_counts_at_most_max_sequence_gap_lost_frames_and_a_longer_jump_is_refused() -> None:
+    tracker = SequenceTracker()
+    tracker.observe("a", 0)
+    assert tracker.observe("a", MAX_SEQUENCE_GAP + 1) == (MAX_SEQUENCE_GAP, False, None)  # the longest gap
+    assert tracker.observe("a", 2 * MAX_SEQUENCE_GAP + 3) == (0, False, "sequence_jump")  # one more: refused
+    assert tracker.observe("a", 2 * MAX_SEQUENCE_GAP + 5) == (1, False, None)  # its next frames continue the jump
     tracker.observe("b", 0)
-    assert tracker.observe("b", 2**63) == (2**63 - 1, False)  # a huge jump costs no memory
+    assert tracker.observe("b", 2**64 - 1) == (0, False, "sequence_jump")  # no shift of 2**64 bits either
+
+
+def test_two_forged_datagrams_cannot_inflate_the_loss_and_a_real_loss_stays_visible() -> None:
+    # Issue 27, item 3: a made-up shim id sent 0 and then 2**64 - 1 for the real model: 1.84e19 frames
+    # "lost", beyond which float64 cannot show the one frame really lost afterwards.
+    state = make_state()
+    ingest_sequences(state, [("real", n) for n in range(10)] + [("made-up", 0), ("made-up", 2**64 - 1)])
+    ingest_sequences(state, [("real", n) for n in (11, 12)])  # 10 lost in transit
+    demo = by_model(state)["demo"]
+    assert (demo.frames_received, demo.frames_lost) == (13, 1)
+    assert state.frames_rejected["sequence_jump"] == 1
+
+
+def test_a_forged_jump_under_a_real_shim_id_does_not_carry_its_numbering_off() -> None:
+    # Found in the self-review: the jump moved the real stream to 2**64 - 1, a forged 0 then started a
+    # stream the real shim's next frame continued, counting its whole numbering (99 frames) as lost.
+    state = make_state()
+    forged = [("real", 2**64 - 1), ("real", 0)]
+    ingest_sequences(state, [("real", n) for n in range(100)] + forged + [("real", 100), ("real", 102)])
+    assert by_model(state)["demo"].frames_lost == 1  # 101, really lost
+
+
+def test_with_a_frame_key_replayed_frames_are_rejected_and_late_ones_accepted_once() -> None:
+    key = b"k" * 32
+    state, rng = make_state(frame_key=key), np.random.default_rng(0)
+    captured = [encode_frame(random_frame(rng, n), key) for n in range(10)]
+    for _ in range(100):  # issue 27, item 3: ten captured frames sent 100 times were all counted
+        for datagram in captured:
+            state.ingest_datagram(datagram)
+    assert by_model(state)["demo"].frames_received == 10
+    assert state.frames_rejected["replayed"] == 990
+    newest = 10 + REORDER_WINDOW
+    for sequence in (12, newest, 11, 11, 12, 13, 9):
+        state.ingest_datagram(encode_frame(random_frame(rng, sequence), key))
+    # 12 and 74 are new: 10, 11 and 13..73 were lost; 11 and 13 arrive late, in the window (10..73),
+    # and take their loss back; the second 11 and 12 were received already, 9 is too old to tell.
+    demo = by_model(state)["demo"]
+    assert (demo.frames_received, demo.frames_lost) == (14, 2 + (newest - 13) - 2)
+    assert state.frames_rejected["replayed"] == 990 + 3
+    assert demo.frames_interleaved == 0
+
+
+def test_with_a_frame_key_a_shim_that_starts_again_under_a_new_id_is_followed() -> None:
+    key = b"k" * 32
+    state, rng = make_state(frame_key=key), np.random.default_rng(0)
+    for shim in ("host-1-1a2b3c4d", "host-1-5e6f7a8b"):  # default ids: new at every start
+        for sequence in range(5):
+            state.ingest_datagram(encode_frame(random_frame(rng, sequence, shim=shim), key))
+    demo = by_model(state)["demo"]
+    assert (demo.frames_received, demo.frames_lost, state.frames_rejected["replayed"]) == (10, 0, 0)
 
 
 def test_malformed_datagrams_are_counted_and_dropped() -> None:
@@ -309,8 +373,8 @@ def test_sequence_tracking_is_bounded_in_shim_ids_and_streams() -> None:
     tracker.observe("a", 0)
     for shim in range(MAX_TRACKED_SHIMS):  # made-up ids push "a" out
         tracker.observe(f"made-up-{shim}", 0)
-    assert tracker.observe("a", 10) == (0, False)  # forgotten: a new stream, no loss invented
+    assert tracker.observe("a", 10) == (0, False, None)  # forgotten: a new stream, no loss invented
     for start in range(MAX_STREAMS_PER_SHIM + 1):  # restarts, each a new stream at 100 - start
         tracker.observe("b", 100 - start)
     # The oldest stream (last 100) was forgotten: 101 continues the newest of those kept (99).
-    assert tracker.observe("b", 101) == (1, True)
+    assert tracker.observe("b", 101) == (1, True, None)

@@ -240,3 +240,48 @@ def test_only_a_last_line_without_newline_counts_as_torn(tmp_path: Path) -> None
         list(read_trace(path, on_torn_line=lambda exc: None))
     path.write_bytes(LINE + LINE[:-1])  # a whole last line without its newline is a good line
     assert len(list(read_trace(path, on_torn_line=lambda exc: pytest.fail(str(exc))))) == 2
+
+
+# Issue 27, item 12: a FIFO as --trace-file blocked serve's start in open() for ever, holding its
+# port; trace files were created 0644, though they hold the token-level routing of user traffic.
+@pytest.mark.parametrize("reader", [False, True], ids=["no-reader", "a-reader"])
+def test_a_fifo_is_refused_at_once_not_waited_on(tmp_path: Path, reader: bool) -> None:
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    held = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK) if reader else None
+    outcome: list[BaseException | None] = []
+
+    def open_writer() -> None:
+        try:
+            TraceWriter(fifo, max_bytes=1 << 20).close()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    opening = threading.Thread(target=open_writer, daemon=True)
+    opening.start()
+    opening.join(5)
+    blocked = opening.is_alive()
+    if blocked:  # the old code: let its open() return, so that the thread ends
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+    if held is not None:
+        os.close(held)
+    assert not blocked, "TraceWriter waited in open() on a FIFO"
+    assert isinstance(outcome[0], ValueError) and f"trace file {fifo}: not a regular file" in str(outcome[0])
+
+
+def test_a_new_trace_file_is_owner_only_and_an_existing_one_keeps_its_mode(tmp_path: Path, caplog) -> None:
+    new = tmp_path / "new.jsonl"
+    umask = os.umask(0o022)
+    try:
+        TraceWriter(new, max_bytes=1 << 20).close()
+    finally:
+        os.umask(umask)
+    assert new.stat().st_mode & 0o777 == 0o600
+    shared = tmp_path / "shared.jsonl"
+    shared.write_text("")
+    shared.chmod(0o640)
+    with caplog.at_level("WARNING", logger="layerwatch.trace"):
+        TraceWriter(shared, max_bytes=1 << 20).close()
+    assert shared.stat().st_mode & 0o777 == 0o640  # the operator's choice, left as it is, and said
+    assert f"trace file {shared}: group or others may read it (mode 0640)" in caplog.text

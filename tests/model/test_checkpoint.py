@@ -111,6 +111,21 @@ def test_config_is_not_json(folder):
 
 
 @pytest.mark.parametrize(
+    "name, text, problem",
+    [
+        # Each stopped serve, eval, calibrate and train-gates with a traceback (or, for the integer,
+        # an error that did not name the file).
+        ("config.json", "[" * 100_000, "not valid JSON (nested too deeply)"),
+        ("config.json", '{"x": ' + "9" * 5000 + "}", "not valid JSON (Exceeds the limit (4300 digits)"),
+        ("tokenizer_config.json", '{"a": ' * 50_000 + "1" + "}" * 50_000, "not valid JSON (nested too deeply)"),
+    ],
+)
+def test_json_the_parser_cannot_take_is_a_checkpoint_error_naming_the_file(folder, name, text, problem):
+    (folder / name).write_text(text)
+    expect_error(folder, name, problem)
+
+
+@pytest.mark.parametrize(
     "changes, fragment",
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "architectures=['GPT2LMHeadModel'] is not supported"),

@@ -337,3 +337,40 @@ def test_agreement_floor_is_the_worst_chunk_minus_the_margin():
     assert agreement_floor(checks, chunk_tokens=20, margin=0.05) == round(16 / 22 - 0.05, 3)
     with pytest.raises(ValueError, match="fewer than one chunk"):
         agreement_floor([(5, 5)], chunk_tokens=20, margin=0.0)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        # Found in the self-review of issue 27: --margin nan wrote every band as [0, 1], alerts that never
+        # fire, and exited 0.
+        (["--margin", "nan"], "--margin must be a number in [0, 1), got nan"),
+        (["--temperature", "inf"], "--temperature must be in [0, 2.0], got inf"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+        (["--threshold", "nan"], "--threshold must be in [0, 1], got nan"),
+        (["--min-observations", "100000"], "--min-observations must be 1..72000"),
+    ],
+)
+def test_calibrate_refuses_numbers_that_would_write_a_useless_profile(tmp_path, capsys, flags, message):
+    out = tmp_path / "p.yaml"
+    argv = ["calibrate", "--model", str(tmp_path / "never-loaded"), "--data", str(tmp_path / "x"), "--out", str(out)]
+    assert main([*argv, *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        # Found in the self-review of issue 27: the first three were tracebacks (ValueError,
+        # ZeroDivisionError, "range() arg 3 must not be zero"), the last evaluated and exited 0.
+        (["--threshold", "nan"], "argument --threshold: must be in [0, 1], got nan"),
+        (["--max-tokens", "0"], "argument --max-tokens: must be positive, got 0"),
+        (["--batch-size", "0"], "argument --batch-size: must be positive, got 0"),
+        (["--prefill", "-1"], "argument --prefill: must be positive, got -1"),
+    ],
+)
+def test_eval_refuses_numbers_it_cannot_use(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit:
+        main(["eval", "--data", str(tmp_path / "x"), *flags])
+    assert exit.value.code == 2 and message in capsys.readouterr().err

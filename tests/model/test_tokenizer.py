@@ -109,9 +109,16 @@ def test_a_config_asking_for_a_bos_the_post_processor_does_not_add_is_reported(t
     assert "add_bos_token: true" in caplog.text and "tokenizer.json's post-processor adds no BOS" in caplog.text
 
 
-def test_a_broken_chat_template_fails_at_load_naming_its_file(tmp_path, backend_tokenizer):
+@pytest.mark.parametrize(
+    "template, problem",
+    [
+        ("{% for m in messages %}{{ m.content }}", "is not valid Jinja"),
+        ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "is nested too deeply"),  # was a RecursionError traceback
+    ],
+)
+def test_a_broken_chat_template_fails_at_load_naming_its_file(tmp_path, backend_tokenizer, template, problem):
     backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}")
-    with pytest.raises(TokenizerError, match=r"chat_template.jinja: chat template 'default' is not valid Jinja"):
+    (tmp_path / "chat_template.jinja").write_text(template)
+    with pytest.raises(TokenizerError, match=rf"chat_template.jinja: chat template 'default' {problem}"):
         Tokenizer.from_files(tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json")

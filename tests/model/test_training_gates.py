@@ -178,3 +178,16 @@ def test_unavailable_device_fails_clearly(model_dir, text_file, tmp_path, capsys
         pytest.skip("CUDA is available here")
     assert train(model_dir, text_file, tmp_path / "g.safetensors", "--device", "cuda") == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag", ["--target-skip", "--sparsity-weight", "--commit-weight", "--low-score", "--high-score"]
+)
+def test_a_weight_that_is_not_a_finite_number_is_refused_and_writes_nothing(
+    model_dir, text_file, tmp_path, capsys, flag
+):
+    # Found in the self-review of issue 27: a NaN weight trained for every step and wrote a gate file, exit 0.
+    out = tmp_path / "gates.safetensors"
+    assert train(model_dir, text_file, out, flag, "nan") == 2
+    assert f"{flag} must be a finite number, got nan" in capsys.readouterr().err
+    assert not out.exists()

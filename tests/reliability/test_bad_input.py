@@ -40,7 +40,7 @@ from tests.service.conftest import tiny_gates, tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS_CAP = 8  # accepted fuzz requests stay cheap
-MAX_BODY_BYTES = 4096
+MAX_BODY_BYTES = 16384  # room for hostile JSON: 3,000 levels of nesting, integers past 4,300 digits
 FUZZ = settings(
     max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -146,6 +146,32 @@ def test_fuzzed_generation_requests_never_fail_the_server(fuzz_shim, path, data)
     body = data.draw(completion_bodies if path == "/v1/completions" else chat_bodies)
     # Python's json (the server's parser too) writes and reads NaN and Infinity: a hostile client may send them.
     content = json.dumps(body, allow_nan=True).encode()
+    check_response(
+        httpx.post(f"{fuzz_shim.url}{path}", content=content, timeout=30, headers={"content-type": "application/json"})
+    )
+
+
+# JSON that is valid but hostile (issue 27, item 4: each got a 500 with a traceback, not counted):
+# nesting past the parser's recursion limit (~1,000 levels), integers past Python's 4,300-digit
+# int/str conversion limit, as values and as logit_bias keys; and the values Python's json reads
+# beyond JSON itself.
+hostile_json = st.one_of(
+    st.integers(1, 3000).map(lambda depth: "[" * depth + "]" * depth),
+    st.integers(1, 2500).map(lambda depth: '{"a": ' * depth + "0" + "}" * depth),
+    st.integers(1, 5000).map(lambda digits: "9" * digits),
+    st.integers(1, 5000).map(lambda digits: json.dumps({"9" * digits: 1})),
+    st.sampled_from(["NaN", "-Infinity", "1e999", "-0", '"\\ud800"']),
+)
+
+
+@settings(FUZZ, max_examples=60)  # the shapes themselves are few; tests/service/test_bad_input.py has each
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), data=st.data())
+def test_fuzzed_hostile_json_in_any_field_never_fails_the_server(fuzz_shim, path, data):
+    body = data.draw(completion_bodies if path == "/v1/completions" else chat_bodies)
+    name = data.draw(st.sampled_from(["model", "prompt", "messages", "x", *sampling_fields]))
+    body.pop(name, None)
+    value = data.draw(hostile_json)
+    content = (json.dumps(body)[:-1] + f', "{name}": {value}}}').encode()
     check_response(
         httpx.post(f"{fuzz_shim.url}{path}", content=content, timeout=30, headers={"content-type": "application/json"})
     )

@@ -10,6 +10,8 @@ import pytest
 from tests.service.conftest import MODEL_NAME, sample_sum
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(400))  # far over --max-prompt-tokens 96
+DEEP = b"[" * 2000 + b"]" * 2000  # 4 KB, past the JSON parser's recursion limit
+HUGE = b"9" * 4301  # past Python's int/str conversion limit
 
 
 def completion(**overrides) -> dict:
@@ -149,6 +151,31 @@ CASES = [
         "invalid_value",
     ),
     ("unknown-route", "/v1/embeddings", completion(), {}, 404, "not_found"),
+    # Issue 27, item 4: these got a 500 with a traceback, not counted in layerwatch_requests_total.
+    (
+        "json-nested-2000-deep",
+        "/v1/completions",
+        b'{"model": "tiny-test", "x": ' + DEEP + b"}",
+        {},
+        400,
+        "invalid_json",
+    ),
+    (
+        "integer-over-4300-digits",
+        "/v1/completions",
+        b'{"model": "tiny-test", "max_tokens": ' + HUGE + b"}",
+        {},
+        400,
+        "invalid_json",
+    ),
+    (
+        "logit-bias-key-over-4300-digits",
+        "/v1/completions",
+        completion(logit_bias={HUGE.decode(): 1}),
+        {},
+        400,
+        "invalid_value",
+    ),
 ]
 
 
@@ -182,10 +209,18 @@ def test_a_body_announced_too_large_is_refused_before_it_is_read(server):
 
 def test_bad_input_is_counted_as_client_error_and_the_server_keeps_serving(server):
     before = sample_sum(server.metrics(), "layerwatch_requests_total", status="client_error")
-    for body in (b"{", json.dumps(completion(max_tokens=10_000)).encode()):
+    errors_logged = server.process.log_tail(lines=100_000).count("unexpected error")
+    hostile = (
+        b'{"x": ' + DEEP + b"}",
+        b'{"max_tokens": ' + HUGE + b"}",
+        json.dumps(completion(logit_bias={HUGE.decode(): 1})),
+    )
+    for body in (b"{", json.dumps(completion(max_tokens=10_000)).encode(), *hostile):
         assert httpx.post(f"{server.base_url}/v1/completions", content=body, timeout=30).status_code == 400
-    assert sample_sum(server.metrics(), "layerwatch_requests_total", status="client_error") == before + 2
+    assert sample_sum(server.metrics(), "layerwatch_requests_total", status="client_error") == before + 5
     ok = httpx.post(f"{server.base_url}/v1/completions", json=completion(), timeout=30)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
     assert sample_sum(server.metrics(), "layerwatch_requests_total", status="server_error") == 0
-    assert "In the beginning" not in server.process.log_tail(lines=10_000)  # prompts are not logged at info
+    log = server.process.log_tail(lines=100_000)
+    assert "In the beginning" not in log  # prompts are not logged at info
+    assert log.count("unexpected error") == errors_logged  # (the handler of a 500 logs its traceback)

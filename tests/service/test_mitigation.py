@@ -27,6 +27,7 @@ from inference_shim.service.mitigation import (
     ALERT_OUTCOMES,
     ALERTS_PER_LOCK_HOLD,
     MAX_ALERTS_PER_NOTIFICATION,
+    MAX_MITIGATION_MINUTES,
     MAX_TRACKED_ALERTS,
     MITIGATING_ALERTS,
     NO_MITIGATION,
@@ -296,8 +297,17 @@ def test_paging_callbacks_hear_each_paging_alert_fire_and_resolve_once():
 def test_settings_out_of_range_are_refused():
     with pytest.raises(ValueError, match="--mitigation-requests must be >= 1"):
         MitigationSettings(0, 60, False, 0.0)
-    with pytest.raises(ValueError, match="--mitigation-minutes must be a positive number"):
-        MitigationSettings(1, float("nan"), False, 0.0)
+    for minutes in (float("nan"), float("inf"), 5e9, MAX_MITIGATION_MINUTES + 1):
+        with pytest.raises(ValueError, match="--mitigation-minutes must be a positive number of at most 525600"):
+            MitigationSettings(1, minutes * 60, False, 0.0)
+
+
+def test_the_longest_mitigation_starts():
+    # Issue 27, item 10: 5e9 minutes were accepted, and the first mitigating alert raised
+    # OverflowError (a datetime past year 9999): no answer, no mitigation.
+    state, registry, _ = mitigations(minutes=MAX_MITIGATION_MINUTES)
+    assert apply(state, alert()) == ["started"]
+    assert value(registry, "layerwatch_mitigations_active") == 1
 
 
 # --- the receiver on a real socket -------------------------------------------------------------------
@@ -650,6 +660,11 @@ def test_a_rotated_token_file_is_read_again_and_a_broken_replacement_keeps_the_l
     with caplog.at_level(logging.ERROR, logger="layerwatch.secret_file"):
         assert post(url, notification(alert()), f"Bearer {rotated.decode()}").status_code == 200
     assert "group or others may access it" in caplog.text and "stays in use" in caplog.text
+    # Issue 27, item 11: a token of bytes no header carries was "in use", and every request got 401.
+    token_file(tmp_path / "new", content="é".encode() * 20).replace(path)
+    with caplog.at_level(logging.ERROR, logger="layerwatch.secret_file"):
+        assert post(url, notification(alert()), f"Bearer {rotated.decode()}").status_code == 200
+    assert "byte 0 (0xc3) is not printable ASCII" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -657,6 +672,8 @@ def test_a_rotated_token_file_is_read_again_and_a_broken_replacement_keeps_the_l
     [
         (0o644, TOKEN, "group or others may access it (mode 0644)"),
         (0o600, b"", "0 bytes, at least 32 needed"),
+        (0o600, TOKEN[:20] + b"\t" + TOKEN[20:], "byte 20 (0x09) is not printable ASCII"),
+        (0o600, "é".encode() * 20, "byte 0 (0xc3) is not printable ASCII"),
     ],
 )
 def test_an_unusable_token_file_stops_the_shim_before_the_model_loads(tmp_path, mode, content, problem):

@@ -128,5 +128,11 @@ def test_serve_takes_the_cutoff_from_the_served_models_profile(tmp_path):
     assert profile_runaway_fraction(ServeSettings(model_dir=tmp_path / "other-model")) is None
     (tmp_path / "broken.yaml").write_text("model_name: [")
     assert profile_runaway_fraction(ServeSettings(model_dir=Path("x"), model_name="x"), tmp_path) is None
+    # Issue 27, item 8: these stopped serve at start with a traceback (UnicodeDecodeError, RecursionError).
+    (tmp_path / "latin-1.yaml").write_bytes("model_name: café\n".encode("latin-1"))
+    (tmp_path / "deep.yaml").write_text("model_name: " + "[" * 5000 + "]" * 5000)
+    (tmp_path / "z-demo.yaml").write_bytes((PROFILES_DIR / "demo.yaml").read_bytes())  # sorted after them
+    found = profile_runaway_fraction(ServeSettings(model_dir=Path("x"), model_name=DEMO_MODEL_NAME), tmp_path)
+    assert found == (demo.request_tail.runaway_skip_fraction, str(tmp_path / "z-demo.yaml"))
     assert DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION in REQUEST_FRACTION_BUCKETS
     assert not math.isclose(demo.request_tail.runaway_skip_fraction, DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION)

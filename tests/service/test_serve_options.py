@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -13,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from demo.processes import LAYERWATCH_COMMAND
 from inference_shim.service.shim import ServeSettings, ShimService, resolve_limits
 from layerwatch.trace import read_trace
 from tests.service.conftest import MODEL_NAME
@@ -116,7 +119,7 @@ def test_limits_fit_the_context_or_are_refused():
             limits(**bad)
 
 
-WATCH_REFUSED = r"--gates-watch-seconds must be 0 \(never\) or a finite number >= 0.1, got"
+WATCH_REFUSED = r"--gates-watch-seconds must be 0 \(never\) or a number from 0.1 to 86400, got"
 
 
 @pytest.mark.parametrize(
@@ -125,7 +128,10 @@ WATCH_REFUSED = r"--gates-watch-seconds must be 0 \(never\) or a finite number >
         ({"max_waiting_requests": -1}, "--max-waiting-requests must be >= 0"),
         ({"drain_timeout_seconds": -1.0}, "--drain-timeout-seconds must be >= 0"),
         ({"drain_timeout_seconds": float("nan")}, "--drain-timeout-seconds must be >= 0"),
-        *(({"gates_watch_seconds": s}, WATCH_REFUSED) for s in (float("nan"), 1e-9, 0.05, -1.0, float("inf"))),
+        # 1e300 (issue 27, item 10's class of bug) killed the watcher thread with OverflowError in Event.wait.
+        *(({"gates_watch_seconds": s}, WATCH_REFUSED) for s in (float("nan"), 1e-9, 0.05, -1.0, float("inf"), 1e300)),
+        ({"mitigation_minutes": 5e9}, "--mitigation-minutes must be a positive number of at most 525600"),
+        ({"max_batch_size": 10**9}, "--max-batch-size 1000000000: the KV cache for 1000000000 sequences"),
     ],
 )
 def test_queue_drain_and_watch_settings_out_of_range_are_refused(tiny_checkpoint, override, message):
@@ -133,8 +139,40 @@ def test_queue_drain_and_watch_settings_out_of_range_are_refused(tiny_checkpoint
         ShimService.load(ServeSettings(model_dir=tiny_checkpoint.path, exporter_address="", **override))
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        # Issue 27, item 10: the first mitigating alert raised OverflowError; the mitigation never started.
+        (["--mitigation-minutes", "5e9"], "--mitigation-minutes must be a positive number of at most 525600"),
+        (["--gates-watch-seconds", "1e300"], "--gates-watch-seconds must be 0 (never) or a number from 0.1"),
+        (["--port", "70000"], "argument --port: must be 0..65535, got 70000"),  # was an OverflowError traceback
+    ],
+)
+def test_serve_refuses_numbers_it_cannot_use_before_loading_the_model(tiny_checkpoint, flags, message):
+    result = subprocess.run(
+        [*LAYERWATCH_COMMAND, "serve", "--model", str(tiny_checkpoint.path), "--exporter-address", "", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "loading the model" not in result.stderr
+
+
 def test_the_prompt_size_bound_is_the_token_limit_times_the_longest_token():
     assert (
         resolve_limits(ServeSettings(model_dir=Path("unused"), max_prompt_tokens=100), 256, 14).max_prompt_chars == 1400
     )
     assert resolve_limits(ServeSettings(model_dir=Path("unused")), 256, None).max_prompt_chars is None
+
+
+def test_a_fifo_as_trace_file_stops_the_start_at_once(tiny_checkpoint, tmp_path):
+    # Issue 27, item 12: serve waited in open() for a reader for ever, holding its port.
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    argv = ["serve", "--model", str(tiny_checkpoint.path), "--exporter-address", "", "--port", "0"]
+    result = subprocess.run(
+        [*LAYERWATCH_COMMAND, *argv, "--trace-file", str(fifo)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"cannot start: trace file {fifo}: not a regular file" in result.stderr

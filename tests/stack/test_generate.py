@@ -8,13 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
+from alerts.specs import PER_MODEL_ALERTS
 from demo.processes import LAYERWATCH_COMMAND
 from deploy import artifacts
 from layerwatch import catalog
 from layerwatch.promql import UnknownMetricError, check_queries, known_series, metric_names
 
-from .conftest import REPO
+from .conftest import REPO, run_tool
 
 
 def layerwatch(*args: str | Path) -> subprocess.CompletedProcess:
@@ -75,6 +77,70 @@ def test_broken_profile_fails_with_a_clear_message(tree: Path) -> None:
     assert result.returncode == 2
     assert "reference.yaml: threshold: 18.0 is outside [0, 1]" in result.stderr
     assert not (tree / artifacts.RULES_PATH).exists()
+
+
+LONGEST_DURATION = "2562047h47m16s854ms"  # 2^63 - 1 ns, Prometheus' longest (alerts/durations.py)
+
+
+def edit_profile(tree: Path, **changes: object) -> Path:
+    path = tree / "alerts" / "profiles" / "reference.yaml"
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **changes}))
+    return path
+
+
+def test_rules_at_prometheus_limits_pass_promtool(tree: Path, promtool: str) -> None:
+    edit_profile(
+        tree,
+        model_name="m" * 255,  # the longest a gate frame carries
+        drift={"limit": 0.18, "window": LONGEST_DURATION},
+        **{"for": {spec.name: LONGEST_DURATION for spec in PER_MODEL_ALERTS}},
+    )
+    assert layerwatch("--root", tree).returncode == 0
+    result = run_tool(promtool, "check", "rules", tree / artifacts.RULES_PATH)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "changes, problem",
+    [
+        # Issue 27, item 5: generation exited 0 and wrote rules promtool refuses.
+        ({"model_name": "layerwatch-demo\n"}, "model_name: 'layerwatch-demo\\n' must match"),
+        (
+            {"drift": {"limit": 0.18, "window": "1000000000000000d"}},
+            "drift: window: '1000000000000000d' is out of range",
+        ),
+        ({"for": {"LayerwatchEntropyDrift": "1000000000000000d"}}, "is out of range: Prometheus durations are at most"),
+        ({"drift": {"limit": 0.18, "window": "106752d"}}, "drift: window: '106752d' is out of range"),  # one day over
+        ({"model_name": "m" * 256}, "must match"),  # longer than a gate frame carries: no series would match
+        ({"bimodality": {"min_observations": 10**400}}, "bimodality.min_observations"),  # PromQL cannot read it
+    ],
+)
+def test_generate_refuses_what_prometheus_would(tree: Path, changes: dict, problem: str) -> None:
+    path = edit_profile(tree, **changes)
+    result = layerwatch("--root", tree)
+    assert result.returncode == 2, result.stdout
+    assert f"layerwatch generate: {path}: " in result.stderr and problem in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tree / artifacts.RULES_PATH).exists()
+
+
+@pytest.mark.parametrize(
+    "rewrite, problem",
+    [
+        # Issue 27, item 8: the first two crashed generation with a traceback; the third was last-wins.
+        (lambda _: "model_name: café\n".encode("latin-1"), "not UTF-8 text (byte 15)"),
+        (lambda _: b"model_name: " + b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+        (lambda original: original + b"\nthreshold: 0.5\n", "found key 'threshold' twice"),
+    ],
+    ids=["latin-1", "5000-deep", "duplicate-key"],
+)
+def test_an_unreadable_profile_fails_generation_naming_the_file(tree: Path, rewrite, problem: str) -> None:
+    path = tree / "alerts" / "profiles" / "reference.yaml"
+    path.write_bytes(rewrite(path.read_bytes()))
+    result = layerwatch("--root", tree)
+    assert result.returncode == 2, result.stdout
+    assert f"layerwatch generate: {path}: cannot read profile: " in result.stderr and problem in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_generate_never_imports_torch() -> None:

@@ -98,6 +98,8 @@ def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
         ({"skip_surge_factor": 1.0}, "skip_surge_factor", "must be above 1"),
         ({"model_name": 'demo"} or vector(1)'}, "model_name", "must match"),
         ({"bimodality": {"min_observations": 0}}, "bimodality.min_observations", "at least 1"),
+        ({"bimodality": {"min_observations": 72_001}}, "bimodality.min_observations", "at most 72000"),
+        ({"model_name": "demo\n"}, "model_name", "must match"),
         ({"gate_importance_correlation_min": -1.5}, "gate_importance_correlation_min", "outside [-1, 1]"),
         ({"gate_importance_correlation_min": "high"}, "gate_importance_correlation_min", "expected a number"),
         ({"skip_collapse_fraction": 0.0}, "skip_collapse_fraction", "strictly between 0 and 1"),
@@ -175,7 +177,10 @@ def test_durations_parse_and_format_back(text: str, seconds: float) -> None:
     assert parse_duration(format_duration(seconds)) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "5", "m", "5 m", "1.5h", "-5m", "5m1h"])
+@pytest.mark.parametrize(
+    "text",
+    ["", "5", "m", "5 m", "1.5h", "-5m", "5m1h", "5m\n", "\u0663m", "106752d", "2562047h47m16s855ms", "1" * 5000 + "s"],
+)
 def test_bad_durations_are_refused(text: str) -> None:
     with pytest.raises(ValueError):
         parse_duration(text)
