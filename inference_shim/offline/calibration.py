@@ -295,7 +295,7 @@ def quality_cost_limit(checks: list[ShadowResult], chunk_tokens: int) -> float:
             tokens, nats = 0, 0.0
     if not per_token:
         raise ValueError(f"the shadow checks covered fewer than one chunk of {chunk_tokens} tokens")
-    return math.ceil(QUALITY_COST_FACTOR * max(per_token) * 1e4) / 1e4
+    return math.ceil(QUALITY_COST_FACTOR * max(per_token) * 1e4 - 1e-9) / 1e4  # (- 1e-9: float noise)
 
 
 def agreement_floor(checks: list[tuple[int, int]], chunk_tokens: int, margin: float) -> float:
