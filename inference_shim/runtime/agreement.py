@@ -44,30 +44,24 @@ from inference_shim.runtime.model import LayerProbe, Transformer
 SHADOW_TOP_K = 16  # tokens of the gated distribution kept per recorded position (docs/service.md)
 
 
-def record_columns(k: int) -> int:
-    """Values per recorded position: argmax, emitted log-probability, rest log-mass, k ids, k log-probabilities."""
-    return 3 + 2 * k
-
-
 def summarize_rows(logits: torch.Tensor, emitted: torch.Tensor, k: int) -> torch.Tensor:
-    """The record of each row of logits [F, V] that emitted token emitted[row]: [F, record_columns(k)]
-    float64 on the device (token ids are exact in float64), from the raw distribution
-    log_softmax(logits). A row whose token is -1 (non-finite logits: the engine fails it) gets
-    meaningless values."""
+    """The record of each row of logits [F, V] that emitted token emitted[row], from the raw
+    distribution log_softmax(logits): [F, 2 + 2k] float32 on the device (emitted log-probability,
+    log-mass outside the top k, the top k ids, their log-probabilities; ids are exact in float32 below
+    2^24). The few ops it takes are what recording costs a step (docs/performance.md). A row whose
+    token is -1 (non-finite logits: the engine fails it) gets meaningless values."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     k = min(k, logprobs.shape[-1])
     top_values, top_ids = logprobs.topk(k, dim=-1)
     chosen = logprobs.gather(-1, emitted.clamp_min(0)[:, None])
     rest = logprobs.scatter(-1, top_ids, float("-inf")).logsumexp(dim=-1, keepdim=True)
-    argmax = logprobs.argmax(dim=-1, keepdim=True)
-    return torch.cat([argmax.double(), chosen.double(), rest.double(), top_ids.double(), top_values.double()], dim=1)
+    return torch.cat([chosen, rest, top_ids.to(logprobs.dtype), top_values], dim=1)
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: ndarray fields
 class GatedRecord:
     """The gated model's raw distribution at each of a sequence's G generated positions (module doc)."""
 
-    argmax: np.ndarray  # int64 [G]: the gated logits' argmax (temperature, top-p, penalties, bias not applied)
     emitted_logprob: np.ndarray  # float64 [G]: log p_gated of the token the sequence emitted
     rest_logprob: np.ndarray  # float64 [G]: log of the mass outside top_ids (-inf when they hold all of it)
     top_ids: np.ndarray  # int64 [G, K]: the K most likely tokens, most likely first
@@ -77,17 +71,22 @@ class GatedRecord:
     def from_rows(cls, rows: list[np.ndarray], k: int) -> GatedRecord:
         """From `summarize_rows`' rows, one per generated position, in order (k as given to it)."""
         table = np.asarray(rows, dtype=np.float64).reshape(len(rows), -1)
-        k = (table.shape[1] - 3) // 2 if rows else k
+        k = (table.shape[1] - 2) // 2 if rows else k
         return cls(
-            argmax=table[:, 0].astype(np.int64),
-            emitted_logprob=table[:, 1].copy(),
-            rest_logprob=table[:, 2].copy(),
-            top_ids=table[:, 3 : 3 + k].astype(np.int64),
-            top_logprobs=table[:, 3 + k : 3 + 2 * k].copy(),
+            emitted_logprob=table[:, 0].copy(),
+            rest_logprob=table[:, 1].copy(),
+            top_ids=table[:, 2 : 2 + k].astype(np.int64),
+            top_logprobs=table[:, 2 + k : 2 + 2 * k].copy(),
         )
 
+    @property
+    def argmax(self) -> np.ndarray:
+        """int64 [G]: the gated logits' argmax (temperature, top-p, penalties and bias not applied); of
+        exactly tied logits, the one topk lists first."""
+        return self.top_ids[:, 0]
+
     def __len__(self) -> int:
-        return len(self.argmax)
+        return len(self.emitted_logprob)
 
 
 @dataclass(frozen=True)
