@@ -1,14 +1,16 @@
 """`layerwatch demo`: the whole stack on the embedded demo model, in one terminal.
 
 Starts the exporter and the shim (on the demo model unless --model is given), Prometheus and
-Alertmanager with the repo's own configs when their binaries are installed, and a load generator;
-then shows the live entropy histogram (`layerwatch top`) until Ctrl-C or --duration. Every process it
-started is stopped on the way out, whatever the way out is.
+Alertmanager with the repo's own configs when their binaries are installed, and a load generator
+(sampled requests only, demo/loadgen.py); then shows the shim's shadow check (agreement, quality cost,
+estimated perplexity increase) and the live entropy histogram (`layerwatch top`) until Ctrl-C or
+--duration. Every process it started is stopped on the way out, whatever the way out is.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import threading
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from demo.loadgen import run_load
 from demo.stack import DemoStack
-from exporter.live_view import CLEAR_SCREEN, render_screen
+from exporter.live_view import CLEAR_SCREEN, Samples, render_screen, scrape, total
 from layerwatch import ports
 
 
@@ -36,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shadow-rate",
         type=float,
         default=0.5,
-        help="share of greedy requests the shim re-checks at full depth (default %(default)s)",
+        help="share of requests the shim compares with the full-depth model (default %(default)s)",
     )
     parser.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0 = until Ctrl-C)")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between screen refreshes")
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             daemon=True,
         )
         load.start()
-        _show(exporter_url, banner, args, stack)
+        _show(shim_url, exporter_url, banner, args, stack)
     except KeyboardInterrupt:
         pass
     except (RuntimeError, TimeoutError) as exc:
@@ -84,15 +86,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _show(exporter_url: str, banner: str, args: argparse.Namespace, stack: DemoStack) -> None:
+def shadow_line(samples: Samples) -> str:
+    """The shim's shadow check since it started, from its /metrics (docs/service.md, "Quality guard")."""
+    tokens = total(samples, "layerwatch_shadow_tokens_total")
+    checked = total(samples, "layerwatch_shadow_requests_total", outcome="checked")
+    if not tokens:
+        return f"shadow check: {checked:.0f} requests checked, no token yet"
+    return (
+        f"shadow check: {checked:.0f} requests, {tokens:.0f} tokens compared with full depth; agreement "
+        f"{total(samples, 'layerwatch_shadow_agreements_total') / tokens:.3f}, quality cost "
+        f"{total(samples, 'layerwatch_shadow_kl_nats_total') / tokens:.4f} nats/token, estimated perplexity "
+        f"increase {math.expm1(total(samples, 'layerwatch_shadow_reverse_kl_nats_total') / tokens):+.1%}"
+    )
+
+
+def _show(shim_url: str, exporter_url: str, banner: str, args: argparse.Namespace, stack: DemoStack) -> None:
     deadline = time.monotonic() + args.duration if args.duration > 0 else float("inf")
     interactive = sys.stdout.isatty()
     while time.monotonic() < deadline:
         stack.check_alive()
         try:
-            screen = render_screen(exporter_url)
+            screen = shadow_line(scrape(shim_url)) + "\n\n" + render_screen(exporter_url)
         except OSError as exc:
-            screen = f"exporter not readable yet: {exc}"
+            screen = f"shim or exporter not readable yet: {exc}"
         if interactive:
             sys.stdout.write(CLEAR_SCREEN + banner + "\n\n" + screen + "\n\n(Ctrl-C stops the demo)\n")
         else:
