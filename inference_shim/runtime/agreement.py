@@ -69,9 +69,9 @@ class GatedRecord:
 
     @classmethod
     def from_rows(cls, rows: list[np.ndarray], k: int) -> GatedRecord:
-        """From `summarize_rows`' rows, one per generated position, in order (k as given to it)."""
-        table = np.asarray(rows, dtype=np.float64).reshape(len(rows), -1)
-        k = (table.shape[1] - 2) // 2 if rows else k
+        """From `summarize_rows`' rows, one per generated position, in order (k as it used it: at most
+        the vocabulary). No rows (a sequence cancelled before it generated): an empty record."""
+        table = np.asarray(rows, dtype=np.float64).reshape(len(rows), 2 + 2 * k)
         return cls(
             emitted_logprob=table[:, 0].copy(),
             rest_logprob=table[:, 1].copy(),

@@ -125,6 +125,24 @@ def test_the_record_is_the_raw_distribution_whatever_the_sampling(model, no_eos)
     np.testing.assert_allclose(np.exp(record.rest_logprob) + np.exp(record.top_logprobs).sum(axis=1), 1.0, atol=1e-5)
 
 
+def test_a_recording_sequence_cancelled_early_or_late_ends_alone_with_what_it_generated(model, no_eos):
+    """Cancelled while it waits for a slot (nothing generated) or after some tokens: its final update
+    carries a record of exactly its tokens, and the batch goes on."""
+    eng = engine(model, no_eos, max_batch_size=1)
+    running = eng.submit(PROMPT, SAMPLED["temperature 1.0"], record=True)
+    waiting = eng.submit(PROMPT, SAMPLED["temperature 0.7"], record=True)
+    for _ in range(5):
+        eng.step()
+    eng.cancel(waiting)
+    eng.cancel(running)
+    finals = {u.sequence_id: u for u in eng.step() if u.finished}
+    assert finals[waiting].finish_reason == finals[running].finish_reason == "cancelled"
+    assert len(finals[waiting].gated_record) == 0 and finals[waiting].gated_record.top_ids.shape == (0, 16)
+    assert len(finals[running].gated_record) == 5  # the five tokens it generated
+    after = eng.generate(PROMPT, SamplingParams(max_tokens=3, temperature=1.0, seed=1), record=True)
+    assert after.finish_reason == "length" and len(after.gated_record) == 3
+
+
 def test_a_scored_prompt_records_only_its_generated_positions(model, no_eos):
     eng = engine(model, no_eos)
     result = eng.generate(PROMPT, SamplingParams(max_tokens=7, temperature=0.8, seed=2, prompt_logprobs=2), record=True)
