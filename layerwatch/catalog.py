@@ -385,7 +385,8 @@ METRICS: tuple[MetricSpec, ...] = (
         ("model_name",),
         "Quality cost: sum over shadow-checked tokens of KL(gated || full) in nats between the two models' raw "
         "next-token distributions (temperature 1), on the partition {each of the gated top-K tokens} + {the rest} "
-        "(K = 16): a lower bound of the true KL; per token = rate of this / rate of layerwatch_shadow_tokens_total.",
+        "(K = 16): a lower bound of the true KL. A request's temperature, top-p, penalties and bias only choose which "
+        "contexts are visited. Per token = rate of this / rate of layerwatch_shadow_tokens_total.",
         SHIM,
     ),
     _m(
