@@ -215,7 +215,8 @@ class _Sequence:
     # While the prompt is scored: its log-probabilities so far (the first token's None); else None.
     scored: list[TokenLogprob | None] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once scored, until the next update carries them
-    # Submitted with record=True: one `summarize_rows` row per generated token (views of small step arrays).
+    # Submitted with record=True: one `summarize_rows` row per generated token (views of the step's
+    # summary, [recording rows, 34] for k = 16).
     record: list[np.ndarray] | None = None
 
     @property
@@ -783,7 +784,8 @@ def gated_decode_step(
         flat = packed.flatten() if summary is None else torch.cat([packed.flatten(), summary.flatten()])
         host = flat.cpu().numpy()
     packed_host = host[: packed.numel()].reshape(packed.shape)
-    host_summary = None if summary is None else host[packed.numel() :].reshape(summary.shape)
+    # A copy: the recording sequences keep its rows, not the whole step's buffer.
+    host_summary = None if summary is None else host[packed.numel() :].reshape(summary.shape).copy()
     host_entropies = packed_host[:, 1:].astype(np.float32)
     if policy is None or run_mask is None:  # run_mask is None exactly when policy is
         run_mask, fallback_started = np.ones((B, L), dtype=bool), np.zeros(B, dtype=bool)
