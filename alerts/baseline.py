@@ -204,12 +204,15 @@ def build_profile(
     source: str,
     gate_importance_correlation_min: float | None = None,
     request_skip_fractions: list[float] | None = None,
+    shadow_kl_nats_max: float | None = None,
+    shadow_rate_min: float | None = None,
 ) -> tuple[Profile, BaselineStatistics]:
     """entropies float [N, L] and skipped bool [N, L], one row per decoded token.
 
-    `shadow_agreement_min`, `gate_importance_correlation_min` (the shim's shadow checks:
-    inference_shim/offline/calibration.py) and `request_skip_fractions` (one per request, for
-    `request_tail_profile`) left out (None) keep the profile's defaults (not measured)."""
+    `shadow_agreement_min`, `gate_importance_correlation_min`, `shadow_kl_nats_max` (the shim's shadow
+    checks: inference_shim/offline/calibration.py), `request_skip_fractions` (one per request, for
+    `request_tail_profile`) and `shadow_rate_min` left out (None) keep the profile's defaults (not
+    measured)."""
     if len(entropies) < chunk_tokens:
         raise ValueError(f"the baseline decoded {len(entropies)} tokens, fewer than one chunk of {chunk_tokens}")
     chunks = [
@@ -253,6 +256,10 @@ def build_profile(
         profile = dataclasses.replace(
             profile, request_tail=request_tail_profile(request_skip_fractions, skip_ratio_normal)
         )
+    if shadow_kl_nats_max is not None:
+        profile = dataclasses.replace(profile, shadow_kl_nats_max=shadow_kl_nats_max)
+    if shadow_rate_min is not None:
+        profile = dataclasses.replace(profile, shadow_rate_min=shadow_rate_min)
     return profile, stats
 
 

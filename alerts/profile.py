@@ -45,6 +45,7 @@ _MODEL_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.:-]{{0,{MAX_NAME_BYTES - 1}}}
 DEFAULT_ZERO_RATIO_PAGE = 0.40  # the field's "a jump above 40 % means over-pruning"
 DEFAULT_SKIP_COLLAPSE_FRACTION = 0.5  # collapsed: skipping below half of its healthy ratio
 DEFAULT_RUNAWAY_SKIP_RATIO = 0.85  # the field's fallback trigger: more than 85 % of layers skipped
+DEFAULT_SHADOW_KL_NATS_MAX = 0.05  # exp(0.05) - 1: about a 5 % perplexity-scale cost per token
 # The alerts whose `for:` a profile may override, and their defaults (alerts/specs.py).
 _DEFAULT_FOR = {spec.name: spec.default_for for spec in PER_MODEL_ALERTS}
 
@@ -143,6 +144,13 @@ class Profile:
     runaway_fallbacks_per_minute: float = 0.0  # fallbacks above this rate, sustained, are runaway
     drift: Drift = Drift()
     shadow_agreement_min: float = field(default=0.90, metadata=_FRACTION)
+    # Page above this quality cost: nats of KL(gated || full) per shadow-checked token, the gated
+    # model's raw distributions (docs/service.md, "Quality guard"). `layerwatch calibrate` measures it;
+    # the default (a perplexity-scale cost of about 5 %) is ours, not a measurement.
+    shadow_kl_nats_max: float = DEFAULT_SHADOW_KL_NATS_MAX
+    # The shadow rate this model's shims must run at (LayerwatchQualityGuardBlind tickets a shim serving
+    # gated traffic below it); 0: no checks expected.
+    shadow_rate_min: float = field(default=0.0, metadata=_FRACTION)
     # Page below this Spearman correlation between gate score and relative residual update (in
     # [-1, 1]; docs/service.md, "Layer signals"). `layerwatch calibrate` measures it (half the lowest
     # healthy reading); the default only catches gates unrelated to their layers.
@@ -342,6 +350,8 @@ def _check(p: Profile, where: str) -> None:
         fail("skip_surge_factor", f"{p.skip_surge_factor} must be above 1 (a factor over the baseline)")
     if p.runaway_fallbacks_per_minute < 0:
         fail("runaway_fallbacks_per_minute", f"{p.runaway_fallbacks_per_minute} is negative")
+    if not p.shadow_kl_nats_max > 0:
+        fail("shadow_kl_nats_max", f"{p.shadow_kl_nats_max} must be above 0 (nats per token)")
     if not -1.0 <= p.gate_importance_correlation_min <= 1.0:
         fail("gate_importance_correlation_min", f"{p.gate_importance_correlation_min} is outside [-1, 1]")
     if p.drift.window <= 0:

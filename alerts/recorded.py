@@ -38,6 +38,8 @@ class Recorded:
     gpu_joules_per_token: str
     cpu_joules_per_token: str
     shadow_agreement_ratio: str
+    shadow_kl_per_token: str  # nats of KL(gated || full) per shadow-checked token: the quality cost
+    shadow_perplexity_increase: str  # exp(mean KL(full || gated)) - 1
     telemetry_loss_ratio: str  # frames lost in transit, at the exporter
     telemetry_drop_ratio: str  # frames the shim could not send
     request_skip_tail_ratio: str  # by le: share of finished requests whose skip fraction is above le
@@ -49,6 +51,8 @@ class Recorded:
     fleet_gating_instances: str
     fleet_skip_ratio: str
     fleet_shadow_agreement_ratio: str
+    fleet_shadow_kl_per_token: str
+    fleet_shadow_perplexity_increase: str
     # Summed histogram buckets (rates by le), for fleet-wide quantiles and distributions.
     fleet_entropy_buckets: str
     fleet_request_skip_fraction_buckets: str
@@ -74,6 +78,8 @@ class Recorded:
             gpu_joules_per_token=f"model_name:layerwatch_gpu_energy_joules_per_decode_token:ratio_{rate}",
             cpu_joules_per_token=f"model_name:layerwatch_cpu_energy_joules_per_decode_token:ratio_{rate}",
             shadow_agreement_ratio=f"model_name:layerwatch_shadow_agreements:ratio_{rate}",
+            shadow_kl_per_token=f"model_name:layerwatch_shadow_kl_nats:per_token_{rate}",
+            shadow_perplexity_increase=f"model_name:layerwatch_shadow_reverse_kl_nats:perplexity_increase_{rate}",
             telemetry_loss_ratio=f"model_name:layerwatch_exporter_frames_lost:ratio_{rate}",
             telemetry_drop_ratio=f"model_name:layerwatch_telemetry_frames_dropped:ratio_{rate}",
             request_skip_tail_ratio=f"model_name_le:layerwatch_request_skip_fraction:tail_ratio_{rate}",
@@ -83,6 +89,10 @@ class Recorded:
             fleet_gating_instances="job_model_name:layerwatch_gating_instances:count",
             fleet_skip_ratio=f"job_model_name:layerwatch_layer_skips:ratio_{rate}",
             fleet_shadow_agreement_ratio=f"job_model_name:layerwatch_shadow_agreements:ratio_{rate}",
+            fleet_shadow_kl_per_token=f"job_model_name:layerwatch_shadow_kl_nats:per_token_{rate}",
+            fleet_shadow_perplexity_increase=(
+                f"job_model_name:layerwatch_shadow_reverse_kl_nats:perplexity_increase_{rate}"
+            ),
             fleet_entropy_buckets=f"job_model_name_le:layerwatch_entropy_bucket:{rate}",
             fleet_request_skip_fraction_buckets=f"job_model_name_le:layerwatch_request_skip_fraction_bucket:{rate}",
             fleet_time_to_first_token_buckets=f"job_model_name_le:layerwatch_time_to_first_token_seconds_bucket:{rate}",

@@ -2,7 +2,7 @@
 
 Three kinds of rule group:
 - `layerwatch.recording`: the derived series of docs/metrics.md (entropy mean/std/zero ratio, skip
-  ratios, joules per token, shadow agreement, telemetry loss and drops), model-agnostic, named
+  ratios, joules per token, shadow agreement and quality cost, telemetry loss and drops), model-agnostic, named
   `level:metric:operation`.
   They aggregate `by (job, instance, model_name[, decision | layer])`: the target labels stay so
   that an alert names the shim or exporter it comes from (Alertmanager groups and inhibits on them).
@@ -52,6 +52,7 @@ class ProfileSeries:
     skip_ratio_collapse: str = _profile_name("skip_ratio", "collapse")
     token_dependent_share_floor: str = _profile_name("token_dependent_share", "floor")
     shadow_agreement_min: str = _profile_name("shadow_agreement", "min")
+    shadow_kl_nats_max: str = _profile_name("shadow_kl_nats", "max")
     threshold: str = _profile_name("threshold", "value")
 
 
@@ -73,6 +74,7 @@ def profile_series(profile: Profile) -> dict[str, float]:
         n.skip_ratio_collapse: skip_collapse_limit(p),
         n.token_dependent_share_floor: p.routing.share_floor,
         n.shadow_agreement_min: p.shadow_agreement_min,
+        n.shadow_kl_nats_max: p.shadow_kl_nats_max,
         n.threshold: p.threshold,
     }
 
@@ -139,11 +141,7 @@ def recording_rules(timing: Timing) -> list[dict]:
     ):
         record(name, f"{_rate(metric, shim, w, BY_TARGET)}\n/ on ({BY_TARGET}) group_right ()\n{decode_tokens}")
 
-    record(
-        r.shadow_agreement_ratio,
-        f"{_rate('layerwatch_shadow_agreements_total', shim, w, BY_MODEL)}\n/\n"
-        f"{_rate('layerwatch_shadow_tokens_total', shim, w, BY_MODEL)}",
-    )
+    rules += shadow_rules(r, w, BY_MODEL, r.shadow_agreement_ratio, r.shadow_kl_per_token, r.shadow_perplexity_increase)
     lost = _rate("layerwatch_exporter_frames_lost_total", exp, w, BY_MODEL)
     received = _rate("layerwatch_exporter_frames_received_total", exp, w, BY_MODEL)
     record(r.telemetry_loss_ratio, f"{lost}\n/\n(\n  {received}\n  +\n  {lost}\n)")
@@ -186,10 +184,7 @@ def fleet_rules(timing: Timing) -> list[dict]:
         "  ) * 0 + 1\n"
         f"  or\n  layerwatch_entropy_window_observations{{{exp}}} * 0\n)"
     )
-    ratios = (
-        (r.fleet_skip_ratio, "layerwatch_layer_skips_total", "layerwatch_layer_evaluations_total"),
-        (r.fleet_shadow_agreement_ratio, "layerwatch_shadow_agreements_total", "layerwatch_shadow_tokens_total"),
-    )
+    ratios = ((r.fleet_skip_ratio, "layerwatch_layer_skips_total", "layerwatch_layer_evaluations_total"),)
     buckets = (
         (r.fleet_entropy_buckets, "layerwatch_entropy_bucket", exp),
         (r.fleet_request_skip_fraction_buckets, "layerwatch_request_skip_fraction_bucket", shim),
@@ -204,7 +199,29 @@ def fleet_rules(timing: Timing) -> list[dict]:
             {"record": name, "expr": f"{_rate(part, shim, w, BY_FLEET)}\n/\n{_rate(whole, shim, w, BY_FLEET)}"}
             for name, part, whole in ratios
         ),
+        *shadow_rules(
+            r,
+            w,
+            BY_FLEET,
+            r.fleet_shadow_agreement_ratio,
+            r.fleet_shadow_kl_per_token,
+            r.fleet_shadow_perplexity_increase,
+        ),
         *({"record": name, "expr": _rate(metric, sel, w, f"{BY_FLEET}, le")} for name, metric, sel in buckets),
+    ]
+
+
+def shadow_rules(r: Recorded, window: str, by: str, agreement: str, kl_per_token: str, perplexity: str) -> list[dict]:
+    """The shadow check's ratios per shadow-checked token, aggregated `by` (a target, or the fleet):
+    agreement, the quality cost KL(gated || full) in nats, and the perplexity increase estimated from
+    KL(full || gated) as exp(mean) - 1 (docs/service.md, "Quality guard"). Absent without checks."""
+    shim = config.SHIM_SELECTOR
+    tokens = _rate("layerwatch_shadow_tokens_total", shim, window, by)
+    reverse = _rate("layerwatch_shadow_reverse_kl_nats_total", shim, window, by)
+    return [
+        {"record": agreement, "expr": f"{_rate('layerwatch_shadow_agreements_total', shim, window, by)}\n/\n{tokens}"},
+        {"record": kl_per_token, "expr": f"{_rate('layerwatch_shadow_kl_nats_total', shim, window, by)}\n/\n{tokens}"},
+        {"record": perplexity, "expr": f"exp(\n  {reverse}\n  /\n  {tokens}\n) - 1"},
     ]
 
 

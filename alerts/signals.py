@@ -76,6 +76,20 @@ FIGURES: tuple[Figure, ...] = (
         fires_below=True,
     ),
     Figure(
+        "quality cost (nats/token)",
+        "LayerwatchShadowQualityCost",
+        lambda r, p, s: f"{r.shadow_kl_per_token}{{{s}}}",
+        lambda p: p.shadow_kl_nats_max,
+        fires_below=False,
+    ),
+    Figure(
+        "est. perplexity increase",
+        None,
+        lambda r, p, s: f"{r.shadow_perplexity_increase}{{{s}}}",
+        None,
+        fires_below=False,
+    ),
+    Figure(
         "gate-importance correlation",
         "LayerwatchGateMiscalibrated",
         lambda r, p, s: f"layerwatch_gate_importance_correlation{{{config.SHIM_SELECTOR}, {s}}}",

@@ -580,15 +580,21 @@ def entropy_drift(b: AlertBuild) -> list[dict]:
     ]
 
 
+# Agreement: the full-depth argmax against the gated model's own argmax at generation time (raw logits),
+# for every request the shadow check samples, whatever its temperature (docs/service.md, "Quality guard").
 @alert("LayerwatchShadowAgreementLow", severities=(PAGE,), default_for="10m", reads=("shadow_agreement_min",))
 def shadow_agreement_low(b: AlertBuild) -> list[dict]:
     p, r = b.profile, b.recorded
     return [
         b.rule(
             f"{r.shadow_agreement_ratio}{{{b.selector}}} < {p.shadow_agreement_min}",
-            "Full-depth re-checks disagree with the gated output too often.",
+            "Full-depth re-checks disagree with the gated model too often.",
             f"Only {_value()} of the shadow-checked tokens of {_WHERE} had the same top-1 token at "
-            f"full depth (minimum {p.shadow_agreement_min}). Skip ratio: " + _lookup(r.skip_ratio) + ".",
+            f"full depth as the gated model's own (minimum {p.shadow_agreement_min}). Quality cost: "
+            + _lookup(r.shadow_kl_per_token, "%.4f")
+            + " nats per token. Skip ratio: "
+            + _lookup(r.skip_ratio)
+            + ".",
         )
     ]
 
@@ -652,6 +658,96 @@ def telemetry_loss(b: AlertBuild) -> list[dict]:
             labels={"trigger": "dropped"},
         ),
     ]
+
+
+# The quality cost of skipping as a distribution distance, not only the top-1 token: the mean of
+# KL(gated || full) per shadow-checked token, on the coarsened distributions of the gated model's
+# top-K (a lower bound; docs/service.md, "Quality guard"). A page: the answers are measurably worse.
+@alert("LayerwatchShadowQualityCost", severities=(PAGE,), default_for="10m", reads=("shadow_kl_nats_max",))
+def shadow_quality_cost(b: AlertBuild) -> list[dict]:
+    p, r = b.profile, b.recorded
+    return [
+        b.rule(
+            f"{r.shadow_kl_per_token}{{{b.selector}}} > {p.shadow_kl_nats_max}",
+            "Skipping costs more answer quality than the model's healthy baseline.",
+            f"The shadow-checked tokens of {_WHERE} cost {_value('%.4f')} nats each of KL(gated || full) "
+            f"between the two models' next-token distributions (limit {p.shadow_kl_nats_max}; a lower bound). "
+            "Estimated perplexity increase: "
+            + _lookup(r.shadow_perplexity_increase)
+            + "; shadow agreement "
+            + _lookup(r.shadow_agreement_ratio)
+            + "; skip ratio "
+            + _lookup(r.skip_ratio)
+            + ".",
+        )
+    ]
+
+
+# LayerwatchQualityGuardBlind: with so many checks expected, zero by chance has probability at most
+# e^-MIN_EXPECTED_SHADOW_CHECKS (each of n gated requests is checked with probability r: (1 - r)^n <=
+# e^-nr), 2e-9: a shim that measured nothing is broken, not unlucky.
+MIN_EXPECTED_SHADOW_CHECKS = 20
+
+
+# A ticket: the quality pages (shadow agreement, quality cost, gate calibration) cannot fire while the
+# shadow check measures nothing, and nothing else would say so.
+@alert("LayerwatchQualityGuardBlind", severities=(TICKET,), default_for="5m", reads=("shadow_rate_min",))
+def quality_guard_blind(b: AlertBuild) -> list[dict]:
+    p = b.profile
+    shim = f"{config.SHIM_SELECTOR}, {b.selector}"
+    window = b.timing(config.QUALITY_GUARD_WINDOW)
+
+    def increase(metric: str, window: str, matchers: str = "") -> str:
+        return f"sum by ({BY_MODEL}) (increase({metric}{{{shim}{matchers}}}[{window}]))"
+
+    gated = increase("layerwatch_depth_decisions_total", window, ', mode!="full"')
+    rate = f"min by ({BY_MODEL}) (min_over_time(layerwatch_mitigation_shadow_rate{{{shim}}}[{window}]))"
+    tokens = increase("layerwatch_shadow_tokens_total", window)
+    summary = "The quality guard measures nothing: skipping could hurt the answers unseen."
+    rules = [
+        b.rule(
+            f"(\n  {gated}\n  * on ({BY_MODEL})\n  {rate}\n) >= {MIN_EXPECTED_SHADOW_CHECKS}\n"
+            f"and on ({BY_MODEL})\n{tokens} == 0",
+            summary,
+            f"The gated requests of {_WHERE} expected {_value('%.0f')} shadow checks in {window} (gated requests "
+            "x the lowest shadow rate), and none measured a token: the shadow agreement, quality cost and gate "
+            "calibration alerts cannot fire. Outcomes of the sampled requests: "
+            + _outcomes(b, window)
+            + "- see the shim's log for 'shadow re-check failed'.",
+            labels={"trigger": "no_checks"},
+        ),
+        b.rule(
+            f"{tokens} > 0\nand on ({BY_MODEL})\n{increase('layerwatch_layer_signal_tokens_total', window)} == 0",
+            summary,
+            f"The shadow check of {_WHERE} compared {_value('%.0f')} tokens in {window} but measured no layer "
+            "signal on any of them: the gate calibration (LayerwatchGateMiscalibrated) has no samples. "
+            "Non-finite layer signals are left out: check the model's numerics and the shim's log.",
+            labels={"trigger": "no_layer_signals"},
+        ),
+    ]
+    if p.shadow_rate_min > 0:  # a profile that expects no checks has nothing to compare the rate with
+        traffic = increase("layerwatch_depth_decisions_total", b.timing(config.RATE_WINDOW), ', mode!="full"')
+        rules.append(
+            b.rule(
+                f"max by ({BY_MODEL}) (layerwatch_mitigation_shadow_rate{{{shim}}}) < {p.shadow_rate_min}\n"
+                f"and on ({BY_MODEL})\n{traffic} > 0",
+                summary,
+                f"The shadow check rate of {_WHERE} is {_value('%g')} while it serves gated requests, below the "
+                f"{p.shadow_rate_min:g} its profile expects: too few or no requests are compared with the "
+                "full-depth model. Set --shadow-rate.",
+                labels={"trigger": "rate"},
+            )
+        )
+    return rules
+
+
+def _outcomes(b: AlertBuild, window: str) -> str:
+    """`outcome (count)` for each outcome of the sampled requests over `window` (a quoted query)."""
+    query = f"sum by (outcome) (increase(layerwatch_shadow_requests_total{{instance=%q,model_name=%q}}[{window}])) > 0"
+    return (
+        "{{ range printf `" + query + '` $labels.instance $labels.model_name | query | sortByLabel "outcome" }}'
+        '{{ .Labels.outcome }} ({{ .Value | printf "%.0f" }}) {{ else }}none {{ end }}'
+    )
 
 
 # --- derived from the specs above ------------------------------------------------------------------

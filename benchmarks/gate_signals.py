@@ -7,8 +7,8 @@ What the shim does with `--shadow-rate`, offline: greedy completions of the load
 (demo/loadgen.py) by the real GenerationEngine, each re-run at full depth with the layer probe
 (`full_depth_agreement(..., layer_signals=True)`) and folded into a `LayerSignalStats`; the value of
 `layerwatch_gate_importance_correlation` is recorded after every job once the reservoir is full.
-`--temperature` > 0 completes with sampling instead (more varied text; the shim itself only re-checks
-greedy requests). Prints, for the served gates and the shuffled ones: the gauge's range, the
+`--temperature` > 0 completes with sampling instead (more varied text; the shim checks requests at
+any temperature). Prints, for the served gates and the shuffled ones: the gauge's range, the
 shadow agreement, the per-layer means, and the shadow pass's time with and without the probe.
 `layerwatch calibrate` sets the floor in alerts/profiles/demo.yaml from the same gauge on its own
 baseline (docs/alerting.md, "What calibrate measures"); this script cross-checks it on the load
@@ -47,7 +47,9 @@ def measure(loaded, gates: LoadedGates, requests: int, max_tokens: int, temperat
     for i in range(requests):
         prompt = tokenizer.encode(PROMPTS[i % len(PROMPTS)])
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i)
-        job = ShadowJob(prompt, engine.generate(prompt, params).token_ids)
+        generated = engine.generate(prompt, params, record=True)
+        assert generated.gated_record is not None  # record=True
+        job = ShadowJob(prompt, generated.token_ids, generated.gated_record)
         started = time.perf_counter()
         result = full_depth_agreement(model, job, layer_signals=True)
         probed_s.append(time.perf_counter() - started)

@@ -2,11 +2,15 @@
 
     .venv/bin/python benchmarks/service_bench.py                  # the demo model if trained, else random
     .venv/bin/python benchmarks/service_bench.py --model DIR      # any checkpoint folder (gates optional)
+    .venv/bin/python benchmarks/service_bench.py --random         # a random model (--layers, --hidden)
 
 "On" is exactly what `layerwatch serve` hangs on the engine's step hook: the per-layer metric
 accumulation (DecodeStats) and one gate frame per step over UDP to an exporter stand-in (a separate
 process that receives and discards the datagrams); the trace file is off. "Off" is the same
-engine without a hook. Both drive the real GenerationEngine with `--batch` concurrent sequences,
+engine without a hook. With `--shadow-rate R`, "on" also records the gated distribution of that share of
+its sequences, as the shim does for the requests its shadow check samples (docs/service.md, "Quality
+guard"): the decode path's whole cost of telemetry plus shadow sampling. Both drive the real
+GenerationEngine with `--batch` concurrent sequences,
 in interleaved repetitions (alternating which goes first) so that machine noise hits both alike.
 Prints tokens/s for each and the ratio on/off (goal >= 0.99): the median over repetitions of the
 ratio of the two adjacent runs, and the ratio of the best runs, in wall time and in tokens per CPU
@@ -85,8 +89,15 @@ class Run:
 
 
 def decode_run(
-    model: Transformer, tokenizer: Tokenizer, hook: StepHook | None, batch: int, tokens: int, prompt: list[int]
+    model: Transformer,
+    tokenizer: Tokenizer,
+    hook: StepHook | None,
+    batch: int,
+    tokens: int,
+    prompt: list[int],
+    recording: int = 0,
 ) -> Run:
+    """`recording`: how many of the `batch` sequences record their gated distribution."""
     engine = GenerationEngine(
         model,
         tokenizer,
@@ -96,8 +107,8 @@ def decode_run(
         max_seq_len=len(prompt) + tokens + 1,
         step_hook=hook,
     )
-    for _ in range(batch):
-        engine.submit(prompt, SamplingParams(max_tokens=tokens))
+    for i in range(batch):
+        engine.submit(prompt, SamplingParams(max_tokens=tokens), record=i < recording)
     engine.step()  # admission (prefill) and the first step are outside the timed part
     wall, cpu = time.perf_counter(), time.process_time()
     steps = 0
@@ -133,16 +144,21 @@ def main() -> int:
         default=None,
         help="checkpoint folder (default: the demo model if trained, else a random model)",
     )
+    parser.add_argument("--random", action="store_true", help="a random model even where the demo model exists")
     parser.add_argument("--layers", type=int, default=12, help="random model: layers")
     parser.add_argument("--hidden", type=int, default=512, help="random model: width")
     parser.add_argument("--batch", type=int, default=4, help="concurrent sequences")
     parser.add_argument("--tokens", type=int, default=96, help="generated tokens per sequence")
     parser.add_argument("--repetitions", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument(
+        "--shadow-rate", type=float, default=0.0, help="share of the 'on' runs' sequences that record (shadow check)"
+    )
     args = parser.parse_args()
+    recording = round(args.shadow_rate * args.batch)
     torch.set_num_threads(args.threads)
 
-    folder = args.model or (DEMO_MODEL_DIR if demo_model_present() else None)
+    folder = args.model or (DEMO_MODEL_DIR if demo_model_present() and not args.random else None)
     if folder is not None:
         model, tokenizer = load_model(folder)
         described = f"checkpoint {folder}"
@@ -160,8 +176,17 @@ def main() -> int:
         for repetition in range(args.repetitions):
             order = ("off", "on") if repetition % 2 == 0 else ("on", "off")
             for mode in order:
+                on = mode == "on"
                 runs[mode].append(
-                    decode_run(model, tokenizer, hook if mode == "on" else None, args.batch, args.tokens, prompt)
+                    decode_run(
+                        model,
+                        tokenizer,
+                        hook if on else None,
+                        args.batch,
+                        args.tokens,
+                        prompt,
+                        recording=recording if on else 0,
+                    )
                 )
         hook_seconds, step_seconds = hook_cost(model, tokenizer, hook, args.batch, args.tokens, prompt)
     finally:
@@ -169,7 +194,7 @@ def main() -> int:
     sender.close()
     print(
         f"{described}; batch {args.batch}, {args.tokens} tokens per sequence, {args.repetitions} "
-        f"interleaved repetitions, torch threads {args.threads}"
+        f"interleaved repetitions, torch threads {args.threads}; 'on' records {recording} of {args.batch} sequences"
     )
     for mode in ("off", "on"):
         wall = [r.wall for r in runs[mode]]

@@ -377,6 +377,75 @@ def _fleet_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dash
     )
 
 
+def _quality_cost_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dashboard:
+    """What skipping costs in answer quality, next to how much it skips: the shadow check's agreement,
+    nats per token and estimated perplexity increase per shim and for the fleet, and its coverage
+    (docs/service.md, "Quality guard")."""
+    d = d.with_row(p.row("Quality cost of skipping"))
+    d = d.with_panel(
+        p.timeseries(
+            "Shadow agreement and skip ratio",
+            "Share of shadow-checked tokens whose full-depth top-1 token equals the gated model's own top-1 "
+            "at generation time (any temperature; LayerwatchShadowAgreementLow), with the profile's minimum, "
+            "and the skip ratio (right axis).",
+            "percentunit",
+            [
+                (f"{r.shadow_agreement_ratio}{{{SHIM}}}", "agreement {{instance}}"),
+                (f"{r.skip_ratio}{{{SHIM}}}", "skip ratio {{instance}}"),
+                (f"{PROFILE.shadow_agreement_min}{{{MODEL}}}", "limit: minimum agreement"),
+            ],
+            width=6,
+            limits="limit",
+            right_axis_ref="B",
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Quality cost per token",
+            "Nats of KL(gated || full) per shadow-checked token between the gated and the full-depth model's "
+            "next-token distributions (a lower bound: the gated top-16 and one bucket for the rest), per shim "
+            "and for the fleet, with the profile's limit (LayerwatchShadowQualityCost).",
+            "none",
+            [
+                (f"{r.shadow_kl_per_token}{{{SHIM}}}", "nats/token {{instance}}"),
+                (f"{r.fleet_shadow_kl_per_token}{{{MODEL}}}", "nats/token fleet"),
+                (f"{PROFILE.shadow_kl_nats_max}{{{MODEL}}}", "limit: quality cost"),
+            ],
+            width=6,
+            limits="limit",
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Estimated perplexity increase",
+            "exp(mean KL(full || gated) per shadow-checked token) - 1: the perplexity increase of the gated "
+            "model on text the full-depth model writes (a lower bound), per shim and for the fleet. "
+            "`layerwatch eval` measures the offline figure on held-out text (docs/service.md).",
+            "percentunit",
+            [
+                (f"{r.shadow_perplexity_increase}{{{SHIM}}}", "{{instance}}"),
+                (f"{r.fleet_shadow_perplexity_increase}{{{MODEL}}}", "fleet"),
+            ],
+            width=6,
+        )
+    )
+    return d.with_panel(
+        p.timeseries(
+            "Shadow check coverage",
+            "Requests sampled for the shadow check per second by outcome (checked, queue_full, failed, "
+            "full_depth, no_output), and the shadow rate new gated requests get (right axis): a guard that "
+            "checks nothing is blind (LayerwatchQualityGuardBlind).",
+            "reqps",
+            [
+                (f"sum by (outcome) (rate(layerwatch_shadow_requests_total{{{SHIM}}}{RATE}))", "{{outcome}}"),
+                (f"max by (instance) (layerwatch_mitigation_shadow_rate{{{SHIM}}})", "shadow rate {{instance}}"),
+            ],
+            width=6,
+            right_axis_ref="B",
+        )
+    )
+
+
 def build() -> tuple[dict, list[tuple[str, str]]]:
     """The dashboard as JSON-ready data, and every (panel, query) it holds."""
     r = Recorded.for_timing(Timing())
@@ -509,6 +578,8 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
             width=24,
         )
     )
+
+    d = _quality_cost_row(d, p, r)
 
     # --- gate entropy -----------------------------------------------------------------------
     d = d.with_row(p.row("Gate entropy"))
@@ -763,20 +834,6 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
 
     # --- quality and telemetry --------------------------------------------------------------
     d = d.with_row(p.row("Quality and telemetry"))
-    d = d.with_panel(
-        p.timeseries(
-            "Shadow agreement",
-            "Share of shadow-checked tokens whose full-depth top-1 token equals "
-            "the gated output (LayerwatchShadowAgreementLow), with the profile's minimum.",
-            "percentunit",
-            [
-                (f"{r.shadow_agreement_ratio}{{{SHIM}}}", "agreement {{instance}}"),
-                (f"{PROFILE.shadow_agreement_min}{{{MODEL}}}", "limit: minimum"),
-            ],
-            width=8,
-            limits="limit",
-        )
-    )
     d = d.with_panel(
         p.timeseries(
             "Telemetry loss",

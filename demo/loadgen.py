@@ -30,13 +30,19 @@ PROMPTS = (
     "Praise ye the LORD.",
 )
 
+# The load's sampling, request i at TEMPERATURES[i % 2] with its own seed: what chat clients send
+# (OpenAI's default temperature 1, and a cooler 0.7), top_p left at its default 1. No greedy share:
+# the shim's shadow check compares requests at any temperature.
+TEMPERATURES = (1.0, 0.7)
+
 # A category of traffic that skips more than the rest, from the demo model itself: garbled
 # transcripts (a speech-to-text bug's runs of function words, as in the field's incident) sent at
 # temperature 0. The demo model answers each with a short repeated phrase ("..., and upon all the
 # people, and upon all the people"), made of tokens its gates score low, and skips 0.377-0.384 of
 # its decode layer evaluations over 64 tokens, where the load above skips 0.20-0.34 per request
 # (0.27 overall). Found by searching prompts on the demo model; no prompt made it skip much more
-# (docs/service.md, "Per-request skipping").
+# (docs/service.md, "Per-request skipping"). It must stay greedy: sampled, the loop breaks up (16
+# transcripts each: 0.31 of them above 0.35 at temperature 0.2, 0.12 at 0.4, none at 0.7 or 1.0).
 STUTTER_PROMPTS = (
     "they was: they was: they was: they was: they was: ",
     "\n unto \n will upon And of \n you",
@@ -129,15 +135,14 @@ def _one_request(
     rng: random.Random,
     max_tokens: int,
     stream: bool,
-    greedy: bool,
+    temperature: float,
     timeout: float,
     prompts: tuple[str, ...] = PROMPTS,
 ) -> tuple[int, dict | None]:
     body = {"model": model, "prompt": rng.choice(prompts), "max_tokens": max_tokens, "stream": stream}
-    if greedy:
-        body["temperature"] = 0.0
-    else:
-        body.update(temperature=0.8, top_p=0.95, seed=rng.randrange(1 << 30))
+    body["temperature"] = temperature
+    if temperature > 0:
+        body["seed"] = rng.randrange(1 << 30)
     if stream:
         body["stream_options"] = {"include_usage": True}
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
@@ -169,7 +174,6 @@ def run_load(
     concurrency: int = 4,
     max_tokens: int = 32,
     stream_fraction: float = 0.5,
-    greedy_fraction: float = 0.25,
     max_requests: int = 100_000,
     seed: int = 0,
     stop: threading.Event | None = None,
@@ -178,9 +182,8 @@ def run_load(
 ) -> LoadReport:
     """Send completions from `concurrency` threads until `duration` seconds, `max_requests` or `stop`.
 
-    A `greedy_fraction` of the requests decode greedily (the shim shadow-checks only those, since a
-    sampled token has no single full-depth answer); the rest sample with a per-request seed. With a
-    `category`, its share of the requests (evenly spread) use its prompts and settings instead.
+    Requests sample at TEMPERATURES in turn, each with its own seed. With a `category`, its share of
+    the requests (evenly spread) use its prompts and settings instead.
     """
     parts = urlsplit(base_url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
@@ -199,14 +202,15 @@ def run_load(
                 return
             started = time.monotonic()
             stream = rng.random() < stream_fraction
-            greedy = rng.random() < greedy_fraction
             in_category = category is not None and category.includes(request)
             if category is not None and in_category:
+                temperature = 0.0 if category.greedy else TEMPERATURES[request % len(TEMPERATURES)]
                 status, usage = _one_request(
-                    host, port, model, rng, category.max_tokens, stream, category.greedy, timeout, category.prompts
+                    host, port, model, rng, category.max_tokens, stream, temperature, timeout, category.prompts
                 )
             else:
-                status, usage = _one_request(host, port, model, rng, max_tokens, stream, greedy, timeout)
+                temperature = TEMPERATURES[request % len(TEMPERATURES)]
+                status, usage = _one_request(host, port, model, rng, max_tokens, stream, temperature, timeout)
             merge.add(status, usage, time.monotonic() - started, in_category)
             if status == 0:
                 stop.wait(0.2)  # server not reachable: back off instead of spinning

@@ -367,14 +367,44 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_shadow_tokens_total",
         "counter",
         ("model_name",),
-        "Generated tokens re-scored at full depth by the shadow quality check.",
+        "Generated tokens compared with the full-depth model by the shadow quality check (teacher-forced, "
+        "any sampling settings).",
         SHIM,
     ),
     _m(
         "layerwatch_shadow_agreements_total",
         "counter",
         ("model_name",),
-        "Shadow-checked tokens whose full-depth top-1 token equals the gated output.",
+        "Shadow-checked tokens at which the full-depth model's top-1 token equals the gated model's own top-1 "
+        "(the argmax of its logits at generation time, before temperature, top-p, penalties and bias).",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_shadow_kl_nats_total",
+        "counter",
+        ("model_name",),
+        "Quality cost: sum over shadow-checked tokens of KL(gated || full) in nats between the two models' raw "
+        "next-token distributions (temperature 1), on the partition {each of the gated top-K tokens} + {the rest} "
+        "(K = 16): a lower bound of the true KL. A request's temperature, top-p, penalties and bias only choose which "
+        "contexts are visited. Per token = rate of this / rate of layerwatch_shadow_tokens_total.",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_shadow_reverse_kl_nats_total",
+        "counter",
+        ("model_name",),
+        "Sum over shadow-checked tokens of KL(full || gated) in nats on the same partition; with m its mean per "
+        "token, exp(m) - 1 estimates the perplexity increase of the gated model on text the full-depth model "
+        "writes (a lower bound).",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_shadow_requests_total",
+        "counter",
+        ("model_name", "outcome"),
+        "Requests sampled for the shadow check (at admission, --shadow-rate or a mitigation's rate), by outcome: "
+        "checked, queue_full (64 checks waited: not taken), failed (the check raised), full_depth (the complexity "
+        "pre-check moved it to full depth: nothing gated to check), no_output (it failed or generated nothing).",
         SHIM,
     ),
     # --- shim: alert-driven mitigation (docs/service.md, "Alert-driven mitigation") --------------

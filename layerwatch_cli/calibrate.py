@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -60,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--margin", type=float, default=defaults["margin"], help="added on both sides of each measured band"
     )
     parser.add_argument(
+        "--shadow-rate-min",
+        type=float,
+        default=defaults["shadow_rate_min"],
+        help="the shadow rate the model's shims are expected to run at (written to the profile; 0: none expected)",
+    )
+    parser.add_argument(
         "--min-observations",
         type=int,
         default=defaults["min_observations"],
@@ -85,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             chunk_tokens=args.chunk_tokens,
             margin=args.margin,
             min_observations=args.min_observations,
+            shadow_rate_min=args.shadow_rate_min,
             kv_policy=args.kv_policy,
             batch_size=args.batch_size,
         )
@@ -111,9 +119,15 @@ def run(args: argparse.Namespace) -> int:
         f"entropies, skipped {stats.skip_ratio:.1%}, fallbacks {result.fallbacks}"
     )
     print("\n".join(baseline_summary(stats, profile)))
+    tokens, agreements = result.shadow_total("tokens"), result.shadow_total("agreements")
+    checked = max(tokens, 1)
     print(
-        f"shadow agreement (greedy, full-depth top-1): {result.shadow_agreements}/{result.shadow_tokens} = "
-        f"{result.shadow_agreements / max(result.shadow_tokens, 1):.3f}; alert floor {profile.shadow_agreement_min}"
+        f"shadow check ({len(result.shadow_checks)} requests, {tokens:.0f} tokens, the baseline's own sampling): "
+        f"agreement of the gated and full-depth top-1 {agreements:.0f}/{tokens:.0f} = {agreements / checked:.3f}, "
+        f"alert floor {profile.shadow_agreement_min}; quality cost KL(gated || full) "
+        f"{result.shadow_total('kl_nats') / checked:.4f} nats per token, alert above {profile.shadow_kl_nats_max}; "
+        f"estimated perplexity increase {math.expm1(result.shadow_total('reverse_kl_nats') / checked):+.2%}; "
+        f"shadow rate expected at least {profile.shadow_rate_min:g}"
     )
     gi = result.gate_importance
     print(

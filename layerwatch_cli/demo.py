@@ -2,8 +2,10 @@
 
 Starts the exporter and the shim (on the demo model unless --model is given), Prometheus and
 Alertmanager with the repo's own configs on the end-to-end test's scaled timing when their binaries
-are installed (Alertmanager delivering to a receiver in this process), and a load generator; then
-shows the live entropy histogram with the alert state beside it until Ctrl-C or --duration. With
+are installed (Alertmanager delivering to a receiver in this process), and a load generator (sampled
+requests only, demo/loadgen.py); then shows the live entropy histogram with the alert state and the
+figures each page reads beside it (without Prometheus: the shim's shadow check since it started)
+until Ctrl-C or --duration. With
 --drill, a fault is injected after a healthy baseline and the view shows its page arriving. Every
 process it started is stopped on the way out, whatever the way out is.
 """
@@ -11,6 +13,7 @@ process it started is stopped on the way out, whatever the way out is.
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import sys
 import tempfile
@@ -25,7 +28,7 @@ from demo.drills import DRILLS, DrillRun
 from demo.loadgen import run_load
 from demo.receiver import WebhookReceiver
 from demo.stack import TIMING, TIMING_NOTE, DemoStack, monitoring_installed
-from exporter.live_view import CLEAR_SCREEN, render_screen
+from exporter.live_view import CLEAR_SCREEN, Samples, render_screen, scrape, total
 from layerwatch import ports
 from layerwatch_cli import argtypes
 
@@ -65,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shadow-rate",
         type=float,
         default=1.0,
-        help="share of greedy requests the shim re-checks at full depth, within its duty cycle "
+        help="share of requests the shim compares with the full-depth model, within its duty cycle "
         "(default %(default)s, as in the end-to-end test: the shuffle drill's page needs the samples)",
     )
     parser.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0 = until Ctrl-C)")
@@ -135,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         load.start()
         if drill is not None and receiver is not None:
             drill_run = DrillRun(drill, stack, receiver, args.baseline)
-        _show(exporter_url, banner, args, stack, view, drill_run)
+        _show(shim_url, exporter_url, banner, args, stack, view, drill_run)
     except KeyboardInterrupt:
         interrupted = True
     except (RuntimeError, TimeoutError, ProfileError) as exc:
@@ -163,7 +166,22 @@ def _drill_verdict(drill_run: DrillRun, interrupted: bool) -> int:
     return 1
 
 
+def shadow_line(samples: Samples) -> str:
+    """The shim's shadow check since it started, from its /metrics (docs/service.md, "Quality guard")."""
+    tokens = total(samples, "layerwatch_shadow_tokens_total")
+    checked = total(samples, "layerwatch_shadow_requests_total", outcome="checked")
+    if not tokens:
+        return f"shadow check: {checked:.0f} requests checked, no token yet"
+    return (
+        f"shadow check: {checked:.0f} requests, {tokens:.0f} tokens compared with full depth; agreement "
+        f"{total(samples, 'layerwatch_shadow_agreements_total') / tokens:.3f}, quality cost "
+        f"{total(samples, 'layerwatch_shadow_kl_nats_total') / tokens:.4f} nats/token, estimated perplexity "
+        f"increase {math.expm1(total(samples, 'layerwatch_shadow_reverse_kl_nats_total') / tokens):+.1%}"
+    )
+
+
 def _show(
+    shim_url: str,
     exporter_url: str,
     banner: str,
     args: argparse.Namespace,
@@ -182,8 +200,10 @@ def _show(
         beside: Callable[[str], list[str]] | None = view.snapshot().lines if view is not None else None
         try:
             screen = render_screen(exporter_url, beside, shutil.get_terminal_size().columns)
+            if view is None:  # no Prometheus: the figures come from the shim itself
+                screen = shadow_line(scrape(shim_url)) + "\n\n" + screen
         except OSError as exc:
-            screen = f"exporter not readable yet: {exc}"
+            screen = f"shim or exporter not readable yet: {exc}"
         if interactive:
             sys.stdout.write(CLEAR_SCREEN + banner + "\n\n" + status + screen + "\n\n(Ctrl-C stops the demo)\n")
         else:

@@ -333,7 +333,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shadow-rate",
         type=argtypes.fraction,
         default=SETTINGS_DEFAULTS["shadow_rate"],
-        help="share of finished greedy requests re-scored at full depth (quality guard)",
+        help="share of requests, at any temperature, compared with the full-depth model (quality guard)",
     )
 
     mitigation = parser.add_argument_group("alert-driven mitigation (docs/service.md)")

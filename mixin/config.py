@@ -24,6 +24,7 @@ TARGET_LABELS = ("job", "instance")
 RATE_WINDOW = 300.0  # every rate(): 5m
 SKIP_BASELINE_WINDOW = 3600.0  # the skip ratio's own recent baseline: 1h
 GATE_CHANGE_WINDOW = 3600.0  # how long a gates_sha256 change stays visible (and the alert firing)
+QUALITY_GUARD_WINDOW = 900.0  # over which LayerwatchQualityGuardBlind judges that nothing was measured: 15m
 
 # Severities: Alertmanager routes critical to the pager, warning to the ticket queue.
 SEVERITY_PAGE = "critical"

@@ -5,9 +5,15 @@ GenerationEngine with the service's sampling settings; its decoded rows become t
 bimodality and routing baseline by alerts/baseline.py (which `layerwatch calibrate-trace` shares, for
 a trace of any engine). What only the serving engine can measure is measured here:
 
-The shadow-agreement floor is measured the way the service's quality guard measures it (greedy
-requests re-scored at full depth), per chunk of requests: [lowest chunk - margin]. A model whose
-gates change the top-1 token for one token in five is healthy at 0.8, not at a generic 0.9.
+The shadow check's limits are measured the way the service's quality guard measures them: every
+baseline request is decoded with its gated distribution recorded (`record=True`, at the baseline's
+own sampling settings) and compared with a teacher-forced full-depth pass
+(inference_shim/runtime/agreement.py), per chunk of `chunk_tokens` checked tokens. The agreement
+floor is [lowest chunk - margin]: a model whose gates change the top-1 token for one token in five is
+healthy at 0.8, not at a generic 0.9. The quality-cost limit (nats of KL(gated || full) per token) is
+QUALITY_COST_FACTOR x the highest chunk: KL is not a fraction, so its margin is relative. The
+default sampling (temperature 1, top_p 1: OpenAI's defaults, the hottest traffic the load generator
+sends) gives the lowest agreement and so a floor that holds for cooler traffic too.
 
 The gate-importance floor (LayerwatchGateMiscalibrated) comes from the same shadow passes, run with
 the layer probe as the service runs them (`full_depth_agreement(..., layer_signals=True)`), folded
@@ -30,6 +36,7 @@ profile.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import random
@@ -62,8 +69,8 @@ class CalibrationSettings:
     threshold: float | None = None  # None: the threshold the gates were trained for
     prompts: int = 128  # requests in the baseline
     max_new_tokens: int = 32  # tokens generated per request
-    temperature: float = 0.8  # the demo load generator's sampling
-    top_p: float = 0.95
+    temperature: float = 1.0  # OpenAI's defaults: the hottest of the demo load generator's traffic
+    top_p: float = 1.0
     seed: int = 0
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # decoded tokens per chunk when measuring how much window statistics vary
     margin: float = DEFAULT_MARGIN  # added on both sides of each measured band
@@ -72,6 +79,9 @@ class CalibrationSettings:
     min_observations: int = DEFAULT_MIN_WINDOW_OBSERVATIONS
     kv_policy: str = KV_POLICIES[0]
     batch_size: int = 8
+    # Written to the profile: a calibrated model is expected to be shadow-checked at least this often
+    # (LayerwatchQualityGuardBlind tickets a shim serving it below).
+    shadow_rate_min: float = 0.01
 
     def __post_init__(self) -> None:
         # NaN compares false with every limit: --margin nan wrote every band as [0, 1] (alerts that never
@@ -97,16 +107,19 @@ class CalibrationSettings:
 # LayerwatchGateMiscalibrated's floor: this fraction of the lowest healthy gate-importance reading
 # (and at least the margin below it).
 GATE_FLOOR_FRACTION = 0.5
+# LayerwatchShadowQualityCost's limit: this factor x the highest healthy chunk's nats per token.
+QUALITY_COST_FACTOR = 1.5
 
 
 @dataclass
 class Baseline:
-    """Decode-time gate entropies and skip decisions, one row per decoded token, and each finished
-    request's per-layer counts of its decode steps."""
+    """Decode-time gate entropies and skip decisions, one row per decoded token, each finished
+    request's per-layer counts of its decode steps, and its shadow job (its gated record)."""
 
     entropies: list[np.ndarray] = field(default_factory=list)  # float32 [B, L] per step
     skipped: list[np.ndarray] = field(default_factory=list)  # bool [B, L] per step
     requests: list[RequestLayers] = field(default_factory=list)  # in the order they finished
+    jobs: list[ShadowJob] = field(default_factory=list)  # in the order they finished
 
     def record(self, step) -> None:  # an engine StepRecord
         self.entropies.append(step.entropies)
@@ -138,6 +151,20 @@ def gate_importance_floor(readings: list[float], margin: float) -> float:
         raise ValueError("no gate-importance reading: the shadow checks never filled the reservoir")
     lowest = min(readings)
     return round(max(-1.0, min(GATE_FLOOR_FRACTION * lowest, lowest - margin)), 3)
+
+
+def quality_cost_limit(checks: list[ShadowResult], chunk_tokens: int) -> float:
+    """QUALITY_COST_FACTOR x the highest nats per token of KL(gated || full) over chunks of at least
+    `chunk_tokens` checked tokens (checks in order), rounded up to 4 decimals."""
+    per_token, tokens, nats = [], 0, 0.0
+    for check in checks:
+        tokens, nats = tokens + check.tokens, nats + check.kl_nats
+        if tokens >= chunk_tokens:
+            per_token.append(nats / tokens)
+            tokens, nats = 0, 0.0
+    if not per_token:
+        raise ValueError(f"the shadow checks covered fewer than one chunk of {chunk_tokens} tokens")
+    return math.ceil(QUALITY_COST_FACTOR * max(per_token) * 1e4 - 1e-9) / 1e4  # (- 1e-9: float noise)
 
 
 def agreement_floor(checks: list[tuple[int, int]], chunk_tokens: int, margin: float) -> float:
@@ -179,7 +206,8 @@ def generate_baseline(
     top_p: float,
     seed: int,
 ) -> int:
-    """Complete every prompt with the GenerationEngine, recording each decode step; returns fallbacks."""
+    """Complete every prompt with the GenerationEngine, recording each decode step and each request's
+    gated distribution (its shadow job); returns fallbacks."""
     fallbacks = 0
 
     def record(step) -> None:
@@ -198,14 +226,18 @@ def generate_baseline(
         max_batch_size=batch_size,
         step_hook=record,
     )
+    submitted: dict[int, tuple[list[int], list[int]]] = {}  # sequence id -> (prompt, generated so far)
     for i, prompt in enumerate(prompts):
-        engine.submit(
-            tokenizer.encode(prompt),
-            SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + i),
-        )
+        prompt_ids = tokenizer.encode(prompt)
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + i)
+        submitted[engine.submit(prompt_ids, params, record=True)] = (prompt_ids, [])
     while engine.has_work():
         for update in engine.step():
             baseline.finish(update)
+            prompt_ids, generated = submitted[update.sequence_id]
+            generated += update.new_token_ids
+            if update.finished and update.gated_record is not None and generated:
+                baseline.jobs.append(ShadowJob(prompt_ids, generated, update.gated_record))
     return fallbacks
 
 
@@ -220,7 +252,7 @@ class GateImportance:
 
 @dataclass(frozen=True)
 class ShadowChecks:
-    checks: list[tuple[int, int]]  # (tokens, agreements) per prompt, in order
+    checks: list[ShadowResult]  # per request, in order (without their layer signals)
     gate_importance: GateImportance
 
 
@@ -245,30 +277,12 @@ def gauge_readings(num_layers: int, results: list[ShadowResult]) -> tuple[list[f
     return readings, int(stats.snapshot().tokens.sum())
 
 
-def shadow_checks(
-    gated: GatedModel,
-    policy: SkipPolicyConfig,
-    prompts: list[str],
-    *,
-    model_name: str,
-    kv_policy: str,
-    batch_size: int,
-    max_new_tokens: int,
-) -> ShadowChecks:
-    """Greedy gated completions re-scored at full depth with the layer probe, as the service's quality
-    guard (`--shadow-rate`) does it: (tokens, agreements) per prompt and the gate-importance readings;
-    then the same passes with the gates shuffled across layers."""
-    tokenizer = gated.loaded.tokenizer
+def shadow_checks(gated: GatedModel, jobs: list[ShadowJob]) -> ShadowChecks:
+    """The baseline's requests (their gated records) compared with the full-depth model with the layer
+    probe, as the service's quality guard (`--shadow-rate`) does it: the comparison per request and
+    the gate-importance readings; then the same passes with the gates shuffled across layers."""
     model = gated.model
     model.attach_gates(gated.gates.gates)
-    engine = GenerationEngine(
-        model, tokenizer, model_name=model_name, policy=policy, kv_policy=kv_policy, max_batch_size=batch_size
-    )
-    jobs = []
-    for prompt in prompts:
-        prompt_ids = tokenizer.encode(prompt)
-        result = engine.generate(prompt_ids, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
-        jobs.append(ShadowJob(prompt_ids, result.token_ids))
     served = probed_passes(model, jobs)
     # The same passes scored by gates on the wrong layers. The text stays the healthy one: the
     # correlation compares each gate's score with its layer's update at full depth, and neither
@@ -282,7 +296,7 @@ def shadow_checks(
     readings, samples = gauge_readings(num_layers, served)
     shuffled_readings, _ = gauge_readings(num_layers, shuffled)
     importance = GateImportance(readings, shuffled_readings, samples)
-    return ShadowChecks([(r.tokens, r.agreements) for r in served], importance)
+    return ShadowChecks([dataclasses.replace(r, layer_signals=None) for r in served], importance)
 
 
 @dataclass(frozen=True)
@@ -294,10 +308,13 @@ class Calibration:
     requests: int
     decoded_tokens: int
     fallbacks: int
-    shadow_tokens: int  # greedy tokens re-scored at full depth
-    shadow_agreements: int  # of which the full-depth top-1 was the gated token
+    shadow_checks: list[ShadowResult]  # per baseline request: its comparison with the full-depth model
     gate_importance: GateImportance  # behind profile.gate_importance_correlation_min
     request_skip_fractions: list[float]  # per baseline request, behind profile.request_tail
+
+    def shadow_total(self, field_name: str) -> float:
+        """A field of ShadowResult summed over the baseline's checks (tokens, agreements, kl_nats, ...)."""
+        return sum(getattr(check, field_name) for check in self.shadow_checks)
 
     @property
     def gate_floor_separates(self) -> bool:
@@ -332,15 +349,7 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         seed=s.seed,
     )
     entropies, skipped = baseline.arrays()
-    shadow = shadow_checks(
-        gated,
-        policy,
-        prompts,
-        model_name=s.model_name,
-        kv_policy=s.kv_policy,
-        batch_size=s.batch_size,
-        max_new_tokens=s.max_new_tokens,
-    )
+    shadow = shadow_checks(gated, baseline.jobs)
     checks, importance = shadow.checks, shadow.gate_importance
     if not importance.readings:
         raise ValueError(
@@ -361,13 +370,15 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         policy.fallback_skip_fraction,
         entropies,
         skipped,
-        agreement_floor(checks, s.chunk_tokens, s.margin),
+        agreement_floor([(c.tokens, c.agreements) for c in checks], s.chunk_tokens, s.margin),
         chunk_tokens=s.chunk_tokens,
         margin=s.margin,
         min_observations=s.min_observations,
         source=source,
         gate_importance_correlation_min=gate_importance_floor(importance.readings, s.margin),
         request_skip_fractions=request_skip_fractions,
+        shadow_kl_nats_max=quality_cost_limit(checks, s.chunk_tokens),
+        shadow_rate_min=s.shadow_rate_min,
     )
     return Calibration(
         profile=profile,
@@ -375,8 +386,7 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         requests=len(prompts),
         decoded_tokens=len(entropies),
         fallbacks=fallbacks,
-        shadow_tokens=sum(t for t, _ in checks),
-        shadow_agreements=sum(a for _, a in checks),
+        shadow_checks=checks,
         gate_importance=importance,
         request_skip_fractions=request_skip_fractions,
     )

@@ -8,6 +8,11 @@ policy for the *next* step (a step in which a row asks for log-probabilities rea
 transfer, also after the last layer). Nothing inside a step waits on the device to decide a skip.
 That step is `gated_decode_step`; teacher-forced evaluation calls it too, so both share its semantics.
 
+A sequence submitted with `record=True` (the shadow check's sample, inference_shim/service/shadow.py)
+also has, per generated position, a summary of the gated model's own distribution computed on the
+device for its row only (inference_shim/runtime/agreement.py, `summarize_rows`) and packed into the
+step's one transfer; its final update carries them (`SequenceUpdate.gated_record`).
+
 A sequence that asks for its prompt's log-probabilities is *scored* before it generates: its prompt
 is fed one decode step at a time (teacher-forced, from its first token on, as `layerwatch eval
 --prefill 1` feeds a window), in the batch with the other rows, so every prompt token's
@@ -41,6 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from inference_shim.runtime.agreement import SHADOW_TOP_K, GatedRecord, summarize_rows
 from inference_shim.runtime.model import KV_POLICIES, KVCache, Transformer
 from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig, check_threshold
 from inference_shim.runtime.tokenizer import IncrementalDecoder, Tokenizer
@@ -118,10 +124,6 @@ class SamplingParams:
             "bad_words": [token for word in self.bad_words for token in word],
         }
 
-    def plain_greedy(self) -> bool:
-        """The argmax of the model's own logits: what a full-depth re-run can reproduce."""
-        return self.temperature == 0.0 and not self.adjusts_logits()
-
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -188,6 +190,7 @@ class SequenceUpdate:
     logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first update, when asked for
     error: str | None = None  # why the sequence failed (finish_reason "error"); the batch goes on
+    gated_record: GatedRecord | None = None  # on the final update of a sequence submitted with record=True
 
 
 @dataclass
@@ -200,6 +203,7 @@ class GenerationResult:
     layers_executed: int
     layers_skipped: int
     activity: np.ndarray  # bool [completion_tokens, L], True = the layer ran
+    gated_record: GatedRecord | None = None  # with record=True
 
 
 @dataclass(eq=False)  # identity: a sequence is equal only to itself
@@ -236,6 +240,14 @@ class _Sequence:
     # While the prompt is scored: its log-probabilities so far (the first token's None); else None.
     scored: list[TokenLogprob | None] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once scored, until the next update carries them
+    # Submitted with record=True: one `summarize_rows` row per generated token (views of the step's
+    # summary, [recording rows, 34] for k = 16).
+    record: list[np.ndarray] | None = None
+
+    @property
+    def recording(self) -> bool:
+        """Its row of the next decode step is summarized: it records, and generates (a scoring step does not)."""
+        return self.record is not None and self.scored is None
 
 
 class GenerationEngine:
@@ -251,6 +263,7 @@ class GenerationEngine:
         max_seq_len: int | None = None,
         step_hook: StepHook | None = None,
         prefill_hook: PrefillHook | None = None,
+        record_top_k: int = SHADOW_TOP_K,
     ) -> None:
         if kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
@@ -272,6 +285,7 @@ class GenerationEngine:
         self.max_seq_len = max_seq_len
         self.step_hook = step_hook
         self.prefill_hook = prefill_hook
+        self.record_top_k = min(record_top_k, config.vocab_size)  # tokens per position of a gated record
         self.num_layers = config.num_layers
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(config.eos_token_ids)
         weight = model.embed_tokens.weight
@@ -293,14 +307,16 @@ class GenerationEngine:
         threshold: float | None = None,
         request_id: str | None = None,
         after_prefill: AfterPrefill | None = None,
+        record: bool = False,
     ) -> int:
         """Queue a sequence; it joins the batch at the next step boundary. Returns its id.
         `threshold`: the sequence's own tau in [0, 1] (0 = full depth); None = the policy's.
         `request_id`: the caller's name for the sequence's request, in the engine's log lines.
         `after_prefill`: called with the prompt's full-depth prefill (its gate scores) before the
         first decode step; a tau it returns replaces `threshold` for the generation (a scored
-        prompt's log-probabilities were taken before, at `threshold`)."""
-        sequence = self._submit(prompt_ids, params, threshold, request_id)
+        prompt's log-probabilities were taken before, at `threshold`).
+        `record`: keep the gated distribution's summary at each generated position (module doc)."""
+        sequence = self._submit(prompt_ids, params, threshold, request_id, record)
         sequence.after_prefill = after_prefill
         return sequence.id
 
@@ -330,10 +346,10 @@ class GenerationEngine:
         return updates
 
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, threshold: float | None = None
+        self, prompt_ids: list[int], params: SamplingParams, threshold: float | None = None, record: bool = False
     ) -> GenerationResult:
         """Submit one sequence and step until it finishes (other queued sequences advance too)."""
-        sequence = self._submit(prompt_ids, params, threshold)
+        sequence = self._submit(prompt_ids, params, threshold, record=record)
         while sequence.finish_reason is None:
             self.step()
         return GenerationResult(
@@ -345,12 +361,18 @@ class GenerationEngine:
             layers_executed=sequence.layers_executed,
             layers_skipped=sequence.layers_skipped,
             activity=np.array(sequence.activity, dtype=bool).reshape(len(sequence.generated), self.num_layers),
+            gated_record=self._gated_record(sequence),
         )
 
     # --- admission and prefill -------------------------------------------------------------------
 
     def _submit(
-        self, prompt_ids: list[int], params: SamplingParams, threshold: float | None, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        threshold: float | None,
+        request_id: str | None = None,
+        record: bool = False,
     ) -> _Sequence:
         params.validate()
         if threshold is not None:
@@ -379,6 +401,7 @@ class GenerationEngine:
             request_id=request_id,
             below_count=np.zeros(self.num_layers, dtype=np.int64),
             score_sum=np.zeros(self.num_layers),
+            record=[] if record else None,
         )
         self._next_id += 1
         self._waiting.append(sequence)
@@ -498,8 +521,10 @@ class GenerationEngine:
             [s.position for s in rows],
             self.kv_policy,
             choose=lambda logits: self._sample(logits, rows),
+            summarize=self._summarizer(rows),
         )
         self.steps += 1
+        self._keep_records(rows, step.summary)
         for sequence in (s for s, started_now in zip(rows, step.fallback_started) if started_now):
             self._log_fallback(sequence)
         # The skip policy's own comparison, each row at its own threshold.
@@ -542,6 +567,24 @@ class GenerationEngine:
                 )
             )
         return updates
+
+    def _summarizer(self, rows: list[_Sequence]) -> Summarize | None:
+        """The step's `summarize` for the rows that record (generating, not scoring), or None."""
+        recording = [i for i, s in enumerate(rows) if s.recording]
+        if not recording:
+            return None
+        index = torch.tensor(recording, device=self.device)
+        k = self.record_top_k
+        return lambda logits, tokens: summarize_rows(logits.index_select(0, index), tokens.index_select(0, index), k)
+
+    @staticmethod
+    def _keep_records(rows: list[_Sequence], summary: np.ndarray | None) -> None:
+        """Each recording row's summary row, in `_summarizer`'s order (before `_advance` may finish it)."""
+        if summary is None:
+            return
+        for sequence, row in zip((s for s in rows if s.recording), summary):
+            assert sequence.record is not None
+            sequence.record.append(row)
 
     def _sample(self, logits: torch.Tensor, rows: list[_Sequence]) -> torch.Tensor:
         """Next token per row, on the device: argmax, or a draw from that row's own generator,
@@ -722,7 +765,11 @@ class GenerationEngine:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             error=sequence.error if finished else None,
+            gated_record=self._gated_record(sequence) if finished else None,
         )
+
+    def _gated_record(self, sequence: _Sequence) -> GatedRecord | None:
+        return None if sequence.record is None else GatedRecord.from_rows(sequence.record, self.record_top_k)
 
     def _layer_counts(self, sequence: _Sequence) -> LayerCounts:
         """When the sequence ends: its skips summed from the activity rows it keeps anyway."""
@@ -747,6 +794,11 @@ class DecodedStep:
     run_mask: np.ndarray  # bool [B, L]: True = the layer ran for that row
     fallback: np.ndarray  # bool [B]: the row ran full depth because of a fallback episode
     fallback_started: np.ndarray  # bool [B]: a fallback episode begins after this step
+    summary: np.ndarray | None = None  # float64 [F, W]: what `summarize` returned, when given
+
+
+# (logits [B, V], next tokens [B]) -> [F, W] on the device: a per-row summary for some rows.
+Summarize = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def gated_decode_step(
@@ -758,13 +810,14 @@ def gated_decode_step(
     positions: list[int],
     kv_policy: str,
     choose: Callable[[torch.Tensor], torch.Tensor],
+    summarize: Summarize | None = None,
 ) -> DecodedStep:
     """One decode step with the skip semantics: run mask from the policy -> `model.decode_step` -> the
     policy observes the step's entropies (which shape only later steps).
 
     tokens: [B] on the device, fed at `positions` of cache `slots` (host, [B]). policy None runs
     full depth and observes nothing (no gates attached, or full-depth evaluation). choose: logits
-    [B, V] -> next tokens [B] on the device.
+    [B, V] -> next tokens [B] on the device. summarize: its output rides the same one transfer.
     """
     B, L = len(slots), model.config.num_layers
     # Decided from earlier steps only, before anything runs on the device.
@@ -776,20 +829,27 @@ def gated_decode_step(
         if entropies is None:
             entropies = torch.full((B, L), float("nan"), device=logits.device)
         # The step's one device->host transfer: tokens and entropies packed together (float64
-        # holds token ids exactly).
-        packed = torch.cat([next_tokens[:, None].double(), entropies.double()], dim=1).cpu().numpy()
-    host_entropies = packed[:, 1:].astype(np.float32)
+        # holds token ids exactly), and the summary's rows after them.
+        packed = torch.cat([next_tokens[:, None].double(), entropies.double()], dim=1)
+        summary = summarize(logits, next_tokens).double() if summarize is not None else None
+        flat = packed.flatten() if summary is None else torch.cat([packed.flatten(), summary.flatten()])
+        host = flat.cpu().numpy()
+    packed_host = host[: packed.numel()].reshape(packed.shape)
+    # A copy: the recording sequences keep its rows, not the whole step's buffer.
+    host_summary = None if summary is None else host[packed.numel() :].reshape(summary.shape).copy()
+    host_entropies = packed_host[:, 1:].astype(np.float32)
     if policy is None or run_mask is None:  # run_mask is None exactly when policy is
         run_mask, fallback_started = np.ones((B, L), dtype=bool), np.zeros(B, dtype=bool)
     else:
         fallback_started = policy.observe(slots, host_entropies, run_mask).fallback_started
     return DecodedStep(
         logits=logits,
-        next_tokens=packed[:, 0].astype(np.int64),
+        next_tokens=packed_host[:, 0].astype(np.int64),
         entropies=host_entropies,
         run_mask=run_mask,
         fallback=fallback,
         fallback_started=fallback_started,
+        summary=host_summary,
     )
 
 

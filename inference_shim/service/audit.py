@@ -5,7 +5,7 @@ arrival to its last choice being counted: OTel's GenAI attributes (`gen_ai.*`) f
 and answered, and `layerwatch.*` for how deep it ran: the threshold and depth mode, the layers
 executed and skipped (as in `usage`), the skips per layer, the mean gate score, the fallback
 episodes. A shadow re-check of one of its choices, which runs after the answer, is a child span
-`layerwatch.shadow_check` with that choice's full-depth agreement. docs/service.md, "Audit trail",
+`layerwatch.shadow_check` with that choice's full-depth agreement and quality cost. docs/service.md, "Audit trail",
 lists every attribute.
 
 Spans are off unless an endpoint is configured (ShimService builds an AuditTrail only then, and
@@ -37,6 +37,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
+from inference_shim.runtime.agreement import ShadowResult
 from inference_shim.service.completions import RequestRecord
 from inference_shim.service.metrics import AuditSpanCounts
 from layerwatch.catalog import AUDIT_QUEUE_SPANS
@@ -62,10 +63,11 @@ class RequestSpan:
             self._span.set_status(Status(StatusCode.ERROR))
         self._span.end()
 
-    def shadow_checked(self, choice: int, tokens: int, agreements: int, seconds: float) -> None:
+    def shadow_checked(self, choice: int, result: ShadowResult, seconds: float) -> None:
         """A child span for the full-depth re-check of one choice, which ran `seconds` until now
         (in the engine thread, after the request was answered)."""
         ended = time.time_ns()
+        tokens = result.tokens
         span = self._tracer.start_span(
             "layerwatch.shadow_check",
             context=trace.set_span_in_context(self._span),
@@ -74,8 +76,10 @@ class RequestSpan:
             attributes={
                 "layerwatch.choice.index": choice,
                 "layerwatch.shadow.tokens": tokens,
-                "layerwatch.shadow.agreements": agreements,
-                "layerwatch.shadow.agreement": agreements / tokens,
+                "layerwatch.shadow.agreements": result.agreements,
+                "layerwatch.shadow.agreement": result.agreements / tokens,
+                "layerwatch.shadow.kl_nats_per_token": result.kl_nats / tokens,
+                "layerwatch.shadow.reverse_kl_nats_per_token": result.reverse_kl_nats / tokens,
             },
         )
         span.end(end_time=ended)

@@ -238,7 +238,7 @@ class Choice:
     def _shadow_checked(self, result: ShadowResult, seconds: float) -> None:
         """Called in the engine thread when the choice's shadow re-check ran (audit spans on)."""
         assert self._audit is not None
-        self._audit.shadow_checked(self.index, result.tokens, result.agreements, seconds)
+        self._audit.shadow_checked(self.index, result, seconds)
 
     def _layers(self) -> RequestLayers | None:
         """The choice's decode steps per layer, from the engine's final update (None without one)."""

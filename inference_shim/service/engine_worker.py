@@ -7,7 +7,9 @@ batching, up to the engine's max batch size). After every `engine.step()` each r
 Cancellation (client gone) travels the same queue and takes effect at the next step boundary.
 
 Between steps the worker also runs readiness probes (real one-token generations, whose rows are
-kept out of the telemetry so that metrics describe client traffic only) and shadow re-checks.
+kept out of the telemetry so that metrics describe client traffic only) and shadow re-checks. A
+request is sampled for its shadow check when it is admitted (the engine then records its gated
+distribution) and offered to the checker once it has been answered.
 If a step raises, every in-flight request fails with a server error and the engine is rebuilt:
 the failed engine's state is unknown, and a model that cannot run then fails each request and
 each readiness probe on its own.
@@ -77,6 +79,7 @@ class RequestHandle:
     shadow_rate: float | None = None  # its own shadow check rate (a mitigation's); None: the checker's
     request_id: str | None = None  # names the request in the engine's log lines
     on_shadow_result: ShadowCallback | None = None  # told the choice's shadow re-check, if one runs
+    shadowed: bool = False  # sampled for a shadow check at admission (its gated distribution is recorded)
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)  # SequenceUpdate | EngineFailure
     # Written by the engine thread; read by the handler once the final update has arrived.
     sequence_id: int | None = None
@@ -209,6 +212,7 @@ class EngineWorker:
         depth, after_prefill = handle.depth, None
         if depth is not None and self._depth is not None:
             after_prefill = functools.partial(self._after_prefill, self._depth, handle)
+        handle.shadowed = self._sample_shadow(handle)
         try:
             handle.sequence_id = self._engine.submit(
                 handle.prompt_ids,
@@ -216,6 +220,7 @@ class EngineWorker:
                 threshold=None if depth is None else depth.threshold,
                 request_id=handle.request_id,
                 after_prefill=after_prefill,
+                record=handle.shadowed,
             )
         except ValueError as exc:  # input the engine refuses (the HTTP layer checks limits first)
             handle.deliver(EngineFailure(str(exc), client_error=True))
@@ -227,6 +232,15 @@ class EngineWorker:
         self._handles[handle.sequence_id] = handle
         if handle.capture_activity:
             self._capturing[handle.sequence_id] = handle
+
+    def _sample_shadow(self, handle: RequestHandle) -> bool:
+        """Whether to shadow-check the request, whatever its sampling settings. A run at full depth by
+        its depth decision has nothing gated to check: its check would always agree and dilute the
+        agreement ratio the shadow alert reads (nor does a request that generates nothing)."""
+        full_depth = handle.depth is not None and handle.depth.mode == "full"
+        if self._shadow is None or full_depth or handle.params.max_tokens == 0:
+            return False
+        return self._shadow.sample(handle.shadow_rate)
 
     @staticmethod
     def _after_prefill(decider: DepthDecider, handle: RequestHandle, record: PrefillRecord) -> float:
@@ -281,17 +295,19 @@ class EngineWorker:
         if update.finished:
             del self._handles[sequence_id]
             self._capturing.pop(sequence_id, None)
-            # A run at full depth by its depth decision has nothing gated to check: its check would
-            # always agree and dilute the agreement ratio the shadow alert reads.
-            full_depth = handle.depth is not None and handle.depth.mode == "full"
-            if self._shadow is not None and not full_depth and update.finish_reason in ("stop", "length"):
-                self._shadow.offer(
-                    handle.prompt_ids,
-                    handle.generated_ids,
-                    greedy=handle.params.plain_greedy(),
-                    rate=handle.shadow_rate,
-                    on_result=handle.on_shadow_result,
-                )
+            if handle.shadowed:
+                self._offer_shadow(handle, update)
+
+    def _offer_shadow(self, handle: RequestHandle, update: SequenceUpdate) -> None:
+        """A sampled request's final update: its check, or why there is none. A cancelled request is
+        checked too: the tokens it generated were served."""
+        assert self._shadow is not None  # only then is a request sampled
+        if handle.depth is not None and handle.depth.mode == "full":  # the complexity pre-check, after prefill
+            self._shadow.skip("full_depth")
+        elif update.finish_reason == "error" or not handle.generated_ids or update.gated_record is None:
+            self._shadow.skip("no_output")
+        else:
+            self._shadow.offer(handle.prompt_ids, handle.generated_ids, update.gated_record, handle.on_shadow_result)
 
     @staticmethod
     def _finish_probe(probe: _Probe, error: str | None) -> None:
@@ -305,6 +321,8 @@ class EngineWorker:
     def _fail_all(self, message: str, shutting_down: bool = False) -> None:
         for handle in self._handles.values():
             handle.deliver(EngineFailure(message, shutting_down=shutting_down))
+            if handle.shadowed and self._shadow is not None:
+                self._shadow.skip("no_output")
         for probe in self._probes.values():
             probe.future.set_result(ProbeResult(False, message))
         self._handles.clear()

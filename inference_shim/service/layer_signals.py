@@ -1,6 +1,6 @@
 """Do the gates still track how much their layer matters? Layer signals from the shadow check.
 
-The shadow check (shadow.py) re-runs sampled greedy requests at full depth in the engine thread.
+The shadow check (shadow.py) re-runs sampled requests (any temperature) at full depth in the engine thread.
 On that pass the model also measures, for every layer and every decode-step position
 (`inference_shim.runtime.agreement.LayerSignals`): the layer's relative residual update
 ||dh||/||h||, its gate score on the same token, and its attention discreteness (KL from uniform).

@@ -18,6 +18,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -28,6 +29,9 @@ from layerwatch import prometheus
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, REQUEST_FRACTION_BUCKETS, SHIM
 from layerwatch.prometheus import HistogramArrays
 from layerwatch.request_tail import RequestLayers, request_skipping
+
+if TYPE_CHECKING:
+    from inference_shim.runtime.agreement import ShadowResult
 
 log = logging.getLogger(__name__)
 
@@ -287,10 +291,28 @@ class RequestMetrics:
                     child.inc(skips)
 
 
+# How a shadow-sampled request ended (inference_shim/service/shadow.py): its `outcome` label.
+SHADOW_OUTCOMES = ("checked", "queue_full", "failed", "full_depth", "no_output")
+
+
 class ShadowMetrics:
+    """The shadow check's counters: one `observe` per job, nothing per token."""
+
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         self.tokens = make_counter("layerwatch_shadow_tokens_total", registry).labels(model_name)
         self.agreements = make_counter("layerwatch_shadow_agreements_total", registry).labels(model_name)
+        self.kl_nats = make_counter("layerwatch_shadow_kl_nats_total", registry).labels(model_name)
+        self.reverse_kl_nats = make_counter("layerwatch_shadow_reverse_kl_nats_total", registry).labels(model_name)
+        requests = make_counter("layerwatch_shadow_requests_total", registry)
+        self.requests = {outcome: requests.labels(model_name, outcome) for outcome in SHADOW_OUTCOMES}
+
+    def observe(self, result: ShadowResult) -> None:
+        """One checked request."""
+        self.tokens.inc(result.tokens)
+        self.agreements.inc(result.agreements)
+        self.kl_nats.inc(result.kl_nats)
+        self.reverse_kl_nats.inc(result.reverse_kl_nats)
+        self.requests["checked"].inc()
 
 
 class AuditSpanCounts:

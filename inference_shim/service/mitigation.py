@@ -2,11 +2,11 @@
 
 Alertmanager posts its webhook payload (version 4) to the shim's receiver (mitigation_receiver.py).
 When one of MITIGATING_ALERTS fires for the served model (label model_name), a mitigation starts:
-the next `requests` requests, for at most `seconds`, are shadow-checked at rate 1 (every greedy one
-is re-scored at full depth), or, with `full_depth`, run at full depth (threshold 0). It ends when
-the alert resolves or its budget runs out, whichever comes first (or an operator ends it:
-DELETE /mitigations on the receiver), or the shim shuts down. Every start and end is a metric
-and one log line (MITIGATION_START / MITIGATION_END).
+the next `requests` requests, for at most `seconds`, are shadow-checked at rate 1 (every one is
+compared with the full-depth model, whatever its temperature), or, with `full_depth`, run at full
+depth (threshold 0). It ends when the alert resolves or its budget runs out, whichever comes
+first (or an operator ends it: DELETE /mitigations on the receiver), or the shim shuts down.
+Every start and end is a metric and one log line (MITIGATION_START / MITIGATION_END).
 
 State is kept per (alertname, fingerprint), the alert's identity in Alertmanager, together with the
 alert's startsAt, which tells incidents apart: a repeat of a known notification changes nothing,

@@ -1,10 +1,13 @@
-"""The quality guard: re-score a sample of finished requests at full depth, off the request path.
+"""The quality guard: compare a sample of requests with the full-depth model, off the request path.
 
-A sampled request's prompt + generated tokens go through the model's full-depth forward in one
-teacher-forced pass; at each generated position the full-depth top-1 token is compared with the
-token the gated model produced. Only greedy requests (temperature 0) are sampled: for them the
-produced token *is* the gated top-1, so a disagreement means skipping changed the output; for
-sampled requests it would mostly measure the sampling.
+Whether a request is checked is decided when the engine thread admits it (`sample`: its own rate,
+a mitigation's, or the configured one), whatever its sampling settings, so that the engine records,
+for that sequence only, what the gated model's distribution said at each generated position
+(inference_shim/runtime/agreement.py, `GatedRecord`). Once the request has been answered, its
+prompt + generated tokens go through the model's full-depth forward in one teacher-forced pass, and
+each generated position is compared with the record: the two argmaxes, KL(gated || full) (the
+quality cost) and KL(full || gated) (the perplexity estimate), on the coarsened distributions of
+agreement.py. docs/service.md, "Quality guard", says what is estimated and why.
 
 Jobs run in the engine thread (the model is not shared across threads), between decode steps and
 within a time budget (see `ShadowChecker.due`), so they never delay a step by more than one job
@@ -13,6 +16,10 @@ and never hold a client response: the request has already been answered when its
 With a `LayerSignalStats`, the same full-depth pass also measures every layer's signals (relative
 update, gate score, attention KL) and folds them in (layer_signals.py); that work is part of the
 job's time, so the duty cycle covers it too.
+
+Every sampled request ends in one outcome of `layerwatch_shadow_requests_total` (SHADOW_OUTCOMES): checked,
+queue_full (64 jobs waited), failed (the job raised), full_depth (the complexity pre-check moved it to
+full depth after its prefill: nothing gated to check) or no_output (it failed, or generated nothing).
 """
 
 from __future__ import annotations
@@ -23,9 +30,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from inference_shim.runtime.agreement import ShadowJob, ShadowResult, full_depth_agreement
+from inference_shim.runtime.agreement import GatedRecord, ShadowJob, ShadowResult, full_depth_agreement
 from inference_shim.runtime.model import Transformer
-from inference_shim.service.metrics import ShadowMetrics
+from inference_shim.service.metrics import SHADOW_OUTCOMES, ShadowMetrics
 from layerwatch.gate_importance import LayerSignalStats
 
 log = logging.getLogger(__name__)
@@ -51,22 +58,31 @@ class ShadowChecker:
         self._jobs: deque[tuple[ShadowJob, ShadowCallback | None]] = deque()
         self._next_allowed = 0.0  # monotonic time before which a busy engine runs no shadow job
 
+    def sample(self, rate: float | None = None) -> bool:
+        """At admission: whether to check this request. `rate`: the request's own (a mitigation's,
+        mitigation.py); None: the configured one."""
+        rate = self.rate if rate is None else rate
+        return rate > 0.0 and self._random.random() < rate
+
     def offer(
         self,
         prompt_ids: list[int],
         generated_ids: list[int],
-        greedy: bool,
-        rate: float | None = None,
+        record: GatedRecord,
         on_result: ShadowCallback | None = None,
     ) -> None:
-        """Called for every request that finished normally; keeps a `rate` sample of greedy ones.
-        `rate`: the request's own (a mitigation's, mitigation.py); None: the configured one.
-        `on_result` is told the check's result once it has run."""
-        rate = self.rate if rate is None else rate
-        if not greedy or not generated_ids or rate == 0.0 or len(self._jobs) >= QUEUE_LIMIT:
+        """A sampled request was answered: queue its check. `on_result` is told the check's result
+        once it has run."""
+        if len(self._jobs) >= QUEUE_LIMIT:
+            self.skip("queue_full")
             return
-        if self._random.random() < rate:
-            self._jobs.append((ShadowJob(list(prompt_ids), list(generated_ids)), on_result))
+        self._jobs.append((ShadowJob(list(prompt_ids), list(generated_ids), record), on_result))
+
+    def skip(self, outcome: str) -> None:
+        """A sampled request that will not be checked, and why (one of SHADOW_OUTCOMES)."""
+        if outcome not in SHADOW_OUTCOMES:
+            raise ValueError(f"unknown shadow outcome {outcome!r}")
+        self._metrics.requests[outcome].inc()
 
     def pending(self) -> int:
         return len(self._jobs)
@@ -84,12 +100,12 @@ class ShadowChecker:
                 self._signals.observe(result.layer_signals)
         except Exception:  # a shadow failure must not take the engine thread down
             log.exception("shadow re-check failed")
+            self.skip("failed")
             return
         finally:
             elapsed = time.monotonic() - started
             self._next_allowed = started + elapsed / DUTY_CYCLE
-        self._metrics.tokens.inc(result.tokens)
-        self._metrics.agreements.inc(result.agreements)
+        self._metrics.observe(result)
         if on_result is not None:
             try:
                 on_result(result, elapsed)

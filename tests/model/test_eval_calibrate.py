@@ -23,9 +23,11 @@ from inference_shim.offline.calibration import (
     gate_importance_floor,
     generate_baseline,
     line_prompts,
+    quality_cost_limit,
 )
 from inference_shim.offline.corpus import read_documents
 from inference_shim.offline.gated_model import load_gated_model
+from inference_shim.runtime.agreement import ShadowResult
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from layerwatch.catalog import GATE_IMPORTANCE_SAMPLES, REQUEST_FRACTION_BUCKETS
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS
@@ -73,7 +75,8 @@ def test_calibrate_writes_a_loadable_profile(model_dir, text_file, tmp_path, cap
     assert profile.bimodality.min_observations == 50
     assert f"{TINY_PROMPTS} prompts from heldout.txt" in profile.source
     out = capsys.readouterr().out
-    assert "bimodal" in out and "shadow agreement (greedy, full-depth top-1)" in out
+    assert "bimodal" in out and "agreement of the gated and full-depth top-1" in out
+    assert "quality cost KL(gated || full)" in out and f"alert above {profile.shadow_kl_nats_max}" in out
     assert 0.0 <= profile.shadow_agreement_min <= 1.0
     # Layers 0, 1 and 3 score ~0 on every token (static by their scores, protected or not), layer 2
     # ~1: no skipping depends on the token, so the share is 0 and its floor can never page.
@@ -104,11 +107,17 @@ def test_calibrate_measures_the_gate_floor_and_the_request_tail_from_its_own_bas
     result = calibrate(gated, documents, settings, data_name="heldout.txt")
     profile, importance = result.profile, result.gate_importance
 
+    # Every baseline request (sampled, at the settings' temperature) is shadow-checked on its own record,
+    # and the limits come from those checks.
+    assert len(result.shadow_checks) == TINY_PROMPTS and result.shadow_total("tokens") == result.decoded_tokens
+    assert profile.shadow_kl_nats_max == quality_cost_limit(result.shadow_checks, settings.chunk_tokens) > 0
+    assert profile.shadow_rate_min == settings.shadow_rate_min == 0.01
     # The gauge after every shadow pass once the reservoir was full, for the served and the shuffled gates.
     assert importance.samples >= GATE_IMPORTANCE_SAMPLES and 0 < len(importance.readings) <= TINY_PROMPTS
     assert len(importance.shuffled_readings) == len(importance.readings)
     assert profile.gate_importance_correlation_min == gate_importance_floor(importance.readings, settings.margin)
-    assert profile.gate_importance_correlation_min <= min(importance.readings) - settings.margin + 1e-9
+    # (at least the margin below the lowest reading, up to the profile's rounding to 0.001)
+    assert profile.gate_importance_correlation_min <= min(importance.readings) - settings.margin + 5e-4
     # The tiny model's gates score layer 2 high and the rest ~0, against its (random) layers' updates:
     # gates on the wrong layers track them better, so the floor cannot separate them and says so.
     assert not result.gate_floor_separates
@@ -374,3 +383,12 @@ def test_eval_refuses_numbers_it_cannot_use(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as exit:
         main(["eval", "--data", str(tmp_path / "x"), *flags])
     assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_quality_cost_limit_is_a_factor_over_the_worst_chunk():
+    # Nats of KL(gated || full) per request; chunks close once they hold >= 20 tokens.
+    checks = [ShadowResult(10, 9, kl_nats=0.4), ShadowResult(10, 9, kl_nats=0.6), ShadowResult(22, 20, kl_nats=2.2)]
+    # chunks: 1.0 / 20 = 0.05 and 2.2 / 22 = 0.1 nats per token; the limit is 1.5 x 0.1, rounded up.
+    assert quality_cost_limit(checks, chunk_tokens=20) == 0.15
+    with pytest.raises(ValueError, match="fewer than one chunk"):
+        quality_cost_limit(checks[:1], chunk_tokens=20)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
 from inference_shim.runtime.model import LayerProbe, Transformer
+from tests.service.conftest import uniform_record
 
 from .conftest import random_gates, random_model, tiny_config
 
@@ -113,8 +114,9 @@ def test_probing_changes_no_output_and_works_in_a_batch_without_gates(model):
 
 def test_agreement_returns_the_signals_of_the_decode_positions(model):
     prompt, generated = [0, 5, 9, 13], [21, 34, 55]
-    plain = full_depth_agreement(model, ShadowJob(prompt, generated))
-    probed = full_depth_agreement(model, ShadowJob(prompt, generated), layer_signals=True)
+    record = uniform_record(len(generated), model.config.vocab_size)  # the tokens are not the model's
+    plain = full_depth_agreement(model, ShadowJob(prompt, generated, record))
+    probed = full_depth_agreement(model, ShadowJob(prompt, generated, record), layer_signals=True)
     assert plain.layer_signals is None
     assert (probed.tokens, probed.agreements) == (plain.tokens, plain.agreements)
     update, gate, kl = hand_signals(model, torch.tensor(prompt + generated))

@@ -89,8 +89,8 @@ def test_a_span_per_request_carries_what_usage_and_metrics_say(audited, tiny_che
             extra_headers={"traceparent": TRACEPARENT},
         )
     )
-    # 2 request spans and one shadow span per greedy choice (--shadow-rate 1; the chat is sampled at 0.8).
-    spans = finished_spans(server, exporter, 4)
+    # 2 request spans and one shadow span per choice (--shadow-rate 1), the chat's sampled at 0.8 too.
+    spans = finished_spans(server, exporter, 5)
     after = server.metrics()
     requests = {s.attributes["gen_ai.operation.name"]: s for s in spans if s.kind is SpanKind.SERVER}
     completion, chat = requests["text_completion"], requests["chat"]
@@ -133,14 +133,20 @@ def test_a_span_per_request_carries_what_usage_and_metrics_say(audited, tiny_che
     assert skips == a["layerwatch.layers.skipped"] + c["layerwatch.layers.skipped"]
 
     shadows = [s for s in spans if s.name == "layerwatch.shadow_check"]
-    assert len(shadows) == 2  # the two greedy choices
+    assert len(shadows) == 3  # the two greedy choices and the sampled chat
     for shadow in shadows:
-        assert shadow.parent.span_id == completion.context.span_id
-        assert shadow.context.trace_id == completion.context.trace_id
+        parent = completion if shadow.parent.span_id == completion.context.span_id else chat
+        assert shadow.parent.span_id == parent.context.span_id
+        assert shadow.context.trace_id == parent.context.trace_id
         s = shadow.attributes
-        assert s["layerwatch.shadow.tokens"] == 12
-        assert s["layerwatch.shadow.agreement"] == s["layerwatch.shadow.agreements"] / 12
-    assert sorted(s.attributes["layerwatch.choice.index"] for s in shadows) == [0, 1]
+        tokens = parent.attributes["gen_ai.usage.output_tokens"] // (2 if parent is completion else 1)
+        assert s["layerwatch.shadow.tokens"] == tokens
+        assert s["layerwatch.shadow.agreement"] == s["layerwatch.shadow.agreements"] / tokens
+        assert s["layerwatch.shadow.kl_nats_per_token"] > 0 and s["layerwatch.shadow.reverse_kl_nats_per_token"] > 0
+    by_parent = sorted(
+        (s.parent.span_id == chat.context.span_id, s.attributes["layerwatch.choice.index"]) for s in shadows
+    )
+    assert by_parent == [(False, 0), (False, 1), (True, 0)]
     shadow_tokens = sample_sum(server.metrics(), "layerwatch_shadow_tokens_total")
     assert shadow_tokens == sum(s.attributes["layerwatch.shadow.tokens"] for s in shadows)
 

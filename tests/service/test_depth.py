@@ -244,5 +244,18 @@ def test_full_depth_decisions_are_not_shadow_checked(in_process):
     server = in_process(shadow_rate=1.0, request_threshold_range=(0.0, 1.0))
     complete(server.base_url, skip_threshold=0.0)  # full depth, by the request field
     complete(server.base_url)  # the served tau
-    tokens, _ = settled(server)
+    tokens, *_ = settled(server)
     assert tokens == 16  # the gated request's alone
+
+
+def test_a_sampled_request_moved_to_full_depth_after_its_prefill_is_counted_not_checked(in_process):
+    """The shadow sample is decided at admission; the complexity pre-check may move the request to full
+    depth after its prefill, and then there is nothing gated to check: counted as full_depth."""
+    server = in_process(shadow_rate=1.0, complexity_cutoff=0.0)  # every prompt is at least 0 complex
+    complete(server.base_url, LONG, temperature=0.8, seed=1)
+    assert decisions(server, "full", "complexity") == 1
+    tokens, *_ = settled(server)
+    assert tokens == 0
+    snapshot = server.metrics()
+    assert sample_sum(snapshot, "layerwatch_shadow_requests_total", outcome="full_depth") == 1
+    assert sample_sum(snapshot, "layerwatch_shadow_requests_total", outcome="checked") == 0

@@ -23,7 +23,7 @@ from inference_shim.service.metrics import ShadowMetrics
 from inference_shim.service.shadow import ShadowChecker
 from inference_shim.service.shim import ServeSettings, ShimService
 from layerwatch.gate_importance import LayerSignalStats, spearman
-from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum, tiny_gates
+from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum, tiny_gates, uniform_record
 
 # --- Spearman's rank correlation ------------------------------------------------------------------------
 
@@ -127,14 +127,14 @@ def test_a_shadow_job_measures_every_layer_of_every_decode_position(tiny_checkpo
     model.attach_gates(tiny_gates(model))
     stats = LayerSignalStats(NUM_LAYERS, reservoir=8 * NUM_LAYERS)
     checker = ShadowChecker(model, ShadowMetrics(CollectorRegistry(), "m"), rate=1.0, signals=stats)
-    checker.offer([0, 5, 6, 7], [8, 9, 10, 11, 12], greedy=True)
+    checker.offer([0, 5, 6, 7], [8, 9, 10, 11, 12], uniform_record(5))
     checker.run_one()
     s = stats.snapshot()
     assert s.tokens.tolist() == [5] * NUM_LAYERS and s.samples == 5 * NUM_LAYERS
     assert (s.relative_update_sum > 0).all() and (s.attention_kl_sum >= 0).all()
     # The tiny gates score layers 1-3 low and the others high; the reservoir is not full yet.
     assert s.correlation is None
-    checker.offer([0, 5], [8, 9, 10], greedy=True)
+    checker.offer([0, 5], [8, 9, 10], uniform_record(3))
     checker.run_one()
     assert stats.snapshot().correlation is not None
 

@@ -32,7 +32,7 @@ LAYERWATCH = str(Path(sys.executable).with_name("layerwatch"))
 
 
 def shim_argv(port: int, exporter_udp_port: int, *extra: str) -> list[str]:
-    """`layerwatch serve` on the demo model, every greedy request shadow-checked."""
+    """`layerwatch serve` on the demo model, every request shadow-checked."""
     return [
         LAYERWATCH,
         "serve",
@@ -120,7 +120,7 @@ def receiver(alert: dict) -> str:
 
 
 class Load:
-    """Sampled and greedy completions in the background (only greedy ones are shadow-checked)."""
+    """Sampled completions in the background, at temperature 1.0 and 0.7 (demo.loadgen.TEMPERATURES)."""
 
     def __init__(self, base_url: str, model_name: str) -> None:
         self.stop_event = threading.Event()
@@ -134,7 +134,6 @@ class Load:
                         duration=math.inf,
                         concurrency=LOAD_CONCURRENCY,
                         max_tokens=LOAD_MAX_TOKENS,
-                        greedy_fraction=0.5,
                         stop=self.stop_event,
                         timeout=30.0,
                     )

@@ -7,13 +7,19 @@ One stack per module (`stack` fixture); the tests are phases and run in file ord
    kept) pages LayerwatchRoutingStatic while LayerwatchEntropySinglePeak stays silent; then the
    healthy shim is restored and every alert resolves;
 3. the shim restarted with `--reset-gates` (the field's "gate weights overwritten" incident) pages
-   LayerwatchEntropySinglePeak and tickets LayerwatchGateWeightsChanged;
-4. the shim restarted with `--threshold 0.95` pages LayerwatchRunawaySkipping;
+   LayerwatchEntropySinglePeak and tickets LayerwatchGateWeightsChanged; the fresh gates skip
+   nothing, so the quality guard measures no cost and its pages stay silent;
+4. the shim restarted with `--threshold 0.95` pages LayerwatchRunawaySkipping and
+   LayerwatchShadowQualityCost;
+   4b. the shim restarted with `--shadow-rate 0` (the demo profile expects checks) tickets
+   LayerwatchQualityGuardBlind;
 5. back to healthy, a small category of garbled transcripts (demo.loadgen.STUTTER) pages
    LayerwatchRequestTailRunaway while the global skip ratio barely moves;
 6. the shim restarted with `--shuffle-gates` (every gate on another layer) pages
    LayerwatchGateMiscalibrated from the shadow check's layer signals;
 7. every query of every dashboard panel returns data from this Prometheus.
+The load is sampled only (temperature 1.0 and 0.7, demo.loadgen.TEMPERATURES): the shadow check
+compares requests at any temperature.
 Arrival is asserted through Alertmanager's API v2 and through the webhook receivers the rendered
 alertmanager.yml routes to (a loopback HTTP server standing in for the pager and ticket bridges).
 
@@ -364,6 +370,11 @@ def test_healthy_baseline_fires_no_alert(stack: Stack) -> None:
     correlation = values(stack.query(f"layerwatch_gate_importance_correlation{{{model}}}"))
     assert correlation and correlation[0] > stack.profile.gate_importance_correlation_min, correlation
     print(f"\nhealthy gates: gate-importance correlation {correlation[0]:.3f}")
+    # ... and the sampled traffic against the full-depth model, within the profile's limits.
+    quality = _shadow_quality(stack)
+    assert quality["tokens"] > 0 and quality["agreement"] > stack.profile.shadow_agreement_min, quality
+    assert 0 < quality["nats per token"] < stack.profile.shadow_kl_nats_max, quality
+    print(f"healthy shadow check: {_quality_text(quality)}")
 
     assert fired == {}, f"alerts fired on the healthy baseline: {fired}"
     assert stack.layerwatch_alerts() == []
@@ -461,15 +472,42 @@ def test_reset_gates_page_single_peak_and_gate_weights_changed(stack: Stack) -> 
     (reset_sha,) = _served_hashes(stack) - {healthy_sha}
     description = alerts["LayerwatchGateWeightsChanged"]["annotations"]["description"]
     assert healthy_sha in description and reset_sha in description, description
+    # Fresh gates score about 0.5 everywhere, above tau: nothing is skipped, so the gated model is the
+    # full-depth one and the quality guard, measuring on the same traffic, sees no cost.
+    quality = _shadow_quality(stack)
+    assert quality["agreement"] > 0.99 and quality["nats per token"] < 1e-4, quality
+    firing = {a["labels"]["alertname"] for a in stack.layerwatch_alerts() if a["state"] == "firing"}
+    assert not firing & {"LayerwatchShadowAgreementLow", "LayerwatchShadowQualityCost"}, firing
+    print(f"\nreset gates: shadow check {_quality_text(quality)}")
+
+
+def _shadow_quality(stack: Stack) -> dict[str, float]:
+    """The shim's shadow check over the scaled rate window, from the recorded series."""
+    recorded, shim = Recorded.for_timing(Timing(TIME_SCALE)), f'instance="{stack.shim_instance}"'
+    window = f"{TIME_SCALE * config.RATE_WINDOW:g}s"
+    queries = {
+        "agreement": f"{recorded.shadow_agreement_ratio}{{{shim}}}",
+        "nats per token": f"{recorded.shadow_kl_per_token}{{{shim}}}",
+        "perplexity increase": f"{recorded.shadow_perplexity_increase}{{{shim}}}",
+        "tokens": f"sum(increase(layerwatch_shadow_tokens_total{{{shim}}}[{window}]))",
+    }
+    return {what: next(iter(values(_wait_for_data(stack, expr))), math.nan) for what, expr in queries.items()}
+
+
+def _quality_text(quality: dict[str, float]) -> str:
+    return ", ".join(f"{what} {value:.4g}" for what, value in quality.items())
 
 
 # --- phase 4: a threshold misconfigured to 0.95 -------------------------------------------------------
 
 
-def test_threshold_095_pages_runaway_skipping(stack: Stack) -> None:
+def test_threshold_095_pages_runaway_skipping_and_quality_cost(stack: Stack) -> None:
     injected, serving = stack.restart_shim("--threshold", "0.95")
     alerts = stack.wait_for_pages(
-        "threshold 0.95 (`--threshold 0.95`)", ["LayerwatchRunawaySkipping"], injected, serving
+        "threshold 0.95 (`--threshold 0.95`)",
+        ["LayerwatchRunawaySkipping", "LayerwatchShadowQualityCost"],
+        injected,
+        serving,
     )
 
     runaway = alerts["LayerwatchRunawaySkipping"]
@@ -477,6 +515,26 @@ def test_threshold_095_pages_runaway_skipping(stack: Stack) -> None:
     assert runaway["labels"]["instance"] == stack.shim_instance
     assert runaway["labels"]["trigger"] in ("skip_ratio", "fallbacks")
     assert stack.query(f'layerwatch_model_info{{instance="{stack.shim_instance}", threshold="0.95"}}')
+    cost = alerts["LayerwatchShadowQualityCost"]
+    assert cost["labels"]["severity"] == "critical" and cost["labels"]["instance"] == stack.shim_instance
+    quality = _shadow_quality(stack)
+    assert quality["nats per token"] > stack.profile.shadow_kl_nats_max, quality
+    print(f"\nthreshold 0.95: shadow check {_quality_text(quality)}")
+
+
+# --- phase 4b: the quality guard turned off ------------------------------------------------------------
+
+
+def test_shadow_rate_zero_tickets_quality_guard_blind(stack: Stack) -> None:
+    """The demo profile expects shadow checks (shadow_rate_min); a shim serving without them is blind."""
+    assert stack.profile.shadow_rate_min > 0
+    injected, serving = stack.restart_shim("--shadow-rate", "0")
+    alerts = stack.wait_for_pages(
+        "shadow rate 0 (`--shadow-rate 0`)", ["LayerwatchQualityGuardBlind"], injected, serving
+    )
+    blind = alerts["LayerwatchQualityGuardBlind"]
+    assert blind["labels"]["severity"] == "warning" and blind["labels"]["trigger"] == "rate"
+    assert blind["labels"]["instance"] == stack.shim_instance
 
 
 # --- phase 5: a small category of traffic runs away ---------------------------------------------------
