@@ -1,7 +1,10 @@
 """Start, wait for and stop the stack's processes: used by `layerwatch demo` and the end-to-end tests.
 
-Each process runs in its own process group with its output in a log file, so stopping it also stops
-anything it spawned and nothing is left behind.
+Each process runs in its own session and process group with its output in a log file, so stopping
+it also stops anything it spawned, and a terminal's signals reach only whoever started it (the demo
+stops its processes itself, in order). Each one also ends with its starter: it gets SIGTERM when
+the thread that started it ends, however it ends (die_with_parent.py), so that a starter killed by
+SIGKILL leaves nothing behind either. Start them from a thread that lives as long as they should.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from pathlib import Path
 
 # `layerwatch` in a child process, with the running interpreter (and so the same environment).
 LAYERWATCH_COMMAND = [sys.executable, "-m", "layerwatch_cli.main"]
+# Runs a command that gets SIGTERM when its parent ends: the standard library only, isolated mode.
+DIE_WITH_PARENT = [sys.executable, "-I", "-S", str(Path(__file__).with_name("die_with_parent.py"))]
 
 
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
@@ -35,7 +40,7 @@ class ManagedProcess:
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 -- the child writes to it until stop() closes it
         self.proc = subprocess.Popen(
-            argv,
+            [*DIE_WITH_PARENT, str(os.getpid()), *argv],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
