@@ -2,10 +2,11 @@
 
 demo/processes.py starts every process of the stack through this script, run by its path with the
 standard library only. It asks Linux to send the process SIGTERM when the thread that started it
-ends (prctl PR_SET_PDEATHSIG, which an exec keeps), then becomes COMMAND (exec: the same pid). So a
-demo killed by SIGKILL, which can clean up nothing, still leaves nothing running: each process
-gets the SIGTERM it stops cleanly on. A parent already gone by then (not PARENT_PID any more) means
-exit 1 at once. Elsewhere than on Linux, COMMAND runs without that guard.
+ends (prctl PR_SET_PDEATHSIG, which an exec keeps; processes.py starts them all from one thread
+that lives as long as the starting process), then becomes COMMAND (exec: the same pid). So a demo
+killed by SIGKILL, which can clean up nothing, still leaves nothing running: each process gets the
+SIGTERM it stops cleanly on. A parent already gone by then (not PARENT_PID any more) means exit 1
+at once. Elsewhere than on Linux, COMMAND runs without that guard.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from demo.processes import free_port
+from demo.processes import ManagedProcess, free_port
 from tests.reliability.conftest import LAYERWATCH, LONG_TOKENS, MODEL_NAME, Exporter, Shim, sample_sum, wait_for_metrics
 from tests.reliability.test_back_pressure import Completion, Stream, queue
 from tests.reliability.test_gate_reload import gate_file_bytes, gates_sha256, replace_atomically
@@ -222,6 +222,26 @@ def test_top_stops_on_sighup_its_terminal_closing(tmp_path):
         top.kill()
     assert top.returncode == -signal.SIGHUP
     assert "SIGHUP received: stopping" in stderr and "Traceback" not in stderr, stderr
+
+
+def test_a_process_started_from_a_thread_that_ends_keeps_running(tmp_path):
+    """Linux sends the parent-death signal (demo/die_with_parent.py) when the *thread* that started a
+    process ends, and a drill restarts the shim from a thread of its own, which then ends:
+    ManagedProcess starts every process from one thread that lives as long as the process."""
+    started: list[ManagedProcess] = []
+
+    def start_then_end() -> None:
+        started.append(ManagedProcess("sleep", ["sleep", "30"], tmp_path / "sleep.log"))
+        time.sleep(1.0)  # past the child's prctl: were it this thread's child, its end would be signalled
+
+    starter = threading.Thread(target=start_then_end)
+    starter.start()
+    starter.join()
+    time.sleep(0.5)
+    try:
+        assert started[0].running()
+    finally:
+        started[0].stop()
 
 
 def _port_free(port: int) -> bool:
