@@ -7,16 +7,17 @@ threads and 32 trickling ones locked Alertmanager out (issue 27). Here one event
 the request line and headers of every connection, so a slow client costs a socket and a bounded
 buffer, never a thread:
 
-- at most `max_connections` connections. One more closes the connection that has been waiting
-  longest for its request head (a slow client: a head that is in is never closed to make room;
-  Alertmanager's and Prometheus' heads arrive in one packet), or, when every connection has its
-  head in, is answered 503 at once;
+- at most `max_connections` connections. One more closes a connection whose answer is written
+  (lingering, or slow to take it), else the one that has been waiting longest for its request head
+  (a slow client: Alertmanager's and Prometheus' heads arrive in one packet; a connection between
+  its head and its answer is never closed to make room), or, when none can be, is answered 503 at
+  once;
 - the request line and headers within `max_head_bytes` (else 431) and `head_timeout` seconds of
   the connection opening (else 408);
 - a body only with one Content-Length of ASCII digits (else 400; none where `body_methods` need
   one: 411), at most `max_body_bytes` (else 413, unread), within `body_timeout` seconds (else 408);
 - the answer is computed on a pool of `workers` threads, and must be taken by the client within
-  `write_timeout` seconds;
+  `write_timeout` seconds (a connection whose answer is written may be closed to make room);
 - one request per connection (`Connection: close`), as the stdlib's HTTP/1.0 server answered.
 
 A `Handler` screens each head before its body is read (`screen`, on the event loop: cheap checks
@@ -145,8 +146,8 @@ class _Refused(Exception):
 class _Connection:
     peer: str
     task: asyncio.Task | None = None
-    busy: bool = False  # its head is in and its answer not sent yet: never closed to make room
-    answered: bool = False
+    busy: bool = False  # its head is in, its answer not written yet: never closed to make room
+    answered: bool = False  # its answer written (a client slow to take it may be closed to make room)
     evicted: bool = False
     head: RequestHead | None = field(default=None, repr=False)
 
@@ -228,7 +229,7 @@ class Listener:
             else:
                 refusal = _Refused("too_many_connections", 503, "too many connections, try again")
                 self._refuse(connection, refusal)
-                await self._send(writer, refusal.response(("Retry-After", "1")))
+                await self._send(writer, connection, refusal.response(("Retry-After", "1")))
             writer.close()
             await asyncio.wait_for(writer.wait_closed(), self._limits.write_timeout)
         except asyncio.CancelledError:
@@ -244,27 +245,31 @@ class Listener:
 
     def _admit(self, connection: _Connection) -> bool:
         if len(self._connections) >= self._limits.max_connections:
-            waiting = next((c for c in self._connections if not c.busy), None)  # the one waiting longest
-            if waiting is None:
+            # One answered already (lingering, or slow to take its answer), else the one waiting
+            # longest for its head (the oldest first: the dict keeps the order they opened in).
+            victim = next((c for c in self._connections if c.answered), None)
+            victim = victim or next((c for c in self._connections if not c.busy), None)
+            if victim is None:
                 return False
-            waiting.evicted = True
-            self._connections.pop(waiting)
-            if waiting.task is not None:
-                waiting.task.cancel()
+            victim.evicted = True
+            self._connections.pop(victim)
+            if victim.task is not None:
+                victim.task.cancel()
         self._connections[connection] = None
         return True
 
     async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, connection: _Connection):
         try:
-            response = await self._respond(reader, connection)
+            response = await self._respond(reader, writer, connection)
         except _Refused as refusal:
             self._refuse(connection, refusal)
             response = refusal.response()
-        await self._send(writer, response)
-        connection.busy, connection.answered = False, True
+        await self._send(writer, connection, response)
         await self._linger(reader, writer)
 
-    async def _respond(self, reader: asyncio.StreamReader, connection: _Connection) -> Response:
+    async def _respond(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, connection: _Connection
+    ) -> Response:
         limits = self._limits
         try:
             raw = await asyncio.wait_for(reader.readuntil(_HEAD_END), limits.head_timeout)
@@ -279,6 +284,8 @@ class Listener:
         if screened is not None:
             return screened
         length = _body_length(head, limits)
+        if length and head.headers.get("expect", "").lower() == "100-continue":  # curl waits 1 s for it
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
             body = await asyncio.wait_for(reader.readexactly(length), limits.body_timeout)
         except TimeoutError:
@@ -306,8 +313,9 @@ class Listener:
         except Exception:
             log.exception("%s: counting a refusal failed", self._name)
 
-    async def _send(self, writer: asyncio.StreamWriter, response: Response) -> None:
+    async def _send(self, writer: asyncio.StreamWriter, connection: _Connection, response: Response) -> None:
         writer.write(response.encode())
+        connection.busy, connection.answered = False, True
         await asyncio.wait_for(writer.drain(), self._limits.write_timeout)
 
     async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

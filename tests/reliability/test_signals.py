@@ -12,10 +12,10 @@ ends, its parent's death (SIGKILL, nothing to clean up) included.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pty
+import select
 import shutil
 import signal
 import socket
@@ -275,18 +275,24 @@ class TerminalDemo:
         )
         os.close(slave)
         self.output = b""
-        self._reader = threading.Thread(target=self._read, daemon=True)  # a full pty would block the demo
+        self._hang_up = threading.Event()
+        # A full pty would block the demo. The reader also closes the master: a close while another
+        # thread is blocked reading it takes effect (the hang-up) only once that read returns.
+        self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
-        while True:
+        while not self._hang_up.is_set():
+            if not select.select([self._master], [], [], 0.05)[0]:
+                continue
             try:
                 chunk = os.read(self._master, 4096)
-            except OSError:  # closed: the terminal is gone
-                return
+            except OSError:  # EIO: the demo closed its side
+                break
             if not chunk:
-                return
+                break
             self.output += chunk
+        os.close(self._master)
 
     def wait_for(self, text: bytes, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
@@ -296,7 +302,8 @@ class TerminalDemo:
             time.sleep(0.1)
 
     def hang_up(self) -> None:
-        os.close(self._master)
+        self._hang_up.set()
+        self._reader.join()
 
     def text(self) -> str:
         return self.output.decode(errors="replace")[-4000:]
@@ -305,32 +312,36 @@ class TerminalDemo:
         if self.process.poll() is None:  # its processes end with it (demo/processes.py)
             self.process.kill()
             self.process.wait()
-        with contextlib.suppress(OSError):
-            os.close(self._master)
+        self.hang_up()
 
 
 @pytest.mark.skipif(
     not (shutil.which("prometheus") and shutil.which("prometheus-alertmanager")),
     reason="the demo starts Prometheus and Alertmanager when they are installed",
 )
-@pytest.mark.parametrize("ending", ["terminal closed", "demo killed", "duration"])
+@pytest.mark.parametrize("ending", ["terminal closed", "terminal closed during start-up", "demo killed", "duration"])
 def test_the_demo_leaves_nothing_behind_however_it_ends(tiny_checkpoint, tmp_path, ending):
     """Issue 26, item 5: closing the demo's terminal left the shim, the exporter, Prometheus and
     Alertmanager running with their ports held (all four still up 8 s later). Now a hang-up stops
-    them as Ctrl-C does (tests/test_demo.py), a SIGKILL of the demo takes them along (each one
-    gets SIGTERM when its parent dies), and --duration ends it all with status 0."""
+    them as Ctrl-C does (tests/test_demo.py), also while the shim is still loading, a SIGKILL of
+    the demo takes them along (each one gets SIGTERM when its parent dies), and --duration ends it
+    all with status 0."""
     demo = TerminalDemo(tmp_path, tiny_checkpoint.path, *(["--duration", "8"] if ending == "duration" else []))
     try:
-        demo.wait_for(b"observations")  # the whole stack up, frames arriving
-        if ending == "terminal closed":
+        if ending == "terminal closed during start-up":
+            while _port_free(demo.ports["exporter-port"]):  # the exporter up, the shim loading
+                assert demo.process.poll() is None, demo.text()
+                time.sleep(0.05)
+        else:
+            demo.wait_for(b"observations")  # the whole stack up, frames arriving
+        if ending.startswith("terminal closed"):
             demo.hang_up()
         elif ending == "demo killed":
             demo.process.kill()
         status = demo.process.wait(60)
         taken = _wait_ports_free(demo.ports, within=15.0)
         assert not taken, f"still listening after the demo ended: {taken}\n{demo.text()}"
-        expected = {"terminal closed": -signal.SIGHUP, "demo killed": -signal.SIGKILL, "duration": 0}[ending]
-        assert status == expected, demo.text()
+        assert status == {"demo killed": -signal.SIGKILL, "duration": 0}.get(ending, -signal.SIGHUP), demo.text()
         if ending == "duration":
             assert b"stopped every process it started" in demo.output
     finally:
