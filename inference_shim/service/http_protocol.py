@@ -105,9 +105,7 @@ class BoundedH11Protocol(H11Protocol):
             end = _HEAD_END.search(pending)
             if (end.start() if end else len(pending)) > self.limits.max_head_bytes:
                 self._stop_waiting()
-                self._refuse(
-                    "head_too_large", 431, f"Request line and headers over {self.limits.max_head_bytes} bytes."
-                )
+                self._refuse_too_large()
                 return
             if self in self.idle:  # its head begins
                 del self.idle[self]
