@@ -1,7 +1,12 @@
 """Start, wait for and stop the stack's processes: used by `layerwatch demo` and the end-to-end tests.
 
-Each process runs in its own process group with its output in a log file, so stopping it also stops
-anything it spawned and nothing is left behind.
+Each process runs in its own session and process group with its output in a log file, so stopping
+it also stops anything it spawned, and a terminal's signals reach only whoever started it (the demo
+stops its processes itself, in order). Each one also ends with its starter: it gets SIGTERM when
+the starting process ends, however it ends (die_with_parent.py), so that a starter killed by
+SIGKILL leaves nothing behind either. Linux sends that signal when the *thread* that started the
+process ends, so every process is started from one thread that lives as long as this process
+(a drill restarts the shim from a thread of its own, which ends once it has).
 """
 
 from __future__ import annotations
@@ -15,10 +20,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # `layerwatch` in a child process, with the running interpreter (and so the same environment).
 LAYERWATCH_COMMAND = [sys.executable, "-m", "layerwatch_cli.main"]
+# Runs a command that gets SIGTERM when its parent ends: the standard library only, isolated mode.
+DIE_WITH_PARENT = [sys.executable, "-I", "-S", str(Path(__file__).with_name("die_with_parent.py"))]
+_STARTER = ThreadPoolExecutor(1, thread_name_prefix="process-starter")  # the parent thread of them all
 
 
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
@@ -34,14 +43,15 @@ class ManagedProcess:
         self.argv = argv
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 -- the child writes to it until stop() closes it
-        self.proc = subprocess.Popen(
-            argv,
+        self.proc = _STARTER.submit(
+            subprocess.Popen,
+            [*DIE_WITH_PARENT, str(os.getpid()), *argv],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
             start_new_session=True,
-        )
+        ).result()
 
     def running(self) -> bool:
         return self.proc.poll() is None

@@ -2,22 +2,27 @@
 notifications end here, in the process that runs it (`layerwatch demo`, the end-to-end tests).
 
 It binds 127.0.0.1 on a free port and records every POST with the time it arrived; `url(path)` is
-what a rendered alertmanager.yml points a receiver at (`/pager`, `/ticket`).
+what a rendered alertmanager.yml points a receiver at (`/pager`, `/ticket`). It serves on the
+bounded listener the sidecars use (layerwatch/http_listener.py): a slow or oversized request costs
+it a socket, not a thread, and a bad one gets its 4xx.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from layerwatch import ports
+from layerwatch.http_listener import Handler, Limits, Listener, Request, RequestHead, Response
 
 # Where the rendered alertmanager.yml routes an alert: critical pages, warning opens a ticket.
 PAGER_PATH, TICKET_PATH = "/pager", "/ticket"
 # The most notifications a receiver keeps (a long demo must not grow without bound).
 MAX_NOTIFICATIONS = 10_000
+# Alertmanager's notifications: at most 100 alerts (the generated max_alerts), far under 1 MiB.
+LIMITS = Limits(max_connections=16, max_body_bytes=1 << 20, body_methods=("POST",), workers=1)
 
 
 @dataclass(frozen=True)
@@ -34,36 +39,36 @@ class Notification:
         ]
 
 
+class _Recorder(Handler):
+    def __init__(self, received: list[Notification]) -> None:
+        self._received = received
+
+    def screen(self, head: RequestHead) -> Response | None:
+        return None if head.method == "POST" else Response(405, b"POST notifications\n", headers=(("Allow", "POST"),))
+
+    def answer(self, request: Request) -> Response:
+        try:
+            payload = json.loads(request.body)
+        except ValueError:
+            payload = None
+        if not isinstance(payload, dict):
+            return Response(400, b"not a JSON object\n")
+        self._received.append(Notification(time.monotonic(), request.head.path, payload))
+        del self._received[:-MAX_NOTIFICATIONS]
+        return Response(200)
+
+
 class WebhookReceiver:
     """Records every POST Alertmanager sends, like a pager or ticket bridge would receive it."""
 
     def __init__(self) -> None:
         self.notifications: list[Notification] = []
-        received = self.notifications
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                try:
-                    payload = json.loads(body)
-                except ValueError:
-                    self.send_response(400)
-                    self.end_headers()
-                    return
-                received.append(Notification(time.monotonic(), self.path, payload))
-                del received[:-MAX_NOTIFICATIONS]
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args) -> None:  # keep the terminal (and pytest's output) for the results
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
+        bound = ports.reserve(("127.0.0.1", 0), "the demo's webhook receiver", "(a free port)")
+        self._listener = Listener(bound, _Recorder(self.notifications), LIMITS, "webhook-receiver")
+        self._listener.start()
 
     def url(self, receiver: str) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}{receiver}"
+        return f"http://127.0.0.1:{self._listener.address[1]}{receiver}"
 
     def first_firing(self, receiver: str, alertname: str, since: float = -math.inf) -> float | None:
         """When `receiver` was first notified of `alertname` firing (monotonic), at or after `since`, or None."""
@@ -83,5 +88,4 @@ class WebhookReceiver:
         return list(reversed(self.notifications[-count:]))
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._listener.stop()

@@ -1,13 +1,10 @@
-"""The running exporter: a UDP receiver thread for gate frames and an HTTP server for /metrics."""
+"""The running exporter: a UDP receiver thread for gate frames and an HTTP listener for /metrics."""
 
 from __future__ import annotations
 
 import logging
 import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import cast
-from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -15,6 +12,8 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from exporter.collectors import build_registry
 from exporter.exposition import TextEncoder
 from exporter.state import ExporterState
+from layerwatch import ports
+from layerwatch.http_listener import Handler, Limits, Listener, Request, RequestHead, Response
 from layerwatch.wire import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
@@ -23,6 +22,10 @@ log = logging.getLogger(__name__)
 RECEIVE_BUFFER_BYTES = 8 * 1024 * 1024
 # How often the receiver wakes up to notice a stop request.
 _POLL_SECONDS = 0.2
+# /metrics and /healthz (layerwatch/http_listener.py): a few scrapers, GETs without a body; the
+# connection waiting longest for its request head is closed to let a new one in, so that a flood
+# of half-sent requests never keeps a scrape out.
+HTTP_LIMITS = Limits(max_connections=64, head_timeout=10.0, workers=4)
 
 
 class FrameReceiver:
@@ -50,7 +53,8 @@ class FrameReceiver:
 
     def stop(self) -> None:
         self._stopping.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
         self._socket.close()
 
     def _receive(self) -> None:
@@ -69,58 +73,42 @@ class FrameReceiver:
                 log.exception("ingesting a %d-byte datagram failed", len(data))
 
 
-def _handler_class(registry: CollectorRegistry, receiver: FrameReceiver) -> type[BaseHTTPRequestHandler]:
-    encoder = TextEncoder()
+class _Page(Handler):
+    """GET /metrics, /healthz and / (a link page); anything else 404, other methods 405."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            path = urlsplit(self.path).path
-            if path == "/metrics":
-                # Always the 0.0.4 text format: Prometheus accepts it whatever it asks for first.
-                self._reply(200, CONTENT_TYPE_PLAIN_0_0_4, encoder.encode(registry))
-            elif path == "/healthz":
-                if receiver.is_alive():
-                    self._reply(200, "text/plain; charset=utf-8", b"ok\n")
-                else:
-                    self._reply(503, "text/plain; charset=utf-8", b"frame receiver stopped\n")
-            elif path == "/":
-                self._reply(
-                    200,
-                    "text/html; charset=utf-8",
-                    b'<h1>layerwatch exporter</h1><a href="/metrics">/metrics</a> <a href="/healthz">/healthz</a>\n',
-                )
-            else:
-                self._reply(404, "text/plain; charset=utf-8", b"not found\n")
+    def __init__(self, registry: CollectorRegistry, receiver: FrameReceiver) -> None:
+        self._registry, self._receiver = registry, receiver
+        self._encoder = TextEncoder()
 
-        def _reply(self, status: int, content_type: str, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def screen(self, head: RequestHead) -> Response | None:
+        if head.method != "GET":
+            return Response(405, b"only GET\n", headers=(("Allow", "GET"),))
+        return None
 
-        def log_message(self, format: str, *args: object) -> None:
-            log.debug("%s %s", self.address_string(), format % args)
-
-    return Handler
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True  # a stuck client never blocks shutdown
-
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        super().__init__(address, handler)
+    def answer(self, request: Request) -> Response:
+        path = request.head.path
+        if path == "/metrics":
+            # Always the 0.0.4 text format: Prometheus accepts it whatever it asks for first.
+            return Response(200, self._encoder.encode(self._registry), CONTENT_TYPE_PLAIN_0_0_4)
+        if path == "/healthz":
+            return Response(200, b"ok\n") if self._receiver.is_alive() else Response(503, b"frame receiver stopped\n")
+        if path == "/":
+            links = b'<h1>layerwatch exporter</h1><a href="/metrics">/metrics</a> <a href="/healthz">/healthz</a>\n'
+            return Response(200, links, "text/html; charset=utf-8")
+        return Response(404, b"not found\n")
 
 
 class ExporterServer:
     """Binds both sockets on construction (so the real ports are known), serves after start()."""
 
     def __init__(self, state: ExporterState, frames_address: tuple[str, int], http_address: tuple[str, int]) -> None:
-        self.receiver = FrameReceiver(frames_address, state)
-        registry = build_registry(state)
-        self.http = _HTTPServer(http_address, _handler_class(registry, self.receiver))
-        self._http_thread = threading.Thread(target=self.http.serve_forever, name="http", daemon=True)
+        bound = ports.reserve(http_address, "the exporter's HTTP", "--http")
+        try:
+            self.receiver = FrameReceiver(frames_address, state)
+        except OSError:
+            bound.close()
+            raise
+        self.http = Listener(bound, _Page(build_registry(state), self.receiver), HTTP_LIMITS, "http")
 
     @property
     def frames_address(self) -> tuple[str, int]:
@@ -128,14 +116,12 @@ class ExporterServer:
 
     @property
     def http_address(self) -> tuple[str, int]:
-        # typeshed allows a bytes host (bind() accepts one); an AF_INET/AF_INET6 server reports a str.
-        return cast(tuple[str, int], self.http.server_address[:2])
+        return self.http.address
 
     def start(self) -> None:
         self.receiver.start()
-        self._http_thread.start()
+        self.http.start()
 
     def stop(self) -> None:
-        self.http.shutdown()
-        self.http.server_close()
+        self.http.stop()
         self.receiver.stop()

@@ -121,6 +121,16 @@ METRICS: tuple[MetricSpec, ...] = (
         SHIM,
     ),
     _m(
+        "layerwatch_http_connections_refused_total",
+        "counter",
+        ("model_name", "reason"),
+        "Requests the API refused before reading them, by reason: head_too_large (431: request line and headers "
+        "over --max-header-bytes), malformed_head (400), head_timeout (408: not in within --header-timeout-seconds), "
+        "evicted (a connection closed while part of its head was in, to make room for a new one), "
+        "too_many_connections (503: --max-connections open, each with a request in).",
+        SHIM,
+    ),
+    _m(
         "layerwatch_requests_running",
         "gauge",
         ("model_name",),
@@ -413,9 +423,11 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         ("model_name", "outcome"),
         "Requests to the mitigation webhook receiver by outcome: accepted, unauthorized (no or a wrong bearer "
-        "token), malformed (not Alertmanager's version-4 webhook JSON), too_large, not_found "
-        "(another path or method), too_many_connections (a connection refused: 32 were open), shutting_down (503: a "
-        "notification that arrived while the shim stopped, not applied).",
+        "token, or cut off before showing one: a request head too slow, too large or malformed, or closed to make "
+        "room for a new connection), malformed (not Alertmanager's version-4 webhook JSON, a bad Content-Length, a "
+        "body too slow), too_large, not_found (another path or method), too_many_connections (503: all 32 "
+        "connections had a request in), shutting_down (503: a notification that arrived while the shim stopped, "
+        "not applied).",
         SHIM,
     ),
     _m(

@@ -5,14 +5,17 @@ Alertmanager with the repo's own configs on the end-to-end test's scaled timing 
 are installed (Alertmanager delivering to a receiver in this process), and a load generator (sampled
 requests only, demo/loadgen.py); then shows the live entropy histogram with the alert state and the
 figures each page reads beside it (without Prometheus: the shim's shadow check since it started)
-until Ctrl-C or --duration. With
---drill, a fault is injected after a healthy baseline and the view shows its page arriving. Every
-process it started is stopped on the way out, whatever the way out is.
+until --duration, Ctrl-C, SIGTERM or SIGHUP (its terminal closed). With --drill, a fault is injected
+after a healthy baseline and the view shows its page arriving. Every process it started is stopped on
+the way out, whatever the way out is: the stop signals unwind to the `finally` below
+(layerwatch_cli/signals.py, which then exits by the signal), and a demo killed outright takes its
+processes with it (demo/processes.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import shutil
 import sys
@@ -21,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 from alerts.profile import PROFILES_DIR, ProfileError, load_profiles
 from demo.alert_view import AlertView
@@ -31,6 +35,7 @@ from demo.stack import TIMING, TIMING_NOTE, DemoStack, monitoring_installed
 from exporter.live_view import CLEAR_SCREEN, Samples, render_screen, scrape, total
 from layerwatch import ports
 from layerwatch_cli import argtypes
+from layerwatch_cli.signals import Stopped
 
 INSTALL_HINT = "scripts/install-system-deps.sh --demo installs them (root or sudo)"
 
@@ -139,18 +144,27 @@ def run(args: argparse.Namespace) -> int:
         if drill is not None and receiver is not None:
             drill_run = DrillRun(drill, stack, receiver, args.baseline)
         _show(shim_url, exporter_url, banner, args, stack, view, drill_run)
-    except KeyboardInterrupt:
+    except Stopped:
         interrupted = True
+        raise
     except (RuntimeError, TimeoutError, ProfileError) as exc:
-        print(f"layerwatch demo: {exc}", file=sys.stderr)
+        _say(f"layerwatch demo: {exc}", sys.stderr)
         return 1
     finally:
         stop.set()
         stack.stop_all()
         if receiver is not None:
             receiver.close()
-    print("layerwatch demo: stopped every process it started.")
+        _say("layerwatch demo: stopped every process it started.")
+        if interrupted and drill_run is not None:  # its time to page, if it paged, before the exit by the signal
+            _drill_verdict(drill_run, interrupted)
     return 0 if drill_run is None else _drill_verdict(drill_run, interrupted)
+
+
+def _say(line: str, stream: TextIO = sys.stdout) -> None:
+    """Print, unless the terminal is gone (a hang-up): the clean-up goes on without it."""
+    with contextlib.suppress(OSError):
+        print(line, file=stream, flush=True)
 
 
 def _drill_verdict(drill_run: DrillRun, interrupted: bool) -> int:
@@ -158,11 +172,11 @@ def _drill_verdict(drill_run: DrillRun, interrupted: bool) -> int:
     drill_run.check_page()
     name, page = drill_run.drill.name, drill_run.drill.page
     if drill_run.time_to_page is not None:
-        print(f"layerwatch demo: drill {name}: {page} paged {drill_run.time_to_page:.1f}s after the fault")
+        _say(f"layerwatch demo: drill {name}: {page} paged {drill_run.time_to_page:.1f}s after the fault")
         return 0
     if interrupted:
         return 0
-    print(f"layerwatch demo: drill {name}: {page} did not page before --duration ran out", file=sys.stderr)
+    _say(f"layerwatch demo: drill {name}: {page} did not page before --duration ran out", sys.stderr)
     return 1
 
 

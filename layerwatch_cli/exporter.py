@@ -1,10 +1,13 @@
-"""`layerwatch exporter`: receive gate frames over UDP, serve /metrics and /healthz over HTTP."""
+"""`layerwatch exporter`: receive gate frames over UDP, serve /metrics and /healthz over HTTP.
+
+It runs until SIGTERM, SIGINT or SIGHUP (layerwatch_cli/signals.py: a clean stop, then the exit by
+the signal); it has nothing to reload, every setting being a flag.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import threading
 from pathlib import Path
@@ -140,22 +143,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"layerwatch exporter: cannot bind: {exc}", file=sys.stderr)
         return 1
 
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    server.start()
-    frames_host, frames_port = server.frames_address
-    http_host, http_port = server.http_address
-    log.info(
-        "receiving gate frames on udp://%s:%d, serving http://%s:%d/metrics",
-        frames_host,
-        frames_port,
-        http_host,
-        http_port,
-    )
-    if args.frame_key_file is not None:
-        log.info("accepting only gate frames authenticated with the key in %s", args.frame_key_file)
-    stop.wait()
-    log.info("stopping")
-    server.stop()
-    return 0
+    try:
+        server.start()
+        frames_host, frames_port = server.frames_address
+        http_host, http_port = server.http_address
+        log.info(
+            "receiving gate frames on udp://%s:%d, serving http://%s:%d/metrics",
+            frames_host,
+            frames_port,
+            http_host,
+            http_port,
+        )
+        if args.frame_key_file is not None:
+            log.info("accepting only gate frames authenticated with the key in %s", args.frame_key_file)
+        threading.Event().wait()  # serves until a stop signal raises signals.Stopped here
+    finally:
+        server.stop()
+        log.info("stopped")
+    return 0  # not reached: only a signal ends the wait

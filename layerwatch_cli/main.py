@@ -17,6 +17,8 @@ import os
 import signal
 import sys
 
+from layerwatch_cli import signals
+
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": (
@@ -43,6 +45,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "demo": ("layerwatch_cli.demo", "run the whole stack on the demo model and show the live histogram"),
 }
+
+# Commands that run until stopped: each signal they are sent has a documented effect (signals.py).
+LONG_RUNNING = ("serve", "exporter", "top", "demo")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -117,13 +122,28 @@ def _ignore_hangups_during_startup() -> None:
     signal.signal(signal.SIGHUP, lambda *_: log.warning("SIGHUP received during start-up: ignored"))
 
 
+def _stop_signals(command: str | None) -> tuple[int, ...]:
+    """The signals that stop `command` from the start (layerwatch_cli/signals.py); `serve` hands
+    SIGTERM and SIGINT over to its server once it runs (a drain), and reloads on SIGHUP."""
+    if command == "serve":
+        _ignore_hangups_during_startup()
+        return (signal.SIGTERM, signal.SIGINT)
+    return signals.STOP_SIGNALS if command in LONG_RUNNING else ()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if _requested_command(argv) == "serve":
-        _ignore_hangups_during_startup()
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
-    return int(args._module.run(args) or 0)
+    command = _requested_command(argv)
+    stopping = _stop_signals(command)
+    if stopping:  # before the imports: they are the slow part of a start
+        while_doing = " during start-up" if command == "serve" else ""
+        signals.stop_on(stopping, logging.getLogger(f"layerwatch.{command}"), while_doing)
+    try:
+        parser = build_parser(argv)
+        args = parser.parse_args(argv)
+        return int(args._module.run(args) or 0)
+    except signals.Stopped as stopped:  # the command's clean-up has run on the way here
+        signals.exit_by(stopped.signum)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME, d
 from inference_shim.runtime.model import KV_POLICIES
 from inference_shim.runtime.skip_policy import SKIP_RULES
 from inference_shim.service.depth import REQUEST_FIELD, parse_rollout_levels, parse_threshold_range
+from inference_shim.service.http_protocol import HTTPLimits
 from inference_shim.service.shim import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServeSettings
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
 from layerwatch.ports import LOOPBACK, SHIM_HTTP_PORT, SHIM_MITIGATION_PORT, http_url, reserve
@@ -273,6 +274,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a request body must arrive within this many seconds, else 408 (slow clients)",
     )
     server.add_argument(
+        "--max-header-bytes",
+        type=argtypes.positive(int),
+        default=HTTPLimits.max_head_bytes,
+        metavar="N",
+        help="largest request line and headers accepted, else 431 (default %(default)s)",
+    )
+    server.add_argument(
+        "--header-timeout-seconds",
+        type=argtypes.positive(float),
+        default=HTTPLimits.head_timeout,
+        metavar="S",
+        help="a request's line and headers must arrive within this many seconds of the connection opening "
+        "(or of its previous answer), else 408 (slow clients; default %(default)s)",
+    )
+    server.add_argument(
+        "--max-connections",
+        type=argtypes.positive(int),
+        default=HTTPLimits.max_connections,
+        metavar="N",
+        help="open connections at most: one more closes the one waiting longest for its request head, or gets "
+        "503 when every connection has a request in (default %(default)s)",
+    )
+    server.add_argument(
         "--allow-debug",
         action="store_true",
         help="honour the x-layerwatch-debug request header (returns per-token layer activity)",
@@ -402,7 +426,8 @@ def profile_runaway_fraction(settings: ServeSettings, profiles_dir: Path | None 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("layerwatch.serve")
-    # SIGHUP is ignored (logged) from the start: layerwatch_cli/main.py set that up before importing this.
+    # Until the server runs, SIGHUP is logged and ignored, SIGTERM and SIGINT stop the start (logged):
+    # layerwatch_cli/main.py set that up before importing this.
 
     import uvicorn
 
@@ -410,6 +435,7 @@ def run(args: argparse.Namespace) -> int:
     from inference_shim.runtime.gates import GateFileError
     from inference_shim.runtime.model import CompileError
     from inference_shim.service.app import create_app
+    from inference_shim.service.http_protocol import BoundedH11Protocol, ConnectionRefusals, fit_open_files
     from inference_shim.service.server import ShimServer
     from inference_shim.service.shim import ShimService
 
@@ -443,9 +469,21 @@ def run(args: argparse.Namespace) -> int:
         service.gates_sha256,
         http_url(api.getsockname()),  # where it is bound (--port 0: the port the system chose)
     )
+    limits = HTTPLimits(args.max_header_bytes, args.header_timeout_seconds, fit_open_files(args.max_connections))
     config = uvicorn.Config(
-        create_app(service), host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        create_app(service),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        http=BoundedH11Protocol.bounded(limits, ConnectionRefusals(service.registry, service.model_name)),
+        h11_max_incomplete_event_size=limits.max_head_bytes,
     )
+    # From here the server answers SIGTERM and SIGINT with a drain (its own handlers, which restore
+    # these defaults when it is done, and then raise the signal again to exit by it).
+    for signum, default in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.default_int_handler)):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, default)
     # uvicorn listens on it once the service has started (and, given a socket, does not log where)
     try:
         ShimServer(config, service).run(sockets=[api])

@@ -1,7 +1,8 @@
 """`layerwatch top`: a terminal view of a live exporter, refreshing in place; with --prometheus, each
 model's alerts and the figures its pages read, with their profile limits, beside its histogram.
 
-The views themselves are exporter/live_view.py and demo/alert_view.py.
+The views themselves are exporter/live_view.py and demo/alert_view.py. It runs until SIGINT
+(Ctrl-C), SIGTERM or SIGHUP (its terminal closed), and exits by the signal (layerwatch_cli/signals.py).
 """
 
 from __future__ import annotations
@@ -77,9 +78,7 @@ def run(args: argparse.Namespace) -> int:
                 text = f"layerwatch top: cannot read {args.url}/metrics: {exc} (retrying)"
             sys.stdout.write(CLEAR_SCREEN + text + "\n")
             sys.stdout.flush()
-            time.sleep(args.interval)
-    except KeyboardInterrupt:
-        return 0
+            time.sleep(args.interval)  # until a stop signal (Ctrl-C, the terminal closing: signals.py)
     except BrokenPipeError:  # the reader went away (`layerwatch top | head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush succeeds
         return 0

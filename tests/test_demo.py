@@ -1,7 +1,8 @@
 """The README's first commands: `layerwatch demo` runs the stack on the demo model with Prometheus and
 Alertmanager, `--drill static` injects static pruning after a healthy baseline and the terminal shows
 the LayerwatchRoutingStatic page arriving at the demo's own receiver, `layerwatch top --prometheus`
-shows the same alert state; Ctrl-C then stops everything."""
+shows the same alert state; Ctrl-C then stops everything.
+Its other ways to end (a closed terminal, SIGKILL, --duration) are in tests/reliability/test_signals.py."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def test_the_static_drill_shows_its_page_and_ctrl_c_leaves_nothing_behind(tmp_pa
     top_lines = top.stdout.splitlines()
     assert any("FIRING" in line and PAGE in line for line in top_lines), top.stdout
     assert any("token-dependent share" in line and "past the limit" in line for line in top_lines), top.stdout
-    assert demo.returncode == 0, text + rest
+    assert demo.returncode == -signal.SIGINT, text + rest  # stopped, then exits by the signal
     assert "stopped every process it started" in rest
     assert f"drill static: {PAGE} paged" in rest, rest
     assert all(_port_closed(port) for port in ports.values()), ports

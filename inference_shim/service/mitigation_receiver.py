@@ -7,192 +7,123 @@ token from `--mitigation-token-file`; anything else is answered 401 before its b
 `POST /alerts` takes Alertmanager's version-4 webhook JSON, at most MAX_BODY_BYTES; the body
 must arrive within BODY_TIMEOUT_SECONDS. For the operator, `GET /mitigations` lists the
 mitigations in effect and `DELETE /mitigations` ends them all now. Each request is counted by outcome
-(layerwatch_mitigation_webhook_requests_total). The server thread also ends the mitigations whose
-time is up (`Mitigations.expire`) between requests, so that they end on time without traffic.
+(layerwatch_mitigation_webhook_requests_total). The listener (layerwatch/http_listener.py) bounds
+what a client without the token can hold: a request head within HEAD_TIMEOUT_SECONDS and 16 KiB,
+at most MAX_CONNECTIONS connections, the one waiting longest for its head closed to let a new one
+in, so that trickling connections cannot lock Alertmanager out. Every such refusal counts as
+unauthorized: no token was shown. The listener also ends the mitigations whose time is up
+(`Mitigations.expire`) every EXPIRY_POLL_SECONDS, so that they end on time without traffic.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import json
 import logging
 import socket
-import threading
-import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import cast
+from dataclasses import dataclass
 
 from inference_shim.service.mitigation import MalformedNotification, Mitigations, ShuttingDown, parse_notification
 from layerwatch import ports
+from layerwatch.http_listener import Handler, Limits, Listener, Request, RequestHead, Response
+from layerwatch.log_limit import limit_rate
 
-log = logging.getLogger(__name__)
+log = limit_rate(logging.getLogger(__name__))
 
 WEBHOOK_PATH = "/alerts"
 MITIGATIONS_PATH = "/mitigations"  # GET: the mitigations in effect; DELETE: end them all now
 MAX_BODY_BYTES = 1 << 20
 BODY_TIMEOUT_SECONDS = 10.0
+HEAD_TIMEOUT_SECONDS = 10.0
 EXPIRY_POLL_SECONDS = 0.5
 MAX_CONNECTIONS = 32  # Alertmanager sends a few notifications at a time
-REQUEST_SECONDS = 2 * BODY_TIMEOUT_SECONDS  # for a whole request, headers and body, to arrive
+LIMITS = Limits(
+    max_connections=MAX_CONNECTIONS,
+    head_timeout=HEAD_TIMEOUT_SECONDS,
+    max_body_bytes=MAX_BODY_BYTES,
+    body_timeout=BODY_TIMEOUT_SECONDS,
+    body_methods=("POST",),
+    tick_seconds=EXPIRY_POLL_SECONDS,
+)
+ROUTES = {("POST", WEBHOOK_PATH), ("GET", MITIGATIONS_PATH), ("DELETE", MITIGATIONS_PATH)}
+# A refusal of the listener's own after the token was shown: its outcome (else malformed).
+_AUTHENTICATED_REFUSALS = {"body_too_large": "too_large"}
 
 
-def _handler_class(mitigations: Mitigations, token: Callable[[], bytes]) -> type[BaseHTTPRequestHandler]:
-    counts = mitigations.metrics.webhook
+@dataclass(frozen=True)
+class _Refusal:
+    status: int
+    outcome: str
+    message: str
+    headers: tuple[tuple[str, str], ...] = ()
 
-    class Handler(BaseHTTPRequestHandler):
-        timeout = BODY_TIMEOUT_SECONDS  # a slow or silent client loses its connection, not a thread forever
 
-        def do_POST(self) -> None:
-            if not self._authorized():
-                return
-            if self.path != WEBHOOK_PATH:
-                self._refuse(404, "not_found", f"POST webhook notifications to {WEBHOOK_PATH}")
-                return
-            length = self.headers.get("Content-Length", "")
-            if not length.isdigit():
-                self._refuse(411, "malformed", "a Content-Length is required")
-                return
-            if int(length) > MAX_BODY_BYTES:
-                self._refuse(413, "too_large", f"the body has {length} bytes, at most {MAX_BODY_BYTES} are accepted")
-                return
-            try:
-                alerts = parse_notification(self._read_body(int(length)))
-            except TimeoutError:
-                self._refuse(408, "malformed", f"the body did not arrive within {BODY_TIMEOUT_SECONDS:g} s")
-                return
-            except MalformedNotification as exc:
-                self._refuse(400, "malformed", str(exc))
-                return
-            try:
-                outcomes = mitigations.apply(alerts)
-            except ShuttingDown as exc:  # Alertmanager retries it: another replica, or this one restarted
-                self._refuse(503, "shutting_down", f"{exc}: the notification was not applied, send it again")
-                return
-            counts["accepted"].inc()
-            self._reply(200, {"outcomes": outcomes})
+class _Webhook(Handler):
+    def __init__(self, mitigations: Mitigations, token: Callable[[], bytes]) -> None:
+        self._mitigations, self._token = mitigations, token
+        self._counts = mitigations.metrics.webhook
 
-        def do_GET(self) -> None:
-            if not self._authorized():
-                return
-            if self.path != MITIGATIONS_PATH:
-                self._refuse(404, "not_found", f"GET {MITIGATIONS_PATH} lists the mitigations in effect")
-                return
-            counts["accepted"].inc()
-            self._reply(200, {"mitigations": mitigations.in_effect()})
+    def screen(self, head: RequestHead) -> Response | None:
+        scheme, _, given = head.headers.get("authorization", "").partition(" ")
+        # Compared in constant time, so that timing does not tell how much of a guess was right.
+        given_token = given.strip().encode("utf-8", "replace")
+        if not (scheme.lower() == "bearer" and hmac.compare_digest(given_token, self._token())):
+            challenge = (("WWW-Authenticate", "Bearer"),)
+            return self._refuse(head.peer, _Refusal(401, "unauthorized", "a valid bearer token is required", challenge))
+        if (head.method, head.path) not in ROUTES:
+            return self._refuse(
+                head.peer,
+                _Refusal(404, "not_found", f"POST notifications to {WEBHOOK_PATH}; GET or DELETE {MITIGATIONS_PATH}"),
+            )
+        return None
 
-        def do_DELETE(self) -> None:
-            if not self._authorized():
-                return
-            if self.path != MITIGATIONS_PATH:
-                self._refuse(404, "not_found", f"DELETE {MITIGATIONS_PATH} ends every mitigation in effect")
-                return
-            counts["accepted"].inc()
-            ended = mitigations.end_all()
+    def answer(self, request: Request) -> Response:
+        if request.head.method == "GET":
+            self._counts["accepted"].inc()
+            return _json(200, {"mitigations": self._mitigations.in_effect()})
+        if request.head.method == "DELETE":
+            self._counts["accepted"].inc()
+            ended = self._mitigations.end_all()
             log.warning("the operator ended %d mitigation(s) (DELETE %s)", ended, MITIGATIONS_PATH)
-            self._reply(200, {"ended": ended})
+            return _json(200, {"ended": ended})
+        try:
+            outcomes = self._mitigations.apply(parse_notification(request.body))
+        except MalformedNotification as exc:
+            return self._refuse(request.head.peer, _Refusal(400, "malformed", str(exc)))
+        except ShuttingDown as exc:  # Alertmanager retries it: another replica, or this one restarted
+            message = f"{exc}: the notification was not applied, send it again"
+            return self._refuse(request.head.peer, _Refusal(503, "shutting_down", message))
+        self._counts["accepted"].inc()
+        return _json(200, {"outcomes": outcomes})
 
-        def _read_body(self, length: int) -> bytes:
-            """The body, all of it within BODY_TIMEOUT_SECONDS: the socket's timeout bounds each read
-            only, and a client sending a byte now and then would hold this thread for ever."""
-            deadline = time.monotonic() + BODY_TIMEOUT_SECONDS
-            body = bytearray()
-            try:
-                while len(body) < length:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError
-                    self.connection.settimeout(left)
-                    chunk = self.rfile.read1(length - len(body))
-                    if not chunk:
-                        break  # the client closed early: the short body fails validation
-                    body += chunk
-            finally:
-                self.connection.settimeout(self.timeout)
-            return bytes(body)
+    def refused(self, reason: str, head: RequestHead | None) -> None:
+        # A head screened was authenticated; a refusal before (too slow, too large, malformed, closed
+        # to make room) never showed the token.
+        if head is None:
+            outcome = "too_many_connections" if reason == "too_many_connections" else "unauthorized"
+        else:
+            outcome = _AUTHENTICATED_REFUSALS.get(reason, "malformed")
+        self._counts[outcome].inc()
 
-        def _authorized(self) -> bool:
-            scheme, _, given = self.headers.get("Authorization", "").partition(" ")
-            # Compared in constant time, so that timing does not tell how much of a guess was right.
-            if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "replace"), token()):
-                return True
-            self._refuse(401, "unauthorized", "a valid bearer token is required", {"WWW-Authenticate": "Bearer"})
-            return False
+    def tick(self) -> None:
+        self._mitigations.expire()
 
-        def _refuse(self, status: int, outcome: str, message: str, headers: dict[str, str] | None = None) -> None:
-            counts[outcome].inc()
-            peer = self.client_address[0]
-            log.warning("mitigation webhook from %s refused (%d %s): %s", peer, status, outcome, message)
-            self.close_connection = True  # the unread body, if any, must not be taken for the next request
-            self._reply(status, {"error": message}, {"Connection": "close", **(headers or {})})
-
-        def _reply(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for name, value in (headers or {}).items():
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(data)
-            cast(_HTTPServer, self.server).answered(self.connection)
-
-        def log_message(self, format: str, *args: object) -> None:
-            log.debug("%s %s", self.address_string(), format % args)
-
-    return Handler
+    def _refuse(self, peer: str, refusal: _Refusal) -> Response:
+        self._counts[refusal.outcome].inc()
+        log.warning(
+            "mitigation webhook from %s refused (%d %s): %s",
+            peer,
+            refusal.status,
+            refusal.outcome,
+            refusal.message,
+            extra={"rate_key": refusal.outcome},
+        )
+        return _json(refusal.status, {"error": refusal.message}, refusal.headers)
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    """A thread per connection, at most MAX_CONNECTIONS of them (more are closed at once, counted
-    too_many_connections). A connection whose next request has not fully arrived REQUEST_SECONDS
-    after it opened or after its last answer is read no further: its handler answers what arrived
-    (without the token, 401) and closes it. The socket's timeout bounds each read only, and a peer
-    sending a byte now and then, token or not, would keep a thread for ever."""
-
-    daemon_threads = True  # a stuck client never blocks shutdown
-    request_queue_size = MAX_CONNECTIONS  # the stdlib's backlog of 5 drops SYNs in a burst (a 1 s retry)
-
-    def __init__(self, bound: socket.socket, handler: type[BaseHTTPRequestHandler], mitigations: Mitigations):
-        self.mitigations = mitigations
-        self._deadlines: dict[socket.socket, float] = {}  # each open connection's (monotonic)
-        self._deadlines_lock = threading.Lock()
-        super().__init__(bound.getsockname(), handler, bind_and_activate=False)
-        self.socket.close()  # the stdlib's own, never bound: the one bound before the model loaded serves
-        self.socket = bound
-
-    def server_activate(self) -> None:
-        ports.listen(self.socket, self.request_queue_size)
-
-    def verify_request(self, request: socket.socket, client_address: object) -> bool:  # type: ignore[override]
-        with self._deadlines_lock:
-            if len(self._deadlines) >= MAX_CONNECTIONS:
-                self.mitigations.metrics.webhook["too_many_connections"].inc()
-                return False
-            self._deadlines[request] = time.monotonic() + REQUEST_SECONDS
-            return True
-
-    def answered(self, connection: socket.socket) -> None:
-        """The connection's request was answered: the next one gets REQUEST_SECONDS from now."""
-        with self._deadlines_lock:
-            self._deadlines[connection] = time.monotonic() + REQUEST_SECONDS
-
-    def shutdown_request(self, request: socket.socket) -> None:  # type: ignore[override]
-        with self._deadlines_lock:
-            self._deadlines.pop(request, None)
-        super().shutdown_request(request)
-
-    def service_actions(self) -> None:  # serve_forever calls this between requests, at least every poll
-        self.mitigations.expire()
-        now = time.monotonic()
-        with self._deadlines_lock:
-            overdue = [connection for connection, deadline in self._deadlines.items() if now >= deadline]
-            for connection in overdue:
-                del self._deadlines[connection]  # cut once
-        for connection in overdue:
-            with contextlib.suppress(OSError):  # already closed by its peer
-                connection.shutdown(socket.SHUT_RD)  # its handler reads the end, answers and closes
+def _json(status: int, body: dict, headers: tuple[tuple[str, str], ...] = ()) -> Response:
+    return Response(status, json.dumps(body).encode(), "application/json", headers)
 
 
 def reserve(address: tuple[str, int]) -> socket.socket:
@@ -203,22 +134,18 @@ def reserve(address: tuple[str, int]) -> socket.socket:
 class MitigationReceiver:
     """Listens on a socket from reserve() and serves after start(); stop() closes it."""
 
-    def __init__(self, bound: socket.socket, mitigations: Mitigations, token: Callable[[], bytes]) -> None:
+    def __init__(
+        self, bound: socket.socket, mitigations: Mitigations, token: Callable[[], bytes], limits: Limits = LIMITS
+    ) -> None:
         """`token` gives the bearer token at each request (RotatingSecret.current: the file may be rotated)."""
-        self._server = _HTTPServer(bound, _handler_class(mitigations, token), mitigations)
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, args=(EXPIRY_POLL_SECONDS,), name="mitigation-receiver", daemon=True
-        )
+        self._listener = Listener(bound, _Webhook(mitigations, token), limits, "mitigation-receiver")
 
     @property
     def address(self) -> tuple[str, int]:
-        return cast(tuple[str, int], self._server.server_address[:2])
+        return self._listener.address
 
     def start(self) -> None:
-        self._server.server_activate()  # listen
-        self._thread.start()
+        self._listener.start()
 
     def stop(self) -> None:
-        if self._thread.is_alive():
-            self._server.shutdown()
-        self._server.server_close()
+        self._listener.stop()

@@ -1,14 +1,18 @@
 """The real `layerwatch exporter` process on loopback: hostile datagrams, promtool, the golden
-/metrics page, `top`, and agreement with `layerwatch replay`."""
+/metrics page, `top`, agreement with `layerwatch replay`, and slow HTTP clients."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +21,7 @@ from demo.processes import LAYERWATCH_COMMAND
 from layerwatch.catalog import EXPORTER, for_component
 from layerwatch.wire import MAX_FRAME_BYTES, encode_frame
 from tests.exporter.support import DATA, GOLDEN_TRACE, random_frame, trace_frames
+from tests.slow_clients import Trickler, half_sent_requests
 
 GOLDEN_METRICS = DATA / "golden-metrics.txt"
 # Values that depend on the clock or the host, not on the frames: left out of the golden page.
@@ -74,7 +79,7 @@ def test_hostile_datagrams_are_counted_and_never_stop_the_exporter(start_exporte
         + exporter.value("layerwatch_entropy_count", model_name="demo", decision="skip")
         == 20 * 4 * 6
     )
-    assert exporter.stop() == 0  # SIGTERM: clean exit
+    assert exporter.stop() == -signal.SIGTERM  # a clean stop, then the exit by the signal (layerwatch_cli/signals.py)
 
 
 def test_metrics_pass_promtool_and_match_the_catalog(start_exporter) -> None:
@@ -208,3 +213,31 @@ def test_the_exporter_never_imports_torch_or_the_shim() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def _threads(pid: int) -> int:
+    return int(re.search(r"^Threads:\s+(\d+)", Path(f"/proc/{pid}/status").read_text(), re.M)[1])
+
+
+def test_half_sent_requests_hold_no_thread_and_never_keep_a_scrape_out(start_exporter) -> None:
+    """Issue 27, item 6: the exporter's HTTP server gave each connection a thread and no deadline:
+    600 half-sent requests held 604 threads for good, and a scrape timed out during a burst of
+    1,000 connections. Now one event-loop thread reads every request head (within 10 s), at most
+    64 connections are open, and each new one closes the one waiting longest for its head."""
+    exporter = start_exporter()
+    address = ("127.0.0.1", int(exporter.url.rsplit(":", 1)[1]))
+    held = half_sent_requests(address, 300)
+    try:
+        started = time.monotonic()
+        assert exporter.get("/metrics")[0] == 200
+        assert time.monotonic() - started < 2.0
+        assert _threads(exporter.process.pid) <= 12  # main, frames, the event loop, a few workers
+    finally:
+        for connection in held:
+            connection.close()
+    with Trickler(address, 100, head=b"GET /metrics HTTP/1.1\r\nX-Slow: ", interval=0.1):
+        for _ in range(5):
+            started = time.monotonic()
+            assert exporter.get("/metrics")[0] == 200
+            assert time.monotonic() - started < 2.0
+    assert exporter.process.poll() is None

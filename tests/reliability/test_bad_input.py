@@ -14,6 +14,8 @@ are checked one by one in tests/model/test_checkpoint.py. Here the whole command
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import socket
 import subprocess
@@ -37,6 +39,7 @@ from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_g
 from layerwatch.wire import GateFrame, encode_frame
 from tests.reliability.conftest import LAYERWATCH, MODEL_NAME, QUIET_ENV, Shim, sample_sum
 from tests.service.conftest import tiny_gates, tiny_model
+from tests.slow_clients import EndlessHeader, Trickler
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS_CAP = 8  # accepted fuzz requests stay cheap
@@ -243,6 +246,10 @@ def test_oversized_bodies_get_413_however_they_arrive(fuzz_shim):
     assert raw_status(fuzz_shim.port, head + b"Content-Length: 10\r\n\r\n" + big) == 400
 
 
+def resident_mb(pid: int) -> float:
+    return int(re.search(r"^VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text(), re.M)[1]) / 1024
+
+
 def slow_client(port: int, payload: bytes) -> socket.socket:
     connection = socket.create_connection(("127.0.0.1", port), timeout=5)
     connection.sendall(payload)
@@ -252,9 +259,9 @@ def slow_client(port: int, payload: bytes) -> socket.socket:
 def test_slow_clients_do_not_stall_other_clients(fuzz_shim):
     """Slowloris: connections that stop mid-headers or mid-body hold only their own socket.
 
-    uvicorn has no timeout for a request's headers or body (docs/security.md): such a connection
-    stays open until the client goes. The engine never sees it (the body is read in full before a
-    request is queued), so the other clients are served at their usual latency meanwhile.
+    The engine never sees them (the body is read in full before a request is queued), so the other
+    clients are served at their usual latency meanwhile. The stalled heads are cut off once
+    --header-timeout-seconds (10 s) has passed, the bodies after --body-timeout-seconds (below).
     """
     stalled = [slow_client(fuzz_shim.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") for _ in range(10)]
     stalled += [
@@ -309,6 +316,74 @@ def test_a_stalled_body_is_cut_off_with_408(make_shim):
     assert head.startswith(b"HTTP/1.1 408"), answer
     assert json.loads(body)["error"]["code"] == "request_timeout"
     assert shim.complete(max_tokens=2).status_code == 200
+
+
+def refused(shim: Shim, reason: str) -> float:
+    return sample_sum(shim.metrics(), "layerwatch_http_connections_refused_total", reason=reason)
+
+
+def test_a_request_head_over_the_size_bound_gets_431_at_once(fuzz_shim):
+    """Issue 27, item 1: no bound on a request line or header (httptools, uvicorn's default parser)."""
+    before = refused(fuzz_shim, "head_too_large")
+    big_header = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n"
+    long_path = b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+    assert raw_status(fuzz_shim.port, big_header) == 431
+    assert raw_status(fuzz_shim.port, long_path) == 431
+    assert refused(fuzz_shim, "head_too_large") == before + 2
+    within = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 8_000 + b"\r\n\r\n"
+    assert raw_status(fuzz_shim.port, within) == 200
+
+
+def test_an_endless_header_line_costs_other_clients_nothing(fuzz_shim):
+    """Issue 27, item 1: one client sending a header line that never ends held /healthz at 2.5-9.8 s
+    and grew the shim by 290 MB, its growing buffer copied again and again on the event loop. Now
+    each such connection is answered 431 once 16 KiB are in, and closed; the attackers here open
+    another one at once, for 3 s."""
+    resident = resident_mb(fuzz_shim.process.proc.pid)
+    before = refused(fuzz_shim, "head_too_large")
+    latencies = []
+    with EndlessHeader(("127.0.0.1", fuzz_shim.port), count=2) as attack:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            assert httpx.get(f"{fuzz_shim.url}/healthz", timeout=10).status_code == 200
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.05)
+    # Each closed at 16 KiB with a 431 (which the attacker, still sending, loses to the reset).
+    assert attack.connections > 10 and refused(fuzz_shim, "head_too_large") >= before + attack.connections - 2
+    assert max(latencies) < 1.0, sorted(latencies)[-5:]
+    assert resident_mb(fuzz_shim.process.proc.pid) < resident + 50
+    assert fuzz_shim.complete(max_tokens=2).status_code == 200
+
+
+def test_trickled_heads_are_cut_off_and_cannot_hold_every_connection(tiny_checkpoint, tmp_path):
+    """Issue 27, item 1: uvicorn has no deadline for a request head, nor a bound on connections: a
+    head trickled a byte at a time held its connection for as long as the client liked, and enough
+    of them used up the process' open files: every other client refused. Here 300 of them against
+    a shim allowed 256 files; it lowers --max-connections to fit (192), each connection past that
+    closes the one whose head has been arriving longest, and a head not in within
+    --header-timeout-seconds (2 s, from the environment) gets 408."""
+    launcher = ("env", "LAYERWATCH_HEADER_TIMEOUT_SECONDS=2", "prlimit", "--nofile=256")
+    shim = Shim(tmp_path, tiny_checkpoint, launcher=launcher).start()
+    try:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: "
+        with Trickler(("127.0.0.1", shim.port), 300, head=head, interval=0.2) as attack:
+            time.sleep(0.5)
+            report = run_load(shim.url, MODEL_NAME, duration=3.0, concurrency=3, max_tokens=4, seed=2, timeout=10)
+            open_files = len(os.listdir(f"/proc/{shim.process.proc.pid}/fd"))
+        assert report.requests > 0 and report.by_status == {200: report.requests}, report.summary()
+        assert attack.closed_by_server >= 108 and refused(shim, "evicted") >= 108
+        assert open_files <= 256
+        assert "--max-connections 1000 lowered to 192" in shim.process.log_tail(200)
+        started = time.monotonic()
+        with Trickler(("127.0.0.1", shim.port), 1, head=head, interval=0.2) as alone:
+            while not alone.answers and time.monotonic() - started < 10:
+                time.sleep(0.05)
+        assert alone.answers and alone.answers[0].startswith(b"HTTP/1.1 408"), alone.answers
+        assert 2.0 <= time.monotonic() - started < 6.0
+        assert refused(shim, "head_timeout") >= 1
+    finally:
+        shim.stop()
 
 
 # --- hostile datagrams among real frames ---------------------------------------------------------

@@ -5,6 +5,7 @@ whose requests get shadow-checked or run at full depth while an alert fires."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -40,8 +41,10 @@ from inference_shim.service.mitigation import (
     parse_notification,
 )
 from inference_shim.service.mitigation_receiver import MAX_BODY_BYTES, WEBHOOK_PATH, MitigationReceiver, reserve
+from layerwatch import http_listener, log_limit
 from mixin import config
 from tests.service.conftest import MODEL_NAME, sample_sum
+from tests.slow_clients import Trickler
 
 TOKEN = b"mitigation-token-0123456789abcdef0123"
 T0 = datetime(2026, 12, 1, 3, 0, tzinfo=UTC)
@@ -396,36 +399,57 @@ def test_a_body_over_the_limit_is_refused_unread_and_other_paths_are_not_found(r
     assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="not_found") == 1
 
 
-def test_a_stalled_body_is_cut_off_with_408(monkeypatch):
-    monkeypatch.setattr(mitigation_receiver, "BODY_TIMEOUT_SECONDS", 0.5)
+@pytest.fixture(autouse=True)
+def full_log_allowance(monkeypatch):
+    """Each test starts with the refusal log lines' whole allowance (log_limit.RateLimit keeps it
+    per process): a test that reads a refusal's log line must not find it spent by earlier tests."""
+    for logger in (mitigation_receiver.log, http_listener.log):
+        monkeypatch.setattr(logger, "filters", [log_limit.RateLimit()])
+
+
+@contextlib.contextmanager
+def running_receiver(**limits):
+    """A receiver on a loopback port with LIMITS changed by `limits`: (address, state, registry)."""
     state, registry, _ = mitigations()
-    server = MitigationReceiver(reserve(("127.0.0.1", 0)), state, lambda: TOKEN)
+    server = MitigationReceiver(
+        reserve(("127.0.0.1", 0)), state, lambda: TOKEN, dataclasses.replace(mitigation_receiver.LIMITS, **limits)
+    )
     server.start()
     try:
-        with socket.create_connection(server.address, timeout=10) as client:
-            client.sendall(
-                f"POST {WEBHOOK_PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN.decode()}\r\n"
-                'Content-Length: 100\r\n\r\n{"version"'.encode()
-            )
-            assert client.recv(4096).startswith(b"HTTP/1.0 408")
-        assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="malformed") == 1
+        yield server.address, state, registry
     finally:
         server.stop()
 
 
-def test_a_body_trickled_byte_by_byte_is_cut_off_with_408_on_time(monkeypatch):
-    # Each byte comes well within the socket's timeout; the body as a whole does not.
-    monkeypatch.setattr(mitigation_receiver, "BODY_TIMEOUT_SECONDS", 1.0)
-    state, registry, _ = mitigations()
-    server = MitigationReceiver(reserve(("127.0.0.1", 0)), state, lambda: TOKEN)
-    server.start()
+def authenticated_head(length: int, path: str = WEBHOOK_PATH) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN.decode()}\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+def whole_answer(client: socket.socket, timeout: float = 10.0) -> bytes:
+    client.settimeout(timeout)
+    answer = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := client.recv(4096):
+            answer += chunk
+    return answer
+
+
+def test_a_stalled_body_is_cut_off_with_408():
+    with running_receiver(body_timeout=0.5) as (address, _, registry):
+        with socket.create_connection(address, timeout=10) as client:
+            client.sendall(authenticated_head(100) + b'{"version"')
+            assert whole_answer(client).startswith(b"HTTP/1.1 408")
+        assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="malformed") == 1
+
+
+def test_a_body_trickled_byte_by_byte_is_cut_off_with_408_on_time():
+    # Each byte comes well within any per-read timeout; the body as a whole does not.
     body = notification(alert())
-    try:
-        with socket.create_connection(server.address, timeout=10) as client:
-            client.sendall(
-                f"POST {WEBHOOK_PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN.decode()}\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n".encode()
-            )
+    with running_receiver(body_timeout=1.0) as (address, state, registry):
+        with socket.create_connection(address, timeout=10) as client:
+            client.sendall(authenticated_head(len(body)))
             client.settimeout(0.3)
             reply = b""
             for byte in body[:12]:  # 12 x 0.3 s: over three times the limit
@@ -435,11 +459,9 @@ def test_a_body_trickled_byte_by_byte_is_cut_off_with_408_on_time(monkeypatch):
                     reply = client.recv(4096)
                 if reply:
                     break
-            assert reply.startswith(b"HTTP/1.0 408"), reply
+            assert reply.startswith(b"HTTP/1.1 408"), reply
         assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="malformed") == 1
         assert state.for_new_request() == NO_MITIGATION
-    finally:
-        server.stop()
 
 
 def test_a_taken_port_fails_naming_the_receiver_and_its_address():
@@ -453,56 +475,86 @@ def test_a_taken_port_fails_naming_the_receiver_and_its_address():
             reserve(("127.0.0.1", port))
 
 
-def closed_by_server(client: socket.socket, within: float) -> bool:
-    """Whether the server closes the connection within `within` seconds (the client sending nothing)."""
-    client.settimeout(within)
-    try:
-        return client.recv(4096) == b""
-    except TimeoutError:
-        return False
+def test_a_head_trickled_without_a_token_is_cut_off_with_408_and_counted_unauthorized():
+    # Headers sent a byte at a time, without any token, held a thread of the shim for ever.
+    with running_receiver(head_timeout=1.0) as (address, _, registry):
+        started = time.monotonic()
+        with Trickler(address, 1, interval=0.1) as trickler:
+            while not trickler.answers and time.monotonic() - started < 10:
+                time.sleep(0.05)
+        waited = time.monotonic() - started
+        assert trickler.answers and trickler.answers[0].startswith(b"HTTP/1.1 408"), trickler.answers
+        assert 1.0 <= waited < 5.0
+        assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="unauthorized") >= 1
 
 
-def test_a_request_trickled_without_a_token_is_cut_off_and_connections_are_capped(monkeypatch):
-    # The socket's timeout bounds each read only: headers sent a byte at a time, without any token,
-    # held a thread for ever, and every new connection took another one.
-    monkeypatch.setattr(mitigation_receiver, "REQUEST_SECONDS", 1.0)
-    state, registry, _ = mitigations()
-    server = MitigationReceiver(reserve(("127.0.0.1", 0)), state, lambda: TOKEN)
-    server.start()
-    try:
-        with socket.create_connection(server.address, timeout=10) as client:
-            client.sendall(f"POST {WEBHOOK_PATH} HTTP/1.1\r\nHost: x\r\nX-Slow: ".encode())
-            reply = b""
-            for _ in range(12):  # 12 x 0.3 s: over three times the limit
-                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                    client.sendall(b"X")
-                client.settimeout(0.3)
-                with contextlib.suppress(TimeoutError):
-                    reply = client.recv(4096)
-                if reply:
-                    break
-            client.settimeout(5.0)
-            while chunk := client.recv(4096):  # to the end: the server closes it
-                reply += chunk
-            assert reply.startswith(b"HTTP/1.0 401"), reply
-        assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="unauthorized") == 1
+def test_trickling_connections_without_the_token_cannot_lock_alertmanager_out():
+    """Issue 27, item 2: 32 connections trickling a head without a token held all 32 places of the
+    receiver, and Alertmanager's notifications were closed unanswered (17 of 21 over 45 s), the
+    attackers not counted. Now each new connection closes the one waiting longest for its head: the
+    notifications, whose heads arrive at once, are all served, and every attacker closed is
+    counted as unauthorized. Default limits."""
+    with running_receiver() as (address, state, registry):
+        url = f"http://{address[0]}:{address[1]}"
+        with Trickler(address, mitigation_receiver.MAX_CONNECTIONS + 8, interval=0.2) as trickler:
+            time.sleep(0.5)  # every place taken, the attackers reconnecting as they are closed
+            statuses = []
+            for number in range(10):
+                response = post(url, notification(alert(fingerprint=f"{number:016x}")))
+                statuses.append(response.status_code)
+                time.sleep(0.1)
+        assert statuses == [200] * 10
+        assert len(state.in_effect()) == 10
+        closed = value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="unauthorized")
+        assert closed >= 18 and trickler.closed_by_server >= 18  # 8 at the start, then one per notification
+        assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="accepted") == 10
 
-        monkeypatch.setattr(mitigation_receiver, "REQUEST_SECONDS", 30.0)  # the held ones stay
-        monkeypatch.setattr(mitigation_receiver, "MAX_CONNECTIONS", 4)
-        held = [
-            socket.create_connection(server.address, timeout=10) for _ in range(mitigation_receiver.MAX_CONNECTIONS)
-        ]
+
+def test_a_new_connection_gets_503_at_once_when_every_connection_has_its_request_in():
+    with running_receiver(max_connections=4, body_timeout=2.0) as (address, _, registry):
+        stalled = [socket.create_connection(address, timeout=10) for _ in range(4)]
         try:
-            with socket.create_connection(server.address, timeout=10) as extra:
-                assert closed_by_server(extra, 5.0)
+            for client in stalled:  # authenticated, their bodies stalled: not to be closed for room
+                client.sendall(authenticated_head(100) + b"{")
+            time.sleep(0.3)
+            with socket.create_connection(address, timeout=10) as extra:
+                extra.sendall(authenticated_head(2) + b"{}")
+                assert whole_answer(extra, 1.0).startswith(b"HTTP/1.1 503")
             assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="too_many_connections") == 1
+            for client in stalled:  # cut off by their own deadline
+                assert whole_answer(client).startswith(b"HTTP/1.1 408")
         finally:
-            for connection in held:
-                connection.close()
-        time.sleep(0.2)  # their threads see the close
-        assert post(f"http://{server.address[0]}:{server.address[1]}", notification(alert())).status_code == 200
-    finally:
-        server.stop()
+            for client in stalled:
+                client.close()
+        assert post(f"http://{address[0]}:{address[1]}", notification(alert())).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "length",
+    [b"\xb2", b"1\xb9", b"+5", b"5, 5", b"0x10"],
+    ids=["superscript", "digit-superscript", "sign", "list", "hex"],
+)
+def test_a_content_length_that_is_not_ascii_digits_gets_400_and_is_counted(length):
+    # Issue 27, item 9: '²' (byte 0xB2, as the header's Latin-1 reads it) passed str.isdigit()
+    # and failed int(): a traceback, a dropped connection, nothing counted.
+    with running_receiver() as (address, state, registry):
+        head = authenticated_head(0).replace(b"Content-Length: 0", b"Content-Length: " + length)
+        with socket.create_connection(address, timeout=10) as client:
+            client.sendall(head)
+            assert whole_answer(client).startswith(b"HTTP/1.1 400")
+        assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="malformed") == 1
+        assert state.for_new_request() == NO_MITIGATION
+
+
+def test_refusals_are_counted_each_and_logged_at_a_bounded_rate(receiver, caplog):
+    # Issue 27, item 9: every refused request logged a WARNING line (5,000 in 12.7 s, 835 KiB).
+    url, _, registry = receiver
+    with caplog.at_level(logging.WARNING):
+        for _ in range(100):
+            assert post(url, b"{}", authorization=None).status_code == 401
+    assert value(registry, "layerwatch_mitigation_webhook_requests_total", outcome="unauthorized") == 100
+    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert 1 <= len(refusals) <= log_limit.BURST + 1, len(refusals)
 
 
 def test_an_operator_lists_and_ends_the_mitigations_and_repeats_do_not_restart_them(receiver):
@@ -832,10 +884,11 @@ def test_a_taken_port_stops_serve_before_the_model_loads(tiny_checkpoint, tmp_pa
 
 
 def test_a_notification_still_arriving_at_shutdown_starts_no_mitigation(tiny_checkpoint, tmp_path):
-    """ShimService.stop closes the receiver's listener, then ends the mitigations; a connection it
-    had accepted outlives the listener, and its notification, complete only after that end, must
-    not start a mitigation that no MITIGATION_END will ever pair: it is refused 503, and
-    Alertmanager retries it (another replica, or this one restarted)."""
+    """ShimService.stop closes the receiver's listener, then ends the mitigations. A notification
+    whose body was still arriving must not start a mitigation that no MITIGATION_END will ever
+    pair: its connection is closed unanswered, and Alertmanager retries it (another replica, or
+    this one restarted). One already being applied when the end comes is refused: its
+    Mitigations.apply raises ShuttingDown."""
     from inference_shim.service.shim import ServeSettings, ShimService
 
     settings = ServeSettings(
@@ -849,20 +902,13 @@ def test_a_notification_still_arriving_at_shutdown_starts_no_mitigation(tiny_che
     service.start()
     assert service.mitigation_receiver is not None
     body = notification(alert())
-    head = (
-        f"POST {WEBHOOK_PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN.decode()}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode()
     with socket.create_connection(service.mitigation_receiver.address, timeout=10) as client:
-        client.sendall(head + body[:10])
-        deadline = time.monotonic() + 10
-        while not service.mitigation_receiver._server._deadlines:  # accepted: its handler reads the body
-            assert time.monotonic() < deadline, "the receiver never accepted the connection"
-            time.sleep(0.01)
+        client.sendall(authenticated_head(len(body)) + body[:10])
+        time.sleep(0.3)  # its head screened: the listener reads the body
         service.stop()
-        client.sendall(body[10:])
-        answer = client.recv(65536).decode()
-    assert answer.startswith("HTTP/1.0 503"), answer
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            client.sendall(body[10:])
+        assert whole_answer(client) == b""
     assert service.mitigations.in_effect() == []
 
 

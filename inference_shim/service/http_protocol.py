@@ -1,0 +1,211 @@
+"""The API's HTTP/1.1 protocol: uvicorn's h11 implementation, with bounds on what a client's
+request head may cost (docs/service.md, "Connections").
+
+uvicorn's default parser (httptools) sets no limit on a header line and re-copies it as it grows,
+on the event loop: one client sending an endless header line held /healthz at 2.5-9.8 s and cost
+290 MB (issue 27). h11, which uvicorn also brings, refuses an incomplete request line and headers
+over `h11_max_incomplete_event_size` bytes; this protocol refuses a complete one over that size
+too (h11 parses a head that arrives whole in one read at any size), with a 431 (where uvicorn says
+400 for any parse error). uvicorn bounds neither the time a head may take nor the number of
+connections, so this protocol adds both:
+
+- a request head must be complete within `head_timeout` seconds of the connection opening or of
+  the previous answer on it (else 408 and the connection closed; a connection that sent nothing
+  is just closed, as uvicorn closes an idle keep-alive one after `timeout_keep_alive`);
+- at most `max_connections` connections: one more closes the connection whose request head has
+  been arriving longest (a slow client), else the one idle longest (a keep-alive connection
+  between requests: its client reconnects), or, when every connection has a request in (never
+  closed to make room), is answered 503 at once.
+
+Each refusal is counted (layerwatch_http_connections_refused_total) and logged at a bounded rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import resource
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, ClassVar, cast
+
+import h11
+from prometheus_client import CollectorRegistry
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from inference_shim.service.metrics import make_counter
+from layerwatch.log_limit import limit_rate
+
+log = limit_rate(logging.getLogger(__name__))
+
+# uvicorn's own warning for each malformed request ("Invalid HTTP request received."), at a bounded rate too
+limit_rate(logging.getLogger("uvicorn.error"))
+
+REFUSALS = ("head_too_large", "malformed_head", "head_timeout", "evicted", "too_many_connections")
+_HEAD_END = re.compile(rb"\n\r?\n")  # where h11 sees the end of a request head
+# Kept besides the connections (a quarter of a lower hard limit): the model's files, the trace, its
+# own sockets; an idle `serve` holds about 20.
+SPARE_FILE_DESCRIPTORS = 256
+
+
+@dataclass(frozen=True)
+class HTTPLimits:
+    max_head_bytes: int = 16 * 1024  # h11's own default
+    head_timeout: float = 10.0
+    max_connections: int = 1000
+
+
+class ConnectionRefusals:
+    """layerwatch_http_connections_refused_total{reason}, every reason exposed from the start."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        counter = make_counter("layerwatch_http_connections_refused_total", registry)
+        self._counts = {reason: counter.labels(model_name, reason) for reason in REFUSALS}
+
+    def count(self, reason: str) -> None:
+        self._counts[reason].inc()
+
+
+class BoundedH11Protocol(H11Protocol):
+    """One connection; `bounded()` makes the class a server uses, with its limits and its counts."""
+
+    limits: ClassVar[HTTPLimits]
+    refusals: ClassVar[ConnectionRefusals]
+    # This server's connections waiting for a request head, the longest-waiting first: those with
+    # part of one in, and those with nothing yet (new, or between two requests).
+    arriving: ClassVar[OrderedDict[BoundedH11Protocol, None]]
+    idle: ClassVar[OrderedDict[BoundedH11Protocol, None]]
+
+    @classmethod
+    def bounded(cls, limits: HTTPLimits, refusals: ConnectionRefusals) -> type[BoundedH11Protocol]:
+        # The queues are this server's own: each bounded() class serves one server.
+        attributes = {"limits": limits, "refusals": refusals, "arriving": OrderedDict(), "idle": OrderedDict()}
+        return cast(type[BoundedH11Protocol], type(cls.__name__, (cls,), attributes))
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections and not self._make_room():
+            self._refuse("too_many_connections", 503, "Too many connections, try again.")
+            return
+        self._wait_for_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_waiting()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self in self.idle or self in self.arriving:
+            # h11 bounds an incomplete head only: one that comes whole in a read passes at any size.
+            pending = self.conn.trailing_data[0] + data
+            end = _HEAD_END.search(pending)
+            if (end.start() if end else len(pending)) > self.limits.max_head_bytes:
+                self._stop_waiting()
+                self._refuse_too_large()
+                return
+            if self in self.idle:  # its head begins
+                del self.idle[self]
+                self.arriving[self] = None
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:  # a request head is in (or the connection is done)
+            self._stop_waiting()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # the next request's cycle, and any pipelined head already in
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:
+            self._wait_for_head()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to any head h11 refused: 431 when it is the size."""
+        if len(self.conn.trailing_data[0]) > self.limits.max_head_bytes:
+            self._refuse_too_large()
+        else:
+            self.refusals.count("malformed_head")
+            super().send_400_response(msg)
+
+    def _wait_for_head(self) -> None:
+        self._stop_waiting()
+        (self.arriving if self.conn.trailing_data[0] else self.idle)[self] = None
+        self._head_deadline = self.loop.call_later(self.limits.head_timeout, self._head_timed_out)
+
+    def _stop_waiting(self) -> None:
+        self.arriving.pop(self, None)
+        self.idle.pop(self, None)
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _make_room(self) -> bool:
+        """Close the connection whose head has been arriving longest, else the one idle longest;
+        False when every connection has a request in."""
+        if self.arriving:
+            oldest = next(iter(self.arriving))
+            oldest.refusals.count("evicted")
+            log.warning("closed a connection from %s still sending its request head, to make room", oldest.peer)
+        elif self.idle:
+            oldest = next(iter(self.idle))
+        else:
+            return False
+        oldest._stop_waiting()
+        oldest.transport.close()
+        return True
+
+    def _head_timed_out(self) -> None:
+        self._head_deadline = None
+        self._stop_waiting()
+        if self.transport.is_closing():
+            return
+        if self.conn.trailing_data[0]:
+            self._refuse("head_timeout", 408, f"Request head not received within {self.limits.head_timeout:g} s.")
+        else:
+            self.transport.close()  # nothing sent: as a keep-alive timeout
+
+    def _refuse_too_large(self) -> None:
+        self._refuse("head_too_large", 431, f"Request line and headers over {self.limits.max_head_bytes} bytes.")
+
+    def _refuse(self, reason: str, status: int, message: str) -> None:
+        """Answer `status` (h11 lets a server answer before a request is in) and close."""
+        self.refusals.count(reason)
+        log.warning(
+            "request from %s refused (%d %s): %s", self.peer, status, reason, message, extra={"rate_key": reason}
+        )
+        body = message.encode()
+        headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]
+        try:
+            data = self.conn.send(h11.Response(status_code=status, headers=headers))
+            data += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
+        except h11.LocalProtocolError:  # a response already begun: nothing but closing is left
+            data = b""
+        self.transport.write(data)
+        self.transport.close()
+
+    @property
+    def peer(self) -> str:
+        return self.client[0] if self.client else "?"
+
+
+def fit_open_files(max_connections: int) -> int:
+    """`max_connections`, with the soft limit on open files raised to hold them if it is lower (as
+    systemd asks of a program that needs more than its 1024); less, and a warning, when even the
+    hard limit cannot hold them: a server out of file descriptors stops accepting anyone at all."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    spare = SPARE_FILE_DESCRIPTORS if hard == resource.RLIM_INFINITY else min(SPARE_FILE_DESCRIPTORS, hard // 4)
+    needed = max_connections + spare
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return max_connections
+    ceiling = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (ceiling, hard))
+    if ceiling < needed:
+        fitted = max(1, ceiling - spare)
+        log.warning(
+            "--max-connections %d lowered to %d: at most %d open files (ulimit -Hn)", max_connections, fitted, hard
+        )
+        return fitted
+    return max_connections
