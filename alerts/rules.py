@@ -86,6 +86,28 @@ def _rate(metric: str, selector: str, window: str, by: str) -> str:
     return f"sum by ({by}) (rate({metric}{{{selector}}}[{window}]))"
 
 
+def _skip_ratio(window: str, by: str) -> str:
+    """Skipped share of the decode-time layer evaluations, `by` the given labels: from the shim's
+    exact counts, or, for a model no shim reports (another engine sending frames: docs/instrument.md),
+    from the exporter's counts of the frames it received. The exporter's side is left out for every
+    model a shim exports counters for (`unless`), and for every model the shim's side has a ratio for
+    (`or on`: also in the rate window after the shim's series ended), so that a served model keeps the
+    shim's values alone and its series keep the shim's job and instance."""
+    exp, shim = config.EXPORTER_SELECTOR, config.SHIM_SELECTOR
+    served = (
+        f"{_rate('layerwatch_layer_skips_total', shim, window, by)}\n  /\n  "
+        f"{_rate('layerwatch_layer_evaluations_total', shim, window, by)}"
+    )
+    frames = (
+        f"{_rate('layerwatch_exporter_layer_skips_total', exp, window, by)}\n  /\n  "
+        f"{_rate('layerwatch_layer_entropy_count_total', exp, window, by)}"
+    )
+    return (
+        f"(\n  {served}\n)\nor on (model_name)\n(\n  {frames}\n"
+        f"  unless on (model_name)\n  layerwatch_layer_evaluations_total{{{shim}}}\n)"
+    )
+
+
 def recording_rules(timing: Timing) -> list[dict]:
     r = Recorded.for_timing(timing)
     w = timing(config.RATE_WINDOW)
@@ -118,11 +140,7 @@ def recording_rules(timing: Timing) -> list[dict]:
 
     # Skipping: share of decode-time layer evaluations that skipped, overall and per layer.
     for by, name in ((BY_MODEL, r.skip_ratio), (f"{BY_MODEL}, layer", r.skip_ratio_by_layer)):
-        record(
-            name,
-            f"{_rate('layerwatch_layer_skips_total', shim, w, by)}\n/\n"
-            f"{_rate('layerwatch_layer_evaluations_total', shim, w, by)}",
-        )
+        record(name, _skip_ratio(w, by))
     record(r.skip_ratio_baseline, f"avg_over_time({r.skip_ratio}[{timing(config.SKIP_BASELINE_WINDOW)}])")
     record(
         r.layers_executed_mean,
@@ -184,7 +202,6 @@ def fleet_rules(timing: Timing) -> list[dict]:
         "  ) * 0 + 1\n"
         f"  or\n  layerwatch_entropy_window_observations{{{exp}}} * 0\n)"
     )
-    ratios = ((r.fleet_skip_ratio, "layerwatch_layer_skips_total", "layerwatch_layer_evaluations_total"),)
     buckets = (
         (r.fleet_entropy_buckets, "layerwatch_entropy_bucket", exp),
         (r.fleet_request_skip_fraction_buckets, "layerwatch_request_skip_fraction_bucket", shim),
@@ -195,10 +212,7 @@ def fleet_rules(timing: Timing) -> list[dict]:
         {"record": r.gating_unhealthy, "expr": unhealthy},
         {"record": r.fleet_gating_unhealthy, "expr": f"sum by ({BY_FLEET}) ({r.gating_unhealthy})"},
         {"record": r.fleet_gating_instances, "expr": f"count by ({BY_FLEET}) ({r.gating_unhealthy})"},
-        *(
-            {"record": name, "expr": f"{_rate(part, shim, w, BY_FLEET)}\n/\n{_rate(whole, shim, w, BY_FLEET)}"}
-            for name, part, whole in ratios
-        ),
+        {"record": r.fleet_skip_ratio, "expr": _skip_ratio(w, BY_FLEET)},
         *shadow_rules(
             r,
             w,

@@ -318,7 +318,8 @@ def _fleet_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dash
         p.timeseries(
             "Skip ratio: instances and fleet",
             "Every shim's skip ratio next to the fleet's (all layer evaluations of the model's shims: "
-            "a busy instance weighs more), with the profile's runaway limit.",
+            "a busy instance weighs more), with the profile's runaway limit. A model no shim reports: "
+            "each exporter's count of the frames it received.",
             "percentunit",
             [
                 (f"{r.skip_ratio}{{{MODEL}}}", "{{instance}}"),
@@ -470,10 +471,13 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
         .type("prometheus")
         .current(dashboard_models.VariableOption(text="Prometheus", value=config.GRAFANA_DATASOURCE_UID))
     )
-    model_query = "label_values(layerwatch_model_info, model_name)"
+    # The models a shim serves and those only an exporter hears of (another engine's frames:
+    # docs/instrument.md). Such a model has no shim instance: $instance is then All (".*").
+    model_series = ("layerwatch_model_info", "layerwatch_exporter_frames_received_total")
+    model_query = f'label_values({{__name__=~"{"|".join(model_series)}"}}, model_name)'
     instance_query = f"label_values(layerwatch_model_info{{{MODEL}}}, instance)"
     p.queries += [
-        ("variable model", "layerwatch_model_info"),
+        *(("variable model", name) for name in model_series),
         ("variable instance", f"layerwatch_model_info{{{MODEL}}}"),
     ]
     d = d.with_variable(
@@ -504,7 +508,8 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
     d = d.with_panel(
         p.timeseries(
             "Skip ratio",
-            "Share of decode-time layer evaluations that skipped the layer, its 1h "
+            "Share of decode-time layer evaluations that skipped the layer (the shims' counts; for a "
+            "model no shim reports, the exporter's count of the frames it received), its 1h "
             "baseline (LayerwatchSkipRateSurge), and the runaway limit (LayerwatchRunawaySkipping), "
             "normal ratio and collapse limit (LayerwatchSkippingCollapsed) of the model's profile.",
             "percentunit",

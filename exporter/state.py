@@ -110,7 +110,7 @@ class ModelStatistics:
         """entropies float32 [rows, layers], skipped bool [rows, layers], the τ they were decided with."""
         buckets = le_bucket_index(entropies)
         self.totals.add(entropies.ravel(), skipped.ravel(), buckets.ravel())
-        self.layers.add(entropies, buckets)
+        self.layers.add(entropies, buckets, skipped)
         self.window.add(entropies, now)
         self.routing_window.add(entropies, skipped, threshold, now, model_name)
         self.threshold = threshold
@@ -127,6 +127,7 @@ class ModelSnapshot:
     zeros: np.ndarray  # [2]
     layer_sums: np.ndarray  # [layers]
     layer_counts: np.ndarray  # [layers]
+    layer_skips: np.ndarray  # [layers]
     layer_buckets: np.ndarray | None  # [layers, 20] with --per-layer
     frames_received: int
     frames_lost: int
@@ -272,6 +273,7 @@ class ExporterState:
             zeros=totals.zeros.copy(),
             layer_sums=layers.sums.copy(),
             layer_counts=layers.counts.copy(),
+            layer_skips=layers.skips.copy(),
             layer_buckets=None if layers.buckets is None else layers.buckets.copy(),
             frames_received=model.frames_received,
             frames_lost=model.frames_lost_reported,

@@ -656,6 +656,16 @@ METRICS: tuple[MetricSpec, ...] = (
         EXPORTER,
     ),
     _m(
+        "layerwatch_exporter_layer_skips_total",
+        "counter",
+        ("model_name", "layer"),
+        "Decode-time evaluations of the layer that the received frames mark skipped (of "
+        "layerwatch_layer_entropy_count_total, the layer's evaluations in those frames): the skip ratio "
+        "of a model no shim reports. A lost frame's rows are missing; a shim counts exactly in "
+        "layerwatch_layer_skips_total.",
+        EXPORTER,
+    ),
+    _m(
         "layerwatch_entropy_per_layer",
         "histogram",
         ("model_name", "layer"),

@@ -95,20 +95,23 @@ class EntropyTotals:
 
 
 class LayerTotals:
-    """Per-layer Σx and count (always), per-layer Prometheus buckets (only when enabled: cardinality)."""
+    """Per-layer Σx, count (evaluations) and skips (always), per-layer Prometheus buckets (only when
+    enabled: cardinality)."""
 
     def __init__(self, with_buckets: bool) -> None:
         self.sums = np.zeros(0)
         self.counts = np.zeros(0, dtype=np.int64)
+        self.skips = np.zeros(0, dtype=np.int64)
         self.buckets = np.zeros((0, BINS), dtype=np.int64) if with_buckets else None
 
-    def add(self, entropies: np.ndarray, buckets: np.ndarray) -> None:
-        """entropies and their le_bucket_index, both [rows, layers]."""
+    def add(self, entropies: np.ndarray, buckets: np.ndarray, skipped: np.ndarray) -> None:
+        """entropies, their le_bucket_index and the skip bits, all [rows, layers]."""
         rows, layers = entropies.shape
         if layers > len(self.sums):
             self._grow(layers)
         self.sums[:layers] += entropies.sum(axis=0, dtype=np.float64)
         self.counts[:layers] += rows
+        self.skips[:layers] += np.add.reduce(skipped, axis=0, dtype=np.int64)
         if self.buckets is not None:
             flat = (buckets + np.arange(layers) * BINS).ravel()
             self.buckets[:layers] += np.bincount(flat, minlength=layers * BINS).reshape(layers, BINS)
@@ -117,6 +120,7 @@ class LayerTotals:
         extra = layers - len(self.sums)
         self.sums = np.concatenate((self.sums, np.zeros(extra)))
         self.counts = np.concatenate((self.counts, np.zeros(extra, dtype=np.int64)))
+        self.skips = np.concatenate((self.skips, np.zeros(extra, dtype=np.int64)))
         if self.buckets is not None:
             self.buckets = np.concatenate((self.buckets, np.zeros((extra, BINS), dtype=np.int64)))
 

@@ -141,6 +141,11 @@ def test_live_exporter_agrees_with_replay(start_exporter) -> None:
         count = sum(exporter.value("layerwatch_entropy_count", model_name=name, decision=d) for d in ("run", "skip"))
         skips = exporter.value("layerwatch_entropy_count", model_name=name, decision="skip")
         assert count == report["observations"] and skips / count == pytest.approx(report["skip_ratio"])
+        layers = [{"model_name": name, "layer": str(layer)} for layer in range(len(report["per_layer_skip_rate"]))]
+        layer_skips = [exporter.value("layerwatch_exporter_layer_skips_total", **labels) for labels in layers]
+        layer_counts = [exporter.value("layerwatch_layer_entropy_count_total", **labels) for labels in layers]
+        assert sum(layer_skips) == skips and sum(layer_counts) == count
+        assert np.divide(layer_skips, layer_counts) == pytest.approx(report["per_layer_skip_rate"])
 
 
 def test_the_verdict_is_withheld_until_the_window_is_large_enough(start_exporter) -> None:

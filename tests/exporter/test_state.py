@@ -260,6 +260,7 @@ def test_ingest_feeds_totals_layers_and_window() -> None:
     assert demo.buckets.sum() == entropies.size
     assert demo.buckets[1].sum() == skipped.sum()
     assert demo.layer_counts.tolist() == [12] * 5
+    assert demo.layer_skips.tolist() == skipped.sum(axis=0).tolist()
     np.testing.assert_allclose(demo.layer_sums, entropies.sum(axis=0, dtype=np.float64))
     assert demo.layer_buckets.sum(axis=1).tolist() == [12] * 5
     assert state.bimodality("demo").observations == entropies.size

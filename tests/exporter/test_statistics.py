@@ -151,9 +151,10 @@ def test_layer_totals_grow_with_the_layer_count() -> None:
     layers = LayerTotals(with_buckets=True)
     small = np.array([[0.1, 0.9]], dtype=np.float32)
     wide = np.array([[0.2, 0.2, 0.6], [0.4, 0.4, 0.6]], dtype=np.float32)
-    layers.add(small, le_bucket_index(small))
-    layers.add(wide, le_bucket_index(wide))
+    layers.add(small, le_bucket_index(small), np.array([[True, False]]))
+    layers.add(wide, le_bucket_index(wide), np.array([[True, True, False], [False, True, True]]))
     assert layers.counts.tolist() == [3, 3, 2]
+    assert layers.skips.tolist() == [2, 2, 1]
     assert layers.sums == pytest.approx([0.7, 1.5, 1.2], rel=1e-6)
     assert layers.buckets[2, le_bucket_index(np.float32(0.6))] == 2
     assert layers.buckets.sum() == 8

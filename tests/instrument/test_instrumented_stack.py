@@ -8,13 +8,18 @@ real `layerwatch exporter` over loopback UDP and writes a trace:
    `layerwatch replay` says of the trace;
 2. `layerwatch calibrate-trace` makes the model's profile from that trace, and the rules generated
    from it run in a real Prometheus scraping the exporter (time scale 0.01: 5m windows are 3 s):
-   healthy traffic keeps every alert of the model silent, not even pending; routers collapsing to
-   zero scores page LayerwatchZeroEntropyRatioHigh.
+   healthy traffic keeps every alert of the model silent, not even pending, its skip ratio recorded
+   from the exporter's counts (no shim reports the model); routers collapsing to zero scores skip
+   (almost) every layer and page LayerwatchZeroEntropyRatioHigh and LayerwatchRunawaySkipping, the
+   latter naming the exporter and the most skipped layers;
+3. the dashboard, queried as Grafana would, lists the model and draws its skip panels.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import threading
 import time
 from pathlib import Path
@@ -36,7 +41,8 @@ from layerwatch.integrations.transformers import observe, read_attributes
 from layerwatch.statistics import le_bucket_index
 from layerwatch.trace import TraceWriter, read_trace
 from layerwatch_cli.main import main
-from tests.stack.support import prometheus_api, prometheus_argv
+from tests.stack.conftest import REPO
+from tests.stack.support import dashboard_expr, prometheus_api, prometheus_argv
 
 TIME_SCALE = 0.01
 READ_ROUTERS = read_attributes("router_score", "router_ran")
@@ -156,27 +162,72 @@ def test_an_instrumented_transformers_model_is_seen_as_a_served_one(
         with observe(model, READ_ROUTERS, sender=sender):
             traffic = Traffic(model)
             mean = f'{recorded.entropy_mean_by_decision}{{model_name="{MODEL_NAME}", decision="run"}}'
+            skip_ratio = f'{recorded.skip_ratio}{{model_name="{MODEL_NAME}"}}'
             wait_for_result(base, mean, timeout=30)
+            wait_for_result(base, skip_ratio, timeout=10)
             for _ in range(8):  # healthy: every band holds, nothing pending
                 assert prometheus_api(base, "/api/v1/query", query=model_alerts)["result"] == []
                 time.sleep(1.0)
             (sample,) = prometheus_api(base, "/api/v1/query", query=mean)["result"]
             assert profile.entropy_mean.low <= float(sample["value"][1]) <= profile.entropy_mean.high
+            (sample,) = prometheus_api(base, "/api/v1/query", query=skip_ratio)["result"]
+            exporter_target = {"job": "layerwatch-exporter", "instance": exporter.url.removeprefix("http://")}
+            assert {k: sample["metric"][k] for k in exporter_target} == exporter_target
+            assert abs(float(sample["value"][1]) - profile.skip_ratio_normal) < 0.1
+            check_dashboard_skip_panels(base)
 
             routers = [layer for layer in model.model.layers if isinstance(layer, RoutedDecoderLayer)]
             with torch.no_grad():  # the routers collapse: every score near 0
                 for router in routers:
                     router.router.bias.fill_(-8.0)
-            page = (
-                'ALERTS{alertname="LayerwatchZeroEntropyRatioHigh", alertstate="firing", severity="critical", '
-                f'model_name="{MODEL_NAME}"}}'
+            pages = (
+                'ALERTS{alertname=~"LayerwatchZeroEntropyRatioHigh|LayerwatchRunawaySkipping", '
+                f'alertstate="firing", severity="critical", model_name="{MODEL_NAME}"}}'
             )
-            wait_for_result(base, page, timeout=45)
+            deadline = time.monotonic() + 45
+            while len(firing := prometheus_api(base, "/api/v1/query", query=pages)["result"]) < 2:
+                assert time.monotonic() < deadline, f"firing within 45s: {firing}"
+                time.sleep(0.5)
+            (runaway,) = [
+                a
+                for a in prometheus_api(base, "/api/v1/alerts")["alerts"]
+                if a["labels"]["alertname"] == "LayerwatchRunawaySkipping"
+            ]
+            assert runaway["labels"]["trigger"] == "skip_ratio"
+            assert {k: runaway["labels"][k] for k in exporter_target} == exporter_target
+            assert re.search(r"Most skipped layers: (\d+ \(\d\.\d{3}\) ){3}", runaway["annotations"]["description"])
     finally:
         if traffic is not None:
             traffic.stop()
         prometheus.stop()
         sender.close()
+
+
+SKIP_PANELS = ("Skip ratio", "Skip ratio: instances and fleet", "Per-layer skip ratio (layer × time)")
+
+
+def check_dashboard_skip_panels(base: str) -> None:
+    """The Overview dashboard for a model no shim serves, as Grafana would query it: the model list
+    has it, the shim instance list is empty (so $instance takes its All value), and every target of
+    the skip panels returns a number."""
+    dashboard = json.loads((REPO / "dashboards" / "json" / "overview.json").read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+
+    def label_values(query: str) -> list[str]:
+        found = re.fullmatch(r"label_values\((.*), (\w+)\)", query)
+        assert found, query
+        selector = found[1].replace("$model", MODEL_NAME)
+        return prometheus_api(base, f"/api/v1/label/{found[2]}/values", **{"match[]": selector})
+
+    assert MODEL_NAME in label_values(variables["model"]["query"])
+    assert label_values(variables["instance"]["query"]) == []
+    panels = [panel for panel in dashboard["panels"] if panel["title"] in SKIP_PANELS]
+    assert len(panels) == len(SKIP_PANELS)
+    for panel in panels:
+        for target in panel["targets"]:
+            expr = dashboard_expr(target["expr"], MODEL_NAME, variables["instance"]["allValue"])
+            result = prometheus_api(base, "/api/v1/query", query=expr)["result"]
+            assert any(math.isfinite(float(s["value"][1])) for s in result), (panel["title"], expr)
 
 
 def wait_for_result(base: str, query: str, timeout: float) -> list[dict]:
