@@ -17,15 +17,17 @@ The shadow-agreement floor is measured the way the service's quality guard measu
 requests re-scored at full depth), per chunk of requests: [lowest chunk - margin]. A model whose
 gates change the top-1 token for one token in five is healthy at 0.8, not at a generic 0.9.
 
-The gate-importance floor (LayerwatchGateMiscalibrated) comes from the same shadow passes, run with
+The gate-importance floors (LayerwatchGateMiscalibrated) come from the same shadow passes, run with
 the layer probe as the service runs them (`full_depth_agreement(..., layer_signals=True)`), folded
-into the shim's own `LayerSignalStats` (layerwatch/gate_importance.py: Spearman over the last
-GATE_IMPORTANCE_SAMPLES (token, layer) samples). The readings are the values the shim's gauge would
-take after each pass once its reservoir is full; the floor is half the lowest reading, and at least
-`margin` below it (`gate_importance_floor`). The same passes with the gates shuffled across layers
-(`shuffle_gates`, the drill for gates that no longer track their layers) are measured too: the floor
-must lie above every shuffled reading, or the alert cannot tell such gates from healthy ones (the
-command warns; the profile is still written).
+into the shim's own `LayerSignalStats` (layerwatch/gate_importance.py: per layer, Spearman over its
+last GATE_LAYER_SAMPLES (gate score, next update) pairs; the headline, their mean). The readings are
+the values the shim's gauges would take after each pass once the buffers are full. The headline's
+floor is half its lowest reading, and at least `margin` below it (`gate_importance_floor`); each
+layer whose gate counted in every reading gets its own floor by the same rule (the alert names the
+layers below theirs) and its median reading as its baseline. The same passes with the drills' gates
+(`shuffle_gates`: on the wrong layers; `scramble_gates`: reading permuted features) are measured
+too: the floor must lie above every drill reading, or the alert cannot tell such gates from healthy
+ones (the command warns; the profile is still written).
 
 The request tail (LayerwatchRequestTailRunaway): every baseline prompt is one request, judged by
 layerwatch/request_tail.py's skip fraction from the engine's per-request counts of its decode steps
@@ -54,6 +56,7 @@ from alerts.profile import (
     DEFAULT_ZERO_RATIO_PAGE,
     Band,
     BimodalityProfile,
+    GateImportance,
     Profile,
     RequestTail,
     RoutingProfile,
@@ -61,10 +64,10 @@ from alerts.profile import (
 from inference_shim.offline.gated_model import GatedModel
 from inference_shim.runtime.agreement import ShadowJob, ShadowResult, full_depth_agreement
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
-from inference_shim.runtime.gates import shuffle_gates
+from inference_shim.runtime.gates import LoadedGates, scramble_gates, shuffle_gates
 from inference_shim.runtime.model import KV_POLICIES, Transformer
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
-from layerwatch.catalog import GATE_IMPORTANCE_SAMPLES, REQUEST_FRACTION_BUCKETS
+from layerwatch.catalog import GATE_LAYER_SAMPLES, REQUEST_FRACTION_BUCKETS
 from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.request_tail import RequestLayers, request_skipping
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS, Routing, below_threshold, routing_from_rows, wilson_bounds
@@ -233,15 +236,30 @@ def skip_collapse_fraction(skip_ratio_normal: float, chunk_skip_ratios: list[flo
 
 
 def gate_importance_floor(readings: list[float], margin: float) -> float:
-    """Half the lowest healthy reading of the gate-importance correlation, and at least `margin` below
+    """Half the lowest healthy reading of a gate-importance correlation, and at least `margin` below
     it (a reading near or below 0 has no useful half), in [-1, 1].
 
-    readings: the values the shim's gauge takes over a healthy baseline (`GateImportance`).
+    readings: the values one of the shim's gauges takes over a healthy baseline (`GateReadings`).
     """
     if not readings:
-        raise ValueError("no gate-importance reading: the shadow checks never filled the reservoir")
+        raise ValueError("no gate-importance reading: the shadow checks never filled the buffers")
     lowest = min(readings)
     return round(max(-1.0, min(GATE_FLOOR_FRACTION * lowest, lowest - margin)), 3)
+
+
+def gate_importance_profile(readings: GateReadings, margin: float) -> GateImportance:
+    """The profile's gate-importance section from the healthy readings: the headline's floor and median;
+    per layer counted in every reading, its floor (same rule) and median."""
+    if not readings.headline:
+        raise ValueError("no gate-importance reading: the shadow checks never filled the buffers")
+    layers = np.asarray(readings.layers, dtype=np.float64)  # [readings, L]
+    always = np.flatnonzero(np.isfinite(layers).all(axis=0))
+    return GateImportance(
+        correlation_min=gate_importance_floor(readings.headline, margin),
+        correlation=round(float(np.median(readings.headline)), 3),
+        layer_baselines={int(l): round(float(np.median(layers[:, l])), 3) for l in always},
+        layer_floors={int(l): gate_importance_floor(layers[:, l].tolist(), margin) for l in always},
+    )
 
 
 def request_tail_profile(skip_fractions: list[float], skip_ratio_normal: float) -> RequestTail:
@@ -301,13 +319,13 @@ def build_profile(
     margin: float,
     min_observations: int,
     source: str,
-    gate_importance_correlation_min: float | None = None,
+    gate_importance: GateImportance | None = None,
     request_skip_fractions: list[float] | None = None,
 ) -> tuple[Profile, BaselineStatistics]:
     """entropies float [N, L] and skipped bool [N, L], one row per decoded token.
 
-    `gate_importance_correlation_min` (from `gate_importance_floor`) and `request_skip_fractions` (one
-    per request, for `request_tail_profile`) left out keep the profile's defaults (not measured)."""
+    `gate_importance` (from `gate_importance_profile`) and `request_skip_fractions` (one per request,
+    for `request_tail_profile`) left out keep the profile's defaults (not measured)."""
     if len(entropies) < chunk_tokens:
         raise ValueError(f"the baseline decoded {len(entropies)} tokens, fewer than one chunk of {chunk_tokens}")
     chunks = [
@@ -344,8 +362,8 @@ def build_profile(
         routing=routing_profile(stats.routing, routing),
         source=source,
     )
-    if gate_importance_correlation_min is not None:
-        profile = dataclasses.replace(profile, gate_importance_correlation_min=gate_importance_correlation_min)
+    if gate_importance is not None:
+        profile = dataclasses.replace(profile, gate_importance=gate_importance)
     if request_skip_fractions is not None:
         profile = dataclasses.replace(
             profile, request_tail=request_tail_profile(request_skip_fractions, skip_ratio_normal)
@@ -423,18 +441,26 @@ def generate_baseline(
 
 
 @dataclass(frozen=True)
-class GateImportance:
-    """The gate-importance correlation over the shadow checks, as the shim's gauge reads it."""
+class GateReadings:
+    """What the shim's gate-importance gauges read after each shadow pass, once a layer had a value."""
 
-    readings: list[float]  # the gauge after each shadow pass once the reservoir was full (served gates)
-    shuffled_readings: list[float]  # the same passes with `shuffle_gates` (gates on the wrong layers)
-    samples: int  # (token, layer) samples measured (the reservoir holds GATE_IMPORTANCE_SAMPLES)
+    headline: list[float]  # layerwatch_gate_importance_correlation
+    layers: list[list[float]]  # layerwatch_gate_layer_importance_correlation per layer, NaN where absent
+    samples: int  # (gate score, next update) pairs measured, all layers together
+
+
+@dataclass(frozen=True)
+class GateImportanceReadings:
+    """The gate-importance gauges over the shadow checks: with the served gates and with the drills'."""
+
+    served: GateReadings
+    drills: dict[str, GateReadings]  # the same passes scored by a drill's gates, by its flag
 
 
 @dataclass(frozen=True)
 class ShadowChecks:
     checks: list[tuple[int, int]]  # (tokens, agreements) per prompt, in order
-    gate_importance: GateImportance
+    gate_importance: GateImportanceReadings
 
 
 def probed_passes(model: Transformer, jobs: list[ShadowJob]) -> list[ShadowResult]:
@@ -442,20 +468,24 @@ def probed_passes(model: Transformer, jobs: list[ShadowJob]) -> list[ShadowResul
     return [full_depth_agreement(model, job, layer_signals=True) for job in jobs]
 
 
-def gauge_readings(num_layers: int, results: list[ShadowResult]) -> tuple[list[float], int]:
-    """The values `layerwatch_gate_importance_correlation` takes over these shadow passes: each one
-    folded into the shim's own `LayerSignalStats`, the gauge read after each (absent until the
-    reservoir is full). Returns the readings and the (token, layer) samples measured."""
+def gauge_readings(num_layers: int, results: list[ShadowResult]) -> GateReadings:
+    """The values the gate-importance gauges take over these shadow passes: each one folded into the
+    shim's own `LayerSignalStats`, the gauges read after each (absent until a layer has a value)."""
     stats = LayerSignalStats(num_layers)
-    readings = []
+    headline, layers = [], []
     for result in results:
         if result.layer_signals is None:
             raise ValueError("a shadow pass without layer signals (run it with layer_signals=True)")
         stats.observe(result.layer_signals)
-        correlation = stats.snapshot().correlation
-        if correlation is not None and math.isfinite(correlation):
-            readings.append(correlation)
-    return readings, int(stats.snapshot().tokens.sum())
+        snapshot = stats.snapshot()
+        if snapshot.correlation is not None and math.isfinite(snapshot.correlation):
+            headline.append(snapshot.correlation)
+            layers.append(snapshot.layer_correlation.tolist())
+    return GateReadings(headline, layers, stats.snapshot().samples)
+
+
+# The drills whose gates the floor must tell from the served ones, by their `layerwatch serve` flag.
+GATE_DRILLS = {"--shuffle-gates": shuffle_gates, "--scramble-gates": scramble_gates}
 
 
 def shadow_checks(
@@ -470,7 +500,7 @@ def shadow_checks(
 ) -> ShadowChecks:
     """Greedy gated completions re-scored at full depth with the layer probe, as the service's quality
     guard (`--shadow-rate`) does it: (tokens, agreements) per prompt and the gate-importance readings;
-    then the same passes with the gates shuffled across layers."""
+    then the same passes scored by each drill's gates."""
     tokenizer = gated.loaded.tokenizer
     model = gated.model
     model.attach_gates(gated.gates.gates)
@@ -483,19 +513,26 @@ def shadow_checks(
         result = engine.generate(prompt_ids, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
         jobs.append(ShadowJob(prompt_ids, result.token_ids))
     served = probed_passes(model, jobs)
-    # The same passes scored by gates on the wrong layers. The text stays the healthy one: the
-    # correlation compares each gate's score with its layer's update at full depth, and neither
-    # depends on which gates chose the tokens.
-    try:
-        model.attach_gates(shuffle_gates(gated.gates).gates)
-        shuffled = probed_passes(model, jobs)
-    finally:
-        model.attach_gates(gated.gates.gates)
     num_layers = model.config.num_layers
-    readings, samples = gauge_readings(num_layers, served)
-    shuffled_readings, _ = gauge_readings(num_layers, shuffled)
-    importance = GateImportance(readings, shuffled_readings, samples)
+    drills = {
+        flag: gauge_readings(num_layers, _scored_by(model, drill(gated.gates), jobs, gated.gates))
+        for flag, drill in GATE_DRILLS.items()
+    }
+    importance = GateImportanceReadings(gauge_readings(num_layers, served), drills)
     return ShadowChecks([(r.tokens, r.agreements) for r in served], importance)
+
+
+def _scored_by(
+    model: Transformer, gates: LoadedGates, jobs: list[ShadowJob], served: LoadedGates
+) -> list[ShadowResult]:
+    """The passes of `jobs` with `gates` attached, then the served gates again. The text stays the
+    healthy one: the correlations compare each gate's score with its layer's updates at full depth,
+    and neither depends on which gates chose the tokens."""
+    try:
+        model.attach_gates(gates.gates)
+        return probed_passes(model, jobs)
+    finally:
+        model.attach_gates(served.gates)
 
 
 @dataclass(frozen=True)
@@ -509,15 +546,22 @@ class Calibration:
     fallbacks: int
     shadow_tokens: int  # greedy tokens re-scored at full depth
     shadow_agreements: int  # of which the full-depth top-1 was the gated token
-    gate_importance: GateImportance  # behind profile.gate_importance_correlation_min
+    gate_importance: GateImportanceReadings  # behind profile.gate_importance
     request_skip_fractions: list[float]  # per baseline request, behind profile.request_tail
 
     @property
-    def gate_floor_separates(self) -> bool:
-        """Whether the floor lies above every reading of the shuffled gates (the alert can tell them
-        from healthy ones)."""
-        shuffled = self.gate_importance.shuffled_readings
-        return not shuffled or self.profile.gate_importance_correlation_min > max(shuffled)
+    def gates_vary(self) -> bool:
+        """Whether some layer's gate varied enough over the baseline to measure its ranking of tokens
+        (else the profile's gate_importance is the schema's default, and the alert stays silent)."""
+        return bool(self.gate_importance.served.headline)
+
+    def drills_above_the_floor(self) -> list[str]:
+        """The drills (by flag) with a reading at or above the headline's floor: the alert cannot tell
+        their gates from this model's own (none when the model's own gates do not vary)."""
+        if not self.gates_vary:
+            return []
+        floor = self.profile.gate_importance.correlation_min
+        return [flag for flag, r in self.gate_importance.drills.items() if r.headline and max(r.headline) >= floor]
 
 
 def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSettings, *, data_name: str) -> Calibration:
@@ -555,10 +599,12 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         max_new_tokens=s.max_new_tokens,
     )
     checks, importance = shadow.checks, shadow.gate_importance
-    if not importance.readings:
+    num_layers = gated.model.config.num_layers
+    if not importance.served.headline and importance.served.samples < num_layers * GATE_LAYER_SAMPLES:
         raise ValueError(
-            f"the shadow checks measured {importance.samples} (token, layer) samples, fewer than the "
-            f"{GATE_IMPORTANCE_SAMPLES} the gate-importance correlation needs: raise --prompts or --max-new-tokens"
+            f"the shadow checks measured {importance.served.samples} (gate score, next update) pairs over "
+            f"{num_layers} layers, fewer than the {GATE_LAYER_SAMPLES} per layer the gate-importance "
+            "correlation needs: raise --prompts or --max-new-tokens"
         )
     request_skip_fractions = baseline.request_skip_fractions()
     source = (
@@ -579,7 +625,9 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         margin=s.margin,
         min_observations=s.min_observations,
         source=source,
-        gate_importance_correlation_min=gate_importance_floor(importance.readings, s.margin),
+        # Full buffers but no headline: no layer's gate varies, there is no ranking of tokens to
+        # calibrate (the shim's headline stays absent too); the profile keeps the defaults.
+        gate_importance=gate_importance_profile(importance.served, s.margin) if importance.served.headline else None,
         request_skip_fractions=request_skip_fractions,
     )
     return Calibration(
