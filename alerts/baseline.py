@@ -41,6 +41,7 @@ from alerts.profile import (
     DEFAULT_ZERO_RATIO_PAGE,
     Band,
     BimodalityProfile,
+    GateImportance,
     Profile,
     RequestTail,
     RoutingProfile,
@@ -202,14 +203,14 @@ def build_profile(
     margin: float,
     min_observations: int,
     source: str,
-    gate_importance_correlation_min: float | None = None,
+    gate_importance: GateImportance | None = None,
     request_skip_fractions: list[float] | None = None,
     shadow_kl_nats_max: float | None = None,
     shadow_rate_min: float | None = None,
 ) -> tuple[Profile, BaselineStatistics]:
     """entropies float [N, L] and skipped bool [N, L], one row per decoded token.
 
-    `shadow_agreement_min`, `gate_importance_correlation_min`, `shadow_kl_nats_max` (the shim's shadow
+    `shadow_agreement_min`, `gate_importance`, `shadow_kl_nats_max` (the shim's shadow
     checks: inference_shim/offline/calibration.py), `request_skip_fractions` (one per request, for
     `request_tail_profile`) and `shadow_rate_min` left out (None) keep the profile's defaults (not
     measured)."""
@@ -250,8 +251,8 @@ def build_profile(
     )
     if shadow_agreement_min is not None:
         profile = dataclasses.replace(profile, shadow_agreement_min=shadow_agreement_min)
-    if gate_importance_correlation_min is not None:
-        profile = dataclasses.replace(profile, gate_importance_correlation_min=gate_importance_correlation_min)
+    if gate_importance is not None:
+        profile = dataclasses.replace(profile, gate_importance=gate_importance)
     if request_skip_fractions is not None:
         profile = dataclasses.replace(
             profile, request_tail=request_tail_profile(request_skip_fractions, skip_ratio_normal)

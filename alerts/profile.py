@@ -18,6 +18,7 @@ import re
 import stat
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NewType
@@ -126,6 +127,36 @@ class RequestTail:
 
 
 @dataclass(frozen=True)
+class GateImportance:
+    """LayerwatchGateMiscalibrated's limits: the within-layer gate-importance correlation
+    (layerwatch_gate_importance_correlation, Spearman's correlation in [-1, 1] of each layer's gate
+    score with its layer's update, averaged over the layers; docs/service.md, "Layer signals").
+
+    `layerwatch calibrate` measures all of it; the default floor only catches gates whose token
+    ranking is unrelated to their layers' updates (those read about 0; the demo's healthy gates
+    0.07-0.14).
+    """
+
+    # Page below this headline correlation (calibrate: half the lowest healthy reading, at least the
+    # margin below it).
+    correlation_min: float = 0.03
+    # The healthy baseline's headline, for the alert text; informational.
+    correlation: float | None = None
+    # Per layer (the layers whose healthy gates vary): the healthy baseline's correlation
+    # (informational) and the floor below which the alert names the layer (calibrate: as the headline's).
+    layer_baselines: dict[int, float] = field(default_factory=dict)
+    layer_floors: dict[int, float] = field(default_factory=dict)
+
+
+# Keys a profile may no longer carry, and why (the loader says so instead of "unknown key").
+_RETIRED = {
+    "gate_importance_correlation_min": "retired: the gate-importance correlation is now measured within each "
+    "layer, and a floor calibrated for the old pooled one would page on healthy gates; run `layerwatch "
+    "calibrate` (it writes gate_importance.correlation_min) or set gate_importance: {correlation_min: ...}",
+}
+
+
+@dataclass(frozen=True)
 class Profile:
     model_name: str
     threshold: float = field(metadata=_FRACTION)  # gate threshold the model is served with
@@ -151,10 +182,7 @@ class Profile:
     # The shadow rate this model's shims must run at (LayerwatchQualityGuardBlind tickets a shim serving
     # gated traffic below it); 0: no checks expected.
     shadow_rate_min: float = field(default=0.0, metadata=_FRACTION)
-    # Page below this Spearman correlation between gate score and relative residual update (in
-    # [-1, 1]; docs/service.md, "Layer signals"). `layerwatch calibrate` measures it (half the lowest
-    # healthy reading); the default only catches gates unrelated to their layers.
-    gate_importance_correlation_min: float = 0.1
+    gate_importance: GateImportance = GateImportance()  # LayerwatchGateMiscalibrated
     telemetry_loss_max: float = field(default=0.01, metadata=_FRACTION)
     request_tail: RequestTail = RequestTail()
     # Per-alert `for:` overrides of per-model alerts; the others use their spec's default.
@@ -264,6 +292,9 @@ def _build(cls: type, data: Any, where: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {_yaml_key(f): f for f in dataclasses.fields(cls)}
     unknown = sorted(set(map(str, data)) - set(fields))
+    retired = [key for key in unknown if cls is Profile and key in _RETIRED]
+    if retired:
+        raise ProfileError(f"{where}: {retired[0]}: {_RETIRED[retired[0]]}")
     if unknown:
         raise ProfileError(f"{where}: unknown key(s) {unknown}; known: {sorted(fields)}")
     values = {}
@@ -298,8 +329,8 @@ def _convert(hint: Any, value: Any, where: str, metadata: typing.Mapping[str, An
     if typing.get_origin(hint) is dict:
         if not isinstance(value, dict):
             raise ProfileError(f"{where}: expected a mapping, got {value!r}")
-        _, value_hint = typing.get_args(hint)
-        return {str(k): _convert(value_hint, v, f"{where}.{k}", {}) for k, v in value.items()}
+        key_hint, value_hint = typing.get_args(hint)
+        return {_key(key_hint, k, where): _convert(value_hint, v, f"{where}.{k}", {}) for k, v in value.items()}
     if hint is float:
         # YAML reads 1 as int; bool is an int subclass but never a number here.
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -319,6 +350,15 @@ def _convert(hint: Any, value: Any, where: str, metadata: typing.Mapping[str, An
             raise ProfileError(f"{where}: expected a string, got {value!r}")
         return value
     raise TypeError(f"{where}: no converter for {hint!r}")  # a schema bug, not a user error
+
+
+def _key(hint: Any, key: Any, where: str) -> Any:
+    """A mapping's key: any key as text for `str`; a layer number (an integer >= 0) for `int`."""
+    if hint is str:
+        return str(key)
+    if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+        raise ProfileError(f"{where}: key {key!r} is not a layer number (an integer >= 0)")
+    return key
 
 
 # --- checks across fields -----------------------------------------------------------------------
@@ -352,8 +392,7 @@ def _check(p: Profile, where: str) -> None:
         fail("runaway_fallbacks_per_minute", f"{p.runaway_fallbacks_per_minute} is negative")
     if not p.shadow_kl_nats_max > 0:
         fail("shadow_kl_nats_max", f"{p.shadow_kl_nats_max} must be above 0 (nats per token)")
-    if not -1.0 <= p.gate_importance_correlation_min <= 1.0:
-        fail("gate_importance_correlation_min", f"{p.gate_importance_correlation_min} is outside [-1, 1]")
+    _check_gate_importance(p.gate_importance, fail)
     if p.drift.window <= 0:
         fail("drift.window", "must be longer than 0s")
     if not 0.0 < p.skip_collapse_fraction < 1.0:
@@ -389,6 +428,35 @@ def _check(p: Profile, where: str) -> None:
     unknown = sorted(set(p.for_durations) - set(_DEFAULT_FOR))
     if unknown:
         fail("for", f"unknown alert(s) {unknown}; per-model alerts: {sorted(_DEFAULT_FOR)}")
+
+
+def _check_gate_importance(g: GateImportance, fail: Callable[[str, str], typing.NoReturn]) -> None:
+    """Correlations in [-1, 1]; a floor below the healthy value it belongs to (at or above it, the
+    alert would fire, or name the layer, on the healthy baseline); a floor for each layer with a baseline."""
+    values = {"gate_importance.correlation_min": g.correlation_min}
+    if g.correlation is not None:
+        values["gate_importance.correlation"] = g.correlation
+    for name in ("layer_baselines", "layer_floors"):
+        values |= {f"gate_importance.{name}.{layer}": v for layer, v in getattr(g, name).items()}
+    for key, value in values.items():
+        if not -1.0 <= value <= 1.0:
+            fail(key, f"{value} is outside [-1, 1] (a correlation)")
+    if g.correlation is not None and g.correlation_min >= g.correlation:
+        fail(
+            "gate_importance.correlation_min",
+            f"{g.correlation_min} is not below the baseline correlation {g.correlation}",
+        )
+    if set(g.layer_floors) != set(g.layer_baselines):
+        fail(
+            "gate_importance.layer_floors",
+            f"layers {sorted(g.layer_floors)} differ from the layers of layer_baselines {sorted(g.layer_baselines)}",
+        )
+    for layer, floor in g.layer_floors.items():
+        if floor >= g.layer_baselines[layer]:
+            fail(
+                f"gate_importance.layer_floors.{layer}",
+                f"{floor} is not below the layer's baseline {g.layer_baselines[layer]}",
+            )
 
 
 # --- dataclass -> YAML --------------------------------------------------------------------------

@@ -18,6 +18,9 @@ BY_MODEL = f"{BY_TARGET}, model_name"
 # Fleet roll-ups drop the instance: one series per model across every shim (or exporter) of it. The
 # job stays, so the shim's and the exporter's sides of a model stay apart.
 BY_FLEET = "job, model_name"
+# A profile's per-layer gate-importance floors, one constant series per layer (labels model_name and
+# layer; alerts/rules.py records them, LayerwatchGateMiscalibrated and the dashboard read them).
+GATE_LAYER_IMPORTANCE_FLOOR = "model_name_layer:layerwatch_profile_gate_layer_importance:floor"
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import yaml
 
 from alerts.durations import Timing
 from alerts.profile import Profile
-from alerts.recorded import BY_FLEET, BY_MODEL, BY_TARGET, Recorded
+from alerts.recorded import BY_FLEET, BY_MODEL, BY_TARGET, GATE_LAYER_IMPORTANCE_FLOOR, Recorded
 from alerts.specs import COMMON_ALERTS, PER_MODEL_ALERTS, AlertBuild, skip_collapse_limit
 from mixin import config
 
@@ -53,6 +53,7 @@ class ProfileSeries:
     token_dependent_share_floor: str = _profile_name("token_dependent_share", "floor")
     shadow_agreement_min: str = _profile_name("shadow_agreement", "min")
     shadow_kl_nats_max: str = _profile_name("shadow_kl_nats", "max")
+    gate_importance_min: str = _profile_name("gate_importance", "min")
     threshold: str = _profile_name("threshold", "value")
 
 
@@ -75,6 +76,7 @@ def profile_series(profile: Profile) -> dict[str, float]:
         n.token_dependent_share_floor: p.routing.share_floor,
         n.shadow_agreement_min: p.shadow_agreement_min,
         n.shadow_kl_nats_max: p.shadow_kl_nats_max,
+        n.gate_importance_min: p.gate_importance.correlation_min,
         n.threshold: p.threshold,
     }
 
@@ -249,9 +251,12 @@ def common_alerts(timing: Timing) -> list[dict]:
 
 
 def _profile_series_rules(profile: Profile) -> list[dict]:
+    model = {"model_name": profile.model_name}
     return [
-        {"record": name, "expr": f"vector({value})", "labels": {"model_name": profile.model_name}}
-        for name, value in profile_series(profile).items()
+        {"record": name, "expr": f"vector({value})", "labels": model} for name, value in profile_series(profile).items()
+    ] + [
+        {"record": GATE_LAYER_IMPORTANCE_FLOOR, "expr": f"vector({floor})", "labels": model | {"layer": str(layer)}}
+        for layer, floor in sorted(profile.gate_importance.layer_floors.items())
     ]
 
 

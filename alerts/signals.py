@@ -93,7 +93,7 @@ FIGURES: tuple[Figure, ...] = (
         "gate-importance correlation",
         "LayerwatchGateMiscalibrated",
         lambda r, p, s: f"layerwatch_gate_importance_correlation{{{config.SHIM_SELECTOR}, {s}}}",
-        lambda p: p.gate_importance_correlation_min,
+        lambda p: p.gate_importance.correlation_min,
         fires_below=True,
     ),
     Figure(

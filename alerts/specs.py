@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from alerts.durations import Timing, parse_duration
-from alerts.recorded import BY_MODEL, Recorded
+from alerts.recorded import BY_MODEL, GATE_LAYER_IMPORTANCE_FLOOR, Recorded
 from layerwatch.catalog import ZERO_ENTROPY_LIMIT
 from mixin import config
 
@@ -601,28 +601,42 @@ def shadow_agreement_low(b: AlertBuild) -> list[dict]:
 
 # An addition to the field's alert set: the gates are judged against what the layers do. The shadow
 # check's full-depth pass measures each layer's relative residual update next to its gate score
-# (docs/service.md, "Layer signals"); healthy gates rank the layers that change the residual stream
-# most highest. Absent (too few samples, no shadow checks): silent.
-@alert(
-    "LayerwatchGateMiscalibrated",
-    severities=(PAGE,),
-    default_for="10m",
-    reads=("gate_importance_correlation_min",),
-)
+# (docs/service.md, "Layer signals"); within each layer, healthy gates score a token high where the
+# layer's update on the token it decides is large. The headline (the mean over the layers) pages;
+# the description names the layers below their own calibrated floors, largest deficit first (one
+# layer's own correlation is too noisy to page on: docs/runbooks.md). Absent (too few samples, no
+# shadow checks): silent.
+@alert("LayerwatchGateMiscalibrated", severities=(PAGE,), default_for="10m", reads=("gate_importance",))
 def gate_miscalibrated(b: AlertBuild) -> list[dict]:
     p, r = b.profile, b.recorded
+    g = p.gate_importance
+    layers = "layerwatch_gate_layer_importance_correlation{instance=%q,model_name=%q}"
+    if g.layer_floors:
+        # The per-layer floors are this model's recorded constants (alerts/rules.py).
+        floors = GATE_LAYER_IMPORTANCE_FLOOR + "{model_name=%q}"
+        named = "Layers below their own healthy floor, largest deficit first: " + _top_layers(
+            f"sort_desc({floors} - on (model_name, layer) group_right () {layers} > 0)",
+            "$labels.model_name $labels.instance $labels.model_name",
+            "%.3f below",
+        )
+    else:
+        named = "Lowest layers (no per-layer floors in the profile): " + _top_layers(
+            f"sort(bottomk(3, {layers}))", "$labels.instance $labels.model_name", RATIO_FORMAT
+        )
+    baseline = "" if g.correlation is None else f"; healthy baseline {g.correlation}"
     return [
         b.rule(
-            f"layerwatch_gate_importance_correlation{{{config.SHIM_SELECTOR}, {b.selector}}}\n"
-            f"< {p.gate_importance_correlation_min}",
-            "The gates no longer track how much their layers matter.",
-            f"On the full-depth shadow checks of {_WHERE}, the rank correlation between gate score and "
-            f"the layer's relative residual update is {_value()} over the last "
-            + _lookup("layerwatch_gate_importance_samples", "%.0f")
-            + f" (token, layer) samples (floor {p.gate_importance_correlation_min}): skip decisions no "
-            "longer follow which layers matter. Shadow agreement: "
+            f"layerwatch_gate_importance_correlation{{{config.SHIM_SELECTOR}, {b.selector}}}\n< {g.correlation_min}",
+            "The gates no longer rank tokens by how much their layers matter.",
+            f"On the full-depth shadow checks of {_WHERE}, the rank correlation between a layer's gate score "
+            f"and its relative residual update on the token the score decides, averaged over "
+            + _lookup("layerwatch_gate_importance_layers", "%.0f")
+            + f" layers, is {_value()} (floor {g.correlation_min}{baseline}): skip decisions no longer follow "
+            "which tokens each layer matters for. "
+            + named
+            + "- shadow agreement "
             + _lookup(r.shadow_agreement_ratio)
-            + ". Usual causes: gates for another model or layer order, or edited gate weights.",
+            + ". Usual causes: gates for another model, layer order or hidden-state layout, or edited gate weights.",
         )
     ]
 

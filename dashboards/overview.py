@@ -32,7 +32,7 @@ from grafana_foundation_sdk.models import heatmap as heatmap_models
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from alerts.durations import Timing
-from alerts.recorded import Recorded
+from alerts.recorded import GATE_LAYER_IMPORTANCE_FLOOR, Recorded
 from alerts.rules import PROFILE_SERIES
 from mixin import config
 
@@ -447,6 +447,43 @@ def _quality_cost_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboa
     )
 
 
+def _gate_calibration_row(d: dashboard.Dashboard, p: Panels) -> dashboard.Dashboard:
+    """Do the gates rank tokens by how much their layers matter (LayerwatchGateMiscalibrated)? From the
+    shadow check's layer signals (docs/service.md, "Layer signals")."""
+    d = d.with_row(p.row("Gate calibration"))
+    d = d.with_panel(
+        p.timeseries(
+            "Gate calibration",
+            "Within each layer, Spearman's correlation between the gate's score at a token and the layer's "
+            "relative residual update on the token that score decides, averaged over the layers whose gates "
+            "vary (LayerwatchGateMiscalibrated pages below the profile's floor); and between layers, whether "
+            "the layers' mean scores rank like their mean updates (informational). From the shadow check's "
+            "full-depth passes; absent until every layer has a full buffer of them.",
+            "none",
+            [
+                (f"layerwatch_gate_importance_correlation{{{SHIM}}}", "within layers {{instance}}"),
+                (f"layerwatch_gate_layer_order_correlation{{{SHIM}}}", "between layers {{instance}}"),
+                (f"{PROFILE.gate_importance_min}{{{MODEL}}}", "limit: floor"),
+            ],
+            limits="limit",
+        )
+    )
+    return d.with_panel(
+        p.timeseries(
+            "Gate calibration per layer",
+            "Each layer's own correlation (absent for a gate that barely varies, such as a protected "
+            "layer's), with the floor `layerwatch calibrate` measured for it: the alert's description names "
+            "the layers below theirs, largest deficit first.",
+            "none",
+            [
+                (f"layerwatch_gate_layer_importance_correlation{{{SHIM}}}", "layer {{layer}} {{instance}}"),
+                (f"{GATE_LAYER_IMPORTANCE_FLOOR}{{{MODEL}}}", "limit: floor {{layer}}"),
+            ],
+            limits="limit",
+        )
+    )
+
+
 def build() -> tuple[dict, list[tuple[str, str]]]:
     """The dashboard as JSON-ready data, and every (panel, query) it holds."""
     r = Recorded.for_timing(Timing())
@@ -836,6 +873,8 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
                 ],
             )
         )
+
+    d = _gate_calibration_row(d, p)
 
     # --- quality and telemetry --------------------------------------------------------------
     d = d.with_row(p.row("Quality and telemetry"))

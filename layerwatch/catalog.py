@@ -21,9 +21,13 @@ EXPORTER = "exporter"
 ENTROPY_BUCKETS: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(1, 21))
 # An entropy below this counts as a "zero-entropy" layer (docs/metrics.md: layerwatch_entropy_zero_total).
 ZERO_ENTROPY_LIMIT = 0.01
-# The gate-importance correlation is computed over the last this many (token, layer) samples of the
-# shadow check, and exported once that many were measured (docs/service.md, "Layer signals").
-GATE_IMPORTANCE_SAMPLES = 4096
+# Each layer's gate-importance correlation is computed over the last this many (gate score, update)
+# pairs of the shadow check, and exported once that many were measured (docs/service.md, "Layer
+# signals": the size comes from the correlation's noise and the demo's shadow throughput).
+GATE_LAYER_SAMPLES = 1024
+# A layer's gate counts in the gate-importance correlation only if its scores over those pairs have at
+# least this standard deviation: one that scores every token alike ranks none (docs/service.md).
+MIN_GATE_SCORE_STD = 0.01
 # The shim's audit-trail spans waiting for export, at most (the OTel SDK's default queue); beyond it
 # a newly ended span is dropped and counted (docs/service.md, "Audit trail").
 AUDIT_QUEUE_SPANS = 2048
@@ -515,16 +519,49 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_gate_importance_correlation",
         "gauge",
         ("model_name",),
-        "Spearman rank correlation between gate score and relative residual update over the last "
-        f"{GATE_IMPORTANCE_SAMPLES} (token, layer) samples of the shadow check's full-depth pass; absent until "
-        "that many were measured.",
+        "Within-layer gate calibration: the mean over the layers of layerwatch_gate_layer_importance_correlation "
+        "(the layers whose gates vary, each over its last "
+        f"{GATE_LAYER_SAMPLES} pairs); absent until a layer has one.",
         SHIM,
     ),
     _m(
         "layerwatch_gate_importance_samples",
         "gauge",
         ("model_name",),
-        f"(token, layer) samples the gate-importance correlation is computed over (at most {GATE_IMPORTANCE_SAMPLES}).",
+        "(gate score, next update) pairs held for the gate-importance correlations, all layers together "
+        f"(at most {GATE_LAYER_SAMPLES} per layer).",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_gate_importance_layers",
+        "gauge",
+        ("model_name",),
+        "Layers behind layerwatch_gate_importance_correlation (full buffer, gate scores that vary).",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_gate_layer_importance_correlation",
+        "gauge",
+        ("model_name", "layer"),
+        "Spearman rank correlation, over the layer's last "
+        f"{GATE_LAYER_SAMPLES} shadow-checked positions, between the layer's gate score at a position and its "
+        "relative residual update at the next one (the token that score decides); absent until that many were "
+        f"measured, and while the gate's scores vary by less than {MIN_GATE_SCORE_STD} (standard deviation).",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_gate_layer_importance_samples",
+        "gauge",
+        ("model_name", "layer"),
+        f"(gate score, next update) pairs held for the layer's correlation (at most {GATE_LAYER_SAMPLES}).",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_gate_layer_order_correlation",
+        "gauge",
+        ("model_name",),
+        "Between layers: Spearman rank correlation of the layers' mean gate score and mean relative update over "
+        "the same pairs (the layers with a full buffer); absent with fewer than two.",
         SHIM,
     ),
     _m(

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from inference_shim.runtime.demo_model import DEMO_MODEL_NAME
-from layerwatch.catalog import GATE_IMPORTANCE_SAMPLES
+from layerwatch.catalog import GATE_LAYER_SAMPLES, MIN_GATE_SCORE_STD
 from layerwatch_cli.model_arguments import add_model_arguments, load_from_arguments, report_errors
 
 
@@ -129,17 +129,30 @@ def run(args: argparse.Namespace) -> int:
         f"estimated perplexity increase {math.expm1(result.shadow_total('reverse_kl_nats') / checked):+.2%}; "
         f"shadow rate expected at least {profile.shadow_rate_min:g}"
     )
-    gi = result.gate_importance
-    print(
-        f"gate-importance correlation (the shim's gauge over the probed shadow passes: Spearman of the last "
-        f"{GATE_IMPORTANCE_SAMPLES} (token, layer) samples, {len(gi.readings)} readings): "
-        f"{_span(gi.readings)}; page below {profile.gate_importance_correlation_min} (half the lowest, at least "
-        f"{args.margin:g} below it); shuffled gates read {_span(gi.shuffled_readings)}"
-    )
-    if not result.gate_floor_separates:
+    served, gp = result.gate_importance.served, profile.gate_importance
+    drills = "; ".join(f"{flag} reads {_span(r.headline)}" for flag, r in result.gate_importance.drills.items())
+    if result.gates_vary:
         print(
-            "warning: the gate-importance floor is not above every shuffled-gates reading: "
-            "LayerwatchGateMiscalibrated cannot tell gates on the wrong layers from this model's own"
+            "gate-importance correlation (the shim's gauge over the probed shadow passes: per layer, Spearman of "
+            f"the last {GATE_LAYER_SAMPLES} (gate score, next update) pairs, the mean over the layers whose gates "
+            f"vary; {len(served.headline)} readings): {_span(served.headline)}; page below {gp.correlation_min} "
+            f"(half the lowest, at least {args.margin:g} below it); {drills}"
+        )
+        print(
+            f"  per layer ({len(gp.layer_floors)} counted in every reading), median (floor): "
+            + " ".join(f"{layer}:{gp.layer_baselines[layer]:.3f} ({floor})" for layer, floor in gp.layer_floors.items())
+        )
+    else:
+        print(
+            "warning: no layer's gate scores varied over the baseline (standard deviation below "
+            f"{MIN_GATE_SCORE_STD}): there is no ranking of tokens to calibrate, the shim's gate-importance "
+            f"correlation stays absent and LayerwatchGateMiscalibrated silent; the profile keeps its default "
+            f"floor {gp.correlation_min}"
+        )
+    for flag in result.drills_above_the_floor():
+        print(
+            f"warning: the gate-importance floor is not above every {flag} reading: "
+            "LayerwatchGateMiscalibrated cannot tell those gates from this model's own"
         )
     fractions, tail = result.request_skip_fractions, profile.request_tail
     above = sum(f > tail.runaway_skip_fraction for f in fractions) / len(fractions)

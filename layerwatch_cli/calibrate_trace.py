@@ -95,8 +95,9 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(baseline_summary(stats, profile)))
     print(
         "not measured (a trace has no shadow checks and no request boundaries): shadow_agreement_min "
-        f"{profile.shadow_agreement_min}, gate_importance_correlation_min {profile.gate_importance_correlation_min}, "
-        f"request_tail {profile.request_tail.runaway_skip_fraction:g} / {profile.request_tail.normal_share} (defaults)"
+        f"{profile.shadow_agreement_min}, shadow_kl_nats_max {profile.shadow_kl_nats_max}, "
+        f"gate_importance.correlation_min {profile.gate_importance.correlation_min}, request_tail "
+        f"{profile.request_tail.runaway_skip_fraction:g} / {profile.request_tail.normal_share} (defaults)"
     )
     print("20-bin histogram of decode-time entropies (all layers):")
     print(ascii_histogram(stats.histogram))

@@ -91,6 +91,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(layerwatch_model_info's gates_sha256 changes; LayerwatchGateMiscalibrated should page)",
     )
     model.add_argument(
+        "--scramble-gates",
+        action="store_true",
+        help="serve each gate on its own layer but reading a permuted hidden state (feature j from feature "
+        "(j + d/2) mod d; the same weights and biases): a drill for gates that react to every token, but to "
+        "the wrong features (layerwatch_model_info's gates_sha256 changes; LayerwatchGateMiscalibrated should page)",
+    )
+    model.add_argument(
         "--gates-watch-seconds",
         type=float,
         default=SETTINGS_DEFAULTS["gates_watch_seconds"],

@@ -15,15 +15,17 @@ QUALITY_COST_FACTOR x the highest chunk: KL is not a fraction, so its margin is 
 default sampling (temperature 1, top_p 1: OpenAI's defaults, the hottest traffic the load generator
 sends) gives the lowest agreement and so a floor that holds for cooler traffic too.
 
-The gate-importance floor (LayerwatchGateMiscalibrated) comes from the same shadow passes, run with
+The gate-importance floors (LayerwatchGateMiscalibrated) come from the same shadow passes, run with
 the layer probe as the service runs them (`full_depth_agreement(..., layer_signals=True)`), folded
-into the shim's own `LayerSignalStats` (layerwatch/gate_importance.py: Spearman over the last
-GATE_IMPORTANCE_SAMPLES (token, layer) samples). The readings are the values the shim's gauge would
-take after each pass once its reservoir is full; the floor is half the lowest reading, and at least
-`margin` below it (`gate_importance_floor`). The same passes with the gates shuffled across layers
-(`shuffle_gates`, the drill for gates that no longer track their layers) are measured too: the floor
-must lie above every shuffled reading, or the alert cannot tell such gates from healthy ones (the
-command warns; the profile is still written).
+into the shim's own `LayerSignalStats` (layerwatch/gate_importance.py: per layer, Spearman over its
+last GATE_LAYER_SAMPLES (gate score, next update) pairs; the headline, their mean). The readings are
+the values the shim's gauges would take after each pass once the buffers are full. The headline's
+floor is half its lowest reading, and at least `margin` below it (`gate_importance_floor`); each
+layer whose gate counted in every reading gets its own floor by the same rule (the alert names the
+layers below theirs) and its median reading as its baseline. The same passes with the drills' gates
+(`shuffle_gates`: on the wrong layers; `scramble_gates`: reading permuted features) are measured
+too: the floor must lie above every drill reading, or the alert cannot tell such gates from healthy
+ones (the command warns; the profile is still written).
 
 The request tail (LayerwatchRequestTailRunaway): every baseline prompt is one request, judged by
 layerwatch/request_tail.py's skip fraction from the engine's per-request counts of its decode steps
@@ -45,14 +47,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from alerts.baseline import DEFAULT_CHUNK_TOKENS, DEFAULT_MARGIN, BaselineStatistics, build_profile
-from alerts.profile import Profile
+from alerts.profile import GateImportance, Profile
 from inference_shim.offline.gated_model import GatedModel
 from inference_shim.runtime.agreement import ShadowJob, ShadowResult, full_depth_agreement
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
-from inference_shim.runtime.gates import shuffle_gates
+from inference_shim.runtime.gates import LoadedGates, scramble_gates, shuffle_gates
 from inference_shim.runtime.model import KV_POLICIES, Transformer
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
-from layerwatch.catalog import GATE_IMPORTANCE_SAMPLES
+from layerwatch.catalog import GATE_LAYER_SAMPLES
 from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.request_tail import RequestLayers, request_skipping
 from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS, MAX_WINDOW_OBSERVATIONS
@@ -142,13 +144,13 @@ class Baseline:
 
 
 def gate_importance_floor(readings: list[float], margin: float) -> float:
-    """Half the lowest healthy reading of the gate-importance correlation, and at least `margin` below
+    """Half the lowest healthy reading of a gate-importance correlation, and at least `margin` below
     it (a reading near or below 0 has no useful half), in [-1, 1].
 
-    readings: the values the shim's gauge takes over a healthy baseline (`GateImportance`).
+    readings: the values one of the shim's gauges takes over a healthy baseline (`GateReadings`).
     """
     if not readings:
-        raise ValueError("no gate-importance reading: the shadow checks never filled the reservoir")
+        raise ValueError("no gate-importance reading: the shadow checks never filled the buffers")
     lowest = min(readings)
     return round(max(-1.0, min(GATE_FLOOR_FRACTION * lowest, lowest - margin)), 3)
 
@@ -165,6 +167,21 @@ def quality_cost_limit(checks: list[ShadowResult], chunk_tokens: int) -> float:
     if not per_token:
         raise ValueError(f"the shadow checks covered fewer than one chunk of {chunk_tokens} tokens")
     return math.ceil(QUALITY_COST_FACTOR * max(per_token) * 1e4 - 1e-9) / 1e4  # (- 1e-9: float noise)
+
+
+def gate_importance_profile(readings: GateReadings, margin: float) -> GateImportance:
+    """The profile's gate-importance section from the healthy readings: the headline's floor and median;
+    per layer counted in every reading, its floor (same rule) and median."""
+    if not readings.headline:
+        raise ValueError("no gate-importance reading: the shadow checks never filled the buffers")
+    layers = np.asarray(readings.layers, dtype=np.float64)  # [readings, L]
+    always = np.flatnonzero(np.isfinite(layers).all(axis=0))
+    return GateImportance(
+        correlation_min=gate_importance_floor(readings.headline, margin),
+        correlation=round(float(np.median(readings.headline)), 3),
+        layer_baselines={int(l): round(float(np.median(layers[:, l])), 3) for l in always},
+        layer_floors={int(l): gate_importance_floor(layers[:, l].tolist(), margin) for l in always},
+    )
 
 
 def agreement_floor(checks: list[tuple[int, int]], chunk_tokens: int, margin: float) -> float:
@@ -242,18 +259,26 @@ def generate_baseline(
 
 
 @dataclass(frozen=True)
-class GateImportance:
-    """The gate-importance correlation over the shadow checks, as the shim's gauge reads it."""
+class GateReadings:
+    """What the shim's gate-importance gauges read after each shadow pass, once a layer had a value."""
 
-    readings: list[float]  # the gauge after each shadow pass once the reservoir was full (served gates)
-    shuffled_readings: list[float]  # the same passes with `shuffle_gates` (gates on the wrong layers)
-    samples: int  # (token, layer) samples measured (the reservoir holds GATE_IMPORTANCE_SAMPLES)
+    headline: list[float]  # layerwatch_gate_importance_correlation
+    layers: list[list[float]]  # layerwatch_gate_layer_importance_correlation per layer, NaN where absent
+    samples: int  # (gate score, next update) pairs measured, all layers together
+
+
+@dataclass(frozen=True)
+class GateImportanceReadings:
+    """The gate-importance gauges over the shadow checks: with the served gates and with the drills'."""
+
+    served: GateReadings
+    drills: dict[str, GateReadings]  # the same passes scored by a drill's gates, by its flag
 
 
 @dataclass(frozen=True)
 class ShadowChecks:
     checks: list[ShadowResult]  # per request, in order (without their layer signals)
-    gate_importance: GateImportance
+    gate_importance: GateImportanceReadings
 
 
 def probed_passes(model: Transformer, jobs: list[ShadowJob]) -> list[ShadowResult]:
@@ -261,42 +286,53 @@ def probed_passes(model: Transformer, jobs: list[ShadowJob]) -> list[ShadowResul
     return [full_depth_agreement(model, job, layer_signals=True) for job in jobs]
 
 
-def gauge_readings(num_layers: int, results: list[ShadowResult]) -> tuple[list[float], int]:
-    """The values `layerwatch_gate_importance_correlation` takes over these shadow passes: each one
-    folded into the shim's own `LayerSignalStats`, the gauge read after each (absent until the
-    reservoir is full). Returns the readings and the (token, layer) samples measured."""
+def gauge_readings(num_layers: int, results: list[ShadowResult]) -> GateReadings:
+    """The values the gate-importance gauges take over these shadow passes: each one folded into the
+    shim's own `LayerSignalStats`, the gauges read after each (absent until a layer has a value)."""
     stats = LayerSignalStats(num_layers)
-    readings = []
+    headline, layers = [], []
     for result in results:
         if result.layer_signals is None:
             raise ValueError("a shadow pass without layer signals (run it with layer_signals=True)")
         stats.observe(result.layer_signals)
-        correlation = stats.snapshot().correlation
-        if correlation is not None and math.isfinite(correlation):
-            readings.append(correlation)
-    return readings, int(stats.snapshot().tokens.sum())
+        snapshot = stats.snapshot()
+        if snapshot.correlation is not None and math.isfinite(snapshot.correlation):
+            headline.append(snapshot.correlation)
+            layers.append(snapshot.layer_correlation.tolist())
+    return GateReadings(headline, layers, stats.snapshot().samples)
+
+
+# The drills whose gates the floor must tell from the served ones, by their `layerwatch serve` flag.
+GATE_DRILLS = {"--shuffle-gates": shuffle_gates, "--scramble-gates": scramble_gates}
 
 
 def shadow_checks(gated: GatedModel, jobs: list[ShadowJob]) -> ShadowChecks:
     """The baseline's requests (their gated records) compared with the full-depth model with the layer
     probe, as the service's quality guard (`--shadow-rate`) does it: the comparison per request and
-    the gate-importance readings; then the same passes with the gates shuffled across layers."""
+    the gate-importance readings; then the same passes scored by each drill's gates."""
     model = gated.model
     model.attach_gates(gated.gates.gates)
     served = probed_passes(model, jobs)
-    # The same passes scored by gates on the wrong layers. The text stays the healthy one: the
-    # correlation compares each gate's score with its layer's update at full depth, and neither
-    # depends on which gates chose the tokens.
-    try:
-        model.attach_gates(shuffle_gates(gated.gates).gates)
-        shuffled = probed_passes(model, jobs)
-    finally:
-        model.attach_gates(gated.gates.gates)
     num_layers = model.config.num_layers
-    readings, samples = gauge_readings(num_layers, served)
-    shuffled_readings, _ = gauge_readings(num_layers, shuffled)
-    importance = GateImportance(readings, shuffled_readings, samples)
+    drills = {
+        flag: gauge_readings(num_layers, _scored_by(model, drill(gated.gates), jobs, gated.gates))
+        for flag, drill in GATE_DRILLS.items()
+    }
+    importance = GateImportanceReadings(gauge_readings(num_layers, served), drills)
     return ShadowChecks([dataclasses.replace(r, layer_signals=None) for r in served], importance)
+
+
+def _scored_by(
+    model: Transformer, gates: LoadedGates, jobs: list[ShadowJob], served: LoadedGates
+) -> list[ShadowResult]:
+    """The passes of `jobs` with `gates` attached, then the served gates again. The text stays the
+    healthy one: the correlations compare each gate's score with its layer's updates at full depth,
+    and neither depends on which gates chose the tokens."""
+    try:
+        model.attach_gates(gates.gates)
+        return probed_passes(model, jobs)
+    finally:
+        model.attach_gates(served.gates)
 
 
 @dataclass(frozen=True)
@@ -309,7 +345,7 @@ class Calibration:
     decoded_tokens: int
     fallbacks: int
     shadow_checks: list[ShadowResult]  # per baseline request: its comparison with the full-depth model
-    gate_importance: GateImportance  # behind profile.gate_importance_correlation_min
+    gate_importance: GateImportanceReadings  # behind profile.gate_importance
     request_skip_fractions: list[float]  # per baseline request, behind profile.request_tail
 
     def shadow_total(self, field_name: str) -> float:
@@ -317,11 +353,18 @@ class Calibration:
         return sum(getattr(check, field_name) for check in self.shadow_checks)
 
     @property
-    def gate_floor_separates(self) -> bool:
-        """Whether the floor lies above every reading of the shuffled gates (the alert can tell them
-        from healthy ones)."""
-        shuffled = self.gate_importance.shuffled_readings
-        return not shuffled or self.profile.gate_importance_correlation_min > max(shuffled)
+    def gates_vary(self) -> bool:
+        """Whether some layer's gate varied enough over the baseline to measure its ranking of tokens
+        (else the profile's gate_importance is the schema's default, and the alert stays silent)."""
+        return bool(self.gate_importance.served.headline)
+
+    def drills_above_the_floor(self) -> list[str]:
+        """The drills (by flag) with a reading at or above the headline's floor: the alert cannot tell
+        their gates from this model's own (none when the model's own gates do not vary)."""
+        if not self.gates_vary:
+            return []
+        floor = self.profile.gate_importance.correlation_min
+        return [flag for flag, r in self.gate_importance.drills.items() if r.headline and max(r.headline) >= floor]
 
 
 def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSettings, *, data_name: str) -> Calibration:
@@ -351,10 +394,12 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
     entropies, skipped = baseline.arrays()
     shadow = shadow_checks(gated, baseline.jobs)
     checks, importance = shadow.checks, shadow.gate_importance
-    if not importance.readings:
+    num_layers = gated.model.config.num_layers
+    if not importance.served.headline and importance.served.samples < num_layers * GATE_LAYER_SAMPLES:
         raise ValueError(
-            f"the shadow checks measured {importance.samples} (token, layer) samples, fewer than the "
-            f"{GATE_IMPORTANCE_SAMPLES} the gate-importance correlation needs: raise --prompts or --max-new-tokens"
+            f"the shadow checks measured {importance.served.samples} (gate score, next update) pairs over "
+            f"{num_layers} layers, fewer than the {GATE_LAYER_SAMPLES} per layer the gate-importance "
+            "correlation needs: raise --prompts or --max-new-tokens"
         )
     request_skip_fractions = baseline.request_skip_fractions()
     source = (
@@ -375,7 +420,9 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         margin=s.margin,
         min_observations=s.min_observations,
         source=source,
-        gate_importance_correlation_min=gate_importance_floor(importance.readings, s.margin),
+        # Full buffers but no headline: no layer's gate varies, there is no ranking of tokens to
+        # calibrate (the shim's headline stays absent too); the profile keeps the defaults.
+        gate_importance=gate_importance_profile(importance.served, s.margin) if importance.served.headline else None,
         request_skip_fractions=request_skip_fractions,
         shadow_kl_nats_max=quality_cost_limit(checks, s.chunk_tokens),
         shadow_rate_min=s.shadow_rate_min,

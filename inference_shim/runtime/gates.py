@@ -226,6 +226,36 @@ def shuffle_gates(loaded: LoadedGates) -> LoadedGates:
     return LoadedGates(gates=shuffled, metadata=loaded.metadata, sha256=sha256)
 
 
+def feature_permutation(hidden_size: int) -> list[int]:
+    """source[j]: the input feature that `scramble_gates`'s gates read as feature j, a fixed derangement of
+    the hidden state (every feature moves): a rotation by half the width, as `gate_derangement` rotates
+    the gates by half the depth."""
+    if hidden_size < 2:
+        raise ValueError(f"cannot move every feature of a hidden state of size {hidden_size}")
+    return gate_derangement(hidden_size)
+
+
+def scramble_gates(loaded: LoadedGates) -> LoadedGates:
+    """Each gate on its own layer, its first projection reading a permuted hidden state (feature j
+    read from feature `feature_permutation(d)[j]`), the same biases and second projection: a drill
+    for gates that still react to every token, and still score their layers at about the usual
+    level, but to the wrong features. Metadata stays; the sha256 is that of the scrambled gates
+    serialised as a gate file, so it changes (from the served values, as for `shuffle_gates`)."""
+    source = torch.tensor(feature_permutation(loaded.metadata.hidden_size))
+    # fc1(x[source]) = W x[source] = W' x with W'[:, source[j]] = W[:, j].
+    inverse = torch.argsort(source)
+    scrambled = GateBank(loaded.metadata.num_layers, loaded.metadata.hidden_size)
+    with torch.no_grad():
+        for layer, gate in enumerate(scrambled.gates):
+            weights = {name: t.detach().float().cpu() for name, t in loaded.gates[layer].state_dict().items()}
+            weights["fc1.weight"] = weights["fc1.weight"][:, inverse]
+            gate.load_state_dict(weights)
+    reference = next(loaded.gates.parameters())
+    scrambled = scrambled.to(device=reference.device, dtype=reference.dtype).eval()
+    sha256 = hashlib.sha256(_serialize(scrambled, loaded.metadata)).hexdigest()
+    return LoadedGates(gates=scrambled, metadata=loaded.metadata, sha256=sha256)
+
+
 def _serialize(gates: GateBank, metadata: GateMetadata) -> bytes:
     if len(gates) != metadata.num_layers:
         raise ValueError(f"{len(gates)} gates but metadata says num_layers={metadata.num_layers}")

@@ -10,13 +10,19 @@ pass in; `LayerSignalsCollector` exposes at scrape time:
   - per layer, counters of measured tokens and sums of the relative update and attention KL:
     counters, so that PromQL's rate(sum) / rate(count) is the mean over any window and sums
     correctly across shims (a per-shim mean gauge cannot be averaged correctly);
-  - `layerwatch_gate_importance_correlation`: Spearman's rank correlation between gate score and
-    relative update over the last GATE_IMPORTANCE_SAMPLES (token, layer) samples, absent until that
-    many were measured. Healthy gates score high where the layer changes the residual stream a
-    lot; gates that were swapped, shuffled or trained for another model do not.
+  - per layer, `layerwatch_gate_layer_importance_correlation`: Spearman's rank correlation, over
+    the layer's last GATE_LAYER_SAMPLES positions, of its gate score with its relative update at the
+    next position (the token the score decides), absent until that many were measured and for a
+    gate that barely varies; and the pairs held (`layerwatch_gate_layer_importance_samples`);
+  - `layerwatch_gate_importance_correlation`, the headline: the mean of the per-layer correlations,
+    with the layers behind it (`layerwatch_gate_importance_layers`) and the pairs held over all
+    layers (`layerwatch_gate_importance_samples`);
+  - `layerwatch_gate_layer_order_correlation`: whether the layers' mean gate scores rank like their
+    mean updates (between layers).
 
-Nothing here runs on the decode path: `observe` runs after a shadow job (inside its duty cycle),
-the correlation (two sorts of 4096 values, about a millisecond) at scrape time.
+Series are bounded by the layer count. Nothing here runs on the decode path: `observe` runs after a
+shadow job (inside its duty cycle), the correlations at scrape time, once per new shadow job
+(docs/service.md, "Layer signals", has their cost).
 """
 
 from __future__ import annotations
@@ -37,8 +43,12 @@ class LayerSignalsCollector(ShimCollector):
         "layerwatch_layer_signal_tokens_total",
         "layerwatch_layer_relative_update_sum_total",
         "layerwatch_layer_attention_kl_sum_total",
+        "layerwatch_gate_layer_importance_correlation",
+        "layerwatch_gate_layer_importance_samples",
         "layerwatch_gate_importance_correlation",
         "layerwatch_gate_importance_samples",
+        "layerwatch_gate_importance_layers",
+        "layerwatch_gate_layer_order_correlation",
     )
 
     def __init__(self, stats: LayerSignalStats, model_name: str) -> None:
@@ -53,15 +63,21 @@ class LayerSignalsCollector(ShimCollector):
             ("layerwatch_layer_signal_tokens_total", s.tokens.tolist()),
             ("layerwatch_layer_relative_update_sum_total", s.relative_update_sum.tolist()),
             ("layerwatch_layer_attention_kl_sum_total", s.attention_kl_sum.tolist()),
+            ("layerwatch_gate_layer_importance_correlation", s.layer_correlation.tolist()),
+            ("layerwatch_gate_layer_importance_samples", s.layer_samples.tolist()),
         ):
-            counter = family(name)
+            per_layer = family(name)
             for layer, value in zip(self._layers, values):
-                counter.add_metric([m, layer], value)
-            yield counter
-        correlation = family("layerwatch_gate_importance_correlation")
-        if s.correlation is not None and math.isfinite(s.correlation):
-            correlation.add_metric([m], s.correlation)
-        yield correlation
-        samples = family("layerwatch_gate_importance_samples")
-        samples.add_metric([m], s.samples)
-        yield samples
+                if math.isfinite(value):  # a layer's correlation is NaN until measured: absent
+                    per_layer.add_metric([m, layer], value)
+            yield per_layer
+        for name, value in (
+            ("layerwatch_gate_importance_correlation", s.correlation),
+            ("layerwatch_gate_importance_samples", s.samples),
+            ("layerwatch_gate_importance_layers", s.counted_layers),
+            ("layerwatch_gate_layer_order_correlation", s.layer_order_correlation),
+        ):
+            gauge = family(name)
+            if value is not None and math.isfinite(value):
+                gauge.add_metric([m], value)
+            yield gauge

@@ -33,6 +33,7 @@ from inference_shim.runtime.gates import (
     gates_path_for,
     load_gates,
     reset_gates,
+    scramble_gates,
     shuffle_gates,
 )
 from inference_shim.runtime.model import KV_POLICIES, KVCache
@@ -120,6 +121,7 @@ class ServeSettings:
     reset_gates: bool = False
     static_gates: bool = False  # each gate a constant at its healthy mean score (runtime/static_gates.py)
     shuffle_gates: bool = False  # drill: each gate on another layer (a fixed derangement)
+    scramble_gates: bool = False  # drill: each gate on its layer, reading permuted features (runtime/gates.py)
     gates_watch_seconds: float = 5.0  # how often the gate file is checked for a replacement; 0 = never
     # A request skipping more than this share of its decode layer evaluations is runaway (its layers
     # are counted); a bucket edge of layerwatch_request_skip_fraction. None: the catalog's default
@@ -316,6 +318,11 @@ def _load_model(settings: ServeSettings) -> tuple[LoadedCheckpoint, LoadedGates]
     if settings.shuffle_gates:
         gates = shuffle_gates(gates)
         log.warning("serving the gates on the wrong layers (--shuffle-gates), gates_sha256=%s", gates.sha256)
+    if settings.scramble_gates:
+        gates = scramble_gates(gates)
+        log.warning(
+            "serving the gates reading permuted hidden-state features (--scramble-gates), gates_sha256=%s", gates.sha256
+        )
     return checkpoint, gates
 
 
@@ -488,6 +495,7 @@ class ShimService:
                 ("--reset-gates", settings.reset_gates),
                 ("--static-gates", settings.static_gates),
                 ("--shuffle-gates", settings.shuffle_gates),
+                ("--scramble-gates", settings.scramble_gates),
             )
             if on
         ]
@@ -537,7 +545,8 @@ class ShimService:
     def _gate_watcher(self, settings: ServeSettings, gates: LoadedGates) -> GateFileWatcher | None:
         check_gates_watch_seconds(settings.gates_watch_seconds)
         metrics = GateReloadMetrics(self.registry, self.model_name)  # exposed (at 0) even when not watching
-        if settings.reset_gates or settings.static_gates or settings.shuffle_gates or settings.gates_watch_seconds == 0:
+        drill = settings.reset_gates or settings.static_gates or settings.shuffle_gates or settings.scramble_gates
+        if drill or settings.gates_watch_seconds == 0:
             return None
         return GateFileWatcher(
             gates_file(settings),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from alerts.baseline import build_profile
-from alerts.profile import load_profile
+from alerts.profile import GateImportance, load_profile
 from layerwatch.trace import TraceWriter
 from layerwatch_cli.main import main
 
@@ -56,7 +56,7 @@ def test_the_profile_is_calibrates_own_on_the_traced_rows(tmp_path, capsys):
     )
     assert profile == expected
     assert "1600 decoded tokens from healthy.jsonl" in profile.source and "not measured" in profile.source
-    assert profile.shadow_agreement_min == 0.9 and profile.gate_importance_correlation_min == 0.1  # defaults
+    assert profile.shadow_agreement_min == 0.9 and profile.gate_importance == GateImportance()  # defaults
     assert profile.entropy_mean.low < scores[~skipped].mean() < profile.entropy_mean.high
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -14,13 +15,15 @@ from alerts.baseline import (
     request_tail_profile,
     skip_collapse_fraction,
 )
-from alerts.profile import RequestTail, dump_profile, load_profile
+from alerts.profile import GateImportance, RequestTail, dump_profile, load_profile
 from inference_shim.offline.calibration import (
     Baseline,
     CalibrationSettings,
+    GateReadings,
     agreement_floor,
     calibrate,
     gate_importance_floor,
+    gate_importance_profile,
     generate_baseline,
     line_prompts,
     quality_cost_limit,
@@ -28,16 +31,36 @@ from inference_shim.offline.calibration import (
 from inference_shim.offline.corpus import read_documents
 from inference_shim.offline.gated_model import load_gated_model
 from inference_shim.runtime.agreement import ShadowResult
+from inference_shim.runtime.checkpoint import save_checkpoint
+from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
-from layerwatch.catalog import GATE_IMPORTANCE_SAMPLES, REQUEST_FRACTION_BUCKETS
+from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.catalog import GATE_LAYER_SAMPLES, REQUEST_FRACTION_BUCKETS
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS
 from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS
 from layerwatch_cli.main import build_parser, main
+from tests.model.conftest import build_backend_tokenizer, random_gates, random_model
 from tests.model.test_eval_decode import model_dir, text_file  # noqa: F401 (fixtures)
 
-# The tiny model has 4 layers: the shim's gate-importance reservoir (4096 (token, layer) samples)
-# fills after 1024 shadow-checked tokens, so the baseline needs a few more than that.
+# The shim's gate-importance buffers hold GATE_LAYER_SAMPLES (1024) pairs per layer, 31 per request of
+# 32 tokens: they fill after 34 shadow-checked requests, so the baseline needs a few more than that.
 TINY_PROMPTS, TINY_TOKENS = 40, 32
+
+
+@pytest.fixture(scope="module")
+def varying_model_dir(tmp_path_factory):
+    """The tiny model with freshly initialised gates: their scores vary from token to token (the
+    fixture `model_dir`'s gates are constants), so there is a ranking of tokens to calibrate."""
+    directory = tmp_path_factory.mktemp("tiny-varying")
+    model = random_model()
+    save_checkpoint(
+        model, Tokenizer(build_backend_tokenizer(), bos_token="<s>", eos_tokens=["</s>"], add_bos_token=True), directory
+    )
+    metadata = GateMetadata(
+        num_layers=4, hidden_size=32, threshold=0.18, patience=3, base_fingerprint=model_fingerprint(model)
+    )
+    save_gates(directory / "gates.safetensors", random_gates(model.config), metadata)
+    return directory
 
 
 def test_calibrate_writes_a_loadable_profile(model_dir, text_file, tmp_path, capsys):  # noqa: F811
@@ -83,45 +106,67 @@ def test_calibrate_writes_a_loadable_profile(model_dir, text_file, tmp_path, cap
     assert profile.routing.static_layers == (0, 1, 3)
     assert (profile.routing.token_dependent_share, profile.routing.share_floor) == (0.0, 0.0)
     assert "routing: static, token-dependent share 0.000" in out
-    # Both measured, not the schema's defaults (0.1; 0.5 and 0.01), and within their validity rules
-    # (load_profile checked the rest: a bucket edge above skip_ratio_normal, shares below 1).
-    assert -1.0 <= profile.gate_importance_correlation_min <= 1.0 and profile.gate_importance_correlation_min != 0.1
+    # Measured, not the schema's defaults (0.5 and 0.01), and within their validity rules (load_profile
+    # checked the rest: a bucket edge above skip_ratio_normal, shares below 1).
     tail = profile.request_tail
     assert tail.runaway_skip_fraction in REQUEST_FRACTION_BUCKETS
     assert profile.skip_ratio_normal < tail.runaway_skip_fraction < 0.5
     assert MIN_REQUEST_NORMAL_SHARE <= tail.normal_share < 1.0
-    assert f"page below {profile.gate_importance_correlation_min} " in out
-    assert f"{GATE_IMPORTANCE_SAMPLES} (token, layer) samples" in out and "shuffled gates read" in out
-    # The tiny model's gates track its layers' updates worse than gates on the wrong layers (below).
-    assert "warning: the gate-importance floor is not above every shuffled-gates reading" in out
+    # Constant gates rank no tokens: nothing to calibrate, said so, and the schema's default floor kept.
+    assert "warning: no layer's gate scores varied over the baseline" in out
+    assert profile.gate_importance == GateImportance()
     assert f"request tail: {TINY_PROMPTS} requests skipped" in out
     assert (
         f"runaway above {tail.runaway_skip_fraction:g} (0.0% of them), page above a share of {tail.normal_share}" in out
     )
 
 
-def test_calibrate_measures_the_gate_floor_and_the_request_tail_from_its_own_baseline(model_dir, text_file):  # noqa: F811
-    gated = load_gated_model(model_dir, threads=1)
+def test_calibrate_measures_the_gate_floors_and_the_request_tail_from_its_own_baseline(
+    varying_model_dir,
+    text_file,  # noqa: F811
+):
+    gated = load_gated_model(varying_model_dir, threads=1)
     documents = read_documents(text_file)
     settings = CalibrationSettings("tiny", prompts=TINY_PROMPTS, max_new_tokens=TINY_TOKENS, chunk_tokens=64)
     result = calibrate(gated, documents, settings, data_name="heldout.txt")
-    profile, importance = result.profile, result.gate_importance
+    profile = result.profile
+    served, g = result.gate_importance.served, profile.gate_importance
 
     # Every baseline request (sampled, at the settings' temperature) is shadow-checked on its own record,
     # and the limits come from those checks.
     assert len(result.shadow_checks) == TINY_PROMPTS and result.shadow_total("tokens") == result.decoded_tokens
     assert profile.shadow_kl_nats_max == quality_cost_limit(result.shadow_checks, settings.chunk_tokens) > 0
     assert profile.shadow_rate_min == settings.shadow_rate_min == 0.01
-    # The gauge after every shadow pass once the reservoir was full, for the served and the shuffled gates.
-    assert importance.samples >= GATE_IMPORTANCE_SAMPLES and 0 < len(importance.readings) <= TINY_PROMPTS
-    assert len(importance.shuffled_readings) == len(importance.readings)
-    assert profile.gate_importance_correlation_min == gate_importance_floor(importance.readings, settings.margin)
-    # (at least the margin below the lowest reading, up to the profile's rounding to 0.001)
-    assert profile.gate_importance_correlation_min <= min(importance.readings) - settings.margin + 5e-4
-    # The tiny model's gates score layer 2 high and the rest ~0, against its (random) layers' updates:
-    # gates on the wrong layers track them better, so the floor cannot separate them and says so.
-    assert not result.gate_floor_separates
-    assert max(importance.shuffled_readings) > min(importance.readings)
+    # The gauges after every shadow pass once the buffers were full: 31 pairs per request and layer.
+    assert served.samples == 4 * GATE_LAYER_SAMPLES and 0 < len(served.headline) <= TINY_PROMPTS - 33
+    assert len(served.layers) == len(served.headline) and all(len(row) == 4 for row in served.layers)
+    assert g.correlation_min == gate_importance_floor(served.headline, settings.margin)
+    assert g.correlation_min <= min(served.headline) - settings.margin + 1e-9 and result.gates_vary
+    assert g.correlation == round(float(np.median(served.headline)), 3)
+    # A floor and a baseline for every layer that counted in every reading, by the same rule.
+    layers = np.array(served.layers)
+    counted = [layer for layer in range(4) if np.isfinite(layers[:, layer]).all()]
+    assert counted and sorted(g.layer_floors) == sorted(g.layer_baselines) == counted
+    for layer in counted:
+        assert g.layer_floors[layer] == gate_importance_floor(layers[:, layer].tolist(), settings.margin)
+        assert g.layer_baselines[layer] == round(float(np.median(layers[:, layer])), 3)
+    # Both drills scored the same passes.
+    assert set(result.gate_importance.drills) == {"--shuffle-gates", "--scramble-gates"}
+    for drill in result.gate_importance.drills.values():
+        assert drill.samples == served.samples and len(drill.headline) == len(served.headline)
+    # A drill is reported when one of its readings reaches the floor (the alert cannot tell it apart).
+    highest = {flag: max(r.headline) for flag, r in result.gate_importance.drills.items()}
+
+    def with_floor(floor: float):
+        return dataclasses.replace(
+            result, profile=dataclasses.replace(profile, gate_importance=dataclasses.replace(g, correlation_min=floor))
+        )
+
+    assert with_floor(max(highest.values()) + 0.001).drills_above_the_floor() == []
+    lowest_drill = min(highest, key=highest.__getitem__)
+    assert with_floor(highest[lowest_drill]).drills_above_the_floor() == [
+        flag for flag in highest if highest[flag] >= highest[lowest_drill]
+    ]
 
     # One request per prompt, its skip fraction from its own decode steps: the same numbers as the
     # recorded steps grouped by sequence.
@@ -167,22 +212,37 @@ def test_calibrate_refuses_shadow_checks_too_short_for_the_gate_importance_reser
     args = ["--prompts", "6", "--max-new-tokens", "12", "--chunk-tokens", "16", "--threads", "1"]
     assert main(["calibrate", "--model", str(model_dir), "--data", str(text_file), "--out", str(out), *args]) == 2
     err = capsys.readouterr().err
-    assert f"fewer than the {GATE_IMPORTANCE_SAMPLES} the gate-importance correlation needs" in err
+    assert f"fewer than the {GATE_LAYER_SAMPLES} per layer the gate-importance correlation needs" in err
     assert not out.exists()
 
 
-def test_gate_importance_floor_is_half_the_lowest_reading_and_separates_shuffled_gates():
-    # The demo model's healthy readings (benchmarks/gate_signals.py: 0.392-0.417) and its shuffled gates'
-    # (-0.065 to -0.049): half the lowest healthy reading lies far above every shuffled one.
-    floor = gate_importance_floor([0.417, 0.392, 0.40], margin=0.03)
-    assert floor == 0.196 and floor > -0.049
+def test_gate_importance_floor_is_half_the_lowest_reading_and_separates_the_drills():
+    # The demo model's healthy readings at calibration (within layers: 0.074-0.123) and its drills'
+    # (shuffled -0.035 to 0.001): half the lowest healthy reading lies above every shuffled one.
+    floor = gate_importance_floor([0.123, 0.074, 0.1], margin=0.03)
+    assert floor == 0.037 and floor > 0.001
     # Near 0, half is not far enough below: at least the margin.
     assert gate_importance_floor([0.04, 0.2], margin=0.03) == 0.01
     # Gates that do not track their layers (a reading at or below 0): still below every reading.
     assert gate_importance_floor([-0.2, 0.1], margin=0.03) == -0.23
     assert gate_importance_floor([-0.99], margin=0.03) == -1.0  # a correlation: never below -1
-    with pytest.raises(ValueError, match="never filled the reservoir"):
+    with pytest.raises(ValueError, match="never filled the buffers"):
         gate_importance_floor([], margin=0.03)
+
+
+def test_gate_importance_profile_floors_only_the_layers_measured_in_every_reading():
+    nan = float("nan")
+    readings = GateReadings(
+        headline=[0.1, 0.12, 0.08],
+        layers=[[nan, 0.2, 0.0, 0.1], [nan, 0.25, nan, 0.12], [nan, 0.15, 0.05, 0.14]],
+        samples=3000,
+    )
+    g = gate_importance_profile(readings, margin=0.03)
+    assert (g.correlation_min, g.correlation) == (0.04, 0.1)
+    # Layer 0's gate never varied, layer 2's not in every reading: neither gets a floor.
+    assert g.layer_baselines == {1: 0.2, 3: 0.12} and g.layer_floors == {1: 0.075, 3: 0.05}
+    with pytest.raises(ValueError, match="never filled the buffers"):
+        gate_importance_profile(GateReadings([], [], 0), margin=0.03)
 
 
 def test_request_tail_cutoff_is_the_next_bucket_edge_above_the_healthy_maximum_plus_one_std():
@@ -219,17 +279,17 @@ def test_request_tail_and_gate_floor_reach_the_profile(tmp_path):
         entropies,
         skipped,
         0.8,
-        gate_importance_correlation_min=-0.2,
+        gate_importance=GateImportance(-0.2, 0.05, {3: 0.1}, {3: -0.1}),
         request_skip_fractions=[0.45, 0.5, 0.55],
         **kwargs,
     )
-    assert measured.gate_importance_correlation_min == -0.2
+    assert measured.gate_importance == GateImportance(-0.2, 0.05, {3: 0.1}, {3: -0.1})
     assert measured.request_tail == request_tail_profile([0.45, 0.5, 0.55], measured.skip_ratio_normal)
     dump_profile(measured, tmp_path / "m.yaml")
     assert load_profile(tmp_path / "m.yaml") == measured
     # Not measured: the schema's defaults.
     default, _ = build_profile("m", 0.18, 3, 0.85, entropies, skipped, 0.8, **kwargs)
-    assert default.request_tail == RequestTail() and default.gate_importance_correlation_min == 0.1
+    assert default.request_tail == RequestTail() and default.gate_importance == GateImportance()
 
 
 def test_calibrate_flag_defaults_are_the_library_constants():

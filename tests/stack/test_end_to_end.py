@@ -17,7 +17,9 @@ One stack per module (`stack` fixture); the tests are phases and run in file ord
    LayerwatchRequestTailRunaway while the global skip ratio barely moves;
 6. the shim restarted with `--shuffle-gates` (every gate on another layer) pages
    LayerwatchGateMiscalibrated from the shadow check's layer signals;
-7. every query of every dashboard panel returns data from this Prometheus.
+7. the shim restarted with `--scramble-gates` (each gate on its layer, reading a permuted hidden
+   state) pages LayerwatchGateMiscalibrated too, naming the layers below their floors;
+8. every query of every dashboard panel returns data from this Prometheus.
 The load is sampled only (temperature 1.0 and 0.7, demo.loadgen.TEMPERATURES): the shadow check
 compares requests at any temperature.
 Arrival is asserted through Alertmanager's API v2 and through the webhook receivers the rendered
@@ -338,6 +340,10 @@ def _baseline_seconds(stack: Stack) -> float:
 
 
 def test_healthy_baseline_fires_no_alert(stack: Stack) -> None:
+    # The gate-importance correlation needs a full buffer per layer (GATE_LAYER_SAMPLES shadow-checked
+    # positions, about 20 s of this load): the baseline is watched once it is measured.
+    headline = f'layerwatch_gate_importance_correlation{{model_name="{stack.model_name}"}}'
+    assert _wait_for_data(stack, headline, FAULT_TIMEOUT), f"no {headline} within {FAULT_TIMEOUT:.0f}s"
     deadline = time.monotonic() + _baseline_seconds(stack)
     fired: dict[str, str] = {}  # alertname -> its description (the evidence)
     while time.monotonic() < deadline:
@@ -368,7 +374,7 @@ def test_healthy_baseline_fires_no_alert(stack: Stack) -> None:
     assert values(stack.query(f"layerwatch_entropy_bimodal{{{model}}}")) == [1.0]
     # The shadow check measured the gates against their layers, and they track them.
     correlation = values(stack.query(f"layerwatch_gate_importance_correlation{{{model}}}"))
-    assert correlation and correlation[0] > stack.profile.gate_importance_correlation_min, correlation
+    assert correlation and correlation[0] > stack.profile.gate_importance.correlation_min, correlation
     print(f"\nhealthy gates: gate-importance correlation {correlation[0]:.3f}")
     # ... and the sampled traffic against the full-depth model, within the profile's limits.
     quality = _shadow_quality(stack)
@@ -635,24 +641,66 @@ def test_request_tail_category_pages_while_the_skip_ratio_barely_moves(stack: St
 # --- phase 6: gates on the wrong layers ---------------------------------------------------------------
 
 
+def _named_layers(description: str) -> list[int]:
+    """The layers LayerwatchGateMiscalibrated's description names below their floors, in its order."""
+    named = description.split("largest deficit first: ")[1].split("- shadow agreement")[0]
+    return [int(layer) for layer in re.findall(r"(\d+) \(\d\.\d{3} below\)", named)]
+
+
+def _layers_below_their_floors(stack: Stack) -> dict[int, float]:
+    """Layer -> its floor minus its correlation now, for the layers of the served shim below their floors."""
+    floors = stack.profile.gate_importance.layer_floors
+    now = stack.query(f'layerwatch_gate_layer_importance_correlation{{instance="{stack.shim_instance}"}}')
+    by_layer = {int(s["metric"]["layer"]): float(s["value"][1]) for s in now}
+    return {
+        layer: floors[layer] - value for layer, value in by_layer.items() if layer in floors and value < floors[layer]
+    }
+
+
+def _assert_gate_page(stack: Stack, alert: dict, drill: str) -> float:
+    """The page comes from the shim, the headline is below its floor, and the layers the description
+    names are layers below their own floors, largest deficit first. Returns the headline."""
+    assert alert["labels"]["severity"] == "critical"
+    assert alert["labels"]["instance"] == stack.shim_instance  # the shim's own shadow check
+    correlation = values(stack.query(f'layerwatch_gate_importance_correlation{{instance="{stack.shim_instance}"}}'))
+    assert correlation and correlation[0] < stack.profile.gate_importance.correlation_min, correlation
+    named = _named_layers(alert["annotations"]["description"])
+    below = _layers_below_their_floors(stack)  # now, a little later than the description was written
+    assert named and set(named) & set(below), (named, below, alert["annotations"]["description"])
+    assert set(named) <= set(stack.profile.gate_importance.layer_floors)
+    print(f"\n{drill}: gate-importance correlation {correlation[0]:.3f}; layers named {named}")
+    return correlation[0]
+
+
 def test_shuffled_gates_page_gate_miscalibrated(stack: Stack) -> None:
     file_sha = hashlib.sha256((DEMO_MODEL_DIR / "gates.safetensors").read_bytes()).hexdigest()
     injected, serving = stack.restart_shim("--shuffle-gates")
     alerts = stack.wait_for_pages(
         "gates on the wrong layers (`--shuffle-gates`)", ["LayerwatchGateMiscalibrated"], injected, serving
     )
-
-    miscalibrated = alerts["LayerwatchGateMiscalibrated"]
-    assert miscalibrated["labels"]["severity"] == "critical"
-    assert miscalibrated["labels"]["instance"] == stack.shim_instance  # the shim's own shadow check
-    correlation = values(stack.query(f'layerwatch_gate_importance_correlation{{instance="{stack.shim_instance}"}}'))
-    assert correlation and correlation[0] < stack.profile.gate_importance_correlation_min, correlation
-    print(f"\nshuffled gates: gate-importance correlation {correlation[0]:.3f}")
+    _assert_gate_page(stack, alerts["LayerwatchGateMiscalibrated"], "shuffled gates")
     served = _served_hashes(stack)
     assert served and file_sha not in served, served
 
 
-# --- phase 7: the dashboard ----------------------------------------------------------------------------
+# --- phase 7: gates reading the wrong features -----------------------------------------------------------
+
+
+def test_scrambled_gates_page_gate_miscalibrated(stack: Stack) -> None:
+    """Each gate on its own layer, reading a permuted hidden state: the gates still react to every token,
+    but to the wrong features, so within each layer their ranking of tokens is gone (docs/service.md,
+    "Layer signals", has what the pooled correlation this alert used to read made of such gates)."""
+    (shuffled_sha,) = _served_hashes(stack)
+    injected, serving = stack.restart_shim("--scramble-gates")
+    alerts = stack.wait_for_pages(
+        "gates reading permuted features (`--scramble-gates`)", ["LayerwatchGateMiscalibrated"], injected, serving
+    )
+    _assert_gate_page(stack, alerts["LayerwatchGateMiscalibrated"], "scrambled gates")
+    file_sha = hashlib.sha256((DEMO_MODEL_DIR / "gates.safetensors").read_bytes()).hexdigest()
+    assert _served_hashes(stack).isdisjoint({file_sha, shuffled_sha})
+
+
+# --- phase 8: the dashboard ----------------------------------------------------------------------------
 
 DASHBOARD = json.loads((REPO / "dashboards" / "json" / "overview.json").read_text())
 PANELS = [panel for panel in DASHBOARD["panels"] if panel["type"] != "row"]

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from alerts.durations import format_duration, parse_duration
-from alerts.profile import ProfileError, dump_profile, load_profile, load_profiles
+from alerts.profile import GateImportance, ProfileError, dump_profile, load_profile, load_profiles
 
 from .conftest import REPO
 
@@ -52,6 +52,14 @@ def test_dump_then_load_gives_the_same_profile(tmp_path: Path) -> None:
     assert load_profile(path) == original
 
 
+def test_demo_profile_holds_its_measured_gate_floors() -> None:
+    """Per-layer floors for the layers whose gates vary: not the protected first and last layers."""
+    g = load_profile(REPO / "alerts" / "profiles" / "demo.yaml").gate_importance
+    assert g.correlation is not None and 0 < g.correlation_min < g.correlation
+    assert g.layer_floors and set(g.layer_floors) == set(g.layer_baselines) and not {0, 15} & set(g.layer_floors)
+    assert all(g.layer_floors[layer] < g.layer_baselines[layer] for layer in g.layer_floors)
+
+
 def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
     data = {
         k: v
@@ -72,7 +80,7 @@ def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
     data["routing"] = {"share_floor": 0.25, "static_layers": []}
     p = load_profile(write(tmp_path, data))
     assert p.runaway_skip_ratio == 0.85 and p.zero_ratio_page == 0.40
-    assert p.gate_importance_correlation_min == 0.1  # a correlation, not a fraction: [-1, 1]
+    assert p.gate_importance == GateImportance(correlation_min=0.03)  # a correlation, not a fraction: [-1, 1]
     assert p.skip_collapse_fraction == 0.5 and p.routing.min_tokens == 200  # the exporter's minimum
     assert p.for_duration("LayerwatchEntropySinglePeak") == 600
     assert (p.request_tail.runaway_skip_fraction, p.request_tail.normal_share) == (0.5, 0.01)
@@ -100,8 +108,32 @@ def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
         ({"bimodality": {"min_observations": 0}}, "bimodality.min_observations", "at least 1"),
         ({"bimodality": {"min_observations": 72_001}}, "bimodality.min_observations", "at most 72000"),
         ({"model_name": "demo\n"}, "model_name", "must match"),
-        ({"gate_importance_correlation_min": -1.5}, "gate_importance_correlation_min", "outside [-1, 1]"),
-        ({"gate_importance_correlation_min": "high"}, "gate_importance_correlation_min", "expected a number"),
+        # A floor for the pooled correlation of old would page on healthy gates: named, not "unknown".
+        ({"gate_importance_correlation_min": 0.178}, "gate_importance_correlation_min", "retired"),
+        ({"gate_importance": {"correlation_min": -1.5}}, "gate_importance.correlation_min", "outside [-1, 1]"),
+        ({"gate_importance": {"correlation_min": "high"}}, "gate_importance: correlation_min", "expected a number"),
+        (
+            {"gate_importance": {"correlation_min": 0.1, "correlation": 0.1}},
+            "gate_importance.correlation_min",
+            "not below the baseline",
+        ),
+        (
+            {"gate_importance": {"layer_baselines": {3: 0.1}, "layer_floors": {3: 0.2}}},
+            "gate_importance.layer_floors.3",
+            "not below the layer's baseline",
+        ),
+        (
+            {"gate_importance": {"layer_baselines": {3: 0.1}, "layer_floors": {4: 0.0}}},
+            "gate_importance.layer_floors",
+            "differ from the layers",
+        ),
+        ({"gate_importance": {"layer_floors": {"x": 0.0}}}, "gate_importance: layer_floors", "not a layer number"),
+        ({"gate_importance": {"layer_floors": {-1: 0.0}}}, "gate_importance: layer_floors", "not a layer number"),
+        (
+            {"gate_importance": {"layer_baselines": {2: 1.5}, "layer_floors": {2: 0.0}}},
+            "gate_importance.layer_baselines.2",
+            "outside [-1, 1]",
+        ),
         ({"skip_collapse_fraction": 0.0}, "skip_collapse_fraction", "strictly between 0 and 1"),
         ({"skip_collapse_fraction": 1.0}, "skip_collapse_fraction", "strictly between 0 and 1"),
         ({"routing": {"static_layers": []}}, "routing: share_floor", "missing"),

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from alerts.durations import Timing
-from alerts.profile import Profile
-from alerts.recorded import Recorded
+from alerts.profile import GateImportance, Profile
+from alerts.recorded import GATE_LAYER_IMPORTANCE_FLOOR, Recorded
 from alerts.rules import PROFILE_SERIES, profile_series, render_rules, rule_groups
 from alerts.specs import ALERT_NAMES, ALERTS, AlertBuild, AlertSpec
 from mixin import config
@@ -160,6 +160,79 @@ def test_baseline_static_layers_do_not_page_but_others_do(promtool: str, tmp_pat
     (tmp_path / "static.test.yaml").write_text(yaml.safe_dump(test))
     result = run_tool(promtool, "test", "rules", tmp_path / "static.test.yaml")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_gate_miscalibrated_names_the_layers_below_their_own_floors_largest_deficit_first(
+    promtool: str, tmp_path: Path, reference_profiles
+) -> None:
+    """With per-layer floors (what `layerwatch calibrate` writes), the description lists exactly the
+    layers below their own floor, ordered by how far below; a layer at its floor, or one without a
+    floor, is not named."""
+    (reference,) = [p for p in reference_profiles if p.model_name == "reference"]
+    floors = {1: 0.05, 3: 0.1, 5: -0.05, 8: 0.02}
+    gate = GateImportance(
+        correlation_min=0.04,
+        correlation=0.11,
+        layer_baselines={1: 0.15, 3: 0.2, 5: 0.05, 8: 0.1},
+        layer_floors=floors,
+    )
+    (tmp_path / "rules.yaml").write_text(render_rules([dataclasses.replace(reference, gate_importance=gate)]))
+    shim = 'job="layerwatch-shim", instance="s", model_name="reference"'
+    # Layer 1 is 0.02 below its floor, 3 is 0.15 below, 5 exactly at it, 8 0.001 above; 9 has no floor.
+    now = {1: 0.03, 3: -0.05, 5: -0.05, 8: 0.021, 9: -0.5}
+    series = [{"series": f"layerwatch_gate_importance_correlation{{{shim}}}", "values": "0.12x4 0.01x16"}]
+    series += [
+        {"series": f'layerwatch_gate_layer_importance_correlation{{{shim}, layer="{layer}"}}', "values": f"{v}x20"}
+        for layer, v in now.items()
+    ]
+    description = (
+        "On the full-depth shadow checks of model reference on s, the rank correlation between a layer's gate "
+        "score and its relative residual update on the token the score decides, averaged over n/a layers, is "
+        "0.010 (floor 0.04; healthy baseline 0.11): skip decisions no longer follow which tokens each layer "
+        "matters for. Layers below their own healthy floor, largest deficit first: 3 (0.150 below) 1 (0.020 "
+        "below) - shadow agreement n/a. Usual causes: gates for another model, layer order or hidden-state "
+        "layout, or edited gate weights."
+    )
+    labels = {"severity": "critical", "job": "layerwatch-shim", "instance": "s", "model_name": "reference"}
+    test = {
+        "rule_files": ["rules.yaml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "alert_rule_test": [
+                    {"alertname": "LayerwatchGateMiscalibrated", "eval_time": "14m", "exp_alerts": []},
+                    {
+                        "alertname": "LayerwatchGateMiscalibrated",
+                        "eval_time": "15m",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": labels,
+                                "exp_annotations": {
+                                    "summary": "The gates no longer rank tokens by how much their layers matter.",
+                                    "description": description,
+                                    "runbook_url": f"{config.RUNBOOK_BASE_URL}#layerwatchgatemiscalibrated",
+                                },
+                            }
+                        ],
+                    },
+                ],
+            }
+        ],
+    }
+    (tmp_path / "gate.test.yaml").write_text(yaml.safe_dump(test))
+    result = run_tool(promtool, "test", "rules", tmp_path / "gate.test.yaml")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    # The floors are the profile's own, one constant series per layer; a profile without any has none.
+    def floor_rules(groups: dict) -> set[tuple[str, str]]:
+        rules = [r for g in groups["groups"] for r in g["rules"] if r.get("record") == GATE_LAYER_IMPORTANCE_FLOOR]
+        return {(r["labels"]["layer"], r["expr"]) for r in rules}
+
+    rendered = yaml.safe_load((tmp_path / "rules.yaml").read_text())
+    assert floor_rules(rendered) == {(str(layer), f"vector({floor})") for layer, floor in floors.items()}
+    assert floor_rules(rule_groups([reference])) == set()
 
 
 def test_profile_series_names_are_the_ones_rendered(reference_profiles) -> None:
