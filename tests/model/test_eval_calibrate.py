@@ -141,7 +141,8 @@ def test_calibrate_measures_the_gate_floors_and_the_request_tail_from_its_own_ba
     assert served.samples == 4 * GATE_LAYER_SAMPLES and 0 < len(served.headline) <= TINY_PROMPTS - 33
     assert len(served.layers) == len(served.headline) and all(len(row) == 4 for row in served.layers)
     assert g.correlation_min == gate_importance_floor(served.headline, settings.margin)
-    assert g.correlation_min <= min(served.headline) - settings.margin + 1e-9 and result.gates_vary
+    # (at least the margin below the lowest reading, up to the profile's rounding to 0.001)
+    assert g.correlation_min <= min(served.headline) - settings.margin + 5e-4 and result.gates_vary
     assert g.correlation == round(float(np.median(served.headline)), 3)
     # A floor and a baseline for every layer that counted in every reading, by the same rule.
     layers = np.array(served.layers)
