@@ -212,8 +212,10 @@ def run_load(
                 temperature = TEMPERATURES[request % len(TEMPERATURES)]
                 status, usage = _one_request(host, port, model, rng, max_tokens, stream, temperature, timeout)
             merge.add(status, usage, time.monotonic() - started, in_category)
-            if status == 0:
-                stop.wait(0.2)  # server not reachable: back off instead of spinning
+            if status in (0, 429, 503):
+                # Not reachable, full, or draining for a restart: back off instead of spinning (a drill's
+                # restart drew some 10,000 refusals in a tight loop from three clients).
+                stop.wait(0.2)
 
     started = time.monotonic()
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(concurrency)]
