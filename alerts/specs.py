@@ -582,15 +582,30 @@ def entropy_drift(b: AlertBuild) -> list[dict]:
 
 # Agreement: the full-depth argmax against the gated model's own argmax at generation time (raw logits),
 # for every request the shadow check samples, whatever its temperature (docs/service.md, "Quality guard").
+# The agreement pages only when it is below the floor beyond its sampling noise: the ratio plus
+# AGREEMENT_NOISE_Z binomial standard errors, sqrt(p (1 - p) / n) over the window's n checked tokens,
+# is below it too. A window of a few hundred tokens (low traffic, a low shadow rate, the scaled
+# end-to-end windows) moves a healthy 0.83 by +-0.024 per standard error, across a floor calibrated
+# 0.05 below it on 512-token chunks; at production volume (thousands of tokens) the bound is the ratio.
+AGREEMENT_NOISE_Z = 2
+
+
 @alert("LayerwatchShadowAgreementLow", severities=(PAGE,), default_for="10m", reads=("shadow_agreement_min",))
 def shadow_agreement_low(b: AlertBuild) -> list[dict]:
     p, r = b.profile, b.recorded
+    ratio = f"{r.shadow_agreement_ratio}{{{b.selector}}}"
+    tokens = (
+        f"sum by ({BY_MODEL}) (increase(layerwatch_shadow_tokens_total{{{config.SHIM_SELECTOR}, {b.selector}}}"
+        f"[{b.timing(config.RATE_WINDOW)}]))"
+    )
     return [
         b.rule(
-            f"{r.shadow_agreement_ratio}{{{b.selector}}} < {p.shadow_agreement_min}",
+            f"{ratio} < {p.shadow_agreement_min}\nand\n"
+            f"{ratio} + {AGREEMENT_NOISE_Z} * sqrt({ratio} * (1 - {ratio}) / {tokens}) < {p.shadow_agreement_min}",
             "Full-depth re-checks disagree with the gated model too often.",
             f"Only {_value()} of the shadow-checked tokens of {_WHERE} had the same top-1 token at "
-            f"full depth as the gated model's own (minimum {p.shadow_agreement_min}). Quality cost: "
+            f"full depth as the gated model's own (minimum {p.shadow_agreement_min}, beyond "
+            f"{AGREEMENT_NOISE_Z} standard errors of the window's tokens). Quality cost: "
             + _lookup(r.shadow_kl_per_token, "%.4f")
             + " nats per token. Skip ratio: "
             + _lookup(r.skip_ratio)
