@@ -39,6 +39,12 @@ DRILLS: dict[str, Drill] = {
             "each gate serves another layer: skip decisions no longer follow which layers matter",
         ),
         Drill(
+            "scramble",
+            ("--scramble-gates",),
+            "LayerwatchGateMiscalibrated",
+            "each gate on its own layer but reading the wrong features: it reacts to every token, by the wrong signal",
+        ),
+        Drill(
             "reset",
             ("--reset-gates",),
             "LayerwatchEntropySinglePeak",
