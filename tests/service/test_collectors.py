@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from inference_shim.runtime.agreement import LayerSignals
 from inference_shim.service.depth import DepthMetrics
+from inference_shim.service.http_protocol import ConnectionRefusals
 from inference_shim.service.layer_signals import LayerSignalsCollector
 from inference_shim.service.metrics import (
     AuditCollector,
@@ -70,6 +71,7 @@ def test_a_full_shim_registry_covers_the_catalog_and_refuses_clashes():
     GateReloadMetrics(registry, "m")
     MitigationMetrics(registry, "m")
     DepthMetrics(registry, "m")
+    ConnectionRefusals(registry, "m")
     exposed = {m.name for m in registry.collect()}
     assert exposed == {spec.base_name for spec in catalog.for_component(catalog.SHIM)}
 
