@@ -174,15 +174,14 @@ def row_costs(model: Transformer, rows: list[int], repeats: int = 20) -> dict[in
     inputs = {}
     for count in rows:
         h = torch.randn(count, config.hidden_size)
-        slots, positions = torch.arange(count), torch.full((count,), PROMPT_TOKENS)
-        inputs[count] = h, *model.rope(positions[:, None], h.dtype), slots, positions
+        inputs[count] = h, model.step_rows(cache, list(range(count)), [PROMPT_TOKENS] * count)
     times: dict[int, list[float]] = {count: [] for count in rows}
     with torch.no_grad():
         for _ in range(repeats):
-            for count, (h, cos, sin, slots, positions) in inputs.items():
+            for count, (h, step) in inputs.items():
                 started = time.process_time()
                 for l, block in enumerate(cast("Iterable[Block]", model.layers)):  # nn.ModuleList is not generic
-                    block.decode(h, block.input_layernorm(h), cos, sin, cache, l, slots, positions, PROMPT_TOKENS + 1)
+                    block.decode(h, block.input_layernorm(h), step, cache, l, PROMPT_TOKENS + 1)
                 times[count].append(time.process_time() - started)
     return {count: statistics.median(values) for count, values in times.items()}
 

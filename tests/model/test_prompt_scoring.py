@@ -94,9 +94,10 @@ def test_a_scored_prompt_shares_the_batch_one_token_per_step(model, no_eos):
     generated = [[u.new_token_ids for u in step if u.sequence_id == generator] for step in per_step]
     assert generated[:8] == [[[token]] for token in alone_generated] and not any(generated[8:])
     (final,) = per_step[-1]  # the scorer finished in the step that read its last-but-one token
-    # Each row's result does not depend on its neighbours (up to float summation order, docs/model.md).
+    # Each row's result does not depend on its neighbours (up to float summation order, docs/model.md:
+    # a matmul of one row and one of two sum in different orders, a few float32 ulps of a logit).
     assert final.sequence_id == scorer
-    assert [e.logprob for e in final.prompt_logprobs[1:]] == pytest.approx(alone_scored, abs=1e-5)
+    assert [e.logprob for e in final.prompt_logprobs[1:]] == pytest.approx(alone_scored, abs=1e-4)
     # Scoring steps are prompt work: the step records (the telemetry) hold the generated tokens only.
     assert [r.sequence_ids.tolist() for r in records] == [[generator]] * 8
     assert final.layer_counts.tokens == 0 and final.layers_executed == final.layers_skipped == 0

@@ -234,7 +234,7 @@ def test_a_bad_rule_or_alpha_is_refused(settings, message):
 
 def test_skipped_layers_execute_neither_attention_nor_ffn(tokenizer):
     model = gated_model()
-    decode_rows = {name: [0] * model.config.num_layers for name in ("q_proj", "o_proj", "mlp")}
+    decode_rows = {name: [0] * model.config.num_layers for name in ("queries", "o_proj", "mlp")}
 
     def counter(name, layer):
         def hook(module, inputs, output):
@@ -243,9 +243,20 @@ def test_skipped_layers_execute_neither_attention_nor_ffn(tokenizer):
 
         return hook
 
+    def counted_queries(layer, projection):
+        # Decoding projects a row's query with its K/V (decode_qkv) or alone (decode_queries, when
+        # `project` gave the whole batch its K/V): either way the row's attention runs.
+        def project(x, *args):
+            decode_rows["queries"][layer] += x.shape[0]
+            return projection(x, *args)
+
+        return project
+
     for l, block in enumerate(model.layers):
-        block.self_attn.q_proj.register_forward_hook(counter("q_proj", l))
-        block.self_attn.o_proj.register_forward_hook(counter("o_proj", l))
+        attention = block.self_attn
+        attention.decode_qkv = counted_queries(l, attention.decode_qkv)
+        attention.decode_queries = counted_queries(l, attention.decode_queries)
+        attention.o_proj.register_forward_hook(counter("o_proj", l))
         block.mlp.register_forward_hook(counter("mlp", l))
     recorder = Recorder()
     engine = engine_for(model, tokenizer, max_batch_size=4, step_hook=recorder.on_step)
