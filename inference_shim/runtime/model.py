@@ -723,12 +723,14 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
         # Executed (row, layer) computations since the last reset: proof that skipped means skipped.
         self.layer_rows_executed = [0] * config.num_layers
-        self.lay_out_weights()
+        self.decode_layout = False  # lay_out_weights ran: keep the layout through moves (`_apply`)
 
     def lay_out_weights(self) -> None:
         """Give the projections the decode layout ("the weights' layout for decoding" above) where
-        they lack it: after construction, and again after loading or moving gave them new storage
-        (`_apply`, which `.to()`, `.half()` and the like run; a loader that assigns tensors calls it)."""
+        they lack it. What decodes calls it (the engine, load_checkpoint), after any initialisation:
+        a random fill in place draws in memory order, which the layout changes. It runs again after
+        a move gave the parameters new storage (`_apply`: `.to()`, `.half()` and the like)."""
+        self.decode_layout = True
         for block in cast("Iterable[Block]", self.layers):  # nn.ModuleList is not generic
             attention, mlp = block.self_attn, block.mlp
             attention.qkv = _laid_out(attention.qkv, [attention.q_proj, attention.k_proj, attention.v_proj], False)
@@ -741,7 +743,8 @@ class Transformer(nn.Module):
     def _apply(self, fn, recurse=True):
         # Moving or converting the model gives every parameter its own new storage.
         super()._apply(fn, recurse)
-        self.lay_out_weights()
+        if self.decode_layout:
+            self.lay_out_weights()
         return self
 
     def attach_gates(self, gates: GateBank | None) -> None:
@@ -891,22 +894,21 @@ class Transformer(nn.Module):
         rows: StepRows,
         cache: KVCache,
         layers: Sequence[int],
+        length: int,
         running: np.ndarray | None,
         kv_policy: str = "project",
     ) -> torch.Tensor:
         """The work of a decode step at `layers` only, as `decode_step` does it: each layer's input
         norm, then the layer for the rows `running` (host bool [B]; None = every row) -> h [B, d].
-        What the depth execution's cost measurement times (depth_execution.py)."""
-        length = int(rows.positions.max()) + 1
-        plan = _RowPlan(
-            None if running is None else np.repeat(running[:, None], len(self.layers), axis=1),
-            h.shape[0],
-            len(self.layers),
-            rows,
-        )
+        What depth_execution.py's cost measurement times; it runs for no sequence, so
+        `layer_rows_executed` does not count it."""
+        counted = list(self.layer_rows_executed)
+        mask = None if running is None else np.repeat(running[:, None], len(self.layers), axis=1)
+        plan = _RowPlan(mask, h.shape[0], len(self.layers), rows)
         for l in layers:
             block = cast(Block, self.layers[l])
             h = self._decode_layer(l, block, h, block.input_layernorm(h), plan.rows(l), rows, cache, length, kv_policy)
+        self.layer_rows_executed = counted
         return h
 
     def _decode_layer(

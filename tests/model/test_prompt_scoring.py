@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from inference_shim.offline.evaluation import teacher_forced_decode
+from inference_shim.runtime.depth_execution import DepthExecutionConfig
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, SequenceUpdate
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
@@ -85,7 +86,8 @@ def test_a_scored_prompt_shares_the_batch_one_token_per_step(model, no_eos):
     alone_scored = scored(engine(model, no_eos), PROMPT)
 
     records = []
-    eng = engine(model, no_eos, step_hook=records.append)
+    # Every row as it decided (depth execution "rows"), so that sharing the batch changes no row.
+    eng = engine(model, no_eos, step_hook=records.append, depth=DepthExecutionConfig("rows"))
     scorer = eng.submit(PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=2))
     generator = eng.submit(PROMPT[:5], SamplingParams(max_tokens=8))
     per_step = [eng.step() for _ in range(len(PROMPT) - 1)]
