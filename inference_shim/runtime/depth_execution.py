@@ -9,9 +9,9 @@ some rows want and others do not can run three ways:
     and the layer costs what it costs at full depth;
   - voted off (batch consensus, share q): when fewer than q·B rows want it, no row runs it but the
     rows at full depth (τ = 0, or in a fallback episode), which always run every layer.
-The cost of a layer hardly grows with its rows on a CPU (docs/performance.md, "Decode at batch >
-1"): one that 6 of 8 rows run costs about what 8 do, so the row-partial path pays only where few
-rows run a layer. Per step and layer, `DepthExecution.plan` therefore takes the row-partial path
+On a CPU a layer's cost grows far slower than its rows (docs/performance.md, "Decode at batch > 1";
+at d = 128 one that 6 of 8 rows run costs about what 8 do), so the row-partial path pays only where
+few rows run a layer, if at all. Per step and layer, `DepthExecution.plan` therefore takes the row-partial path
 where this device runs it faster than the whole layer (`DepthCosts`: the most running rows for
 which it does, measured on the model), and otherwise runs the layer whole or, with a vote, for
 every row when at least q·B want it and for none else. No layer then costs more than at full depth.
@@ -21,9 +21,9 @@ Modes (`DepthExecutionConfig.mode`):
   - "rows": the row-partial path for every layer (each row exactly as it decided, whatever its
     neighbours: the mode that keeps a row's result independent of its batch);
   - "batch": whole layers only (with the vote, what `--batch-consensus` did before there were modes).
-The decided mask stays each row's own in every mode: the fallback breaker, the step records'
-`skipped` (frames, traces, the routing statistics, usage) read it; what really ran is the
-*executed* mask, which the shim counts apart (docs/model.md, "Depth execution").
+The decided mask stays each row's own in every mode: the fallback breaker and the step records'
+`skipped` (frames, traces, the routing statistics) read it; what really ran is the *executed* mask
+(`executed_skipped`, usage), which the shim counts apart (docs/model.md, "Depth execution").
 """
 
 from __future__ import annotations
