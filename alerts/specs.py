@@ -524,7 +524,8 @@ def _entropy_band(b: AlertBuild, series: str, band_field: str, what: str) -> lis
         b.rule(
             f"{series}{{{b.ran}}} < {band.low}\nor\n{series}{{{b.ran}}} > {band.high}",
             f"The {what} of active-layer gate entropy left the model's healthy band.",
-            f"The entropy {what} of the layers that ran, {_WHERE}, is {_value()}; healthy band {band.low}-{band.high}.",
+            f"The entropy {what} of the layers the skip rule ran, {_WHERE}, is {_value()}; "
+            f"healthy band {band.low}-{band.high}.",
         )
     ]
 

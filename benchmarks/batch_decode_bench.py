@@ -1,46 +1,43 @@
-"""Batched decode benchmark: does skipping pay at batch > 1, with the skip patterns real gates produce?
+"""Batched decode benchmark: is skipping faster than full depth at every batch size, with the skip
+patterns real gates produce and the depth execution serve runs?
 
     .venv/bin/python benchmarks/batch_decode_bench.py [--batches 1,4,8,16] [--steps 48] [--repeats 5]
         [--models 12x512,16x1024] [--compile]
 
 The skip patterns are real: the embedded demo model decodes its held-out text teacher-forced at its
 own τ (inference_shim/offline/evaluation.py, the engine's step semantics), and every step's per-row
-run mask is recorded. Those masks are then replayed, row by row and step by step, on random models
-of 12 × 512 and 16 × 1024 (layer l of a 12-layer model takes the demo's layer at the same relative
-depth), through `Transformer.decode_step` with both KV policies. Rows skip different layers, as they
-do in a served batch, so this measures what row-partial skipping costs.
+run mask (what each row's skip rule decided) is recorded. Those masks are then replayed, row by row
+and step by step, on random models of 12 × 512 and 16 × 1024 (layer l of a 12-layer model takes the
+demo's layer at the same relative depth), through `Transformer.decode_step` with both KV policies.
 
-Per model, batch size and KV policy, three configurations run interleaved, `--repeats` times, on one
-torch thread, timed by the process CPU clock (the machine may be shared); every ratio printed is
-paired, the median of each repetition's own ratio, with the lowest and highest in brackets:
-  full   the model without gates, every layer for every row;
-  τ = 0  gates attached, every layer runs (the gated baseline: what skipping is measured against);
-  gated  gates attached, the recorded masks;
-  consensus  the recorded masks merged per step by serve's --batch-consensus rule (q = 0.5): only
-         whole-batch skips (its quality cost: `layerwatch eval --batch-consensus 0.5`).
-Printed: gated ÷ full tokens/s (goal ≥ 1 when ≥ 25 % of row-layer evaluations are skipped), by the
-CPU clock and, beside it, by the wall clock (what the other jobs of a shared machine stretch), and
-realised (gated ÷ τ = 0) against two ideals 1 / (1 − s·w), w the share of a τ = 0 step spent in
-attention + FFN, measured per batch size by a per-layer profile, and s the share of that work the
-masks leave undone:
-  per row  s = f, the skipped share of row-layer evaluations: every skipped row saves its work, as
-           if a layer's cost were proportional to the rows that run it;
-  device   s = 1 − Σ cost(rows running the layer) / Σ cost(B), summed over steps and layers, with
-           cost(r) this device's measured cost of a layer at r rows (cost(0) = 0): what a skip can
-           save on this device (equal to f at batch 1, and whenever cost(r) grows like r).
-The whole-batch column gives the skips every row shares (the only ones that save weight reads on a
-memory-bound GPU). First, per model, cost(r) ÷ cost(1) for r = 1 .. the largest batch, measured in
-the same run: the device ideal's cost table.
+Per model and KV policy the depth execution's costs are measured first (MeasuredDepthCosts, what
+`serve` measures at start: the most running rows for which a layer's row-partial path is faster than
+the whole batch), and each step's decided masks go through the default plan (depth_execution.py:
+row-partial up to that limit, else whole, with the batch consensus 0.5). Configurations, interleaved
+`--repeats` times on one torch thread, timed by the process CPU clock (the machine may be shared):
+  full     the model without gates, every layer for every row;
+  τ = 0    gates attached, every layer runs (the gated baseline);
+  gated    the default plan's executed masks;
+  rows     the decided masks row by row (`--depth-execution rows`: each row exactly as it decided).
+Every ratio printed is paired, the median of each repetition's own ratio, with the lowest and
+highest in brackets. Printed per batch size: the measured row-partial limit, the decided and
+executed skip shares and the layers run for rows whose rule skipped them, gated ÷ full by the CPU
+clock and by the wall clock, rows ÷ full, realised (gated ÷ τ = 0) against the device ideal, and
+the quality cost: the demo model's perplexity increase over its full depth on its held-out windows
+when it decodes with the same plan (the same limit) and with rows. The device ideal is
+1 / (1 − s·w): w the share of a τ = 0 step spent in attention + FFN (a per-layer profile), s the
+share of full depth's layer cost the executed masks leave undone when a layer that r rows run costs
+this device's measured cost(r) (printed first per model, r = 1 .. the largest batch; cost(0) = 0).
 `--compile` adds the same model with its layer bodies compiled (Transformer.compile_layers, what
 `serve --compile` does), full depth and gated, and prints compiled ÷ eager tokens/s for both.
 
 With CUDA present, a GPU section follows (the model on cuda:0, wall clock with the device
-synchronised): tokens/s at full depth, gated and with consensus, and realised ÷ ideal where the ideal
-counts only whole-batch skips (decode on a GPU is memory-bound: a layer saves its weight reads only
-when no row runs it), w there being the layers' attention + FFN share of the weights a step reads;
-with nvidia-ml-py, the GPU's energy per token (NVML's total-energy counter) at full depth and gated.
-Toy models leave a GPU launch-bound rather than memory-bound: give `--models` a real size (e.g.
-32x4096) for GPU figures.
+synchronised, its own measured limits): tokens/s at full depth and gated, and realised ÷ ideal where
+the ideal counts only whole-batch skips (decode on a GPU is memory-bound: a layer saves its weight
+reads only when no row runs it), w there being the layers' attention + FFN share of the weights a
+step reads; with nvidia-ml-py, the GPU's energy per token (NVML's total-energy counter) at full
+depth and gated. Toy models leave a GPU launch-bound rather than memory-bound: give `--models` a real
+size (e.g. 32x4096) for GPU figures.
 Results go into docs/performance.md ("Decode at batch > 1").
 """
 
@@ -64,34 +61,79 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode_bench import build_model, skippable_spans
 from inference_shim.offline.corpus import read_bible, split_chapters, split_heldout, write_corpus
 from inference_shim.offline.evaluation import DecodeStep, heldout_windows, teacher_forced_decode
-from inference_shim.offline.gated_model import load_gated_model
+from inference_shim.offline.gated_model import GatedModel, load_gated_model
 from inference_shim.offline.training import text_file_stream
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+from inference_shim.runtime.depth_execution import (
+    DepthExecution,
+    DepthExecutionConfig,
+    FixedDepthCosts,
+    MeasuredDepthCosts,
+)
 from inference_shim.runtime.model import KV_POLICIES, Block, GateBank, KVCache, Transformer
-from inference_shim.runtime.skip_policy import consensus_mask
 from inference_shim.service.power import NvmlReader
 
 PROMPT_TOKENS = 16
-CONSENSUS = 0.5
 MODELS = "12x512,16x1024"  # layers x d
+DEFAULT = DepthExecutionConfig()  # what serve and eval run
+QUALITY_WINDOWS = 32  # demo windows of 128 tokens whose perplexity gives a plan's quality cost
 
 
-def demo_run_masks(rows: int, steps: int) -> np.ndarray:
-    """bool [steps, rows, 16]: the demo model's run masks on `rows` held-out windows at its own τ."""
+def demo_heldout(rows: int, window: int) -> tuple[GatedModel, torch.Tensor]:
+    """The demo model (gates attached) and `rows` of its held-out windows of `window` tokens."""
     gated = load_gated_model(DEMO_MODEL_DIR)
     with tempfile.TemporaryDirectory() as folder:
         _, heldout = write_corpus(split_heldout(split_chapters(read_bible())), Path(folder))
-        stream = text_file_stream(gated.loaded.tokenizer, heldout, min_tokens=rows * (steps + PROMPT_TOKENS + 1))
-    windows = heldout_windows(stream, steps + PROMPT_TOKENS + 1, rows * steps, PROMPT_TOKENS)[:rows]
+        stream = text_file_stream(gated.loaded.tokenizer, heldout, min_tokens=rows * window)
     gated.model.attach_gates(gated.gates.gates)
+    return gated, heldout_windows(stream, window, rows * (window - PROMPT_TOKENS), PROMPT_TOKENS)[:rows]
+
+
+def demo_run_masks(rows: int, steps: int) -> np.ndarray:
+    """bool [steps, rows, 16]: the demo model's decided run masks on `rows` held-out windows at its own τ."""
+    gated, windows = demo_heldout(rows, steps + PROMPT_TOKENS + 1)
     masks: list[np.ndarray] = []
 
     def record(step: DecodeStep) -> None:
         masks.append(~step.skipped)
 
-    policy = gated.policy()
-    teacher_forced_decode(gated.model, windows, PROMPT_TOKENS, policy, batch_size=rows, on_step=record)
+    teacher_forced_decode(gated.model, windows, PROMPT_TOKENS, gated.policy(), batch_size=rows, on_step=record)
     return np.stack(masks)[:steps]
+
+
+class DemoQuality:
+    """The quality cost of a plan: the demo model's perplexity increase over full depth on its
+    held-out windows when its batches of B run the default plan with a given row-partial limit (or
+    every row as it decided), cached per (B, limit, KV policy)."""
+
+    def __init__(self) -> None:
+        self.gated, self.windows = demo_heldout(QUALITY_WINDOWS, 128)
+        self._full: dict[int, float] = {}
+        self._increase: dict[tuple, float] = {}
+
+    def increase(self, batch: int, limit: int | None, kv_policy: str) -> float:
+        """limit None: the rows mode."""
+        key = (batch, limit, kv_policy)
+        if key not in self._increase:
+            model = self.gated.model
+            if batch not in self._full:
+                model.attach_gates(None)
+                self._full[batch] = teacher_forced_decode(
+                    model, self.windows, PROMPT_TOKENS, None, batch_size=batch
+                ).perplexity
+                model.attach_gates(self.gated.gates.gates)
+            depth = None if limit is None else DepthExecution(DEFAULT, FixedDepthCosts({batch: limit}))
+            totals = teacher_forced_decode(
+                model, self.windows, PROMPT_TOKENS, self.gated.policy(), kv_policy, batch_size=batch, depth=depth
+            )
+            self._increase[key] = totals.perplexity / self._full[batch] - 1
+        return self._increase[key]
+
+
+def planned(masks: np.ndarray, depth: DepthExecution) -> np.ndarray:
+    """The executed masks [steps, B, L] the plan makes of the decided ones (no row at full depth)."""
+    no_row = np.zeros(masks.shape[1], dtype=bool)
+    return np.stack([depth.plan(step, no_row) for step in masks])
 
 
 def for_depth(masks: np.ndarray, layers: int) -> np.ndarray:
@@ -174,15 +216,14 @@ def row_costs(model: Transformer, rows: list[int], repeats: int = 20) -> dict[in
     inputs = {}
     for count in rows:
         h = torch.randn(count, config.hidden_size)
-        slots, positions = torch.arange(count), torch.full((count,), PROMPT_TOKENS)
-        inputs[count] = h, *model.rope(positions[:, None], h.dtype), slots, positions
+        inputs[count] = h, model.step_rows(cache, list(range(count)), [PROMPT_TOKENS] * count)
     times: dict[int, list[float]] = {count: [] for count in rows}
     with torch.no_grad():
         for _ in range(repeats):
-            for count, (h, cos, sin, slots, positions) in inputs.items():
+            for count, (h, step) in inputs.items():
                 started = time.process_time()
                 for l, block in enumerate(cast("Iterable[Block]", model.layers)):  # nn.ModuleList is not generic
-                    block.decode(h, block.input_layernorm(h), cos, sin, cache, l, slots, positions, PROMPT_TOKENS + 1)
+                    block.decode(h, block.input_layernorm(h), step, cache, l, PROMPT_TOKENS + 1)
                 times[count].append(time.process_time() - started)
     return {count: statistics.median(values) for count, values in times.items()}
 
@@ -228,7 +269,18 @@ def compiled_copy(model: Transformer) -> Transformer:
     return copy
 
 
-def cpu_section(recorded: np.ndarray, models: list[tuple[int, int]], batches: list[int], args) -> None:
+def measured_limits(model: Transformer, batches: list[int], kv_policy: str) -> MeasuredDepthCosts:
+    """The depth execution's costs of `model` for these batch sizes, measured as serve does, printed."""
+    costs = MeasuredDepthCosts(model, kv_policy)
+    costs.prepare(batches)
+    print(f"{model.config.num_layers} x {model.config.hidden_size}, {kv_policy}: row-partial up to {costs.table()}")
+    return costs
+
+
+def cpu_section(
+    recorded: np.ndarray, models: list[tuple[int, int]], batches: list[int], args, quality: DemoQuality | None
+) -> None:
+    """The CPU table; `quality` None leaves its columns n/a (the tests: no demo model decoding)."""
     costs_of: dict[tuple[int, int], dict[int, float]] = {}  # (layers, d) -> cost(r), r = 1 .. max(batches)
     for layers, hidden in models:
         costs = costs_of[layers, hidden] = row_costs(
@@ -239,38 +291,37 @@ def cpu_section(recorded: np.ndarray, models: list[tuple[int, int]], batches: li
             "to the rows would be R): " + ", ".join(f"R = {r}: {c / costs[1]:.2f}" for r, c in costs.items())
         )
     print(
-        "| model | batch | KV | skipped | whole-batch | w | full tok/s | gated tok/s | gated / full | wall | "
-        f"ideal: per row | device | realised / ideal: per row | device | consensus {CONSENSUS:g}: skipped | "
-        "gated / full |" + (" compiled / eager: full | gated |" if args.compile else "")
+        f"depth execution {DEFAULT.describe()} (gated) against rows (every row as it decided), "
+        "demo perplexity increase: its windows decoded with the same plan"
     )
     print(
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-        + ("---:|---:|" if args.compile else "")
+        "| model | batch | KV | row-partial up to | skipped: decided | executed | run though skipped | whole-batch "
+        "| w | full tok/s | gated tok/s | gated / full | wall | rows / full | ideal (device) | realised / ideal "
+        "| demo perplexity: rows | gated |" + (" compiled / eager: full | gated |" if args.compile else "")
     )
+    print("|---|---:|---|" + "---:|" * 15 + ("---:|---:|" if args.compile else ""))
     for layers, hidden in models:
         model = build_model(layers, hidden, vocab=8192)
         torch.manual_seed(1)
         gates = GateBank(layers, hidden).eval()
         compiled = compiled_copy(model) if args.compile else None
         masks_all = for_depth(recorded, layers)
+        limits = {kv: measured_limits(model, batches, kv) for kv in KV_POLICIES}
         for batch in batches:
-            masks = masks_all[:, :batch]
-            no_fallback = np.zeros(batch, dtype=bool)
-            merged = np.stack([consensus_mask(step, CONSENSUS, no_fallback) for step in masks])
-            f = 1 - masks.mean()
-            f_whole = float((~masks).all(axis=1).mean())
-            s_device = device_saved_share(masks, costs_of[layers, hidden])
+            decided = masks_all[:, :batch]
             model.attach_gates(gates)
             w = skippable_share(model, batch, args.steps)
             for kv_policy in KV_POLICIES:
+                limit = limits[kv_policy].row_partial_limit(batch)
+                executed = planned(decided, DepthExecution(DEFAULT, FixedDepthCosts({batch: limit})))
                 runs = [
                     ("full", model, None, None),
                     ("tau0", model, gates, None),
-                    ("gated", model, gates, masks),
-                    ("consensus", model, gates, merged),
+                    ("gated", model, gates, executed),
+                    ("rows", model, gates, decided),
                 ]
                 if compiled is not None:
-                    runs += [("compiled full", compiled, None, None), ("compiled gated", compiled, gates, masks)]
+                    runs += [("compiled full", compiled, None, None), ("compiled gated", compiled, gates, executed)]
                 seconds: dict[str, list[float]] = {name: [] for name, *_ in runs}
                 walls: dict[str, list[float]] = {name: [] for name, *_ in runs}
                 for _ in range(args.repeats):  # interleaved: a slow spell hits every configuration
@@ -280,14 +331,23 @@ def cpu_section(recorded: np.ndarray, models: list[tuple[int, int]], batches: li
                         seconds[name].append(metered.seconds)
                         walls[name].append(metered.wall)
                 rate = {name: batch * args.steps / statistics.median(values) for name, values in seconds.items()}
-                speedup = paired(seconds, "gated", "tau0")
-                ideal_row, ideal_device = 1 / (1 - f * w), 1 / (1 - s_device * w)
+                ideal = 1 / (1 - device_saved_share(executed, costs_of[layers, hidden]) * w)
+                cost = (
+                    (
+                        f"{quality.increase(batch, None, kv_policy):+.2%}",
+                        f"{quality.increase(batch, limit, kv_policy):+.2%}",
+                    )
+                    if quality is not None
+                    else ("n/a", "n/a")
+                )
                 line = (
-                    f"| {layers} x {hidden} | {batch} | {kv_policy} | {f:.1%} | {f_whole:.1%} | {w:.2f} | "
-                    f"{rate['full']:.0f} | {rate['gated']:.0f} | {spread(paired(seconds, 'gated', 'full'))} | "
-                    f"{spread(paired(walls, 'gated', 'full'))} | {ideal_row:.3f} | {ideal_device:.3f} | "
-                    f"{spread(speedup, ideal_row)} | {spread(speedup, ideal_device)} | {1 - merged.mean():.1%} | "
-                    f"{spread(paired(seconds, 'consensus', 'full'))} |"
+                    f"| {layers} x {hidden} | {batch} | {kv_policy} | {limit} | {1 - decided.mean():.1%} | "
+                    f"{1 - executed.mean():.1%} | {(executed & ~decided).mean():.1%} | "
+                    f"{float((~executed).all(axis=1).mean()):.1%} | {w:.2f} | "
+                    f"{rate['full']:.0f} | {rate['gated']:.0f} | "
+                    f"{spread(paired(seconds, 'gated', 'full'))} | {spread(paired(walls, 'gated', 'full'))} | "
+                    f"{spread(paired(seconds, 'rows', 'full'))} | {ideal:.3f} | "
+                    f"{spread(paired(seconds, 'gated', 'tau0'), ideal)} | {cost[0]} | {cost[1]} |"
                 )
                 if compiled is not None:
                     line += (
@@ -359,12 +419,12 @@ def gpu_section(
     ("n/a" without one). Any device runs it (the tests run it on the CPU)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     clock = "wall clock, device synchronised" if device.type == "cuda" else "CPU clock"  # as metered_decode_run
-    print(f"GPU: {name}; KV policy project; {clock}")
+    print(f"GPU: {name}; KV policy project; {clock}; depth execution {DEFAULT.describe()}")
     print(
-        "| model | batch | skipped | whole-batch | w (weights) | full tok/s | gated tok/s | gated / full | "
-        f"realised / ideal (whole-batch) | consensus {CONSENSUS:g} / full | J/token full | J/token gated |"
+        "| model | batch | row-partial up to | skipped: decided | executed | whole-batch | w (weights) | full tok/s "
+        "| gated tok/s | gated / full | realised / ideal (whole-batch) | rows / full | J/token full | J/token gated |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for layers, hidden in models:
         model = build_model(layers, hidden, vocab=8192).to(device)
         torch.manual_seed(1)
@@ -372,13 +432,14 @@ def gpu_section(
         model.attach_gates(gates)
         w = weight_share(model, "project")
         masks_all = for_depth(recorded, layers)
+        costs = measured_limits(model, batches, "project")
         for batch in batches:
-            masks = masks_all[:, :batch]
-            no_fallback = np.zeros(batch, dtype=bool)
-            merged = np.stack([consensus_mask(step, CONSENSUS, no_fallback) for step in masks])
-            f_whole = float((~masks).all(axis=1).mean())
-            runs = (("full", None, None), ("tau0", gates, None), ("gated", gates, masks), ("consensus", gates, merged))
-            decode_run(model, masks, batch, args.steps, "project")  # warm-up: kernels, allocator
+            decided = masks_all[:, :batch]
+            limit = costs.row_partial_limit(batch)
+            executed = planned(decided, DepthExecution(DEFAULT, FixedDepthCosts({batch: limit})))
+            f_whole = float((~executed).all(axis=1).mean())
+            runs = (("full", None, None), ("tau0", gates, None), ("gated", gates, executed), ("rows", gates, decided))
+            decode_run(model, executed, batch, args.steps, "project")  # warm-up: kernels, allocator
             seconds: dict[str, list[float]] = {name: [] for name, *_ in runs}
             joules: dict[str, list[float]] = {name: [] for name, *_ in runs}
             for _ in range(args.repeats):
@@ -392,10 +453,10 @@ def gpu_section(
             ideal = 1 / (1 - f_whole * w)
             per_token = {name: f"{statistics.median(v):.3g}" if v else "n/a" for name, v in joules.items()}
             print(
-                f"| {layers} x {hidden} | {batch} | {1 - masks.mean():.1%} | {f_whole:.1%} | {w:.2f} | "
-                f"{rate['full']:.0f} | {rate['gated']:.0f} | {spread(paired(seconds, 'gated', 'full'))} | "
-                f"{spread(paired(seconds, 'gated', 'tau0'), ideal)} | {spread(paired(seconds, 'consensus', 'full'))} | "
-                f"{per_token['full']} | {per_token['gated']} |",
+                f"| {layers} x {hidden} | {batch} | {limit} | {1 - decided.mean():.1%} | {1 - executed.mean():.1%} | "
+                f"{f_whole:.1%} | {w:.2f} | {rate['full']:.0f} | {rate['gated']:.0f} | "
+                f"{spread(paired(seconds, 'gated', 'full'))} | {spread(paired(seconds, 'gated', 'tau0'), ideal)} | "
+                f"{spread(paired(seconds, 'rows', 'full'))} | {per_token['full']} | {per_token['gated']} |",
                 flush=True,
             )
 
@@ -414,10 +475,10 @@ def main() -> int:
 
     recorded = demo_run_masks(max(batches), args.steps)
     print(
-        f"demo model's run masks: {recorded.shape[1]} rows x {recorded.shape[0]} steps, "
+        f"demo model's decided run masks: {recorded.shape[1]} rows x {recorded.shape[0]} steps, "
         f"{1 - recorded.mean():.1%} of row-layer evaluations skipped"
     )
-    cpu_section(recorded, models, batches, args)
+    cpu_section(recorded, models, batches, args, DemoQuality())
     if torch.cuda.is_available():
         device = torch.device("cuda", 0)
         gpu_section(recorded, models, batches, args, device, gpu_energy(device))

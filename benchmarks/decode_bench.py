@@ -63,6 +63,7 @@ def build_model(layers: int, hidden: int, vocab: int) -> Transformer:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)
+    model.lay_out_weights()  # as a loaded checkpoint is, and as the engine decodes
     return model
 
 
@@ -113,22 +114,34 @@ def skippable_spans(model: Transformer, clock: Callable[[], float]) -> Iterator[
     """(starts, ends): clock readings where each layer's skippable part starts and ends, appended as
     layers run, while the block is active.
 
-    A layer's skippable part starts at its q projection (after the input norm and the gate, which
-    always run) and ends where the next layer's input norm (or the final norm) starts.
+    A layer's skippable part starts at its q/k/v projection (decode_qkv, after the input norm and
+    the gate, which always run; a step where every row runs the layer calls it) and ends where the
+    next layer's input norm (or the final norm) starts. Prefill projects through another path, so
+    only decode steps start a span; they end one too, and so does every prefill layer.
     """
     starts: list[float] = []
     ends: list[float] = []
     blocks = list(cast("Iterable[Block]", model.layers))  # nn.ModuleList is not generic
-    handles = [block.self_attn.q_proj.register_forward_pre_hook(lambda *_: starts.append(clock())) for block in blocks]
-    handles += [
-        block.input_layernorm.register_forward_pre_hook(lambda *_: ends.append(clock())) for block in blocks[1:]
-    ]
+
+    def timed(projection: Callable) -> Callable:
+        def project(*args):
+            starts.append(clock())
+            return projection(*args)
+
+        return project
+
+    projections = [block.self_attn.decode_qkv for block in blocks]
+    for block, projection in zip(blocks, projections):
+        block.self_attn.decode_qkv = timed(projection)
+    handles = [block.input_layernorm.register_forward_pre_hook(lambda *_: ends.append(clock())) for block in blocks[1:]]
     handles.append(model.norm.register_forward_pre_hook(lambda *_: ends.append(clock())))
     try:
         yield starts, ends
     finally:
         for handle in handles:
             handle.remove()
+        for block, projection in zip(blocks, projections):
+            block.self_attn.decode_qkv = projection
 
 
 def skippable_share(model: Transformer, tokenizer: Tokenizer, prompt: list[int], tokens: int) -> float:

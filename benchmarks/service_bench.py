@@ -77,7 +77,9 @@ def telemetry_hook(model_name: str, num_layers: int, exporter: str) -> tuple[Ste
     telemetry = StepTelemetry(model_name, DecodeStats(num_layers), sender, trace=None)
 
     def hook(record: StepRecord) -> None:
-        telemetry(record.entropies, record.skipped, record.batch_skipped, record.fallback_started)
+        telemetry(
+            record.entropies, record.skipped, record.executed_skipped, record.batch_skipped, record.fallback_started
+        )
 
     return hook, sender
 

@@ -172,6 +172,22 @@ METRICS: tuple[MetricSpec, ...] = (
         SHIM,
     ),
     _m(
+        "layerwatch_layer_skips_executed_total",
+        "counter",
+        ("model_name", "layer"),
+        "Decode-time evaluations for which the layer did not run (what saves time and power; the gate "
+        "decisions, which the batch's depth execution may overrule, are layerwatch_layer_skips_total).",
+        SHIM,
+    ),
+    _m(
+        "layerwatch_layer_unneeded_runs_total",
+        "counter",
+        ("model_name", "layer"),
+        "Decode-time evaluations whose gate decision skipped the layer and that ran it: the depth execution "
+        "ran the layer for the whole batch, where that was no slower than running it row by row.",
+        SHIM,
+    ),
+    _m(
         "layerwatch_layers_executed",
         "histogram",
         ("model_name",),

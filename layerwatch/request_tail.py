@@ -5,8 +5,9 @@ twice as much moves it by a point or two. Judged per request, the same category 
 distribution of requests' skip fractions, and it shows at once (docs/service.md, "Per-request
 skipping"). Two statistics per request, over its decode tokens only (prefill runs full depth):
 
-- **skip fraction** = skipped layer evaluations / layer evaluations = `layers_skipped /
-  (layers_executed + layers_skipped)` of its `usage`. Defined for every request with a decode token.
+- **skip fraction** = skipped layer evaluations / layer evaluations, the skips its skip rule
+  decided (`LayerCounts.skipped`: its routing, whatever its batch ran; `usage` counts what ran,
+  docs/model.md, "Depth execution"). Defined for every request with a decode token.
 - **token-dependent share**: layerwatch/routing.py's statistic with the request's tokens as the
   window: 1 − Σ_{static l} p_l / Σ_l p_l, where p_l is the share of the request's tokens whose score
   for layer l was below τ and a layer is static when the one-sided 90 % Wilson lower bound of p_l is

@@ -94,7 +94,7 @@ class GateFrame:
     shim_id: str  # ≤ 255 UTF-8 bytes; identifies one shim process (its sequence space)
     sequence: int  # u64, +1 per frame sent by that shim
     entropies: np.ndarray  # float32 [rows, layers], values in [0, 1]
-    skipped: np.ndarray  # bool [rows, layers]; True = the layer did not run for that row's token
+    skipped: np.ndarray  # bool [rows, layers]; True = the skip rule skipped the layer for that row's token
     # The skip policy's τ (an entropy below it counts toward skipping), float32 in [0, 1];
     # None for a version-1 frame, which does not carry it.
     threshold: float | None = None

@@ -25,6 +25,22 @@ def positive_fraction(text: str) -> float:
     return value
 
 
+def share_or_off(text: str) -> float | None:
+    """A share in (0, 1], or "off" (None)."""
+    return None if text == "off" else positive_fraction(text)
+
+
+def positive_ints(text: str) -> list[int]:
+    """Comma-separated integers above zero, at least one."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return values
+
+
 def fractions(text: str) -> list[float]:
     """Comma-separated numbers in [0, 1], at least one."""
     try:

@@ -5,17 +5,27 @@ protected layers, fallback and the KV policy, exactly as the generation engine a
 `--sweep` repeats the gated run for several thresholds and prints the trade-off table; `--compare-rules`
 runs each threshold under both skip rules (streak and ewma), so the table compares them. Speed is
 measured in pairs, full depth and gated interleaved batch by batch, `--repeats` times
-(docs/performance.md says why).
+(docs/performance.md says why). Batches run their layers as `serve` does (`--depth-execution`,
+`--batch-consensus`: inference_shim/runtime/depth_execution.py); `--batch-sizes` measures each batch
+size in turn and prints one row per size: the depth execution's choice, the decided and executed
+skips, gated ÷ full and the perplexity cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from layerwatch_cli import argtypes
-from layerwatch_cli.model_arguments import add_model_arguments, load_from_arguments, report_errors
+from layerwatch_cli.model_arguments import (
+    add_depth_arguments,
+    add_model_arguments,
+    depth_from_arguments,
+    load_from_arguments,
+    report_errors,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,13 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="timed repetitions of the interleaved full and gated passes (speed spread)",
     )
+    add_depth_arguments(parser)
     parser.add_argument(
-        "--batch-consensus",
-        type=argtypes.positive_fraction,
+        "--batch-sizes",
+        type=argtypes.positive_ints,
         default=None,
-        metavar="Q",
-        help="evaluate serve's batch-consensus mode: one run/skip decision per layer for each batch of "
-        "--batch-size windows (a layer runs for all when a share Q of them would run it)",
+        metavar="B1,B2,...",
+        help="evaluate at each batch size in turn (instead of --batch-size) and print one row per size",
     )
     parser.add_argument(
         "--compile",
@@ -74,34 +84,42 @@ def run(args: argparse.Namespace) -> int:
     from inference_shim.runtime.skip_policy import SKIP_RULES
 
     def prepare():
+        depth = depth_from_arguments(args)
         gated = load_from_arguments(args)
         if args.compile:
             gated.model.compile_layers()
         stream = text_file_stream(gated.loaded.tokenizer, args.data, min_tokens=args.window)
-        return gated, heldout_windows(stream, args.window, args.max_tokens, args.prefill)
+        return gated, heldout_windows(stream, args.window, args.max_tokens, args.prefill), depth
 
     prepared = report_errors(prepare)
     if prepared is None:
         return 2
-    gated, windows = prepared
+    gated, windows, depth = prepared
     thresholds = args.sweep or [args.threshold if args.threshold is not None else gated.gates.metadata.threshold]
     rules = SKIP_RULES if args.compare_rules else (gated.skip_rule,)
-    policies = [
-        gated.policy(threshold, skip_rule=rule, batch_consensus=args.batch_consensus)
-        for threshold in thresholds
-        for rule in rules
-    ]
-    runs = paired_decode(
-        gated,
-        windows,
-        policies,
-        prefill=args.prefill,
-        kv_policy=args.kv_policy,
-        batch_size=args.batch_size,
-        repeats=args.repeats,
-    )
-    results = [gated_result(runs, index) for index in range(len(policies))]
-    full = runs.full[0]
+    policies = [gated.policy(threshold, skip_rule=rule) for threshold in thresholds for rule in rules]
+
+    def measure(batch_size: int) -> tuple[list[dict], dict]:
+        runs = paired_decode(
+            gated,
+            windows,
+            policies,
+            prefill=args.prefill,
+            kv_policy=args.kv_policy,
+            batch_size=batch_size,
+            repeats=args.repeats,
+            depth=depth,
+        )
+        results = [gated_result(runs, index) for index in range(len(policies))]
+        limits = getattr(runs.depth.costs, "limits", {})
+        execution = {
+            "mode": depth.mode,
+            "batch_consensus": depth.vote,
+            # The most running rows of a batch for which the row-partial path was the faster (measured).
+            "row_partial_limits": {str(size): limit for size, limit in sorted(limits.items())},
+        }
+        return results, {"full": runs.full[0], "execution": execution}
+
     header = {
         "model": str(args.model),
         "gates": str(gated.gates_path),
@@ -110,15 +128,39 @@ def run(args: argparse.Namespace) -> int:
         "windows": len(windows),
         "window": args.window,
         "prefill": args.prefill,
-        "batch_size": args.batch_size,
         "patience": gated.patience,
         "ewma_alpha": gated.ewma_alpha,
         "kv_policy": args.kv_policy,
-        "batch_consensus": args.batch_consensus,
+        "depth_execution": depth.mode,
+        "batch_consensus": depth.vote,
         "compiled": args.compile,
-        "decoded_tokens": full.tokens,
         "repeats": args.repeats,
     }
+    description = (
+        f"{len(windows)} windows of {args.window} tokens, prefill {args.prefill}, patience {gated.patience}, "
+        f"ewma alpha {gated.ewma_alpha:g}, kv policy {args.kv_policy}, depth execution {depth.describe()}"
+        + (", compiled layer bodies" if args.compile else "")
+    )
+    if args.batch_sizes is not None:
+        if len(policies) != 1:
+            print("error: --batch-sizes measures one threshold and rule: drop --sweep/--compare-rules", file=sys.stderr)
+            return 2
+        rows = []
+        for batch_size in args.batch_sizes:
+            (result,), extra = measure(batch_size)
+            rows.append(
+                {"batch_size": batch_size, **result, **extra["execution"], "decoded_tokens": extra["full"].tokens}
+            )
+        if args.json:
+            print(json.dumps({**header, "batch_sizes": rows}, indent=2))
+        else:
+            print(f"model {args.model}  gates {gated.gates_path} (sha256 {gated.gates.sha256[:12]})")
+            print(f"data {args.data}: {description}, threshold {policies[0].threshold:g}")
+            print(format_batch_sizes(rows))
+        return 0
+    results, extra = measure(args.batch_size)
+    full = extra["full"]
+    header |= {"batch_size": args.batch_size, "decoded_tokens": full.tokens, **extra["execution"]}
     if args.json:
         body = (
             {**header, **results[0]}
@@ -133,28 +175,25 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(body, indent=2))
         return 0
     print(f"model {args.model}  gates {gated.gates_path} (sha256 {gated.gates.sha256[:12]})")
-    print(
-        f"data {args.data}: {len(windows)} windows of {args.window} tokens, prefill {args.prefill}, "
-        f"{full.tokens} decoded tokens, batch {args.batch_size}, patience {gated.patience}, "
-        f"ewma alpha {gated.ewma_alpha:g}, kv policy {args.kv_policy}"
-        + ("" if args.batch_consensus is None else f", batch consensus {args.batch_consensus:g}")
-        + (", compiled layer bodies" if args.compile else "")
-    )
+    print(f"data {args.data}: {description}, {full.tokens} decoded tokens, batch {args.batch_size}")
     if len(results) == 1:
-        print(format_single(results[0]))
+        print(format_single(results[0], extra["execution"], args.batch_size))
     else:
         print(format_sweep(results))
     return 0
 
 
-def format_single(r: dict) -> str:
+def format_single(r: dict, execution: dict, batch_size: int) -> str:
     layers = " ".join(f"{l}:{rate:.2f}" for l, rate in enumerate(r["per_layer_skip_rate"]))
     return "\n".join(
         [
             f"threshold {r['threshold']:g}, skip rule {r['skip_rule']}",
             f"perplexity full {r['perplexity_full']:.3f}  gated {r['perplexity_gated']:.3f} "
             f"({r['perplexity_increase']:+.2%})",
-            f"decode layer evaluations skipped {r['skip_fraction']:.1%}  fallbacks {r['fallbacks']}",
+            f"decode layer evaluations skipped {r['skip_fraction']:.1%} (decided by the skip rule), "
+            f"{r['executed_skip_fraction']:.1%} executed, {r['unneeded_run_fraction']:.1%} run though "
+            f"skipped  fallbacks {r['fallbacks']}",
+            f"depth execution at batch {batch_size}: {execution_text(r, execution, batch_size)}",
             f"per-layer skip rate {layers}",
             f"tokens/s full {r['tokens_per_second_full']:.0f}  gated {r['tokens_per_second_gated']:.0f} "
             f"(medians of {r['speed']['repeats']})",
@@ -178,6 +217,41 @@ def format_sweep(results: list[dict]) -> str:
         lines.append(
             f"| {r['skip_rule']} | {r['threshold']:g} | {r['skip_fraction']:.1%} | {r['perplexity_gated']:.3f} | "
             f"{r['perplexity_increase']:+.2%} | {r['fallbacks']} | {r['tokens_per_second_gated']:.0f} | "
+            f"{_spread_text(r['speed']['gated_over_full'])} |"
+        )
+    return "\n".join(lines)
+
+
+def execution_text(r: dict, execution: dict, batch_size: int) -> str:
+    """ "row-partial up to 1 of 8 rows; layers whole 61%, row-partial 9%, skipped 30%"."""
+    limit = execution["row_partial_limits"].get(str(batch_size))
+    if execution["mode"] == "rows" or batch_size == 1:
+        choice = "every row as it decided"
+    elif execution["mode"] == "batch" or not limit:
+        choice = "whole layers only" + (" (row-partial never faster, measured)" if limit == 0 else "")
+    else:
+        choice = f"row-partial up to {limit} of {batch_size} rows (measured)"
+    paths = r["layer_paths"]
+    return (
+        f"{choice}; (step, layer) pairs run whole {paths['whole']:.0%}, row-partial {paths['partial']:.0%}, "
+        f"skipped {paths['skipped']:.0%}"
+    )
+
+
+def format_batch_sizes(rows: list[dict]) -> str:
+    """A Markdown table, one row per batch size (pasted as is into docs/performance.md)."""
+    lines = [
+        f"full-depth perplexity {rows[0]['perplexity_full']:.3f}",
+        "",
+        "| batch | depth execution | skipped: decided | executed | run though skipped | perplexity | increase "
+        "| gated / full (CPU) | wall |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['batch_size']} | {execution_text(r, r, r['batch_size'])} | {r['skip_fraction']:.1%} | "
+            f"{r['executed_skip_fraction']:.1%} | {r['unneeded_run_fraction']:.1%} | {r['perplexity_gated']:.3f} | "
+            f"{r['perplexity_increase']:+.2%} | {_spread_text(r['speed']['gated_over_full_cpu'])} | "
             f"{_spread_text(r['speed']['gated_over_full'])} |"
         )
     return "\n".join(lines)

@@ -49,6 +49,35 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
 
+def add_depth_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """How a batch runs the layers its rows decided (`serve` and `eval`; depth_execution.py)."""
+    from inference_shim.runtime.depth_execution import DEFAULT_VOTE, DEPTH_MODES
+
+    parser.add_argument(
+        "--depth-execution",
+        choices=DEPTH_MODES,
+        default=DEPTH_MODES[0],
+        help="how a batch runs the layers its rows want: auto, row by row only where this device does "
+        "that faster than the whole batch (measured at start), whole (or by --batch-consensus) otherwise; "
+        'rows: row by row always; batch: whole layers only (docs/model.md, "Depth execution")',
+    )
+    parser.add_argument(
+        "--batch-consensus",
+        type=argtypes.share_or_off,
+        default=DEFAULT_VOTE,
+        metavar="Q|off",
+        help="where a layer runs whole, run it for every row when at least a share Q of the rows want it "
+        f"and for none but the full-depth rows otherwise; off: for every row (default: {DEFAULT_VOTE:g})",
+    )
+
+
+def depth_from_arguments(args: argparse.Namespace):
+    """The DepthExecutionConfig the depth flags name."""
+    from inference_shim.runtime.depth_execution import DepthExecutionConfig
+
+    return DepthExecutionConfig(args.depth_execution, args.batch_consensus)
+
+
 def load_from_arguments(args: argparse.Namespace):
     """The gated model the shared flags name (see add_model_arguments)."""
     from inference_shim.offline.gated_model import load_gated_model

@@ -25,6 +25,7 @@ from inference_shim.service.shim import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_T
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
 from layerwatch.ports import LOOPBACK, SHIM_HTTP_PORT, SHIM_MITIGATION_PORT, http_url, reserve
 from layerwatch_cli import argtypes
+from layerwatch_cli.model_arguments import add_depth_arguments
 
 T = TypeVar("T")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -150,15 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="L,L,...",
         help="layers never skipped (default: the first and the last)",
     )
-    policy.add_argument(
-        "--batch-consensus",
-        type=argtypes.positive_fraction,
-        default=SETTINGS_DEFAULTS["batch_consensus"],
-        metavar="Q",
-        help="one decision per layer for the whole batch: run it for every row when at least a share Q "
-        "of the rows would, skip it for all otherwise (faster at batch > 1, rows run shallower than "
-        "their gates asked: measure with `eval --batch-consensus`; default: rows skip independently)",
-    )
+    add_depth_arguments(policy)  # ServeSettings' defaults: the same DEPTH_MODES[0] and DEFAULT_VOTE
     policy.add_argument(
         "--kv-policy",
         default=SETTINGS_DEFAULTS["kv_policy"],

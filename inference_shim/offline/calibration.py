@@ -152,7 +152,8 @@ def gate_importance_floor(readings: list[float], margin: float) -> float:
     if not readings:
         raise ValueError("no gate-importance reading: the shadow checks never filled the buffers")
     lowest = min(readings)
-    return round(max(-1.0, min(GATE_FLOOR_FRACTION * lowest, lowest - margin)), 3)
+    # Rounded down to 3 decimals: rounded to the nearest, the floor could end less than `margin` below.
+    return max(-1.0, math.floor(min(GATE_FLOOR_FRACTION * lowest, lowest - margin) * 1000) / 1000)
 
 
 def quality_cost_limit(checks: list[ShadowResult], chunk_tokens: int) -> float:

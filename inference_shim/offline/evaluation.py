@@ -11,6 +11,12 @@ is the text's: that gives perplexity under the decode semantics, not under a one
 With no policy nothing is skipped. A policy with threshold 0 skips nothing either and gives
 bit-identical logits, so "full" and "gated" differ only by what the policy skipped.
 
+A batch of windows runs its layers as the engine's does (depth_execution.py): each row's skip rule
+decides, and the depth execution runs layers whole or row by row. The totals count the rule's
+decided skips (`skips_per_layer`, the `skip_fraction` eval always reported), the skips that really
+happened (`executed_skips_per_layer`) and the layers run for rows whose rule skipped them
+(`unneeded_runs_per_layer`), and how each (step, layer) ran (`paths`).
+
 Speed is measured in pairs: `paired_decode` runs full depth and every policy on the same batch of
 windows one after the other, rotating their order from batch to batch, and repeats the whole pass. On a
 shared machine a slow spell then hits every configuration alike, so the gated ÷ full ratio of one
@@ -29,6 +35,13 @@ import torch
 import torch.nn.functional as F
 
 from inference_shim.offline.gated_model import GatedModel
+from inference_shim.runtime.depth_execution import (
+    PATHS,
+    DepthExecution,
+    DepthExecutionConfig,
+    MeasuredDepthCosts,
+    layer_paths,
+)
 from inference_shim.runtime.engine import gated_decode_step
 from inference_shim.runtime.model import KVCache, Transformer
 from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig
@@ -39,7 +52,8 @@ class DecodeStep:
     """One teacher-forced decode step over a batch of windows (host arrays)."""
 
     entropies: np.ndarray | None  # float32 [B, L], None without gates
-    skipped: np.ndarray  # bool [B, L]
+    skipped: np.ndarray  # bool [B, L]: the skip rule skipped the layer (decided)
+    executed_skipped: np.ndarray  # bool [B, L]: the layer did not run (executed)
     losses: np.ndarray  # float32 [B]: each row's negative log-likelihood of its next text token
 
 
@@ -51,10 +65,24 @@ class DecodeTotals:
     decode_seconds: float = 0.0  # wall time of the decode steps
     decode_cpu_seconds: float = 0.0  # process CPU time of the same steps (all threads)
     fallbacks: int = 0
-    skips_per_layer: np.ndarray = field(init=False)  # int [L]: skipped (token, layer) evaluations
+    skips_per_layer: np.ndarray = field(init=False)  # int [L]: (token, layer) pairs the rule skipped
+    executed_skips_per_layer: np.ndarray = field(init=False)  # int [L]: pairs the layer did not run for
+    unneeded_runs_per_layer: np.ndarray = field(init=False)  # int [L]: pairs the rule skipped that ran
+    paths: dict[str, int] = field(init=False)  # (step, layer) pairs by how the layer ran (PATHS)
 
     def __post_init__(self) -> None:
         self.skips_per_layer = np.zeros(self.num_layers, dtype=np.int64)
+        self.executed_skips_per_layer = np.zeros(self.num_layers, dtype=np.int64)
+        self.unneeded_runs_per_layer = np.zeros(self.num_layers, dtype=np.int64)
+        self.paths = dict.fromkeys(PATHS, 0)
+
+    def add_step(self, decided: np.ndarray, executed: np.ndarray) -> None:
+        """One step's run masks, bool [B, L]: the rule's and what ran."""
+        self.skips_per_layer += (~decided).sum(axis=0)
+        self.executed_skips_per_layer += (~executed).sum(axis=0)
+        self.unneeded_runs_per_layer += (executed & ~decided).sum(axis=0)
+        for path, count in layer_paths(executed).items():
+            self.paths[path] += count
 
     @property
     def perplexity(self) -> float:
@@ -63,6 +91,15 @@ class DecodeTotals:
     @property
     def skip_fraction(self) -> float:
         return float(self.skips_per_layer.sum()) / (self.tokens * self.num_layers)
+
+    @property
+    def executed_skip_fraction(self) -> float:
+        return float(self.executed_skips_per_layer.sum()) / (self.tokens * self.num_layers)
+
+    @property
+    def unneeded_run_fraction(self) -> float:
+        """Of all (token, layer) pairs, those the rule skipped and the batch ran."""
+        return float(self.unneeded_runs_per_layer.sum()) / (self.tokens * self.num_layers)
 
     @property
     def per_layer_skip_rate(self) -> list[float]:
@@ -95,16 +132,18 @@ def teacher_forced_decode(
     batch_size: int = 8,
     on_step: Callable[[DecodeStep], None] | None = None,
     totals: DecodeTotals | None = None,
+    depth: DepthExecution | None = None,
 ) -> DecodeTotals:
     """Decode every window after its prefill; `policy_config=None` runs full depth. Adds to `totals`
-    when given (several calls timed as one pass)."""
+    when given (several calls timed as one pass). `depth`: how a batch runs the layers its rows
+    decided (None: every row exactly as it decided)."""
     if policy_config is not None and model.gates is None:
         raise ValueError("a skip policy needs gates: attach them to the model first")
     device = model.embed_tokens.weight.device
     totals = totals if totals is not None else DecodeTotals(num_layers=model.config.num_layers)
     for start in range(0, len(windows), batch_size):
         batch = windows[start : start + batch_size].to(device)
-        _decode_batch(model, batch, prefill_len, policy_config, kv_policy, totals, on_step)
+        _decode_batch(model, batch, prefill_len, policy_config, kv_policy, totals, on_step, depth)
     return totals
 
 
@@ -116,6 +155,7 @@ def _decode_batch(
     kv_policy: str,
     totals: DecodeTotals,
     on_step: Callable[[DecodeStep], None] | None,
+    depth: DepthExecution | None,
 ) -> None:
     rows, window_len = batch.shape
     cache = KVCache(
@@ -140,19 +180,22 @@ def _decode_batch(
             [position] * rows,
             kv_policy,
             choose=lambda logits: logits.argmax(dim=-1),
+            depth=depth,
         )
         totals.decode_seconds += time.perf_counter() - started
         totals.decode_cpu_seconds += time.process_time() - started_cpu
         losses = F.cross_entropy(step.logits.float(), batch[:, position + 1], reduction="none").cpu().numpy()
         totals.nll_sum += float(losses.sum(dtype=np.float64))
         totals.tokens += rows
-        skipped = ~step.run_mask
-        totals.skips_per_layer += skipped.sum(axis=0)
+        totals.add_step(step.run_mask, step.executed)
         totals.fallbacks += int(step.fallback_started.sum())
         if on_step is not None:
             on_step(
                 DecodeStep(
-                    entropies=step.entropies if model.gates is not None else None, skipped=skipped, losses=losses
+                    entropies=step.entropies if model.gates is not None else None,
+                    skipped=~step.run_mask,
+                    executed_skipped=~step.executed,
+                    losses=losses,
                 )
             )
 
@@ -164,6 +207,7 @@ class PairedRuns:
     policies: list[SkipPolicyConfig]
     full: list[DecodeTotals]  # [repeat]
     gated: list[list[DecodeTotals]]  # [policy][repeat]
+    depth: DepthExecution  # how the gated batches ran their layers; its costs hold what was measured
 
 
 def paired_decode(
@@ -175,12 +219,19 @@ def paired_decode(
     kv_policy: str,
     batch_size: int,
     repeats: int,
+    depth: DepthExecutionConfig | DepthExecution | None = None,
 ) -> PairedRuns:
     """Full depth (gates detached: the ungated model) and each policy (e.g. a threshold sweep, or the
-    skip rules side by side: `gated.policy(t, skip_rule=...)`), interleaved batch by batch."""
+    skip rules side by side: `gated.policy(t, skip_rule=...)`), interleaved batch by batch. `depth`:
+    the gated batches' depth execution (a config gets this model's measured costs; None: the
+    default config); its costs are measured before anything is timed."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     model = gated.model
+    if not isinstance(depth, DepthExecution):
+        depth = DepthExecution(depth or DepthExecutionConfig(), MeasuredDepthCosts(model, kv_policy))
+    if depth.config.mode == "auto" and isinstance(depth.costs, MeasuredDepthCosts):
+        depth.costs.prepare({len(windows[start : start + batch_size]) for start in range(0, len(windows), batch_size)})
     configs: list[SkipPolicyConfig | None] = [None, *policies]
     totals = [[DecodeTotals(num_layers=model.config.num_layers) for _ in range(repeats)] for _ in configs]
     for repeat in range(repeats):
@@ -191,9 +242,16 @@ def paired_decode(
                 policy = configs[index]
                 model.attach_gates(None if policy is None else gated.gates.gates)
                 teacher_forced_decode(
-                    model, batch, prefill, policy, kv_policy, batch_size=batch_size, totals=totals[index][repeat]
+                    model,
+                    batch,
+                    prefill,
+                    policy,
+                    kv_policy,
+                    batch_size=batch_size,
+                    totals=totals[index][repeat],
+                    depth=depth,
                 )
-    return PairedRuns(list(policies), full=totals[0], gated=totals[1:])
+    return PairedRuns(list(policies), full=totals[0], gated=totals[1:], depth=depth)
 
 
 def _spread(values: list[float]) -> dict:
@@ -216,6 +274,9 @@ def gated_result(runs: PairedRuns, policy_index: int) -> dict:
         "perplexity_gated": gated.perplexity,
         "perplexity_increase": gated.perplexity / full.perplexity - 1.0,
         "skip_fraction": gated.skip_fraction,
+        "executed_skip_fraction": gated.executed_skip_fraction,
+        "unneeded_run_fraction": gated.unneeded_run_fraction,
+        "layer_paths": {path: count / max(1, sum(gated.paths.values())) for path, count in gated.paths.items()},
         "per_layer_skip_rate": gated.per_layer_skip_rate,
         "fallbacks": gated.fallbacks,
         "tokens_per_second_full": float(np.median(tokens_per_second_full)),

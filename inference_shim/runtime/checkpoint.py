@@ -417,6 +417,7 @@ def _build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: to
     model.load_state_dict(ours, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    model.lay_out_weights()  # the assigned tensors replaced the layout built on the meta device
     model.inv_freq = rope_inverse_frequencies(config).to(device)  # a non-persistent buffer, still on meta
     return model
 

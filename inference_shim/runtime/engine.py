@@ -6,7 +6,11 @@ skip policy's host-side state, so it is known before the step starts; the step t
 device->host transfer, after the last layer (next tokens and entropies together), which feeds the
 policy for the *next* step (a step in which a row asks for log-probabilities reads them in a second
 transfer, also after the last layer). Nothing inside a step waits on the device to decide a skip.
-That step is `gated_decode_step`; teacher-forced evaluation calls it too, so both share its semantics.
+How the batch then runs the layers its rows decided (row by row, whole, or by a batch consensus) is
+the depth execution's plan (depth_execution.py), which never makes a layer cost more than at full
+depth; each row's decided mask still feeds its skip policy and its step record's `skipped`, and
+`executed_skipped` says what ran. That step is `gated_decode_step`; teacher-forced evaluation calls
+it too, so both share its semantics.
 
 A sequence submitted with `record=True` (the shadow check's sample, inference_shim/service/shadow.py)
 also has, per generated position, a summary of the gated model's own distribution computed on the
@@ -47,6 +51,12 @@ import numpy as np
 import torch
 
 from inference_shim.runtime.agreement import SHADOW_TOP_K, GatedRecord, summarize_rows
+from inference_shim.runtime.depth_execution import (
+    DepthExecution,
+    DepthExecutionConfig,
+    MeasuredDepthCosts,
+    default_depth_execution,
+)
 from inference_shim.runtime.model import KV_POLICIES, KVCache, Transformer
 from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig, check_threshold
 from inference_shim.runtime.tokenizer import IncrementalDecoder, Tokenizer
@@ -71,7 +81,7 @@ class SamplingParams:
     max_tokens: int = 64  # 0: generate nothing (with prompt_logprobs: only score the prompt)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    seed: int | None = None  # same seed -> same tokens, whatever else shares the batch
+    seed: int | None = None  # same seed -> same tokens, whatever else shares the batch (depth execution "rows")
     stop: tuple[str, ...] = ()
     # OpenAI's penalties, over the tokens generated so far: presence once per distinct token,
     # frequency once per occurrence, both subtracted from the token's logit.
@@ -144,8 +154,11 @@ class StepRecord:
     token_ids: np.ndarray  # int64 [B]: tokens fed to this step
     next_token_ids: np.ndarray  # int64 [B]: tokens this step produced
     entropies: np.ndarray  # float32 [B, L]: every layer's gate entropy, skipped or not (NaN: no gates)
-    skipped: np.ndarray  # bool [B, L]: True = the layer did not run for that row
-    batch_skipped: np.ndarray  # bool [L]: every row skipped the layer (only these save weight reads)
+    skipped: np.ndarray  # bool [B, L]: True = the skip rule skipped the layer for that row (decided)
+    # bool [B, L]: True = the layer did not run for that row (executed: the depth execution may run a
+    # layer the rule skipped, for the batch's sake, or with a batch consensus skip one it kept)
+    executed_skipped: np.ndarray
+    batch_skipped: np.ndarray  # bool [L]: no row of the step ran the layer (only these save weight reads)
     fallback: np.ndarray  # bool [B]: the row ran full depth because of a fallback episode
     fallback_started: np.ndarray  # bool [B]: a fallback episode begins after this step
     step_seconds: float  # wall time of the step (host view, includes the one device sync)
@@ -171,7 +184,8 @@ class LayerCounts:
     (the service turns them into layerwatch.request_tail.RequestLayers)."""
 
     tokens: int  # decode steps = generated tokens
-    skipped: np.ndarray  # int64 [L]: steps that skipped the layer (sums to `layers_skipped`)
+    # int64 [L]: steps whose skip rule skipped the layer (decided; what ran is in `layers_skipped`)
+    skipped: np.ndarray
     below_threshold: np.ndarray  # int64 [L]: steps whose gate score was below the sequence's threshold
     score_sum: np.ndarray  # float64 [L]: the gate scores of those steps, summed (NaN without gates)
     fallbacks: int  # fallback episodes that began in those steps
@@ -184,8 +198,8 @@ class SequenceUpdate:
     text_delta: str
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "cancelled" | "error"
-    layers_executed: int  # cumulative for the sequence (decode steps)
-    layers_skipped: int
+    layers_executed: int  # cumulative for the sequence (decode steps): layers that really ran
+    layers_skipped: int  # and that did not (the depth execution's, which may differ from the rule's)
     layer_counts: LayerCounts | None = None  # on the final update only
     logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first update, when asked for
@@ -202,7 +216,7 @@ class GenerationResult:
     completion_tokens: int
     layers_executed: int
     layers_skipped: int
-    activity: np.ndarray  # bool [completion_tokens, L], True = the layer ran
+    activity: np.ndarray  # bool [completion_tokens, L], True = the skip rule ran the layer (decided)
     gated_record: GatedRecord | None = None  # with record=True
 
 
@@ -264,7 +278,10 @@ class GenerationEngine:
         step_hook: StepHook | None = None,
         prefill_hook: PrefillHook | None = None,
         record_top_k: int = SHADOW_TOP_K,
+        depth: DepthExecution | DepthExecutionConfig | None = None,
     ) -> None:
+        """`depth`: how a step runs the layers its rows decided (depth_execution.py); a config gets
+        this model's measured costs, None the default config."""
         if kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
         if max_batch_size < 1:
@@ -277,6 +294,7 @@ class GenerationEngine:
                 f"max_seq_len must be in 2..{limit} (the model's max_position_embeddings), got {max_seq_len}"
             )
         self.model = model.eval()
+        model.lay_out_weights()  # the decode layout (model.py), if the loader did not give it
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.policy_config = policy
@@ -292,6 +310,9 @@ class GenerationEngine:
         self.device = weight.device
         self.cache = KVCache(config, max_batch_size, max_seq_len, weight.dtype, weight.device)
         self.skip_policy = SkipPolicy(policy, config.num_layers, max_batch_size)
+        if not isinstance(depth, DepthExecution):
+            depth = default_depth_execution(model, kv_policy, depth or DepthExecutionConfig())
+        self.depth = depth
         self.steps = 0
         self._next_id = 0
         self._waiting: deque[_Sequence] = deque()
@@ -319,6 +340,14 @@ class GenerationEngine:
         sequence = self._submit(prompt_ids, params, threshold, request_id, record)
         sequence.after_prefill = after_prefill
         return sequence.id
+
+    def prepare_depth(self) -> None:
+        """Measure the depth execution's costs now for every batch size the engine can run (mode
+        "auto"), rather than in the first step at each size; logs what was found."""
+        costs = self.depth.costs
+        if self.depth.config.mode == "auto" and isinstance(costs, MeasuredDepthCosts):
+            costs.prepare(range(2, self.max_batch_size + 1))
+            log.info("depth execution %s: row-partial path up to %s", self.depth.config.describe(), costs.table())
 
     def cancel(self, sequence_id: int) -> None:
         """Stop a sequence at the next step boundary (unknown or finished ids are ignored)."""
@@ -522,6 +551,7 @@ class GenerationEngine:
             self.kv_policy,
             choose=lambda logits: self._sample(logits, rows),
             summarize=self._summarizer(rows),
+            depth=self.depth,
         )
         self.steps += 1
         self._keep_records(rows, step.summary)
@@ -559,8 +589,9 @@ class GenerationEngine:
                     next_token_ids=step.next_tokens[ok],
                     entropies=step.entropies[ok],
                     skipped=~step.run_mask[ok],
+                    executed_skipped=~step.executed[ok],
                     # bool [L], over every row that ran; asarray: numpy types any(axis=0) as array or scalar
-                    batch_skipped=np.asarray(~step.run_mask.any(axis=0)),
+                    batch_skipped=np.asarray(~step.executed.any(axis=0)),
                     fallback=step.fallback[ok],
                     fallback_started=step.fallback_started[ok],
                     step_seconds=time.perf_counter() - started,
@@ -683,13 +714,12 @@ class GenerationEngine:
         logprob: TokenLogprob | None,
     ) -> SequenceUpdate:
         """Row `row` of `step` generated `token` for the sequence."""
-        ran = step.run_mask[row]
         sequence.generated.append(token)
-        sequence.activity.append(ran.copy())
+        sequence.activity.append(step.run_mask[row].copy())
         sequence.below_count += below
         sequence.score_sum += step.entropies[row]
         sequence.fallbacks += int(step.fallback_started[row])
-        executed = int(ran.sum())
+        executed = int(step.executed[row].sum())  # what really ran: usage counts the work done
         sequence.layers_executed += executed
         sequence.layers_skipped += self.num_layers - executed
         sequence.position += 1
@@ -791,7 +821,8 @@ class DecodedStep:
     logits: torch.Tensor  # [B, V] on the device
     next_tokens: np.ndarray  # int64 [B]: what `choose` picked
     entropies: np.ndarray  # float32 [B, L]: every layer's gate entropy (NaN: no gates)
-    run_mask: np.ndarray  # bool [B, L]: True = the layer ran for that row
+    run_mask: np.ndarray  # bool [B, L]: True = the skip rule ran the layer for that row (decided)
+    executed: np.ndarray  # bool [B, L]: True = the layer really ran for that row (the depth execution's)
     fallback: np.ndarray  # bool [B]: the row ran full depth because of a fallback episode
     fallback_started: np.ndarray  # bool [B]: a fallback episode begins after this step
     summary: np.ndarray | None = None  # float64 [F, W]: what `summarize` returned, when given
@@ -811,20 +842,26 @@ def gated_decode_step(
     kv_policy: str,
     choose: Callable[[torch.Tensor], torch.Tensor],
     summarize: Summarize | None = None,
+    depth: DepthExecution | None = None,
 ) -> DecodedStep:
-    """One decode step with the skip semantics: run mask from the policy -> `model.decode_step` -> the
-    policy observes the step's entropies (which shape only later steps).
+    """One decode step with the skip semantics: run mask from the policy -> the depth execution's
+    plan -> `model.decode_step` -> the policy observes the step's entropies (which shape only later
+    steps) with the mask it decided.
 
     tokens: [B] on the device, fed at `positions` of cache `slots` (host, [B]). policy None runs
     full depth and observes nothing (no gates attached, or full-depth evaluation). choose: logits
     [B, V] -> next tokens [B] on the device. summarize: its output rides the same one transfer.
+    depth None runs every row as it decided (mode "rows").
     """
     B, L = len(slots), model.config.num_layers
     # Decided from earlier steps only, before anything runs on the device.
     fallback = policy.in_fallback(slots) if policy is not None else np.zeros(B, dtype=bool)
     run_mask = policy.run_mask(slots) if policy is not None else None
+    executed = run_mask
+    if depth is not None and policy is not None and run_mask is not None:
+        executed = depth.plan(run_mask, policy.full_depth_rows(slots))
     with torch.inference_mode():  # cheaper per op than no_grad: a small model's step is many small ops
-        logits, entropies = model.decode_step(tokens, cache, slots.tolist(), positions, run_mask, kv_policy)
+        logits, entropies = model.decode_step(tokens, cache, slots.tolist(), positions, executed, kv_policy)
         next_tokens = choose(logits)
         if entropies is None:
             entropies = torch.full((B, L), float("nan"), device=logits.device)
@@ -838,8 +875,9 @@ def gated_decode_step(
     # A copy: the recording sequences keep its rows, not the whole step's buffer.
     host_summary = None if summary is None else host[packed.numel() :].reshape(summary.shape).copy()
     host_entropies = packed_host[:, 1:].astype(np.float32)
-    if policy is None or run_mask is None:  # run_mask is None exactly when policy is
+    if policy is None or run_mask is None or executed is None:  # all None exactly when policy is
         run_mask, fallback_started = np.ones((B, L), dtype=bool), np.zeros(B, dtype=bool)
+        executed = run_mask
     else:
         fallback_started = policy.observe(slots, host_entropies, run_mask).fallback_started
     return DecodedStep(
@@ -847,6 +885,7 @@ def gated_decode_step(
         next_tokens=packed_host[:, 0].astype(np.int64),
         entropies=host_entropies,
         run_mask=run_mask,
+        executed=executed,
         fallback=fallback,
         fallback_started=fallback_started,
         summary=host_summary,

@@ -25,6 +25,7 @@ discreteness) when one is passed; without one it computes nothing extra.
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
@@ -123,6 +124,94 @@ class CompileError(RuntimeError):
     """torch.compile cannot build the layer bodies here (Transformer.compile_layers)."""
 
 
+# --- the weights' layout for decoding ----------------------------------------------------------
+#
+# A decode step reads every weight once for a few rows, so its matmuls stream memory, and how the
+# weights lie in it decides their speed (docs/performance.md, "Against transformers"):
+#   - storage in transparent huge pages (`weight_storage`): a step streams hundreds of MB, and 2 MiB
+#     pages spare it the TLB misses of 4 KiB ones;
+#   - the wide projections (gate/up, o, down, the LM head) as the transpose of an [in, out] matrix,
+#     x @ W with W contiguous, which MKL streams faster for one row than nn.Linear's [out, in];
+#   - projections that read one input in one matrix (q/k/v as rows, gate/up as columns), so that
+#     one matmul computes them.
+# The parameters stay the [out, in] tensors Hugging Face names (state dicts, checkpoints, training
+# and hooks see nothing else; each is a view into its matrix, only its strides or storage differ).
+# Fused matmuls run without autograd only; training calls each linear, so every parameter gets its
+# gradient. `Transformer.lay_out_weights` builds the layout, and again after loading or moving.
+# q/k/v keep the [out, in] rows: transposed, their rounding moved attention's logits by up to
+# 1e-4 against transformers' on the reference tests' random weights (tests/model/test_transformers_reference.py).
+
+HUGE_PAGE = 2 << 20
+
+
+def weight_storage(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of `like`'s dtype and device for a decode weight: on a Linux CPU,
+    anonymous memory the kernel may back with transparent huge pages (madvise, as torch's own
+    THP_MEM_ALLOC_ENABLE does for every allocation); elsewhere, or when small, torch.empty."""
+    nbytes = math.prod(shape) * like.element_size()
+    if like.device.type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=like.dtype).view(shape)  # the tensor keeps the mapping alive
+
+
+def _laid_out(layout: FusedLinears | None, linears: Sequence[nn.Linear], transposed: bool) -> FusedLinears:
+    """`layout` while it holds, else the linears laid out afresh."""
+    return layout if layout is not None and layout.intact() else FusedLinears(linears, transposed)
+
+
+class FusedLinears:
+    """Linears that read one input, their weights in one matrix: as rows, [out_1 + ... + out_n, in]
+    (nn.Linear's own layout), or `transposed`, as columns of [in, out_1 + ... + out_n]; biases
+    likewise. Each linear's parameters become views into it.
+
+    `outputs(x, first)` computes linears first..n in one `F.linear`, without autograd only (the matrix
+    is no parameter). It gives None while gradients are recorded, inside a compiled body (inductor
+    fuses on its own) and once a parameter no longer is its view (replaced, or given new storage):
+    callers then call the linears one by one, which computes the same.
+    """
+
+    def __init__(self, linears: Sequence[nn.Linear], transposed: bool) -> None:
+        if (
+            len({linear.in_features for linear in linears}) != 1
+            or len({linear.bias is None for linear in linears}) != 1
+        ):
+            raise ValueError("fused linears need one input width, and biases on all or none")
+        like = linears[0].weight
+        self.sizes = [linear.out_features for linear in linears]
+        offsets = [sum(self.sizes[:i]) for i in range(len(linears))]
+        total, width = sum(self.sizes), like.shape[1]
+        rows = weight_storage((width, total) if transposed else (total, width), like).detach()
+        matrix = rows.t() if transposed else rows  # [total, in], whatever the storage
+        bias = None if linears[0].bias is None else torch.empty(total, dtype=like.dtype, device=like.device)
+        self._views: list[tuple[dict, str, nn.Parameter, int]] = []  # (owner's parameters, name, view, address)
+        with torch.no_grad():
+            for linear, offset, size in zip(linears, offsets, self.sizes):
+                parts = [("weight", matrix[offset : offset + size])]
+                if bias is not None:
+                    parts.append(("bias", bias[offset : offset + size]))
+                for name, view in parts:
+                    old = linear._parameters[name]
+                    assert old is not None
+                    view.copy_(old)
+                    parameter = nn.Parameter(view, requires_grad=old.requires_grad)
+                    setattr(linear, name, parameter)
+                    self._views.append((linear._parameters, name, parameter, parameter.data_ptr()))
+        self._weights = [matrix[offset:] for offset in offsets]
+        self._biases = [None if bias is None else bias[offset:] for offset in offsets]
+
+    def outputs(self, x: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, ...] | None:
+        """Linears first..n of x [..., in] (see the class), or None."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not self.intact():
+            return None
+        return F.linear(x, self._weights[first], self._biases[first]).split(self.sizes[first:], dim=-1)
+
+    def intact(self) -> bool:
+        """Every parameter is still the view it was made."""
+        return all(owner[name] is view and view.data_ptr() == address for owner, name, view, address in self._views)
+
+
 # --- building blocks ---------------------------------------------------------------------------
 
 
@@ -136,8 +225,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32, as Llama does, so fp16/bf16 weights do not lose the small variances.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps) (times the weight) in one kernel instead of six.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not self.weight_in_fp32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x32 = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
         if self.weight_in_fp32:  # Gemma, OLMo2: scale, then round once
             return (x32 * (self.weight.float() + self.weight_offset)).to(x.dtype)
         return self.weight * x32.to(x.dtype)
@@ -152,8 +243,7 @@ class UnitRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -205,6 +295,7 @@ class KVCache(nn.Module):
     k: torch.Tensor  # buffers, registered in __init__
     v: torch.Tensor
     valid: torch.Tensor
+    heads: torch.Tensor  # 0 .. Hkv - 1 (`places`)
 
     def __init__(
         self, config: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str
@@ -216,6 +307,7 @@ class KVCache(nn.Module):
         self.register_buffer(
             "valid", torch.zeros(shape[:2] + (max_len,), dtype=torch.bool, device=device), persistent=False
         )
+        self.register_buffer("heads", torch.arange(config.num_kv_heads, device=device), persistent=False)
         self.max_len = max_len
 
     @staticmethod
@@ -238,11 +330,21 @@ class KVCache(nn.Module):
         self.v[layer, slot, :, :T] = v
         self.valid[layer, slot, :T] = True
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # slots, positions: [B]; k, v: [B, Hkv, D]
-        self.k[layer, slots, :, positions] = k
-        self.v[layer, slots, :, positions] = v
-        self.valid[layer, slots, positions] = True
+    def places(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[B] slots and positions -> [B, Hkv]: each row's (slot, head, position) as a row of one
+        layer's keys (or values) viewed as [slots * Hkv * max_len, D], the rows `write` copies."""
+        return (slots[:, None] * self.k.shape[2] + self.heads) * self.max_len + positions[:, None]
+
+    def write(self, layer: int, places: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # places: [B, Hkv] (`places`); k, v: [B, Hkv, D]. One row copy per (row, head): cheaper
+        # than indexing slots and positions, and a step marks its positions valid once (`mark_written`).
+        index, width = places.reshape(-1), self.k.shape[-1]
+        self.k[layer].view(-1, width).index_copy_(0, index, k.reshape(-1, width))
+        self.v[layer].view(-1, width).index_copy_(0, index, v.reshape(-1, width))
+
+    def mark_written(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """A decode step's positions in every layer: each layer writes them (`evict` clears them again)."""
+        self.valid[:, slots, positions] = True
 
     def evict(self, layer: int, slots: torch.Tensor, positions: torch.Tensor) -> None:
         self.valid[layer, slots, positions] = False
@@ -253,6 +355,23 @@ class KVCache(nn.Module):
         v = self.v[layer, slots, :, :length]
         mask = self.valid[layer, slots, :length][:, None, None, :]
         return k, v, mask
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """Where each row of a decode step is: its RoPE and its place in the cache (`Transformer.step_rows`)."""
+
+    cos: torch.Tensor  # [B, 1, 1, head_dim]
+    sin: torch.Tensor
+    slots: torch.Tensor  # [B]
+    positions: torch.Tensor  # [B]
+    places: torch.Tensor  # [B, Hkv]: KVCache.places
+    read: torch.Tensor | slice  # the slots attention reads: a slice when contiguous (read in place)
+
+    def take(self, rows: torch.Tensor) -> StepRows:
+        """The rows `rows` (indices) of the step."""
+        slots = self.slots[rows]
+        return StepRows(self.cos[rows], self.sin[rows], slots, self.positions[rows], self.places[rows], slots)
 
 
 class Attention(nn.Module):
@@ -278,7 +397,11 @@ class Attention(nn.Module):
         self.scale = config.attention_scale  # None: SDPA's default, head_dim**-0.5
         self.softcap = config.attn_logit_softcapping
         self.window = config.sliding_window if layer in config.sliding_layers else None
+        # The decode layout of the projections (Transformer.lay_out_weights): q, k, v in one matrix.
+        self.qkv: FusedLinears | None = None
+        self.o_layout: FusedLinears | None = None
         # The projections decoding calls, replaced by compiled ones by Transformer.compile_layers.
+        self.decode_qkv: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self.project_qkv
         self.decode_queries: Callable[..., torch.Tensor] = self.queries
         self.decode_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self.project_kv
 
@@ -294,9 +417,24 @@ class Attention(nn.Module):
         return apply_rope(self._heads(self.q_proj(x), self.q_norm, self.num_heads), cos, sin)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        # x: [B, T, d] -> k, v: [B, Hkv, T, D] (k rotated)
-        k = apply_rope(self._heads(self.k_proj(x), self.k_norm, self.num_kv_heads), cos, sin)
-        return k, self.v_proj(x).view(x.shape[0], -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # x: [B, T, d] -> k, v: [B, Hkv, T, D] (k rotated); x: [B, d] -> [B, Hkv, 1, D]
+        fused = self.qkv.outputs(x, first=1) if self.qkv is not None else None
+        k, v = (self.k_proj(x), self.v_proj(x)) if fused is None else fused
+        return self._keys_values(k, v, cos, sin)
+
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # queries and project_kv in one: x: [B, T, d] -> q [B, H, T, D], k, v [B, Hkv, T, D]
+        fused = self.qkv.outputs(x) if self.qkv is not None else None
+        if fused is None:
+            return self.queries(x, cos, sin), *self.project_kv(x, cos, sin)
+        q, k, v = fused
+        return apply_rope(self._heads(q, self.q_norm, self.num_heads), cos, sin), *self._keys_values(k, v, cos, sin)
+
+    def _keys_values(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # projected k, v: [B, T, Hkv * D] or [B, Hkv * D] -> k (normed where the family does, rotated),
+        # v: [B, Hkv, T, D]
+        k = apply_rope(self._heads(k, self.k_norm, self.num_kv_heads), cos, sin)
+        return k, v.view(v.shape[0], -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     def visible(self, query_positions: torch.Tensor, length: int) -> torch.Tensor:
         """Which of keys 0..length-1 each query position attends: causal, within the window on a
@@ -329,8 +467,7 @@ class Attention(nn.Module):
     def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         # Causal attention over the whole sequence. x: [B, T, d] -> out [B, T, d], k, v [B, Hkv, T, D]
         B, T, _ = x.shape
-        q = self.queries(x, cos, sin)
-        k, v = self.project_kv(x, cos, sin)
+        q, k, v = self.project_qkv(x, cos, sin)
         mask = None if self.window is None else self.visible(torch.arange(T, device=x.device), T)
         out = self._attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
@@ -353,29 +490,20 @@ class Attention(nn.Module):
         return (neg_entropy + torch.log(attended.sum(-1).float())).mean(dim=1)
 
     def forward_decode(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: KVCache,
-        layer: int,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
-        length: int,
-        read_slots: torch.Tensor | slice | None = None,
-        write_kv: bool = True,
+        self, x: torch.Tensor, rows: StepRows, cache: KVCache, layer: int, length: int, write_kv: bool = True
     ) -> torch.Tensor:
         # One new token per row. x: [B, d] -> [B, d]. write_kv=False: the rows' K/V are already in
         # the cache (the `project` policy wrote the whole batch's at once, see Block.write_kv).
         B = x.shape[0]
-        q = self.decode_queries(x, cos, sin)
         if write_kv:
-            k, v = self.decode_kv(x[:, None, :], cos, sin)
-            cache.write(layer, slots, positions, k[:, :, 0], v[:, :, 0])
+            q, k, v = self.decode_qkv(x, rows.cos, rows.sin)
+            cache.write(layer, rows.places, k[:, :, 0], v[:, :, 0])
+        else:
+            q = self.decode_queries(x, rows.cos, rows.sin)
         # A slice of contiguous slots reads the cache in place; index tensors would copy it.
-        keys, values, mask = cache.read(layer, slots if read_slots is None else read_slots, length)
+        keys, values, mask = cache.read(layer, rows.read, length)
         if self.window is not None:
-            mask = mask & self.visible(positions, length)[:, None, None, :]
+            mask = mask & self.visible(rows.positions, length)[:, None, None, :]
         out = self._attend(q, keys, values, mask)
         return self.o_proj(out.reshape(B, -1))
 
@@ -393,9 +521,14 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = ACTIVATIONS[config.hidden_act]
+        # The decode layout of the projections (Transformer.lay_out_weights): gate and up in one matrix.
+        self.gate_up: FusedLinears | None = None
+        self.down_layout: FusedLinears | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        fused = self.gate_up.outputs(x) if self.gate_up is not None else None
+        gate, up = (self.gate_proj(x), self.up_proj(x)) if fused is None else fused
+        return self.down_proj(self.act(gate) * up)
 
 
 class Block(nn.Module):
@@ -448,38 +581,22 @@ class Block(nn.Module):
         self,
         h: torch.Tensor,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rows: StepRows,
         cache: KVCache,
         layer: int,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
         length: int,
-        read_slots: torch.Tensor | slice | None = None,
         write_kv: bool = True,
     ) -> torch.Tensor:
         # One new token per row, its K/V written to the cache unless already there. h, x: [B, d] -> h [B, d]
-        attn = self.self_attn.forward_decode(
-            self.attention_input(h, x), cos, sin, cache, layer, slots, positions, length, read_slots, write_kv
-        )
+        attn = self.self_attn.forward_decode(self.attention_input(h, x), rows, cache, layer, length, write_kv)
         return self.decode_updates(h, attn)
 
-    def write_kv(
-        self,
-        h: torch.Tensor,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: KVCache,
-        layer: int,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> None:
+    def write_kv(self, h: torch.Tensor, x: torch.Tensor, rows: StepRows, cache: KVCache, layer: int) -> None:
         # Project and cache every row's K/V from its normed input: under `project` that is what a
         # row that skips the layer keeps, and what a running row's attention writes anyway, so a
         # layer that only some rows run reads the K/V weights once for the whole batch. h, x: [B, d]
-        k, v = self.self_attn.decode_kv(self.attention_input(h, x)[:, None, :], cos, sin)
-        cache.write(layer, slots, positions, k[:, :, 0], v[:, :, 0])
+        k, v = self.self_attn.decode_kv(self.attention_input(h, x), rows.cos, rows.sin)
+        cache.write(layer, rows.places, k[:, :, 0], v[:, :, 0])
 
     def _residual_updates(self, h: torch.Tensor, attn: torch.Tensor, scale: torch.Tensor | None = None):
         # h + attention, then + MLP, normed where the layout says; training's `scale` weighs both
@@ -612,9 +729,33 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.gates: GateBank | None = None
+        self.lm_head_layout: FusedLinears | None = None
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
         # Executed (row, layer) computations since the last reset: proof that skipped means skipped.
         self.layer_rows_executed = [0] * config.num_layers
+        self.decode_layout = False  # lay_out_weights ran: keep the layout through moves (`_apply`)
+
+    def lay_out_weights(self) -> None:
+        """Give the projections the decode layout ("the weights' layout for decoding" above) where
+        they lack it. What decodes calls it (the engine, load_checkpoint), after any initialisation:
+        a random fill in place draws in memory order, which the layout changes. It runs again after
+        a move gave the parameters new storage (`_apply`: `.to()`, `.half()` and the like)."""
+        self.decode_layout = True
+        for block in cast("Iterable[Block]", self.layers):  # nn.ModuleList is not generic
+            attention, mlp = block.self_attn, block.mlp
+            attention.qkv = _laid_out(attention.qkv, [attention.q_proj, attention.k_proj, attention.v_proj], False)
+            attention.o_layout = _laid_out(attention.o_layout, [attention.o_proj], True)
+            mlp.gate_up = _laid_out(mlp.gate_up, [mlp.gate_proj, mlp.up_proj], True)
+            mlp.down_layout = _laid_out(mlp.down_layout, [mlp.down_proj], True)
+        if self.lm_head.weight is not self.embed_tokens.weight:  # tied, it is the embedding table's rows
+            self.lm_head_layout = _laid_out(self.lm_head_layout, [self.lm_head], True)
+
+    def _apply(self, fn, recurse=True):
+        # Moving or converting the model gives every parameter its own new storage.
+        super()._apply(fn, recurse)
+        if self.decode_layout:
+            self.lay_out_weights()
+        return self
 
     def attach_gates(self, gates: GateBank | None) -> None:
         if gates is not None and len(gates) != self.config.num_layers:
@@ -720,42 +861,94 @@ class Transformer(nn.Module):
         """
         if kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
-        device = tokens.device
         B = tokens.shape[0]
-        slot_t = torch.as_tensor(slots, device=device)
-        pos_t = torch.as_tensor(positions, device=device)
         length = int(max(positions)) + 1  # keys beyond the longest row are never valid
         h = self.embed(tokens)  # [B, d]
-        cos, sin = self.rope(pos_t[:, None], h.dtype)  # [B, 1, 1, D]
+        rows = self.step_rows(cache, slots, positions)
         normed_inputs = []  # the gates' inputs, scored together after the last layer
-        plan = _RowPlan(run_mask, B, self.config.num_layers, (cos, sin, slot_t, pos_t))
-        first = slots[0]
-        all_slots = slice(first, first + B) if list(slots) == list(range(first, first + B)) else slot_t
-        project = kv_policy == "project"
+        plan = _RowPlan(run_mask, B, self.config.num_layers, rows)
         for l, block in enumerate(cast("Iterable[Block]", self.layers)):  # nn.ModuleList is not generic
             x = block.input_layernorm(h)  # [B, d]
             if self.gates is not None:
                 normed_inputs.append(x)
-            rows = plan.rows(l)
-            if rows is None:  # every row runs the layer
-                h = block.decode(h, x, cos, sin, cache, l, slot_t, pos_t, length, read_slots=all_slots)
-                self.layer_rows_executed[l] += B
-                continue
-            if project:  # one K/V projection for the whole batch, skipped rows included
-                block.write_kv(h, x, cos, sin, cache, l, slot_t, pos_t)
-            else:
-                cache.evict(l, *rows.skipping())
-            if rows.count:
-                run = rows.run
-                r_cos, r_sin, r_slots, r_pos = rows.running()
-                hr = block.decode(h[run], x[run], r_cos, r_sin, cache, l, r_slots, r_pos, length, write_kv=not project)
-                h.index_copy_(0, run, hr)  # in place: h is this step's own tensor, apart from the gates' inputs
-                self.layer_rows_executed[l] += rows.count
+            h = self._decode_layer(l, block, h, x, plan.rows(l), rows, cache, length, kv_policy)
         logits = self.logits(h)
         entropies = (
             self.gates.scores(torch.stack(normed_inputs)).float() if normed_inputs and self.gates is not None else None
         )
         return logits, entropies
+
+    def step_rows(self, cache: KVCache, slots: Sequence[int], positions: Sequence[int]) -> StepRows:
+        """A decode step's rows at `positions` of cache `slots` (host ints, [B]), their positions
+        marked written in every layer (the step writes them; `evict` clears a skipped one)."""
+        device = self.embed_tokens.weight.device
+        slot_t = torch.as_tensor(slots, device=device)
+        pos_t = torch.as_tensor(positions, device=device)
+        cos, sin = self.rope(pos_t[:, None], self.embed_tokens.weight.dtype)  # [B, 1, 1, D]
+        first = slots[0]
+        contiguous = list(slots) == list(range(first, first + len(slots)))
+        cache.mark_written(slot_t, pos_t)
+        return StepRows(
+            cos,
+            sin,
+            slot_t,
+            pos_t,
+            cache.places(slot_t, pos_t),
+            slice(first, first + len(slots)) if contiguous else slot_t,
+        )
+
+    @torch.no_grad()
+    def decode_layers(
+        self,
+        h: torch.Tensor,
+        rows: StepRows,
+        cache: KVCache,
+        layers: Sequence[int],
+        length: int,
+        running: np.ndarray | None,
+        kv_policy: str = "project",
+    ) -> torch.Tensor:
+        """The work of a decode step at `layers` only, as `decode_step` does it: each layer's input
+        norm, then the layer for the rows `running` (host bool [B]; None = every row) -> h [B, d].
+        What depth_execution.py's cost measurement times; it runs for no sequence, so
+        `layer_rows_executed` does not count it."""
+        counted = list(self.layer_rows_executed)
+        mask = None if running is None else np.repeat(running[:, None], len(self.layers), axis=1)
+        plan = _RowPlan(mask, h.shape[0], len(self.layers), rows)
+        for l in layers:
+            block = cast(Block, self.layers[l])
+            h = self._decode_layer(l, block, h, block.input_layernorm(h), plan.rows(l), rows, cache, length, kv_policy)
+        self.layer_rows_executed = counted
+        return h
+
+    def _decode_layer(
+        self,
+        layer: int,
+        block: Block,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        running: _Rows | None,
+        rows: StepRows,
+        cache: KVCache,
+        length: int,
+        kv_policy: str,
+    ) -> torch.Tensor:
+        """One layer of a decode step: h, x = input_layernorm(h) [B, d] -> h after the layer, for
+        the `running` rows (None: every row)."""
+        if running is None:
+            self.layer_rows_executed[layer] += h.shape[0]
+            return block.decode(h, x, rows, cache, layer, length)
+        project = kv_policy == "project"
+        if project:  # one K/V projection for the whole batch, skipped rows included
+            block.write_kv(h, x, rows, cache, layer)
+        else:
+            cache.evict(layer, *running.skipping())
+        if running.count:
+            run = running.run
+            hr = block.decode(h[run], x[run], running.running_rows(), cache, layer, length, write_kv=not project)
+            h.index_copy_(0, run, hr)  # in place: h is this step's own tensor, apart from the gates' inputs
+            self.layer_rows_executed[layer] += running.count
+        return h
 
     def reset_counters(self) -> None:
         self.layer_rows_executed = [0] * self.config.num_layers
@@ -769,9 +962,13 @@ class Transformer(nn.Module):
         row, which torch.compile specialises). The graphs are built here, not by the first request;
         raises CompileError when the backend cannot work on this machine.
         """
+        # The graphs guard on the weights they read: built on the decode layout, or the engine's
+        # own lay_out_weights would make every body compile again at the first request.
+        self.lay_out_weights()
         blocks = list(cast("Iterable[Block]", self.layers))  # nn.ModuleList is not generic
         for block in blocks:
             attention = block.self_attn
+            attention.decode_qkv = torch.compile(attention.project_qkv, backend=backend, dynamic=True)
             attention.decode_queries = torch.compile(attention.queries, backend=backend, dynamic=True)
             attention.decode_kv = torch.compile(attention.project_kv, backend=backend, dynamic=True)
             block.decode_updates = torch.compile(block._residual_updates, backend=backend, dynamic=True)
@@ -782,8 +979,9 @@ class Transformer(nn.Module):
                     h = torch.zeros(rows, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
                     cos, sin = self.rope(torch.zeros(rows, 1, dtype=torch.long, device=weight.device), h.dtype)
                     for block in blocks:
+                        block.self_attn.decode_qkv(h, cos, sin)
                         block.self_attn.decode_queries(h, cos, sin)
-                        block.self_attn.decode_kv(h[:, None, :], cos, sin)
+                        block.self_attn.decode_kv(h, cos, sin)
                         block.decode_updates(h, torch.zeros_like(h))  # not h itself: Dynamo guards on aliasing
         except Exception as exc:  # whatever the backend raised (no C++ compiler, unsupported device, ...)
             reason = str(exc).split("\n\n")[0]  # the cause, without torch's advice on debug logging
@@ -798,14 +996,7 @@ class _RowPlan:
     runs. Layers whose running rows are the same share one `_Rows`, so those rows' RoPE, slots and
     positions are gathered once per step for all of them."""
 
-    def __init__(
-        self,
-        run_mask: np.ndarray | None,
-        batch: int,
-        num_layers: int,
-        per_row: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    ) -> None:
-        # per_row: the step's cos, sin, slots and positions, [B, ...] each
+    def __init__(self, run_mask: np.ndarray | None, batch: int, num_layers: int, rows: StepRows) -> None:
         self._rows: list[_Rows | None] = [None] * num_layers
         if run_mask is None:
             return
@@ -816,7 +1007,7 @@ class _RowPlan:
             column = run_mask[:, l]
             key = column.tobytes()
             if key not in shared:
-                shared[key] = _Rows(column, per_row)
+                shared[key] = _Rows(column, rows)
             self._rows[l] = shared[key]
 
     def rows(self, layer: int) -> _Rows | None:
@@ -828,26 +1019,23 @@ class _Rows:
     """The rows of a batch that run a layer (`run`, `count` of them) and those that skip it; what
     each gathers is computed on first use and kept for the step's other layers with these rows."""
 
-    def __init__(
-        self, column: np.ndarray, per_row: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-    ) -> None:
-        device = per_row[0].device
+    def __init__(self, column: np.ndarray, rows: StepRows) -> None:
+        device = rows.slots.device
         self.run = torch.as_tensor(np.flatnonzero(column), device=device)
         self.count = int(self.run.numel())
         self._skip = torch.as_tensor(np.flatnonzero(~column), device=device)
-        self._per_row = per_row
-        self._running: tuple[torch.Tensor, ...] | None = None
+        self._step = rows
+        self._running: StepRows | None = None
         self._skipping: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def running(self) -> tuple[torch.Tensor, ...]:
-        """The running rows' cos, sin, slots and positions."""
+    def running_rows(self) -> StepRows:
+        """The running rows' RoPE and cache places."""
         if self._running is None:
-            self._running = tuple(t[self.run] for t in self._per_row)
+            self._running = self._step.take(self.run)
         return self._running
 
     def skipping(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The skipping rows' slots and positions (what `evict` clears)."""
         if self._skipping is None:
-            _, _, slots, positions = self._per_row
-            self._skipping = (slots[self._skip], positions[self._skip])
+            self._skipping = (self._step.slots[self._skip], self._step.positions[self._skip])
         return self._skipping

@@ -18,12 +18,9 @@ Fallback breaker: when more than `fallback_skip_fraction` of all layers were ski
 `fallback_trigger_steps` consecutive steps of a sequence, the next `fallback_steps` steps of that
 sequence run at full depth.
 
-Batch consensus (optional, `batch_consensus` = q): the rows' masks are merged into one decision
-per layer: the layer runs for the whole batch when at least a share q of the rows would run it, and
-is skipped for every row otherwise (rows in a fallback episode or at tau 0 still run every layer). Skips then
-save whole-layer work, which is what pays on a memory-bound GPU and avoids per-row gathers, at the
-price of running some rows shallower than their gates asked: `layerwatch eval --batch-consensus`
-measures that cost (docs/model.md).
+The mask is each row's own, whatever else shares its batch: how a batch then runs the layers its
+rows want (row by row, whole layers, a batch consensus) is the depth execution's choice
+(depth_execution.py), which takes the rows at full depth (`full_depth_rows`) as they are.
 
 Per-sequence threshold: a sequence may run at its own tau (`reset(slot, threshold)`), e.g. one
 an operator or the request chose; tau = 0 is full depth (no score is below 0). The other settings
@@ -56,7 +53,6 @@ class SkipPolicyConfig:
     fallback_skip_fraction: float = 0.85  # a step "skips too much" above this fraction of all layers
     fallback_trigger_steps: int = 3  # consecutive such steps that start a fallback episode
     fallback_steps: int = 16  # full-depth steps of one fallback episode
-    batch_consensus: float | None = None  # q in (0, 1]: one run/skip decision per layer for the batch
     skip_rule: str = SKIP_RULES[0]  # "streak" or "ewma" (see the module docstring)
     # "ewma": the newest score's weight in (0, 1]; 0.5 averages over about as many steps as patience 3
     # (an EWMA's span N = 2 / alpha - 1). 1 = the last score alone. Unused by "streak".
@@ -74,8 +70,6 @@ class SkipPolicyConfig:
             raise ValueError(f"fallback_skip_fraction must be in [0, 1], got {self.fallback_skip_fraction}")
         if self.fallback_trigger_steps < 1 or self.fallback_steps < 0:
             raise ValueError("fallback_trigger_steps must be >= 1 and fallback_steps >= 0")
-        if self.batch_consensus is not None and not 0.0 < self.batch_consensus <= 1.0:
-            raise ValueError(f"batch_consensus must be in (0, 1], got {self.batch_consensus}")
 
     def rule_description(self) -> str:
         """The rule in words, for reports: "streak, patience 3" or "ewma alpha 0.5, warm-up 3"."""
@@ -137,21 +131,21 @@ class SkipPolicy:
             skip = warm[:, None] & (self._ewma[slots] < self._threshold[slots, None]) & self.skippable
         else:
             skip = (self._below_streak[slots] >= self.config.patience) & self.skippable
-        fallback = self.in_fallback(slots)
-        skip &= ~fallback[:, None]
-        if self.config.batch_consensus is None:
-            return ~skip
-        # A row at tau 0 runs full depth (an override, a rollout's or the request's choice) whatever
-        # the batch decides, as a row in a fallback episode does.
-        full_depth = fallback | (self._threshold[slots] == 0.0)
-        return consensus_mask(~skip, self.config.batch_consensus, full_depth)
+        skip &= ~self.in_fallback(slots)[:, None]
+        return ~skip
+
+    def full_depth_rows(self, slots: np.ndarray) -> np.ndarray:
+        """bool [B]: rows whose next step runs every layer, whatever their batch does: a fallback
+        episode, or tau 0 (an override, a rollout's or the request's choice of full depth)."""
+        return self.in_fallback(slots) | (self._threshold[slots] == 0.0)
 
     def below_threshold(self, slots: np.ndarray, entropies: np.ndarray) -> np.ndarray:
         """bool [B, L]: each row's scores float [B, L] below its own tau (NaN, no gates: never)."""
         return entropies < self._threshold[slots, None]
 
     def observe(self, slots: np.ndarray, entropies: np.ndarray, run_mask: np.ndarray) -> StepDecision:
-        """Record a finished step: entropies float [B, L] and the run mask it used."""
+        """Record a finished step: entropies float [B, L] and the run mask `run_mask` gave it (the
+        rule's decision: the fallback breaker counts the rule's skips, whatever the batch ran)."""
         if self.config.skip_rule == "ewma":
             self._update_ewma(slots, entropies)
         else:
@@ -176,11 +170,3 @@ class SkipPolicy:
         averaged = alpha * scores + (1.0 - alpha) * self._ewma[slots]
         self._ewma[slots] = np.where(seen[:, None] > 0, averaged, scores)
         self._steps_seen[slots] = np.minimum(seen + 1, self.config.patience)
-
-
-def consensus_mask(run: np.ndarray, share: float, full_depth_rows: np.ndarray) -> np.ndarray:
-    """The batch's per-row masks bool [B, L] merged into one decision per layer: run for every row
-    where at least `share` of the rows would run it, skip for every row elsewhere; rows flagged in
-    `full_depth_rows` bool [B] run every layer regardless."""
-    runs_for_batch = run.mean(axis=0) >= share  # [L]
-    return np.broadcast_to(runs_for_batch, run.shape) | full_depth_rows[:, None]

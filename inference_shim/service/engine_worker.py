@@ -171,6 +171,7 @@ class EngineWorker:
     # --- the engine thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        self._engine.prepare_depth()  # in this thread: the one that decodes (shim.py says why)
         while True:
             busy = self._engine.has_work()
             idle_work = self._shadow is not None and self._shadow.pending() > 0
@@ -333,7 +334,7 @@ class EngineWorker:
     def _on_step(self, record: StepRecord) -> None:
         """The engine's step hook: split off probe rows, then hand client rows to telemetry."""
         sequence_ids, entropies, skipped = record.sequence_ids, record.entropies, record.skipped
-        fallback_started = record.fallback_started
+        executed_skipped, fallback_started = record.executed_skipped, record.fallback_started
         if self._probes:
             is_probe = np.isin(sequence_ids, np.fromiter(self._probes, dtype=np.int64))
             for row in np.flatnonzero(is_probe).tolist():
@@ -343,7 +344,7 @@ class EngineWorker:
                 return
             client = ~is_probe
             sequence_ids, entropies, skipped = sequence_ids[client], entropies[client], skipped[client]
-            fallback_started = fallback_started[client]
+            executed_skipped, fallback_started = executed_skipped[client], fallback_started[client]
         if self._capturing:
             for row, sequence_id in enumerate(sequence_ids.tolist()):
                 handle = self._capturing.get(sequence_id)
@@ -352,7 +353,7 @@ class EngineWorker:
         if self._telemetry is None:
             return
         try:
-            self._telemetry(entropies, skipped, record.batch_skipped, fallback_started)
+            self._telemetry(entropies, skipped, executed_skipped, record.batch_skipped, fallback_started)
         except Exception:  # telemetry must never break decoding; say so once
             if not self._telemetry_failed:
                 log.exception("telemetry failed in the step hook (decoding continues)")

@@ -91,8 +91,10 @@ class DecodeStats:
     `observe` (engine thread, once per step) only queues the step's arrays; they are folded into
     the totals with a few vectorised operations over many steps at once, when a scrape asks for a
     snapshot or every FOLD_STEPS steps. Counted per decoded token (row of a step): every layer's
-    gate is evaluated once, so every layer's evaluations equal `rows`; `skips[l]` counts rows that
-    did not run layer l.
+    gate is evaluated once, so every layer's evaluations equal `rows`; `skips[l]` counts rows whose
+    skip rule skipped layer l (decided), `executed_skips[l]` rows that did not run it, and
+    `unneeded_runs[l]` rows that ran it though their rule skipped it (the depth execution's; a batch
+    consensus may also skip a layer a rule kept: executed = decided - unneeded + those).
     """
 
     FOLD_STEPS = 256  # bounds the queue when nobody scrapes
@@ -100,21 +102,30 @@ class DecodeStats:
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
         self._lock = threading.Lock()
-        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         self._totals = DecodeStatsSnapshot(
             rows=0,
             steps=0,
             skips=np.zeros(num_layers, dtype=np.int64),
+            executed_skips=np.zeros(num_layers, dtype=np.int64),
+            unneeded_runs=np.zeros(num_layers, dtype=np.int64),
             batch_skips=np.zeros(num_layers, dtype=np.int64),
             executed_counts=np.zeros(num_layers + 1, dtype=np.int64),
             executed_sum=0,
             fallbacks=0,
         )
 
-    def observe(self, skipped: np.ndarray, batch_skipped: np.ndarray, fallback_started: np.ndarray) -> None:
-        """skipped bool [B, L]; batch_skipped bool [L]; fallback_started bool [B]. Not modified later."""
+    def observe(
+        self,
+        skipped: np.ndarray,
+        executed_skipped: np.ndarray,
+        batch_skipped: np.ndarray,
+        fallback_started: np.ndarray,
+    ) -> None:
+        """skipped (decided), executed_skipped bool [B, L]; batch_skipped bool [L]; fallback_started
+        bool [B] (a StepRecord's). Not modified later."""
         with self._lock:
-            self._pending.append((skipped, batch_skipped, fallback_started))
+            self._pending.append((skipped, executed_skipped, batch_skipped, fallback_started))
             if len(self._pending) >= self.FOLD_STEPS:
                 self._fold()
 
@@ -127,14 +138,17 @@ class DecodeStats:
         if not self._pending:
             return
         skipped = np.concatenate([p[0] for p in self._pending])
-        batch_skipped = np.stack([p[1] for p in self._pending])
-        fallbacks = sum(int(p[2].sum()) for p in self._pending)
-        executed = self.num_layers - skipped.sum(axis=1)
+        executed_skipped = np.concatenate([p[1] for p in self._pending])
+        batch_skipped = np.stack([p[2] for p in self._pending])
+        fallbacks = sum(int(p[3].sum()) for p in self._pending)
+        executed = self.num_layers - executed_skipped.sum(axis=1)
         t = self._totals
         self._totals = DecodeStatsSnapshot(
             rows=t.rows + len(skipped),
             steps=t.steps + len(self._pending),
             skips=t.skips + skipped.sum(axis=0),
+            executed_skips=t.executed_skips + executed_skipped.sum(axis=0),
+            unneeded_runs=t.unneeded_runs + (skipped & ~executed_skipped).sum(axis=0),
             batch_skips=t.batch_skips + batch_skipped.sum(axis=0),
             executed_counts=t.executed_counts + np.bincount(executed, minlength=self.num_layers + 1),
             executed_sum=t.executed_sum + int(executed.sum()),
@@ -148,6 +162,8 @@ class DecodeStatsSnapshot:
     rows: int
     steps: int
     skips: np.ndarray
+    executed_skips: np.ndarray
+    unneeded_runs: np.ndarray
     batch_skips: np.ndarray
     executed_counts: np.ndarray
     executed_sum: int
@@ -160,6 +176,8 @@ class DecodeStatsCollector(ShimCollector):
     metric_names = (
         "layerwatch_layer_evaluations_total",
         "layerwatch_layer_skips_total",
+        "layerwatch_layer_skips_executed_total",
+        "layerwatch_layer_unneeded_runs_total",
         "layerwatch_batch_layer_steps_total",
         "layerwatch_batch_layer_skips_total",
         "layerwatch_layers_executed",
@@ -178,6 +196,8 @@ class DecodeStatsCollector(ShimCollector):
         per_layer = {
             "layerwatch_layer_evaluations_total": [s.rows] * len(self._layers),
             "layerwatch_layer_skips_total": s.skips.tolist(),
+            "layerwatch_layer_skips_executed_total": s.executed_skips.tolist(),
+            "layerwatch_layer_unneeded_runs_total": s.unneeded_runs.tolist(),
             "layerwatch_batch_layer_steps_total": [s.steps] * len(self._layers),
             "layerwatch_batch_layer_skips_total": s.batch_skips.tolist(),
         }

@@ -26,6 +26,12 @@ from inference_shim.runtime.checkpoint import (
     load_checkpoint,
     resolve_device,
 )
+from inference_shim.runtime.depth_execution import (
+    DEFAULT_VOTE,
+    DEPTH_MODES,
+    DepthExecutionConfig,
+    default_depth_execution,
+)
 from inference_shim.runtime.engine import GenerationEngine, StepHook
 from inference_shim.runtime.gates import (
     POLICY_FIELDS,
@@ -96,7 +102,10 @@ class ServeSettings:
     skip_rule: str | None = None  # "streak" or "ewma" (runtime/skip_policy.py); None: the gate file's
     ewma_alpha: float | None = None  # the ewma rule's newest-score weight; None: the gate file's
     protected_layers: tuple[int, ...] | None = None  # None: first and last layer
-    batch_consensus: float | None = None  # None: rows skip independently (runtime/skip_policy.py)
+    # How a batch runs the layers its rows decided (runtime/depth_execution.py): "auto", "rows" or
+    # "batch", and the batch consensus share where a layer runs whole (None: none).
+    depth_execution: str = DEPTH_MODES[0]
+    batch_consensus: float | None = DEFAULT_VOTE
     kv_policy: str = KV_POLICIES[0]  # "project"
     max_batch_size: int = 8
     # Requests that may wait for a batch slot (being read, tokenized or queued) before new ones get 429.
@@ -366,13 +375,15 @@ class ShimService:
             )
         from_file = policy_from_file(settings)
         overrides = {name: getattr(settings, name) for name in POLICY_FIELDS if name not in from_file}
-        self.policy = gates.metadata.policy(
-            **overrides, protected_layers=settings.protected_layers, batch_consensus=settings.batch_consensus
-        )
+        self.policy = gates.metadata.policy(**overrides, protected_layers=settings.protected_layers)
         self.policy.protected(config.num_layers)  # refuse out-of-range protected layers at start-up
         if settings.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be >= 1, got {settings.max_batch_size}")
         self.kv_policy = settings.kv_policy
+        # Shared by every engine the worker builds: the measured costs hold for the model, not an engine.
+        self.depth_execution = default_depth_execution(
+            model, self.kv_policy, DepthExecutionConfig(settings.depth_execution, settings.batch_consensus)
+        )
         self.max_batch_size = settings.max_batch_size
         _check_kv_cache_fits(checkpoint, settings.max_batch_size, self.max_seq_len)
         if not settings.drain_timeout_seconds >= 0:
@@ -594,6 +605,7 @@ class ShimService:
             max_batch_size=self.max_batch_size,
             max_seq_len=self.max_seq_len,
             step_hook=step_hook,
+            depth=self.depth_execution,
         )
 
     def start(self) -> None:

@@ -83,9 +83,17 @@ class StepTelemetry:
         self.trace = trace
 
     def __call__(
-        self, entropies: np.ndarray, skipped: np.ndarray, batch_skipped: np.ndarray, fallback_started: np.ndarray
+        self,
+        entropies: np.ndarray,
+        skipped: np.ndarray,
+        executed_skipped: np.ndarray,
+        batch_skipped: np.ndarray,
+        fallback_started: np.ndarray,
     ) -> None:
-        self.stats.observe(skipped, batch_skipped, fallback_started)
+        """A step's client rows (StepRecord fields). Frames and trace lines carry `skipped`, the skip
+        rule's decisions, which the exporter's routing statistics judge (docs/model.md, "Depth
+        execution"); the metrics count what ran too."""
+        self.stats.observe(skipped, executed_skipped, batch_skipped, fallback_started)
         if self.sender is not None:
             self.sender.send(entropies, skipped)
         if self.trace is not None:

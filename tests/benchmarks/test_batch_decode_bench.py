@@ -64,8 +64,11 @@ def test_gpu_section_without_nvml_prints_no_energy(capsys: pytest.CaptureFixture
     rows = table(capsys.readouterr().out)
     assert [row[:2] for row in rows] == [["2 x 64", "1"], ["2 x 64", "2"]]
     for row in rows:
-        numbers(row[2:10])  # skipped, whole-batch, w, tokens/s full and gated, the three ratios
-        assert row[10:] == ["n/a", "n/a"]  # J/token full, gated
+        # the row-partial limit, skipped decided and executed, whole-batch, w, tokens/s full and gated,
+        # the three ratios
+        limit, *_ = numbers(row[2:12])
+        assert 0 <= limit < int(row[1])
+        assert row[12:] == ["n/a", "n/a"]  # J/token full, gated
 
 
 def test_gpu_section_energy_per_token(capsys: pytest.CaptureFixture[str]) -> None:
@@ -80,13 +83,17 @@ def test_gpu_section_energy_per_token(capsys: pytest.CaptureFixture[str]) -> Non
     assert [row[1] for row in rows] == ["1", "2"]
     for row in rows:
         per_token = f"{6 / (int(row[1]) * STEPS):.3g}"
-        assert row[10:] == [per_token, per_token]
+        assert row[12:] == [per_token, per_token]
 
 
 def test_cpu_section(capsys: pytest.CaptureFixture[str]) -> None:
-    cpu_section(recorded_masks(), MODELS, BATCHES, ARGS)
+    cpu_section(recorded_masks(), MODELS, BATCHES, ARGS, quality=None)  # no demo decoding: n/a
 
-    rows = table(capsys.readouterr().out)
+    output = capsys.readouterr().out
+    assert "2 x 64, project: row-partial up to B=1: 0, B=2: " in output  # the measured limits, per KV policy
+    rows = table(output)
     assert [row[:3] for row in rows] == [["2 x 64", str(b), kv] for b in BATCHES for kv in KV_POLICIES]
     for row in rows:
-        numbers(row[3:])
+        limit, decided, executed, unneeded, *_ = numbers(row[3:16])
+        assert 0 <= limit < int(row[1]) and 0 <= unneeded <= decided
+        assert row[16:] == ["n/a", "n/a"]  # the demo perplexity columns

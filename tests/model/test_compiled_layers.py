@@ -20,7 +20,7 @@ from inference_shim.runtime.model import CompileError
 
 from .test_skipping import PROMPTS, Recorder, engine_for, gated_model
 
-BODIES = ("decode_queries", "decode_kv", "decode_updates")
+BODIES = ("decode_qkv", "decode_queries", "decode_kv", "decode_updates")
 
 
 def counting(rows: list[int], layer: int, body):
@@ -50,7 +50,7 @@ def test_compiled_bodies_never_see_a_skipped_row_and_decode_the_eager_tokens(tok
     L = compiled.config.num_layers
     rows: dict[str, list[int]] = {name: [0] * L for name in BODIES}
     for l, block in enumerate(compiled.layers):
-        owner = {"decode_queries": block.self_attn, "decode_kv": block.self_attn, "decode_updates": block}
+        owner = {name: block.self_attn for name in BODIES[:3]} | {"decode_updates": block}
         for name in BODIES:
             body = getattr(owner[name], name)
             assert hasattr(body, "_torchdynamo_orig_callable"), f"layer {l} {name} is not compiled"
@@ -66,11 +66,14 @@ def test_compiled_bodies_never_see_a_skipped_row_and_decode_the_eager_tokens(tok
     ran = activity.sum(axis=0)
     assert ran.sum() < activity.size  # rows skipped layers, and rows in one step differed:
     assert any((r.skipped != r.skipped[0]).any() for r in got.records)
-    # Only running rows enter the queries and the residual updates (attention output + FFN); the
-    # `project` policy gives every row of the step its K/V, run or skipped.
-    assert rows["decode_queries"] == ran.tolist()
+    # Only running rows enter the queries (with their K/V where every row runs the layer, alone
+    # where some skip it) and the residual updates (attention output + FFN); the `project` policy
+    # gives every row of the step its K/V, run or skipped.
+    queries = np.add(rows["decode_qkv"], rows["decode_queries"])
+    assert queries.tolist() == ran.tolist()
     assert rows["decode_updates"] == ran.tolist()
-    assert rows["decode_kv"] == [len(activity)] * L
+    assert np.add(rows["decode_qkv"], rows["decode_kv"]).tolist() == [len(activity)] * L
+    assert 0 < sum(rows["decode_queries"]) < sum(queries)  # both paths were taken
     prefill_rows = sum(len(p) - 1 for p in PROMPTS)
     assert compiled.layer_rows_executed == (ran + prefill_rows).tolist()
 

@@ -286,3 +286,23 @@ def test_eval_measures_the_batch_consensus_mode(model_dir, text_file, capsys):
     with pytest.raises(SystemExit):
         run_eval(model_dir, text_file, "--batch-consensus", "0")
     assert "must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_eval_batch_sizes_prints_the_depth_execution_of_each(model_dir, text_file, capsys):
+    assert run_eval(model_dir, text_file, "--json", "--batch-sizes", "1,2", "--repeats", "1") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["depth_execution"] == "auto" and report["batch_consensus"] == 0.5
+    rows = report["batch_sizes"]
+    assert [r["batch_size"] for r in rows] == [1, 2]
+    for r in rows:
+        assert 0 <= r["unneeded_run_fraction"] <= r["skip_fraction"] and 0 <= r["executed_skip_fraction"] <= 1
+        assert sum(r["layer_paths"].values()) == pytest.approx(1.0)
+        assert "perplexity_increase" in r and len(r["speed"]["gated_over_full_cpu"]["runs"]) == 1
+    assert set(rows[1]["row_partial_limits"]) == {"2"}  # measured before the timed passes
+    assert rows[0]["executed_skip_fraction"] == rows[0]["skip_fraction"]  # one row: as it decided
+
+    assert run_eval(model_dir, text_file, "--batch-sizes", "2", "--repeats", "1", "--depth-execution", "rows") == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
+    assert len(table) == 1 and "every row as it decided" in table[0]
+    assert run_eval(model_dir, text_file, "--batch-sizes", "2", "--sweep", "0,0.5") == 2
+    assert "--batch-sizes measures one threshold" in capsys.readouterr().err

@@ -34,19 +34,21 @@ def test_final_update_counts_each_sequences_skips_and_low_scores(tokenizer):
     assert set(finals) == set(lengths)
     for sequence_id, update in finals.items():
         rows = [
-            (r.skipped[i], r.entropies[i])
+            (r.skipped[i], r.executed_skipped[i], r.entropies[i])
             for r in records
             for i, s in enumerate(r.sequence_ids.tolist())
             if s == sequence_id
         ]
-        skipped = np.array([row[0] for row in rows])
-        entropies = np.array([row[1] for row in rows])
+        skipped, executed_skipped = np.array([row[0] for row in rows]), np.array([row[1] for row in rows])
+        entropies = np.array([row[2] for row in rows])
         counts = update.layer_counts
         assert counts.tokens == len(rows) <= lengths[sequence_id]  # EOS may end it early
-        assert counts.skipped.tolist() == skipped.sum(axis=0).tolist()
+        assert counts.skipped.tolist() == skipped.sum(axis=0).tolist()  # what its skip rule decided
         assert counts.below_threshold.tolist() == (entropies < POLICY.threshold).sum(axis=0).tolist()
         np.testing.assert_allclose(counts.score_sum, entropies.astype(np.float64).sum(axis=0))
-        assert int(counts.skipped.sum()) == update.layers_skipped  # the client's usage
+        # The client's usage: what ran for it, the batch's depth execution included.
+        assert update.layers_skipped == int(executed_skipped.sum())
+        assert update.layers_executed + update.layers_skipped == counts.tokens * model.config.num_layers
     assert any(int(u.layer_counts.skipped.sum()) for u in finals.values())  # something was skipped
     assert max(u.layer_counts.tokens for u in finals.values()) > 6
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from inference_shim.offline.evaluation import teacher_forced_decode
+from inference_shim.runtime.depth_execution import DepthExecutionConfig
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, SequenceUpdate
 from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
@@ -85,7 +86,8 @@ def test_a_scored_prompt_shares_the_batch_one_token_per_step(model, no_eos):
     alone_scored = scored(engine(model, no_eos), PROMPT)
 
     records = []
-    eng = engine(model, no_eos, step_hook=records.append)
+    # Every row as it decided (depth execution "rows"), so that sharing the batch changes no row.
+    eng = engine(model, no_eos, step_hook=records.append, depth=DepthExecutionConfig("rows"))
     scorer = eng.submit(PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=2))
     generator = eng.submit(PROMPT[:5], SamplingParams(max_tokens=8))
     per_step = [eng.step() for _ in range(len(PROMPT) - 1)]
@@ -94,9 +96,10 @@ def test_a_scored_prompt_shares_the_batch_one_token_per_step(model, no_eos):
     generated = [[u.new_token_ids for u in step if u.sequence_id == generator] for step in per_step]
     assert generated[:8] == [[[token]] for token in alone_generated] and not any(generated[8:])
     (final,) = per_step[-1]  # the scorer finished in the step that read its last-but-one token
-    # Each row's result does not depend on its neighbours (up to float summation order, docs/model.md).
+    # Each row's result does not depend on its neighbours (up to float summation order, docs/model.md:
+    # a matmul of one row and one of two sum in different orders, a few float32 ulps of a logit).
     assert final.sequence_id == scorer
-    assert [e.logprob for e in final.prompt_logprobs[1:]] == pytest.approx(alone_scored, abs=1e-5)
+    assert [e.logprob for e in final.prompt_logprobs[1:]] == pytest.approx(alone_scored, abs=1e-4)
     # Scoring steps are prompt work: the step records (the telemetry) hold the generated tokens only.
     assert [r.sequence_ids.tolist() for r in records] == [[generator]] * 8
     assert final.layer_counts.tokens == 0 and final.layers_executed == final.layers_skipped == 0

@@ -16,9 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from inference_shim.runtime.depth_execution import DepthExecution, DepthExecutionConfig, FixedDepthCosts
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.model import Transformer, apply_rope
-from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig, consensus_mask
+from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
 
 from .conftest import constant_gates, random_gates, random_model, tiny_config
@@ -38,8 +39,15 @@ def gated_model(gates: str = "random", seed: int = 0, **config) -> Transformer:
     return model
 
 
-def engine_for(model, tokenizer, policy=MIXED, kv_policy="project", **options) -> GenerationEngine:
-    return GenerationEngine(model, tokenizer, model_name="tiny", policy=policy, kv_policy=kv_policy, **options)
+# These tests check each row's skip semantics, so their batches run every row exactly as it decided
+# (the depth execution's "rows" mode); tests/model/test_depth_execution.py tests the other modes.
+ROWS = DepthExecutionConfig("rows", vote=None)
+
+
+def engine_for(model, tokenizer, policy=MIXED, kv_policy="project", depth=ROWS, **options) -> GenerationEngine:
+    return GenerationEngine(
+        model, tokenizer, model_name="tiny", policy=policy, kv_policy=kv_policy, depth=depth, **options
+    )
 
 
 def capture_logits(model: Transformer) -> list[torch.Tensor]:
@@ -234,7 +242,7 @@ def test_a_bad_rule_or_alpha_is_refused(settings, message):
 
 def test_skipped_layers_execute_neither_attention_nor_ffn(tokenizer):
     model = gated_model()
-    decode_rows = {name: [0] * model.config.num_layers for name in ("q_proj", "o_proj", "mlp")}
+    decode_rows = {name: [0] * model.config.num_layers for name in ("queries", "o_proj", "mlp")}
 
     def counter(name, layer):
         def hook(module, inputs, output):
@@ -243,9 +251,20 @@ def test_skipped_layers_execute_neither_attention_nor_ffn(tokenizer):
 
         return hook
 
+    def counted_queries(layer, projection):
+        # Decoding projects a row's query with its K/V (decode_qkv) or alone (decode_queries, when
+        # `project` gave the whole batch its K/V): either way the row's attention runs.
+        def project(x, *args):
+            decode_rows["queries"][layer] += x.shape[0]
+            return projection(x, *args)
+
+        return project
+
     for l, block in enumerate(model.layers):
-        block.self_attn.q_proj.register_forward_hook(counter("q_proj", l))
-        block.self_attn.o_proj.register_forward_hook(counter("o_proj", l))
+        attention = block.self_attn
+        attention.decode_qkv = counted_queries(l, attention.decode_qkv)
+        attention.decode_queries = counted_queries(l, attention.decode_queries)
+        attention.o_proj.register_forward_hook(counter("o_proj", l))
         block.mlp.register_forward_hook(counter("mlp", l))
     recorder = Recorder()
     engine = engine_for(model, tokenizer, max_batch_size=4, step_hook=recorder.on_step)
@@ -414,21 +433,28 @@ def test_after_prefill_sets_the_threshold_from_the_prefill_before_the_first_deco
     assert recorder.final[kept].layers_skipped > 0
 
 
+@pytest.mark.parametrize(("mode", "limit"), [("auto", 1), ("batch", 0)])
 @pytest.mark.parametrize("policy", [MIXED, EWMA_MIXED], ids=["streak", "ewma"])
-def test_a_full_depth_sequence_stays_at_full_depth_under_batch_consensus(tokenizer, policy):
+def test_a_full_depth_sequence_stays_at_full_depth_under_batch_consensus(tokenizer, policy, mode, limit):
     """Tau 0 is full depth (a mitigation's override, a rollout's or the request's choice) even when
-    the batch's consensus skips a layer: the other rows, whose gates all score low, outvote it."""
+    the batch's consensus skips a layer: the other rows, whose gates all score low, outvote it. It
+    runs such a layer alone where the row-partial path pays (limit 1 of 3 rows), else with them all."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    consensus = dataclasses.replace(policy, batch_consensus=0.5)
-    engine = engine_for(gated_model("constant"), tokenizer, policy=consensus, max_batch_size=3)
+    depth = DepthExecution(DepthExecutionConfig(mode, vote=0.5), FixedDepthCosts(default=limit))
+    engine = engine_for(gated_model("constant"), tokenizer, policy=policy, max_batch_size=3, depth=depth)
     recorder = Recorder()
     engine.step_hook = recorder.on_step
     ids = [engine.submit(PROMPTS[0], params, threshold=t) for t in (None, None, 0.0)]
     while engine.has_work():
         recorder.drain(engine)
     gated, _, full = (recorder.final[i] for i in ids)
-    assert gated.layers_skipped > 0  # the consensus skipped layers for the batch
-    assert full.layers_skipped == 0
+    assert gated.layer_counts.skipped.sum() > 0 and full.layer_counts.skipped.sum() == 0  # as each rule decided
+    assert full.layers_skipped == 0  # and what ran: the full-depth row ran every layer of every step
+    executed = np.stack([~r.executed_skipped for r in recorder.records])
+    assert executed[:, 2].all()
+    # The consensus skipped layers for the other two rows where the full-depth row could run them
+    # alone; where it could not (limit 0), they ran with it.
+    assert (gated.layers_skipped > 0) == (~executed[:, :2]).any() == (limit == 1)
 
 
 @pytest.mark.parametrize("threshold", [-0.1, 1.5, float("nan")])
@@ -491,40 +517,3 @@ def test_fallback_settings_are_configurable(tokenizer):
     result = engine_for(model, tokenizer, policy=policy).generate(PROMPTS[0], SamplingParams(max_tokens=10))
     L = model.config.num_layers
     assert result.activity.sum(axis=1).tolist() == [L] * 3 + [0] + [L] * 2 + [0] + [L] * 2 + [0]
-
-
-# --- batch consensus -----------------------------------------------------------------------------
-
-
-def test_consensus_merges_the_rows_masks_into_one_decision_per_layer():
-    run = np.array([[1, 0, 0, 1], [1, 1, 0, 1], [1, 0, 0, 0], [1, 1, 1, 0]], dtype=bool)  # layer shares 1, .5, .25, .5
-    fallback = np.array([False, False, True, False])
-    merged = consensus_mask(run, 0.5, fallback)
-    assert merged.tolist() == [[1, 1, 0, 1], [1, 1, 0, 1], [1, 1, 1, 1], [1, 1, 0, 1]]
-    assert consensus_mask(run, 0.75, np.zeros(4, dtype=bool)).tolist() == [[1, 0, 0, 0]] * 4
-    with pytest.raises(ValueError, match="batch_consensus"):
-        SkipPolicyConfig(batch_consensus=0.0)
-
-
-def test_consensus_skips_only_whole_batches_in_the_engine(tokenizer):
-    # Mixed random gates give rows different masks; with consensus every skipped layer of a step is
-    # skipped by all its rows, and the layers that ran did so for every row (no per-row gathers).
-    model = gated_model()
-    policy = SkipPolicyConfig(threshold=0.5, patience=2, batch_consensus=0.5)
-    recorder = Recorder()
-    engine = engine_for(model, tokenizer, policy=policy, max_batch_size=3, step_hook=recorder.on_step)
-    for prompt in PROMPTS:
-        engine.submit(prompt, SamplingParams(max_tokens=30))
-    while engine.has_work():
-        recorder.drain(engine)
-    batched = [r for r in recorder.records if len(r.sequence_ids) > 1]
-    assert any(r.skipped.any() for r in batched)
-    for r in batched:
-        assert not r.fallback.any()  # random gates stay far from the fallback trigger
-        assert (r.skipped == r.skipped[0]).all()
-    per_row = engine_for(model, tokenizer, max_batch_size=3, step_hook=(plain := Recorder()).on_step)
-    for prompt in PROMPTS:
-        per_row.submit(prompt, SamplingParams(max_tokens=30))
-    while per_row.has_work():
-        plain.drain(per_row)
-    assert any((r.skipped != r.skipped[0]).any() for r in plain.records)  # without it, rows differ

@@ -71,8 +71,14 @@ def test_load_with_exporter_loses_nothing(make_shim, exporter):
     # Lost frames carry entropies the exporter never saw; on loopback with an 8 MiB buffer there are none.
     assert lost == 0
     assert exporter_entropy_count(exporter_samples) == report.completion_tokens * layers
+    # Frames carry the skip rules' decisions; usage counts what ran, which the default depth
+    # execution makes differ at batch > 1 (docs/model.md, "Depth execution"): each side has its count.
     skipped_entropies = sample_sum(exporter_samples, "layerwatch_entropy_count", model_name=MODEL_NAME, decision="skip")
-    assert skipped_entropies == report.layers_skipped
+    assert skipped_entropies == sample_sum(shim_samples, "layerwatch_layer_skips_total")
+    executed = sample_sum(shim_samples, "layerwatch_layer_skips_executed_total")
+    assert executed == report.layers_skipped
+    unneeded = sample_sum(shim_samples, "layerwatch_layer_unneeded_runs_total")
+    assert executed >= skipped_entropies - unneeded  # the rest: layers a consensus voted off
 
     throughput = report.completion_tokens / report.elapsed
     print(

@@ -258,6 +258,10 @@ def server(tiny_checkpoint, tmp_path_factory) -> Iterator[LiveServer]:
         "1",
         "--max-batch-size",
         "4",
+        # Every row as its rule decided, so that a request gets what it gets alone whatever shares its
+        # batch (tests compare the two); the default depth execution: tests/model/test_depth_execution.py.
+        "--depth-execution",
+        "rows",
         "--max-tokens-cap",
         str(caps["max_tokens_cap"]),
         "--max-prompt-tokens",

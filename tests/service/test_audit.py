@@ -129,7 +129,8 @@ def test_a_span_per_request_carries_what_usage_and_metrics_say(audited, tiny_che
     assert chat.start_time < chat.end_time
 
     # The shim's own counters moved by the same amounts.
-    skips = sample_sum(after, "layerwatch_layer_skips_total") - sample_sum(before, "layerwatch_layer_skips_total")
+    executed = "layerwatch_layer_skips_executed_total"  # usage and spans count what ran
+    skips = sample_sum(after, executed) - sample_sum(before, executed)
     assert skips == a["layerwatch.layers.skipped"] + c["layerwatch.layers.skipped"]
 
     shadows = [s for s in spans if s.name == "layerwatch.shadow_check"]

@@ -36,7 +36,8 @@ from layerwatch.gate_importance import LayerSignalStats
 
 def shim_collectors() -> list:
     stats = DecodeStats(3)
-    stats.observe(np.array([[True, False, False]]), np.array([True, False, False]), np.array([False]))
+    skipped = np.array([[True, False, False]])
+    stats.observe(skipped, skipped, np.array([True, False, False]), np.array([False]))
     signals = LayerSignalStats(3, reservoir=3)
     signals.observe(LayerSignals(np.ones((1, 3)), np.zeros((1, 3)), np.array([[0.1, 0.2, 0.3]])))
     collectors = [

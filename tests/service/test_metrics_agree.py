@@ -75,11 +75,14 @@ def test_counters_agree_with_usage_under_concurrent_requests(server):
     assert delta(after, before, "layerwatch_tokens_total", phase="prefill") == sum(u["prompt_tokens"] for u in usages)
     assert delta(after, before, "layerwatch_layers_executed_count") == completion
     assert delta(after, before, "layerwatch_layers_executed_sum") == sum(u["layers_executed"] for u in usages)
-    assert delta(after, before, "layerwatch_layer_skips_total") == sum(u["layers_skipped"] for u in usages)
+    assert delta(after, before, "layerwatch_layer_skips_executed_total") == sum(u["layers_skipped"] for u in usages)
     for layer in map(str, range(NUM_LAYERS)):
         evaluations = delta(after, before, "layerwatch_layer_evaluations_total", layer=layer)
         assert evaluations == completion
-        assert 0 <= delta(after, before, "layerwatch_layer_skips_total", layer=layer) <= evaluations
+        decided = delta(after, before, "layerwatch_layer_skips_total", layer=layer)
+        executed = delta(after, before, "layerwatch_layer_skips_executed_total", layer=layer)
+        unneeded = delta(after, before, "layerwatch_layer_unneeded_runs_total", layer=layer)
+        assert 0 <= decided <= evaluations and 0 <= unneeded <= decided and 0 <= executed <= evaluations
         batch_steps = delta(after, before, "layerwatch_batch_layer_steps_total", layer=layer)
         assert 0 < batch_steps < completion  # rows shared decode steps
         assert delta(after, before, "layerwatch_batch_layer_skips_total", layer=layer) <= batch_steps

@@ -47,7 +47,7 @@ def counted(server) -> dict[str, float]:
     return {
         "completion_tokens": sample_sum(metrics, "layerwatch_tokens_total", phase="decode"),
         "layers_executed": sample_sum(metrics, "layerwatch_layers_executed_sum"),
-        "layers_skipped": sample_sum(metrics, "layerwatch_layer_skips_total"),
+        "layers_skipped": sample_sum(metrics, "layerwatch_layer_skips_executed_total"),
         "choices": sample_sum(metrics, "layerwatch_request_skip_fraction_count"),
     }
 
