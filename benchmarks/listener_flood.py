@@ -2,6 +2,7 @@
 
     python benchmarks/listener_flood.py api-endless-header [--clients 4]       # one header line that never ends
     python benchmarks/listener_flood.py api-slowloris --clients 1100 --nofile 1024   # heads trickled, past the files
+    python benchmarks/listener_flood.py api-slow-bodies --clients 1100           # whole heads, bodies trickled
     python benchmarks/listener_flood.py receiver-trickle --clients 32          # mitigation receiver, no token
     python benchmarks/listener_flood.py exporter-half-sent --clients 600       # requests stopped mid-head
     python benchmarks/listener_flood.py exporter-burst --clients 1000          # connections opened at once
@@ -42,7 +43,18 @@ from demo.processes import free_port
 from tests.slow_clients import EndlessHeader, Trickler, half_sent_requests
 
 REPOSITORY = Path(__file__).resolve().parents[1]
-ATTACKS = ("api-endless-header", "api-slowloris", "receiver-trickle", "exporter-half-sent", "exporter-burst")
+ATTACKS = (
+    "api-endless-header",
+    "api-slowloris",
+    "api-slow-bodies",
+    "receiver-trickle",
+    "exporter-half-sent",
+    "exporter-burst",
+)
+# A whole head that announces a body, then its first byte: the trickler sends the rest a byte at a time.
+SLOW_BODY_HEAD = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
+)
 
 
 class Target:
@@ -247,6 +259,8 @@ def flood_api(args: argparse.Namespace, workdir: Path) -> dict:
     address = ("127.0.0.1", port)
     if args.attack == "api-endless-header":
         attack: EndlessHeader | Trickler = EndlessHeader(address, args.clients)
+    elif args.attack == "api-slow-bodies":
+        attack = Trickler(address, args.clients, head=SLOW_BODY_HEAD, interval=1.0)
     else:
         attack = Trickler(address, args.clients, head=b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ", interval=1.0)
     with started(args.checkout, argv, f"http://127.0.0.1:{port}/healthz", args.nofile, workdir) as target:

@@ -130,7 +130,7 @@ METRICS: tuple[MetricSpec, ...] = (
         ("model_name", "reason"),
         "Requests the API refused before reading them, by reason: head_too_large (431: request line and headers "
         "over --max-header-bytes), malformed_head (400), head_timeout (408: not in within --header-timeout-seconds), "
-        "evicted (a connection closed while part of its head was in, to make room for a new one), "
+        "evicted (a connection closed while part of its head or body was in, to make room for a new one), "
         "too_many_connections (503: --max-connections open, each with a request in).",
         SHIM,
     ),

@@ -36,6 +36,7 @@ from layerwatch.wire import (
     frame_bytes,
     load_frame_key,
     parse_address,
+    unprintable,
 )
 
 __all__ = ["DROP_REASONS", "GateFrameSender", "default_shim_id", "load_frame_key"]
@@ -99,6 +100,8 @@ class GateFrameSender:
                 raise TypeError(f"the {field} must be a str, got {type(value).__name__}")
             if not 0 < len(value.encode("utf-8")) <= MAX_NAME_BYTES:
                 raise ValueError(f"the {field} must be 1..{MAX_NAME_BYTES} UTF-8 bytes to fit a gate frame")
+            if (character := unprintable(value)) is not None:
+                raise ValueError(f"the {field} holds {character}, which is not printable (the exporter refuses it)")
         if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) or num_layers < 1:
             raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
         number = isinstance(threshold, (int, float, np.integer, np.floating)) and not isinstance(threshold, bool)

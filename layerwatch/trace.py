@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from layerwatch.wire import check_gate_arrays
+from layerwatch.wire import check_gate_arrays, unprintable
 
 log = logging.getLogger(__name__)
 
@@ -273,6 +273,8 @@ def _parse_line(path: str | os.PathLike[str], line_number: int, raw: bytes) -> T
     model_name = obj["model_name"]
     if not isinstance(model_name, str) or not model_name:
         raise fail("model_name must be a non-empty string")
+    if (character := unprintable(model_name)) is not None:  # as a frame's (layerwatch/wire.py)
+        raise fail(f"model_name holds {character}, which is not printable")
     scores = _number_array(obj["scores"], kinds="if")
     if scores is None or scores.ndim != 1 or scores.size == 0:
         raise fail("scores must be a non-empty list of numbers")

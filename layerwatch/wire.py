@@ -90,8 +90,8 @@ class UnauthenticatedFrame(ValueError):
 
 @dataclass(frozen=True, eq=False)  # eq=False: ndarray fields have no single truth value
 class GateFrame:
-    model_name: str  # ≤ 255 UTF-8 bytes
-    shim_id: str  # ≤ 255 UTF-8 bytes; identifies one shim process (its sequence space)
+    model_name: str  # ≤ 255 UTF-8 bytes, printable (`unprintable`)
+    shim_id: str  # ≤ 255 UTF-8 bytes, printable; identifies one shim process (its sequence space)
     sequence: int  # u64, +1 per frame sent by that shim
     entropies: np.ndarray  # float32 [rows, layers], values in [0, 1]
     skipped: np.ndarray  # bool [rows, layers]; True = the skip rule skipped the layer for that row's token
@@ -273,15 +273,28 @@ def _check_threshold(threshold: float, error: type[ValueError]) -> float:
     return value
 
 
+def unprintable(name: str) -> str | None:
+    """The first character of a model name or shim id that is not printable (`str.isprintable`:
+    control, format and separator characters other than the space), as `repr` writes it; None when
+    there is none. Names become label values and lines of `top` and `replay`: an escape sequence or a
+    newline in one would reach an operator's terminal as one, so frames and trace lines refuse them."""
+    return next((repr(c) for c in name if not c.isprintable()), None)
+
+
 def _encode_name(field: str, value: str) -> bytes:
     raw = value.encode("utf-8")
     if not 0 < len(raw) <= MAX_NAME_BYTES:
         raise ValueError(f"{field} must be 1..{MAX_NAME_BYTES} UTF-8 bytes, got {len(raw)}")
+    if (character := unprintable(value)) is not None:
+        raise ValueError(f"{field} holds {character}, which is not printable")
     return raw
 
 
 def _decode_name(field: str, raw: bytes) -> str:
     try:
-        return raw.decode("utf-8")
+        name = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise MalformedFrame(f"{field} is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
+    if (character := unprintable(name)) is not None:
+        raise MalformedFrame(f"{field} holds {character}, which is not printable")
+    return name

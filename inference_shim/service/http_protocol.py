@@ -12,10 +12,12 @@ connections, so this protocol adds both:
 - a request head must be complete within `head_timeout` seconds of the connection opening or of
   the previous answer on it (else 408 and the connection closed; a connection that sent nothing
   is just closed, as uvicorn closes an idle keep-alive one after `timeout_keep_alive`);
-- at most `max_connections` connections: one more closes the connection whose request head has
-  been arriving longest (a slow client), else the one idle longest (a keep-alive connection
-  between requests: its client reconnects), or, when every connection has a request in (never
-  closed to make room), is answered 503 at once.
+- at most `max_connections` connections: one more closes the connection whose request has been
+  arriving longest (a slow client, still sending its head or its body), else the one idle longest
+  (a keep-alive connection between requests: its client reconnects), or, when every connection has
+  a whole request in (never closed to make room), is answered 503 at once. A body still arriving
+  is closed as a head is: 1,000 bodies trickled a byte at a time otherwise kept everyone out for
+  the whole body timeout (30 s), again after each reconnect (docs/reliability.md).
 
 Each refusal is counted (layerwatch_http_connections_refused_total) and logged at a bounded rate.
 """
@@ -72,8 +74,9 @@ class BoundedH11Protocol(H11Protocol):
 
     limits: ClassVar[HTTPLimits]
     refusals: ClassVar[ConnectionRefusals]
-    # This server's connections waiting for a request head, the longest-waiting first: those with
-    # part of one in, and those with nothing yet (new, or between two requests).
+    # This server's connections waiting for a request, the longest-waiting first: those with part
+    # of one in (of its head, or its head and part of its body), and those with nothing yet (new, or
+    # between two requests).
     arriving: ClassVar[OrderedDict[BoundedH11Protocol, None]]
     idle: ClassVar[OrderedDict[BoundedH11Protocol, None]]
 
@@ -86,6 +89,7 @@ class BoundedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._reading_body = False  # its request head is in, its body is still arriving
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -99,7 +103,7 @@ class BoundedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self in self.idle or self in self.arriving:
+        if self in self.idle or (self in self.arriving and not self._reading_body):
             # h11 bounds an incomplete head only: one that comes whole in a read passes at any size.
             pending = self.conn.trailing_data[0] + data
             end = _HEAD_END.search(pending)
@@ -114,7 +118,14 @@ class BoundedH11Protocol(H11Protocol):
 
     def handle_events(self) -> None:
         super().handle_events()
-        if self.conn.their_state is not h11.IDLE:  # a request head is in (or the connection is done)
+        if self.conn.their_state is h11.SEND_BODY:  # its head is in: no head deadline, still arriving
+            self._reading_body = True
+            if not self.transport.is_closing():  # (a pipelined head, read after the previous answer)
+                self.arriving.setdefault(self, None)
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+                self._head_deadline = None
+        elif self.conn.their_state is not h11.IDLE:  # a whole request is in (or the connection is done)
             self._stop_waiting()
 
     def on_response_complete(self) -> None:
@@ -136,6 +147,7 @@ class BoundedH11Protocol(H11Protocol):
         self._head_deadline = self.loop.call_later(self.limits.head_timeout, self._head_timed_out)
 
     def _stop_waiting(self) -> None:
+        self._reading_body = False
         self.arriving.pop(self, None)
         self.idle.pop(self, None)
         if self._head_deadline is not None:
@@ -143,12 +155,13 @@ class BoundedH11Protocol(H11Protocol):
             self._head_deadline = None
 
     def _make_room(self) -> bool:
-        """Close the connection whose head has been arriving longest, else the one idle longest;
-        False when every connection has a request in."""
+        """Close the connection whose request has been arriving longest, else the one idle longest;
+        False when every connection has a whole request in."""
         if self.arriving:
             oldest = next(iter(self.arriving))
             oldest.refusals.count("evicted")
-            log.warning("closed a connection from %s still sending its request head, to make room", oldest.peer)
+            part = "body" if oldest._reading_body else "head"
+            log.warning("closed a connection from %s still sending its request %s, to make room", oldest.peer, part)
         elif self.idle:
             oldest = next(iter(self.idle))
         else:

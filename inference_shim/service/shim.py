@@ -74,7 +74,7 @@ from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.ports import http_url
 from layerwatch.secret_file import RotatingSecret
 from layerwatch.trace import TraceWriter
-from layerwatch.wire import DEFAULT_FRAMES_ADDRESS, load_frame_key, parse_address
+from layerwatch.wire import DEFAULT_FRAMES_ADDRESS, load_frame_key, parse_address, unprintable
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -366,6 +366,8 @@ class ShimService:
         self.model = model
         self.tokenizer = checkpoint.tokenizer
         self.model_name = settings.model_name or checkpoint.path.resolve().name
+        if (character := unprintable(self.model_name)) is not None:  # as the exporter would refuse its frames
+            raise ValueError(f"--model-name {self.model_name!r} holds {character}, which is not printable")
         self.allow_debug = settings.allow_debug
         self.limits = resolve_limits(settings, config.max_position_embeddings, self.tokenizer.max_chars_per_token())
         if self.limits.max_prompt_chars is None:

@@ -42,6 +42,28 @@ def test_a_flood_of_wide_frames_naming_new_models_is_refused_and_costs_nothing(s
     assert layer_series(page, "real") == 6
 
 
+def test_a_name_that_is_not_printable_is_refused_and_never_reaches_a_terminal(start_exporter) -> None:
+    """Hostile review 2, H2: the decoder took any UTF-8 name, so one untagged datagram named
+    "\\x1b]0;...\\x07\\x1b[2J..." became a label value that `layerwatch top` wrote raw to the
+    operator's terminal (its title set, the screen cleared, a forged line after a newline)."""
+    exporter = start_exporter()
+    rng = np.random.default_rng(0)
+    exporter.send_frames([encode_frame(random_frame(rng, 0, model="real"))])
+    hostile = random_frame(rng, 0, model="real", shim="forger")
+    datagram = encode_frame(hostile).replace(b"real", b"\x1b[2J", 1)  # the same length: 4 bytes
+    exporter.send(datagram)
+    exporter.wait_for(lambda: exporter.value("layerwatch_exporter_frames_malformed_total") == 1)
+    top = subprocess.run(
+        [sys.executable, "-m", "layerwatch_cli.main", "top", "--once", "--url", exporter.url],
+        capture_output=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])),
+    )
+    assert top.returncode == 0, top.stderr
+    assert b"real: " in top.stdout and b"\x1b" not in top.stdout
+    assert exporter.value("layerwatch_exporter_frames_received_total", model_name="real") == 1
+
+
 def test_a_frame_of_another_width_under_a_models_name_is_refused(start_exporter) -> None:
     exporter = start_exporter("--max-layers", "100")
     rng = np.random.default_rng(0)

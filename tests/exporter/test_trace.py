@@ -96,6 +96,10 @@ def test_unknown_keys_and_blank_lines_are_ignored(tmp_path: Path) -> None:
         ("[1, 2]", "expected a JSON object"),
         ('{"model_name": "m", "scores": [0.5]}', "missing key(s) skipped"),
         ('{"model_name": "", "scores": [0.5], "skipped": [0]}', "model_name must be a non-empty string"),
+        (
+            '{"model_name": "m\\u001b[2J", "scores": [0.5], "skipped": [0]}',
+            "model_name holds '\\x1b', which is not printable",
+        ),
         ('{"model_name": "m", "scores": [], "skipped": []}', "scores must be a non-empty list"),
         ('{"model_name": "m", "scores": ["0.5"], "skipped": [0]}', "scores must be a non-empty list of numbers"),
         ('{"model_name": "m", "scores": [[0.5]], "skipped": [0]}', "scores must be a non-empty list of numbers"),

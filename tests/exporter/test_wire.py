@@ -44,7 +44,9 @@ def gate_frames(draw: st.DrawFn) -> GateFrame:
     layers = draw(st.integers(1, 40))
     entropies = draw(hnp.arrays(np.float32, (rows, layers), elements=st.floats(0, 1, width=32, allow_subnormal=False)))
     skipped = draw(hnp.arrays(np.bool_, (rows, layers)))
-    name = st.text(min_size=1, max_size=20).filter(lambda s: len(s.encode()) <= 255)
+    # Any printable text (what a name may hold); the other categories are refused (test_malformed_...).
+    printable = st.characters(exclude_categories=("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs")) | st.just(" ")
+    name = st.text(printable, min_size=1, max_size=20).filter(lambda s: len(s.encode()) <= 255)
     # None: a version-1 frame (no threshold); else version 2 with a float32 threshold.
     threshold = draw(st.none() | st.floats(0, 1, width=32, allow_subnormal=False))
     return GateFrame(draw(name), draw(name), draw(st.integers(0, 2**64 - 1)), entropies, skipped, threshold)
@@ -203,6 +205,9 @@ def _v2(threshold: float = 0.18, **header) -> bytes:
         (_header() + _valid_body(1.5), "outside [0, 1]"),
         (_header() + _valid_body(-0.25), "outside [0, 1]"),
         (_header() + b"\xffs" + struct.pack("<f", 0.5) + b"\x80", "model_name is not valid UTF-8"),
+        # Names reach label values, `top` and `replay`: an escape sequence would reach a terminal.
+        (_header() + b"\x1bs" + struct.pack("<f", 0.5) + b"\x80", r"model_name holds '\\x1b', which is not printable"),
+        (_header() + b"m\n" + struct.pack("<f", 0.5) + b"\x80", r"shim_id holds '\\n', which is not printable"),
         (_header() + _valid_body()[:-1] + b"\x81", "padding bits"),
         (b"\x00" * (MAX_FRAME_BYTES + 1), "exceeds the frame limit"),
     ],
@@ -237,6 +242,8 @@ def test_encode_refuses_frames_over_the_limit() -> None:
         (dict(entropies=np.zeros((0, 3), np.float32), skipped=np.zeros((0, 3), bool)), "non-empty"),
         (dict(model_name=""), "model_name must be 1..255"),
         (dict(shim_id="é" * 128), "shim_id must be 1..255"),
+        (dict(model_name="demo\x1b]0;title\x07"), "model_name holds '\\\\x1b', which is not printable"),
+        (dict(shim_id="s\u202e"), "shim_id holds '\\\\u202e', which is not printable"),
         (dict(sequence=-1), "not a u64"),
         (dict(threshold=1.5), r"threshold 1.5 is not in \[0, 1\]"),
         (dict(threshold=float("nan")), "threshold nan"),

@@ -356,34 +356,64 @@ def test_an_endless_header_line_costs_other_clients_nothing(fuzz_shim):
     assert fuzz_shim.complete(max_tokens=2).status_code == 200
 
 
-def test_trickled_heads_are_cut_off_and_cannot_hold_every_connection(tiny_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def few_files_shim(tiny_checkpoint, tmp_path_factory) -> Iterator[Shim]:
+    """A shim allowed 256 open files, which lowers --max-connections to fit them (192), with
+    --header-timeout-seconds 2 from the environment."""
+    launcher = ("env", "LAYERWATCH_HEADER_TIMEOUT_SECONDS=2", "prlimit", "--nofile=256")
+    shim = Shim(tmp_path_factory.mktemp("few-files"), tiny_checkpoint, launcher=launcher).start()
+    yield shim
+    shim.stop()
+
+
+def test_trickled_heads_are_cut_off_and_cannot_hold_every_connection(few_files_shim):
     """Issue 27, item 1: uvicorn has no deadline for a request head, nor a bound on connections: a
     head trickled a byte at a time held its connection for as long as the client liked, and enough
     of them used up the process' open files: every other client refused. Here 300 of them against
-    a shim allowed 256 files; it lowers --max-connections to fit (192), each connection past that
-    closes the one whose head has been arriving longest, and a head not in within
-    --header-timeout-seconds (2 s, from the environment) gets 408."""
-    launcher = ("env", "LAYERWATCH_HEADER_TIMEOUT_SECONDS=2", "prlimit", "--nofile=256")
-    shim = Shim(tmp_path, tiny_checkpoint, launcher=launcher).start()
-    try:
-        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: "
-        with Trickler(("127.0.0.1", shim.port), 300, head=head, interval=0.2) as attack:
-            time.sleep(0.5)
-            report = run_load(shim.url, MODEL_NAME, duration=3.0, concurrency=3, max_tokens=4, seed=2, timeout=10)
-            open_files = len(os.listdir(f"/proc/{shim.process.proc.pid}/fd"))
-        assert report.requests > 0 and report.by_status == {200: report.requests}, report.summary()
-        assert attack.closed_by_server >= 108 and refused(shim, "evicted") >= 108
-        assert open_files <= 256
-        assert "--max-connections 1000 lowered to 192" in shim.process.log_tail(200)
-        started = time.monotonic()
-        with Trickler(("127.0.0.1", shim.port), 1, head=head, interval=0.2) as alone:
-            while not alone.answers and time.monotonic() - started < 10:
-                time.sleep(0.05)
-        assert alone.answers and alone.answers[0].startswith(b"HTTP/1.1 408"), alone.answers
-        assert 2.0 <= time.monotonic() - started < 6.0
-        assert refused(shim, "head_timeout") >= 1
-    finally:
-        shim.stop()
+    the shim allowed 192 connections: each connection past that closes the one whose request has
+    been arriving longest, and a head not in within --header-timeout-seconds (2 s) gets 408."""
+    shim = few_files_shim
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: "
+    evicted = refused(shim, "evicted")
+    with Trickler(("127.0.0.1", shim.port), 300, head=head, interval=0.2) as attack:
+        time.sleep(0.5)
+        report = run_load(shim.url, MODEL_NAME, duration=3.0, concurrency=3, max_tokens=4, seed=2, timeout=10)
+        open_files = len(os.listdir(f"/proc/{shim.process.proc.pid}/fd"))
+    assert report.requests > 0 and report.by_status == {200: report.requests}, report.summary()
+    assert attack.closed_by_server >= 108 and refused(shim, "evicted") >= evicted + 108
+    assert open_files <= 256
+    assert "--max-connections 1000 lowered to 192" in shim.process.log_tail(200)
+    started = time.monotonic()
+    with Trickler(("127.0.0.1", shim.port), 1, head=head, interval=0.2) as alone:
+        while not alone.answers and time.monotonic() - started < 10:
+            time.sleep(0.05)
+    assert alone.answers and alone.answers[0].startswith(b"HTTP/1.1 408"), alone.answers
+    assert 2.0 <= time.monotonic() - started < 6.0
+    assert refused(shim, "head_timeout") >= 1
+
+
+def test_trickled_bodies_cannot_hold_every_connection(few_files_shim):
+    """Hostile review 2, H1: a connection whose head was in but whose body still trickled was never
+    closed to make room, so 1,000 of them (one byte every 2 s) got every other client, /healthz
+    included, a 503 for the whole --body-timeout-seconds (30 s), again after each reconnect. Now a
+    body still arriving is closed to make room as a head still arriving is, the oldest first."""
+    shim = few_files_shim
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
+    )
+    evicted, cancelled = (
+        refused(shim, "evicted"),
+        sample_sum(shim.metrics(), "layerwatch_requests_total", status="cancelled"),
+    )
+    with Trickler(("127.0.0.1", shim.port), 300, head=head, interval=0.2) as attack:
+        time.sleep(0.5)
+        report = run_load(shim.url, MODEL_NAME, duration=3.0, concurrency=3, max_tokens=4, seed=3, timeout=10)
+        health = httpx.get(f"{shim.url}/healthz", timeout=10).status_code
+    assert report.requests > 0 and report.by_status == {200: report.requests}, report.summary()
+    assert health == 200
+    assert attack.closed_by_server >= 108 and refused(shim, "evicted") >= evicted + 108
+    # Each one cut off is a request its client abandoned (499, as a client that hung up).
+    assert sample_sum(shim.metrics(), "layerwatch_requests_total", status="cancelled") >= cancelled + 108
 
 
 # --- hostile datagrams among real frames ---------------------------------------------------------

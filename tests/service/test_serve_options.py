@@ -132,6 +132,8 @@ WATCH_REFUSED = r"--gates-watch-seconds must be 0 \(never\) or a number from 0.1
         *(({"gates_watch_seconds": s}, WATCH_REFUSED) for s in (float("nan"), 1e-9, 0.05, -1.0, float("inf"), 1e300)),
         ({"mitigation_minutes": 5e9}, "--mitigation-minutes must be a positive number of at most 525600"),
         ({"max_batch_size": 10**9}, "--max-batch-size 1000000000: the KV cache for 1000000000 sequences"),
+        # Hostile review 2, H2: a name with an escape sequence reached label values and terminals.
+        ({"model_name": "demo\x1b[2J"}, r"--model-name 'demo\\x1b\[2J' holds '\\x1b', which is not printable"),
     ],
 )
 def test_queue_drain_and_watch_settings_out_of_range_are_refused(tiny_checkpoint, override, message):
