@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from examples.gate_file_llama import left_padded, load_gated_llama  # noqa: E402
 from examples.router_llama import THRESHOLD, prompts, routed_llama  # noqa: E402
 from inference_shim.runtime.checkpoint import load_checkpoint  # noqa: E402
+from inference_shim.runtime.depth_execution import DepthExecutionConfig  # noqa: E402
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams  # noqa: E402
 from inference_shim.runtime.gates import GateMetadata, gates_path_for, load_gates, model_fingerprint, save_gates  # noqa: E402
 from inference_shim.runtime.model import GateBank  # noqa: E402
@@ -205,6 +206,9 @@ def engine_generation(folder: Path, prompt_ids: list[list[int]], **policy) -> tu
         policy=loaded.metadata.policy(**policy),
         max_batch_size=len(prompt_ids),
         step_hook=records.append,
+        # Each row exactly as it decided, as the example runs them (the default depth execution may
+        # run a layer for a row that skipped it, or vote one off: docs/model.md, "Depth execution").
+        depth=DepthExecutionConfig("rows", None),
     )
     ids = [engine.submit(p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)) for p in prompt_ids]
     tokens: dict[int, list[int]] = {i: [] for i in ids}
