@@ -25,9 +25,10 @@ def replay_trace(
 ) -> list[dict[str, object]]:
     """One report per model, in order of first appearance; raises TraceError for a bad line (a torn
     last line goes to `on_torn_line` when given, see read_trace), and, as the exporter refuses such
-    frames, for the first line of a model beyond `config.max_models` or of more layers than
-    `config.max_layers`: what is kept per model and per layer stays in memory to the end (a trace
-    of 200,000 made-up model names took 3.2 GB)."""
+    frames, for the first line of a model beyond `config.max_models`, of more layers than
+    `config.max_layers` (what is kept per model and per layer stays in memory to the end: a trace
+    of 200,000 made-up model names took 3.2 GB), or of another layer count than the model's first
+    line (its statistics would mix both shapes)."""
     models: dict[str, ModelStatistics] = {}
     histograms: dict[str, np.ndarray] = {}
     for batch in read_trace_batches(path, on_torn_line=on_torn_line):
@@ -43,8 +44,14 @@ def replay_trace(
                     f"{path}:{batch.first_line}: model {batch.model_name!r} is one more than the "
                     f"{config.max_models} models replay keeps (--max-models)"
                 )
-            models[batch.model_name] = ModelStatistics(config)
+            models[batch.model_name] = ModelStatistics(config, layers)
             histograms[batch.model_name] = np.zeros(BINS, dtype=np.int64)
+        elif layers != models[batch.model_name].num_layers:  # a trace has no clock to idle the model out by
+            raise TraceError(
+                f"{path}:{batch.first_line}: model {batch.model_name!r} has {layers} layers here, "
+                f"{models[batch.model_name].num_layers} on its first line; the exporter refuses such frames "
+                "(layer_count_changed)"
+            )
         threshold = config.default_threshold if batch.threshold is None else batch.threshold
         models[batch.model_name].add(
             batch.entropies, batch.skipped, now=0.0, threshold=threshold, model_name=batch.model_name

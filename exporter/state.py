@@ -84,7 +84,7 @@ class ModelStatistics:
     """Everything kept for one model_name."""
 
     def __init__(self, config: ExporterConfig, layers: int = 0, now: float = 0.0) -> None:
-        self.num_layers = layers  # fixed by the model's first frame (0: any, as in replay)
+        self.num_layers = layers  # fixed by the model's first frame, or first trace line in replay (0: unchecked)
         self.last_seen = now  # when the model's latest frame was accepted
         self.totals = EntropyTotals()
         self.layers = LayerTotals(with_buckets=config.per_layer)

@@ -118,7 +118,10 @@ class GateFrameSender:
             host, port = parse_address(address)  # a destination: port 0 is refused
         except ValueError as exc:
             raise ValueError(f"exporter address {exc}") from None
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        try:
+            family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        except socket.gaierror as exc:  # an OSError: a bad argument here, as the docstring says
+            raise ValueError(f"exporter address {address!r}: cannot resolve {host!r} ({exc.strerror})") from None
         self._socket = socket.socket(family, kind, proto)
         self._socket.setblocking(False)
         self._socket.connect(sockaddr)
@@ -161,7 +164,10 @@ class GateFrameSender:
 
     def _batch(self, scores: npt.ArrayLike, skipped: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """The two arrays, their shapes checked; their values are checked per frame by encode_frame."""
-        scores = np.asarray(scores, dtype=np.float32)
+        scores = np.asarray(scores)
+        if scores.dtype.kind == "c":  # float32 would keep the real part only, with a ComplexWarning
+            raise TypeError(f"scores must be real numbers, got {scores.dtype}")
+        scores = scores.astype(np.float32, copy=False)
         skipped = np.asarray(skipped)
         if scores.ndim != 2 or scores.shape[1] != self.num_layers:
             raise ValueError(f"scores must be [rows, {self.num_layers}], got shape {scores.shape}")

@@ -259,11 +259,15 @@ def _parse_line(path: str | os.PathLike[str], line_number: int, raw: bytes) -> T
     def fail(reason: str) -> TraceError:
         return TraceError(f"{path}:{line_number}: {reason}")
 
+    try:  # decoded here: json.loads would read bytes starting with a UTF-16 or UTF-32 BOM as such
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise fail(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
-        obj = json.loads(raw)
+        obj = json.loads(text)
     except RecursionError:  # e.g. a line of 100,000 "["
         raise fail("not valid JSON (nested too deeply)") from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4,300 digits
+    except ValueError as exc:  # JSONDecodeError, an integer of more than 4,300 digits
         raise fail(f"not valid JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise fail(f"expected a JSON object, got {type(obj).__name__}")

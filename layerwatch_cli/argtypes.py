@@ -31,13 +31,17 @@ def share_or_off(text: str) -> float | None:
 
 
 def positive_ints(text: str) -> list[int]:
-    """Comma-separated integers above zero, at least one."""
+    """Comma-separated distinct integers above zero, at least one, no entry empty."""
+    if not all(part.strip() for part in text.split(",")):
+        raise argparse.ArgumentTypeError(f"an empty entry in {text!r}")
     try:
-        values = [int(part) for part in text.split(",") if part.strip()]
+        values = [int(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
-    if not values or min(values) < 1:
+    if min(values) < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    if len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"an entry given twice in {text!r}")
     return values
 
 

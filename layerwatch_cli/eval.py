@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     if prepared is None:
         return 2
     gated, windows, depth = prepared
+    # A batch holds at most the windows there are: the size reported is the one that ran.
+    batch_sizes = [min(size, len(windows)) for size in args.batch_sizes or [args.batch_size]]
     thresholds = args.sweep or [args.threshold if args.threshold is not None else gated.gates.metadata.threshold]
     rules = SKIP_RULES if args.compare_rules else (gated.skip_rule,)
     policies = [gated.policy(threshold, skip_rule=rule) for threshold in thresholds for rule in rules]
@@ -145,8 +147,16 @@ def run(args: argparse.Namespace) -> int:
         if len(policies) != 1:
             print("error: --batch-sizes measures one threshold and rule: drop --sweep/--compare-rules", file=sys.stderr)
             return 2
+        if len(set(batch_sizes)) < len(batch_sizes):
+            capped = ",".join(str(size) for size in args.batch_sizes if size >= len(windows))
+            print(
+                f"error: --batch-sizes {capped}: {len(windows)} windows make one batch of {len(windows)} at each "
+                f"of these sizes: keep one of them (or give more --data / --max-tokens)",
+                file=sys.stderr,
+            )
+            return 2
         rows = []
-        for batch_size in args.batch_sizes:
+        for batch_size in batch_sizes:
             (result,), extra = measure(batch_size)
             rows.append(
                 {"batch_size": batch_size, **result, **extra["execution"], "decoded_tokens": extra["full"].tokens}
@@ -158,9 +168,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"data {args.data}: {description}, threshold {policies[0].threshold:g}")
             print(format_batch_sizes(rows))
         return 0
-    results, extra = measure(args.batch_size)
+    (batch_size,) = batch_sizes
+    results, extra = measure(batch_size)
     full = extra["full"]
-    header |= {"batch_size": args.batch_size, "decoded_tokens": full.tokens, **extra["execution"]}
+    header |= {"batch_size": batch_size, "decoded_tokens": full.tokens, **extra["execution"]}
     if args.json:
         body = (
             {**header, **results[0]}
@@ -175,9 +186,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(body, indent=2))
         return 0
     print(f"model {args.model}  gates {gated.gates_path} (sha256 {gated.gates.sha256[:12]})")
-    print(f"data {args.data}: {description}, {full.tokens} decoded tokens, batch {args.batch_size}")
+    print(f"data {args.data}: {description}, {full.tokens} decoded tokens, batch {batch_size}")
     if len(results) == 1:
-        print(format_single(results[0], extra["execution"], args.batch_size))
+        print(format_single(results[0], extra["execution"], batch_size))
     else:
         print(format_sweep(results))
     return 0

@@ -15,9 +15,10 @@ connections, so this protocol adds both:
 - at most `max_connections` connections: one more closes the connection whose request has been
   arriving longest (a slow client, still sending its head or its body), else the one idle longest
   (a keep-alive connection between requests: its client reconnects), or, when every connection has
-  a whole request in (never closed to make room), is answered 503 at once. A body still arriving
-  is closed as a head is: 1,000 bodies trickled a byte at a time otherwise kept everyone out for
-  the whole body timeout (30 s), again after each reconnect (docs/reliability.md).
+  a whole request in (never closed to make room), is answered 503 at once, with `Retry-After` as
+  the admission queue's 429 (room comes back as soon as any of them is answered). A body still
+  arriving is closed as a head is: 1,000 bodies trickled a byte at a time otherwise kept everyone
+  out for the whole body timeout (30 s), again after each reconnect (docs/reliability.md).
 
 Each refusal is counted (layerwatch_http_connections_refused_total) and logged at a bounded rate.
 """
@@ -49,6 +50,7 @@ _HEAD_END = re.compile(rb"\n\r?\n")  # where h11 sees the end of a request head
 # Kept besides the connections (a quarter of a lower hard limit): the model's files, the trace, its
 # own sockets; an idle `serve` holds about 20.
 SPARE_FILE_DESCRIPTORS = 256
+RETRY_AFTER_SECONDS = 1  # past max_connections: each busy connection is evictable again once answered
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ class BoundedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections and not self._make_room():
-            self._refuse("too_many_connections", 503, "Too many connections, try again.")
+            self._refuse("too_many_connections", 503, "Too many connections, try again.", RETRY_AFTER_SECONDS)
             return
         self._wait_for_head()
 
@@ -183,7 +185,7 @@ class BoundedH11Protocol(H11Protocol):
     def _refuse_too_large(self) -> None:
         self._refuse("head_too_large", 431, f"Request line and headers over {self.limits.max_head_bytes} bytes.")
 
-    def _refuse(self, reason: str, status: int, message: str) -> None:
+    def _refuse(self, reason: str, status: int, message: str, retry_after: int | None = None) -> None:
         """Answer `status` (h11 lets a server answer before a request is in) and close."""
         self.refusals.count(reason)
         log.warning(
@@ -191,6 +193,8 @@ class BoundedH11Protocol(H11Protocol):
         )
         body = message.encode()
         headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]
+        if retry_after is not None:
+            headers.append((b"retry-after", str(retry_after).encode()))
         try:
             data = self.conn.send(h11.Response(status_code=status, headers=headers))
             data += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())

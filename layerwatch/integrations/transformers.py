@@ -282,6 +282,8 @@ def _newest(values: list[torch.Tensor], layers: Sequence[int], rows: int, what: 
                 f"decoder layer {layer}: the adapter's {what} has shape {tuple(value.shape)}; expected one value "
                 f"per token, [{rows}, tokens]"
             )
+        if value.is_complex():  # .float() would keep the real part only, with a warning
+            raise TypeError(f"decoder layer {layer}: the adapter's {what} is {value.dtype}; expected real values")
     if len({v.shape for v in values}) == 1:
         return torch.stack(values, dim=1).reshape(rows, len(values), -1)[:, :, -1]
     return torch.stack([v.reshape(rows, -1)[:, -1] for v in values], dim=1)

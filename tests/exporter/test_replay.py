@@ -143,11 +143,22 @@ def test_models_beyond_max_models_are_refused_naming_the_first_line_past_it(tmp_
 
 def test_lines_wider_than_max_layers_are_refused_naming_the_line(tmp_path: Path) -> None:
     path = tmp_path / "wide.jsonl"
-    path.write_text(trace_line("demo") + trace_line("demo", 257))
+    path.write_text(trace_line("demo") + trace_line("wide", 257))
     result = replay(str(path))
     assert result.returncode == 1, result.stderr
     assert f"{path}:2: 257 layers, more than the 256 replay takes (--max-layers)" in result.stderr
     assert replay(str(path), "--max-layers", "257").returncode == 0
+
+
+def test_a_model_whose_layer_count_changes_is_refused_naming_the_line(tmp_path: Path) -> None:
+    """Hostile review 2, H9: replay warned and then reported both widths mixed (the per-layer rates
+    of the last only), where the exporter refuses such frames (layer_count_changed)."""
+    path = tmp_path / "widths.jsonl"
+    path.write_text(trace_line("demo") * 2 + trace_line("other", 6) + trace_line("demo", 6))
+    result = replay(str(path))
+    assert result.returncode == 1 and result.stdout == "", result.stdout
+    assert f"{path}:4: model 'demo' has 6 layers here, 4 on its first line" in result.stderr, result.stderr
+    assert "layer_count_changed" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_batches_hold_at_most_max_batch_values_entropies(tmp_path: Path, monkeypatch) -> None:

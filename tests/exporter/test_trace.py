@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -133,6 +134,22 @@ def test_bad_lines_name_file_and_line(tmp_path: Path, line: str, reason: str) ->
         list(read_trace(path))
     assert str(error.value).startswith(f"{path}:2: ")
     assert reason in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b"\xff\xfe", b"\xff", '{"model_name": "m", "scores": [0.5], "skipped": [0]}'.encode("utf-16")],
+    ids=["utf-16-bom", "not-utf-8", "utf-16-line"],
+)
+def test_a_line_that_is_not_utf8_says_so(tmp_path: Path, line: bytes) -> None:
+    """Hostile review 2, H12: json.loads reads bytes that start with a UTF-16 BOM as UTF-16, so such a
+    line failed as "not valid JSON ('utf-16-le' codec can't decode ...)", or was read."""
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"model_name": "m", "scores": [0.5], "skipped": [0]}\n' + line + b"\n")
+    with pytest.raises(
+        TraceError, match=f"^{re.escape(str(path))}:2: not UTF-8 text \\(invalid start byte at byte 0\\)$"
+    ):
+        list(read_trace(path))
 
 
 def test_batches_group_consecutive_rows_of_one_model(tmp_path: Path) -> None:

@@ -117,6 +117,8 @@ def test_a_batch_arrives_as_the_frames_the_exporter_decodes(receiver):
         (("127.0.0.1:9410", "m", LAYERS, "0.5"), ValueError, "threshold must be a number in"),
         (("127.0.0.1", "m", LAYERS, 0.5), ValueError, "exporter address '127.0.0.1' is not HOST:PORT"),
         (("127.0.0.1:0", "m", LAYERS, 0.5), ValueError, "port 0 can only be listened on"),
+        # Hostile review 2, H6: socket.gaierror (an OSError) from the lookup. .invalid never resolves (RFC 6761).
+        (("example.invalid:9", "m", LAYERS, 0.5), ValueError, "exporter address 'example.invalid:9': cannot resolve"),
     ],
 )
 def test_a_bad_argument_raises_at_construction(arguments, error, message):
@@ -149,8 +151,20 @@ def test_a_shim_id_names_the_sequence_space_and_a_key_tags_every_frame(receiver)
         (np.full((2, LAYERS), np.nan), np.zeros((2, LAYERS), bool), "NaN"),
         (np.full((2, LAYERS), 1.5), np.zeros((2, LAYERS), bool), "outside \\[0, 1\\]"),
         (np.full((2, LAYERS), 0.5), np.full((2, LAYERS), 2), "only 0/1"),
+        # Hostile review 2, H7: float32 kept the real part (a ComplexWarning) and the frame was sent.
+        (np.full((2, LAYERS), 0.5 + 0.5j), np.zeros((2, LAYERS), bool), "scores must be real numbers, got complex"),
     ],
-    ids=["shapes-differ", "layer-count", "one-dimensional", "strings", "device-tensor", "nan", "above-1", "bits"],
+    ids=[
+        "shapes-differ",
+        "layer-count",
+        "one-dimensional",
+        "strings",
+        "device-tensor",
+        "nan",
+        "above-1",
+        "bits",
+        "complex",
+    ],
 )
 def test_a_bad_array_is_a_counted_drop_and_a_log_line_not_an_exception(receiver, caplog, scores, skipped, why):
     sender = GateFrameSender(receiver.address, "m", LAYERS, 0.5)

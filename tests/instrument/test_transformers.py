@@ -160,6 +160,15 @@ def test_a_misfitting_sender_or_adapter_is_refused_clearly(router_model, tmp_pat
         with observe(router_model, adapter, trace=trace, model_name="m"), pytest.raises(ValueError, match=message):
             router_model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=2)
 
+    # Hostile review 2, H7: complex scores lost their imaginary part with a warning and were published.
+    def complex_scores(index, layer, output):
+        return layer.router_score.to(torch.complex64), None
+
+    watch = observe(router_model, complex_scores, trace=TraceWriter(tmp_path / "c.jsonl", 1 << 20), model_name="m")
+    with watch, pytest.raises(TypeError, match="adapter.s score is torch.complex64; expected real"):
+        router_model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=2)
+    assert watch.rows == 0
+
 
 # --- layerwatch's gate file on a transformers Llama, against the engine ----------------------------
 

@@ -306,3 +306,24 @@ def test_eval_batch_sizes_prints_the_depth_execution_of_each(model_dir, text_fil
     assert len(table) == 1 and "every row as it decided" in table[0]
     assert run_eval(model_dir, text_file, "--batch-sizes", "2", "--sweep", "0,0.5") == 2
     assert "--batch-sizes measures one threshold" in capsys.readouterr().err
+
+
+def test_eval_reports_the_batch_size_that_ran_and_refuses_empty_or_repeated_sizes(model_dir, text_file, capsys):
+    """Hostile review 2, H8: `--batch-sizes 99999999999,1,,1` was accepted and its JSON said
+    `batch_size: 99999999999` for a batch of the 4 windows there were."""
+    for sizes, message in (
+        ("1,,2", "an empty entry in '1,,2'"),
+        ("1,2,", "an empty entry"),
+        ("2,1,2", "an entry given twice in"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            run_eval(model_dir, text_file, "--batch-sizes", sizes)
+        assert exit_info.value.code == 2 and f"argument --batch-sizes: {message}" in capsys.readouterr().err
+    assert run_eval(model_dir, text_file, "--batch-sizes", "4,99999999999") == 2
+    assert "--batch-sizes 4,99999999999: 4 windows make one batch of 4 at each" in capsys.readouterr().err
+    assert run_eval(model_dir, text_file, "--json", "--batch-sizes", "1,99999999999", "--repeats", "1") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["windows"] == 4 and [r["batch_size"] for r in report["batch_sizes"]] == [1, 4]
+    assert set(report["batch_sizes"][1]["row_partial_limits"]) == {"4"}
+    assert run_eval(model_dir, text_file, "--json", "--repeats", "1") == 0  # --batch-size 8, the default
+    assert json.loads(capsys.readouterr().out)["batch_size"] == 4

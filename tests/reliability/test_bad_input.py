@@ -13,6 +13,7 @@ are checked one by one in tests/model/test_checkpoint.py. Here the whole command
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -28,14 +29,17 @@ import httpx
 import numpy as np
 import pytest
 import torch
+import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from demo.loadgen import run_load
 from demo.processes import free_port
 from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
+from inference_shim.service.http_protocol import BoundedH11Protocol, ConnectionRefusals, HTTPLimits
 from layerwatch.wire import GateFrame, encode_frame
 from tests.reliability.conftest import LAYERWATCH, MODEL_NAME, QUIET_ENV, Shim, sample_sum
 from tests.service.conftest import tiny_gates, tiny_model
@@ -414,6 +418,44 @@ def test_trickled_bodies_cannot_hold_every_connection(few_files_shim):
     assert attack.closed_by_server >= 108 and refused(shim, "evicted") >= evicted + 108
     # Each one cut off is a request its client abandoned (499, as a client that hung up).
     assert sample_sum(shim.metrics(), "layerwatch_requests_total", status="cancelled") >= cancelled + 108
+
+
+def test_past_max_connections_with_every_one_busy_the_503_says_when_to_retry():
+    """Hostile review 2, H5: the 503 past --max-connections, when no connection can be closed for
+    room, had no Retry-After (the queue's 429 and the exporter's listener send one). The API's own
+    protocol in a real uvicorn on loopback, 2 connections allowed, each holding a whole request that
+    its handler answers only when released: no model needed to keep them busy."""
+    arrived, release = threading.Semaphore(0), threading.Event()
+
+    async def held(scope, receive, send):
+        arrived.release()
+        await asyncio.to_thread(release.wait, 10)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    protocol = BoundedH11Protocol.bounded(HTTPLimits(max_connections=2), ConnectionRefusals(CollectorRegistry(), "m"))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(held, port=port, http=protocol, lifespan="off", log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.02)
+        busy = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+        for connection in busy:
+            connection.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert all(arrived.acquire(timeout=10) for _ in busy)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as extra:
+            head = extra.recv(4096).split(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 503") and b"\r\nretry-after: 1\r\n" in head + b"\r\n", head
+        release.set()
+        for connection in busy:
+            assert connection.recv(4096).startswith(b"HTTP/1.1 200")
+            connection.close()
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(10)
 
 
 # --- hostile datagrams among real frames ---------------------------------------------------------
