@@ -3,7 +3,7 @@
 A spec (`AlertSpec`) is the alert's name, severities, default `for:`, the profile fields it reads
 and the builder that writes its Prometheus rule(s) from a profile and a timing; its runbook is the
 section `## <name>` of docs/runbooks.md. The rest derives from the specs: `ALERTS` (in rendering
-order), the `for:` a profile may override (alerts/profile.py), the rule groups (alerts/rules.py),
+order), the `for:` a profile may override (alerts/profile_file.py), the rule groups (alerts/rules.py),
 and the checks that every alert has a runbook section and promtool cases (tests/stack/test_rules.py).
 
 Adding an alert: a builder decorated with `@alert(...)` below, its section in docs/runbooks.md, and
@@ -21,15 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from alerts.durations import Timing, parse_duration
+from alerts.profile import Profile
 from alerts.recorded import BY_MODEL, GATE_LAYER_IMPORTANCE_FLOOR, Recorded
 from layerwatch.catalog import ZERO_ENTROPY_LIMIT
 from mixin import config
-
-if TYPE_CHECKING:
-    from alerts.profile import Profile
 
 PAGE = config.SEVERITY_PAGE
 TICKET = config.SEVERITY_TICKET
@@ -51,6 +48,12 @@ class AlertSpec:
     @property
     def per_model(self) -> bool:
         return bool(self.reads)
+
+    def for_seconds(self, profile: Profile | None) -> float:
+        """This alert's `for:` in seconds: the profile's override of a per-model alert, else the default."""
+        if self.per_model and profile is not None:
+            return profile.for_durations.get(self.name, self.default_for)
+        return self.default_for
 
     @property
     def runbook_anchor(self) -> str:
@@ -88,9 +91,7 @@ class AlertBuild:
 
     @property
     def for_(self) -> str:
-        spec = self.spec
-        seconds = self.profile.for_duration(spec.name) if spec.per_model else spec.default_for
-        return self.timing(seconds)
+        return self.timing(self.spec.for_seconds(self.profile if self.spec.per_model else None))
 
     def rule(
         self,
@@ -481,7 +482,7 @@ def skipping_collapsed(b: AlertBuild) -> list[dict]:
 def request_tail_runaway(b: AlertBuild) -> list[dict]:
     p, r = b.profile, b.recorded
     cutoff = p.request_tail.runaway_skip_fraction
-    # A cut-off is a bucket edge below 1 and above 0 (alerts/profile.py), so its `le` reads the same
+    # A cut-off is a bucket edge below 1 and above 0 (alerts/profile_file.py), so its `le` reads the same
     # in Prometheus 2 (as exposed) and 3 (normalised): 0.35 -> "0.35".
     tail = f'{r.request_skip_tail_ratio}{{{b.selector}, le="{cutoff:g}"}}'
     layers = r.runaway_skip_ratio_by_layer + "{instance=%q,model_name=%q}"

@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from alerts.baseline import ascii_histogram, baseline_summary
-    from alerts.profile import ProfileError, dump_profile
+    from alerts.profile_file import ProfileError, dump_profile
     from inference_shim.offline.calibration import CalibrationSettings, calibrate
     from inference_shim.offline.corpus import read_documents
 

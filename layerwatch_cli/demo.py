@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from alerts.profile import PROFILES_DIR, ProfileError, load_profiles
+from alerts.profile_file import PROFILES_DIR, ProfileError, load_profiles
 from demo.alert_view import AlertView
 from demo.drills import DRILLS, DrillRun
 from demo.loadgen import run_load

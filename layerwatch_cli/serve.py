@@ -409,7 +409,7 @@ def profile_runaway_fraction(settings: ServeSettings, profiles_dir: Path | None 
     """The served model's request runaway cut-off from its profile, and the profile's path; None when
     alerts/profiles has no profile for the model (or cannot be read). The model name is the one the
     service will report: --model-name, else the checkpoint folder's name."""
-    from alerts.profile import PROFILES_DIR, ProfileError, load_profile
+    from alerts.profile_file import PROFILES_DIR, ProfileError, load_profile
 
     model_name = settings.model_name or Path(settings.model_dir).resolve().name
     for path in sorted((profiles_dir or PROFILES_DIR).glob("*.yaml")):

@@ -33,6 +33,11 @@ ALLOWED: dict[str, set[str]] = {
     "inference_shim.offline": {"layerwatch", "alerts", "inference_shim.runtime"},
     "demo": {"layerwatch", "mixin", "alerts", "deploy"},
 }
+# Where a package may import only some modules of another: calibrate builds a profile with the
+# torch-free profile math (alerts.baseline) and returns it (alerts.profile), and needs no rule or spec.
+ONLY_MODULES: dict[tuple[str, str], set[str]] = {
+    ("inference_shim.offline", "alerts"): {"alerts.baseline", "alerts.profile"},
+}
 # The commands sit on top: they may import every library package, and nothing imports them.
 COMMANDS = "layerwatch_cli"
 # What the exporter's container and the generators install: no torch, no model.
@@ -97,6 +102,16 @@ def test_imports_go_one_way_between_packages() -> None:
         if target == COMMANDS or target not in ALLOWED.get(source, set()):
             wrong.append(f"{source} -> {target} (in {', '.join(sorted(set(where)))})")
     assert not wrong, "imports against the package direction:\n  " + "\n  ".join(wrong)
+
+
+def test_narrow_edges_import_only_their_modules() -> None:
+    wrong = []
+    for module, path in source_modules().items():
+        for name in imported_modules(path, module):
+            allowed = ONLY_MODULES.get((package_of(module) or "", package_of(name) or ""))
+            if allowed is not None and not any(name == m or name.startswith(f"{m}.") for m in allowed):
+                wrong.append(f"{module} imports {name} (allowed of it: {sorted(allowed)})")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_every_module_belongs_to_a_known_package() -> None:

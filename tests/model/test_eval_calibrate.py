@@ -10,23 +10,24 @@ import pytest
 
 from alerts.baseline import (
     MIN_REQUEST_NORMAL_SHARE,
+    GateReadings,
+    agreement_floor,
     ascii_histogram,
     build_profile,
+    gate_importance_floor,
+    gate_importance_profile,
+    quality_cost_limit,
     request_tail_profile,
     skip_collapse_fraction,
 )
-from alerts.profile import GateImportance, RequestTail, dump_profile, load_profile
+from alerts.profile import GateImportance, RequestTail
+from alerts.profile_file import dump_profile, load_profile
 from inference_shim.offline.calibration import (
     Baseline,
     CalibrationSettings,
-    GateReadings,
-    agreement_floor,
     calibrate,
-    gate_importance_floor,
-    gate_importance_profile,
     generate_baseline,
     line_prompts,
-    quality_cost_limit,
 )
 from inference_shim.offline.corpus import read_documents
 from inference_shim.offline.gated_model import load_gated_model
