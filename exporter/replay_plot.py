@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from layerwatch.routing import DEFAULT_THRESHOLD, STATIC_LOW_RATE, STATIC_RUN_LOW_RATE
+from layerwatch.routing import STATIC_LOW_RATE, STATIC_RUN_LOW_RATE
+from layerwatch.skip_policy import DEFAULT_THRESHOLD
 from layerwatch.statistics import BINS
 from layerwatch.trace import read_trace_batches
 

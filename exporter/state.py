@@ -25,7 +25,8 @@ from exporter.routing_window import RoutingWindow
 from exporter.sequences import REJECT_REASONS as SEQUENCE_REJECT_REASONS
 from exporter.sequences import SequenceTracker
 from exporter.window import SlidingWindow
-from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS, DEFAULT_THRESHOLD, Routing, check_routing
+from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS, Routing, check_routing
+from layerwatch.skip_policy import DEFAULT_THRESHOLD
 from layerwatch.statistics import (
     DEFAULT_MIN_WINDOW_OBSERVATIONS,
     DEFAULT_WINDOW_OBSERVATIONS,

@@ -11,7 +11,7 @@ from typing import TypeVar
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from inference_shim.runtime.gates import GATES_FILE
 from inference_shim.runtime.model import KV_POLICIES
-from inference_shim.runtime.skip_policy import SKIP_RULES
+from layerwatch.skip_policy import SKIP_RULES
 from layerwatch_cli import argtypes
 
 T = TypeVar("T")

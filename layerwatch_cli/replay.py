@@ -14,7 +14,7 @@ from exporter.replay import replay_trace
 from exporter.replay_plot import DEFAULT_PLOT_TOKENS, MissingPlotLibrary, plot_reports
 from exporter.report_text import format_report
 from exporter.state import ExporterConfig
-from layerwatch.routing import DEFAULT_THRESHOLD
+from layerwatch.skip_policy import DEFAULT_THRESHOLD
 from layerwatch.trace import TraceError
 from layerwatch_cli import argtypes
 

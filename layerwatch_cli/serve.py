@@ -18,12 +18,12 @@ from typing import TypeVar
 from inference_shim.runtime.checkpoint import DTYPES
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME, demo_model_present
 from inference_shim.runtime.model import KV_POLICIES
-from inference_shim.runtime.skip_policy import SKIP_RULES
 from inference_shim.service.depth import REQUEST_FIELD, parse_rollout_levels, parse_threshold_range
 from inference_shim.service.http_protocol import HTTPLimits
 from inference_shim.service.shim import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServeSettings
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
 from layerwatch.ports import LOOPBACK, SHIM_HTTP_PORT, SHIM_MITIGATION_PORT, http_url, reserve
+from layerwatch.skip_policy import SKIP_RULES
 from layerwatch_cli import argtypes
 from layerwatch_cli.model_arguments import add_depth_arguments
 

@@ -16,7 +16,7 @@ from layerwatch_cli import argtypes
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from inference_shim.offline.gate_training import GateSchedule
     from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
-    from inference_shim.runtime.skip_policy import SKIP_RULES
+    from layerwatch.skip_policy import SKIP_RULES
 
     d = GateSchedule()
     parser.add_argument(

@@ -28,15 +28,19 @@ ALLOWED: dict[str, set[str]] = {
     "alerts": {"layerwatch", "mixin"},
     "dashboards": {"layerwatch", "mixin", "alerts"},
     "deploy": {"layerwatch", "mixin", "alerts", "dashboards"},
-    "inference_shim.runtime": set(),
+    # The model code imports, of the project, only the skip policy's settings (ONLY_MODULES).
+    "inference_shim.runtime": {"layerwatch"},
     "inference_shim.service": {"layerwatch", "inference_shim.runtime"},
     "inference_shim.offline": {"layerwatch", "alerts", "inference_shim.runtime"},
     "demo": {"layerwatch", "mixin", "alerts", "deploy"},
 }
-# Where a package may import only some modules of another: calibrate builds a profile with the
+# Where a package may import only some modules of another. Calibrate builds a profile with the
 # torch-free profile math (alerts.baseline) and returns it (alerts.profile), and needs no rule or spec.
 ONLY_MODULES: dict[tuple[str, str], set[str]] = {
     ("inference_shim.offline", "alerts"): {"alerts.baseline", "alerts.profile"},
+    # The model code knows nothing of HTTP, metrics or frames: of the core, only the skip policy's
+    # settings (τ's default, range and comparison), which the shim, traces and frames share with it.
+    ("inference_shim.runtime", "layerwatch"): {"layerwatch.skip_policy"},
 }
 # The commands sit on top: they may import every library package, and nothing imports them.
 COMMANDS = "layerwatch_cli"

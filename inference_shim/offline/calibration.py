@@ -63,10 +63,10 @@ from inference_shim.runtime.agreement import ShadowJob, ShadowResult, full_depth
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.gates import LoadedGates, scramble_gates, shuffle_gates
 from inference_shim.runtime.model import KV_POLICIES, Transformer
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from layerwatch.catalog import GATE_LAYER_SAMPLES
 from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.request_tail import RequestLayers, request_skipping
+from layerwatch.skip_policy import SkipPolicyConfig
 from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS, MAX_WINDOW_OBSERVATIONS
 
 # The API's highest temperature (OpenAI's): the baseline samples as clients may.

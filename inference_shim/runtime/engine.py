@@ -58,8 +58,9 @@ from inference_shim.runtime.depth_execution import (
     default_depth_execution,
 )
 from inference_shim.runtime.model import KV_POLICIES, KVCache, Transformer
-from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig, check_threshold
+from inference_shim.runtime.skip_policy import SkipPolicy
 from inference_shim.runtime.tokenizer import IncrementalDecoder, Tokenizer
+from layerwatch.skip_policy import SkipPolicyConfig, check_threshold
 
 log = logging.getLogger(__name__)
 

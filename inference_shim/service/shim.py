@@ -34,7 +34,6 @@ from inference_shim.runtime.depth_execution import (
 )
 from inference_shim.runtime.engine import GenerationEngine, StepHook
 from inference_shim.runtime.gates import (
-    POLICY_FIELDS,
     LoadedGates,
     gates_path_for,
     load_gates,
@@ -73,6 +72,7 @@ from layerwatch.client import GateFrameSender, default_shim_id
 from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.ports import http_url
 from layerwatch.secret_file import RotatingSecret
+from layerwatch.skip_policy import POLICY_FIELDS
 from layerwatch.trace import TraceWriter
 from layerwatch.wire import DEFAULT_FRAMES_ADDRESS, load_frame_key, parse_address
 
@@ -373,9 +373,9 @@ class ShimService:
                 "this tokenizer may drop or merge characters: prompts cannot be refused by size and are "
                 "tokenized in full (up to --max-body-bytes) before the --max-prompt-tokens check"
             )
-        from_file = policy_from_file(settings)
-        overrides = {name: getattr(settings, name) for name in POLICY_FIELDS if name not in from_file}
-        self.policy = gates.metadata.policy(**overrides, protected_layers=settings.protected_layers)
+        # What the command line leaves unset (None) the gate file says (SkipPolicyConfig.recorded).
+        chosen = {name: getattr(settings, name) for name in POLICY_FIELDS}
+        self.policy = gates.metadata.policy(**chosen, protected_layers=settings.protected_layers)
         self.policy.protected(config.num_layers)  # refuse out-of-range protected layers at start-up
         if settings.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be >= 1, got {settings.max_batch_size}")

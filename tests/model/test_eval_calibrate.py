@@ -34,10 +34,10 @@ from inference_shim.offline.gated_model import load_gated_model
 from inference_shim.runtime.agreement import ShadowResult
 from inference_shim.runtime.checkpoint import save_checkpoint
 from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.catalog import GATE_LAYER_SAMPLES, REQUEST_FRACTION_BUCKETS
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS
+from layerwatch.skip_policy import SkipPolicyConfig
 from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS
 from layerwatch_cli.main import build_parser, main
 from tests.model.conftest import build_backend_tokenizer, random_gates, random_model
