@@ -118,6 +118,20 @@ def test_narrow_edges_import_only_their_modules() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def test_no_import_circle_between_modules() -> None:
+    """Within a package too, imports go one way: every import counts, also those for type checking
+    only and those inside functions (a circle read at type-checking time is a circle all the same)."""
+    modules = source_modules()
+    graph = {
+        module: {name for name in imported_modules(path, module) if name in modules and name != module}
+        for module, path in modules.items()
+    }
+    try:
+        list(TopologicalSorter(graph).static_order())
+    except CycleError as exc:
+        pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")
+
+
 def test_every_module_belongs_to_a_known_package() -> None:
     stray = [
         m

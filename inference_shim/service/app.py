@@ -38,7 +38,6 @@ from inference_shim.service.completions import (
     stream_events,
 )
 from inference_shim.service.depth import REQUEST_FIELD
-from inference_shim.service.metrics import FinishedRequest
 from inference_shim.service.prompts import (
     bad_word_ids,
     check_prompt_chars,
@@ -48,6 +47,7 @@ from inference_shim.service.prompts import (
     encode_text,
     render_chat,
 )
+from inference_shim.service.records import FinishedRequest
 from inference_shim.service.schemas import (
     CHAT_UNSUPPORTED,
     COMPLETION_UNSUPPORTED,

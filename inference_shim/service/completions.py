@@ -24,18 +24,19 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from starlette.requests import Request
 
 from inference_shim.runtime.agreement import ShadowResult
-from inference_shim.runtime.engine import LayerCounts, SamplingParams, SequenceUpdate, TokenLogprob
+from inference_shim.runtime.engine import SamplingParams, SequenceUpdate, TokenLogprob
 from inference_shim.service.depth import DepthDecision
 from inference_shim.service.engine_worker import EngineFailure, RequestHandle
-from inference_shim.service.metrics import SKIPPING_STATUSES, FinishedRequest
+from inference_shim.service.metrics import SKIPPING_STATUSES
 from inference_shim.service.mitigation import NO_MITIGATION, RequestMitigation
+from inference_shim.service.records import FinishedRequest, RequestRecord
 from inference_shim.service.schemas import APIError
 from layerwatch.request_tail import RequestLayers
 
@@ -78,26 +79,6 @@ class Prepared:
         if j == 0 or self.params.seed is None:
             return self.params
         return replace(self.params, seed=(self.params.seed + j) % 2**63)
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """What a request's audit span says (audit.py), from the same numbers as its `usage` and metrics."""
-
-    kind: Literal["completion", "chat"]
-    request_id: str
-    model_name: str
-    gates_sha256: str  # of the gates serving when it finished
-    params: SamplingParams
-    n: int  # choices per prompt
-    stream: bool
-    threshold: float  # the tau its sequences ran at (its first prompt's, when its prompts differ)
-    depth_mode: str  # full | strict | gated, or "mixed" when its prompts ran at different depths
-    depth_reason: str  # why (depth.REASONS), or "mixed"
-    status: str  # the request's, as layerwatch_requests_total names it: its worst choice's
-    finish_reasons: list[str]  # one per choice
-    usage: Mapping[str, int]
-    layers: list[LayerCounts]  # of the choices the engine finished
 
 
 class Choice:
