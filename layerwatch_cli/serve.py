@@ -48,7 +48,8 @@ def _argument(parse: Callable[[str], T]) -> Callable[[str], T]:
     return parsed
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint, its gates (the drills, the reload watch), the device."""
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model",
@@ -116,6 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "eager: skipped layers still do not run); docs/performance.md has what it buys",
     )
 
+
+def _skipping_arguments(parser: argparse.ArgumentParser) -> None:
+    """The skip policy served (unset: the gate file's), the KV policy and the depth execution."""
     policy = parser.add_argument_group("skipping")
     policy.add_argument(
         "--threshold",
@@ -160,6 +164,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "nothing (the position is left out of that layer's attention)",
     )
 
+
+def _depth_arguments(parser: argparse.ArgumentParser) -> None:
+    """The skip threshold each request runs at, and how a batch runs the layers its rows skip."""
     depth = parser.add_argument_group('depth per request (docs/service.md, "Depth per request")')
     depth.add_argument(
         "--request-threshold-range",
@@ -225,6 +232,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "pages once per alert and per instance (default %(default)s)",
     )
 
+
+def _server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The HTTP listener and its bounds, the batch and the queue, the request limits."""
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     server.add_argument("--port", type=argtypes.port, default=SHIM_HTTP_PORT)
@@ -303,6 +313,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument("--log-level", default="info", choices=LOG_LEVELS)
 
+
+def _telemetry_arguments(parser: argparse.ArgumentParser) -> None:
+    """Gate frames, traces, the request runaway cut-off, the audit trail and the shadow check."""
     telemetry = parser.add_argument_group("telemetry")
     telemetry.add_argument(
         "--exporter-address",
@@ -360,6 +373,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="share of requests, at any temperature, compared with the full-depth model (quality guard)",
     )
 
+
+def _mitigation_arguments(parser: argparse.ArgumentParser) -> None:
+    """Alertmanager's webhook and what a mitigating alert does."""
     mitigation = parser.add_argument_group("alert-driven mitigation (docs/service.md)")
     mitigation.add_argument(
         "--mitigation-address",
@@ -395,6 +411,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="mitigated requests run at full depth (threshold 0) instead of being shadow-checked at rate 1",
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _model_arguments(parser)
+    _skipping_arguments(parser)
+    _depth_arguments(parser)
+    _server_arguments(parser)
+    _telemetry_arguments(parser)
+    _mitigation_arguments(parser)
 
 
 def settings_from_arguments(args: argparse.Namespace) -> ServeSettings:
