@@ -361,6 +361,21 @@ class ShimService:
     ) -> None:
         """`settings.otlp_endpoint` is the resolved traces URL (None: spans off); a `span_exporter`
         turns spans on with that exporter instead (tests: the SDK's in-memory exporter)."""
+        self._serve_model(checkpoint, gates, settings)
+        num_layers = checkpoint.config.num_layers
+        shadow_metrics = self._request_metrics(registry, settings, num_layers, gates.sha256)
+        self._telemetry(settings, frame_key, span_exporter, num_layers)
+        self._register_collectors(settings, num_layers)
+        shadow = self._mitigation_and_depth(settings, mitigation, shadow_metrics, num_layers)
+        telemetry = StepTelemetry(self.model_name, self.decode_stats, self.sender, self.trace)
+        probe_prompt = self.tokenizer.encode(PROBE_TEXT)
+        self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow, self.depth)
+        self.readiness = Readiness(self.worker)
+        self.gate_watcher = self._gate_watcher(settings, gates)
+
+    def _serve_model(self, checkpoint: LoadedCheckpoint, gates: LoadedGates, settings: ServeSettings) -> None:
+        """The model with its gates, the limits, the skip policy and how batches run it; refuses what
+        cannot be served (protected layers, batch size, KV cache, drain timeout) before anything starts."""
         model, config = checkpoint.model, checkpoint.config
         model.attach_gates(gates.gates)
         self.model = model
@@ -390,31 +405,41 @@ class ShimService:
             raise ValueError(f"--drain-timeout-seconds must be >= 0, got {settings.drain_timeout_seconds}")
         self.drain_timeout_seconds = settings.drain_timeout_seconds
 
+    def _request_metrics(
+        self, registry: CollectorRegistry | None, settings: ServeSettings, num_layers: int, gates_sha256: str
+    ) -> ShadowMetrics:
+        """The registry with the model's info and the per-request metrics; returns the shadow check's."""
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_info = ModelInfo(
             self.model_name,
-            config.num_layers,
+            num_layers,
             self.policy.threshold,
             self.policy.patience,
             self.policy.skip_rule,
             self.policy.ewma_alpha,
             self.kv_policy,
-            gates.sha256,
+            gates_sha256,
         )
         runaway = settings.request_runaway_fraction
         self.request_metrics = RequestMetrics(
             self.registry,
             self.model_name,
-            config.num_layers,
+            num_layers,
             DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION if runaway is None else runaway,
         )
-        self.decode_stats = DecodeStats(config.num_layers)
+        self.decode_stats = DecodeStats(num_layers)
+        return ShadowMetrics(self.registry, self.model_name)
+
+    def _telemetry(
+        self, settings: ServeSettings, frame_key: bytes | None, span_exporter: SpanExporter | None, num_layers: int
+    ) -> None:
+        """Where the decode steps go (gate frames, the trace file) and the audit trail."""
         shim_id = settings.shim_id or default_shim_id()
         self.sender = (
             GateFrameSender(
                 settings.exporter_address,
                 self.model_name,
-                config.num_layers,
+                num_layers,
                 self.policy.threshold,
                 shim_id=shim_id,
                 key=frame_key,
@@ -422,7 +447,6 @@ class ShimService:
             if settings.exporter_address
             else None
         )
-        shadow_metrics = ShadowMetrics(self.registry, self.model_name)
         self.trace = (
             TraceWriter(settings.trace_file, settings.trace_max_bytes, threshold=self.policy.threshold)
             if settings.trace_file
@@ -432,7 +456,9 @@ class ShimService:
         self.audit_spans = AuditSpanCounts()
         self.audit = self._audit_trail(settings.otlp_endpoint, span_exporter, shim_id)
 
-        self.layer_signals = LayerSignalStats(config.num_layers)
+    def _register_collectors(self, settings: ServeSettings, num_layers: int) -> None:
+        """The layer signals, the admission, and the scrape-time collectors."""
+        self.layer_signals = LayerSignalStats(num_layers)
         # The custom collectors compute at scrape time (hardware readings, statistics): isolated, so
         # that one failing leaves the rest of /metrics served (docs/service.md, "Metrics").
         # The worker is created below; the admission reads its running count only when asked.
@@ -454,6 +480,15 @@ class ShimService:
                 }
             )
         )
+
+    def _mitigation_and_depth(
+        self,
+        settings: ServeSettings,
+        mitigation: MitigationListener | None,
+        shadow_metrics: ShadowMetrics,
+        num_layers: int,
+    ) -> ShadowChecker | None:
+        """Alert-driven mitigation, the shadow checker it may need, and the depth each request runs at."""
         self.mitigations = Mitigations(
             self.model_name,
             mitigation_settings(settings),
@@ -466,23 +501,19 @@ class ShimService:
         )
         # A mitigation raises the shadow rate of its requests: the checker is needed even at rate 0.
         shadow = (
-            ShadowChecker(model, shadow_metrics, settings.shadow_rate, self.layer_signals)
+            ShadowChecker(self.model, shadow_metrics, settings.shadow_rate, self.layer_signals)
             if settings.shadow_rate > 0 or self.mitigation_receiver is not None
             else None
         )
         self.depth = DepthDecider(
             depth_settings(settings),
             self.policy.threshold,
-            self.policy.skippable(config.num_layers),
+            self.policy.skippable(num_layers),
             DepthMetrics(self.registry, self.model_name),
         )
         if settings.rollout_levels:
             self.mitigations.on_paging.append(self._demote_rollout)
-        telemetry = StepTelemetry(self.model_name, self.decode_stats, self.sender, self.trace)
-        probe_prompt = self.tokenizer.encode(PROBE_TEXT)
-        self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow, self.depth)
-        self.readiness = Readiness(self.worker)
-        self.gate_watcher = self._gate_watcher(settings, gates)
+        return shadow
 
     def _demote_rollout(self, event: PagingEvent) -> None:
         """A paging alert of this model fired: back to the previous rollout level. A resolution
