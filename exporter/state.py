@@ -17,7 +17,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -25,7 +26,9 @@ from exporter.routing_window import RoutingWindow
 from exporter.sequences import REJECT_REASONS as SEQUENCE_REJECT_REASONS
 from exporter.sequences import SequenceTracker
 from exporter.window import SlidingWindow
+from layerwatch import argtypes
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS, Routing, check_routing
+from layerwatch.settings import setting
 from layerwatch.skip_policy import DEFAULT_THRESHOLD
 from layerwatch.statistics import (
     DEFAULT_MIN_WINDOW_OBSERVATIONS,
@@ -37,7 +40,7 @@ from layerwatch.statistics import (
     check_bimodality,
     le_bucket_index,
 )
-from layerwatch.wire import GateFrame, MalformedFrame, UnauthenticatedFrame, decode_frame
+from layerwatch.wire import GateFrame, MalformedFrame, UnauthenticatedFrame, decode_frame, load_frame_key
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +57,75 @@ REJECT_REASONS = (
 
 @dataclass(frozen=True)
 class ExporterConfig:
-    window_seconds: float = 300.0
-    window_max_observations: int = DEFAULT_WINDOW_OBSERVATIONS
-    min_window_observations: int = DEFAULT_MIN_WINDOW_OBSERVATIONS
-    per_layer: bool = False  # per-layer histograms (20 buckets × layers × models series)
-    max_models: int = 64  # frames naming further models are rejected: label cardinality
-    max_layers: int = 256  # wider frames are rejected: per-layer series per model
-    model_idle_seconds: float = 900.0  # a model silent this long is forgotten (slot and series freed)
-    frame_key: bytes | None = field(default=None, repr=False)  # only frames tagged under it are accepted
-    statistics_cache_seconds: float = 2.0
-    default_threshold: float = DEFAULT_THRESHOLD  # τ for frames that do not carry one (wire version 1)
-    min_routing_tokens: int = DEFAULT_MIN_ROUTING_TOKENS  # below this the routing verdict is withheld
+    """The exporter's settings, each declared once with its flag (layerwatch/settings.py): `layerwatch
+    exporter` derives its flags from them, `layerwatch replay` those of exporter/replay.py's REPLAY_SETTINGS."""
+
+    window_seconds: float = setting(
+        300.0,
+        type=argtypes.positive(float),
+        help="the bimodality window forgets entropies older than this (default %(default)s)",
+    )
+    window_max_observations: int = setting(
+        DEFAULT_WINDOW_OBSERVATIONS,
+        type=argtypes.positive(int),
+        help=f"the bimodality window holds at most this many entropies per model, the latest, at most "
+        f"{MAX_WINDOW_OBSERVATIONS} (default %(default)s)",
+    )
+    min_window_observations: int = setting(
+        DEFAULT_MIN_WINDOW_OBSERVATIONS,
+        type=argtypes.positive(int),
+        help="below this many entropies in the window the verdict is withheld (default %(default)s)",
+    )
+    per_layer: bool = setting(  # 20 buckets × layers × models series
+        False, help="also export a 20-bucket histogram per layer (layers x models x 23 series)"
+    )
+    max_models: int = setting(  # label cardinality
+        64,
+        type=argtypes.positive(int),
+        help="more distinct models than this are refused: the exporter rejects their frames, replay the trace, "
+        "naming the line (default %(default)s)",
+    )
+    max_layers: int = setting(  # per-layer series per model
+        256,
+        type=argtypes.positive(int),
+        help="frames with more layers than this are rejected and counted; in replay, such a trace line is "
+        "refused, naming the line (default %(default)s)",
+    )
+    model_idle_seconds: float = setting(  # a model silent this long is forgotten (slot and series freed)
+        900.0,
+        type=argtypes.positive(float),
+        help="a model that sends no frame for this long is forgotten: its series and its slot among "
+        "--max-models are freed, its layer count may change (default %(default)s)",
+    )
+    frame_key: bytes | None = setting(  # only frames tagged under it are accepted
+        None,
+        flag="--frame-key-file",
+        type=Path,
+        metavar="FILE",
+        convert=load_frame_key,
+        repr=False,
+        help="accept only gate frames authenticated with the key in FILE (the shim's "
+        "--frame-key-file; owner-only permissions); others are rejected and counted (default: "
+        "accept untagged frames)",
+    )
+    statistics_cache_seconds: float = setting(
+        2.0,
+        type=argtypes.non_negative,
+        help="reuse the window statistics for this long across scrapes (default %(default)s)",
+    )
+    default_threshold: float = setting(  # τ for frames that do not carry one (wire version 1)
+        DEFAULT_THRESHOLD,
+        type=argtypes.fraction,
+        metavar="TAU",
+        help="skip threshold assumed for gate frames that carry none (wire version 1, older shims; such frames "
+        'are counted) and for trace lines without a "threshold" key: scores below it count toward skipping '
+        "in the routing statistics (default %(default)s)",
+    )
+    min_routing_tokens: int = setting(
+        DEFAULT_MIN_ROUTING_TOKENS,
+        type=argtypes.positive(int),
+        help="below this many tokens in the window the routing verdict is withheld (default %(default)s)",
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.max_layers <= 0xFFFF:

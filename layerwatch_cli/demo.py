@@ -33,8 +33,7 @@ from demo.loadgen import run_load
 from demo.receiver import WebhookReceiver
 from demo.stack import TIMING, TIMING_NOTE, DemoStack, monitoring_installed
 from exporter.live_view import CLEAR_SCREEN, Samples, render_screen, scrape, total
-from layerwatch import ports
-from layerwatch_cli import argtypes
+from layerwatch import argtypes, ports
 from layerwatch_cli.signals import Stopped
 
 INSTALL_HINT = "scripts/install-system-deps.sh --demo installs them (root or sudo)"

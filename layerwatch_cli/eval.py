@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from layerwatch_cli import argtypes
+from layerwatch import argtypes
 from layerwatch_cli.model_arguments import (
     add_depth_arguments,
     add_model_arguments,

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from layerwatch_cli import argtypes
+from layerwatch import argtypes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--seq-len", type=int, default=d.seq_len)
     parser.add_argument("--learning-rate", type=float, default=d.learning_rate)
-    parser.add_argument("--threshold", type=float, default=d.threshold, help="tau the gates are trained for")
+    parser.add_argument(
+        "--threshold", type=argtypes.fraction, default=d.threshold, help="tau the gates are trained for"
+    )
     parser.add_argument("--patience", type=int, default=d.patience)
     parser.add_argument(
         "--skip-rule",

@@ -27,8 +27,6 @@ from inference_shim.runtime.checkpoint import (
     resolve_device,
 )
 from inference_shim.runtime.depth_execution import (
-    DEFAULT_VOTE,
-    DEPTH_MODES,
     DepthExecutionConfig,
     default_depth_execution,
 )
@@ -41,10 +39,10 @@ from inference_shim.runtime.gates import (
     scramble_gates,
     shuffle_gates,
 )
-from inference_shim.runtime.model import KV_POLICIES, KVCache
+from inference_shim.runtime.model import KVCache
 from inference_shim.runtime.static_gates import static_gates
 from inference_shim.service.admission import Admission
-from inference_shim.service.depth import DepthDecider, DepthMetrics, DepthSettings, RolloutLevel
+from inference_shim.service.depth import DepthDecider, DepthMetrics
 from inference_shim.service.engine_worker import EngineWorker
 from inference_shim.service.gate_watch import MAX_GATES_WATCH_SECONDS, MIN_GATES_WATCH_SECONDS, GateFileWatcher
 from inference_shim.service.layer_signals import LayerSignalsCollector
@@ -65,6 +63,7 @@ from inference_shim.service.mitigation import MitigationMetrics, Mitigations, Mi
 from inference_shim.service.mitigation_receiver import WEBHOOK_PATH, MitigationReceiver, reserve
 from inference_shim.service.power import NvmlCollector, RaplCollector
 from inference_shim.service.readiness import Readiness
+from inference_shim.service.settings import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServeSettings
 from inference_shim.service.shadow import ShadowChecker
 from inference_shim.service.telemetry import FrameSenderCollector, StepTelemetry, TraceCollector
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
@@ -74,7 +73,7 @@ from layerwatch.ports import http_url
 from layerwatch.secret_file import RotatingSecret
 from layerwatch.skip_policy import POLICY_FIELDS
 from layerwatch.trace import TraceWriter
-from layerwatch.wire import DEFAULT_FRAMES_ADDRESS, load_frame_key, parse_address
+from layerwatch.wire import load_frame_key, parse_address
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -85,78 +84,9 @@ log = logging.getLogger(__name__)
 
 RESET_GATES_SEED = 0
 PROBE_TEXT = "ready"
-DEFAULT_MAX_TOKENS_CAP = 512
-DEFAULT_MAX_PROMPT_TOKENS = 1024
 GATE_SWAP_TIMEOUT_SECONDS = 60.0  # the engine takes new gates at its next step boundary
 OTLP_PROTOCOL = "http/protobuf"  # the one OTLP transport the audit trail speaks
 OTLP_TRACES_PATH = "v1/traces"
-
-
-@dataclass
-class ServeSettings:
-    model_dir: Path
-    gates_path: Path | None = None  # None: <model_dir>/gates.safetensors
-    model_name: str | None = None  # None: the model folder's name
-    threshold: float | None = None  # None: the gate file's calibrated threshold
-    patience: int | None = None  # None: the gate file's patience
-    skip_rule: str | None = None  # "streak" or "ewma" (runtime/skip_policy.py); None: the gate file's
-    ewma_alpha: float | None = None  # the ewma rule's newest-score weight; None: the gate file's
-    protected_layers: tuple[int, ...] | None = None  # None: first and last layer
-    # How a batch runs the layers its rows decided (runtime/depth_execution.py): "auto", "rows" or
-    # "batch", and the batch consensus share where a layer runs whole (None: none).
-    depth_execution: str = DEPTH_MODES[0]
-    batch_consensus: float | None = DEFAULT_VOTE
-    kv_policy: str = KV_POLICIES[0]  # "project"
-    max_batch_size: int = 8
-    # Requests that may wait for a batch slot (being read, tokenized or queued) before new ones get 429.
-    max_waiting_requests: int = 32
-    # After SIGTERM, in-flight requests get this long to finish before they are cut off; keep it under
-    # the orchestrator's grace period (Kubernetes: 30 s) so that the cut-off answers still go out.
-    drain_timeout_seconds: float = 25.0
-    max_tokens_cap: int | None = None  # None: DEFAULT_MAX_TOKENS_CAP, shrunk to fit the context
-    max_prompt_tokens: int | None = None  # None: DEFAULT_MAX_PROMPT_TOKENS, shrunk to fit the context
-    max_body_bytes: int = 1 << 20
-    body_timeout_seconds: float = 30.0  # a request body must arrive within this (slow clients get 408)
-    exporter_address: str = DEFAULT_FRAMES_ADDRESS  # "" = no frames
-    shim_id: str | None = None  # None: hostname-pid-random (default_shim_id)
-    frame_key_file: Path | None = None  # gate frames tagged with this key (layerwatch/wire.py); None: untagged
-    trace_file: Path | None = None
-    trace_max_bytes: int = 100 << 20
-    shadow_rate: float = 0.0
-    allow_debug: bool = False
-    device: str = "cpu"
-    dtype: str = "float32"
-    compile: bool = False  # torch.compile the layer bodies (Transformer.compile_layers)
-    reset_gates: bool = False
-    static_gates: bool = False  # each gate a constant at its healthy mean score (runtime/static_gates.py)
-    shuffle_gates: bool = False  # drill: each gate on another layer (a fixed derangement)
-    scramble_gates: bool = False  # drill: each gate on its layer, reading permuted features (runtime/gates.py)
-    gates_watch_seconds: float = 5.0  # how often the gate file is checked for a replacement; 0 = never
-    # A request skipping more than this share of its decode layer evaluations is runaway (its layers
-    # are counted); a bucket edge of layerwatch_request_skip_fraction. None: the catalog's default
-    # (`layerwatch serve` first looks for the served model's profile, docs/service.md).
-    request_runaway_fraction: float | None = None
-    # Alert-driven mitigation (mitigation.py): Alertmanager's webhook receiver on its own listener,
-    # off unless an address is given; then the bearer token file is required.
-    mitigation_address: str = ""
-    mitigation_token_file: Path | None = None
-    mitigation_requests: int = 100  # a mitigation covers the next this many requests ...
-    mitigation_minutes: float = 30.0  # ... for at most this long, and ends earlier when the alert resolves
-    mitigation_full_depth: bool = False  # mitigated requests run at full depth instead of shadow-checked
-    # Audit-trail spans go to this OTLP/HTTP endpoint: a base URL (/v1/traces is appended) or a traces
-    # URL with its path. None: the standard OTEL_EXPORTER_OTLP_* variables decide, and without them
-    # spans are off (resolve_otlp_endpoint).
-    otlp_endpoint: str | None = None
-    # The depth each request runs at (service/depth.py; the defaults are DepthSettings'): the
-    # request field's range, the long-prompt rule, the complexity pre-check, the staged rollout.
-    request_threshold_range: tuple[float, float] | None = DepthSettings.request_threshold_range
-    long_prompt_tokens: int | None = DepthSettings.long_prompt_tokens
-    long_prompt_threshold: float = DepthSettings.long_prompt_threshold
-    complexity_cutoff: float | None = DepthSettings.complexity_cutoff
-    complexity_threshold: float = DepthSettings.complexity_threshold
-    rollout_levels: tuple[RolloutLevel, ...] = DepthSettings.rollout_levels
-    rollout_level: int | None = DepthSettings.rollout_level
-    rollout_demotion_holdoff_minutes: float = DepthSettings.rollout_demotion_holdoff_minutes
 
 
 def gates_file(settings: ServeSettings) -> Path:
@@ -200,11 +130,6 @@ def check_gates_watch_seconds(seconds: float) -> None:
             f"--gates-watch-seconds must be 0 (never) or a number from {MIN_GATES_WATCH_SECONDS} to "
             f"{MAX_GATES_WATCH_SECONDS:g}, got {seconds}"
         )
-
-
-def depth_settings(settings: ServeSettings) -> DepthSettings:
-    """The depth decider's settings, which ServeSettings names as DepthSettings does."""
-    return DepthSettings(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(DepthSettings)})
 
 
 def policy_from_file(settings: ServeSettings) -> tuple[str, ...]:
@@ -506,7 +431,7 @@ class ShimService:
             else None
         )
         self.depth = DepthDecider(
-            depth_settings(settings),
+            settings,
             self.policy.threshold,
             self.policy.skippable(num_layers),
             DepthMetrics(self.registry, self.model_name),
@@ -556,7 +481,7 @@ class ShimService:
         frame_key = (
             load_frame_key(settings.frame_key_file) if settings.frame_key_file and settings.exporter_address else None
         )
-        depth_settings(settings).check()  # the depth flags too: a bad level fails before minutes of loading
+        settings.check()  # DepthSettings': the depth flags too, so that a bad level fails before minutes of loading
         mitigation_settings(settings)
         check_gates_watch_seconds(settings.gates_watch_seconds)
         mitigation = _mitigation_listener(settings)

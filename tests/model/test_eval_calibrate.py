@@ -418,7 +418,6 @@ def test_agreement_floor_is_the_worst_chunk_minus_the_margin():
         (["--margin", "nan"], "--margin must be a number in [0, 1), got nan"),
         (["--temperature", "inf"], "--temperature must be in [0, 2.0], got inf"),
         (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
-        (["--threshold", "nan"], "--threshold must be in [0, 1], got nan"),
         (["--min-observations", "100000"], "--min-observations must be 1..72000"),
     ],
 )
@@ -428,6 +427,15 @@ def test_calibrate_refuses_numbers_that_would_write_a_useless_profile(tmp_path, 
     assert main([*argv, *flags]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["calibrate", "train-gates"])
+def test_calibrate_and_train_gates_take_tau_as_eval_and_serve_do(tmp_path, capsys, command):
+    """--threshold is a fraction in [0, 1] for every command: a usage error, before anything loads."""
+    argv = [command, "--model", str(tmp_path / "never-loaded"), "--data", str(tmp_path / "x"), "--out", "o"]
+    with pytest.raises(SystemExit) as exit:
+        main([*argv, "--threshold", "nan"])
+    assert exit.value.code == 2 and "argument --threshold: must be in [0, 1], got nan" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
