@@ -225,7 +225,7 @@ async def _generate(service: ShimService, request: Request, kind: Literal["compl
         prepared.stream,
     )
     audit = None if service.audit is None else service.audit.start(kind, prepared.model_name, arrived, request.headers)
-    generation = Generation(service, prepared, arrived, audit)
+    generation = Generation(service.generation_parts, prepared, arrived, audit)
     generation.start()
     if prepared.stream:
 

@@ -2,6 +2,14 @@
 `FinishedRequest` per choice (what the request metrics count, metrics.py) and the request's
 `RequestRecord` once every choice is counted (what its audit span says, audit.py). completions.py
 writes both; neither reader needs the request's code.
+
+Two records because they count different things: the metrics count each choice as one request
+(`layerwatch_requests_total`, latency and the request skip fraction are per engine sequence: the
+module doc of completions.py), the moment that choice ends, and a request refused before it had any
+choice as one too (app.py: a status only); the audit span is one per HTTP request, its choices'
+finish reasons and layer counts together, and exists only once the last choice is counted. One
+record for both would make the metrics wait for the slowest choice, or the span carry per-choice
+rows it does not export.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from inference_shim.runtime.gates import (
 from inference_shim.runtime.model import KVCache
 from inference_shim.runtime.static_gates import static_gates
 from inference_shim.service.admission import Admission
+from inference_shim.service.completions import GenerationParts
 from inference_shim.service.depth import DepthDecider, DepthMetrics
 from inference_shim.service.engine_worker import EngineWorker
 from inference_shim.service.gate_watch import MAX_GATES_WATCH_SECONDS, MIN_GATES_WATCH_SECONDS, GateFileWatcher
@@ -297,6 +298,15 @@ class ShimService:
         self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow, self.depth)
         self.readiness = Readiness(self.worker)
         self.gate_watcher = self._gate_watcher(settings, gates)
+        self.generation_parts = GenerationParts(
+            self.worker,
+            self.depth,
+            self.request_metrics,
+            self.admission,
+            self.mitigations,
+            self.tokenizer,
+            lambda: self.gates_sha256,
+        )
 
     def _serve_model(self, checkpoint: LoadedCheckpoint, gates: LoadedGates, settings: ServeSettings) -> None:
         """The model with its gates, the limits, the skip policy and how batches run it; refuses what
