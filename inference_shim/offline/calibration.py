@@ -66,7 +66,7 @@ from inference_shim.runtime.model import KV_POLICIES, Transformer
 from layerwatch.catalog import GATE_LAYER_SAMPLES
 from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.request_tail import RequestLayers, request_skipping
-from layerwatch.skip_policy import SkipPolicyConfig
+from layerwatch.skip_policy import SkipPolicyConfig, is_threshold
 from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS, MAX_WINDOW_OBSERVATIONS
 
 # The API's highest temperature (OpenAI's): the baseline samples as clients may.
@@ -104,7 +104,7 @@ class CalibrationSettings:
             raise ValueError(f"--temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.threshold is not None and not 0 <= self.threshold <= 1:
+        if self.threshold is not None and not is_threshold(self.threshold):
             raise ValueError(f"--threshold must be in [0, 1], got {self.threshold}")
         for name in ("prompts", "max_new_tokens", "chunk_tokens", "batch_size"):
             if getattr(self, name) < 1:

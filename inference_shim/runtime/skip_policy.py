@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from layerwatch.skip_policy import SkipPolicyConfig, below_threshold, check_threshold
+from layerwatch.skip_policy import SkipPolicyConfig, below_threshold
 
 
 @dataclass
@@ -61,8 +61,9 @@ class SkipPolicy:
 
     def reset(self, slot: int, threshold: float | None = None) -> None:
         """A new sequence takes the slot: no history, so its first k decode steps run full depth.
-        `threshold`: the sequence's own tau in [0, 1]; None = the policy's."""
-        threshold = self.config.threshold if threshold is None else check_threshold(threshold)
+        `threshold`: the sequence's own tau in [0, 1], checked where it came in (GenerationEngine.add,
+        the service's depth settings); None = the policy's."""
+        threshold = self.config.threshold if threshold is None else threshold
         self._threshold[slot] = threshold
         self._below_streak[slot] = 0
         self._steps_seen[slot] = 0  # the next observation starts the average afresh

@@ -36,6 +36,7 @@ from layerwatch import argtypes
 from layerwatch.complexity import prompt_complexity
 from layerwatch.logfmt import logfmt_line
 from layerwatch.settings import setting
+from layerwatch.skip_policy import is_threshold
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +224,7 @@ class DepthSettings:
             ("--long-prompt-threshold", self.long_prompt_threshold),
             ("--complexity-threshold", self.complexity_threshold),
         ):
-            if not 0.0 <= tau <= 1.0:
+            if not is_threshold(tau):
                 raise ValueError(f"{flag} must be in [0, 1], got {tau}")
         if self.long_prompt_tokens is not None and self.long_prompt_tokens < 1:
             raise ValueError(f"--long-prompt-tokens must be >= 1, got {self.long_prompt_tokens}")
