@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -43,6 +44,10 @@ from layerwatch.statistics import (
 from layerwatch.wire import GateFrame, MalformedFrame, UnauthenticatedFrame, decode_frame, load_frame_key
 
 log = logging.getLogger(__name__)
+
+W = TypeVar("W", bound="_Window")
+D = TypeVar("D")  # what a statistic is computed from: a copy of the window's contents
+R = TypeVar("R")
 
 # Why a well-formed frame was dropped (layerwatch_exporter_frames_rejected_total{reason}).
 REJECT_REASONS = (
@@ -198,18 +203,36 @@ class ModelSnapshot:
     threshold: float | None = None  # τ of the latest frame
 
 
-@dataclass
-class _CachedBimodality:
-    window_version: int
-    computed_at: float
-    result: Bimodality
+class _Window(Protocol):
+    @property
+    def version(self) -> object: ...  # changes whenever the contents change
+
+    def expire(self, now: float) -> None: ...
 
 
 @dataclass
-class _CachedRouting:
-    window_version: tuple[int, int]
+class _Cached(Generic[R]):
+    window_version: object
     computed_at: float
-    result: Routing
+    result: R
+
+
+class _WindowStatistic(Generic[W, D, R]):
+    """One statistic of every model's window (the bimodality check, the routing statistics), computed
+    at scrape time outside the state's lock and cached per model: recomputed only when the window
+    changed and the cached result is older than `statistics_cache_seconds`, so a scrape storm costs
+    one computation. One computation at a time: concurrent scrapes wait for it and reuse the result."""
+
+    def __init__(
+        self,
+        window_of: Callable[[ModelStatistics], W],
+        contents: Callable[[W], D],
+        compute: Callable[[D], R],
+        empty: D,  # a forgotten model's: nothing in its window
+    ) -> None:
+        self.window_of, self.contents, self.compute, self.empty = window_of, contents, compute, empty
+        self.lock = threading.Lock()
+        self.cached: dict[str, _Cached[R]] = {}
 
 
 class ExporterState:
@@ -222,11 +245,18 @@ class ExporterState:
         self._sequences = SequenceTracker(authenticated=config.frame_key is not None)
         self.frames_malformed = 0
         self.frames_rejected = dict.fromkeys(REJECT_REASONS, 0)
-        # One bimodality computation at a time: concurrent scrapes wait for it and reuse the result.
-        self._bimodality_lock = threading.Lock()
-        self._bimodality_cache: dict[str, _CachedBimodality] = {}
-        self._routing_lock = threading.Lock()
-        self._routing_cache: dict[str, _CachedRouting] = {}
+        self._bimodality = _WindowStatistic(
+            lambda model: model.window,
+            SlidingWindow.values,
+            lambda values: check_bimodality(values, config.min_window_observations),
+            np.empty(0, np.float32),
+        )
+        self._routing = _WindowStatistic(
+            lambda model: model.routing_window,
+            RoutingWindow.counts,
+            lambda counts: check_routing(*counts, min_tokens=config.min_routing_tokens),
+            (0, np.zeros(0), np.zeros(0)),
+        )
 
     def ingest_datagram(self, data: bytes) -> None:
         try:
@@ -308,8 +338,8 @@ class ExporterState:
         idle = [name for name, model in self._models.items() if now - model.last_seen > self.config.model_idle_seconds]
         for name in idle:
             del self._models[name]
-            self._bimodality_cache.pop(name, None)
-            self._routing_cache.pop(name, None)
+            self._bimodality.cached.pop(name, None)
+            self._routing.cached.pop(name, None)
             log.info("model %r: no frame for %gs, forgotten", name, self.config.model_idle_seconds)
         return len(idle)
 
@@ -345,46 +375,29 @@ class ExporterState:
         )
 
     def bimodality(self, model_name: str) -> Bimodality:
-        """The window's statistics, recomputed only when the window changed and the cached result
-        is older than `statistics_cache_seconds`: a scrape storm costs one computation."""
-        with self._bimodality_lock:
-            now = self._clock()
-            with self._lock:
-                model = self._models.get(model_name)
-                if model is None:  # forgotten (idle) since the caller listed it: nothing in its window
-                    return check_bimodality(np.empty(0, np.float32), self.config.min_window_observations)
-                window = model.window
-                window.expire(now)
-                cached = self._bimodality_cache.get(model_name)
-                if cached is not None and (
-                    cached.window_version == window.version
-                    or now - cached.computed_at < self.config.statistics_cache_seconds
-                ):
-                    return cached.result
-                version, values = window.version, window.values()
-            result = check_bimodality(values, self.config.min_window_observations)
-            self._bimodality_cache[model_name] = _CachedBimodality(version, now, result)
-            return result
+        """The window's bimodality statistics, cached (_WindowStatistic)."""
+        return self._statistic(self._bimodality, model_name)
 
     def routing(self, model_name: str) -> Routing:
-        """The routing statistics over the model's window (layerwatch/routing.py), cached like
-        `bimodality`: recomputed only when the window changed and the result is older than
-        `statistics_cache_seconds`."""
-        with self._routing_lock:
+        """The routing statistics over the model's window (layerwatch/routing.py), cached (_WindowStatistic)."""
+        return self._statistic(self._routing, model_name)
+
+    def _statistic(self, statistic: _WindowStatistic[W, D, R], model_name: str) -> R:
+        with statistic.lock:
             now = self._clock()
             with self._lock:
                 model = self._models.get(model_name)
                 if model is None:  # forgotten (idle) since the caller listed it: nothing in its window
-                    return check_routing(0, np.zeros(0), np.zeros(0), min_tokens=self.config.min_routing_tokens)
-                window = model.routing_window
+                    return statistic.compute(statistic.empty)
+                window = statistic.window_of(model)
                 window.expire(now)
-                cached = self._routing_cache.get(model_name)
+                cached = statistic.cached.get(model_name)
                 if cached is not None and (
                     cached.window_version == window.version
                     or now - cached.computed_at < self.config.statistics_cache_seconds
                 ):
                     return cached.result
-                version, counts = window.version, window.counts()
-            result = check_routing(*counts, min_tokens=self.config.min_routing_tokens)
-            self._routing_cache[model_name] = _CachedRouting(version, now, result)
+                version, contents = window.version, statistic.contents(window)
+            result = statistic.compute(contents)
+            statistic.cached[model_name] = _Cached(version, now, result)
             return result
