@@ -7,8 +7,8 @@ a model that sends nothing for `model_idle_seconds` is forgotten (its slot and s
 pair of frames counts at most MAX_SEQUENCE_GAP lost frames (a longer jump is refused); with a frame
 key, untagged and mistagged frames are refused before decoding, and replayed ones by the sequence
 numbers (exporter/sequences.py). Each refusal is counted by reason. One lock guards the counters;
-the bimodality check runs outside it, at scrape time, cached (see `bimodality`), so frames keep
-flowing while a scrape computes the dip test. The routing statistics are cached the same way.
+the bimodality check and the routing statistics run outside it, at scrape time, cached
+(`_WindowStatistic`), so frames keep flowing while a scrape computes the dip test.
 """
 
 from __future__ import annotations
