@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from layerwatch import argtypes
+from layerwatch_cli.training_run import from_arguments, run_training
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,36 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
     from tqdm import tqdm
 
     from inference_shim.offline.corpus import CorpusError
     from inference_shim.offline.gate_training import GateSchedule, GateStepStats, train_gate_file
     from inference_shim.runtime.checkpoint import CheckpointError
 
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    try:  # before the model loads: a bad number fails at once
-        schedule = GateSchedule(
-            steps=args.steps,
-            batch_size=args.batch_size,
-            seq_len=args.seq_len,
-            learning_rate=args.learning_rate,
-            threshold=args.threshold,
-            patience=args.patience,
-            skip_rule=args.skip_rule,
-            ewma_alpha=args.ewma_alpha,
-            target_skip=args.target_skip,
-            sparsity_weight=args.sparsity_weight,
-            commit_weight=args.commit_weight,
-            low_score=args.low_score,
-            high_score=args.high_score,
-            seed=args.seed,
-        )
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
+    def train() -> str:
+        schedule = from_arguments(GateSchedule, args)  # before the model loads: a bad number fails at once
         with tqdm(total=schedule.steps, desc="train-gates", disable=args.quiet, file=sys.stderr) as bar:
 
             def progress(stats: GateStepStats) -> None:
@@ -113,8 +92,6 @@ def run(args: argparse.Namespace) -> int:
                 )
 
             sha256 = train_gate_file(args.model, args.data, args.out, schedule, device=args.device, on_step=progress)
-    except (CheckpointError, CorpusError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.out} (sha256 {sha256})")
-    return 0
+        return f"wrote {args.out} (sha256 {sha256})"
+
+    return run_training(args, train, bad_input=(CheckpointError, CorpusError, ValueError))
