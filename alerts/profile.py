@@ -19,6 +19,7 @@ Seconds = NewType("Seconds", float)  # written as a Prometheus duration in YAML
 # Fields whose values are fractions of something and must lie in [0, 1].
 _FRACTION = {"fraction": True}
 # Defaults of optional fields that `layerwatch calibrate` also starts from.
+# The field's values are in docs/alerting.md, "The field's reports".
 DEFAULT_ZERO_RATIO_PAGE = 0.40  # the field's "a jump above 40 % means over-pruning"
 DEFAULT_SKIP_COLLAPSE_FRACTION = 0.5  # collapsed: skipping below half of its healthy ratio
 DEFAULT_RUNAWAY_SKIP_RATIO = 0.85  # the field's fallback trigger: more than 85 % of layers skipped
@@ -73,7 +74,8 @@ class RoutingProfile:
 
 @dataclass(frozen=True)
 class Drift:
-    """The field's drift alarm: stddev of the entropy mean over `window` above `limit`."""
+    """The field's drift alarm (docs/alerting.md, "The field's reports"): stddev of the entropy mean
+    over `window` above `limit`."""
 
     limit: float = field(default=0.18, metadata=_FRACTION)
     window: Seconds = Seconds(600.0)

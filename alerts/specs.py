@@ -229,8 +229,8 @@ def gate_weights_changed(b: AlertBuild) -> list[dict]:
     ]
 
 
-# An addition to the field's alert set (docs/alerting.md): a gate file replaced on disk that the
-# shim refused to load.
+# An addition to the field's alert set (docs/alerting.md, "The field's reports"): a gate file
+# replaced on disk that the shim refused to load.
 @alert("LayerwatchGateFileRejected", severities=(TICKET,), default_for="5m")
 def gate_file_rejected(b: AlertBuild) -> list[dict]:
     return [
@@ -470,14 +470,14 @@ def skipping_collapsed(b: AlertBuild) -> list[dict]:
     ]
 
 
-# Critical: the field's incident (a speech-to-text bug sent one category's requests down the same
-# pruned path) degrades the answers of that category now, while every model-wide signal stays
-# healthy: the global skip ratio moves by a point or two, so LayerwatchSkipRateSurge and
-# LayerwatchRunawaySkipping never see it, and the shadow check samples too few of its requests to
-# fall below its floor. Nothing else pages for it, and a ticket leaves those users with degraded
-# answers for days. Healthy traffic keeps this share near zero (the profile's normal_share is measured
-# with a margin), and `for:` of twice the rate window means one odd request, which stays in the
-# window for 5 minutes, cannot fire it: only a sustained tail does.
+# Critical: the field's incident (docs/alerting.md, "The field's reports": a speech-to-text bug sent
+# one category's requests down the same pruned path) degrades the answers of that category now,
+# while every model-wide signal stays healthy: the global skip ratio moves by a point or two, so
+# LayerwatchSkipRateSurge and LayerwatchRunawaySkipping never see it, and the shadow check samples
+# too few of its requests to fall below its floor. Nothing else pages for it, and a ticket leaves
+# those users with degraded answers for days. Healthy traffic keeps this share near zero (the
+# profile's normal_share is measured with a margin), and `for:` of twice the rate window means one
+# odd request, which stays in the window for 5 minutes, cannot fire it: only a sustained tail does.
 @alert("LayerwatchRequestTailRunaway", severities=(PAGE,), default_for="10m", reads=("request_tail",))
 def request_tail_runaway(b: AlertBuild) -> list[dict]:
     p, r = b.profile, b.recorded
@@ -565,7 +565,8 @@ def zero_entropy_ratio_high(b: AlertBuild) -> list[dict]:
     ]
 
 
-# Default `for:` 5m: the field's "stays above 0.18 for 5 minutes".
+# Default `for:` 5m: the field's drift alarm "stays above 0.18 for 5 minutes" (docs/alerting.md,
+# "The field's reports").
 @alert("LayerwatchEntropyDrift", severities=(TICKET,), default_for="5m", reads=("drift",))
 def entropy_drift(b: AlertBuild) -> list[dict]:
     p, r = b.profile, b.recorded
@@ -616,13 +617,13 @@ def shadow_agreement_low(b: AlertBuild) -> list[dict]:
     ]
 
 
-# An addition to the field's alert set: the gates are judged against what the layers do. The shadow
-# check's full-depth pass measures each layer's relative residual update next to its gate score
-# (docs/service.md, "Layer signals"); within each layer, healthy gates score a token high where the
-# layer's update on the token it decides is large. The headline (the mean over the layers) pages;
-# the description names the layers below their own calibrated floors, largest deficit first (one
-# layer's own correlation is too noisy to page on: docs/runbooks.md). Absent (too few samples, no
-# shadow checks): silent.
+# An addition to the field's alert set (docs/alerting.md, "The field's reports"): the gates are
+# judged against what the layers do. The shadow check's full-depth pass measures each layer's
+# relative residual update next to its gate score (docs/service.md, "Layer signals"); within each
+# layer, healthy gates score a token high where the layer's update on the token it decides is large.
+# The headline (the mean over the layers) pages; the description names the layers below their own
+# calibrated floors, largest deficit first (one layer's own correlation is too noisy to page on:
+# docs/runbooks.md). Absent (too few samples, no shadow checks): silent.
 @alert("LayerwatchGateMiscalibrated", severities=(PAGE,), default_for="10m", reads=("gate_importance",))
 def gate_miscalibrated(b: AlertBuild) -> list[dict]:
     p, r = b.profile, b.recorded
