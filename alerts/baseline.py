@@ -24,6 +24,13 @@ plus one standard deviation of the requests' fractions (and above the normal ski
 normal share is the one-sided 90 % Wilson upper bound of the share of baseline requests above the
 cut-off, at least MIN_REQUEST_NORMAL_SHARE (`request_tail_profile`). A trace has no request
 boundaries, so a profile from a trace keeps the defaults.
+
+The shadow check's limits, from the shadow checks of the baseline's requests (what only the serving
+engine measures; inference_shim/offline/calibration.py runs them): the agreement floor is the lowest
+chunk's agreement less the margin (`agreement_floor`), the quality-cost limit QUALITY_COST_FACTOR x the
+highest chunk's nats per token (`quality_cost_limit`), the gate-importance floors half the lowest
+reading of each gauge and at least the margin below it (`gate_importance_floor`,
+`gate_importance_profile`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ import dataclasses
 import datetime
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -384,3 +393,89 @@ def baseline_summary(stats: BaselineStatistics, profile: Profile) -> list[str]:
         f"{list(rp.static_layers)} (whole baseline or any chunk); skipping collapsed below "
         f"{profile.skip_collapse_fraction} x {profile.skip_ratio_normal}",
     ]
+
+
+# --- the shadow check's limits ------------------------------------------------------------------
+
+# LayerwatchGateMiscalibrated's floor: this fraction of the lowest healthy gate-importance reading
+# (and at least the margin below it).
+GATE_FLOOR_FRACTION = 0.5
+# LayerwatchShadowQualityCost's limit: this factor x the highest healthy chunk's nats per token.
+QUALITY_COST_FACTOR = 1.5
+
+
+class CheckedTokens(Protocol):
+    """One shadow-checked request's figures (the runtime's `ShadowResult` is one)."""
+
+    @property
+    def tokens(self) -> int: ...
+
+    @property
+    def kl_nats(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class GateReadings:
+    """What the shim's gate-importance gauges read after each shadow pass, once a layer had a value."""
+
+    headline: list[float]  # layerwatch_gate_importance_correlation
+    layers: list[list[float]]  # layerwatch_gate_layer_importance_correlation per layer, NaN where absent
+    samples: int  # (gate score, next update) pairs measured, all layers together
+
+
+def gate_importance_floor(readings: list[float], margin: float) -> float:
+    """Half the lowest healthy reading of a gate-importance correlation, and at least `margin` below
+    it (a reading near or below 0 has no useful half), in [-1, 1].
+
+    readings: the values one of the shim's gauges takes over a healthy baseline (`GateReadings`).
+    """
+    if not readings:
+        raise ValueError("no gate-importance reading: the shadow checks never filled the buffers")
+    lowest = min(readings)
+    # Rounded down to 3 decimals: rounded to the nearest, the floor could end less than `margin` below.
+    return max(-1.0, math.floor(min(GATE_FLOOR_FRACTION * lowest, lowest - margin) * 1000) / 1000)
+
+
+def quality_cost_limit(checks: Sequence[CheckedTokens], chunk_tokens: int) -> float:
+    """QUALITY_COST_FACTOR x the highest nats per token of KL(gated || full) over chunks of at least
+    `chunk_tokens` checked tokens (checks in order), rounded up to 4 decimals."""
+    per_token, tokens, nats = [], 0, 0.0
+    for check in checks:
+        tokens, nats = tokens + check.tokens, nats + check.kl_nats
+        if tokens >= chunk_tokens:
+            per_token.append(nats / tokens)
+            tokens, nats = 0, 0.0
+    if not per_token:
+        raise ValueError(f"the shadow checks covered fewer than one chunk of {chunk_tokens} tokens")
+    return math.ceil(QUALITY_COST_FACTOR * max(per_token) * 1e4 - 1e-9) / 1e4  # (- 1e-9: float noise)
+
+
+def gate_importance_profile(readings: GateReadings, margin: float) -> GateImportance:
+    """The profile's gate-importance section from the healthy readings: the headline's floor and median;
+    per layer counted in every reading, its floor (same rule) and median."""
+    if not readings.headline:
+        raise ValueError("no gate-importance reading: the shadow checks never filled the buffers")
+    layers = np.asarray(readings.layers, dtype=np.float64)  # [readings, L]
+    always = np.flatnonzero(np.isfinite(layers).all(axis=0))
+    return GateImportance(
+        correlation_min=gate_importance_floor(readings.headline, margin),
+        correlation=round(float(np.median(readings.headline)), 3),
+        layer_baselines={int(l): round(float(np.median(layers[:, l])), 3) for l in always},
+        layer_floors={int(l): gate_importance_floor(layers[:, l].tolist(), margin) for l in always},
+    )
+
+
+def agreement_floor(checks: list[tuple[int, int]], chunk_tokens: int, margin: float) -> float:
+    """Lowest agreement ratio over chunks of at least `chunk_tokens` tokens, minus `margin`.
+
+    checks: (tokens, agreements) per shadow-checked request, in order.
+    """
+    ratios, tokens, agreements = [], 0, 0
+    for request_tokens, request_agreements in checks:
+        tokens, agreements = tokens + request_tokens, agreements + request_agreements
+        if tokens >= chunk_tokens:
+            ratios.append(agreements / tokens)
+            tokens, agreements = 0, 0
+    if not ratios:
+        raise ValueError(f"the shadow checks covered fewer than one chunk of {chunk_tokens} tokens")
+    return round(max(0.0, min(ratios) - margin), 3)

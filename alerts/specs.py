@@ -3,7 +3,7 @@
 A spec (`AlertSpec`) is the alert's name, severities, default `for:`, the profile fields it reads
 and the builder that writes its Prometheus rule(s) from a profile and a timing; its runbook is the
 section `## <name>` of docs/runbooks.md. The rest derives from the specs: `ALERTS` (in rendering
-order), the `for:` a profile may override (alerts/profile.py), the rule groups (alerts/rules.py),
+order), the `for:` a profile may override (alerts/profile_file.py), the rule groups (alerts/rules.py),
 and the checks that every alert has a runbook section and promtool cases (tests/stack/test_rules.py).
 
 Adding an alert: a builder decorated with `@alert(...)` below, its section in docs/runbooks.md, and
@@ -21,15 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from alerts.durations import Timing, parse_duration
+from alerts.profile import Profile
 from alerts.recorded import BY_MODEL, GATE_LAYER_IMPORTANCE_FLOOR, Recorded
 from layerwatch.catalog import ZERO_ENTROPY_LIMIT
 from mixin import config
-
-if TYPE_CHECKING:
-    from alerts.profile import Profile
 
 PAGE = config.SEVERITY_PAGE
 TICKET = config.SEVERITY_TICKET
@@ -51,6 +48,12 @@ class AlertSpec:
     @property
     def per_model(self) -> bool:
         return bool(self.reads)
+
+    def for_seconds(self, profile: Profile | None) -> float:
+        """This alert's `for:` in seconds: the profile's override of a per-model alert, else the default."""
+        if self.per_model and profile is not None:
+            return profile.for_durations.get(self.name, self.default_for)
+        return self.default_for
 
     @property
     def runbook_anchor(self) -> str:
@@ -88,9 +91,7 @@ class AlertBuild:
 
     @property
     def for_(self) -> str:
-        spec = self.spec
-        seconds = self.profile.for_duration(spec.name) if spec.per_model else spec.default_for
-        return self.timing(seconds)
+        return self.timing(self.spec.for_seconds(self.profile if self.spec.per_model else None))
 
     def rule(
         self,
@@ -228,8 +229,8 @@ def gate_weights_changed(b: AlertBuild) -> list[dict]:
     ]
 
 
-# An addition to the field's alert set (docs/alerting.md): a gate file replaced on disk that the
-# shim refused to load.
+# An addition to the field's alert set (docs/alerting.md, "The field's reports"): a gate file
+# replaced on disk that the shim refused to load.
 @alert("LayerwatchGateFileRejected", severities=(TICKET,), default_for="5m")
 def gate_file_rejected(b: AlertBuild) -> list[dict]:
     return [
@@ -469,19 +470,19 @@ def skipping_collapsed(b: AlertBuild) -> list[dict]:
     ]
 
 
-# Critical: the field's incident (a speech-to-text bug sent one category's requests down the same
-# pruned path) degrades the answers of that category now, while every model-wide signal stays
-# healthy: the global skip ratio moves by a point or two, so LayerwatchSkipRateSurge and
-# LayerwatchRunawaySkipping never see it, and the shadow check samples too few of its requests to
-# fall below its floor. Nothing else pages for it, and a ticket leaves those users with degraded
-# answers for days. Healthy traffic keeps this share near zero (the profile's normal_share is measured
-# with a margin), and `for:` of twice the rate window means one odd request, which stays in the
-# window for 5 minutes, cannot fire it: only a sustained tail does.
+# Critical: the field's incident (docs/alerting.md, "The field's reports": a speech-to-text bug sent
+# one category's requests down the same pruned path) degrades the answers of that category now,
+# while every model-wide signal stays healthy: the global skip ratio moves by a point or two, so
+# LayerwatchSkipRateSurge and LayerwatchRunawaySkipping never see it, and the shadow check samples
+# too few of its requests to fall below its floor. Nothing else pages for it, and a ticket leaves
+# those users with degraded answers for days. Healthy traffic keeps this share near zero (the
+# profile's normal_share is measured with a margin), and `for:` of twice the rate window means one
+# odd request, which stays in the window for 5 minutes, cannot fire it: only a sustained tail does.
 @alert("LayerwatchRequestTailRunaway", severities=(PAGE,), default_for="10m", reads=("request_tail",))
 def request_tail_runaway(b: AlertBuild) -> list[dict]:
     p, r = b.profile, b.recorded
     cutoff = p.request_tail.runaway_skip_fraction
-    # A cut-off is a bucket edge below 1 and above 0 (alerts/profile.py), so its `le` reads the same
+    # A cut-off is a bucket edge below 1 and above 0 (alerts/profile_file.py), so its `le` reads the same
     # in Prometheus 2 (as exposed) and 3 (normalised): 0.35 -> "0.35".
     tail = f'{r.request_skip_tail_ratio}{{{b.selector}, le="{cutoff:g}"}}'
     layers = r.runaway_skip_ratio_by_layer + "{instance=%q,model_name=%q}"
@@ -564,7 +565,8 @@ def zero_entropy_ratio_high(b: AlertBuild) -> list[dict]:
     ]
 
 
-# Default `for:` 5m: the field's "stays above 0.18 for 5 minutes".
+# Default `for:` 5m: the field's drift alarm "stays above 0.18 for 5 minutes" (docs/alerting.md,
+# "The field's reports").
 @alert("LayerwatchEntropyDrift", severities=(TICKET,), default_for="5m", reads=("drift",))
 def entropy_drift(b: AlertBuild) -> list[dict]:
     p, r = b.profile, b.recorded
@@ -615,13 +617,13 @@ def shadow_agreement_low(b: AlertBuild) -> list[dict]:
     ]
 
 
-# An addition to the field's alert set: the gates are judged against what the layers do. The shadow
-# check's full-depth pass measures each layer's relative residual update next to its gate score
-# (docs/service.md, "Layer signals"); within each layer, healthy gates score a token high where the
-# layer's update on the token it decides is large. The headline (the mean over the layers) pages;
-# the description names the layers below their own calibrated floors, largest deficit first (one
-# layer's own correlation is too noisy to page on: docs/runbooks.md). Absent (too few samples, no
-# shadow checks): silent.
+# An addition to the field's alert set (docs/alerting.md, "The field's reports"): the gates are
+# judged against what the layers do. The shadow check's full-depth pass measures each layer's
+# relative residual update next to its gate score (docs/service.md, "Layer signals"); within each
+# layer, healthy gates score a token high where the layer's update on the token it decides is large.
+# The headline (the mean over the layers) pages; the description names the layers below their own
+# calibrated floors, largest deficit first (one layer's own correlation is too noisy to page on:
+# docs/runbooks.md). Absent (too few samples, no shadow checks): silent.
 @alert("LayerwatchGateMiscalibrated", severities=(PAGE,), default_for="10m", reads=("gate_importance",))
 def gate_miscalibrated(b: AlertBuild) -> list[dict]:
     p, r = b.profile, b.recorded

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inference_shim.runtime.engine import LayerCounts, SamplingParams
 from inference_shim.service.audit import AuditTrail
-from inference_shim.service.completions import RequestRecord
 from inference_shim.service.metrics import AuditSpanCounts
+from inference_shim.service.records import RequestRecord
 
 # The collector stand-in: an OTLP/HTTP endpoint that reads every export and accepts it.
 RECEIVER = """

@@ -37,8 +37,8 @@ from tokenizers import models
 
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepRecord
 from inference_shim.runtime.model import KV_POLICIES, Block, GateBank, ModelConfig, Transformer
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.skip_policy import SkipPolicyConfig
 
 HEAD_DIM = 64
 

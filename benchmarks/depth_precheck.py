@@ -39,8 +39,8 @@ from inference_shim.offline.evaluation import DecodeStep, heldout_windows, teach
 from inference_shim.offline.gated_model import GatedModel, load_gated_model
 from inference_shim.offline.training import text_file_stream
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from layerwatch.complexity import prompt_complexity
+from layerwatch.skip_policy import SkipPolicyConfig
 
 BATCH = 8
 RANDOM_DRAWS = 1000

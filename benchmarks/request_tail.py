@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from alerts.profile import PROFILES_DIR, load_profiles
+from alerts.profile_file import PROFILES_DIR, load_profiles
 from demo.loadgen import STUTTER, Category, run_load
 from demo.processes import ManagedProcess, free_port
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME

@@ -37,11 +37,11 @@ from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, demo_model_present
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepHook, StepRecord
 from inference_shim.runtime.gates import gates_path_for
 from inference_shim.runtime.model import GateBank, Transformer
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
 from inference_shim.service.metrics import DecodeStats
 from inference_shim.service.telemetry import StepTelemetry
 from layerwatch.client import GateFrameSender
+from layerwatch.skip_policy import SkipPolicyConfig
 
 # The exporter stand-in: binds a loopback UDP port, prints it, discards what arrives.
 RECEIVER = (

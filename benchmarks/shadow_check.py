@@ -53,7 +53,8 @@ from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, gated_decode_step
 from inference_shim.runtime.gates import GATES_FILE, load_gates
 from inference_shim.runtime.model import KVCache
-from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig
+from inference_shim.runtime.skip_policy import SkipPolicy
+from layerwatch.skip_policy import SkipPolicyConfig
 
 
 @dataclass

@@ -31,9 +31,9 @@ from benchmarks.service_bench import load_model, random_model
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, demo_model_present
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.model import Transformer
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
 from inference_shim.service.prompts import bad_word_ids
+from layerwatch.skip_policy import SkipPolicyConfig
 
 BAD_WORDS = (" the", " and", "light", " God said", " unto them")
 MODES = ("plain", "bad_words", "allowed")

@@ -248,35 +248,12 @@ def _verdict_column(healthy: str, unhealthy: str, unhealthy_value: str) -> list[
     ]
 
 
-def _fleet_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dashboard:
-    """Every instance of the selected model at once (not filtered by $instance): the verdicts per
-    exporter target, how many are unhealthy, and each shim's skip ratio against the fleet's."""
+def _fleet_verdicts_table(p: Panels, r: Recorded) -> table.Panel:
+    """The verdicts of each exporter target of the model, merged into one row per instance."""
     exporter = f"{config.EXPORTER_SELECTOR}, {MODEL}"
-    d = d.with_row(p.row("Fleet"))
-    d = d.with_panel(
-        p.stat(
-            "Instances unhealthy",
-            "Exporter targets of the model whose entropy verdict is a single peak or whose routing verdict is "
-            "static (LayerwatchEntropySinglePeak, LayerwatchRoutingStatic: those alerts name the instance), "
-            "of every target reporting the model. A target whose verdicts are withheld counts as healthy.",
-            [
-                (f"{r.fleet_gating_unhealthy}{{{MODEL}}}", "unhealthy"),
-                (f"{r.fleet_gating_instances}{{{MODEL}}}", "instances"),
-            ],
-            no_value="no exporter reports the model",
-        ).override_by_query(
-            "A",
-            [
-                dashboard_models.DynamicConfigValue(
-                    "thresholds",
-                    {"mode": "absolute", "steps": [{"color": "green", "value": None}, {"color": "red", "value": 1}]},
-                )
-            ],
-        )
-    )
     verdicts_title = "Verdicts by instance"
     columns = {"Value #A": "entropy", "Value #B": "routing", "Value #C": "unhealthy"}
-    d = d.with_panel(
+    return (
         table.Panel()
         .id(p._id())
         .title(verdicts_title)
@@ -314,6 +291,34 @@ def _fleet_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dash
         .override_by_name("unhealthy", _verdict_column("healthy", "unhealthy", "1"))
         .no_value("no exporter reports the model")
     )
+
+
+def _fleet_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dashboard:
+    """Every instance of the selected model at once (not filtered by $instance): the verdicts per
+    exporter target, how many are unhealthy, and each shim's skip ratio against the fleet's."""
+    d = d.with_row(p.row("Fleet"))
+    d = d.with_panel(
+        p.stat(
+            "Instances unhealthy",
+            "Exporter targets of the model whose entropy verdict is a single peak or whose routing verdict is "
+            "static (LayerwatchEntropySinglePeak, LayerwatchRoutingStatic: those alerts name the instance), "
+            "of every target reporting the model. A target whose verdicts are withheld counts as healthy.",
+            [
+                (f"{r.fleet_gating_unhealthy}{{{MODEL}}}", "unhealthy"),
+                (f"{r.fleet_gating_instances}{{{MODEL}}}", "instances"),
+            ],
+            no_value="no exporter reports the model",
+        ).override_by_query(
+            "A",
+            [
+                dashboard_models.DynamicConfigValue(
+                    "thresholds",
+                    {"mode": "absolute", "steps": [{"color": "green", "value": None}, {"color": "red", "value": 1}]},
+                )
+            ],
+        )
+    )
+    d = d.with_panel(_fleet_verdicts_table(p, r))
     d = d.with_panel(
         p.timeseries(
             "Skip ratio: instances and fleet",
@@ -484,10 +489,8 @@ def _gate_calibration_row(d: dashboard.Dashboard, p: Panels) -> dashboard.Dashbo
     )
 
 
-def build() -> tuple[dict, list[tuple[str, str]]]:
-    """The dashboard as JSON-ready data, and every (panel, query) it holds."""
-    r = Recorded.for_timing(Timing())
-    p = Panels()
+def _dashboard(p: Panels) -> dashboard.Dashboard:
+    """The dashboard's identity, time settings and variables (data source, model, instance)."""
     d = (
         dashboard.Dashboard(TITLE)
         .uid(UID)
@@ -525,7 +528,7 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
         .refresh(dashboard_models.VariableRefresh.ON_TIME_RANGE_CHANGED)
         .sort(dashboard_models.VariableSort.ALPHABETICAL_ASC)
     )
-    d = d.with_variable(
+    return d.with_variable(
         dashboard.QueryVariable("instance")
         .label("Shim instance")
         .datasource(DATASOURCE)
@@ -538,9 +541,9 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
         .sort(dashboard_models.VariableSort.ALPHABETICAL_ASC)
     )
 
-    d = _fleet_row(d, p, r)
 
-    # --- skipping ---------------------------------------------------------------------------
+def _skipping_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dashboard:
+    """How much the shims skip, per request and per layer, and the forced full-depth episodes."""
     d = d.with_row(p.row("Skipping"))
     d = d.with_panel(
         p.timeseries(
@@ -607,7 +610,7 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
             limits="limit",
         )
     )
-    d = d.with_panel(
+    return d.with_panel(
         p.heatmap(
             "Per-layer skip ratio (layer × time)",
             "Skip ratio of every layer over time. An incident "
@@ -621,9 +624,9 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
         )
     )
 
-    d = _quality_cost_row(d, p, r)
 
-    # --- gate entropy -----------------------------------------------------------------------
+def _gate_entropy_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dashboard:
+    """Whether the gates still decide: the entropy bands, the exporter's verdicts and its statistics."""
     d = d.with_row(p.row("Gate entropy"))
     d = d.with_panel(
         p.timeseries(
@@ -713,6 +716,11 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
             width=12,
         )
     )
+    return _entropy_distribution_panels(d, p)
+
+
+def _entropy_distribution_panels(d: dashboard.Dashboard, p: Panels) -> dashboard.Dashboard:
+    """The rest of the Gate entropy row: routing's token-dependent share and the entropy's distribution."""
     d = d.with_panel(
         p.timeseries(
             "Token-dependent share",
@@ -757,7 +765,7 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
     )
     shape_title = f"Entropy histogram, last {_in_words(config.RATE_WINDOW)}"
     shape_window = Timing()(config.RATE_WINDOW)
-    d = d.with_panel(
+    return d.with_panel(
         barchart.Panel()
         .id(p._id())
         .title(shape_title)
@@ -784,7 +792,9 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
         .unit("none")
     )
 
-    # --- energy -----------------------------------------------------------------------------
+
+def _energy_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dashboard:
+    """What skipping saves: energy per token, power next to the skip ratio."""
     d = d.with_row(p.row("Energy"))
     d = d.with_panel(
         p.timeseries(
@@ -798,7 +808,7 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
             ],
         )
     )
-    d = d.with_panel(
+    return d.with_panel(
         p.timeseries(
             "Power and skip ratio",
             "GPU power draw next to the skip ratio (right axis): skipping "
@@ -812,7 +822,9 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
         )
     )
 
-    # --- GPU thermals -----------------------------------------------------------------------
+
+def _gpu_thermals_row(d: dashboard.Dashboard, p: Panels) -> dashboard.Dashboard:
+    """The host's GPUs from NVML: temperature, fans, SM clock, memory."""
     d = d.with_row(p.row("GPU thermals"))
     for title, description, unit, metric, legend in (
         (
@@ -855,8 +867,11 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
                 width=6,
             )
         )
+    return d
 
-    # --- latency ----------------------------------------------------------------------------
+
+def _latency_row(d: dashboard.Dashboard, p: Panels) -> dashboard.Dashboard:
+    """Quantiles of time to first token and inter-token latency."""
     d = d.with_row(p.row("Latency"))
     for title, metric in (
         ("Time to first token", "layerwatch_time_to_first_token_seconds"),
@@ -873,10 +888,11 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
                 ],
             )
         )
+    return d
 
-    d = _gate_calibration_row(d, p)
 
-    # --- quality and telemetry --------------------------------------------------------------
+def _telemetry_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dashboard:
+    """Whether the gate frames arrive, and the alerts firing now."""
     d = d.with_row(p.row("Quality and telemetry"))
     d = d.with_panel(
         p.timeseries(
@@ -929,7 +945,7 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
         )
     )
     alerts_title = "Firing alerts"
-    d = d.with_panel(
+    return d.with_panel(
         table.Panel()
         .id(p._id())
         .title(alerts_title)
@@ -953,6 +969,22 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
         )
         .no_value("nothing firing")
     )
+
+
+def build() -> tuple[dict, list[tuple[str, str]]]:
+    """The dashboard as JSON-ready data, and every (panel, query) it holds."""
+    r = Recorded.for_timing(Timing())
+    p = Panels()
+    d = _dashboard(p)
+    d = _fleet_row(d, p, r)
+    d = _skipping_row(d, p, r)
+    d = _quality_cost_row(d, p, r)
+    d = _gate_entropy_row(d, p, r)
+    d = _energy_row(d, p, r)
+    d = _gpu_thermals_row(d, p)
+    d = _latency_row(d, p)
+    d = _gate_calibration_row(d, p)
+    d = _telemetry_row(d, p, r)
 
     data = json.loads(JSONEncoder(sort_keys=True).encode(d.build()))
     return data, p.queries

@@ -1,8 +1,9 @@
 """The faults `layerwatch demo --drill NAME` injects, and the page each one must raise.
 
-A drill restarts the shim with `serve` flags that break the gates the way the field breaks them,
-as tests/stack/test_end_to_end.py does (docs/end-to-end.md has the faults and their times to page
-there). Adding a drill is one entry in DRILLS; every drill's alert is critical (it reaches the pager).
+A drill restarts the shim with `serve` flags that break the gates the way the field saw them break
+(docs/alerting.md, "The field's reports"), as tests/stack/test_end_to_end.py does (docs/end-to-end.md
+has the faults and their times to page there). Adding a drill is one entry in DRILLS; every drill's
+alert is critical (it reaches the pager).
 """
 
 from __future__ import annotations

@@ -36,13 +36,14 @@ PROMPTS = (
 TEMPERATURES = (1.0, 0.7)
 
 # A category of traffic that skips more than the rest, from the demo model itself: garbled
-# transcripts (a speech-to-text bug's runs of function words, as in the field's incident) sent at
-# temperature 0. The demo model answers each with a short repeated phrase ("..., and upon all the
-# people, and upon all the people"), made of tokens its gates score low, and skips 0.377-0.384 of
-# its decode layer evaluations over 64 tokens, where the load above skips 0.20-0.34 per request
-# (0.27 overall). Found by searching prompts on the demo model; no prompt made it skip much more
-# (docs/service.md, "Per-request skipping"). It must stay greedy: sampled, the loop breaks up (16
-# transcripts each: 0.31 of them above 0.35 at temperature 0.2, 0.12 at 0.4, none at 0.7 or 1.0).
+# transcripts (a speech-to-text bug's runs of function words, as in the field's incident:
+# docs/alerting.md, "The field's reports") sent at temperature 0. The demo model answers each with a
+# short repeated phrase ("..., and upon all the people, and upon all the people"), made of tokens
+# its gates score low, and skips 0.377-0.384 of its decode layer evaluations over 64 tokens, where
+# the load above skips 0.20-0.34 per request (0.27 overall). Found by searching prompts on the demo
+# model; no prompt made it skip much more (docs/service.md, "Per-request skipping"). It must stay
+# greedy: sampled, the loop breaks up (16 transcripts each: 0.31 of them above 0.35 at temperature
+# 0.2, 0.12 at 0.4, none at 0.7 or 1.0).
 STUTTER_PROMPTS = (
     "they was: they was: they was: they was: they was: ",
     "\n unto \n will upon And of \n you",

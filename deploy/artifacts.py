@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from alerts.durations import format_duration
-from alerts.profile import load_profiles
+from alerts.profile_file import load_profiles
 from alerts.rules import recorded_names, render_rules, rule_groups
 from alerts.specs import ALERTS
 from deploy import manifests, render

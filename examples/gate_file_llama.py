@@ -33,10 +33,11 @@ from inference_shim.runtime.checkpoint import load_checkpoint
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from inference_shim.runtime.gates import LoadedGates, gates_path_for, load_gates
 from inference_shim.runtime.model import Gate, GateBank
-from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig
+from inference_shim.runtime.skip_policy import SkipPolicy
 from inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.client import GateFrameSender
 from layerwatch.integrations.transformers import observe, read_attributes
+from layerwatch.skip_policy import SkipPolicyConfig
 from layerwatch.trace import TraceWriter
 from layerwatch.wire import DEFAULT_FRAMES_ADDRESS
 

@@ -19,6 +19,18 @@ from layerwatch.routing import routing_report
 from layerwatch.statistics import BINS, check_bimodality, histogram20, report
 from layerwatch.trace import TraceError, read_trace_batches
 
+# The exporter's settings that `layerwatch replay` takes as flags, in the order of its --help (τ's
+# flag is --threshold); the window has no time bound, a trace having no clock.
+REPLAY_SETTINGS = (
+    "window_max_observations",
+    "min_window_observations",
+    "default_threshold",
+    "max_models",
+    "max_layers",
+    "min_routing_tokens",
+)
+REPLAY_FLAGS = {"default_threshold": "--threshold"}
+
 
 def replay_trace(
     path: str | os.PathLike[str], config: ExporterConfig, on_torn_line: Callable[[TraceError], None] | None = None

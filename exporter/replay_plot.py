@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from layerwatch.routing import DEFAULT_THRESHOLD, STATIC_LOW_RATE, STATIC_RUN_LOW_RATE
+from layerwatch.routing import STATIC_LOW_RATE, STATIC_RUN_LOW_RATE
+from layerwatch.skip_policy import DEFAULT_THRESHOLD
 from layerwatch.statistics import BINS
 from layerwatch.trace import read_trace_batches
 
@@ -53,9 +54,7 @@ def last_rows(path: str | os.PathLike[str], tokens: int) -> dict[str, tuple[np.n
     (fewer if the trace holds fewer; a torn last line is left out, as replay leaves it out)."""
     kept: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
     for batch in read_trace_batches(path, on_torn_line=lambda error: None):
-        batches = kept.setdefault(batch.model_name, [])
-        if batches and batches[-1][0].shape[1] != batch.entropies.shape[1]:
-            batches.clear()  # the model's layer count changed: show the latest shape only
+        batches = kept.setdefault(batch.model_name, [])  # one layer count per model: replay refused others
         batches.append((batch.entropies, batch.skipped))
         while sum(len(scores) for scores, _ in batches[1:]) >= tokens:
             batches.pop(0)

@@ -7,8 +7,8 @@ a model that sends nothing for `model_idle_seconds` is forgotten (its slot and s
 pair of frames counts at most MAX_SEQUENCE_GAP lost frames (a longer jump is refused); with a frame
 key, untagged and mistagged frames are refused before decoding, and replayed ones by the sequence
 numbers (exporter/sequences.py). Each refusal is counted by reason. One lock guards the counters;
-the bimodality check runs outside it, at scrape time, cached (see `bimodality`), so frames keep
-flowing while a scrape computes the dip test. The routing statistics are cached the same way.
+the bimodality check and the routing statistics run outside it, at scrape time, cached
+(`_WindowStatistic`), so frames keep flowing while a scrape computes the dip test.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -25,7 +27,10 @@ from exporter.routing_window import RoutingWindow
 from exporter.sequences import REJECT_REASONS as SEQUENCE_REJECT_REASONS
 from exporter.sequences import SequenceTracker
 from exporter.window import SlidingWindow
-from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS, DEFAULT_THRESHOLD, Routing, check_routing
+from layerwatch import argtypes
+from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS, Routing, check_routing
+from layerwatch.settings import setting
+from layerwatch.skip_policy import DEFAULT_THRESHOLD
 from layerwatch.statistics import (
     DEFAULT_MIN_WINDOW_OBSERVATIONS,
     DEFAULT_WINDOW_OBSERVATIONS,
@@ -36,9 +41,13 @@ from layerwatch.statistics import (
     check_bimodality,
     le_bucket_index,
 )
-from layerwatch.wire import GateFrame, MalformedFrame, UnauthenticatedFrame, decode_frame
+from layerwatch.wire import GateFrame, MalformedFrame, UnauthenticatedFrame, decode_frame, load_frame_key
 
 log = logging.getLogger(__name__)
+
+W = TypeVar("W", bound="_Window")
+D = TypeVar("D")  # what a statistic is computed from: a copy of the window's contents
+R = TypeVar("R")
 
 # Why a well-formed frame was dropped (layerwatch_exporter_frames_rejected_total{reason}).
 REJECT_REASONS = (
@@ -53,17 +62,75 @@ REJECT_REASONS = (
 
 @dataclass(frozen=True)
 class ExporterConfig:
-    window_seconds: float = 300.0
-    window_max_observations: int = DEFAULT_WINDOW_OBSERVATIONS
-    min_window_observations: int = DEFAULT_MIN_WINDOW_OBSERVATIONS
-    per_layer: bool = False  # per-layer histograms (20 buckets × layers × models series)
-    max_models: int = 64  # frames naming further models are rejected: label cardinality
-    max_layers: int = 256  # wider frames are rejected: per-layer series per model
-    model_idle_seconds: float = 900.0  # a model silent this long is forgotten (slot and series freed)
-    frame_key: bytes | None = field(default=None, repr=False)  # only frames tagged under it are accepted
-    statistics_cache_seconds: float = 2.0
-    default_threshold: float = DEFAULT_THRESHOLD  # τ for frames that do not carry one (wire version 1)
-    min_routing_tokens: int = DEFAULT_MIN_ROUTING_TOKENS  # below this the routing verdict is withheld
+    """The exporter's settings, each declared once with its flag (layerwatch/settings.py): `layerwatch
+    exporter` derives its flags from them, `layerwatch replay` those of exporter/replay.py's REPLAY_SETTINGS."""
+
+    window_seconds: float = setting(
+        300.0,
+        type=argtypes.positive(float),
+        help="the bimodality window forgets entropies older than this (default %(default)s)",
+    )
+    window_max_observations: int = setting(
+        DEFAULT_WINDOW_OBSERVATIONS,
+        type=argtypes.positive(int),
+        help=f"the bimodality window holds at most this many entropies per model, the latest, at most "
+        f"{MAX_WINDOW_OBSERVATIONS} (default %(default)s)",
+    )
+    min_window_observations: int = setting(
+        DEFAULT_MIN_WINDOW_OBSERVATIONS,
+        type=argtypes.positive(int),
+        help="below this many entropies in the window the verdict is withheld (default %(default)s)",
+    )
+    per_layer: bool = setting(  # 20 buckets × layers × models series
+        False, help="also export a 20-bucket histogram per layer (layers x models x 23 series)"
+    )
+    max_models: int = setting(  # label cardinality
+        64,
+        type=argtypes.positive(int),
+        help="more distinct models than this are refused: the exporter rejects their frames, replay the trace, "
+        "naming the line (default %(default)s)",
+    )
+    max_layers: int = setting(  # per-layer series per model
+        256,
+        type=argtypes.positive(int),
+        help="frames with more layers than this are rejected and counted; in replay, such a trace line is "
+        "refused, naming the line (default %(default)s)",
+    )
+    model_idle_seconds: float = setting(  # a model silent this long is forgotten (slot and series freed)
+        900.0,
+        type=argtypes.positive(float),
+        help="a model that sends no frame for this long is forgotten: its series and its slot among "
+        "--max-models are freed, its layer count may change (default %(default)s)",
+    )
+    frame_key: bytes | None = setting(  # only frames tagged under it are accepted
+        None,
+        flag="--frame-key-file",
+        type=Path,
+        metavar="FILE",
+        convert=load_frame_key,
+        repr=False,
+        help="accept only gate frames authenticated with the key in FILE (the shim's "
+        "--frame-key-file; owner-only permissions); others are rejected and counted (default: "
+        "accept untagged frames)",
+    )
+    statistics_cache_seconds: float = setting(
+        2.0,
+        type=argtypes.non_negative,
+        help="reuse the window statistics for this long across scrapes (default %(default)s)",
+    )
+    default_threshold: float = setting(  # τ for frames that do not carry one (wire version 1)
+        DEFAULT_THRESHOLD,
+        type=argtypes.fraction,
+        metavar="TAU",
+        help="skip threshold assumed for gate frames that carry none (wire version 1, older shims; such frames "
+        'are counted) and for trace lines without a "threshold" key: scores below it count toward skipping '
+        "in the routing statistics (default %(default)s)",
+    )
+    min_routing_tokens: int = setting(
+        DEFAULT_MIN_ROUTING_TOKENS,
+        type=argtypes.positive(int),
+        help="below this many tokens in the window the routing verdict is withheld (default %(default)s)",
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.max_layers <= 0xFFFF:
@@ -136,18 +203,36 @@ class ModelSnapshot:
     threshold: float | None = None  # τ of the latest frame
 
 
-@dataclass
-class _CachedBimodality:
-    window_version: int
-    computed_at: float
-    result: Bimodality
+class _Window(Protocol):
+    @property
+    def version(self) -> object: ...  # changes whenever the contents change
+
+    def expire(self, now: float) -> None: ...
 
 
 @dataclass
-class _CachedRouting:
-    window_version: tuple[int, int]
+class _Cached(Generic[R]):
+    window_version: object
     computed_at: float
-    result: Routing
+    result: R
+
+
+class _WindowStatistic(Generic[W, D, R]):
+    """One statistic of every model's window (the bimodality check, the routing statistics), computed
+    at scrape time outside the state's lock and cached per model: recomputed only when the window
+    changed and the cached result is older than `statistics_cache_seconds`, so a scrape storm costs
+    one computation. One computation at a time: concurrent scrapes wait for it and reuse the result."""
+
+    def __init__(
+        self,
+        window_of: Callable[[ModelStatistics], W],
+        contents: Callable[[W], D],
+        compute: Callable[[D], R],
+        empty: D,  # a forgotten model's: nothing in its window
+    ) -> None:
+        self.window_of, self.contents, self.compute, self.empty = window_of, contents, compute, empty
+        self.lock = threading.Lock()
+        self.cached: dict[str, _Cached[R]] = {}
 
 
 class ExporterState:
@@ -160,11 +245,18 @@ class ExporterState:
         self._sequences = SequenceTracker(authenticated=config.frame_key is not None)
         self.frames_malformed = 0
         self.frames_rejected = dict.fromkeys(REJECT_REASONS, 0)
-        # One bimodality computation at a time: concurrent scrapes wait for it and reuse the result.
-        self._bimodality_lock = threading.Lock()
-        self._bimodality_cache: dict[str, _CachedBimodality] = {}
-        self._routing_lock = threading.Lock()
-        self._routing_cache: dict[str, _CachedRouting] = {}
+        self._bimodality = _WindowStatistic(
+            lambda model: model.window,
+            SlidingWindow.values,
+            lambda values: check_bimodality(values, config.min_window_observations),
+            np.empty(0, np.float32),
+        )
+        self._routing = _WindowStatistic(
+            lambda model: model.routing_window,
+            RoutingWindow.counts,
+            lambda counts: check_routing(*counts, min_tokens=config.min_routing_tokens),
+            (0, np.zeros(0), np.zeros(0)),
+        )
 
     def ingest_datagram(self, data: bytes) -> None:
         try:
@@ -246,8 +338,8 @@ class ExporterState:
         idle = [name for name, model in self._models.items() if now - model.last_seen > self.config.model_idle_seconds]
         for name in idle:
             del self._models[name]
-            self._bimodality_cache.pop(name, None)
-            self._routing_cache.pop(name, None)
+            self._bimodality.cached.pop(name, None)
+            self._routing.cached.pop(name, None)
             log.info("model %r: no frame for %gs, forgotten", name, self.config.model_idle_seconds)
         return len(idle)
 
@@ -283,46 +375,29 @@ class ExporterState:
         )
 
     def bimodality(self, model_name: str) -> Bimodality:
-        """The window's statistics, recomputed only when the window changed and the cached result
-        is older than `statistics_cache_seconds`: a scrape storm costs one computation."""
-        with self._bimodality_lock:
-            now = self._clock()
-            with self._lock:
-                model = self._models.get(model_name)
-                if model is None:  # forgotten (idle) since the caller listed it: nothing in its window
-                    return check_bimodality(np.empty(0, np.float32), self.config.min_window_observations)
-                window = model.window
-                window.expire(now)
-                cached = self._bimodality_cache.get(model_name)
-                if cached is not None and (
-                    cached.window_version == window.version
-                    or now - cached.computed_at < self.config.statistics_cache_seconds
-                ):
-                    return cached.result
-                version, values = window.version, window.values()
-            result = check_bimodality(values, self.config.min_window_observations)
-            self._bimodality_cache[model_name] = _CachedBimodality(version, now, result)
-            return result
+        """The window's bimodality statistics, cached (_WindowStatistic)."""
+        return self._statistic(self._bimodality, model_name)
 
     def routing(self, model_name: str) -> Routing:
-        """The routing statistics over the model's window (layerwatch/routing.py), cached like
-        `bimodality`: recomputed only when the window changed and the result is older than
-        `statistics_cache_seconds`."""
-        with self._routing_lock:
+        """The routing statistics over the model's window (layerwatch/routing.py), cached (_WindowStatistic)."""
+        return self._statistic(self._routing, model_name)
+
+    def _statistic(self, statistic: _WindowStatistic[W, D, R], model_name: str) -> R:
+        with statistic.lock:
             now = self._clock()
             with self._lock:
                 model = self._models.get(model_name)
                 if model is None:  # forgotten (idle) since the caller listed it: nothing in its window
-                    return check_routing(0, np.zeros(0), np.zeros(0), min_tokens=self.config.min_routing_tokens)
-                window = model.routing_window
+                    return statistic.compute(statistic.empty)
+                window = statistic.window_of(model)
                 window.expire(now)
-                cached = self._routing_cache.get(model_name)
+                cached = statistic.cached.get(model_name)
                 if cached is not None and (
                     cached.window_version == window.version
                     or now - cached.computed_at < self.config.statistics_cache_seconds
                 ):
                     return cached.result
-                version, counts = window.version, window.counts()
-            result = check_routing(*counts, min_tokens=self.config.min_routing_tokens)
-            self._routing_cache[model_name] = _CachedRouting(version, now, result)
+                version, contents = window.version, statistic.contents(window)
+            result = statistic.compute(contents)
+            statistic.cached[model_name] = _Cached(version, now, result)
             return result

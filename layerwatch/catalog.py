@@ -52,14 +52,14 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 
 # Per-request fractions (skip fraction, token-dependent share): le = 0, 0.05, ... 0.95, 1.0. Every
 # cut-off a profile may use (alerts/profile.py: request_tail) is one of these edges, so the share of
-# requests above it is read straight from one bucket: the field's 0.5 and fallback 0.85, the demo
-# model's 0.35, and 0.05 / 0.95 (the routing statistics' static lines). le="0" holds the requests
-# that skipped nothing (fewer decode tokens than the patience) or, for the share, whose skipping
-# was all static.
+# requests above it is read straight from one bucket: the default 0.5 (below), the field's fallback
+# trigger 0.85 (docs/alerting.md, "The field's reports"), the demo model's 0.35, and 0.05 / 0.95
+# (the routing statistics' static lines). le="0" holds the requests that skipped nothing (fewer
+# decode tokens than the patience) or, for the share, whose skipping was all static.
 REQUEST_FRACTION_BUCKETS: tuple[float, ...] = (0.0, *(round(0.05 * i, 2) for i in range(1, 21)))
 # The shim's default cut-off of a runaway request (`layerwatch serve --request-runaway-fraction`,
-# when the served model has no profile) and a profile's default: the field's incident category
-# skipped 53 % of its layer evaluations, more than twice the healthy 21 %.
+# when the served model has no profile) and a profile's default: in the field's incident the skip
+# ratio went from a healthy 21 % to 53 %, more than half (docs/alerting.md, "The field's reports").
 DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION = 0.5
 
 

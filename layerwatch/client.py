@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from layerwatch.secret_file import MIN_SECRET_BYTES
+from layerwatch.skip_policy import is_threshold
 from layerwatch.wire import (
     MAX_FRAME_BYTES,
     MAX_NAME_BYTES,
@@ -104,8 +105,7 @@ class GateFrameSender:
                 raise ValueError(f"the {field} holds {character}, which is not printable (the exporter refuses it)")
         if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) or num_layers < 1:
             raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
-        number = isinstance(threshold, (int, float, np.integer, np.floating)) and not isinstance(threshold, bool)
-        if not (number and 0.0 <= threshold <= 1.0):  # NaN fails the comparison
+        if not is_threshold(threshold):
             raise ValueError(f"threshold must be a number in [0, 1], got {threshold!r}")
         if key is not None and (not isinstance(key, bytes) or len(key) < MIN_SECRET_BYTES):
             raise ValueError(f"the frame key must be bytes, at least {MIN_SECRET_BYTES} of them (load_frame_key)")

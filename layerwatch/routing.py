@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# The skip policy's default τ: assumed when a frame or trace does not say.
-DEFAULT_THRESHOLD = 0.18
+from layerwatch import skip_policy
+
 # A layer below τ for at least this share of tokens is static (skipped whatever the token) ...
 STATIC_LOW_RATE = 0.95
 # ... and one below τ for at most this share is static-run (kept whatever the token).
@@ -110,8 +110,8 @@ def wilson_bounds(successes: np.ndarray, trials: int, z: float = CONFIDENCE_Z) -
 
 
 def below_threshold(entropies: np.ndarray, threshold: float) -> np.ndarray:
-    """bool, same shape: the score counts toward skipping (strictly below τ, as the skip policy has it)."""
-    return entropies < np.float32(threshold)
+    """bool, same shape: the score counts toward skipping, τ as a frame carries it (a float32)."""
+    return skip_policy.below_threshold(entropies, np.float32(threshold))
 
 
 def check_routing(

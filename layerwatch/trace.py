@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from layerwatch.skip_policy import check_threshold, is_threshold
 from layerwatch.wire import check_gate_arrays, unprintable
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,8 @@ class TraceWriter:
     def __init__(self, path: str | os.PathLike[str], max_bytes: int, threshold: float | None = None) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
-        if threshold is not None and not 0.0 <= threshold <= 1.0:
-            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        if threshold is not None:
+            check_threshold(threshold)
         self.path = Path(path)
         self.max_bytes = max_bytes
         self.threshold = threshold
@@ -293,7 +294,7 @@ def _parse_line(path: str | os.PathLike[str], line_number: int, raw: bytes) -> T
         raise fail(f"scores outside [0, 1]: min {scores.min()}, max {scores.max()}")
     threshold = obj.get("threshold")
     if threshold is not None:
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
+        if not is_threshold(threshold):
             raise fail(f"threshold must be a number in [0, 1], got {json.dumps(threshold)}")
         threshold = float(threshold)
     return TraceRecord(line_number, model_name, scores.astype(np.float32), skipped.astype(bool), threshold)

@@ -46,6 +46,7 @@ import numpy as np
 
 from layerwatch.ports import EXPORTER_FRAMES_PORT, LOOPBACK
 from layerwatch.secret_file import read_secret_file
+from layerwatch.skip_policy import is_threshold
 
 MAGIC = b"LWGF"
 VERSION = 2  # what a frame with a threshold is written as
@@ -268,7 +269,7 @@ def _check_threshold(threshold: float, error: type[ValueError]) -> float:
     if isinstance(threshold, bool):
         raise error(f"threshold {threshold} is not a number")
     value = float(np.float32(threshold)) + 0.0
-    if not 0.0 <= value <= 1.0:
+    if not is_threshold(value):
         raise error(f"threshold {threshold} is not in [0, 1]")
     return value
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from inference_shim.runtime.demo_model import DEMO_MODEL_NAME
+from layerwatch import argtypes
 from layerwatch.catalog import GATE_LAYER_SAMPLES, MIN_GATE_SCORE_STD
 from layerwatch_cli.model_arguments import add_model_arguments, load_from_arguments, report_errors
 
@@ -40,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threshold",
-        type=float,
+        type=argtypes.fraction,
         default=defaults["threshold"],
         help="tau (default: the threshold the gates were trained for)",
     )
@@ -76,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from alerts.baseline import ascii_histogram, baseline_summary
-    from alerts.profile import ProfileError, dump_profile
+    from alerts.profile_file import ProfileError, dump_profile
     from inference_shim.offline.calibration import CalibrationSettings, calibrate
     from inference_shim.offline.corpus import read_documents
 

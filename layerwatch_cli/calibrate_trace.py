@@ -20,10 +20,11 @@ from alerts.baseline import (
     profile_from_trace,
     read_trace_baseline,
 )
-from alerts.profile import DEFAULT_RUNAWAY_SKIP_RATIO, ProfileError, dump_profile
+from alerts.profile import DEFAULT_RUNAWAY_SKIP_RATIO
+from alerts.profile_file import ProfileError, dump_profile
+from layerwatch import argtypes
 from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS
 from layerwatch.trace import TraceError
-from layerwatch_cli import argtypes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

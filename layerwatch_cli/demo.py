@@ -26,15 +26,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from alerts.profile import PROFILES_DIR, ProfileError, load_profiles
+from alerts.profile_file import PROFILES_DIR, ProfileError, load_profiles
 from demo.alert_view import AlertView
 from demo.drills import DRILLS, DrillRun
 from demo.loadgen import run_load
 from demo.receiver import WebhookReceiver
 from demo.stack import TIMING, TIMING_NOTE, DemoStack, monitoring_installed
 from exporter.live_view import CLEAR_SCREEN, Samples, render_screen, scrape, total
-from layerwatch import ports
-from layerwatch_cli import argtypes
+from layerwatch import argtypes, ports
 from layerwatch_cli.signals import Stopped
 
 INSTALL_HINT = "scripts/install-system-deps.sh --demo installs them (root or sudo)"

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from layerwatch_cli import argtypes
+from layerwatch import argtypes
 from layerwatch_cli.model_arguments import (
     add_depth_arguments,
     add_model_arguments,
@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from inference_shim.offline.evaluation import gated_result, heldout_windows, paired_decode
     from inference_shim.offline.training import text_file_stream
-    from inference_shim.runtime.skip_policy import SKIP_RULES
+    from layerwatch.skip_policy import SKIP_RULES
 
     def prepare():
         depth = depth_from_arguments(args)

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from alerts.profile import ProfileError
+from alerts.profile_file import ProfileError
 from deploy.artifacts import PROFILES_DIR, generated_files, stale_files
 from layerwatch.promql import UnknownMetricError
 

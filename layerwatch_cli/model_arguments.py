@@ -11,8 +11,10 @@ from typing import TypeVar
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from inference_shim.runtime.gates import GATES_FILE
 from inference_shim.runtime.model import KV_POLICIES
-from inference_shim.runtime.skip_policy import SKIP_RULES
-from layerwatch_cli import argtypes
+from inference_shim.service.settings import SkippingSettings
+from layerwatch import argtypes
+from layerwatch.settings import add_flags
+from layerwatch.skip_policy import SKIP_RULES
 
 T = TypeVar("T")
 
@@ -49,26 +51,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
 
-def add_depth_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """How a batch runs the layers its rows decided (`serve` and `eval`; depth_execution.py)."""
-    from inference_shim.runtime.depth_execution import DEFAULT_VOTE, DEPTH_MODES
-
-    parser.add_argument(
-        "--depth-execution",
-        choices=DEPTH_MODES,
-        default=DEPTH_MODES[0],
-        help="how a batch runs the layers its rows want: auto, row by row only where this device does "
-        "that faster than the whole batch (measured at start), whole (or by --batch-consensus) otherwise; "
-        'rows: row by row always; batch: whole layers only (docs/model.md, "Depth execution")',
-    )
-    parser.add_argument(
-        "--batch-consensus",
-        type=argtypes.share_or_off,
-        default=DEFAULT_VOTE,
-        metavar="Q|off",
-        help="where a layer runs whole, run it for every row when at least a share Q of the rows want it "
-        f"and for none but the full-depth rows otherwise; off: for every row (default: {DEFAULT_VOTE:g})",
-    )
+def add_depth_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a batch runs the layers its rows decided (depth_execution.py): serve's two flags, for `eval`."""
+    add_flags(parser, SkippingSettings, ("depth_execution", "batch_consensus"))
 
 
 def depth_from_arguments(args: argparse.Namespace):

@@ -10,17 +10,16 @@ import json
 import math
 import sys
 
-from exporter.replay import replay_trace
+from exporter.replay import REPLAY_FLAGS, REPLAY_SETTINGS, replay_trace
 from exporter.replay_plot import DEFAULT_PLOT_TOKENS, MissingPlotLibrary, plot_reports
 from exporter.report_text import format_report
 from exporter.state import ExporterConfig
-from layerwatch.routing import DEFAULT_THRESHOLD
+from layerwatch import argtypes
+from layerwatch.settings import add_flags, from_flags
 from layerwatch.trace import TraceError
-from layerwatch_cli import argtypes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = ExporterConfig()
     parser.add_argument("trace", metavar="TRACE.jsonl", help="trace file (JSON Lines, as serve --trace-file writes it)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per model")
     parser.add_argument(
@@ -37,57 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_PLOT_TOKENS,
         help="the heat map shows each model's last this-many tokens (default %(default)s)",
     )
-    parser.add_argument(
-        "--window-max-observations",
-        type=int,
-        default=defaults.window_max_observations,
-        help="the bimodality check uses the last this-many entropies (default %(default)s)",
-    )
-    parser.add_argument(
-        "--min-window-observations",
-        type=int,
-        default=defaults.min_window_observations,
-        help="below this the verdict is withheld (default %(default)s)",
-    )
-    parser.add_argument(
-        "--threshold",
-        type=argtypes.fraction,
-        default=DEFAULT_THRESHOLD,
-        metavar="TAU",
-        help='skip threshold for trace lines without a "threshold" key: scores below it '
-        "count toward skipping in the routing statistics (default %(default)s)",
-    )
-    parser.add_argument(
-        "--max-models",
-        type=argtypes.positive(int),
-        default=defaults.max_models,
-        help="a trace naming more models is refused, naming the line (default %(default)s, as the exporter's)",
-    )
-    parser.add_argument(
-        "--max-layers",
-        type=argtypes.positive(int),
-        default=defaults.max_layers,
-        help="a trace line with more layers is refused, naming the line (default %(default)s, as the exporter's)",
-    )
-    parser.add_argument(
-        "--min-routing-tokens",
-        type=argtypes.positive(int),
-        default=defaults.min_routing_tokens,
-        help="below this many tokens (trace lines) in the window the routing verdict is withheld (default %(default)s)",
-    )
+    add_flags(parser, ExporterConfig, REPLAY_SETTINGS, flags=REPLAY_FLAGS)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = ExporterConfig(
-            window_seconds=math.inf,
-            window_max_observations=args.window_max_observations,
-            min_window_observations=args.min_window_observations,
-            default_threshold=args.threshold,
-            min_routing_tokens=args.min_routing_tokens,
-            max_models=args.max_models,
-            max_layers=args.max_layers,
-        )
+        config = from_flags(ExporterConfig, args, REPLAY_SETTINGS, window_seconds=math.inf)
     except ValueError as exc:
         print(f"layerwatch replay: {exc}", file=sys.stderr)
         return 2

@@ -16,11 +16,11 @@ import urllib.error
 from collections.abc import Callable
 
 from alerts.durations import Timing
-from alerts.profile import PROFILES_DIR, ProfileError, load_profiles
+from alerts.profile_file import PROFILES_DIR, ProfileError, load_profiles
 from demo.alert_view import AlertView
 from exporter.live_view import CLEAR_SCREEN, render_screen
+from layerwatch import argtypes
 from layerwatch.ports import EXPORTER_HTTP_PORT, LOOPBACK
-from layerwatch_cli import argtypes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

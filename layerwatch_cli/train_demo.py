@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
+
+from layerwatch_cli.training_run import from_arguments, run_training
 
 DEFAULT_WORKDIR = Path("runs/demo")
 
@@ -56,42 +57,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from inference_shim.offline.corpus import CorpusError
     from inference_shim.offline.demo_training import DemoShape, DemoTrainingError, train_demo
     from inference_shim.offline.training import BackboneSchedule
 
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    shape = DemoShape(
-        layers=args.layers,
-        hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        vocab_size=args.vocab_size,
-    )
-    schedule = BackboneSchedule(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        learning_rate=args.learning_rate,
-        max_layer_drop=args.max_layer_drop,
-        seed=args.seed,
-    )
-    try:
+    def train() -> str:
         state = train_demo(
             args.workdir,
             args.out,
-            shape,
-            schedule,
+            from_arguments(DemoShape, args),
+            from_arguments(BackboneSchedule, args),
             export_only=args.export_only,
             checkpoint_every_seconds=args.checkpoint_every,
             log=lambda line: print(line, flush=True),
         )
-    except (CorpusError, DemoTrainingError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"exported to {args.out} after {state.step} steps, {state.elapsed_seconds / 60:.1f} min of training")
-    return 0
+        return f"exported to {args.out} after {state.step} steps, {state.elapsed_seconds / 60:.1f} min of training"
+
+    return run_training(args, train, bad_input=(CorpusError, DemoTrainingError))

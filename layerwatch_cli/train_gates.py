@@ -10,13 +10,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from layerwatch_cli import argtypes
+from layerwatch import argtypes
+from layerwatch_cli.training_run import from_arguments, run_training
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from inference_shim.offline.gate_training import GateSchedule
     from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
-    from inference_shim.runtime.skip_policy import SKIP_RULES
+    from layerwatch.skip_policy import SKIP_RULES
 
     d = GateSchedule()
     parser.add_argument(
@@ -31,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--seq-len", type=int, default=d.seq_len)
     parser.add_argument("--learning-rate", type=float, default=d.learning_rate)
-    parser.add_argument("--threshold", type=float, default=d.threshold, help="tau the gates are trained for")
+    parser.add_argument(
+        "--threshold", type=argtypes.fraction, default=d.threshold, help="tau the gates are trained for"
+    )
     parser.add_argument("--patience", type=int, default=d.patience)
     parser.add_argument(
         "--skip-rule",
@@ -69,36 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
     from tqdm import tqdm
 
     from inference_shim.offline.corpus import CorpusError
     from inference_shim.offline.gate_training import GateSchedule, GateStepStats, train_gate_file
     from inference_shim.runtime.checkpoint import CheckpointError
 
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    try:  # before the model loads: a bad number fails at once
-        schedule = GateSchedule(
-            steps=args.steps,
-            batch_size=args.batch_size,
-            seq_len=args.seq_len,
-            learning_rate=args.learning_rate,
-            threshold=args.threshold,
-            patience=args.patience,
-            skip_rule=args.skip_rule,
-            ewma_alpha=args.ewma_alpha,
-            target_skip=args.target_skip,
-            sparsity_weight=args.sparsity_weight,
-            commit_weight=args.commit_weight,
-            low_score=args.low_score,
-            high_score=args.high_score,
-            seed=args.seed,
-        )
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
+    def train() -> str:
+        schedule = from_arguments(GateSchedule, args)  # before the model loads: a bad number fails at once
         with tqdm(total=schedule.steps, desc="train-gates", disable=args.quiet, file=sys.stderr) as bar:
 
             def progress(stats: GateStepStats) -> None:
@@ -111,8 +92,6 @@ def run(args: argparse.Namespace) -> int:
                 )
 
             sha256 = train_gate_file(args.model, args.data, args.out, schedule, device=args.device, on_step=progress)
-    except (CheckpointError, CorpusError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.out} (sha256 {sha256})")
-    return 0
+        return f"wrote {args.out} (sha256 {sha256})"
+
+    return run_training(args, train, bad_input=(CheckpointError, CorpusError, ValueError))

@@ -28,10 +28,19 @@ ALLOWED: dict[str, set[str]] = {
     "alerts": {"layerwatch", "mixin"},
     "dashboards": {"layerwatch", "mixin", "alerts"},
     "deploy": {"layerwatch", "mixin", "alerts", "dashboards"},
-    "inference_shim.runtime": set(),
+    # The model code imports, of the project, only the skip policy's settings (ONLY_MODULES).
+    "inference_shim.runtime": {"layerwatch"},
     "inference_shim.service": {"layerwatch", "inference_shim.runtime"},
     "inference_shim.offline": {"layerwatch", "alerts", "inference_shim.runtime"},
     "demo": {"layerwatch", "mixin", "alerts", "deploy"},
+}
+# Where a package may import only some modules of another. Calibrate builds a profile with the
+# torch-free profile math (alerts.baseline) and returns it (alerts.profile), and needs no rule or spec.
+ONLY_MODULES: dict[tuple[str, str], set[str]] = {
+    ("inference_shim.offline", "alerts"): {"alerts.baseline", "alerts.profile"},
+    # The model code knows nothing of HTTP, metrics or frames: of the core, only the skip policy's
+    # settings (τ's default, range and comparison), which the shim, traces and frames share with it.
+    ("inference_shim.runtime", "layerwatch"): {"layerwatch.skip_policy"},
 }
 # The commands sit on top: they may import every library package, and nothing imports them.
 COMMANDS = "layerwatch_cli"
@@ -97,6 +106,30 @@ def test_imports_go_one_way_between_packages() -> None:
         if target == COMMANDS or target not in ALLOWED.get(source, set()):
             wrong.append(f"{source} -> {target} (in {', '.join(sorted(set(where)))})")
     assert not wrong, "imports against the package direction:\n  " + "\n  ".join(wrong)
+
+
+def test_narrow_edges_import_only_their_modules() -> None:
+    wrong = []
+    for module, path in source_modules().items():
+        for name in imported_modules(path, module):
+            allowed = ONLY_MODULES.get((package_of(module) or "", package_of(name) or ""))
+            if allowed is not None and not any(name == m or name.startswith(f"{m}.") for m in allowed):
+                wrong.append(f"{module} imports {name} (allowed of it: {sorted(allowed)})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_circle_between_modules() -> None:
+    """Within a package too, imports go one way: every import counts, also those for type checking
+    only and those inside functions (a circle read at type-checking time is a circle all the same)."""
+    modules = source_modules()
+    graph = {
+        module: {name for name in imported_modules(path, module) if name in modules and name != module}
+        for module, path in modules.items()
+    }
+    try:
+        list(TopologicalSorter(graph).static_order())
+    except CycleError as exc:
+        pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")
 
 
 def test_every_module_belongs_to_a_known_package() -> None:

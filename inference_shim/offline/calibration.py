@@ -8,7 +8,8 @@ a trace of any engine). What only the serving engine can measure is measured her
 The shadow check's limits are measured the way the service's quality guard measures them: every
 baseline request is decoded with its gated distribution recorded (`record=True`, at the baseline's
 own sampling settings) and compared with a teacher-forced full-depth pass
-(inference_shim/runtime/agreement.py), per chunk of `chunk_tokens` checked tokens. The agreement
+(inference_shim/runtime/agreement.py), per chunk of `chunk_tokens` checked tokens; the limits are
+cut from those checks by alerts/baseline.py ("The shadow check's limits"). The agreement
 floor is [lowest chunk - margin]: a model whose gates change the top-1 token for one token in five is
 healthy at 0.8, not at a generic 0.9. The quality-cost limit (nats of KL(gated || full) per token) is
 QUALITY_COST_FACTOR x the highest chunk: KL is not a fraction, so its margin is relative. The
@@ -46,17 +47,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from alerts.baseline import DEFAULT_CHUNK_TOKENS, DEFAULT_MARGIN, BaselineStatistics, build_profile
-from alerts.profile import GateImportance, Profile
+from alerts.baseline import (
+    DEFAULT_CHUNK_TOKENS,
+    DEFAULT_MARGIN,
+    BaselineStatistics,
+    GateReadings,
+    agreement_floor,
+    build_profile,
+    gate_importance_profile,
+    quality_cost_limit,
+)
+from alerts.profile import Profile
 from inference_shim.offline.gated_model import GatedModel
 from inference_shim.runtime.agreement import ShadowJob, ShadowResult, full_depth_agreement
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.gates import LoadedGates, scramble_gates, shuffle_gates
 from inference_shim.runtime.model import KV_POLICIES, Transformer
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from layerwatch.catalog import GATE_LAYER_SAMPLES
 from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.request_tail import RequestLayers, request_skipping
+from layerwatch.skip_policy import SkipPolicyConfig, is_threshold
 from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS, MAX_WINDOW_OBSERVATIONS
 
 # The API's highest temperature (OpenAI's): the baseline samples as clients may.
@@ -94,7 +104,7 @@ class CalibrationSettings:
             raise ValueError(f"--temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.threshold is not None and not 0 <= self.threshold <= 1:
+        if self.threshold is not None and not is_threshold(self.threshold):
             raise ValueError(f"--threshold must be in [0, 1], got {self.threshold}")
         for name in ("prompts", "max_new_tokens", "chunk_tokens", "batch_size"):
             if getattr(self, name) < 1:
@@ -104,13 +114,6 @@ class CalibrationSettings:
                 f"--min-observations must be 1..{MAX_WINDOW_OBSERVATIONS} (what a window holds), "
                 f"got {self.min_observations}"
             )
-
-
-# LayerwatchGateMiscalibrated's floor: this fraction of the lowest healthy gate-importance reading
-# (and at least the margin below it).
-GATE_FLOOR_FRACTION = 0.5
-# LayerwatchShadowQualityCost's limit: this factor x the highest healthy chunk's nats per token.
-QUALITY_COST_FACTOR = 1.5
 
 
 @dataclass
@@ -141,64 +144,6 @@ class Baseline:
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         return np.concatenate(self.entropies), np.concatenate(self.skipped)
-
-
-def gate_importance_floor(readings: list[float], margin: float) -> float:
-    """Half the lowest healthy reading of a gate-importance correlation, and at least `margin` below
-    it (a reading near or below 0 has no useful half), in [-1, 1].
-
-    readings: the values one of the shim's gauges takes over a healthy baseline (`GateReadings`).
-    """
-    if not readings:
-        raise ValueError("no gate-importance reading: the shadow checks never filled the buffers")
-    lowest = min(readings)
-    # Rounded down to 3 decimals: rounded to the nearest, the floor could end less than `margin` below.
-    return max(-1.0, math.floor(min(GATE_FLOOR_FRACTION * lowest, lowest - margin) * 1000) / 1000)
-
-
-def quality_cost_limit(checks: list[ShadowResult], chunk_tokens: int) -> float:
-    """QUALITY_COST_FACTOR x the highest nats per token of KL(gated || full) over chunks of at least
-    `chunk_tokens` checked tokens (checks in order), rounded up to 4 decimals."""
-    per_token, tokens, nats = [], 0, 0.0
-    for check in checks:
-        tokens, nats = tokens + check.tokens, nats + check.kl_nats
-        if tokens >= chunk_tokens:
-            per_token.append(nats / tokens)
-            tokens, nats = 0, 0.0
-    if not per_token:
-        raise ValueError(f"the shadow checks covered fewer than one chunk of {chunk_tokens} tokens")
-    return math.ceil(QUALITY_COST_FACTOR * max(per_token) * 1e4 - 1e-9) / 1e4  # (- 1e-9: float noise)
-
-
-def gate_importance_profile(readings: GateReadings, margin: float) -> GateImportance:
-    """The profile's gate-importance section from the healthy readings: the headline's floor and median;
-    per layer counted in every reading, its floor (same rule) and median."""
-    if not readings.headline:
-        raise ValueError("no gate-importance reading: the shadow checks never filled the buffers")
-    layers = np.asarray(readings.layers, dtype=np.float64)  # [readings, L]
-    always = np.flatnonzero(np.isfinite(layers).all(axis=0))
-    return GateImportance(
-        correlation_min=gate_importance_floor(readings.headline, margin),
-        correlation=round(float(np.median(readings.headline)), 3),
-        layer_baselines={int(l): round(float(np.median(layers[:, l])), 3) for l in always},
-        layer_floors={int(l): gate_importance_floor(layers[:, l].tolist(), margin) for l in always},
-    )
-
-
-def agreement_floor(checks: list[tuple[int, int]], chunk_tokens: int, margin: float) -> float:
-    """Lowest agreement ratio over chunks of at least `chunk_tokens` tokens, minus `margin`.
-
-    checks: (tokens, agreements) per shadow-checked request, in order.
-    """
-    ratios, tokens, agreements = [], 0, 0
-    for request_tokens, request_agreements in checks:
-        tokens, agreements = tokens + request_tokens, agreements + request_agreements
-        if tokens >= chunk_tokens:
-            ratios.append(agreements / tokens)
-            tokens, agreements = 0, 0
-    if not ratios:
-        raise ValueError(f"the shadow checks covered fewer than one chunk of {chunk_tokens} tokens")
-    return round(max(0.0, min(ratios) - margin), 3)
 
 
 def line_prompts(documents: list[str], count: int, rng: random.Random) -> list[str]:
@@ -257,15 +202,6 @@ def generate_baseline(
             if update.finished and update.gated_record is not None and generated:
                 baseline.jobs.append(ShadowJob(prompt_ids, generated, update.gated_record))
     return fallbacks
-
-
-@dataclass(frozen=True)
-class GateReadings:
-    """What the shim's gate-importance gauges read after each shadow pass, once a layer had a value."""
-
-    headline: list[float]  # layerwatch_gate_importance_correlation
-    layers: list[list[float]]  # layerwatch_gate_layer_importance_correlation per layer, NaN where absent
-    samples: int  # (gate score, next update) pairs measured, all layers together
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ from inference_shim.runtime.depth_execution import (
 )
 from inference_shim.runtime.engine import gated_decode_step
 from inference_shim.runtime.model import KVCache, Transformer
-from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig
+from inference_shim.runtime.skip_policy import SkipPolicy
+from layerwatch.skip_policy import SkipPolicyConfig
 
 
 @dataclass

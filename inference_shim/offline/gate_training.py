@@ -39,7 +39,7 @@ from inference_shim.offline.training import lm_loss, sample_windows, text_file_s
 from inference_shim.runtime.checkpoint import load_checkpoint, resolve_device
 from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
 from inference_shim.runtime.model import GateBank, Transformer
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
+from layerwatch.skip_policy import SkipPolicyConfig
 
 _FINITE_FIELDS = (
     "learning_rate",

@@ -11,7 +11,7 @@ import torch
 from inference_shim.runtime.checkpoint import LoadedCheckpoint, load_checkpoint, resolve_device
 from inference_shim.runtime.gates import LoadedGates, gates_path_for, load_gates
 from inference_shim.runtime.model import Transformer
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
+from layerwatch.skip_policy import SkipPolicyConfig
 
 
 @dataclass
@@ -30,10 +30,8 @@ class GatedModel:
     def policy(self, threshold: float | None = None, **settings: Any) -> SkipPolicyConfig:
         """The skip policy these gates decode under: at `threshold` (default: the gate file's), with
         this patience and rule unless `settings` (SkipPolicyConfig fields) say otherwise."""
-        chosen = {"patience": self.patience, "skip_rule": self.skip_rule, "ewma_alpha": self.ewma_alpha}
-        if threshold is not None:
-            chosen["threshold"] = threshold
-        return self.gates.metadata.policy(**(chosen | settings))
+        chosen = {"threshold": threshold, "patience": self.patience, "skip_rule": self.skip_rule}
+        return self.gates.metadata.policy(**(chosen | {"ewma_alpha": self.ewma_alpha} | settings))
 
 
 def load_gated_model(
@@ -53,14 +51,6 @@ def load_gated_model(
     loaded = load_checkpoint(model_dir, device=resolve_device(device))
     gates_path = gates_path_for(model_dir, gates_path)
     gates = load_gates(gates_path, loaded.model)
-    metadata = gates.metadata
-    gated = GatedModel(
-        loaded,
-        gates,
-        gates_path,
-        patience=metadata.patience if patience is None else patience,
-        skip_rule=metadata.skip_rule if skip_rule is None else skip_rule,
-        ewma_alpha=metadata.ewma_alpha if ewma_alpha is None else ewma_alpha,
-    )
-    gated.policy()  # refuse a bad patience, rule or alpha here, before any decoding
-    return gated
+    # The gate file's policy under the settings chosen here (refusing a bad one before any decoding).
+    policy = gates.metadata.policy(patience=patience, skip_rule=skip_rule, ewma_alpha=ewma_alpha)
+    return GatedModel(loaded, gates, gates_path, policy.patience, policy.skip_rule, policy.ewma_alpha)

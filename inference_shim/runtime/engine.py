@@ -58,8 +58,9 @@ from inference_shim.runtime.depth_execution import (
     default_depth_execution,
 )
 from inference_shim.runtime.model import KV_POLICIES, KVCache, Transformer
-from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig, check_threshold
+from inference_shim.runtime.skip_policy import SkipPolicy
 from inference_shim.runtime.tokenizer import IncrementalDecoder, Tokenizer
+from layerwatch.skip_policy import SkipPolicyConfig, check_threshold
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ DEFAULT_MAX_SEQ_LEN = 4096  # cache length when neither the caller nor a shorter
 MAX_LOGPROBS = 20  # most alternatives per token (vLLM's default limit; OpenAI's chat API allows 20)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
-# The fallback log line's marker, the field's (`ILP_FALLBACK: HIGH_SKIPPING`); key=value pairs follow.
+# The fallback log line's marker, the field's (docs/alerting.md, "The field's reports"); key=value pairs follow.
 FALLBACK_MARKER = "ILP_FALLBACK: HIGH_SKIPPING"
 NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this sequence"
 EVERY_TOKEN_BANNED = "allowed_token_ids and bad_words left no token to draw at this step"
@@ -756,7 +757,8 @@ class GenerationEngine:
         return emitted, False
 
     def _log_fallback(self, sequence: _Sequence) -> None:
-        """One line per fallback episode, in the field's form: the marker, then key=value pairs."""
+        """One line per fallback episode, in the field's form (docs/alerting.md, "The field's reports"):
+        the marker, then key=value pairs."""
         fields = {
             "model": self.model_name,
             "request": sequence.request_id or "-",

@@ -22,7 +22,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as serialize_tensors
 
 from inference_shim.runtime.model import FAMILY_FIELDS, GateBank, Transformer
-from inference_shim.runtime.skip_policy import SKIP_RULES, SkipPolicyConfig
+from layerwatch.skip_policy import SKIP_RULES, SkipPolicyConfig, is_threshold
 
 GATES_FILE = "gates.safetensors"  # a checkpoint folder's gate file, when none is named
 METADATA_KEY = "layerwatch_gates"  # one key only: the serialised header (and so the sha256) is deterministic
@@ -34,8 +34,6 @@ HEADER_LENGTH_BYTES = 8
 # room to spare (a gate file's size limit is derived from the model's shape with it).
 HEADER_BYTES_BASE = 4096
 HEADER_BYTES_PER_TENSOR = 256
-# The skip policy settings a gate file records, named as in SkipPolicyConfig.
-POLICY_FIELDS = ("threshold", "patience", "skip_rule", "ewma_alpha")
 
 
 def gates_path_for(model_dir: str | Path, gates_path: str | Path | None = None) -> Path:
@@ -61,8 +59,7 @@ class GateMetadata:
     def policy(self, **settings: Any) -> SkipPolicyConfig:
         """The skip policy this file records; `settings` (SkipPolicyConfig fields) set the others or
         override what it records."""
-        recorded = {name: getattr(self, name) for name in POLICY_FIELDS}
-        return SkipPolicyConfig(**(recorded | settings))
+        return SkipPolicyConfig.recorded(vars(self), **settings)
 
 
 @dataclass
@@ -305,7 +302,7 @@ def _metadata_problem(metadata: GateMetadata) -> str | None:
         if not counts(getattr(metadata, name)):
             return f"{name} must be an integer >= 1, got {json.dumps(getattr(metadata, name))}"
     threshold = metadata.threshold
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
+    if not is_threshold(threshold):
         return f"threshold must be a number in [0, 1], got {json.dumps(threshold)}"
     if not isinstance(metadata.base_fingerprint, str):
         return f"base_fingerprint must be a string, got {json.dumps(metadata.base_fingerprint)}"

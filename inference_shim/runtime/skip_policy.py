@@ -1,6 +1,7 @@
 """Which layers each sequence skips at the next decode step, decided from earlier steps only.
 
-Two rules (threshold tau, patience k), chosen by `SkipPolicyConfig.skip_rule`:
+Two rules (threshold tau, patience k), chosen by `SkipPolicyConfig.skip_rule` (the settings, their
+defaults and checks: layerwatch/skip_policy.py):
 
 - "streak" (default): at decode step t, layer l is skipped for a sequence iff that layer's
   entropy was below tau at each of the sequence's previous k decode steps;
@@ -36,59 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SKIP_RULES = ("streak", "ewma")
-
-
-def check_threshold(threshold: float) -> float:
-    if not 0.0 <= threshold <= 1.0:  # NaN fails too
-        raise ValueError(f"threshold must be in [0, 1], got {threshold}")
-    return threshold
-
-
-@dataclass(frozen=True)
-class SkipPolicyConfig:
-    threshold: float = 0.18  # tau: an entropy below this counts toward skipping the layer
-    patience: int = 3  # k: consecutive decode steps below tau before the layer is skipped
-    protected_layers: tuple[int, ...] | None = None  # never skipped; None = first and last layer
-    fallback_skip_fraction: float = 0.85  # a step "skips too much" above this fraction of all layers
-    fallback_trigger_steps: int = 3  # consecutive such steps that start a fallback episode
-    fallback_steps: int = 16  # full-depth steps of one fallback episode
-    skip_rule: str = SKIP_RULES[0]  # "streak" or "ewma" (see the module docstring)
-    # "ewma": the newest score's weight in (0, 1]; 0.5 averages over about as many steps as patience 3
-    # (an EWMA's span N = 2 / alpha - 1). 1 = the last score alone. Unused by "streak".
-    ewma_alpha: float = 0.5
-
-    def __post_init__(self) -> None:
-        check_threshold(self.threshold)
-        if self.patience < 1:
-            raise ValueError(f"patience must be >= 1, got {self.patience}")
-        if self.skip_rule not in SKIP_RULES:
-            raise ValueError(f"skip rule must be one of {', '.join(SKIP_RULES)}, got {self.skip_rule!r}")
-        if not 0.0 < self.ewma_alpha <= 1.0:  # NaN fails too
-            raise ValueError(f"ewma_alpha must be in (0, 1], got {self.ewma_alpha}")
-        if not 0.0 <= self.fallback_skip_fraction <= 1.0:
-            raise ValueError(f"fallback_skip_fraction must be in [0, 1], got {self.fallback_skip_fraction}")
-        if self.fallback_trigger_steps < 1 or self.fallback_steps < 0:
-            raise ValueError("fallback_trigger_steps must be >= 1 and fallback_steps >= 0")
-
-    def rule_description(self) -> str:
-        """The rule in words, for reports: "streak, patience 3" or "ewma alpha 0.5, warm-up 3"."""
-        if self.skip_rule == "ewma":
-            return f"ewma alpha {self.ewma_alpha:g}, warm-up {self.patience}"
-        return f"streak, patience {self.patience}"
-
-    def protected(self, num_layers: int) -> tuple[int, ...]:
-        layers = (0, num_layers - 1) if self.protected_layers is None else self.protected_layers
-        for l in layers:
-            if not 0 <= l < num_layers:
-                raise ValueError(f"protected layer {l} is outside 0..{num_layers - 1}")
-        return tuple(sorted(set(layers)))
-
-    def skippable(self, num_layers: int) -> np.ndarray:
-        """bool [L]: the layers the rule may skip (all but the protected)."""
-        mask = np.ones(num_layers, dtype=bool)
-        mask[list(self.protected(num_layers))] = False
-        return mask
+from layerwatch.skip_policy import SkipPolicyConfig, below_threshold
 
 
 @dataclass
@@ -112,8 +61,9 @@ class SkipPolicy:
 
     def reset(self, slot: int, threshold: float | None = None) -> None:
         """A new sequence takes the slot: no history, so its first k decode steps run full depth.
-        `threshold`: the sequence's own tau in [0, 1]; None = the policy's."""
-        threshold = self.config.threshold if threshold is None else check_threshold(threshold)
+        `threshold`: the sequence's own tau in [0, 1], checked where it came in (GenerationEngine.add,
+        the service's depth settings); None = the policy's."""
+        threshold = self.config.threshold if threshold is None else threshold
         self._threshold[slot] = threshold
         self._below_streak[slot] = 0
         self._steps_seen[slot] = 0  # the next observation starts the average afresh
@@ -141,7 +91,7 @@ class SkipPolicy:
 
     def below_threshold(self, slots: np.ndarray, entropies: np.ndarray) -> np.ndarray:
         """bool [B, L]: each row's scores float [B, L] below its own tau (NaN, no gates: never)."""
-        return entropies < self._threshold[slots, None]
+        return below_threshold(entropies, self._threshold[slots, None])
 
     def observe(self, slots: np.ndarray, entropies: np.ndarray, run_mask: np.ndarray) -> StepDecision:
         """Record a finished step: entropies float [B, L] and the run mask `run_mask` gave it (the

@@ -39,8 +39,8 @@ import torch
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepRecord
 from inference_shim.runtime.gates import LoadedGates, gates_sha256
 from inference_shim.runtime.model import GateBank, Transformer
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.skip_policy import SkipPolicyConfig
 
 # Short and generic (plus the demo model's KJV register), fixed so that the constants are reproducible.
 PROMPTS = (

@@ -38,7 +38,6 @@ from inference_shim.service.completions import (
     stream_events,
 )
 from inference_shim.service.depth import REQUEST_FIELD
-from inference_shim.service.metrics import FinishedRequest
 from inference_shim.service.prompts import (
     bad_word_ids,
     check_prompt_chars,
@@ -48,6 +47,7 @@ from inference_shim.service.prompts import (
     encode_text,
     render_chat,
 )
+from inference_shim.service.records import FinishedRequest
 from inference_shim.service.schemas import (
     CHAT_UNSUPPORTED,
     COMPLETION_UNSUPPORTED,
@@ -225,7 +225,7 @@ async def _generate(service: ShimService, request: Request, kind: Literal["compl
         prepared.stream,
     )
     audit = None if service.audit is None else service.audit.start(kind, prepared.model_name, arrived, request.headers)
-    generation = Generation(service, prepared, arrived, audit)
+    generation = Generation(service.generation_parts, prepared, arrived, audit)
     generation.start()
     if prepared.stream:
 

@@ -38,8 +38,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from opentelemetry.util.types import AttributeValue
 
 from inference_shim.runtime.agreement import ShadowResult
-from inference_shim.service.completions import RequestRecord
 from inference_shim.service.metrics import AuditSpanCounts
+from inference_shim.service.records import RequestRecord
 from layerwatch.catalog import AUDIT_QUEUE_SPANS
 
 log = logging.getLogger(__name__)

@@ -24,29 +24,45 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from starlette.requests import Request
 
 from inference_shim.runtime.agreement import ShadowResult
-from inference_shim.runtime.engine import LayerCounts, SamplingParams, SequenceUpdate, TokenLogprob
-from inference_shim.service.depth import DepthDecision
-from inference_shim.service.engine_worker import EngineFailure, RequestHandle
-from inference_shim.service.metrics import SKIPPING_STATUSES, FinishedRequest
-from inference_shim.service.mitigation import NO_MITIGATION, RequestMitigation
+from inference_shim.runtime.engine import SamplingParams, SequenceUpdate, TokenLogprob
+from inference_shim.service.admission import Admission
+from inference_shim.service.depth import DepthDecider, DepthDecision
+from inference_shim.service.engine_worker import EngineFailure, EngineWorker, RequestHandle
+from inference_shim.service.metrics import SKIPPING_STATUSES, RequestMetrics
+from inference_shim.service.mitigation import NO_MITIGATION, Mitigations, RequestMitigation
+from inference_shim.service.records import FinishedRequest, RequestRecord
 from inference_shim.service.schemas import APIError
 from layerwatch.request_tail import RequestLayers
 
 if TYPE_CHECKING:
+    from inference_shim.runtime.tokenizer import Tokenizer
     from inference_shim.service.audit import RequestSpan
-    from inference_shim.service.shim import ShimService
 
 log = logging.getLogger(__name__)
 
 ACTIVITY_HEADER = "x-layerwatch-layer-activity"
 ACTIVITY_EVENT = "layerwatch.layer_activity"
+
+
+@dataclass(frozen=True)
+class GenerationParts:
+    """What a generation uses of the service (shim.py builds it once): the engine thread, the depth
+    decider, the request metrics, the admission queue, the mitigations, the tokenizer."""
+
+    worker: EngineWorker
+    depth: DepthDecider
+    request_metrics: RequestMetrics
+    admission: Admission
+    mitigations: Mitigations
+    tokenizer: Tokenizer
+    gates_sha256: Callable[[], str]  # of the gates serving now (a reload swaps them)
 
 
 @dataclass(frozen=True)
@@ -80,26 +96,6 @@ class Prepared:
         return replace(self.params, seed=(self.params.seed + j) % 2**63)
 
 
-@dataclass(frozen=True)
-class RequestRecord:
-    """What a request's audit span says (audit.py), from the same numbers as its `usage` and metrics."""
-
-    kind: Literal["completion", "chat"]
-    request_id: str
-    model_name: str
-    gates_sha256: str  # of the gates serving when it finished
-    params: SamplingParams
-    n: int  # choices per prompt
-    stream: bool
-    threshold: float  # the tau its sequences ran at (its first prompt's, when its prompts differ)
-    depth_mode: str  # full | strict | gated, or "mixed" when its prompts ran at different depths
-    depth_reason: str  # why (depth.REASONS), or "mixed"
-    status: str  # the request's, as layerwatch_requests_total names it: its worst choice's
-    finish_reasons: list[str]  # one per choice
-    usage: Mapping[str, int]
-    layers: list[LayerCounts]  # of the choices the engine finished
-
-
 class Choice:
     """One sequence of a request: its engine handle, what it has produced, its metrics."""
 
@@ -107,7 +103,7 @@ class Choice:
 
     def __init__(
         self,
-        service: ShimService,
+        parts: GenerationParts,
         prepared: Prepared,
         index: int,
         prompt: Prompt,
@@ -117,7 +113,7 @@ class Choice:
         mitigation: RequestMitigation = NO_MITIGATION,
         audit: RequestSpan | None = None,
     ) -> None:
-        self.service = service
+        self.parts = parts
         self.prepared = prepared
         self.index = index
         self.prompt = prompt
@@ -149,7 +145,7 @@ class Choice:
         self.abandoned = False
 
     def start(self) -> None:
-        self.service.worker.submit(self.handle)
+        self.parts.worker.submit(self.handle)
 
     async def next(self) -> SequenceUpdate:
         """The next update; raises APIError when the engine could not serve the choice."""
@@ -179,7 +175,7 @@ class Choice:
 
     def cancel(self) -> None:
         if self.final is None:
-            self.service.worker.cancel(self.handle)
+            self.parts.worker.cancel(self.handle)
 
     def abandon(self) -> None:
         """The client is gone (or another choice failed): cancel, and count the choice once the
@@ -222,8 +218,8 @@ class Choice:
             depth.reason,
         )
         if status in SKIPPING_STATUSES:
-            self.service.depth.record(depth, self.handle.complexity)
-        self.service.request_metrics.finish(
+            self.parts.depth.record(depth, self.handle.complexity)
+        self.parts.request_metrics.finish(
             FinishedRequest(
                 status=status,
                 prompt_tokens=prompt_tokens,
@@ -252,18 +248,18 @@ class Generation:
     """A request's choices, and the response they make up."""
 
     def __init__(
-        self, service: ShimService, prepared: Prepared, arrived: float, audit: RequestSpan | None = None
+        self, parts: GenerationParts, prepared: Prepared, arrived: float, audit: RequestSpan | None = None
     ) -> None:
-        self.service = service
+        self.parts = parts
         self.prepared = prepared
         self.created = int(time.time())
-        mitigation = service.mitigations.for_new_request()  # once per request, whatever its choices
+        mitigation = parts.mitigations.for_new_request()  # once per request, whatever its choices
         # A mitigation forcing full depth outranks every other reason (depth.py).
-        depth = prepared.depth if mitigation.threshold is None else [service.depth.override()] * len(prepared.depth)
+        depth = prepared.depth if mitigation.threshold is None else [parts.depth.override()] * len(prepared.depth)
         self._audit = audit
         self.choices = [
             Choice(
-                service,
+                parts,
                 prepared,
                 i * prepared.n + j,
                 prompt,
@@ -283,7 +279,7 @@ class Generation:
         # The request was admitted once: it leaves once, when its last choice is counted.
         self._unrecorded -= 1
         if self._unrecorded == 0:
-            self.service.admission.leave()
+            self.parts.admission.leave()
             if self._audit is not None:
                 self._audit.end(self.record())
 
@@ -297,7 +293,7 @@ class Generation:
             kind=p.kind,
             request_id=p.request_id,
             model_name=p.model_name,
-            gates_sha256=self.service.gates_sha256,
+            gates_sha256=self.parts.gates_sha256(),
             params=p.params,
             n=p.n,
             stream=p.stream,
@@ -446,7 +442,7 @@ class Generation:
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.service.tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self._token_texts[token_id] = self.parts.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
 

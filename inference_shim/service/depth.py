@@ -32,8 +32,11 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from inference_shim.service.metrics import make_counter, make_gauge, make_histogram
+from layerwatch import argtypes
 from layerwatch.complexity import prompt_complexity
 from layerwatch.logfmt import logfmt_line
+from layerwatch.settings import setting
+from layerwatch.skip_policy import is_threshold
 
 log = logging.getLogger(__name__)
 
@@ -151,18 +154,67 @@ def parse_threshold_range(text: str) -> tuple[float, float]:
     return bounds
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DepthSettings:
-    request_threshold_range: tuple[float, float] | None = None  # None: the request field is refused
-    long_prompt_tokens: int | None = None  # prompts over this many tokens run at long_prompt_threshold
-    long_prompt_threshold: float = 0.0
-    complexity_cutoff: float | None = None  # prompts scoring at least this run at complexity_threshold
-    complexity_threshold: float = 0.0
-    rollout_levels: tuple[RolloutLevel, ...] = ()  # empty: skipping enabled for every request
-    rollout_level: int | None = None  # 1-based level to start at; None: the last (fully rolled out)
+    """The depth flags of `layerwatch serve` (a part of ServeSettings, service/settings.py)."""
+
+    request_threshold_range: tuple[float, float] | None = setting(
+        None,  # the request field is refused
+        type=argtypes.parsed_by(parse_threshold_range),
+        metavar="LO:HI",
+        help=f"accept the request field `{REQUEST_FIELD}` (the request's own skip threshold) within "
+        "[LO, HI]; outside it, 400 (default: the field is refused with a 400)",
+    )
+    long_prompt_tokens: int | None = setting(
+        None,
+        type=argtypes.positive(int),
+        metavar="N",
+        help="prompts over N tokens run at --long-prompt-threshold (default: no such rule)",
+    )
+    long_prompt_threshold: float = setting(
+        0.0,
+        type=argtypes.fraction,
+        metavar="T",
+        help="the skip threshold of long prompts (default %(default)s: full depth)",
+    )
+    complexity_cutoff: float | None = setting(
+        None,
+        type=argtypes.fraction,
+        metavar="C",
+        help="complexity pre-check: a prompt whose complexity score (share of its prefill gate scores "
+        "below the threshold) is at least C runs at --complexity-threshold (default: off; "
+        "layerwatch_prompt_complexity shows the scores either way)",
+    )
+    complexity_threshold: float = setting(
+        0.0,
+        type=argtypes.fraction,
+        metavar="T",
+        help="the skip threshold of complex prompts (default %(default)s: full depth)",
+    )
+    rollout_levels: tuple[RolloutLevel, ...] = setting(
+        (),  # skipping enabled for every request
+        type=argtypes.parsed_by(parse_rollout_levels),
+        metavar="LEVELS",
+        help="staged rollout: levels separated by ';', each enabling skipping for the requests meeting "
+        "all of share=S (a share of requests), max_tokens=N (at most N tokens asked), min_temperature=T "
+        "(sampling at T or above); the others run at full depth. A demotion (on a paging alert) drops to "
+        "the previous level (e.g. 'share=0.1;share=0.5;share=1'; default: skipping for every request)",
+    )
+    rollout_level: int | None = setting(
+        None,  # 1-based; None: the last (fully rolled out)
+        type=argtypes.positive(int),
+        metavar="N",
+        help="start at rollout level N, from 1 (default: the last)",
+    )
     # After a demotion, further ones wait this long: one incident pages once per alert and per
     # instance of the model (each shim hears them all), and should cost one level, not N.
-    rollout_demotion_holdoff_minutes: float = 10.0
+    rollout_demotion_holdoff_minutes: float = setting(
+        10.0,
+        type=float,
+        metavar="M",
+        help="after a demotion, further paging alerts demote no further for M minutes: one incident "
+        "pages once per alert and per instance (default %(default)s)",
+    )
 
     def check(self) -> None:
         bounds = self.request_threshold_range
@@ -172,7 +224,7 @@ class DepthSettings:
             ("--long-prompt-threshold", self.long_prompt_threshold),
             ("--complexity-threshold", self.complexity_threshold),
         ):
-            if not 0.0 <= tau <= 1.0:
+            if not is_threshold(tau):
                 raise ValueError(f"{flag} must be in [0, 1], got {tau}")
         if self.long_prompt_tokens is not None and self.long_prompt_tokens < 1:
             raise ValueError(f"--long-prompt-tokens must be >= 1, got {self.long_prompt_tokens}")

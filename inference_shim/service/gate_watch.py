@@ -23,8 +23,8 @@ from pathlib import Path
 
 from inference_shim.runtime.gates import GateFileError, LoadedGates, load_gates
 from inference_shim.runtime.model import Transformer
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.service.metrics import GateReloadMetrics
+from layerwatch.skip_policy import SkipPolicyConfig
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from inference_shim.service.records import FinishedRequest
 from layerwatch import prometheus
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, REQUEST_FRACTION_BUCKETS, SHIM
 from layerwatch.prometheus import HistogramArrays
@@ -216,19 +217,6 @@ class DecodeStatsCollector(ShimCollector):
 
 
 # --- per-request metrics ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FinishedRequest:
-    """What a request ended with; the same numbers the client saw in `usage`."""
-
-    status: str  # one of REQUEST_STATUSES
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    time_to_first_token: float | None = None  # seconds; None when no token was generated
-    inter_token_latencies: Sequence[float] = ()
-    duration: float | None = None  # seconds; None for requests rejected before generation
-    layers: RequestLayers | None = None  # its decode steps per layer; None when the engine did not finish it
 
 
 # Requests whose own skipping is observed: those the engine finished (their tokens were decoded and

@@ -27,14 +27,11 @@ from inference_shim.runtime.checkpoint import (
     resolve_device,
 )
 from inference_shim.runtime.depth_execution import (
-    DEFAULT_VOTE,
-    DEPTH_MODES,
     DepthExecutionConfig,
     default_depth_execution,
 )
 from inference_shim.runtime.engine import GenerationEngine, StepHook
 from inference_shim.runtime.gates import (
-    POLICY_FIELDS,
     LoadedGates,
     gates_path_for,
     load_gates,
@@ -42,10 +39,11 @@ from inference_shim.runtime.gates import (
     scramble_gates,
     shuffle_gates,
 )
-from inference_shim.runtime.model import KV_POLICIES, KVCache
+from inference_shim.runtime.model import KVCache
 from inference_shim.runtime.static_gates import static_gates
 from inference_shim.service.admission import Admission
-from inference_shim.service.depth import DepthDecider, DepthMetrics, DepthSettings, RolloutLevel
+from inference_shim.service.completions import GenerationParts
+from inference_shim.service.depth import DepthDecider, DepthMetrics
 from inference_shim.service.engine_worker import EngineWorker
 from inference_shim.service.gate_watch import MAX_GATES_WATCH_SECONDS, MIN_GATES_WATCH_SECONDS, GateFileWatcher
 from inference_shim.service.layer_signals import LayerSignalsCollector
@@ -66,6 +64,7 @@ from inference_shim.service.mitigation import MitigationMetrics, Mitigations, Mi
 from inference_shim.service.mitigation_receiver import WEBHOOK_PATH, MitigationReceiver, reserve
 from inference_shim.service.power import NvmlCollector, RaplCollector
 from inference_shim.service.readiness import Readiness
+from inference_shim.service.settings import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServeSettings
 from inference_shim.service.shadow import ShadowChecker
 from inference_shim.service.telemetry import FrameSenderCollector, StepTelemetry, TraceCollector
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
@@ -73,8 +72,9 @@ from layerwatch.client import GateFrameSender, default_shim_id
 from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.ports import http_url
 from layerwatch.secret_file import RotatingSecret
+from layerwatch.skip_policy import POLICY_FIELDS
 from layerwatch.trace import TraceWriter
-from layerwatch.wire import DEFAULT_FRAMES_ADDRESS, load_frame_key, parse_address, unprintable
+from layerwatch.wire import load_frame_key, parse_address, unprintable
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -85,78 +85,9 @@ log = logging.getLogger(__name__)
 
 RESET_GATES_SEED = 0
 PROBE_TEXT = "ready"
-DEFAULT_MAX_TOKENS_CAP = 512
-DEFAULT_MAX_PROMPT_TOKENS = 1024
 GATE_SWAP_TIMEOUT_SECONDS = 60.0  # the engine takes new gates at its next step boundary
 OTLP_PROTOCOL = "http/protobuf"  # the one OTLP transport the audit trail speaks
 OTLP_TRACES_PATH = "v1/traces"
-
-
-@dataclass
-class ServeSettings:
-    model_dir: Path
-    gates_path: Path | None = None  # None: <model_dir>/gates.safetensors
-    model_name: str | None = None  # None: the model folder's name
-    threshold: float | None = None  # None: the gate file's calibrated threshold
-    patience: int | None = None  # None: the gate file's patience
-    skip_rule: str | None = None  # "streak" or "ewma" (runtime/skip_policy.py); None: the gate file's
-    ewma_alpha: float | None = None  # the ewma rule's newest-score weight; None: the gate file's
-    protected_layers: tuple[int, ...] | None = None  # None: first and last layer
-    # How a batch runs the layers its rows decided (runtime/depth_execution.py): "auto", "rows" or
-    # "batch", and the batch consensus share where a layer runs whole (None: none).
-    depth_execution: str = DEPTH_MODES[0]
-    batch_consensus: float | None = DEFAULT_VOTE
-    kv_policy: str = KV_POLICIES[0]  # "project"
-    max_batch_size: int = 8
-    # Requests that may wait for a batch slot (being read, tokenized or queued) before new ones get 429.
-    max_waiting_requests: int = 32
-    # After SIGTERM, in-flight requests get this long to finish before they are cut off; keep it under
-    # the orchestrator's grace period (Kubernetes: 30 s) so that the cut-off answers still go out.
-    drain_timeout_seconds: float = 25.0
-    max_tokens_cap: int | None = None  # None: DEFAULT_MAX_TOKENS_CAP, shrunk to fit the context
-    max_prompt_tokens: int | None = None  # None: DEFAULT_MAX_PROMPT_TOKENS, shrunk to fit the context
-    max_body_bytes: int = 1 << 20
-    body_timeout_seconds: float = 30.0  # a request body must arrive within this (slow clients get 408)
-    exporter_address: str = DEFAULT_FRAMES_ADDRESS  # "" = no frames
-    shim_id: str | None = None  # None: hostname-pid-random (default_shim_id)
-    frame_key_file: Path | None = None  # gate frames tagged with this key (layerwatch/wire.py); None: untagged
-    trace_file: Path | None = None
-    trace_max_bytes: int = 100 << 20
-    shadow_rate: float = 0.0
-    allow_debug: bool = False
-    device: str = "cpu"
-    dtype: str = "float32"
-    compile: bool = False  # torch.compile the layer bodies (Transformer.compile_layers)
-    reset_gates: bool = False
-    static_gates: bool = False  # each gate a constant at its healthy mean score (runtime/static_gates.py)
-    shuffle_gates: bool = False  # drill: each gate on another layer (a fixed derangement)
-    scramble_gates: bool = False  # drill: each gate on its layer, reading permuted features (runtime/gates.py)
-    gates_watch_seconds: float = 5.0  # how often the gate file is checked for a replacement; 0 = never
-    # A request skipping more than this share of its decode layer evaluations is runaway (its layers
-    # are counted); a bucket edge of layerwatch_request_skip_fraction. None: the catalog's default
-    # (`layerwatch serve` first looks for the served model's profile, docs/service.md).
-    request_runaway_fraction: float | None = None
-    # Alert-driven mitigation (mitigation.py): Alertmanager's webhook receiver on its own listener,
-    # off unless an address is given; then the bearer token file is required.
-    mitigation_address: str = ""
-    mitigation_token_file: Path | None = None
-    mitigation_requests: int = 100  # a mitigation covers the next this many requests ...
-    mitigation_minutes: float = 30.0  # ... for at most this long, and ends earlier when the alert resolves
-    mitigation_full_depth: bool = False  # mitigated requests run at full depth instead of shadow-checked
-    # Audit-trail spans go to this OTLP/HTTP endpoint: a base URL (/v1/traces is appended) or a traces
-    # URL with its path. None: the standard OTEL_EXPORTER_OTLP_* variables decide, and without them
-    # spans are off (resolve_otlp_endpoint).
-    otlp_endpoint: str | None = None
-    # The depth each request runs at (service/depth.py; the defaults are DepthSettings'): the
-    # request field's range, the long-prompt rule, the complexity pre-check, the staged rollout.
-    request_threshold_range: tuple[float, float] | None = DepthSettings.request_threshold_range
-    long_prompt_tokens: int | None = DepthSettings.long_prompt_tokens
-    long_prompt_threshold: float = DepthSettings.long_prompt_threshold
-    complexity_cutoff: float | None = DepthSettings.complexity_cutoff
-    complexity_threshold: float = DepthSettings.complexity_threshold
-    rollout_levels: tuple[RolloutLevel, ...] = DepthSettings.rollout_levels
-    rollout_level: int | None = DepthSettings.rollout_level
-    rollout_demotion_holdoff_minutes: float = DepthSettings.rollout_demotion_holdoff_minutes
 
 
 def gates_file(settings: ServeSettings) -> Path:
@@ -200,11 +131,6 @@ def check_gates_watch_seconds(seconds: float) -> None:
             f"--gates-watch-seconds must be 0 (never) or a number from {MIN_GATES_WATCH_SECONDS} to "
             f"{MAX_GATES_WATCH_SECONDS:g}, got {seconds}"
         )
-
-
-def depth_settings(settings: ServeSettings) -> DepthSettings:
-    """The depth decider's settings, which ServeSettings names as DepthSettings does."""
-    return DepthSettings(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(DepthSettings)})
 
 
 def policy_from_file(settings: ServeSettings) -> tuple[str, ...]:
@@ -303,9 +229,11 @@ def _load_model(settings: ServeSettings) -> tuple[LoadedCheckpoint, LoadedGates]
         log.warning("serving freshly initialised gates (--reset-gates), gates_sha256=%s", gates.sha256)
     elif settings.static_gates:
         healthy = load_gates(gates_file(settings), checkpoint.model)
-        # Decoded in a thread of its own, as the engine worker decodes: torch's CPU kernels called
-        # from the main thread ran 30-90 times slower on the busy 2-core development machine
-        # (18-45 s against 0.5 s for the measurement).
+        # Decoded in a thread of its own, as the engine worker decodes: called from the main thread,
+        # torch's CPU kernels took 18-45 s for this measurement against 0.5 s in a thread, on 2 CPU
+        # cores shared with other jobs (2026-11-30). Measured by `layerwatch serve --static-gates`:
+        # the time from its "loading the model" log line to "serving constant gates" (model load
+        # included: 2.0-2.8 s with the thread, at load average 1.8, 2026-12-01).
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="static-gates") as pool:
             drill = pool.submit(
                 static_gates,
@@ -361,6 +289,30 @@ class ShimService:
     ) -> None:
         """`settings.otlp_endpoint` is the resolved traces URL (None: spans off); a `span_exporter`
         turns spans on with that exporter instead (tests: the SDK's in-memory exporter)."""
+        self._serve_model(checkpoint, gates, settings)
+        num_layers = checkpoint.config.num_layers
+        shadow_metrics = self._request_metrics(registry, settings, num_layers, gates.sha256)
+        self._telemetry(settings, frame_key, span_exporter, num_layers)
+        self._register_collectors(settings, num_layers)
+        shadow = self._mitigation_and_depth(settings, mitigation, shadow_metrics, num_layers)
+        telemetry = StepTelemetry(self.model_name, self.decode_stats, self.sender, self.trace)
+        probe_prompt = self.tokenizer.encode(PROBE_TEXT)
+        self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow, self.depth)
+        self.readiness = Readiness(self.worker)
+        self.gate_watcher = self._gate_watcher(settings, gates)
+        self.generation_parts = GenerationParts(
+            self.worker,
+            self.depth,
+            self.request_metrics,
+            self.admission,
+            self.mitigations,
+            self.tokenizer,
+            lambda: self.gates_sha256,
+        )
+
+    def _serve_model(self, checkpoint: LoadedCheckpoint, gates: LoadedGates, settings: ServeSettings) -> None:
+        """The model with its gates, the limits, the skip policy and how batches run it; refuses what
+        cannot be served (protected layers, batch size, KV cache, drain timeout) before anything starts."""
         model, config = checkpoint.model, checkpoint.config
         model.attach_gates(gates.gates)
         self.model = model
@@ -375,9 +327,9 @@ class ShimService:
                 "this tokenizer may drop or merge characters: prompts cannot be refused by size and are "
                 "tokenized in full (up to --max-body-bytes) before the --max-prompt-tokens check"
             )
-        from_file = policy_from_file(settings)
-        overrides = {name: getattr(settings, name) for name in POLICY_FIELDS if name not in from_file}
-        self.policy = gates.metadata.policy(**overrides, protected_layers=settings.protected_layers)
+        # What the command line leaves unset (None) the gate file says (SkipPolicyConfig.recorded).
+        chosen = {name: getattr(settings, name) for name in POLICY_FIELDS}
+        self.policy = gates.metadata.policy(**chosen, protected_layers=settings.protected_layers)
         self.policy.protected(config.num_layers)  # refuse out-of-range protected layers at start-up
         if settings.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be >= 1, got {settings.max_batch_size}")
@@ -392,31 +344,41 @@ class ShimService:
             raise ValueError(f"--drain-timeout-seconds must be >= 0, got {settings.drain_timeout_seconds}")
         self.drain_timeout_seconds = settings.drain_timeout_seconds
 
+    def _request_metrics(
+        self, registry: CollectorRegistry | None, settings: ServeSettings, num_layers: int, gates_sha256: str
+    ) -> ShadowMetrics:
+        """The registry with the model's info and the per-request metrics; returns the shadow check's."""
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_info = ModelInfo(
             self.model_name,
-            config.num_layers,
+            num_layers,
             self.policy.threshold,
             self.policy.patience,
             self.policy.skip_rule,
             self.policy.ewma_alpha,
             self.kv_policy,
-            gates.sha256,
+            gates_sha256,
         )
         runaway = settings.request_runaway_fraction
         self.request_metrics = RequestMetrics(
             self.registry,
             self.model_name,
-            config.num_layers,
+            num_layers,
             DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION if runaway is None else runaway,
         )
-        self.decode_stats = DecodeStats(config.num_layers)
+        self.decode_stats = DecodeStats(num_layers)
+        return ShadowMetrics(self.registry, self.model_name)
+
+    def _telemetry(
+        self, settings: ServeSettings, frame_key: bytes | None, span_exporter: SpanExporter | None, num_layers: int
+    ) -> None:
+        """Where the decode steps go (gate frames, the trace file) and the audit trail."""
         shim_id = settings.shim_id or default_shim_id()
         self.sender = (
             GateFrameSender(
                 settings.exporter_address,
                 self.model_name,
-                config.num_layers,
+                num_layers,
                 self.policy.threshold,
                 shim_id=shim_id,
                 key=frame_key,
@@ -424,7 +386,6 @@ class ShimService:
             if settings.exporter_address
             else None
         )
-        shadow_metrics = ShadowMetrics(self.registry, self.model_name)
         self.trace = (
             TraceWriter(settings.trace_file, settings.trace_max_bytes, threshold=self.policy.threshold)
             if settings.trace_file
@@ -434,7 +395,9 @@ class ShimService:
         self.audit_spans = AuditSpanCounts()
         self.audit = self._audit_trail(settings.otlp_endpoint, span_exporter, shim_id)
 
-        self.layer_signals = LayerSignalStats(config.num_layers)
+    def _register_collectors(self, settings: ServeSettings, num_layers: int) -> None:
+        """The layer signals, the admission, and the scrape-time collectors."""
+        self.layer_signals = LayerSignalStats(num_layers)
         # The custom collectors compute at scrape time (hardware readings, statistics): isolated, so
         # that one failing leaves the rest of /metrics served (docs/service.md, "Metrics").
         # The worker is created below; the admission reads its running count only when asked.
@@ -456,6 +419,15 @@ class ShimService:
                 }
             )
         )
+
+    def _mitigation_and_depth(
+        self,
+        settings: ServeSettings,
+        mitigation: MitigationListener | None,
+        shadow_metrics: ShadowMetrics,
+        num_layers: int,
+    ) -> ShadowChecker | None:
+        """Alert-driven mitigation, the shadow checker it may need, and the depth each request runs at."""
         self.mitigations = Mitigations(
             self.model_name,
             mitigation_settings(settings),
@@ -468,23 +440,19 @@ class ShimService:
         )
         # A mitigation raises the shadow rate of its requests: the checker is needed even at rate 0.
         shadow = (
-            ShadowChecker(model, shadow_metrics, settings.shadow_rate, self.layer_signals)
+            ShadowChecker(self.model, shadow_metrics, settings.shadow_rate, self.layer_signals)
             if settings.shadow_rate > 0 or self.mitigation_receiver is not None
             else None
         )
         self.depth = DepthDecider(
-            depth_settings(settings),
+            settings,
             self.policy.threshold,
-            self.policy.skippable(config.num_layers),
+            self.policy.skippable(num_layers),
             DepthMetrics(self.registry, self.model_name),
         )
         if settings.rollout_levels:
             self.mitigations.on_paging.append(self._demote_rollout)
-        telemetry = StepTelemetry(self.model_name, self.decode_stats, self.sender, self.trace)
-        probe_prompt = self.tokenizer.encode(PROBE_TEXT)
-        self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow, self.depth)
-        self.readiness = Readiness(self.worker)
-        self.gate_watcher = self._gate_watcher(settings, gates)
+        return shadow
 
     def _demote_rollout(self, event: PagingEvent) -> None:
         """A paging alert of this model fired: back to the previous rollout level. A resolution
@@ -527,7 +495,7 @@ class ShimService:
         frame_key = (
             load_frame_key(settings.frame_key_file) if settings.frame_key_file and settings.exporter_address else None
         )
-        depth_settings(settings).check()  # the depth flags too: a bad level fails before minutes of loading
+        settings.check()  # DepthSettings': the depth flags too, so that a bad level fails before minutes of loading
         mitigation_settings(settings)
         check_gates_watch_seconds(settings.gates_watch_seconds)
         mitigation = _mitigation_listener(settings)

@@ -8,7 +8,9 @@ decode loop (a failed send is a counter, not an exception).
 The frames go through `layerwatch.client.GateFrameSender`, the public sender any other engine uses
 too (docs/instrument.md): one implementation of numbering, splitting, tagging and counting.
 Encoding and the send happen in the engine thread, right in the step hook: a sender thread cost
-more in hand-offs than it saved on the 2-core benchmark machine (docs/performance.md, "Service").
+more CPU in thread hand-offs than it moved off the decode thread, on 2 CPU cores (decode tokens per
+CPU second with the telemetry on and off, `python benchmarks/service_bench.py --repetitions 21
+--tokens 48`: docs/performance.md, "Service").
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def test_missing_and_empty_traces_are_errors(tmp_path: Path) -> None:
     [
         (["--window-max-observations", "100000"], "must be 1..72000"),
         (["--window-max-observations", "500", "--min-window-observations", "600"], "no verdict could ever be given"),
-        (["--min-window-observations", "0"], "--min-window-observations 0 must be"),
+        (["--min-window-observations", "0"], "argument --min-window-observations: must be positive, got 0"),
     ],
 )
 def test_impossible_windows_are_refused_like_the_exporter_does(flags: list[str], message: str) -> None:

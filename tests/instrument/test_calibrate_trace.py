@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from alerts.baseline import build_profile
-from alerts.profile import GateImportance, load_profile
+from alerts.profile import GateImportance
+from alerts.profile_file import load_profile
 from layerwatch.trace import TraceWriter
 from layerwatch_cli.main import main
 

@@ -31,7 +31,7 @@ import torch
 pytest.importorskip("transformers")
 
 from alerts.durations import Timing
-from alerts.profile import load_profile
+from alerts.profile_file import load_profile
 from alerts.recorded import Recorded
 from demo.processes import ManagedProcess, free_port
 from deploy.render import render_stack

@@ -10,33 +10,34 @@ import pytest
 
 from alerts.baseline import (
     MIN_REQUEST_NORMAL_SHARE,
+    GateReadings,
+    agreement_floor,
     ascii_histogram,
     build_profile,
+    gate_importance_floor,
+    gate_importance_profile,
+    quality_cost_limit,
     request_tail_profile,
     skip_collapse_fraction,
 )
-from alerts.profile import GateImportance, RequestTail, dump_profile, load_profile
+from alerts.profile import GateImportance, RequestTail
+from alerts.profile_file import dump_profile, load_profile
 from inference_shim.offline.calibration import (
     Baseline,
     CalibrationSettings,
-    GateReadings,
-    agreement_floor,
     calibrate,
-    gate_importance_floor,
-    gate_importance_profile,
     generate_baseline,
     line_prompts,
-    quality_cost_limit,
 )
 from inference_shim.offline.corpus import read_documents
 from inference_shim.offline.gated_model import load_gated_model
 from inference_shim.runtime.agreement import ShadowResult
 from inference_shim.runtime.checkpoint import save_checkpoint
 from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.catalog import GATE_LAYER_SAMPLES, REQUEST_FRACTION_BUCKETS
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS
+from layerwatch.skip_policy import SkipPolicyConfig
 from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS
 from layerwatch_cli.main import build_parser, main
 from tests.model.conftest import build_backend_tokenizer, random_gates, random_model
@@ -417,7 +418,6 @@ def test_agreement_floor_is_the_worst_chunk_minus_the_margin():
         (["--margin", "nan"], "--margin must be a number in [0, 1), got nan"),
         (["--temperature", "inf"], "--temperature must be in [0, 2.0], got inf"),
         (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
-        (["--threshold", "nan"], "--threshold must be in [0, 1], got nan"),
         (["--min-observations", "100000"], "--min-observations must be 1..72000"),
     ],
 )
@@ -427,6 +427,15 @@ def test_calibrate_refuses_numbers_that_would_write_a_useless_profile(tmp_path, 
     assert main([*argv, *flags]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["calibrate", "train-gates"])
+def test_calibrate_and_train_gates_take_tau_as_eval_and_serve_do(tmp_path, capsys, command):
+    """--threshold is a fraction in [0, 1] for every command: a usage error, before anything loads."""
+    argv = [command, "--model", str(tmp_path / "never-loaded"), "--data", str(tmp_path / "x"), "--out", "o"]
+    with pytest.raises(SystemExit) as exit:
+        main([*argv, "--threshold", "nan"])
+    assert exit.value.code == 2 and "argument --threshold: must be in [0, 1], got nan" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

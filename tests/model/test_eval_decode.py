@@ -14,8 +14,8 @@ from inference_shim.offline.gated_model import load_gated_model
 from inference_shim.runtime.checkpoint import save_checkpoint
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.skip_policy import SkipPolicyConfig
 from layerwatch_cli.main import main
 from tests.model.conftest import (
     TRAINING_TEXT,

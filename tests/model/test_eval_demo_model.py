@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from alerts.profile import load_profile
+from alerts.profile_file import load_profile
 from inference_shim.runtime.checkpoint import load_checkpoint
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from inference_shim.runtime.gates import load_gates

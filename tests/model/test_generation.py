@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from inference_shim.runtime.depth_execution import DepthExecutionConfig
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.model import KVCache
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.skip_policy import SkipPolicyConfig
 
 from .conftest import random_gates, random_model, tiny_config
 

@@ -13,8 +13,8 @@ import torch
 from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement, partition_divergences
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.model import GateBank
-from inference_shim.runtime.skip_policy import SkipPolicyConfig
 from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.skip_policy import SkipPolicyConfig
 
 from .conftest import VOCAB_SIZE, constant_gates, random_model, tiny_config
 

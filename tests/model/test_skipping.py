@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from inference_shim.runtime.depth_execution import DepthExecution, DepthExecutionConfig, FixedDepthCosts
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.model import Transformer, apply_rope
-from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig
+from inference_shim.runtime.skip_policy import SkipPolicy
 from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.skip_policy import SkipPolicyConfig
 
 from .conftest import constant_gates, random_gates, random_model, tiny_config
 

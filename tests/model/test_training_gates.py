@@ -19,8 +19,9 @@ from inference_shim.offline.gate_training import (
 from inference_shim.offline.training import text_file_stream
 from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint
 from inference_shim.runtime.gates import load_gates
-from inference_shim.runtime.skip_policy import SkipPolicy, SkipPolicyConfig
+from inference_shim.runtime.skip_policy import SkipPolicy
 from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.skip_policy import SkipPolicyConfig
 from layerwatch_cli.main import main
 from tests.model.conftest import TRAINING_TEXT, build_backend_tokenizer, random_model
 

@@ -22,7 +22,7 @@ from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint  
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams  # noqa: E402
 from inference_shim.runtime.gates import load_gates  # noqa: E402
 from inference_shim.runtime.model import KVCache, LayerProbe  # noqa: E402
-from inference_shim.runtime.skip_policy import SkipPolicyConfig  # noqa: E402
+from layerwatch.skip_policy import SkipPolicyConfig  # noqa: E402
 from layerwatch_cli.main import main  # noqa: E402
 
 from .conftest import VOCAB_SIZE, constant_gates, random_model, tiny_config  # noqa: E402

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from alerts.profile import PROFILES_DIR, load_profiles
+from alerts.profile_file import PROFILES_DIR, load_profiles
 from inference_shim.runtime.demo_model import DEMO_MODEL_NAME
 from inference_shim.service.shim import ServeSettings
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, REQUEST_FRACTION_BUCKETS

@@ -47,7 +47,7 @@ def docker_compose() -> str:
 
 @pytest.fixture(scope="session")
 def reference_profiles():
-    from alerts.profile import load_profiles
+    from alerts.profile_file import load_profiles
 
     return load_profiles(REPO / "alerts" / "profiles")
 

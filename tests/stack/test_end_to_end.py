@@ -50,7 +50,8 @@ import pytest
 import yaml
 
 from alerts.durations import Timing, parse_duration
-from alerts.profile import Profile, load_profiles
+from alerts.profile import Profile
+from alerts.profile_file import load_profiles
 from alerts.recorded import Recorded
 from alerts.specs import AGREEMENT_NOISE_Z
 from demo.loadgen import STUTTER, Category, LoadReport, run_load

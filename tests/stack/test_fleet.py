@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from alerts.durations import Timing
-from alerts.profile import load_profiles
+from alerts.profile_file import load_profiles
 from alerts.recorded import Recorded
 from demo.processes import ManagedProcess, free_port
 from demo.receiver import WebhookReceiver

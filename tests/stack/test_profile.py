@@ -9,7 +9,9 @@ import pytest
 import yaml
 
 from alerts.durations import format_duration, parse_duration
-from alerts.profile import GateImportance, ProfileError, dump_profile, load_profile, load_profiles
+from alerts.profile import GateImportance, Profile
+from alerts.profile_file import ProfileError, dump_profile, load_profile, load_profiles
+from alerts.specs import PER_MODEL_ALERTS
 
 from .conftest import REPO
 
@@ -26,6 +28,11 @@ def write(tmp_path: Path, data: dict, name: str = "model.yaml") -> Path:
     return path
 
 
+def _for_seconds(p: Profile, alert_name: str) -> float:
+    """The profile's `for:` of a per-model alert, as its rules get it."""
+    return next(spec for spec in PER_MODEL_ALERTS if spec.name == alert_name).for_seconds(p)
+
+
 def test_reference_profile_carries_the_field_numbers() -> None:
     p = load_profile(REFERENCE)
     assert (p.threshold, p.patience) == (0.18, 3)
@@ -33,7 +40,7 @@ def test_reference_profile_carries_the_field_numbers() -> None:
     assert (p.entropy_std.low, p.entropy_std.high) == (0.08, 0.12)
     assert (p.zero_ratio.low, p.zero_ratio.high, p.zero_ratio_page) == (0.15, 0.25, 0.40)
     assert p.runaway_skip_ratio == 0.85
-    assert (p.drift.limit, p.drift.window, p.for_duration("LayerwatchEntropyDrift")) == (0.18, 600, 300)
+    assert (p.drift.limit, p.drift.window, _for_seconds(p, "LayerwatchEntropyDrift")) == (0.18, 600, 300)
     # Ours, not the field's: half the static verdict's line, and no layer static in a routed model.
     assert (p.routing.share_floor, p.routing.static_layers, p.routing.token_dependent_share) == (0.25, (), None)
     assert p.skip_collapse_fraction == 0.5
@@ -82,7 +89,7 @@ def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
     assert p.runaway_skip_ratio == 0.85 and p.zero_ratio_page == 0.40
     assert p.gate_importance == GateImportance(correlation_min=0.03)  # a correlation, not a fraction: [-1, 1]
     assert p.skip_collapse_fraction == 0.5 and p.routing.min_tokens == 200  # the exporter's minimum
-    assert p.for_duration("LayerwatchEntropySinglePeak") == 600
+    assert _for_seconds(p, "LayerwatchEntropySinglePeak") == 600
     assert (p.request_tail.runaway_skip_fraction, p.request_tail.normal_share) == (0.5, 0.01)
 
 

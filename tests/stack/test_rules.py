@@ -269,9 +269,6 @@ class _ReadLog:
         self.read.add(name)
         return getattr(self._profile, name)
 
-    def for_duration(self, alert_name: str) -> float:
-        return self._profile.for_duration(alert_name)
-
 
 @pytest.mark.parametrize("spec", ALERTS, ids=ALERT_NAMES)
 def test_spec_builds_its_own_rules_as_declared(spec: AlertSpec, reference_profiles) -> None:
@@ -280,7 +277,7 @@ def test_spec_builds_its_own_rules_as_declared(spec: AlertSpec, reference_profil
     rules = spec.build(AlertBuild(spec, timing, Recorded.for_timing(timing), profile))
     assert rules and {r["alert"] for r in rules} == {spec.name}
     assert {r["labels"]["severity"] for r in rules} == set(spec.severities)
-    default = reference_profiles[0].for_duration(spec.name) if spec.per_model else spec.default_for
+    default = spec.for_seconds(reference_profiles[0] if spec.per_model else None)
     assert {r["for"] for r in rules} == {timing(default)}
     if spec.per_model:  # the declared profile fields are exactly the ones it reads
         assert profile.read - _PROFILE_PLUMBING == set(spec.reads), spec.name

@@ -1,12 +1,28 @@
-"""argparse types the commands share: each parses one flag's text or raises ArgumentTypeError,
-which argparse reports as `argument --flag: <message>` with exit code 2."""
+"""argparse types of the commands' flags and of the settings declared for them (layerwatch/settings.py):
+each parses one flag's text or raises ArgumentTypeError, which argparse reports as
+`argument --flag: <message>` with exit code 2."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import TypeVar
 
 from layerwatch.wire import parse_address
+
+T = TypeVar("T")
+
+
+def parsed_by(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """A parser raising ValueError as an argparse type: its message becomes the flag's error."""
+
+    def parsed(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parsed
 
 
 def fraction(text: str) -> float:

@@ -1,0 +1,88 @@
+"""Settings declared once: a dataclass field with its default, flag, parsing type and help, from which
+the command's flags and the settings object read back from them are derived.
+
+The model is vLLM's EngineArgs: each field of a settings dataclass declared with `setting(...)` is one
+flag, `--<field-name>` unless named otherwise, whose dest is the field's name and whose default is the
+field's (a field without a default gets None: the command fills it in). A bool field defaulting to False
+without a type is a switch (store_true). Its LAYERWATCH_<FLAG> variable comes from the flag's name
+(layerwatch_cli/main.py). A new flag of `serve` or `exporter` is one such field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_SETTING = "layerwatch.setting"
+
+
+@dataclass(frozen=True)
+class Flag:
+    help: str | None
+    type: Callable[[str], Any] | None = None  # None: the text itself (or a switch, for a bool)
+    flag: str | None = None  # None: --<field-name>
+    metavar: str | None = None
+    choices: Sequence[str] | None = None
+    # Applied to a value read from the flags (not to the default None): a key file's key, say. Its
+    # ValueError reaches the command, which reports it as it reports the settings' own checks.
+    convert: Callable[[Any], Any] | None = None
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str | None,
+    type: Callable[[str], Any] | None = None,
+    flag: str | None = None,
+    metavar: str | None = None,
+    choices: Sequence[str] | None = None,
+    convert: Callable[[Any], Any] | None = None,
+    repr: bool = True,
+) -> Any:
+    """A dataclass field that is also a flag (module doc); repr=False keeps a secret out of its repr."""
+    spec = Flag(help, type, flag, metavar, tuple(choices) if choices is not None else None, convert)
+    return dataclasses.field(default=default, repr=repr, metadata={_SETTING: spec})
+
+
+def flag_of(field: dataclasses.Field[Any]) -> Flag | None:
+    return field.metadata.get(_SETTING)
+
+
+def _declared(cls: type, names: Iterable[str] | None) -> list[tuple[dataclasses.Field[Any], Flag]]:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    chosen = [fields[name] for name in names] if names is not None else list(fields.values())
+    return [(f, spec) for f in chosen if (spec := flag_of(f)) is not None]
+
+
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    names: Iterable[str] | None = None,
+    *,
+    flags: Mapping[str, str] | None = None,
+    helps: Mapping[str, str] | None = None,
+) -> None:
+    """One flag per declared field of `cls` (or of those `names`, in that order). `flags` and `helps`
+    rename a flag or reword its help where another command reads the same setting under its own name."""
+    for field, spec in _declared(cls, names):
+        name = (flags or {}).get(field.name) or spec.flag or "--" + field.name.replace("_", "-")
+        options: dict[str, Any] = {"dest": field.name, "help": (helps or {}).get(field.name, spec.help)}
+        default = None if field.default is dataclasses.MISSING else field.default
+        if spec.type is None and default is False:
+            options["action"] = "store_true"
+        else:
+            options.update(default=default, type=spec.type, choices=spec.choices, metavar=spec.metavar)
+        parser.add_argument(name, **{key: value for key, value in options.items() if value is not None})
+
+
+def from_flags(cls: type, args: argparse.Namespace, names: Iterable[str] | None = None, **values: Any) -> Any:
+    """`cls` built from the flags `add_flags` added (each converted where its declaration says),
+    with `values` on top."""
+    read = {}
+    for field, spec in _declared(cls, names):
+        value = getattr(args, field.name)
+        read[field.name] = spec.convert(value) if spec.convert is not None and value is not None else value
+    return cls(**(read | values))
