@@ -19,7 +19,13 @@ from pathlib import Path
 from inference_shim.runtime.demo_model import DEMO_MODEL_NAME
 from layerwatch import argtypes
 from layerwatch.catalog import GATE_LAYER_SAMPLES, MIN_GATE_SCORE_STD
-from layerwatch_cli.model_arguments import add_model_arguments, load_from_arguments, report_errors
+from layerwatch_cli.model_arguments import (
+    add_depth_arguments,
+    add_model_arguments,
+    depth_from_arguments,
+    load_from_arguments,
+    report_errors,
+)
 
 
 def _defaults() -> dict[str, object]:
@@ -32,6 +38,7 @@ def _defaults() -> dict[str, object]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = _defaults()
     add_model_arguments(parser)
+    add_depth_arguments(parser)
     parser.add_argument(
         "--data", type=Path, required=True, help="held-out plain UTF-8 text; prompts are the first words of its lines"
     )
@@ -96,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
             shadow_rate_min=args.shadow_rate_min,
             kv_policy=args.kv_policy,
             batch_size=args.batch_size,
+            depth=depth_from_arguments(args),
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -60,6 +60,7 @@ from alerts.baseline import (
 from alerts.profile import Profile
 from inference_shim.offline.gated_model import GatedModel
 from inference_shim.runtime.agreement import ShadowJob, ShadowResult, full_depth_agreement
+from inference_shim.runtime.depth_execution import DepthExecutionConfig
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.gates import LoadedGates, scramble_gates, shuffle_gates
 from inference_shim.runtime.model import KV_POLICIES, Transformer
@@ -91,6 +92,9 @@ class CalibrationSettings:
     min_observations: int = DEFAULT_MIN_WINDOW_OBSERVATIONS
     kv_policy: str = KV_POLICIES[0]
     batch_size: int = 8
+    # How a batch runs the layers its rows decided: as the model is served (serve's default), so the
+    # baseline's routing and quality are the served ones (docs/model.md, "Depth execution").
+    depth: DepthExecutionConfig = DepthExecutionConfig()
     # Written to the profile: a calibrated model is expected to be shadow-checked at least this often
     # (LayerwatchQualityGuardBlind tickets a shim serving it below).
     shadow_rate_min: float = 0.01
@@ -164,6 +168,7 @@ def generate_baseline(
     model_name: str,
     kv_policy: str,
     batch_size: int,
+    depth: DepthExecutionConfig,
     max_new_tokens: int,
     temperature: float,
     top_p: float,
@@ -188,6 +193,7 @@ def generate_baseline(
         kv_policy=kv_policy,
         max_batch_size=batch_size,
         step_hook=record,
+        depth=depth,
     )
     submitted: dict[int, tuple[list[int], list[int]]] = {}  # sequence id -> (prompt, generated so far)
     for i, prompt in enumerate(prompts):
@@ -323,6 +329,7 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         model_name=s.model_name,
         kv_policy=s.kv_policy,
         batch_size=s.batch_size,
+        depth=s.depth,
         max_new_tokens=s.max_new_tokens,
         temperature=s.temperature,
         top_p=s.top_p,
@@ -343,7 +350,7 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         f"layerwatch calibrate {datetime.date.today().isoformat()}: {len(prompts)} prompts from {data_name}, "
         f"{len(entropies)} decoded tokens (temperature {s.temperature:g}, top_p {s.top_p:g}), threshold "
         f"{threshold:g}, skip rule {policy.rule_description()}, gates sha256 {gated.gates.sha256[:12]}, "
-        f"kv policy {s.kv_policy}"
+        f"kv policy {s.kv_policy}, batch {s.batch_size}, depth execution {s.depth.describe()}"
     )
     profile, stats = build_profile(
         s.model_name,

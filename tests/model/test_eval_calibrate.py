@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -64,31 +65,17 @@ def varying_model_dir(tmp_path_factory):
     return directory
 
 
+def run_calibrate(model: Path, text: Path, out: Path, *extra: str) -> int:
+    """`layerwatch calibrate` on the tiny model with a baseline just long enough for its checks."""
+    sizes = ["--prompts", str(TINY_PROMPTS), "--max-new-tokens", str(TINY_TOKENS), "--threads", "1"]
+    windows = ["--chunk-tokens", "64", "--min-observations", "50", "--model-name", "tiny"]
+    data = ["--model", str(model), "--data", str(text), "--out", str(out)]
+    return main(["calibrate", *data, *sizes, *windows, *extra])
+
+
 def test_calibrate_writes_a_loadable_profile(model_dir, text_file, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "tiny.yaml"
-    code = main(
-        [
-            "calibrate",
-            "--model",
-            str(model_dir),
-            "--data",
-            str(text_file),
-            "--out",
-            str(out),
-            "--prompts",
-            str(TINY_PROMPTS),
-            "--max-new-tokens",
-            str(TINY_TOKENS),
-            "--threads",
-            "1",
-            "--chunk-tokens",
-            "64",
-            "--min-observations",
-            "50",
-            "--model-name",
-            "tiny",
-        ]
-    )
+    code = run_calibrate(model_dir, text_file, out)
     assert code == 0, capsys.readouterr().err
     profile = load_profile(out)
     assert profile.model_name == "tiny" and profile.threshold == 0.18 and profile.patience == 3
@@ -98,6 +85,7 @@ def test_calibrate_writes_a_loadable_profile(model_dir, text_file, tmp_path, cap
     assert profile.zero_ratio.low <= 0.75 <= profile.zero_ratio.high
     assert profile.bimodality.min_observations == 50
     assert f"{TINY_PROMPTS} prompts from heldout.txt" in profile.source
+    assert profile.source.endswith("kv policy project, batch 8, depth execution auto, consensus 0.5")
     out = capsys.readouterr().out
     assert "bimodal" in out and "agreement of the gated and full-depth top-1" in out
     assert "quality cost KL(gated || full)" in out and f"alert above {profile.shadow_kl_nats_max}" in out
@@ -189,6 +177,7 @@ def test_calibrate_measures_the_gate_floors_and_the_request_tail_from_its_own_ba
         model_name="tiny",
         kv_policy=settings.kv_policy,
         batch_size=settings.batch_size,
+        depth=settings.depth,
         max_new_tokens=TINY_TOKENS,
         temperature=settings.temperature,
         top_p=settings.top_p,
@@ -202,6 +191,21 @@ def test_calibrate_measures_the_gate_floors_and_the_request_tail_from_its_own_ba
     assert sorted(result.request_skip_fractions) == pytest.approx(by_steps, abs=1e-12)
     assert profile.request_tail == request_tail_profile(result.request_skip_fractions, profile.skip_ratio_normal)
     assert max(result.request_skip_fractions) < profile.request_tail.runaway_skip_fraction
+
+
+def test_calibrate_decodes_its_baseline_with_the_depth_execution_it_is_given(
+    model_dir,  # noqa: F811
+    text_file,  # noqa: F811
+    tmp_path,
+    capsys,
+):
+    # As the model will be served: a profile says which execution its baseline ran.
+    out = tmp_path / "rows.yaml"
+    assert run_calibrate(model_dir, text_file, out, "--depth-execution", "rows", "--batch-consensus", "off") == 0
+    assert load_profile(out).source.endswith("depth execution rows")
+    with pytest.raises(SystemExit):
+        run_calibrate(model_dir, text_file, tmp_path / "bad.yaml", "--depth-execution", "layers")
+    assert "invalid choice: 'layers'" in capsys.readouterr().err and not (tmp_path / "bad.yaml").exists()
 
 
 def test_calibrate_refuses_shadow_checks_too_short_for_the_gate_importance_reservoir(
