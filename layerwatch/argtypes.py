@@ -122,6 +122,14 @@ def port(text: str) -> int:
     return value
 
 
+def bind_host(text: str) -> str:
+    """A host or address to bind; an empty one would mean every interface (0.0.0.0), which must be
+    asked for by name."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a host or address (0.0.0.0 for every interface), got ''")
+    return text
+
+
 def listen_address(text: str) -> tuple[str, int]:
     """HOST:PORT to bind; port 0 asks for any free port."""
     try:

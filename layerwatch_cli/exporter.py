@@ -39,7 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_flags(parser, ExporterConfig)
     parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default %(default)s)"
+        "--log-level",
+        default="INFO",
+        type=str.upper,  # as serve's lower-case names: one LAYERWATCH_LOG_LEVEL serves both
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="(default %(default)s)",
     )
 
 

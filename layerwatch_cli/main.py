@@ -62,7 +62,7 @@ def env_var_for(action: argparse.Action) -> str | None:
 
 
 def apply_environment(parser: argparse.ArgumentParser, environ: dict[str, str]) -> None:
-    """Turn `LAYERWATCH_<FLAG>` variables into defaults (argparse still applies `type`)."""
+    """Turn `LAYERWATCH_<FLAG>` variables into defaults, parsed and checked as the flags are."""
     for action in parser._actions:  # argparse offers no public iterator over actions
         name = env_var_for(action)
         if name is None or name not in environ:
@@ -75,11 +75,25 @@ def apply_environment(parser: argparse.ArgumentParser, environ: dict[str, str]) 
             enabled = value in _TRUE
             action.default = enabled if isinstance(action, argparse._StoreTrueAction) else not enabled
         elif action.nargs in ("*", "+"):
-            action.default = [action.type(v) if callable(action.type) else v for v in raw.split(",") if v]
+            action.default = [_environment_value(parser, name, v, action) for v in raw.split(",") if v]
         else:
-            action.default = raw
+            action.default = _environment_value(parser, name, raw, action)
         action.required = False
         action.help = (action.help or "") + f" [env: {name}]"
+
+
+def _environment_value(parser: argparse.ArgumentParser, name: str, raw: str, action: argparse.Action) -> object:
+    """`raw` parsed as the flag would parse it, type and choices both (argparse checks neither
+    against a default); a bad value is refused naming the variable."""
+    try:
+        value = action.type(raw) if callable(action.type) else raw
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"{name}={raw!r}: {exc}")
+    except (TypeError, ValueError):
+        parser.error(f"{name}={raw!r}: invalid {getattr(action.type, '__name__', 'value')} value")
+    if action.choices is not None and value not in action.choices:
+        parser.error(f"{name}={raw!r}: expected one of {', '.join(map(str, action.choices))}")
+    return value
 
 
 def build_parser(argv: list[str], environ: dict[str, str] | None = None) -> argparse.ArgumentParser:

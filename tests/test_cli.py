@@ -31,17 +31,28 @@ def test_environment_supplies_defaults_and_the_command_line_wins():
     assert "[env: LAYERWATCH_MAX_BATCH_SIZE]" in p.format_help()
 
 
-def test_environment_values_are_validated_like_flags(capsys):
-    p = _parser()
-    apply_environment(p, {"LAYERWATCH_MAX_BATCH_SIZE": "many"})
-    with pytest.raises(SystemExit):
-        p.parse_args(["t.jsonl"])
-    assert "invalid int value: 'many'" in capsys.readouterr().err
+def test_environment_values_are_validated_like_flags_naming_the_variable(capsys):
+    for environ, message in [
+        ({"LAYERWATCH_MAX_BATCH_SIZE": "many"}, "LAYERWATCH_MAX_BATCH_SIZE='many': invalid int value"),
+        ({"LAYERWATCH_ALLOW_DEBUG": "maybe"}, "LAYERWATCH_ALLOW_DEBUG='maybe'"),
+        # argparse checks choices only of what the command line gives: a default got through whole.
+        ({"LAYERWATCH_LOG_LEVEL": "loud"}, "LAYERWATCH_LOG_LEVEL='loud': expected one of debug, info"),
+        ({"LAYERWATCH_PROTECTED_LAYERS": "0,x"}, "LAYERWATCH_PROTECTED_LAYERS='x': invalid int value"),
+    ]:
+        p = _parser()
+        p.add_argument("--log-level", default="info", choices=["debug", "info"])
+        with pytest.raises(SystemExit):
+            apply_environment(p, environ)
+        assert message in capsys.readouterr().err
 
-    p = _parser()
-    with pytest.raises(SystemExit):
-        apply_environment(p, {"LAYERWATCH_ALLOW_DEBUG": "maybe"})
-    assert "LAYERWATCH_ALLOW_DEBUG='maybe'" in capsys.readouterr().err
+
+def test_an_empty_bind_host_is_refused_not_read_as_every_interface(capsys):
+    # bind(("", port)) listens on every interface: services bind to loopback unless told otherwise.
+    for argv, environ in [(["serve", "--host", ""], {}), (["serve"], {"LAYERWATCH_HOST": " "})]:
+        with pytest.raises(SystemExit):
+            build_parser(argv, environ).parse_args(argv)
+        assert "must name a host or address (0.0.0.0 for every interface)" in capsys.readouterr().err
+    assert build_parser(["serve"], {}).parse_args(["serve", "--host", "0.0.0.0"]).host == "0.0.0.0"
 
 
 def test_positionals_are_not_read_from_the_environment():

@@ -152,7 +152,7 @@ class SkippingSettings:
 class ServerSettings:
     """The HTTP listener and its bounds (service/http_protocol.py), the batch and the queue, the request limits."""
 
-    host: str = setting(LOOPBACK, help="bind address (loopback by default)")
+    host: str = setting(LOOPBACK, type=argtypes.bind_host, help="bind address (loopback by default)")
     port: int = setting(SHIM_HTTP_PORT, type=argtypes.port, help=None)
     max_batch_size: int = setting(8, type=int, help="sequences decoded together; new requests join at step boundaries")
     max_waiting_requests: int = setting(
