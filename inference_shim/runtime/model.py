@@ -871,7 +871,9 @@ class Transformer(nn.Module):
             x = block.input_layernorm(h)  # [B, d]
             if self.gates is not None:
                 normed_inputs.append(x)
-            h = self._decode_layer(l, block, h, x, plan.rows(l), rows, cache, length, kv_policy)
+            running = plan.rows(l)
+            h = self._decode_layer(l, block, h, x, running, rows, cache, length, kv_policy)
+            self.layer_rows_executed[l] += B if running is None else running.count
         logits = self.logits(h)
         entropies = (
             self.gates.scores(torch.stack(normed_inputs)).float() if normed_inputs and self.gates is not None else None
@@ -911,14 +913,12 @@ class Transformer(nn.Module):
         """The work of a decode step at `layers` only, as `decode_step` does it: each layer's input
         norm, then the layer for the rows `running` (host bool [B]; None = every row) -> h [B, d].
         What depth_execution.py's cost measurement times; it runs for no sequence, so
-        `layer_rows_executed` does not count it."""
-        counted = list(self.layer_rows_executed)
+        `layer_rows_executed` does not count it (decode_step counts)."""
         mask = None if running is None else np.repeat(running[:, None], len(self.layers), axis=1)
         plan = _RowPlan(mask, h.shape[0], len(self.layers), rows)
         for l in layers:
             block = cast(Block, self.layers[l])
             h = self._decode_layer(l, block, h, block.input_layernorm(h), plan.rows(l), rows, cache, length, kv_policy)
-        self.layer_rows_executed = counted
         return h
 
     def _decode_layer(
@@ -936,7 +936,6 @@ class Transformer(nn.Module):
         """One layer of a decode step: h, x = input_layernorm(h) [B, d] -> h after the layer, for
         the `running` rows (None: every row)."""
         if running is None:
-            self.layer_rows_executed[layer] += h.shape[0]
             return block.decode(h, x, rows, cache, layer, length)
         project = kv_policy == "project"
         if project:  # one K/V projection for the whole batch, skipped rows included
@@ -947,7 +946,6 @@ class Transformer(nn.Module):
             run = running.run
             hr = block.decode(h[run], x[run], running.running_rows(), cache, layer, length, write_kv=not project)
             h.index_copy_(0, run, hr)  # in place: h is this step's own tensor, apart from the gates' inputs
-            self.layer_rows_executed[layer] += running.count
         return h
 
     def reset_counters(self) -> None:

@@ -144,10 +144,17 @@ def test_eval_totals_count_decided_executed_and_unneeded_apart():
 def test_a_measurement_finds_a_limit_once_per_batch_size_without_counting_or_reading_the_device():
     model = gated_model()
     costs = MeasuredDepthCosts(model, "project", repeats=1)
-    counted = list(model.layer_rows_executed)
+
+    class Untouched(list):
+        # serve measures in the engine thread while the listener is up: a reader of the counts
+        # must never see them move, not even for the measurement's duration.
+        def __setitem__(self, index, value):
+            raise AssertionError(f"the measurement counted rows of layer {index}")
+
+    counted = model.layer_rows_executed = Untouched(model.layer_rows_executed)
     costs.prepare([1, 4, 4])
     assert set(costs.limits) == {1, 4} and costs.limits[1] == 0 and 0 <= costs.limits[4] <= 3
     assert costs.seconds > 0 and "B=4: " in costs.table()
-    assert model.layer_rows_executed == counted  # the measurement ran for no sequence
+    assert model.layer_rows_executed is counted  # the measurement ran for no sequence
     limits = dict(costs.limits)
     assert costs.row_partial_limit(4) == limits[4] and costs.limits == limits  # kept, not measured again
