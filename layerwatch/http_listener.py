@@ -233,9 +233,9 @@ class Listener:
             writer.close()
             await asyncio.wait_for(writer.wait_closed(), self._limits.write_timeout)
         except asyncio.CancelledError:
-            if not connection.evicted:
-                raise  # the listener stops
-            if not connection.answered:
+            # Not raised on: asyncio's stream callback reads a cancelled task's exception() and
+            # logs that as a traceback (Python 3.11), whether the listener stops or made room.
+            if connection.evicted and not connection.answered:
                 self._refuse(connection, _Refused("evicted", 0, "closed to make room for a new connection"))
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
             pass  # the client went away, or did not take its answer in time

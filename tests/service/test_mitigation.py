@@ -464,6 +464,23 @@ def test_a_body_trickled_byte_by_byte_is_cut_off_with_408_on_time():
         assert state.for_new_request() == NO_MITIGATION
 
 
+def test_stopping_with_connections_open_logs_no_traceback(caplog):
+    """CI, stop 29: an exporter stopped while a probe's connection lingered after its answer logged
+    asyncio's "Exception in callback" with a CancelledError traceback. Every stage a connection can
+    be in when the listener stops: lingering after its answer, waiting for its head, for its body."""
+    caplog.set_level(logging.ERROR)
+    with running_receiver() as (address, _, _):
+        lingering, waiting, stalled = (socket.create_connection(address, timeout=10) for _ in range(3))
+        lingering.sendall(authenticated_head(2) + b"{}")
+        lingering.recv(1)  # its answer is written: the listener drains what else it sends
+        waiting.sendall(b"POST / HTTP/1.1\r\n")
+        stalled.sendall(authenticated_head(100) + b"{")
+        time.sleep(0.2)
+    for client in (lingering, waiting, stalled):
+        client.close()
+    assert not caplog.records, caplog.text
+
+
 def test_a_taken_port_fails_naming_the_receiver_and_its_address():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
