@@ -129,7 +129,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         ("model_name", "reason"),
         "Requests the API refused before reading them, by reason: head_too_large (431: request line and headers "
-        "over --max-header-bytes), malformed_head (400), head_timeout (408: not in within --header-timeout-seconds), "
+        "over --max-header-bytes), malformed_head (400), ambiguous_framing (400: Content-Length with "
+        "Transfer-Encoding, or Transfer-Encoding in HTTP/1.0, as in request smuggling; the connection closed), "
+        "head_timeout (408: not in within --header-timeout-seconds), "
         "evicted (a connection closed while part of its head or body was in, to make room for a new one), "
         "too_many_connections (503: --max-connections open, each with a request in).",
         SHIM,

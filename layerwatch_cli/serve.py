@@ -108,7 +108,6 @@ def run(args: argparse.Namespace) -> int:
         log_level=settings.log_level,
         timeout_graceful_shutdown=5,
         http=BoundedH11Protocol.bounded(limits, ConnectionRefusals(service.registry, service.model_name)),
-        h11_max_incomplete_event_size=limits.max_head_bytes,
     )
     # From here the server answers SIGTERM and SIGINT with a drain (its own handlers, which restore
     # these defaults when it is done, and then raise the signal again to exit by it).

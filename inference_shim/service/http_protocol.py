@@ -4,10 +4,10 @@ request head may cost (docs/service.md, "Connections").
 uvicorn's default parser (httptools) sets no limit on a header line and re-copies it as it grows,
 on the event loop: one client sending an endless header line held /healthz at 2.5-9.8 s and cost
 290 MB (issue 27). h11, which uvicorn also brings, refuses an incomplete request line and headers
-over `h11_max_incomplete_event_size` bytes; this protocol refuses a complete one over that size
-too (h11 parses a head that arrives whole in one read at any size), with a 431 (where uvicorn says
-400 for any parse error). uvicorn bounds neither the time a head may take nor the number of
-connections, so this protocol adds both:
+over `max_incomplete_event_size` bytes (here `HTTPLimits.max_head_bytes`); this protocol refuses a
+complete one over that size too (h11 parses a head that arrives whole in one read at any size),
+with a 431 (where uvicorn says 400 for any parse error). uvicorn bounds neither the time a head
+may take nor the number of connections, so this protocol adds both:
 
 - a request head must be complete within `head_timeout` seconds of the connection opening or of
   the previous answer on it (else 408 and the connection closed; a connection that sent nothing
@@ -19,6 +19,13 @@ connections, so this protocol adds both:
   the admission queue's 429 (room comes back as soon as any of them is answered). A body still
   arriving is closed as a head is: 1,000 bodies trickled a byte at a time otherwise kept everyone
   out for the whole body timeout (30 s), again after each reconnect (docs/reliability.md).
+
+It also refuses a request whose body two parsers could frame differently, where h11 accepts it:
+`Content-Length` with `Transfer-Encoding` (h11 reads it chunked and keeps the connection: behind a
+proxy that reads the length, the rest of the body is the next request, smuggled past it), or
+`Transfer-Encoding` in an HTTP/1.0 request (a 1.0 hop ignores it). RFC 9112 (sections 6.1 and 6.3)
+has both answered as an error, then the connection closed; h11 already refuses differing lengths
+and any coding but `chunked` (uvicorn's 400, counted as a malformed head).
 
 Each refusal is counted (layerwatch_http_connections_refused_total) and logged at a bounded rate.
 """
@@ -45,7 +52,14 @@ log = limit_rate(logging.getLogger(__name__))
 # uvicorn's own warning for each malformed request ("Invalid HTTP request received."), at a bounded rate too
 limit_rate(logging.getLogger("uvicorn.error"))
 
-REFUSALS = ("head_too_large", "malformed_head", "head_timeout", "evicted", "too_many_connections")
+REFUSALS = (
+    "head_too_large",
+    "malformed_head",
+    "ambiguous_framing",
+    "head_timeout",
+    "evicted",
+    "too_many_connections",
+)
 _HEAD_END = re.compile(rb"\n\r?\n")  # where h11 sees the end of a request head
 # Kept besides the connections (a quarter of a lower hard limit): the model's files, the trace, its
 # own sockets; an idle `serve` holds about 20.
@@ -71,11 +85,33 @@ class ConnectionRefusals:
         self._counts[reason].inc()
 
 
+class FramingCheckedConnection(h11.Connection):
+    """h11's connection, raising its RemoteProtocolError for a request with an ambiguous body length
+    (see the module's docstring), the reason kept in `framing_fault` for the answer."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.framing_fault: str | None = None
+
+    def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            names = {name for name, _ in event.headers}  # lower-cased by h11
+            if b"transfer-encoding" in names and b"content-length" in names:
+                self.framing_fault = "Content-Length and Transfer-Encoding both sent: the body length is ambiguous."
+            elif b"transfer-encoding" in names and event.http_version == b"1.0":
+                self.framing_fault = "Transfer-Encoding in an HTTP/1.0 request: the body length is ambiguous."
+            if self.framing_fault is not None:
+                raise h11.RemoteProtocolError(self.framing_fault)
+        return event
+
+
 class BoundedH11Protocol(H11Protocol):
     """One connection; `bounded()` makes the class a server uses, with its limits and its counts."""
 
     limits: ClassVar[HTTPLimits]
     refusals: ClassVar[ConnectionRefusals]
+    conn: FramingCheckedConnection
     # This server's connections waiting for a request, the longest-waiting first: those with part
     # of one in (of its head, or its head and part of its body), and those with nothing yet (new, or
     # between two requests).
@@ -90,6 +126,7 @@ class BoundedH11Protocol(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.conn = FramingCheckedConnection(h11.SERVER, self.limits.max_head_bytes)
         self._head_deadline: asyncio.TimerHandle | None = None
         self._reading_body = False  # its request head is in, its body is still arriving
 
@@ -136,8 +173,11 @@ class BoundedH11Protocol(H11Protocol):
             self._wait_for_head()
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to any head h11 refused: 431 when it is the size."""
-        if len(self.conn.trailing_data[0]) > self.limits.max_head_bytes:
+        """uvicorn's answer to any head h11 refused: 431 when it is the size, ours to an ambiguous body length."""
+        if self.conn.framing_fault is not None:  # the head is in: h11 now waits for its body
+            self._stop_waiting()
+            self._refuse("ambiguous_framing", 400, self.conn.framing_fault)
+        elif len(self.conn.trailing_data[0]) > self.limits.max_head_bytes:
             self._refuse_too_large()
         else:
             self.refusals.count("malformed_head")
@@ -192,7 +232,11 @@ class BoundedH11Protocol(H11Protocol):
             "request from %s refused (%d %s): %s", self.peer, status, reason, message, extra={"rate_key": reason}
         )
         body = message.encode()
-        headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]
+        headers = [
+            (b"content-type", b"text/plain; charset=utf-8"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
         if retry_after is not None:
             headers.append((b"retry-after", str(retry_after).encode()))
         try:

@@ -360,6 +360,91 @@ def test_an_endless_header_line_costs_other_clients_nothing(fuzz_shim):
     assert fuzz_shim.complete(max_tokens=2).status_code == 200
 
 
+def answer_until_closed(connection: socket.socket, timeout: float = 5.0) -> tuple[bytes, bool]:
+    """Everything the server sends, and whether it then closed the connection (within `timeout`)."""
+    connection.settimeout(timeout)
+    answer = b""
+    try:
+        while chunk := connection.recv(4096):
+            answer += chunk
+    except TimeoutError:
+        return answer, False
+    return answer, True
+
+
+def completion_request(framing: str) -> bytes:
+    body = json.dumps({"model": MODEL_NAME, "prompt": "In the beginning", "max_tokens": 2}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    if framing == "chunked":
+        return head + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    return head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+def served(shim: Shim) -> float:
+    return sample_sum(shim.metrics(), "layerwatch_requests_total")
+
+
+SMUGGLED = completion_request("content-length")
+# A proxy that frames by Content-Length forwards all of it as one request; h11 read it chunked, then
+# answered SMUGGLED as a second request of the proxy's connection (docs/reliability.md).
+LENGTH_AND_CHUNKED = [
+    b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n" % (5 + len(SMUGGLED)),
+    b"transfer-encoding: chunked\r\ncontent-length: %d\r\n" % (5 + len(SMUGGLED)),
+]
+
+
+@pytest.mark.parametrize(
+    "version,framing,fault",
+    [
+        (b"1.1", LENGTH_AND_CHUNKED[0], b"Content-Length and Transfer-Encoding both sent"),
+        (b"1.1", LENGTH_AND_CHUNKED[1], b"Content-Length and Transfer-Encoding both sent"),
+        (b"1.0", b"Transfer-Encoding: chunked\r\n", b"Transfer-Encoding in an HTTP/1.0 request"),
+    ],
+    ids=["length-then-chunked", "chunked-then-length", "chunked-in-http-1.0"],
+)
+def test_a_request_whose_body_length_is_ambiguous_gets_400_and_the_connection_closed(
+    fuzz_shim, version, framing, fault
+):
+    """Request smuggling (RFC 9112, 6.1 and 6.3): h11 read Content-Length with Transfer-Encoding as
+    chunked and kept the connection, answering what followed the empty chunked body as a second
+    request. Now the head alone is answered 400, then the connection closed: nothing reaches the app."""
+    refusals = refused(fuzz_shim, "ambiguous_framing"), refused(fuzz_shim, "malformed_head")
+    requests = served(fuzz_shim)
+    head = b"POST /v1/completions HTTP/" + version + b"\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with socket.create_connection(("127.0.0.1", fuzz_shim.port), timeout=10) as connection:
+        connection.sendall(head + framing + b"\r\n0\r\n\r\n" + SMUGGLED)
+        answer, closed = answer_until_closed(connection)
+    status, _, rest = answer.partition(b"\r\n")
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert status == b"HTTP/1.1 400 " and closed, answer
+    assert b"connection: close" in headers.lower().split(b"\r\n"), answer
+    assert body == fault + b": the body length is ambiguous.", answer  # and SMUGGLED never answered
+    assert (refused(fuzz_shim, "ambiguous_framing"), refused(fuzz_shim, "malformed_head")) == (
+        refusals[0] + 1,
+        refusals[1],
+    )
+    assert served(fuzz_shim) == requests
+
+
+def test_chunked_and_length_framed_requests_are_served_on_one_kept_connection(fuzz_shim):
+    """What the refusal above must leave alone: each framing on its own, one after the other."""
+    requests = served(fuzz_shim)
+    with socket.create_connection(("127.0.0.1", fuzz_shim.port), timeout=30) as connection:
+        for framing in ("chunked", "content-length"):
+            connection.sendall(completion_request(framing))
+            answer = b""
+            while not (answer.startswith(b"HTTP/1.1 ") and answer.endswith(b"}")):  # a small JSON answer
+                chunk = connection.recv(4096)
+                assert chunk, f"connection closed after {answer!r}"
+                answer += chunk
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200"), answer
+            assert json.loads(body)["usage"]["completion_tokens"] == 2
+        answer, closed = answer_until_closed(connection, timeout=0.5)
+    assert (answer, closed) == (b"", False)  # still open, nothing more sent
+    assert served(fuzz_shim) == requests + 2
+
+
 @pytest.fixture(scope="module")
 def few_files_shim(tiny_checkpoint, tmp_path_factory) -> Iterator[Shim]:
     """A shim allowed 256 open files, which lowers --max-connections to fit them (192), with
