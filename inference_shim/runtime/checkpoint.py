@@ -20,7 +20,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from inference_shim.runtime.model import ACTIVATIONS, ModelConfig, Transformer, rope_inverse_frequencies
+from inference_shim.runtime.model import (
+    ACTIVATIONS,
+    ModelConfig,
+    Transformer,
+    non_finite_problem,
+    rope_inverse_frequencies,
+)
 from inference_shim.runtime.tokenizer import Tokenizer, TokenizerError
 
 CONFIG_FILE = "config.json"
@@ -395,7 +401,7 @@ def _load_weights(
                             f"{path}: tensor {name!r} has shape {list(shape)}, "
                             f"expected {list(expected[name])} from {CONFIG_FILE}"
                         )
-                    state[name] = reader.get_tensor(name).to(device=device, dtype=dtype)
+                    state[name] = _finite_weight(path, name, reader.get_tensor(name), device, dtype)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from exc
     missing = [name for name in expected if name not in state]
@@ -404,6 +410,21 @@ def _load_weights(
     for name, parts in fused_names.items():
         state.update(zip(parts, state.pop(name).split(split_rows[name]), strict=True))
     return state
+
+
+def _finite_weight(
+    path: Path, name: str, stored: torch.Tensor, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """`stored` on the model's device and dtype, refused if it holds NaN or infinite values: they
+    would make every answer's logits NaN. Conversion keeps NaN and inf and can only add inf, so one
+    pass over the converted tensor finds both; the stored one is looked at again only to say which
+    it was (as float64, which holds every value of the narrower dtypes, float8 too, and which torch
+    reduces: float8 it does not)."""
+    converted = stored.to(device=device, dtype=dtype)
+    problem = non_finite_problem(name, converted, converted_to=dtype)
+    if problem is None:
+        return converted
+    raise CheckpointError(f"{path}: {non_finite_problem(name, stored.double()) or problem}")
 
 
 def _build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device) -> Transformer:

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as serialize_tensors
 
-from inference_shim.runtime.model import FAMILY_FIELDS, GateBank, Transformer
+from inference_shim.runtime.model import FAMILY_FIELDS, GateBank, Transformer, non_finite_problem
 from layerwatch.skip_policy import SKIP_RULES, SkipPolicyConfig, is_threshold
 
 GATES_FILE = "gates.safetensors"  # a checkpoint folder's gate file, when none is named
@@ -141,10 +141,10 @@ def load_gates(path: str | Path, model: Transformer) -> LoadedGates:
         gates.load_state_dict(tensors, strict=True)
     except RuntimeError as exc:  # missing/unexpected names or wrong shapes
         raise GateFileError(f"{path}: tensors do not form a gate bank: {exc}") from exc
-    _check_finite(path, tensors, "")
+    _check_finite(path, tensors)
     placed = _placed(gates, model)
     # Finite fp32 weights can still overflow a float16 model's dtype.
-    _check_finite(path, placed.state_dict(), f" once converted to the model's {model.embed_tokens.weight.dtype}")
+    _check_finite(path, placed.state_dict(), converted_to=model.embed_tokens.weight.dtype)
     return LoadedGates(gates=placed, metadata=metadata, sha256=hashlib.sha256(data).hexdigest())
 
 
@@ -174,12 +174,12 @@ def _read_bounded(path: Path, max_bytes: int) -> bytes:
     return data
 
 
-def _check_finite(path: Path, tensors: dict[str, torch.Tensor], where: str) -> None:
+def _check_finite(path: Path, tensors: dict[str, torch.Tensor], converted_to: torch.dtype | None = None) -> None:
     """NaN or infinite gate weights make every score NaN: refused, naming the first such tensor."""
     for name, tensor in tensors.items():
-        bad = int((~torch.isfinite(tensor)).sum())
-        if bad:
-            raise GateFileError(f"{path}: tensor {name} holds {bad} NaN or infinite value(s){where}")
+        problem = non_finite_problem(name, tensor, converted_to)
+        if problem:
+            raise GateFileError(f"{path}: {problem}")
 
 
 def reset_gates(model: Transformer, seed: int) -> LoadedGates:

@@ -228,6 +228,45 @@ def test_unexpected_tensor_means_a_mismatched_config(folder):
     expect_error(folder, "model.safetensors", "unexpected tensor 'model.layers.3.")
 
 
+def poison(path: Path, name: str, *values: float, stored: torch.dtype = torch.float32) -> None:
+    """Write `values` into the first entries of tensor `name` in the safetensors file at `path`,
+    the tensor stored as `stored`."""
+    state = load_file(path)
+    state[name].view(-1)[: len(values)] = torch.tensor(values)
+    state[name] = state[name].to(stored)
+    save_file(state, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "value, stored",
+    [
+        (float("nan"), torch.float32),
+        (float("inf"), torch.float32),
+        (float("-inf"), torch.float32),
+        (float("inf"), torch.float8_e5m2),  # torch's min/max and isfinite take no float8
+    ],
+    ids=["nan", "inf", "-inf", "float8-inf"],
+)
+def test_non_finite_weights_are_refused_naming_file_tensor_and_count(folder, value, stored):
+    # Such a checkpoint served, every answer a 500 (docs/reliability.md).
+    poison(folder / "model.safetensors", "model.layers.2.mlp.down_proj.weight", value, 0.5, value, stored=stored)
+    message = expect_error(
+        folder, "model.safetensors: tensor model.layers.2.mlp.down_proj.weight holds 2 NaN or infinite value(s)"
+    )
+    assert "once converted" not in message
+
+
+@pytest.mark.parametrize("dtype, value", [(torch.float16, 1e5), (torch.bfloat16, 3.4e38)], ids=["float16", "bfloat16"])
+def test_weights_that_overflow_the_model_dtype_are_refused(folder, dtype, value):
+    poison(folder / "model.safetensors", "model.norm.weight", value)
+    load_checkpoint(folder)  # finite in float32
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(folder, dtype=dtype)
+    message = str(caught.value)
+    expected = "tensor model.norm.weight holds 1 NaN or infinite value(s) once converted to the model's"
+    assert message.endswith(f"model.safetensors: {expected} {dtype}"), message
+
+
 def sharded(folder: Path) -> Path:
     """Split model.safetensors into two shards with an index."""
     state = load_file(folder / "model.safetensors")
@@ -248,6 +287,14 @@ def test_sharded_folder_loads(folder):
     expected = load_checkpoint(folder).model.state_dict()
     got = load_checkpoint(sharded(folder)).model.state_dict()
     assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+def test_non_finite_weights_in_a_shard_name_the_shard(folder):
+    name, shard = "model.layers.3.self_attn.q_proj.weight", "model-00002-of-00002.safetensors"
+    weight_map = json.loads((sharded(folder) / "model.safetensors.index.json").read_text())["weight_map"]
+    assert weight_map[name] == shard  # the second shard: not only the first file is checked
+    poison(folder / shard, name, float("nan"))
+    expect_error(folder, f"{shard}: tensor {name} holds 1 NaN")
 
 
 def test_missing_shard(folder):

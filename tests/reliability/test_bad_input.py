@@ -618,6 +618,16 @@ def gates_of_another_model(folder: Path) -> str:
     return "gates.safetensors"
 
 
+def nan_weight(folder: Path) -> str:
+    # Off the gates' fingerprint sample (model_fingerprint), so only the weight check can refuse it:
+    # before it, serve started and answered every request 500.
+    path = folder / "model.safetensors"
+    state = load_file(path)
+    state["model.layers.1.mlp.down_proj.weight"].view(-1)[1] = float("nan")
+    save_file(state, path, metadata={"format": "pt"})
+    return "model.safetensors"
+
+
 def config_not_json(folder: Path) -> str:
     (folder / "config.json").write_text('{"hidden_size": 32,')
     return "config.json"
@@ -626,7 +636,7 @@ def config_not_json(folder: Path) -> str:
 # One subprocess per case is ~2 s of CPU: the command line is shown refusing a few, each of another
 # kind; every other way a file can be broken goes through the same loaders, and those are tested in
 # process (tests/model/test_checkpoint.py, tests/model/test_gates.py), messages included.
-BREAKAGES = [truncated_weights, gates_of_another_model, config_not_json]
+BREAKAGES = [truncated_weights, nan_weight, gates_of_another_model, config_not_json]
 
 
 def rewrite_gates(folder: Path, tensor_change=None, **metadata_changes) -> str:
