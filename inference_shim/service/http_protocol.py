@@ -240,11 +240,10 @@ class BoundedH11Protocol(H11Protocol):
         if retry_after is not None:
             headers.append((b"retry-after", str(retry_after).encode()))
         try:
-            data = self.conn.send(h11.Response(status_code=status, headers=headers))
-            data += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
-        except h11.LocalProtocolError:  # a response already begun: nothing but closing is left
-            data = b""
-        self.transport.write(data)
+            self.transport.write(self.conn.send(h11.Response(status_code=status, headers=headers)))
+            self.transport.write(self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage()))
+        except h11.LocalProtocolError:  # a response already begun, or the body of one to HEAD: closing is left
+            pass
         self.transport.close()
 
     @property

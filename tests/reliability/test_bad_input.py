@@ -426,6 +426,17 @@ def test_a_request_whose_body_length_is_ambiguous_gets_400_and_the_connection_cl
     assert served(fuzz_shim) == requests
 
 
+def test_an_ambiguous_head_request_gets_the_400_head(fuzz_shim):
+    """h11 sends no body in an answer to HEAD: the whole refusal was dropped, the connection closed mute."""
+    refusals = refused(fuzz_shim, "ambiguous_framing")
+    with socket.create_connection(("127.0.0.1", fuzz_shim.port), timeout=10) as connection:
+        connection.sendall(b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n" + LENGTH_AND_CHUNKED[0] + b"\r\n0\r\n\r\n")
+        answer, closed = answer_until_closed(connection)
+    assert answer.startswith(b"HTTP/1.1 400 ") and answer.endswith(b"\r\n\r\n") and closed, answer
+    assert b"\r\ncontent-length: 77\r\n" in answer, answer  # the GET answer's body length, as RFC 9110 9.3.2 asks
+    assert refused(fuzz_shim, "ambiguous_framing") == refusals + 1
+
+
 def test_chunked_and_length_framed_requests_are_served_on_one_kept_connection(fuzz_shim):
     """What the refusal above must leave alone: each framing on its own, one after the other."""
     requests = served(fuzz_shim)
