@@ -418,13 +418,12 @@ def _finite_weight(
     """`stored` on the model's device and dtype, refused if it holds NaN or infinite values: they
     would make every answer's logits NaN. Conversion keeps NaN and inf and can only add inf, so one
     pass over the converted tensor finds both; the stored one is looked at again only to say which
-    it was (as float64, which holds every value of the narrower dtypes, float8 too, and which torch
-    reduces: float8 it does not)."""
+    it was."""
     converted = stored.to(device=device, dtype=dtype)
     problem = non_finite_problem(name, converted, converted_to=dtype)
     if problem is None:
         return converted
-    raise CheckpointError(f"{path}: {non_finite_problem(name, stored.double()) or problem}")
+    raise CheckpointError(f"{path}: {non_finite_problem(name, stored) or problem}")
 
 
 def _build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device) -> Transformer:

@@ -130,9 +130,13 @@ def non_finite_problem(name: str, tensor: torch.Tensor, converted_to: torch.dtyp
     says the values were finite before their conversion to that dtype (float32 1e5 is inf in float16).
 
     A min/max reduction finds them (NaN propagates through it) in a tenth of the time of a finite
-    mask, without allocating one; they are counted only once found."""
-    if tensor.numel() == 0:
+    mask, without allocating one; they are counted only once found. Integers and booleans are
+    finite; float8, which torch reduces not (nor tests with isfinite), is looked at as float32,
+    which holds each of its values."""
+    if tensor.numel() == 0 or not tensor.is_floating_point():
         return None
+    if tensor.element_size() == 1:
+        tensor = tensor.float()
     low, high = torch.aminmax(tensor)
     if bool(low.isfinite() & high.isfinite()):
         return None

@@ -144,11 +144,7 @@ class BoundedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self in self.idle or (self in self.arriving and not self._reading_body):
             # h11 bounds an incomplete head only: one that comes whole in a read passes at any size.
-            pending = self.conn.trailing_data[0] + data
-            end = _HEAD_END.search(pending)
-            if (end.start() if end else len(pending)) > self.limits.max_head_bytes:
-                self._stop_waiting()
-                self._refuse_too_large()
+            if self._head_too_large(self.conn.trailing_data[0] + data):
                 return
             if self in self.idle:  # its head begins
                 del self.idle[self]
@@ -156,6 +152,9 @@ class BoundedH11Protocol(H11Protocol):
         super().data_received(data)
 
     def handle_events(self) -> None:
+        # A head pipelined behind the request just answered, read with it: parsed only now, and whole.
+        if self.conn.their_state is h11.IDLE and self._head_too_large(self.conn.trailing_data[0]):
+            return
         super().handle_events()
         if self.conn.their_state is h11.SEND_BODY:  # its head is in: no head deadline, still arriving
             self._reading_body = True
@@ -222,6 +221,15 @@ class BoundedH11Protocol(H11Protocol):
         else:
             self.transport.close()  # nothing sent: as a keep-alive timeout
 
+    def _head_too_large(self, pending: bytes) -> bool:
+        """Whether the request head beginning `pending` is over the bound: then refused, 431."""
+        end = _HEAD_END.search(pending)
+        if (end.start() if end else len(pending)) <= self.limits.max_head_bytes:
+            return False
+        self._stop_waiting()
+        self._refuse_too_large()
+        return True
+
     def _refuse_too_large(self) -> None:
         self._refuse("head_too_large", 431, f"Request line and headers over {self.limits.max_head_bytes} bytes.")
 
@@ -240,11 +248,10 @@ class BoundedH11Protocol(H11Protocol):
         if retry_after is not None:
             headers.append((b"retry-after", str(retry_after).encode()))
         try:
-            data = self.conn.send(h11.Response(status_code=status, headers=headers))
-            data += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
-        except h11.LocalProtocolError:  # a response already begun: nothing but closing is left
-            data = b""
-        self.transport.write(data)
+            self.transport.write(self.conn.send(h11.Response(status_code=status, headers=headers)))
+            self.transport.write(self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage()))
+        except h11.LocalProtocolError:  # a response already begun, or the body of one to HEAD: closing is left
+            pass
         self.transport.close()
 
     @property

@@ -333,7 +333,13 @@ def test_a_request_head_over_the_size_bound_gets_431_at_once(fuzz_shim):
     long_path = b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
     assert raw_status(fuzz_shim.port, big_header) == 431
     assert raw_status(fuzz_shim.port, long_path) == 431
-    assert refused(fuzz_shim, "head_too_large") == before + 2
+    # Behind a small request in the same read: h11 parsed it whole once the first was answered (a 404)
+    with socket.create_connection(("127.0.0.1", fuzz_shim.port), timeout=10) as connection:
+        connection.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" + big_header)
+        answer, closed = answer_until_closed(connection)
+    statuses = [line for line in answer.split(b"\r\n") if b"HTTP/1.1 " in line]
+    assert statuses == [b"HTTP/1.1 200 OK", b'{"status":"ok"}HTTP/1.1 431 '] and closed, answer
+    assert refused(fuzz_shim, "head_too_large") == before + 3
     within = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 8_000 + b"\r\n\r\n"
     assert raw_status(fuzz_shim.port, within) == 200
 
@@ -424,6 +430,17 @@ def test_a_request_whose_body_length_is_ambiguous_gets_400_and_the_connection_cl
         refusals[1],
     )
     assert served(fuzz_shim) == requests
+
+
+def test_an_ambiguous_head_request_gets_the_400_head(fuzz_shim):
+    """h11 sends no body in an answer to HEAD: the whole refusal was dropped, the connection closed mute."""
+    refusals = refused(fuzz_shim, "ambiguous_framing")
+    with socket.create_connection(("127.0.0.1", fuzz_shim.port), timeout=10) as connection:
+        connection.sendall(b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n" + LENGTH_AND_CHUNKED[0] + b"\r\n0\r\n\r\n")
+        answer, closed = answer_until_closed(connection)
+    assert answer.startswith(b"HTTP/1.1 400 ") and answer.endswith(b"\r\n\r\n") and closed, answer
+    assert b"\r\ncontent-length: 77\r\n" in answer, answer  # the GET answer's body length, as RFC 9110 9.3.2 asks
+    assert refused(fuzz_shim, "ambiguous_framing") == refusals + 1
 
 
 def test_chunked_and_length_framed_requests_are_served_on_one_kept_connection(fuzz_shim):
