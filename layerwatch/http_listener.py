@@ -33,16 +33,19 @@ import logging
 import re
 import socket
 import threading
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from http import HTTPStatus
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from layerwatch import ports
 from layerwatch.log_limit import limit_rate
 
 log = limit_rate(logging.getLogger(__name__))
+T = TypeVar("T")
 
 # What the listener refuses on its own, as Handler.refused hears it.
 REFUSALS = (
@@ -158,6 +161,8 @@ class Listener:
     def __init__(self, sock: socket.socket, handler: Handler, limits: Limits, name: str) -> None:
         self._socket, self._handler, self._limits, self._name = sock, handler, limits, name
         self._connections: dict[_Connection, None] = {}  # in the order they opened: the oldest first
+        self._open: set[_Connection] = set()  # every connection, admitted or not, until its task ends
+        self._stopping = False
         self._loop = asyncio.new_event_loop()
         self._pool = ThreadPoolExecutor(limits.workers, thread_name_prefix=f"{name}-worker")
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -203,12 +208,24 @@ class Listener:
         try:
             self._loop.run_forever()
         finally:
+            self._stopping = True
+            # No more accepts, but the server closed only once the connections accepted already have
+            # their transports: Python 3.11 leaks the socket of one made after (Server._attach asserts).
+            self._loop.remove_reader(self._socket.fileno())
+            self._end_every_task(ticker)
             server.close()
-            pending = [c.task for c in self._connections if c.task is not None] + ([ticker] if ticker else [])
-            for task in pending:
-                task.cancel()
-            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self._loop.close()
+
+    def _end_every_task(self, ticker: asyncio.Task | None) -> None:
+        """Cancels every connection (each ends without raising: _serve) and the ticker, and runs the
+        loop until no task is left: a connection accepted in the loop's last turn, whose task has not
+        run yet, ends at once when it does (a task left pending would be logged as destroyed, its
+        socket left open)."""
+        while tasks := asyncio.all_tasks(self._loop):
+            for task in [*(c.task for c in self._open), ticker]:
+                if task is not None:
+                    task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
 
     async def _tick(self) -> None:
         while True:
@@ -221,8 +238,12 @@ class Listener:
     # --- one connection ---------------------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._stopping:  # accepted as the listener stopped
+            writer.transport.abort()
+            return
         peer = str((writer.get_extra_info("peername") or ("?",))[0])
         connection = _Connection(peer, asyncio.current_task())
+        self._open.add(connection)
         try:
             if self._admit(connection):
                 await self._exchange(reader, writer, connection)
@@ -231,7 +252,7 @@ class Listener:
                 self._refuse(connection, refusal)
                 await self._send(writer, connection, refusal.response(("Retry-After", "1")))
             writer.close()
-            await asyncio.wait_for(writer.wait_closed(), self._limits.write_timeout)
+            await _within(writer.wait_closed(), self._limits.write_timeout)
         except asyncio.CancelledError:
             # Not raised on: asyncio's stream callback reads a cancelled task's exception() and
             # logs that as a traceback (Python 3.11), whether the listener stops or made room.
@@ -241,6 +262,7 @@ class Listener:
             pass  # the client went away, or did not take its answer in time
         finally:
             self._connections.pop(connection, None)
+            self._open.discard(connection)
             writer.transport.abort()  # a no-op after an orderly close
 
     def _admit(self, connection: _Connection) -> bool:
@@ -272,7 +294,7 @@ class Listener:
     ) -> Response:
         limits = self._limits
         try:
-            raw = await asyncio.wait_for(reader.readuntil(_HEAD_END), limits.head_timeout)
+            raw = await _within(reader.readuntil(_HEAD_END), limits.head_timeout)
         except asyncio.LimitOverrunError:
             message = f"request line and headers over {limits.max_head_bytes} bytes"
             raise _Refused("head_too_large", 431, message) from None
@@ -287,7 +309,7 @@ class Listener:
         if length and head.headers.get("expect", "").lower() == "100-continue":  # curl waits 1 s for it
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
-            body = await asyncio.wait_for(reader.readexactly(length), limits.body_timeout)
+            body = await _within(reader.readexactly(length), limits.body_timeout)
         except TimeoutError:
             raise _Refused("body_timeout", 408, f"body not received within {limits.body_timeout:g} s") from None
         return await self._loop.run_in_executor(self._pool, self._guarded, self._handler.answer, Request(head, body))
@@ -316,7 +338,7 @@ class Listener:
     async def _send(self, writer: asyncio.StreamWriter, connection: _Connection, response: Response) -> None:
         writer.write(response.encode())
         connection.busy, connection.answered = False, True
-        await asyncio.wait_for(writer.drain(), self._limits.write_timeout)
+        await _within(writer.drain(), self._limits.write_timeout)
 
     async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Half-close, then drain what the client still sends for a moment: closing a socket with
@@ -328,6 +350,14 @@ class Listener:
                 drained = 0
                 while drained < LINGER_BYTES and (chunk := await reader.read(LINGER_BYTES)):
                     drained += len(chunk)
+
+
+async def _within(awaitable: Awaitable[T], seconds: float) -> T:
+    """asyncio.wait_for, less its flaw in Python 3.11: a cancellation that arrives as `awaitable`
+    completes is lost there (its result returned, the task going on), while the listener relies on
+    every cancellation ending the connection (a stop waits for them all, an eviction frees a place)."""
+    async with asyncio.timeout(seconds):
+        return await awaitable
 
 
 def _parse_head(raw: bytes, peer: str) -> RequestHead:

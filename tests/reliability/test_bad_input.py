@@ -42,6 +42,7 @@ from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_g
 from inference_shim.service.http_protocol import BoundedH11Protocol, ConnectionRefusals, HTTPLimits
 from layerwatch.wire import GateFrame, encode_frame
 from tests.reliability.conftest import LAYERWATCH, MODEL_NAME, QUIET_ENV, Shim, sample_sum
+from tests.reliability.test_load import wait_for_frames
 from tests.service.conftest import tiny_gates, tiny_model
 from tests.slow_clients import EndlessHeader, Trickler
 
@@ -589,9 +590,8 @@ def test_hostile_datagrams_do_not_disturb_the_shims_accounting(make_shim, export
     report = run_load(shim.url, MODEL_NAME, duration=3.0, concurrency=3, max_tokens=8, seed=2)
     stop.set()
     sprayer.join()
-    time.sleep(0.5)
     assert report.by_status == {200: report.requests}
-    shim_samples, exporter_samples = shim.metrics(), exporter.metrics()
+    shim_samples, exporter_samples = wait_for_frames(shim, exporter)  # not a fixed wait: UDP in flight
     sent = sample_sum(shim_samples, "layerwatch_telemetry_frames_sent_total")
     assert sample_sum(exporter_samples, "layerwatch_exporter_frames_received_total", model_name=MODEL_NAME) == sent
     assert sample_sum(exporter_samples, "layerwatch_exporter_frames_lost_total") == 0

@@ -25,7 +25,7 @@ from inference_shim.service.depth import (
     request_position,
 )
 from tests.service.conftest import MODEL_NAME, sample_sum
-from tests.service.test_shadow import settled
+from tests.service.test_shadow import checks_done, settled
 
 SHORT = "In"  # BOS + 1 token
 LONG = "In the beginning God created the heaven and the earth."  # well over 8 tokens
@@ -244,7 +244,7 @@ def test_full_depth_decisions_are_not_shadow_checked(in_process):
     server = in_process(shadow_rate=1.0, request_threshold_range=(0.0, 1.0))
     complete(server.base_url, skip_threshold=0.0)  # full depth, by the request field
     complete(server.base_url)  # the served tau
-    tokens, *_ = settled(server)
+    tokens, *_ = checks_done(server, 1)
     assert tokens == 16  # the gated request's alone
 
 

@@ -32,6 +32,7 @@ from inference_shim.service.shim import ServeSettings, ShimService
 from layerwatch.catalog import GATE_LAYER_SAMPLES
 from layerwatch.gate_importance import LayerSignalStats, average_ranks_rows, spearman, spearman_rows
 from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum, tiny_gates, uniform_record
+from tests.service.test_shadow import checks_done
 
 # --- Spearman's rank correlation ------------------------------------------------------------------------
 
@@ -306,7 +307,8 @@ def test_live_shim_measures_each_shadow_checked_token_on_every_layer(server):  #
     before = server.metrics()
     body = {"model": MODEL_NAME, "prompt": "the face of the deep", "max_tokens": 12, "temperature": 0}
     httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30).raise_for_status()
-    checked = settled(server, "layerwatch_shadow_tokens_total") - tokens_before
+    checks_done(server, sample_sum(before, "layerwatch_shadow_requests_total", outcome="checked") + 1)
+    checked = sample_sum(server.metrics(), "layerwatch_shadow_tokens_total") - tokens_before
     after = server.metrics()
     assert checked == 12
     for layer in map(str, range(NUM_LAYERS)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import re
@@ -478,6 +479,59 @@ def test_stopping_with_connections_open_logs_no_traceback(caplog):
         time.sleep(0.2)
     for client in (lingering, waiting, stalled):
         client.close()
+    assert not caplog.records, caplog.text
+
+
+class _LoopStaller(http_listener.Handler):
+    """Holds the listener's event loop in `screen` (which runs on it) for the first request, as a
+    loaded machine may: whatever arrives meanwhile is handled in the loop's turn after it."""
+
+    def __init__(self) -> None:
+        self.stalled, self.release = threading.Event(), threading.Event()
+
+    def screen(self, head):
+        if not self.stalled.is_set():
+            self.stalled.set()
+            self.release.wait(10)
+        return None
+
+
+def test_a_stop_in_the_same_loop_turn_as_new_input_ends_every_connection_at_once(caplog):
+    """A stop that lands in the loop's turn with connections just accepted, and with a head just
+    completed, must end them all at once: before, the accepted ones were left as pending tasks,
+    their sockets open ("Task was destroyed but it is pending!" or Python 3.11's Server._attach
+    assertion, silently), and the head's reader swallowed its cancellation (asyncio.wait_for) so
+    that stop() waited for its body's whole timeout."""
+    caplog.set_level(logging.ERROR)
+    handler = _LoopStaller()
+    limits = dataclasses.replace(mitigation_receiver.LIMITS, body_timeout=20.0)
+    listener = http_listener.Listener(reserve(("127.0.0.1", 0)), handler, limits, "stall-test")
+    listener.start()
+    address = listener.address
+    half_head = socket.create_connection(address, timeout=10)
+    half_head.sendall(b"POST / HTTP/1.1\r\nContent-Length: 5\r\n")
+    time.sleep(0.2)  # its head is being read (detection only: a later read is the accepted case)
+    staller = socket.create_connection(address, timeout=10)
+    staller.sendall(b"GET / HTTP/1.1\r\n\r\n")
+    assert handler.stalled.wait(10)
+    arrived = [socket.create_connection(address, timeout=10) for _ in range(8)]  # accepted by the kernel
+    half_head.sendall(b"\r\n")
+    stopper = threading.Thread(target=listener.stop)
+    started = time.monotonic()
+    stopper.start()
+    stopper.join(0.3)  # stop() has asked the loop to stop: it comes in the turn after the stall
+    handler.release.set()
+    stopper.join(30)
+    took = time.monotonic() - started
+    clients = [half_head, staller, *arrived]
+    for client in clients:
+        client.settimeout(5)
+        with contextlib.suppress(ConnectionResetError):
+            while client.recv(4096):
+                pass  # the socket is closed, not left open: recv ends, it does not time out
+        client.close()
+    assert took < 5, f"stop() took {took:.1f} s"
+    gc.collect()  # a task left pending is logged when it is collected
     assert not caplog.records, caplog.text
 
 

@@ -90,6 +90,18 @@ def settled(server, timeout: float = 30.0) -> tuple[float, ...]:
     raise TimeoutError("shadow counters kept moving")
 
 
+def checks_done(server, checked: float, timeout: float = 30.0) -> tuple[float, ...]:
+    """Shadow counters once `checked` requests in all count as checked: the checks run in the engine
+    thread after their requests, as long as a loaded machine makes them take (counters unchanged
+    for 0.5 s, as settled() sees them, is no proof that none is running), and a check's counters
+    move before its request counts as checked (ShadowMetrics.observe)."""
+    deadline = time.monotonic() + timeout
+    while sample_sum(metrics := server.metrics(), "layerwatch_shadow_requests_total", outcome="checked") < checked:
+        assert time.monotonic() < deadline, f"fewer than {checked:g} requests shadow-checked within {timeout:g} s"
+        time.sleep(0.05)
+    return tuple(sample_sum(metrics, name) for name in SHADOW_COUNTERS)
+
+
 SAMPLED_BODIES = (  # what chat clients send: no greedy request among them
     {"temperature": 1.0},
     {"temperature": 0.7},
@@ -109,7 +121,9 @@ def test_live_server_checks_sampled_requests_and_measures_their_layers(server): 
         body = {"model": MODEL_NAME, "prompt": f"the lazy dog {i}", "max_tokens": 10 + i, "seed": i, **sampling}
         response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
         generated += response.raise_for_status().json()["usage"]["completion_tokens"]
-    tokens, agreements, kl, reverse = (a - b for a, b in zip(settled(server), before))
+    checked_before = sample_sum(metrics_before, "layerwatch_shadow_requests_total", outcome="checked")
+    done = checks_done(server, checked_before + len(SAMPLED_BODIES))
+    tokens, agreements, kl, reverse = (a - b for a, b in zip(done, before))
     after = server.metrics()
     assert tokens == generated == sum(10 + i for i in range(len(SAMPLED_BODIES)))
     assert 0 <= agreements <= tokens
