@@ -142,17 +142,15 @@ class BoundedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self in self.idle or (self in self.arriving and not self._reading_body):
-            # h11 bounds an incomplete head only: one that comes whole in a read passes at any size.
-            if self._head_too_large(self.conn.trailing_data[0] + data):
-                return
-            if self in self.idle:  # its head begins
-                del self.idle[self]
-                self.arriving[self] = None
+        if self in self.idle:  # its head begins
+            del self.idle[self]
+            self.arriving[self] = None
         super().data_received(data)
 
     def handle_events(self) -> None:
-        # A head pipelined behind the request just answered, read with it: parsed only now, and whole.
+        # h11 bounds an incomplete head only: one that comes whole in a read passes at any size, so
+        # each head is measured before h11 parses it: as it arrives, and one pipelined behind the
+        # request just answered when its turn comes.
         if self.conn.their_state is h11.IDLE and self._head_too_large(self.conn.trailing_data[0]):
             return
         super().handle_events()
