@@ -161,8 +161,8 @@ class Listener:
     def __init__(self, sock: socket.socket, handler: Handler, limits: Limits, name: str) -> None:
         self._socket, self._handler, self._limits, self._name = sock, handler, limits, name
         self._connections: dict[_Connection, None] = {}  # in the order they opened: the oldest first
-        self._open: set[_Connection] = set()  # every connection, admitted or not, until its task ends
         self._stopping = False
+        self._ticker: asyncio.Task | None = None
         self._loop = asyncio.new_event_loop()
         self._pool = ThreadPoolExecutor(limits.workers, thread_name_prefix=f"{name}-worker")
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -203,7 +203,8 @@ class Listener:
             self._serving.set()
             self._loop.close()
             return
-        ticker = self._loop.create_task(self._tick()) if self._limits.tick_seconds > 0 else None
+        # Kept: the loop holds its tasks only weakly.
+        self._ticker = self._loop.create_task(self._tick()) if self._limits.tick_seconds > 0 else None
         self._serving.set()
         try:
             self._loop.run_forever()
@@ -212,19 +213,18 @@ class Listener:
             # No more accepts, but the server closed only once the connections accepted already have
             # their transports: Python 3.11 leaks the socket of one made after (Server._attach asserts).
             self._loop.remove_reader(self._socket.fileno())
-            self._end_every_task(ticker)
+            self._end_every_task()
             server.close()
             self._loop.close()
 
-    def _end_every_task(self, ticker: asyncio.Task | None) -> None:
-        """Cancels every connection (each ends without raising: _serve) and the ticker, and runs the
-        loop until no task is left: a connection accepted in the loop's last turn, whose task has not
-        run yet, ends at once when it does (a task left pending would be logged as destroyed, its
-        socket left open)."""
+    def _end_every_task(self) -> None:
+        """Cancels the loop's tasks (every connection, admitted or not, each ending without raising:
+        _serve; and the ticker) and runs the loop until none is left: a connection accepted in the
+        loop's last turn, whose task has not run yet, ends at once when it does (a task left pending
+        would be logged as destroyed, its socket left open)."""
         while tasks := asyncio.all_tasks(self._loop):
-            for task in [*(c.task for c in self._open), ticker]:
-                if task is not None:
-                    task.cancel()
+            for task in tasks:
+                task.cancel()
             self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
 
     async def _tick(self) -> None:
@@ -243,7 +243,6 @@ class Listener:
             return
         peer = str((writer.get_extra_info("peername") or ("?",))[0])
         connection = _Connection(peer, asyncio.current_task())
-        self._open.add(connection)
         try:
             if self._admit(connection):
                 await self._exchange(reader, writer, connection)
@@ -262,7 +261,6 @@ class Listener:
             pass  # the client went away, or did not take its answer in time
         finally:
             self._connections.pop(connection, None)
-            self._open.discard(connection)
             writer.transport.abort()  # a no-op after an orderly close
 
     def _admit(self, connection: _Connection) -> bool:
