@@ -84,10 +84,18 @@ def model_fingerprint(model: Transformer) -> str:
         if name.startswith("gates."):
             continue
         flat = tensor.detach().reshape(-1)
-        picks = torch.linspace(0, flat.numel() - 1, min(flat.numel(), FINGERPRINT_SAMPLES)).long()
+        picks = _sample_indices(flat.numel(), FINGERPRINT_SAMPLES)
         sample = flat[picks.to(flat.device)].to(torch.bfloat16).view(torch.int16).cpu().numpy()
         digest.update(f"{name}:{list(tensor.shape)}:".encode() + sample.tobytes())
     return digest.hexdigest()
+
+
+def _sample_indices(numel: int, samples: int) -> torch.Tensor:
+    """`samples` evenly spaced indices into `numel` values, first and last included, in integer
+    arithmetic: float32 (torch.linspace's default) rounds numel - 1 up to numel past 2^24 elements,
+    one past the end of every real model's embedding."""
+    count = min(numel, samples)
+    return torch.arange(count, dtype=torch.int64) * (numel - 1) // max(count - 1, 1)
 
 
 def save_gates(path: str | Path, gates: GateBank, metadata: GateMetadata) -> str:

@@ -96,6 +96,17 @@ def test_fingerprint_ignores_dtype_but_not_weights(model):
     assert model_fingerprint(nudged) != fingerprint
 
 
+def test_fingerprint_of_a_tensor_past_float32_integers_samples_its_last_value():
+    # 2^16 + 1 tokens x 256 = 16,777,472 values: past 2^24, where a float32 index of the last value
+    # rounds one past the end (every real model's embedding is this large).
+    model = Transformer(tiny_config(vocab_size=2**16 + 1, hidden_size=256))
+    assert model.embed_tokens.weight.numel() > 2**24
+    fingerprint = model_fingerprint(model)
+    with torch.no_grad():
+        model.embed_tokens.weight[-1, -1] += 1.0  # the last value is always sampled
+    assert model_fingerprint(model) != fingerprint
+
+
 def test_family_features_enter_the_fingerprint_only_when_set(model):
     # The same weights computed another way (here Gemma's embedding scale) are another model; a
     # Llama's fingerprint leaves the family fields out, so the demo model's gate file still loads.
