@@ -87,6 +87,15 @@ class DeviceTensor:
         raise TypeError("can't convert cuda:0 device type tensor to numpy")
 
 
+class RaisingEquality:
+    """An element whose comparison raises: what an object array's np.isin calls."""
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("not comparable")
+
+    __hash__ = object.__hash__
+
+
 def test_a_batch_arrives_as_the_frames_the_exporter_decodes(receiver):
     scores, skipped = batch(3)
     with GateFrameSender(receiver.address, "my-engine", LAYERS, 0.5) as sender:
@@ -153,6 +162,10 @@ def test_a_shim_id_names_the_sequence_space_and_a_key_tags_every_frame(receiver)
         (np.full((2, LAYERS), 0.5), np.full((2, LAYERS), 2), "only 0/1"),
         # Hostile review 2, H7: float32 kept the real part (a ComplexWarning) and the frame was sent.
         (np.full((2, LAYERS), 0.5 + 0.5j), np.zeros((2, LAYERS), bool), "scores must be real numbers, got complex"),
+        # Hostile review 4 (issue 31), 6: np.isin's TypeError, and the elements' own __eq__, escaped send.
+        (np.full((1, LAYERS), 0.5), np.zeros((1, LAYERS), [("bit", "i1")]), "booleans or 0/1 numbers, got dtype"),
+        (np.full((1, LAYERS), 0.5), np.zeros((1, LAYERS), "V1"), "booleans or 0/1 numbers, got dtype"),
+        (np.full((1, LAYERS), 0.5), np.full((1, LAYERS), RaisingEquality()), "booleans or 0/1 numbers, got dtype"),
     ],
     ids=[
         "shapes-differ",
@@ -164,6 +177,9 @@ def test_a_shim_id_names_the_sequence_space_and_a_key_tags_every_frame(receiver)
         "above-1",
         "bits",
         "complex",
+        "structured",
+        "void",
+        "object-raising-eq",
     ],
 )
 def test_a_bad_array_is_a_counted_drop_and_a_log_line_not_an_exception(receiver, caplog, scores, skipped, why):
