@@ -128,6 +128,9 @@ def test_a_batch_arrives_as_the_frames_the_exporter_decodes(receiver):
         (("127.0.0.1:0", "m", LAYERS, 0.5), ValueError, "port 0 can only be listened on"),
         # Hostile review 2, H6: socket.gaierror (an OSError) from the lookup. .invalid never resolves (RFC 6761).
         (("example.invalid:9", "m", LAYERS, 0.5), ValueError, "exporter address 'example.invalid:9': cannot resolve"),
+        # Hostile review 4 (issue 31), 7: connect's OSError escaped (EACCES for broadcast, EINVAL without a zone).
+        (("255.255.255.255:9", "m", LAYERS, 0.5), ValueError, "'255.255.255.255:9': cannot send to '255.255.255.255'"),
+        (("[fe80::1]:9", "m", LAYERS, 0.5), ValueError, r"exporter address '\[fe80::1\]:9': cannot send to 'fe80::1'"),
     ],
 )
 def test_a_bad_argument_raises_at_construction(arguments, error, message):
