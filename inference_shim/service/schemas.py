@@ -184,7 +184,7 @@ TokenId = Annotated[int, Field(ge=0)]
 # A body that fails element by element must cost one error, not one per element: pydantic builds
 # every error of a validation (786 k for a 1 MiB "prompt": [1.5, 1.5, ...], 4.8 s and 900 MB), so
 # every list and dict of a request stops at its first bad element, and a model reports one unknown
-# field however many it was sent (RequestModel). tests/service/test_schemas.py checks every collection.
+# field however many it was sent (RequestModel). tests/service/test_bad_input.py checks every collection.
 FAIL_FAST = Field(fail_fast=True)
 
 
