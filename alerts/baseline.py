@@ -100,8 +100,12 @@ class RoutingBaseline:
 
 
 def chunk_band(values: list[float], margin: float) -> Band:
-    """[lowest - margin, highest + margin] in [0, 1]; NaN (a chunk without active layers) is ignored."""
-    low, high = np.nanmin(values), np.nanmax(values)
+    """[lowest - margin, highest + margin] in [0, 1]; NaN (a chunk without active layers) is ignored.
+    Raises ValueError when every chunk is NaN (numpy's nanmin would warn, naming a source file)."""
+    measured = [value for value in values if not math.isnan(value)]
+    if not measured:
+        raise ValueError("every gate entropy of the baseline was skipped: the entropy bands need layers that ran")
+    low, high = min(measured), max(measured)
     return Band(low=round(max(0.0, float(low) - margin), 4), high=round(min(1.0, float(high) + margin), 4))
 
 

@@ -194,7 +194,10 @@ def _convert(hint: Any, value: Any, where: str, metadata: typing.Mapping[str, An
         # YAML reads 1 as int; bool is an int subclass but never a number here.
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ProfileError(f"{where}: expected a number, got {value!r}")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer of 309 digits or more
+            raise ProfileError(f"{where}: {_digits(value)} is not a finite number") from None
         if not math.isfinite(value):  # NaN compares false with every limit: it would pass every check
             raise ProfileError(f"{where}: {value} is not a finite number")
         if metadata.get("fraction") and not 0.0 <= value <= 1.0:
@@ -203,6 +206,8 @@ def _convert(hint: Any, value: Any, where: str, metadata: typing.Mapping[str, An
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ProfileError(f"{where}: expected an integer, got {value!r}")
+        if abs(value) > MAX_EXACT_INTEGER:
+            raise ProfileError(f"{where}: {_digits(value)} {_INEXACT}")
         return value
     if hint is str:
         if not isinstance(value, str):
@@ -217,7 +222,19 @@ def _key(hint: Any, key: Any, where: str) -> Any:
         return str(key)
     if isinstance(key, bool) or not isinstance(key, int) or key < 0:
         raise ProfileError(f"{where}: key {key!r} is not a layer number (an integer >= 0)")
+    if key > MAX_EXACT_INTEGER:
+        raise ProfileError(f"{where}: key {_digits(key)} {_INEXACT}")
     return key
+
+
+# Prometheus holds every number as a float64, which holds integers exactly up to 2**53 only: a
+# larger one would not be the number written (and 401 digits were an OverflowError traceback).
+MAX_EXACT_INTEGER = 2**53
+_INEXACT = f"is more than a float64 holds exactly ({MAX_EXACT_INTEGER})"
+
+
+def _digits(value: int) -> str:
+    return f"an integer of {len(str(abs(value)))} digits"  # (not its hundreds of digits in one line)
 
 
 # --- checks across fields -----------------------------------------------------------------------

@@ -36,10 +36,22 @@ def render_screen(url: str, beside: Callable[[str], list[str]] | None = None, wi
         f"lost {total(samples, 'layerwatch_exporter_frames_lost_total'):,.0f}"
     )
     if not models:
-        return header + "\n\nno gate frames received yet"
-    return "\n\n".join(
-        [header]
-        + [format_report(model_report(samples, model), beside(model) if beside else (), width) for model in models]
+        return terminal_text(header + "\n\nno gate frames received yet")
+    return terminal_text(
+        "\n\n".join(
+            [header]
+            + [format_report(model_report(samples, model), beside(model) if beside else (), width) for model in models]
+        )
+    )
+
+
+def terminal_text(text: str) -> str:
+    """`text` with every character a terminal would act on, but the line break, shown as its escape
+    (`\\x1b`): label values come from whatever answers at --url (and Prometheus), and an escape
+    sequence in one would retitle or clear the reader's terminal."""
+    return "\n".join(
+        line if line.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+        for line in text.split("\n")
     )
 
 

@@ -124,7 +124,11 @@ class GateFrameSender:
             raise ValueError(f"exporter address {address!r}: cannot resolve {host!r} ({exc.strerror})") from None
         self._socket = socket.socket(family, kind, proto)
         self._socket.setblocking(False)
-        self._socket.connect(sockaddr)
+        try:
+            self._socket.connect(sockaddr)
+        except OSError as exc:  # a broadcast address (EACCES), a link-local one without its zone (EINVAL)
+            self._socket.close()
+            raise ValueError(f"exporter address {address!r}: cannot send to {host!r} ({exc.strerror})") from None
         self.model_name = model_name
         self.shim_id = shim_id
         self.num_layers = int(num_layers)

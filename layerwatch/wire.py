@@ -148,6 +148,10 @@ def check_gate_arrays(entropies: np.ndarray, skipped: np.ndarray) -> tuple[np.nd
     if skipped.shape != entropies.shape:
         raise ValueError(f"skipped has shape {skipped.shape}, entropies {entropies.shape}")
     if skipped.dtype != np.bool_:
+        # Numbers only: np.isin raises TypeError on a structured array, and an object array compares
+        # by its elements' own __eq__, which may raise anything (GateFrameSender.send never raises).
+        if skipped.dtype.kind not in "iuf":
+            raise ValueError(f"skipped must hold booleans or 0/1 numbers, got dtype {skipped.dtype}")
         if not np.isin(skipped, (0, 1)).all():
             raise ValueError("skipped must hold only 0/1 or booleans")
         skipped = skipped.astype(bool)

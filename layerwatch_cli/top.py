@@ -12,13 +12,12 @@ import os
 import shutil
 import sys
 import time
-import urllib.error
 from collections.abc import Callable
 
 from alerts.durations import Timing
 from alerts.profile_file import PROFILES_DIR, ProfileError, load_profiles
 from demo.alert_view import AlertView
-from exporter.live_view import CLEAR_SCREEN, render_screen
+from exporter.live_view import CLEAR_SCREEN, render_screen, terminal_text
 from layerwatch import argtypes
 from layerwatch.ports import EXPORTER_HTTP_PORT, LOOPBACK
 
@@ -63,19 +62,25 @@ def run(args: argparse.Namespace) -> int:
         beside: Callable[[str], list[str]] | None = view.snapshot().lines if view is not None else None
         return render_screen(args.url, beside, shutil.get_terminal_size().columns)
 
+    def unreadable(exc: Exception) -> str:
+        # A page that does not parse, or lacks a series every exporter page has, is a ValueError or a
+        # LookupError from the reading; its message may quote the page's labels.
+        why = exc if isinstance(exc, OSError) else f"not a layerwatch exporter's page ({exc})"
+        return terminal_text(f"layerwatch top: cannot read {args.url}/metrics: {why}")
+
     if args.once:
         try:
             print(screen())
-        except (urllib.error.URLError, OSError) as exc:
-            print(f"layerwatch top: cannot read {args.url}/metrics: {exc}", file=sys.stderr)
+        except (OSError, ValueError, LookupError) as exc:  # (urllib's URLError is an OSError)
+            print(unreadable(exc), file=sys.stderr)
             return 1
         return 0
     try:
         while True:
             try:
                 text = screen()
-            except (urllib.error.URLError, OSError) as exc:
-                text = f"layerwatch top: cannot read {args.url}/metrics: {exc} (retrying)"
+            except (OSError, ValueError, LookupError) as exc:
+                text = unreadable(exc) + " (retrying)"
             sys.stdout.write(CLEAR_SCREEN + text + "\n")
             sys.stdout.flush()
             time.sleep(args.interval)  # until a stop signal (Ctrl-C, the terminal closing: signals.py)

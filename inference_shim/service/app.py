@@ -179,7 +179,7 @@ def _tokenizer_routes(app: FastAPI, service: ShimService) -> None:
     async def detokenize(request: Request) -> JSONResponse:
         limits = service.limits
         data = await read_json_body(request, limits.max_body_bytes, limits.body_timeout_seconds)
-        body = parse_request(Detokenize, data)
+        body = await asyncio.to_thread(parse_request, Detokenize, data)
         check_model(service, body.model)
         check_token_ids(body.tokens, service.model.config.vocab_size, "tokens")
         if len(body.tokens) > limits.max_model_len:

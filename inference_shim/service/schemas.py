@@ -178,25 +178,39 @@ Text = Annotated[str, AfterValidator(_encodable)]
 # Strict: "5" is not a number and "yes" not a boolean; a field the model does not declare is refused.
 STRICT = ConfigDict(extra="forbid", strict=True)
 
+TokenId = Annotated[int, Field(ge=0)]
 
-class NullIsAbsent(BaseModel):
-    """OpenAI allows null for its optional fields (the openai client sends `temperature=None` as
-    null): null means absent, so the field's default applies. A required field stays required."""
+
+# A body that fails element by element must cost one error, not one per element: pydantic builds
+# every error of a validation (786 k for a 1 MiB "prompt": [1.5, 1.5, ...], 4.8 s and 900 MB), so
+# every list and dict of a request stops at its first bad element, and a model reports one unknown
+# field however many it was sent (RequestModel). tests/service/test_bad_input.py checks every collection.
+FAIL_FAST = Field(fail_fast=True)
+
+
+class RequestModel(BaseModel):
+    """A part of a request body. OpenAI allows null for its optional fields (the openai client sends
+    `temperature=None` as null): null means absent, so the field's default applies; a required field
+    stays required. Of the fields the model does not know, only the first is kept, so that it is
+    refused once (extra="forbid"), not once per field."""
+
+    model_config = STRICT
 
     @model_validator(mode="before")
     @classmethod
-    def _drop_nulls(cls, data: Any) -> Any:
+    def _drop_nulls_and_all_but_one_unknown(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        fields = cls.model_fields
+        unknown = next((name for name in data if name not in fields), None)
         return {
             name: value
             for name, value in data.items()
-            if value is not None or name not in cls.model_fields or cls.model_fields[name].is_required()
+            if name == unknown or (name in fields and (value is not None or fields[name].is_required()))
         }
 
 
-class StreamOptions(NullIsAbsent):
-    model_config = STRICT
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage
 
@@ -212,12 +226,10 @@ MAX_BAD_WORD_CHARS = 1024
 MAX_TOKEN_ID_DIGITS = 18  # a longer logit_bias key is no token id of any vocabulary
 
 
-class SamplingFields(NullIsAbsent):
+class SamplingFields(RequestModel):
     """What completions and chat share. A field the model does not declare is refused, and so are
     the known ones this server does not implement, at values that would change the result
     (`parse_request`); the accepted ones are honoured (docs/service.md has the table)."""
-
-    model_config = STRICT
 
     model: Text
     max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: only with completions' echo
@@ -225,18 +237,20 @@ class SamplingFields(NullIsAbsent):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    stop: Text | list[Text] | None = None
+    stop: Text | Annotated[list[Text], FAIL_FAST] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     best_of: int | None = None
     presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]], FAIL_FAST] | None
+    ) = None
     ignore_eos: bool = False  # vLLM's: run to the token limit through EOS (benchmark clients send it)
     # vLLM's token bans (the engine's SamplingParams), and token ids in place of token texts in logprobs
-    bad_words: list[Text] | None = None
-    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    bad_words: Annotated[list[Text], FAIL_FAST] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1), FAIL_FAST] | None = None
     return_tokens_as_token_ids: bool = False
     user: Text | None = None  # OpenAI's end-user id for abuse monitoring: no effect on the result
     # layerwatch's: this request's skip threshold, within the operator's range (service/depth.py checks it)
@@ -361,7 +375,12 @@ def refuse_unsupported(data: dict[str, Any], unsupported: Mapping[str, Unsupport
 
 class CompletionRequest(SamplingFields):
     # One prompt or several; each a string or token ids (as lm-eval and vLLM send them).
-    prompt: Text | list[Text] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+    prompt: (
+        Text
+        | Annotated[list[Text], FAIL_FAST]
+        | Annotated[list[TokenId], FAIL_FAST]
+        | Annotated[list[Annotated[list[TokenId], FAIL_FAST]], FAIL_FAST]
+    )
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's special tokens (BOS)
@@ -382,16 +401,14 @@ class CompletionRequest(SamplingFields):
         return cast("list[str | list[int]]", self.prompt)
 
 
-class TextPart(BaseModel):
-    model_config = STRICT
+class TextPart(RequestModel):
     type: Literal["text"]
     text: Text
 
 
-class ChatMessage(NullIsAbsent):
-    model_config = STRICT
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    content: Text | Annotated[list[TextPart], FAIL_FAST]
     # Handed to the chat template as transformers hands them (reasoning under each of its names)
     name: Text | None = None
     reasoning_content: Text | None = None
@@ -405,16 +422,15 @@ class ChatMessage(NullIsAbsent):
         return {**self.model_dump(exclude={"content"}, exclude_none=True), "content": self.text()}
 
 
-class ChatTemplateFields(NullIsAbsent):
+class ChatTemplateFields(RequestModel):
     """How a conversation becomes the prompt (vLLM's fields): chat and /tokenize take them alike."""
 
-    model_config = STRICT
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1), FAIL_FAST]
     add_generation_prompt: bool | None = None  # default: true, unless continue_final_message
     continue_final_message: bool = False
     add_special_tokens: bool | None = None  # default: the template's own (`Tokenizer.encode_chat_prompt`)
-    documents: list[dict[str, Text]] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    documents: Annotated[list[Annotated[dict[str, Text], FAIL_FAST]], FAIL_FAST] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any], FAIL_FAST] | None = None
 
     @model_validator(mode="after")
     def _generation_prompt_or_continuation(self) -> ChatTemplateFields:
@@ -430,7 +446,7 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # OpenAI's, with no effect on the result (tools, which parallel_tool_calls is about, are refused)
-    metadata: dict[str, Text] | None = None
+    metadata: Annotated[dict[str, Text], FAIL_FAST] | None = None
     parallel_tool_calls: bool | None = None
     prompt_cache_key: Text | None = None
     safety_identifier: Text | None = None
@@ -446,8 +462,7 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
 # --- tokenizer routes (vLLM's /tokenize and /detokenize) -----------------------------------------------
 
 
-class TokenizeCompletion(NullIsAbsent):
-    model_config = STRICT
+class TokenizeCompletion(RequestModel):
     model: Text | None = None
     prompt: Text
     add_special_tokens: bool = True
@@ -459,7 +474,6 @@ class TokenizeChat(ChatTemplateFields):
     return_token_strs: bool = False
 
 
-class Detokenize(NullIsAbsent):
-    model_config = STRICT
+class Detokenize(RequestModel):
     model: Text | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: Annotated[list[TokenId], FAIL_FAST]

@@ -374,18 +374,19 @@ class ShimService:
     ) -> None:
         """Where the decode steps go (gate frames, the trace file) and the audit trail."""
         shim_id = settings.shim_id or default_shim_id()
-        self.sender = (
-            GateFrameSender(
-                settings.exporter_address,
-                self.model_name,
-                num_layers,
-                self.policy.threshold,
-                shim_id=shim_id,
-                key=frame_key,
-            )
-            if settings.exporter_address
-            else None
-        )
+        self.sender: GateFrameSender | None = None
+        if settings.exporter_address:
+            try:
+                self.sender = GateFrameSender(
+                    settings.exporter_address,
+                    self.model_name,
+                    num_layers,
+                    self.policy.threshold,
+                    shim_id=shim_id,
+                    key=frame_key,
+                )
+            except ValueError as exc:  # its message names the address or the shim id it refused
+                raise ValueError(f"gate frames (--exporter-address, --shim-id): {exc}") from None
         self.trace = (
             TraceWriter(settings.trace_file, settings.trace_max_bytes, threshold=self.policy.threshold)
             if settings.trace_file

@@ -133,18 +133,29 @@ class GenerateObserver:
                 for i, layer in enumerate(self.layers)
             ),
         ]
-        # The class's generate, bound; the instance attribute below shadows it until close().
-        self._generate: Callable[..., Any] | None = cast(Any, model).generate
+        # The generate this one wraps (the class's, or an observer's made before), bound; the instance
+        # attribute below shadows it until close(), which puts back what it replaced.
+        self._generate: Callable[..., Any] = cast(Any, model).generate
+        self._replaced = model.__dict__.get("generate")
+        self._closed = False
         cast(Any, model).generate = self._observed_generate
 
     def close(self) -> None:
-        """Remove the hooks and restore `model.generate`."""
+        """Remove the hooks and give `model.generate` back. Observers may be closed in any order: one
+        closed under another still open passes its calls through until that one is closed too."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if self.model.__dict__.get("generate") == self._observed_generate:
+        self._closed = True
+        if self.model.__dict__.get("generate") != self._observed_generate:
+            return  # an observer made after this one wraps it: that one's close() skips this one
+        restored = self._replaced
+        while isinstance(below := getattr(restored, "__self__", None), GenerateObserver) and below._closed:
+            restored = below._replaced
+        if restored is None:
             del self.model.generate
-        self._generate = None
+        else:
+            cast(Any, self.model).generate = restored
 
     def __enter__(self) -> Self:
         return self
@@ -155,8 +166,8 @@ class GenerateObserver:
     # --- generate() and its forwards ---------------------------------------------------------------
 
     def _observed_generate(self, *args: Any, **kwargs: Any) -> Any:
-        assert self._generate is not None
-        if self._generation is not None:  # generate() inside generate() (an assistant model): not a step
+        # Closed (under an observer still open), or generate() inside generate() (an assistant model): not a step
+        if self._closed or self._generation is not None:
             return self._generate(*args, **kwargs)
         self._generation = _Generation(self._end_of_sequence_ids(kwargs))
         try:

@@ -11,7 +11,9 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -188,6 +190,57 @@ def test_top_shows_histogram_verdict_and_statistics(start_exporter) -> None:
         unreadable = [line for line in top.stdout.splitlines() if "Prometheus http://127.0.0.1:9: not readable" in line]
         assert len(unreadable) == 2, top.stdout  # one per model
         assert all(("0.00-0.05" in line) == beside for line in unreadable), top.stdout
+
+
+class StaticPage:
+    """A loopback HTTP server answering every GET with one page: what `top --url` may be pointed at."""
+
+    def __init__(self, page: str) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = page.encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def __enter__(self) -> StaticPage:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_top_shows_a_pages_escape_sequences_escaped_and_refuses_a_page_it_cannot_read() -> None:
+    # Hostile review 4 (issue 31), 10: label values reached the terminal raw (retitled, cleared it),
+    # and a page without layerwatch_entropy_zero_total was a traceback carrying the raw escape.
+    hostile = "demo\x1b]0;owned\x07\x1b[2J"
+    page = GOLDEN_METRICS.read_text().replace('model_name="demo"', f'model_name="{hostile}"')
+    with StaticPage(page) as server:
+        top = subprocess.run(
+            [*LAYERWATCH_COMMAND, "top", "--url", server.url, "--once"], capture_output=True, text=True
+        )
+    assert top.returncode == 0, top.stderr
+    assert "\x1b" not in top.stdout and "\x07" not in top.stdout
+    assert r"demo\x1b]0;owned\x07\x1b[2J: bimodal  (6,000 observations, window 6,000)" in top.stdout
+
+    without_zeros = "".join(line for line in page.splitlines(True) if "layerwatch_entropy_zero_total" not in line)
+    with StaticPage(without_zeros) as server:
+        top = subprocess.run(
+            [*LAYERWATCH_COMMAND, "top", "--url", server.url, "--once"], capture_output=True, text=True
+        )
+    assert top.returncode == 1 and "Traceback" not in top.stderr and "\x1b" not in top.stderr, top.stderr
+    (line,) = top.stderr.splitlines()
+    assert line.startswith(f"layerwatch top: cannot read {server.url}/metrics: not a layerwatch exporter's page")
+    assert r"demo\x1b]0;owned\x07\x1b[2J: no layerwatch_entropy_zero_total" in line
 
 
 def test_top_reports_an_unreachable_exporter() -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from alerts.baseline import build_profile
 from alerts.profile import GateImportance
 from alerts.profile_file import load_profile
+from demo.processes import LAYERWATCH_COMMAND
 from layerwatch.trace import TraceWriter
 from layerwatch_cli.main import main
 
@@ -79,6 +81,25 @@ def test_a_trace_that_makes_no_single_baseline_is_refused(tmp_path, capsys, line
     assert main(["calibrate-trace", str(trace), "--out", str(tmp_path / "p.yaml"), *extra]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "p.yaml").exists()
+
+
+@pytest.mark.parametrize("scores", ["all-zero", "healthy"])
+def test_a_trace_whose_every_layer_was_skipped_is_refused_in_one_line(tmp_path, scores):
+    # Hostile review 4 (issue 31), 11: numpy's "RuntimeWarning: All-NaN axis encountered", with a
+    # source path, came before the exit-2 message.
+    rows = np.zeros((600, LAYERS), np.float32) if scores == "all-zero" else healthy_rows(600)[0]
+    trace = write_trace(tmp_path / "t.jsonl", "a", rows, np.ones(rows.shape, bool))
+    refused = subprocess.run(
+        [*LAYERWATCH_COMMAND, "calibrate-trace", str(trace), "--out", str(tmp_path / "p.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2
+    assert refused.stderr == (
+        "layerwatch calibrate-trace: every gate entropy of the baseline was skipped: "
+        "the entropy bands need layers that ran\n"
+    )
 
 
 def test_a_trace_without_a_threshold_takes_the_flags(tmp_path):

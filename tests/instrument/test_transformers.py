@@ -144,6 +144,31 @@ def test_a_callable_adapter_and_close_leave_the_model_as_it_was(router_model, tm
     assert watch.rows == 8
 
 
+@pytest.mark.parametrize("closed_first", ["inner", "outer"])
+def test_nested_observers_closed_in_either_order_each_publish_until_closed(router_model, tmp_path, closed_first):
+    # Hostile review 4 (issue 31), 8: closing the inner one deleted model.generate, the outer one's
+    # wrapper with it, and the outer one published nothing; closing the outer one first broke generate.
+    batch = prompts(2, 4, seed=5)
+
+    def generate() -> None:
+        router_model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=2, do_sample=False)
+
+    outer, inner = (
+        observe(router_model, READ_ROUTERS, trace=TraceWriter(tmp_path / f"{name}.jsonl", 1 << 20), model_name=name)
+        for name in ("outer", "inner")
+    )
+    generate()
+    assert (outer.rows, inner.rows) == (4, 4)
+    first, second = (inner, outer) if closed_first == "inner" else (outer, inner)
+    first.close()
+    generate()
+    assert (first.rows, second.rows) == (4, 8)
+    second.close()
+    generate()
+    assert (first.rows, second.rows) == (4, 8)
+    assert "generate" not in router_model.__dict__ and not router_model._forward_hooks
+
+
 def test_a_misfitting_sender_or_adapter_is_refused_clearly(router_model, tmp_path):
     with pytest.raises(ValueError, match="the sender expects 6 layers, the model has 4"):
         observe(router_model, READ_ROUTERS, sender=GateFrameSender("127.0.0.1:9", "m", 6, 0.5))

@@ -131,6 +131,9 @@ def test_serve_takes_the_cutoff_from_the_served_models_profile(tmp_path):
     # Issue 27, item 8: these stopped serve at start with a traceback (UnicodeDecodeError, RecursionError).
     (tmp_path / "latin-1.yaml").write_bytes("model_name: café\n".encode("latin-1"))
     (tmp_path / "deep.yaml").write_text("model_name: " + "[" * 5000 + "]" * 5000)
+    # Hostile review 4 (issue 31), 9: and this with OverflowError.
+    demo_text = (PROFILES_DIR / "demo.yaml").read_text()
+    (tmp_path / "huge.yaml").write_text(demo_text.replace("threshold: 0.18", "threshold: " + "9" * 401))
     (tmp_path / "z-demo.yaml").write_bytes((PROFILES_DIR / "demo.yaml").read_bytes())  # sorted after them
     found = profile_runaway_fraction(ServeSettings(model_dir=Path("x"), model_name=DEMO_MODEL_NAME), tmp_path)
     assert found == (demo.request_tail.runaway_skip_fraction, str(tmp_path / "z-demo.yaml"))

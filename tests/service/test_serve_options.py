@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -139,6 +140,15 @@ WATCH_REFUSED = r"--gates-watch-seconds must be 0 \(never\) or a number from 0.1
 def test_queue_drain_and_watch_settings_out_of_range_are_refused(tiny_checkpoint, override, message):
     with pytest.raises(ValueError, match=message):
         ShimService.load(ServeSettings(model_dir=tiny_checkpoint.path, exporter_address="", **override))
+
+
+@pytest.mark.parametrize("address", ["255.255.255.255:9410", "[fe80::1]:9410"])
+def test_an_exporter_address_frames_cannot_be_sent_to_is_refused_naming_the_flag(tiny_checkpoint, address):
+    # Hostile review 4 (issue 31), 7: connect's OSError ("[Errno 13] Permission denied") named nothing.
+    host = address.rpartition(":")[0].strip("[]")
+    message = rf"--exporter-address, --shim-id\): exporter address '{re.escape(address)}': cannot send to '{host}'"
+    with pytest.raises(ValueError, match=message):
+        ShimService.load(ServeSettings(model_dir=tiny_checkpoint.path, exporter_address=address))
 
 
 @pytest.mark.parametrize(

@@ -157,6 +157,14 @@ def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
             "must be 1..",
         ),
         ({"skip_surge_factor": float("nan")}, "skip_surge_factor", "not a finite number"),
+        # Hostile review 4 (issue 31), 9: float() raised OverflowError, past serve's and generate's ProfileError.
+        ({"threshold": 10**400}, "threshold", "an integer of 401 digits is not a finite number"),
+        ({"patience": 10**400}, "patience", "an integer of 401 digits is more than a float64 holds exactly"),
+        (
+            {"gate_importance": {"layer_baselines": {2**53 + 1: 0.1}, "layer_floors": {2**53 + 1: 0.0}}},
+            "gate_importance: layer_baselines: key an integer of 16 digits",
+            "more than a float64 holds exactly",
+        ),
         ({"runaway_fallbacks_per_minute": float("inf")}, "runaway_fallbacks_per_minute", "not a finite number"),
         (
             {"routing": {"share_floor": 0.7, "static_layers": [], "token_dependent_share": 0.6}},
