@@ -50,6 +50,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--once", action="store_true", help="print one view without terminal control codes and exit")
 
 
+def no_exporter(url: str, exc: Exception) -> str:
+    """What a reader without an exporter needs: which one to start, on which address."""
+    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    return (
+        f"layerwatch top: cannot read {url}/metrics: {reason}. Is an exporter running there? Start one with "
+        f"`layerwatch exporter` (--http HOST:PORT for another address), or the whole demo with `scripts/demo.sh`"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     view = None
     if args.prometheus:
@@ -67,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             print(screen())
         except (urllib.error.URLError, OSError) as exc:
-            print(f"layerwatch top: cannot read {args.url}/metrics: {exc}", file=sys.stderr)
+            print(no_exporter(args.url, exc), file=sys.stderr)
             return 1
         return 0
     try:
@@ -75,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 text = screen()
             except (urllib.error.URLError, OSError) as exc:
-                text = f"layerwatch top: cannot read {args.url}/metrics: {exc} (retrying)"
+                text = f"{no_exporter(args.url, exc)} (retrying every {args.interval:g} s)"
             sys.stdout.write(CLEAR_SCREEN + text + "\n")
             sys.stdout.flush()
             time.sleep(args.interval)  # until a stop signal (Ctrl-C, the terminal closing: signals.py)

@@ -164,3 +164,29 @@ def test_every_argument_parser_of_the_repository_refuses_abbreviations():
                 if keywords.get("allow_abbrev") != "False":
                     lenient.append(f"{path.relative_to(root)}:{node.lineno}")
     assert lenient == []
+
+
+def test_top_without_an_exporter_says_what_to_start():
+    """Found by a newcomer (issue 34): `top` retried forever, 'Connection refused (retrying)', naming nothing
+    to start. A bound socket that does not listen refuses connections, as a port nobody serves does."""
+    import signal
+    import socket
+
+    from demo.processes import LAYERWATCH_COMMAND
+
+    with socket.socket() as unserved:
+        unserved.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{unserved.getsockname()[1]}"
+        once = subprocess.run([*LAYERWATCH_COMMAND, "top", "--once", "--url", url], capture_output=True, text=True)
+        running = subprocess.Popen(
+            [*LAYERWATCH_COMMAND, "top", "--url", url, "--interval", "0.2"], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            screen = running.stdout.readline() + running.stdout.readline()  # type: ignore[union-attr]
+        finally:
+            running.send_signal(signal.SIGTERM)
+            running.communicate(timeout=30)
+    start = "Start one with `layerwatch exporter` (--http HOST:PORT for another address), or the whole demo with "
+    assert once.returncode == 1 and once.stderr.count("\n") == 1, once.stderr
+    assert f"cannot read {url}/metrics: [Errno 111] Connection refused. " in once.stderr and start in once.stderr
+    assert start in screen and screen.rstrip().endswith("`scripts/demo.sh` (retrying every 0.2 s)"), screen
