@@ -81,7 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workdir",
         default=None,
         help="where configs, logs and the Prometheus and Alertmanager data go (those two start empty every run; "
-        "default: a temporary folder)",
+        "default: a temporary folder, removed when the demo ends)",
+    )
+    parser.add_argument(
+        "--keep-workdir",
+        action="store_true",
+        help="keep the temporary folder when the demo ends, and print where it is (a --workdir, and the folder "
+        "of a demo that failed, are always kept)",
     )
 
 
@@ -92,8 +98,10 @@ def run(args: argparse.Namespace) -> int:
         why = "--no-prometheus was given" if args.no_prometheus else f"they are not installed: {INSTALL_HINT}"
         print(f"layerwatch demo: --drill needs Prometheus and Alertmanager to page; {why}", file=sys.stderr)
         return 2
+    temporary = args.workdir is None
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="layerwatch-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    failed = False
     stack = DemoStack(workdir)
     receiver = WebhookReceiver() if monitoring else None
     stop = threading.Event()
@@ -129,7 +137,10 @@ def run(args: argparse.Namespace) -> int:
             lines.append("prometheus         off (--no-prometheus): no rule is evaluated, no alert can fire")
         else:
             lines.append(f"prometheus         not installed: no rule is evaluated, no alert can fire ({INSTALL_HINT})")
-        lines.append(f"logs and configs   {workdir}")
+        removed = (
+            " (removed when the demo ends; --keep-workdir keeps it)" if temporary and not args.keep_workdir else ""
+        )
+        lines.append(f"logs and configs   {workdir}{removed}")
         banner = "\n".join(lines)
         print(banner, flush=True)
 
@@ -147,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         interrupted = True
         raise
     except (RuntimeError, TimeoutError, ProfileError) as exc:
+        failed = True
         _say(f"layerwatch demo: {exc}", sys.stderr)
         return 1
     finally:
@@ -155,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
         if receiver is not None:
             receiver.close()
         _say("layerwatch demo: stopped every process it started.")
+        if temporary and not args.keep_workdir and not failed:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:  # the failed demo's logs say why
+            _say(f"layerwatch demo: logs and configs kept in {workdir}")
         if interrupted and drill_run is not None:  # its time to page, if it paged, before the exit by the signal
             _drill_verdict(drill_run, interrupted)
     return 0 if drill_run is None else _drill_verdict(drill_run, interrupted)
