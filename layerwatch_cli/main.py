@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 from layerwatch_cli import signals
 
@@ -107,10 +108,8 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
-    def parse_known_args(  # type: ignore[override]
-        self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
-    ) -> tuple[argparse.Namespace, list[str]]:
-        namespace, unknown = super().parse_known_args(args, namespace)
+    def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:  # argparse's own overloads, passed through
+        namespace, unknown = super().parse_known_args(*args, **kwargs)
         if unknown:
             self.error(f"unrecognized arguments: {' '.join(unknown)}{self._did_you_mean(unknown)}")
         return namespace, unknown
