@@ -31,12 +31,13 @@ from demo.alert_view import AlertView
 from demo.drills import DRILLS, DrillRun
 from demo.loadgen import run_load
 from demo.receiver import WebhookReceiver
-from demo.stack import TIMING, TIMING_NOTE, DemoStack, monitoring_installed
-from exporter.live_view import CLEAR_SCREEN, Samples, render_screen, scrape, total
+from demo.stack import TIMING, TIMING_NOTE, DemoStack, host_port, monitoring_installed
+from exporter.live_view import CLEAR_SCREEN, Samples, fit_view, render_samples, scrape, total
 from layerwatch import argtypes, ports
 from layerwatch_cli.signals import Stopped
 
 INSTALL_HINT = "scripts/install-system-deps.sh --demo installs them (root or sudo)"
+STOP_HINT = "(Ctrl-C stops the demo)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -226,16 +227,46 @@ def _show(
         if drill_run is not None:
             drill_run.poll()
             status = "\n".join(drill_run.status()) + "\n\n"
-        beside: Callable[[str], list[str]] | None = view.snapshot().lines if view is not None else None
+            if view is not None and drill_run.injected_at is not None:
+                view.restarting(host_port(shim_url), drill_run.injected_at)
+        size = shutil.get_terminal_size()
         try:
-            screen = render_screen(exporter_url, beside, shutil.get_terminal_size().columns)
-            if view is None:  # no Prometheus: the figures come from the shim itself
-                screen = shadow_line(scrape(shim_url)) + "\n\n" + screen
+            screen = exporter_screen(shim_url, exporter_url, view, size.columns)
+            if interactive:
+                text = frame(banner, status, screen, size.columns, size.lines)
+            else:
+                text = status + screen(False) + "\n"
         except OSError as exc:
-            screen = f"shim or exporter not readable yet: {exc}"
-        if interactive:
-            sys.stdout.write(CLEAR_SCREEN + banner + "\n\n" + status + screen + "\n\n(Ctrl-C stops the demo)\n")
-        else:
-            sys.stdout.write(status + screen + "\n\n")
+            text = f"shim or exporter not readable yet: {exc}\n"
+        sys.stdout.write((CLEAR_SCREEN if interactive else "") + text + "\n")
         sys.stdout.flush()
         time.sleep(min(args.interval, max(0.0, deadline - time.monotonic())))
+
+
+def exporter_screen(shim_url: str, exporter_url: str, view: AlertView | None, columns: int) -> Callable[[bool], str]:
+    """The model's part of the screen, read once: rendered with the histogram in place, or
+    (`histogram_last`) below the alert state, for a short terminal."""
+    samples = scrape(exporter_url)
+    clock = time.strftime("%H:%M:%S")
+    if view is None:  # no Prometheus: the figures come from the shim itself
+        shadow = shadow_line(scrape(shim_url)) + "\n\n"
+        return lambda histogram_last: (
+            shadow + render_samples(samples, exporter_url, clock, width=columns, histogram_last=histogram_last)
+        )
+    beside = view.snapshot().lines
+    return lambda histogram_last: render_samples(
+        samples,
+        exporter_url,
+        clock,
+        beside,
+        columns,
+        expected_static=view.expected_static,
+        histogram_last=histogram_last,
+    )
+
+
+def frame(banner: str, status: str, screen: Callable[[bool], str], columns: int, rows: int) -> str:
+    """One refresh of a terminal of `columns` × `rows`; in a small one (80 × 24) the banner goes (it
+    was printed once at the start) and the drill's status and the alert state stay in sight."""
+    whole = banner + "\n\n" + status + screen(False) + "\n\n" + STOP_HINT
+    return fit_view(whole, lambda: status + screen(True), columns, rows)

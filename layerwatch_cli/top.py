@@ -18,7 +18,7 @@ from collections.abc import Callable
 from alerts.durations import Timing
 from alerts.profile_file import PROFILES_DIR, ProfileError, load_profiles
 from demo.alert_view import AlertView
-from exporter.live_view import CLEAR_SCREEN, render_screen
+from exporter.live_view import CLEAR_SCREEN, fit_view, render_samples, scrape
 from layerwatch import argtypes
 from layerwatch.ports import EXPORTER_HTTP_PORT, LOOPBACK
 
@@ -68,13 +68,24 @@ def run(args: argparse.Namespace) -> int:
             print(f"layerwatch top: {exc}", file=sys.stderr)
             return 2
 
-    def screen() -> str:
+    def screen(fit: bool) -> str:
+        """The view, read once; with `fit`, fitted to the terminal (exporter/live_view.py)."""
+        samples = scrape(args.url)
         beside: Callable[[str], list[str]] | None = view.snapshot().lines if view is not None else None
-        return render_screen(args.url, beside, shutil.get_terminal_size().columns)
+        expected = view.expected_static if view is not None else None
+        size = shutil.get_terminal_size()
+
+        def render(histogram_last: bool) -> str:
+            clock = time.strftime("%H:%M:%S")
+            return render_samples(
+                samples, args.url, clock, beside, size.columns, expected_static=expected, histogram_last=histogram_last
+            )
+
+        return fit_view(render(False), lambda: render(True), size.columns, size.lines) if fit else render(False)
 
     if args.once:
         try:
-            print(screen())
+            print(screen(fit=False))
         except (urllib.error.URLError, OSError) as exc:
             print(no_exporter(args.url, exc), file=sys.stderr)
             return 1
@@ -82,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         while True:
             try:
-                text = screen()
+                text = screen(fit=True)
             except (urllib.error.URLError, OSError) as exc:
                 text = f"{no_exporter(args.url, exc)} (retrying every {args.interval:g} s)"
             sys.stdout.write(CLEAR_SCREEN + text + "\n")
