@@ -206,7 +206,7 @@ def shadow_line(samples: Samples) -> str:
         f"shadow check: {checked:.0f} requests, {tokens:.0f} tokens compared with full depth; agreement "
         f"{total(samples, 'layerwatch_shadow_agreements_total') / tokens:.3f}, quality cost "
         f"{total(samples, 'layerwatch_shadow_kl_nats_total') / tokens:.4f} nats/token, estimated perplexity "
-        f"increase {math.expm1(total(samples, 'layerwatch_shadow_reverse_kl_nats_total') / tokens):+.1%}"
+        f"increase {100 * math.expm1(total(samples, 'layerwatch_shadow_reverse_kl_nats_total') / tokens):+.1f} %"
     )
 
 
