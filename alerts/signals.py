@@ -3,9 +3,10 @@
 For views that show a model's state beside its alerts (`layerwatch top --prometheus`, `layerwatch
 demo`): every entry is one PromQL query over the series the alert itself reads (alerts/specs.py,
 under the recorded names of the rendering's timing) and the profile field that holds its limit.
-Adding a figure is one entry in FIGURES (one without an alert and limit is shown for context). The
-bimodality and routing verdicts are the exporter's own and are shown with its histogram
-(exporter/live_view.py); LayerwatchTargetDown reads `up`.
+Every rule of a per-model alert that pages has its entry (its `trigger`, where the alert has
+several; tests/test_alert_view.py holds FIGURES to that), so that a page on screen always has its
+figure beside it. Adding a figure is one entry in FIGURES (one without an alert and limit is shown
+for context). LayerwatchTargetDown reads `up`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,21 @@ from dataclasses import dataclass
 
 from alerts.profile import Profile
 from alerts.recorded import Recorded
+from alerts.specs import skip_collapse_limit
+from layerwatch.statistics import DIP_ALPHA
 from mixin import config
+
+
+def _ratio(value: float) -> str:
+    return f"{value:.3f}"
+
+
+def _count(value: float) -> str:
+    return f"{value:.0f}"
+
+
+def _percent_increase(value: float) -> str:
+    return f"{100 * value:+.1f} %"
 
 
 @dataclass(frozen=True)
@@ -26,6 +41,8 @@ class Figure:
     series: Callable[[Recorded, Profile, str], str]
     limit: Callable[[Profile], float] | None  # None with no alert
     fires_below: bool  # the alert fires below the limit (else above it); the worse direction
+    trigger: str | None = None  # the `trigger` label of the alert's rule that reads it, where it has several
+    show: Callable[[float], str] = _ratio  # the value (and the limit) as the screen writes it
 
     def query(self, recorded: Recorded, profile: Profile) -> str:
         """The worst of the model's series (lowest or highest across its targets)."""
@@ -39,6 +56,17 @@ class Figure:
         return value < limit if self.fires_below else value > limit
 
 
+def _newly_static_layers(r: Recorded, p: Profile, s: str) -> str:
+    """How many layers are static that the healthy profile does not expect static: LayerwatchRoutingStatic's
+    new_static_layers rule counts the same; 0 (not absent) while the exporter reports the layers."""
+    expected = f', layer!~"{"|".join(map(str, p.routing.static_layers))}"' if p.routing.static_layers else ""
+    exporter = f"{config.EXPORTER_SELECTOR}, {s}"
+    return (
+        f"count(layerwatch_routing_layer_static{{{exporter}{expected}}} == 1)"
+        f" or (0 * max(layerwatch_routing_window_tokens{{{exporter}}}))"
+    )
+
+
 FIGURES: tuple[Figure, ...] = (
     Figure(
         "token-dependent share",
@@ -46,6 +74,31 @@ FIGURES: tuple[Figure, ...] = (
         lambda r, p, s: f"layerwatch_routing_token_dependent_share{{{config.EXPORTER_SELECTOR}, {s}}}",
         lambda p: p.routing.share_floor,
         fires_below=True,
+        trigger="share",
+    ),
+    Figure(
+        "newly static layers",
+        "LayerwatchRoutingStatic",
+        _newly_static_layers,
+        lambda p: 0.0,
+        fires_below=False,
+        trigger="new_static_layers",
+        show=_count,
+    ),
+    Figure(
+        "entropy peaks",
+        "LayerwatchEntropySinglePeak",
+        lambda r, p, s: f"layerwatch_entropy_peaks{{{config.EXPORTER_SELECTOR}, {s}}}",
+        lambda p: 2.0,  # layerwatch/statistics.py: bimodal takes two peaks and the dip test
+        fires_below=True,
+        show=_count,
+    ),
+    Figure(
+        "dip test p-value",
+        "LayerwatchEntropySinglePeak",
+        lambda r, p, s: f"layerwatch_entropy_dip_p_value{{{config.EXPORTER_SELECTOR}, {s}}}",
+        lambda p: DIP_ALPHA,
+        fires_below=False,
     ),
     Figure(
         "skip ratio",
@@ -53,6 +106,23 @@ FIGURES: tuple[Figure, ...] = (
         lambda r, p, s: f"{r.skip_ratio}{{{s}}}",
         lambda p: p.runaway_skip_ratio,
         fires_below=False,
+        trigger="skip_ratio",
+    ),
+    Figure(
+        "fallbacks per minute",
+        "LayerwatchRunawaySkipping",
+        lambda r, p, s: f"{r.fallbacks_rate}{{{s}}} * 60",
+        lambda p: p.runaway_fallbacks_per_minute,
+        fires_below=False,
+        trigger="fallbacks",
+        show=lambda v: f"{v:.1f}",
+    ),
+    Figure(
+        "skip ratio, collapse floor",
+        "LayerwatchSkippingCollapsed",
+        lambda r, p, s: f"{r.skip_ratio}{{{s}}}",
+        skip_collapse_limit,
+        fires_below=True,
     ),
     Figure(
         "zero-entropy ratio",
@@ -81,6 +151,7 @@ FIGURES: tuple[Figure, ...] = (
         lambda r, p, s: f"{r.shadow_kl_per_token}{{{s}}}",
         lambda p: p.shadow_kl_nats_max,
         fires_below=False,
+        show=lambda v: f"{v:.4f}",
     ),
     Figure(
         "est. perplexity increase",
@@ -88,6 +159,7 @@ FIGURES: tuple[Figure, ...] = (
         lambda r, p, s: f"{r.shadow_perplexity_increase}{{{s}}}",
         None,
         fires_below=False,
+        show=_percent_increase,
     ),
     Figure(
         "gate-importance correlation",
@@ -102,5 +174,6 @@ FIGURES: tuple[Figure, ...] = (
         lambda r, p, s: f"{r.telemetry_loss_ratio}{{{s}}}",
         lambda p: p.telemetry_loss_max,
         fires_below=False,
+        trigger="lost",
     ),
 )

@@ -83,7 +83,9 @@ def record(layers: int, choices: int, tokens: int, rng: np.random.Generator) -> 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--layers", type=int, default=80, help="layers of the model (80: a 70B Llama)")
     parser.add_argument("--choices", type=int, default=2)

@@ -462,7 +462,7 @@ def gpu_section(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,4,8,16", help="comma-separated batch sizes")
     parser.add_argument("--steps", type=int, default=48, help="decode steps per measurement")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions per configuration")

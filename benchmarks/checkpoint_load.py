@@ -63,7 +63,7 @@ def check_seconds(folder: Path, dtype: torch.dtype) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="16x1024", help="the random model, layers x d")
     parser.add_argument("--repeats", type=int, default=5, help="pairs per dtype")
     parser.add_argument("--dtypes", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)}")

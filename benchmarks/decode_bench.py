@@ -170,7 +170,7 @@ def skippable_share(model: Transformer, tokenizer: Tokenizer, prompt: list[int],
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=8192)

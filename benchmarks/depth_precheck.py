@@ -100,7 +100,9 @@ def prompt_scores(gated: GatedModel, windows: torch.Tensor, prefill: int, thresh
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--prefill", type=int, default=32, help="prompt tokens per window")
     parser.add_argument("--max-tokens", type=int, default=12000, help="decoded tokens in all")

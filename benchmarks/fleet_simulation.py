@@ -205,7 +205,7 @@ def shim_series(layers: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--shims", default="1,8,32,64,128", help="comma-separated fleet sizes N")
     parser.add_argument("--layers", type=int, default=80)
     parser.add_argument("--rows", type=int, default=64, help="sequences decoded per step (batch size)")

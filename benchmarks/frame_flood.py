@@ -74,7 +74,9 @@ def report(label: str, pid: int, url: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--checkout", type=Path, default=REPOSITORY, help="the exporter to run (default: this one)")
     parser.add_argument("--models", type=int, default=64, help="datagrams, each naming a new model (default 64)")
     parser.add_argument("--layers", type=int, default=WIDEST_SINGLE_ROW_LAYERS, help="layers per frame")

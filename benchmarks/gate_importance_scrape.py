@@ -62,7 +62,9 @@ def measure(layers: int, positions: int, repeats: int) -> dict[str, list[float]]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", default="16,80", help="comma-separated layer counts (default %(default)s)")
     parser.add_argument("--positions", type=int, default=24, help="decode positions per shadow pass")
     parser.add_argument("--repeats", type=int, default=30)

@@ -187,7 +187,9 @@ def span(values) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", type=Path, default=DEMO_MODEL_DIR, help="checkpoint folder with its gate file")
     parser.add_argument("--requests", type=int, default=96, help="shadow-checked requests per gate bank")
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens per request (the end-to-end load's)")

@@ -75,7 +75,9 @@ def timed(process: subprocess.Popen, work, *args) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--checkout", type=Path, default=REPOSITORY, help="the other server's code")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--healthz", type=int, default=400, help="GET /healthz per round")

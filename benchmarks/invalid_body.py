@@ -80,7 +80,7 @@ def measured(run: Callable[[], object]) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=float, default=1.0, help="size of each body in MiB")
     size = int(parser.parse_args().mib * MiB)
     print(f"{'body':32} {'bytes':>9} {'seconds':>8} {'peak MiB':>9} {'errors':>8}  400 message")

@@ -268,7 +268,9 @@ def flood_api(args: argparse.Namespace, workdir: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("attack", choices=ATTACKS)
     parser.add_argument("--clients", type=int, default=1, help="attacking connections (default 1)")
     parser.add_argument("--seconds", type=float, default=20.0, help="how long the attack lasts (default 20)")

@@ -33,7 +33,7 @@ LAYERWATCH = LAYERWATCH_COMMAND
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the demo model)")
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--concurrency", type=int, default=8)

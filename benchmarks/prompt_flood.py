@@ -31,7 +31,7 @@ SHORT_PROMPT = "In the beginning God created the heaven"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the demo model)")
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--flooders", type=int, default=8)

@@ -90,7 +90,7 @@ def victim(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--victim-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)

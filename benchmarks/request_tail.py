@@ -112,7 +112,7 @@ def report(title: str, s: dict, cutoff: float) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000, help="requests per phase")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--category-share", type=float, default=STUTTER.share)

@@ -244,7 +244,9 @@ def report(where: str, e: Estimates) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", type=Path, default=DEMO_MODEL_DIR, help="checkpoint folder with its gate file")
     parser.add_argument("--data", type=Path, default=None, help="held-out text for section 3 (skipped without)")
     parser.add_argument("--requests", type=int, default=48, help="sampled requests (sections 1 and 3)")

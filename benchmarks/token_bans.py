@@ -91,7 +91,7 @@ def sampling_cost(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the demo model)")
     parser.add_argument("--batch", type=int, default=8, help="concurrent sequences")
     parser.add_argument("--tokens", type=int, default=64, help="generated tokens per sequence")

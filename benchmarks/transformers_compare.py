@@ -65,7 +65,7 @@ def theirs(model, tokens: int) -> tuple[float, list[int]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="12x512,16x128,16x1024", help="comma-separated LAYERSxD")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per generation")
     parser.add_argument("--repeats", type=int, default=5)

@@ -105,7 +105,7 @@ def run_case(model, sender: GateFrameSender, batch_size: int, tokens: int, repea
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="8x64,16x512", help="layers x hidden size, comma-separated")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--tokens", type=int, default=64)

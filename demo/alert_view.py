@@ -22,9 +22,13 @@ from alerts.profile import Profile
 from alerts.recorded import Recorded
 from alerts.signals import FIGURES, Figure
 from demo.receiver import Notification, WebhookReceiver
+from mixin import config
 
 NOTIFICATIONS_SHOWN = 5
 TIMEOUT = 3.0  # seconds per Prometheus request: a slow one must not freeze the view
+TARGET_DOWN = "LayerwatchTargetDown"
+PAST = "  ← past the limit"
+RESTART_NOTE = "expected: the drill's restart"
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,10 @@ class Snapshot:
     error: str | None = None
     profiles: dict[str, Profile] = field(default_factory=dict)
     taken_at: float = field(default_factory=time.monotonic)
+    window: str = "5m"  # the rules' rate window, which the rate figures cover
+    # A restart the demo made on purpose: (the target's instance, when it began, monotonic). Its
+    # LayerwatchTargetDown is the restart's, not news: marked so.
+    restart: tuple[str, float] | None = None
 
     def lines(self, model: str) -> list[str]:
         if self.error is not None:
@@ -60,18 +68,30 @@ class Snapshot:
             # Which rule of the alert fired; for an alert of no model (a target down), the target.
             target = "" if "model_name" in alert.labels else alert.labels.get("instance", "")
             detail = alert.labels.get("trigger", target)
+            began = None if alert.active_for is None else self.taken_at - alert.active_for
+            if began is not None and self._restarted(alert.name, alert.labels, began):
+                detail += f" ({RESTART_NOTE})"
             lines.append(
                 f"  {alert.state.upper():8} {_age(alert.active_for):>4}  {alert.name:33} "
                 f"{alert.labels.get('severity', ''):9}{detail}".rstrip()
             )
         return lines
 
+    def _restarted(self, name: str, labels: dict[str, str], began: float) -> bool:
+        """A target down that began once the demo's own restart of that target had."""
+        if self.restart is None or name != TARGET_DOWN:
+            return False
+        instance, at = self.restart
+        return labels.get("instance") == instance and began >= at - 1.0  # 1 s: Prometheus' activeAt is rounded
+
     def _notification_lines(self, notifications: list[Notification], model: str) -> list[str]:
         lines = ["notifications delivered (Alertmanager → this demo's receiver)"]
         shown = 0
         for notification in notifications:
             alerts = [
-                f"{name}" + ("" if status == "firing" else f" ({status})")
+                f"{name}"
+                + ("" if status == "firing" else f" ({status})")
+                + (f" ({RESTART_NOTE})" if self._restarted(name, labels, notification.received_at) else "")
                 for name, status, labels in notification.alerts()
                 if labels.get("model_name", model) == model
             ]
@@ -87,12 +107,20 @@ class Snapshot:
         profile = self.profiles.get(model)
         if profile is None:
             return [f"no profile for {model}: no limits to show"]
-        lines = [f"{'what the pages read':30} {'now':>7}  limit"]
+        lines = [
+            f"what the pages read (rates: last {self.window}; routing, peaks: the exporter's window)",
+            f"  {'':27} {'now':>6}  limit",
+        ]
         for figure in FIGURES:
             value = self.figures.get((model, figure.label))
-            mark = "" if value is None or not figure.breached(value, profile) else "  ← past the limit"
-            limit = "" if figure.limit is None else f"{'≥' if figure.fires_below else '≤'} {figure.limit(profile):<6g}"
-            lines.append(f"  {figure.label:28} {_number(value):>7}  {limit:8} {figure.alert or ''}{mark}".rstrip())
+            shown = "-" if value is None else figure.show(value)
+            if figure.limit is None:
+                lines.append(f"  {figure.label:27} {shown:>6}  {'none':8} (no alert reads it: context)")
+                continue
+            limit = f"{'≥' if figure.fires_below else '≤'} {figure.show(figure.limit(profile))}"
+            alert = f"{figure.alert} ({figure.trigger})" if figure.trigger else f"{figure.alert}"
+            mark = PAST if value is not None and figure.breached(value, profile) else ""
+            lines.append(f"  {figure.label:27} {shown:>6}  {limit:8} {alert}{mark}")
         return lines
 
 
@@ -109,11 +137,23 @@ class AlertView:
         self.prometheus_url = prometheus_url.rstrip("/")
         self.profiles = {p.model_name: p for p in profiles}
         self.recorded = Recorded.for_timing(timing)
+        self.window = timing(config.RATE_WINDOW)
         self.receiver = receiver
+        self.restart: tuple[str, float] | None = None
+
+    def expected_static(self, model: str) -> list[int] | None:
+        """The static layers `model`'s healthy profile expects (None: no profile)."""
+        profile = self.profiles.get(model)
+        return None if profile is None else list(profile.routing.static_layers)
+
+    def restarting(self, instance: str, since: float) -> None:
+        """The demo restarts the target `instance` on purpose from `since` (monotonic): its
+        LayerwatchTargetDown is marked as the restart's."""
+        self.restart = (instance, since)
 
     def snapshot(self, models: list[str] | None = None) -> Snapshot:
         """Prometheus' alerts and the figures of `models` (default: every model with a profile)."""
-        snap = Snapshot(self.prometheus_url, profiles=self.profiles)
+        snap = Snapshot(self.prometheus_url, profiles=self.profiles, window=self.window, restart=self.restart)
         if self.receiver is not None:
             snap.notifications = self.receiver.latest(50)
         try:
@@ -169,7 +209,3 @@ def _age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
-
-
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"

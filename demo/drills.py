@@ -55,7 +55,8 @@ DRILLS: dict[str, Drill] = {
             "runaway",
             ("--threshold", "0.95"),
             "LayerwatchRunawaySkipping",
-            "skip threshold misconfigured to 0.95: almost every layer is skipped",
+            "skip threshold misconfigured to 0.95: the gates would skip almost every layer, so the fallback breaker "
+            "keeps forcing full depth (the skip ratio stays low; the fallbacks page)",
         ),
     )
 }
@@ -104,7 +105,7 @@ class DrillRun:
     def status(self) -> list[str]:
         """Two lines: the drill, and where it stands."""
         d = self.drill
-        lines = [f"drill {d.name} ({' '.join(d.serve_flags)}): {d.fault}; must page {d.page}"]
+        lines = [f"drill {d.name} ({' '.join(d.serve_flags)}) must page {d.page}: {d.fault}"]
         if self.injected_at is None:
             left = max(0.0, self.inject_at - time.monotonic())
             return lines + [f"  healthy baseline: the fault comes in {left:.0f}s"]

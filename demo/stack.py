@@ -24,12 +24,16 @@ from alerts.durations import Timing
 from alerts.profile import Profile
 from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
 from demo.receiver import PAGER_PATH, TICKET_PATH, WebhookReceiver
-from deploy.render import render_stack
+from deploy.render import Stack, render_stack
 
 TIME_SCALE = 0.01  # 5m -> 3s, 10m -> 6s, 1h -> 36s
 SCRAPE_INTERVAL = EVALUATION_INTERVAL = 1.0
 EXPORTER_WINDOW_SECONDS = 10.0  # the bimodality and routing window (the exporter's default: 300 s)
 TIMING = Timing(TIME_SCALE)
+# Alertmanager's repeat intervals stay production's (a page 1h, a ticket 4h): scaled, a page still
+# firing came again every 36 s, five notifications of one alert in a minute and a quarter; a repeat
+# is a reminder, not news, and a demo is over long before one.
+REPEAT_TIME_SCALE = 1.0
 # What the terminal says about it.
 TIMING_NOTE = (
     f"timing             rules' windows, for: and Alertmanager waits x {TIME_SCALE:g} (5m -> {TIMING(300)}, "
@@ -118,17 +122,8 @@ class DemoStack:
     ) -> str:
         """Start Alertmanager (routing to `receiver`) and Prometheus (evaluating the rules of
         `profiles`); returns Prometheus' URL."""
-        paths = render_stack(
-            self.workdir / "config",
-            profiles=profiles,
-            shim_targets=[host_port(shim_url)],
-            exporter_targets=[host_port(exporter_url)],
-            alertmanager_target=f"127.0.0.1:{alertmanager_port}",
-            pager_url=receiver.url(PAGER_PATH),
-            ticket_url=receiver.url(TICKET_PATH),
-            scrape_interval=SCRAPE_INTERVAL,
-            evaluation_interval=EVALUATION_INTERVAL,
-            time_scale=TIME_SCALE,
+        paths = render_config(
+            self.workdir / "config", profiles, shim_url, exporter_url, receiver, f"127.0.0.1:{alertmanager_port}"
         )
         # A fresh store each run: a reused --workdir's old series (other ports, other gates) would
         # still answer queries for Prometheus' 5-minute lookback, and old alerts would fire again.
@@ -172,6 +167,30 @@ class DemoStack:
             processes = self._retiring + self.processes
         for proc in reversed(processes):
             proc.stop()
+
+
+def render_config(
+    dest: Path,
+    profiles: list[Profile],
+    shim_url: str,
+    exporter_url: str,
+    receiver: WebhookReceiver,
+    alertmanager_target: str,
+) -> Stack:
+    """The demo's Prometheus and Alertmanager configs and rules, on its timing, into `dest`."""
+    return render_stack(
+        dest,
+        profiles=profiles,
+        shim_targets=[host_port(shim_url)],
+        exporter_targets=[host_port(exporter_url)],
+        alertmanager_target=alertmanager_target,
+        pager_url=receiver.url(PAGER_PATH),
+        ticket_url=receiver.url(TICKET_PATH),
+        scrape_interval=SCRAPE_INTERVAL,
+        evaluation_interval=EVALUATION_INTERVAL,
+        time_scale=TIME_SCALE,
+        repeat_time_scale=REPEAT_TIME_SCALE,
+    )
 
 
 def monitoring_installed() -> bool:

@@ -103,16 +103,24 @@ def prometheus_config(
 
 
 def alertmanager_config(
-    *, pager_url: str, ticket_url: str, timing: Timing = Timing(), mitigation: MitigationWebhook | None = None
+    *,
+    pager_url: str,
+    ticket_url: str,
+    timing: Timing = Timing(),
+    mitigation: MitigationWebhook | None = None,
+    repeat_timing: Timing | None = None,
 ) -> dict:
     """Critical pages, warning opens a ticket; grouped per model and target. With `mitigation`, every
     layerwatch alert also goes, one alert per notification, to the shim's mitigation receiver with
     its bearer token (the shim picks the alerts it acts on); the pager and ticket routes are unchanged.
+    `repeat_timing` scales the repeat intervals (default: `timing`, as every other wait).
 
     Inhibition: a down target silences the other alerts of that target (their series are gone or
     stale, so whatever they say is noise), and a critical alert silences the warning of the same
     alert for the same model and target (the zero-entropy ratio has both).
     """
+
+    repeat = timing if repeat_timing is None else repeat_timing
 
     def webhook(url: str) -> dict:
         return {"webhook_configs": [{"url": url, "send_resolved": True}]}
@@ -126,7 +134,7 @@ def alertmanager_config(
                 "group_by": ["alertname", "model_name", "instance"],
                 "group_wait": timing(MITIGATION_GROUP_WAIT),
                 "group_interval": timing(MITIGATION_GROUP_INTERVAL),
-                "repeat_interval": timing(PAGE_REPEAT_INTERVAL),
+                "repeat_interval": repeat(PAGE_REPEAT_INTERVAL),
                 "continue": True,  # and on to the pager or ticket route below
             }
         ]
@@ -150,13 +158,13 @@ def alertmanager_config(
             "group_by": ["model_name", "instance"],
             "group_wait": timing(GROUP_WAIT),
             "group_interval": timing(GROUP_INTERVAL),
-            "repeat_interval": timing(TICKET_REPEAT_INTERVAL),
+            "repeat_interval": repeat(TICKET_REPEAT_INTERVAL),
             "routes": [
                 *mitigation_route,
                 {
                     "matchers": [f'severity="{config.SEVERITY_PAGE}"'],
                     "receiver": "pager",
-                    "repeat_interval": timing(PAGE_REPEAT_INTERVAL),
+                    "repeat_interval": repeat(PAGE_REPEAT_INTERVAL),
                 },
                 {"matchers": [f'severity="{config.SEVERITY_TICKET}"'], "receiver": "ticket"},
             ],
@@ -278,11 +286,13 @@ def render_stack(
     time_scale: float = 1.0,
     remote_write_urls: Sequence[str] = (),
     mitigation: MitigationWebhook | None = None,
+    repeat_time_scale: float | None = None,
 ) -> Stack:
     """Write prometheus.yml, rules/layerwatch.rules.yaml and alertmanager.yml into `dest`.
 
     `time_scale` multiplies every rule window, `for:` and Alertmanager wait (0.01 turns 5m into
     3s); choose a scrape interval that still leaves a few samples in the shortest rate window.
+    `repeat_time_scale` multiplies Alertmanager's repeat intervals instead (default: `time_scale`).
     `remote_write_urls` as in `prometheus_config`, `mitigation` as in `alertmanager_config`.
     """
     dest = Path(dest)
@@ -310,7 +320,14 @@ def render_stack(
     alertmanager.write_text(
         HEADER
         + to_yaml(
-            alertmanager_config(pager_url=pager_url, ticket_url=ticket_url, timing=timing, mitigation=mitigation), ""
+            alertmanager_config(
+                pager_url=pager_url,
+                ticket_url=ticket_url,
+                timing=timing,
+                mitigation=mitigation,
+                repeat_timing=None if repeat_time_scale is None else Timing(repeat_time_scale),
+            ),
+            "",
         )
     )
     return Stack(prometheus, alertmanager, rules)

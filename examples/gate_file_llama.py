@@ -163,7 +163,7 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=DEMO_MODEL_DIR, help="checkpoint folder (default: the demo)")
     parser.add_argument("--gates", type=Path, help="gate file (default: gates.safetensors in the folder)")
     parser.add_argument("--model-name", default=f"{DEMO_MODEL_NAME}-transformers")

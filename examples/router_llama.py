@@ -109,7 +109,7 @@ def prompts(count: int, length: int, seed: int) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--exporter", default=DEFAULT_FRAMES_ADDRESS, help="the exporter's --listen address")
     parser.add_argument("--trace", help="also write a trace file (for layerwatch replay and calibrate-trace)")
     parser.add_argument("--prompts", type=int, default=8)

@@ -9,9 +9,8 @@ whatever they put beside the histogram (the alert state).
 from __future__ import annotations
 
 import collections
-import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,17 +19,29 @@ from exporter.report_text import format_report
 from layerwatch.statistics import DECISIONS, Bimodality, EntropyTotals, report
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, clear screen
+SINCE = "since the exporter started"  # what the exported totals and the histogram count
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]  # sample name -> [(labels, value)]
 
 
-def render_screen(url: str, beside: Callable[[str], list[str]] | None = None, width: int = 0) -> str:
-    """The exporter's view of every model; `beside(model)`: lines shown beside that model's
-    histogram (the alert state, demo/alert_view.py) when `width` columns hold both, else below it."""
-    samples = scrape(url)
+def render_samples(
+    samples: Samples,
+    url: str,
+    clock: str,
+    beside: Callable[[str], list[str]] | None = None,
+    width: int = 0,
+    *,
+    expected_static: Callable[[str], Sequence[int] | None] | None = None,
+    histogram_last: bool = False,
+) -> str:
+    """The exporter's view of every model, from its scraped page, read at `clock`. `beside(model)`:
+    lines shown beside that model's histogram (the alert state, demo/alert_view.py) when `width`
+    columns hold both, else below it (above it with `histogram_last`: a short terminal).
+    `expected_static(model)`: the static layers the model's healthy profile expects, shown beside
+    the routing verdict's."""
     models = sorted({labels["model_name"] for labels, _ in samples.get("layerwatch_entropy_count", [])})
     header = (
-        f"layerwatch top  {url}  {time.strftime('%H:%M:%S')}  "
+        f"layerwatch top  {url}  {clock}  "
         f"frames received {total(samples, 'layerwatch_exporter_frames_received_total'):,.0f}  "
         f"malformed {total(samples, 'layerwatch_exporter_frames_malformed_total'):,.0f}  "
         f"lost {total(samples, 'layerwatch_exporter_frames_lost_total'):,.0f}"
@@ -40,7 +51,17 @@ def render_screen(url: str, beside: Callable[[str], list[str]] | None = None, wi
     return terminal_text(
         "\n\n".join(
             [header]
-            + [format_report(model_report(samples, model), beside(model) if beside else (), width) for model in models]
+            + [
+                format_report(
+                    model_report(samples, model),
+                    beside(model) if beside else (),
+                    width,
+                    since=SINCE,
+                    expected_static=expected_static(model) if expected_static else None,
+                    histogram_last=histogram_last,
+                )
+                for model in models
+            ]
         )
     )
 
@@ -53,6 +74,21 @@ def terminal_text(text: str) -> str:
         line if line.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
         for line in text.split("\n")
     )
+
+
+def fit_view(whole: str, compact: Callable[[], str], columns: int, rows: int) -> str:
+    """`whole` when a terminal of `columns` × `rows` shows it without scrolling (its last row is the
+    cursor's); else `compact()` (the alert state above the histogram) without blank lines, cut at the
+    bottom with the count of what was left out, and each line cut at the right edge (a wrapped line
+    would push the top, the verdict and a drill's status, out of sight): htop's way."""
+    if sum(max(1, -(-len(line) // columns)) for line in whole.split("\n")) <= rows - 1:
+        return whole
+    lines = [line if len(line) <= columns else line[: columns - 1] + "…" for line in compact().split("\n")]
+    lines = [line for line in lines if line.strip()]
+    if len(lines) > rows - 1:
+        hidden = len(lines) - (rows - 2)
+        lines = lines[: rows - 2] + [f"… {hidden} more lines: a taller terminal shows them"[:columns]]
+    return "\n".join(lines)
 
 
 def scrape(url: str, timeout: float = 5.0) -> Samples:

@@ -274,7 +274,7 @@ def _parse_line(path: str | os.PathLike[str], line_number: int, raw: bytes) -> T
         raise fail(f"expected a JSON object, got {type(obj).__name__}")
     missing = [key for key in ("model_name", "scores", "skipped") if key not in obj]
     if missing:
-        raise fail(f"missing key(s) {', '.join(missing)}")
+        raise fail(f"missing the key{'s' if len(missing) > 1 else ''} {', '.join(map(json.dumps, missing))}")
     model_name = obj["model_name"]
     if not isinstance(model_name, str) or not model_name:
         raise fail("model_name must be a non-empty string")

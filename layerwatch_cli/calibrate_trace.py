@@ -75,6 +75,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         baseline = read_trace_baseline(args.trace, args.model_name, args.threshold)
+        if len(baseline.entropies) < args.chunk_tokens:  # the profile's check, with what to do about it
+            print(
+                f"layerwatch calibrate-trace: {args.trace}: {len(baseline.entropies)} decoded tokens of "
+                f"{baseline.model_name}, fewer than one chunk of {args.chunk_tokens} (--chunk-tokens): record more "
+                "of its healthy traffic (a few thousand tokens give bands that hold for the live 5-minute "
+                "windows), or give a smaller --chunk-tokens (looser bands)",
+                file=sys.stderr,
+            )
+            return 2
         profile, stats = profile_from_trace(
             baseline,
             source=args.trace.name,

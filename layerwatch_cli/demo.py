@@ -31,12 +31,13 @@ from demo.alert_view import AlertView
 from demo.drills import DRILLS, DrillRun
 from demo.loadgen import run_load
 from demo.receiver import WebhookReceiver
-from demo.stack import TIMING, TIMING_NOTE, DemoStack, monitoring_installed
-from exporter.live_view import CLEAR_SCREEN, Samples, render_screen, scrape, total
+from demo.stack import TIMING, TIMING_NOTE, DemoStack, host_port, monitoring_installed
+from exporter.live_view import CLEAR_SCREEN, Samples, fit_view, render_samples, scrape, total
 from layerwatch import argtypes, ports
 from layerwatch_cli.signals import Stopped
 
 INSTALL_HINT = "scripts/install-system-deps.sh --demo installs them (root or sudo)"
+STOP_HINT = "(Ctrl-C stops the demo)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workdir",
         default=None,
         help="where configs, logs and the Prometheus and Alertmanager data go (those two start empty every run; "
-        "default: a temporary folder)",
+        "default: a temporary folder, removed when the demo ends)",
+    )
+    parser.add_argument(
+        "--keep-workdir",
+        action="store_true",
+        help="keep the temporary folder when the demo ends, and print where it is (a --workdir, and the folder "
+        "of a demo that failed, are always kept)",
     )
 
 
@@ -92,8 +99,10 @@ def run(args: argparse.Namespace) -> int:
         why = "--no-prometheus was given" if args.no_prometheus else f"they are not installed: {INSTALL_HINT}"
         print(f"layerwatch demo: --drill needs Prometheus and Alertmanager to page; {why}", file=sys.stderr)
         return 2
+    temporary = args.workdir is None
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="layerwatch-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    failed = False
     stack = DemoStack(workdir)
     receiver = WebhookReceiver() if monitoring else None
     stop = threading.Event()
@@ -129,7 +138,10 @@ def run(args: argparse.Namespace) -> int:
             lines.append("prometheus         off (--no-prometheus): no rule is evaluated, no alert can fire")
         else:
             lines.append(f"prometheus         not installed: no rule is evaluated, no alert can fire ({INSTALL_HINT})")
-        lines.append(f"logs and configs   {workdir}")
+        removed = (
+            " (removed when the demo ends; --keep-workdir keeps it)" if temporary and not args.keep_workdir else ""
+        )
+        lines.append(f"logs and configs   {workdir}{removed}")
         banner = "\n".join(lines)
         print(banner, flush=True)
 
@@ -147,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         interrupted = True
         raise
     except (RuntimeError, TimeoutError, ProfileError) as exc:
+        failed = True
         _say(f"layerwatch demo: {exc}", sys.stderr)
         return 1
     finally:
@@ -155,6 +168,10 @@ def run(args: argparse.Namespace) -> int:
         if receiver is not None:
             receiver.close()
         _say("layerwatch demo: stopped every process it started.")
+        if temporary and not args.keep_workdir and not failed:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:  # the failed demo's logs say why
+            _say(f"layerwatch demo: logs and configs kept in {workdir}")
         if interrupted and drill_run is not None:  # its time to page, if it paged, before the exit by the signal
             _drill_verdict(drill_run, interrupted)
     return 0 if drill_run is None else _drill_verdict(drill_run, interrupted)
@@ -189,7 +206,7 @@ def shadow_line(samples: Samples) -> str:
         f"shadow check: {checked:.0f} requests, {tokens:.0f} tokens compared with full depth; agreement "
         f"{total(samples, 'layerwatch_shadow_agreements_total') / tokens:.3f}, quality cost "
         f"{total(samples, 'layerwatch_shadow_kl_nats_total') / tokens:.4f} nats/token, estimated perplexity "
-        f"increase {math.expm1(total(samples, 'layerwatch_shadow_reverse_kl_nats_total') / tokens):+.1%}"
+        f"increase {100 * math.expm1(total(samples, 'layerwatch_shadow_reverse_kl_nats_total') / tokens):+.1f} %"
     )
 
 
@@ -210,16 +227,46 @@ def _show(
         if drill_run is not None:
             drill_run.poll()
             status = "\n".join(drill_run.status()) + "\n\n"
-        beside: Callable[[str], list[str]] | None = view.snapshot().lines if view is not None else None
+            if view is not None and drill_run.injected_at is not None:
+                view.restarting(host_port(shim_url), drill_run.injected_at)
+        size = shutil.get_terminal_size()
         try:
-            screen = render_screen(exporter_url, beside, shutil.get_terminal_size().columns)
-            if view is None:  # no Prometheus: the figures come from the shim itself
-                screen = shadow_line(scrape(shim_url)) + "\n\n" + screen
+            screen = exporter_screen(shim_url, exporter_url, view, size.columns)
+            if interactive:
+                text = frame(banner, status, screen, size.columns, size.lines)
+            else:
+                text = status + screen(False) + "\n"
         except OSError as exc:
-            screen = f"shim or exporter not readable yet: {exc}"
-        if interactive:
-            sys.stdout.write(CLEAR_SCREEN + banner + "\n\n" + status + screen + "\n\n(Ctrl-C stops the demo)\n")
-        else:
-            sys.stdout.write(status + screen + "\n\n")
+            text = f"shim or exporter not readable yet: {exc}\n"
+        sys.stdout.write((CLEAR_SCREEN if interactive else "") + text + "\n")
         sys.stdout.flush()
         time.sleep(min(args.interval, max(0.0, deadline - time.monotonic())))
+
+
+def exporter_screen(shim_url: str, exporter_url: str, view: AlertView | None, columns: int) -> Callable[[bool], str]:
+    """The model's part of the screen, read once: rendered with the histogram in place, or
+    (`histogram_last`) below the alert state, for a short terminal."""
+    samples = scrape(exporter_url)
+    clock = time.strftime("%H:%M:%S")
+    if view is None:  # no Prometheus: the figures come from the shim itself
+        shadow = shadow_line(scrape(shim_url)) + "\n\n"
+        return lambda histogram_last: (
+            shadow + render_samples(samples, exporter_url, clock, width=columns, histogram_last=histogram_last)
+        )
+    beside = view.snapshot().lines
+    return lambda histogram_last: render_samples(
+        samples,
+        exporter_url,
+        clock,
+        beside,
+        columns,
+        expected_static=view.expected_static,
+        histogram_last=histogram_last,
+    )
+
+
+def frame(banner: str, status: str, screen: Callable[[bool], str], columns: int, rows: int) -> str:
+    """One refresh of a terminal of `columns` × `rows`; in a small one (80 × 24) the banner goes (it
+    was printed once at the start) and the drill's status and the alert state stay in sight."""
+    whole = banner + "\n\n" + status + screen(False) + "\n\n" + STOP_HINT
+    return fit_view(whole, lambda: status + screen(True), columns, rows)

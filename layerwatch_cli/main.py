@@ -11,11 +11,13 @@ underscores): the environment supplies the default, the command line still wins.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import os
 import signal
 import sys
+from typing import Any
 
 from layerwatch_cli import signals
 
@@ -96,9 +98,37 @@ def _environment_value(parser: argparse.ArgumentParser, name: str, raw: str, act
     return value
 
 
+class Parser(argparse.ArgumentParser):
+    """A parser that takes flags only as written in full (`--dril` once ran `--drill`, `--static-gate`
+    served static gates) and refuses a flag it does not know with its own usage, the subcommand's,
+    and the flags it is closest to. argparse hands a subcommand's unknown flags up to the top-level
+    parser, whose usage names no flag of the subcommand."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:  # argparse's own overloads, passed through
+        namespace, unknown = super().parse_known_args(*args, **kwargs)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{self._did_you_mean(unknown)}")
+        return namespace, unknown
+
+    def _did_you_mean(self, unknown: list[str]) -> str:
+        flags = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
+        for arg in unknown:
+            if not arg.startswith("--"):
+                continue
+            written = arg.split("=", 1)[0]
+            near = [f for f in flags if f.startswith(written)] or difflib.get_close_matches(written, flags, n=3)
+            if near:
+                return f" (did you mean {' or '.join(near)}?)"
+        return ""
+
+
 def build_parser(argv: list[str], environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
     environ = dict(os.environ) if environ is None else environ
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="layerwatch",
         description="Observability for LLM inference with dynamic layer skipping.",
         epilog="Every flag can also be set as LAYERWATCH_<FLAG> in the environment.",

@@ -12,12 +12,13 @@ import os
 import shutil
 import sys
 import time
+import urllib.error
 from collections.abc import Callable
 
 from alerts.durations import Timing
 from alerts.profile_file import PROFILES_DIR, ProfileError, load_profiles
 from demo.alert_view import AlertView
-from exporter.live_view import CLEAR_SCREEN, render_screen, terminal_text
+from exporter.live_view import CLEAR_SCREEN, fit_view, render_samples, scrape, terminal_text
 from layerwatch import argtypes
 from layerwatch.ports import EXPORTER_HTTP_PORT, LOOPBACK
 
@@ -49,6 +50,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--once", action="store_true", help="print one view without terminal control codes and exit")
 
 
+def no_exporter(url: str, exc: Exception) -> str:
+    """What a reader without an exporter needs: which one to start, on which address."""
+    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    return (
+        f"layerwatch top: cannot read {url}/metrics: {reason}. Is an exporter running there? Start one with "
+        f"`layerwatch exporter` (--http HOST:PORT for another address), or the whole demo with `scripts/demo.sh`"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     view = None
     if args.prometheus:
@@ -58,19 +68,32 @@ def run(args: argparse.Namespace) -> int:
             print(f"layerwatch top: {exc}", file=sys.stderr)
             return 2
 
-    def screen() -> str:
+    def screen(fit: bool) -> str:
+        """The view, read once; with `fit`, fitted to the terminal (exporter/live_view.py)."""
+        samples = scrape(args.url)
         beside: Callable[[str], list[str]] | None = view.snapshot().lines if view is not None else None
-        return render_screen(args.url, beside, shutil.get_terminal_size().columns)
+        expected = view.expected_static if view is not None else None
+        size = shutil.get_terminal_size()
+
+        def render(histogram_last: bool) -> str:
+            clock = time.strftime("%H:%M:%S")
+            return render_samples(
+                samples, args.url, clock, beside, size.columns, expected_static=expected, histogram_last=histogram_last
+            )
+
+        return fit_view(render(False), lambda: render(True), size.columns, size.lines) if fit else render(False)
 
     def unreadable(exc: Exception) -> str:
         # A page that does not parse, or lacks a series every exporter page has, is a ValueError or a
         # LookupError from the reading; its message may quote the page's labels.
-        why = exc if isinstance(exc, OSError) else f"not a layerwatch exporter's page ({exc})"
-        return terminal_text(f"layerwatch top: cannot read {args.url}/metrics: {why}")
+        if isinstance(exc, OSError):
+            return terminal_text(no_exporter(args.url, exc))
+        page = f"not a layerwatch exporter's page ({exc})"
+        return terminal_text(f"layerwatch top: cannot read {args.url}/metrics: {page}")
 
     if args.once:
         try:
-            print(screen())
+            print(screen(fit=False))
         except (OSError, ValueError, LookupError) as exc:  # (urllib's URLError is an OSError)
             print(unreadable(exc), file=sys.stderr)
             return 1
@@ -78,9 +101,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         while True:
             try:
-                text = screen()
+                text = screen(fit=True)
             except (OSError, ValueError, LookupError) as exc:
-                text = unreadable(exc) + " (retrying)"
+                text = f"{unreadable(exc)} (retrying every {args.interval:g} s)"
             sys.stdout.write(CLEAR_SCREEN + text + "\n")
             sys.stdout.flush()
             time.sleep(args.interval)  # until a stop signal (Ctrl-C, the terminal closing: signals.py)

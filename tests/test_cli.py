@@ -128,3 +128,65 @@ def test_intervals_and_ports_out_of_range_are_usage_errors(argv, message, capsys
     with pytest.raises(SystemExit) as exit:
         build_parser(argv, environ={}).parse_args(argv)
     assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "unknown", "hint"),
+    [
+        # Found by a newcomer (issue 34): each of these ran, as --drill, --static-gates and --threshold.
+        (["demo", "--dril", "static"], "--dril static", "(did you mean --drill?)"),
+        (["serve", "--static-gate"], "--static-gate", "(did you mean --static-gates?)"),
+        (["eval", "--data", "t.txt", "--thresh", "0.2"], "--thresh 0.2", "(did you mean --threshold?)"),
+        # A misspelling, not an abbreviation: the nearest flags are named.
+        (["eval", "--data", "t.txt", "--treshold", "0.2"], "--treshold 0.2", "(did you mean --threshold or"),
+    ],
+)
+def test_an_abbreviated_or_unknown_flag_is_refused_with_the_subcommands_usage(argv, unknown, hint, capsys):
+    with pytest.raises(SystemExit) as exit:
+        build_parser(argv, environ={}).parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.startswith(f"usage: layerwatch {argv[0]} "), err
+    assert err.splitlines()[-1].startswith(f"layerwatch {argv[0]}: error: unrecognized arguments: {unknown} {hint}")
+
+
+def test_every_argument_parser_of_the_repository_refuses_abbreviations():
+    """The benchmarks' and examples' too: `--dur 5` silently read as `--duration 5` hides a typo."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    packages = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".") and d.name != "tests"]
+    lenient = []
+    for path in sorted(p for package in packages for p in package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "argparse.ArgumentParser":
+                keywords = {k.arg: ast.unparse(k.value) for k in node.keywords}
+                if keywords.get("allow_abbrev") != "False":
+                    lenient.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert lenient == []
+
+
+def test_top_without_an_exporter_says_what_to_start():
+    """Found by a newcomer (issue 34): `top` retried forever, 'Connection refused (retrying)', naming nothing
+    to start. A bound socket that does not listen refuses connections, as a port nobody serves does."""
+    import signal
+    import socket
+
+    from demo.processes import LAYERWATCH_COMMAND
+
+    with socket.socket() as unserved:
+        unserved.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{unserved.getsockname()[1]}"
+        once = subprocess.run([*LAYERWATCH_COMMAND, "top", "--once", "--url", url], capture_output=True, text=True)
+        running = subprocess.Popen(
+            [*LAYERWATCH_COMMAND, "top", "--url", url, "--interval", "0.2"], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            screen = running.stdout.readline() + running.stdout.readline()  # type: ignore[union-attr]
+        finally:
+            running.send_signal(signal.SIGTERM)
+            running.communicate(timeout=30)
+    start = "Start one with `layerwatch exporter` (--http HOST:PORT for another address), or the whole demo with "
+    assert once.returncode == 1 and once.stderr.count("\n") == 1, once.stderr
+    assert f"cannot read {url}/metrics: [Errno 111] Connection refused. " in once.stderr and start in once.stderr
+    assert start in screen and screen.rstrip().endswith("`scripts/demo.sh` (retrying every 0.2 s)"), screen

@@ -67,7 +67,9 @@ def read_attributes(score: str, ran: str | None = None) -> ReadLayer:
         if not isinstance(value, torch.Tensor):
             raise ValueError(
                 f"decoder layer {index} ({type(layer).__name__}) has no tensor attribute {score!r} after its "
-                f"forward (found {type(value).__name__}): the adapter reads the router's score there"
+                f"forward (found {type(value).__name__}): read_attributes reads what the layer's router sets in "
+                "each forward; a model without routers needs one on each decoder layer (examples/router_llama.py, "
+                "add_routers) or an adapter of its own (docs/instrument.md)"
             )
         if ran is None:
             return value, None

@@ -112,4 +112,7 @@ def test_top_shows_the_routing_verdict(start_exporter, traces: dict[str, Path]) 
     )
     assert "  routing: dynamic  token-dependent share 0.6" in top.stdout
     assert "(2,000 tokens, τ 0.18)" in top.stdout
-    assert "static layers (below τ for ≥95% of tokens) 12,13,14  static-run layers 0,15" in top.stdout
+    assert (
+        "static layers (below τ for ≥95% of tokens: skipped whatever the token) 12,13,14" in top.stdout
+        and "static-run layers (below τ for ≤5% of tokens: run whatever the token) 0,15" in top.stdout
+    )

@@ -247,5 +247,8 @@ def test_text_output_shows_the_routing_verdict(tmp_path: Path) -> None:
     ).stdout
     assert "  routing: dynamic  token-dependent share 0.6" in text
     assert "(1,000 tokens, τ 0.18)" in text
-    assert "static layers (below τ for ≥95% of tokens) 12,13,14  static-run layers 0,15" in text
+    assert (
+        "static layers (below τ for ≥95% of tokens: skipped whatever the token) 12,13,14" in text
+        and "static-run layers (below τ for ≤5% of tokens: run whatever the token) 0,15" in text
+    )
     assert "  below τ per layer 0.00 0.4" in text

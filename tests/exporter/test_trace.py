@@ -95,7 +95,9 @@ def test_unknown_keys_and_blank_lines_are_ignored(tmp_path: Path) -> None:
     [
         ("{not json", "not valid JSON"),
         ("[1, 2]", "expected a JSON object"),
-        ('{"model_name": "m", "scores": [0.5]}', "missing key(s) skipped"),
+        # Issue 34: "missing key(s) skipped" read as if keys had been skipped; the key is named skipped.
+        ('{"model_name": "m", "scores": [0.5]}', 'missing the key "skipped"'),
+        ('{"model_name": "m"}', 'missing the keys "scores", "skipped"'),
         ('{"model_name": "", "scores": [0.5], "skipped": [0]}', "model_name must be a non-empty string"),
         (
             '{"model_name": "m\\u001b[2J", "scores": [0.5], "skipped": [0]}',

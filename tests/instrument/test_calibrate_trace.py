@@ -71,7 +71,14 @@ def test_the_profile_is_calibrates_own_on_the_traced_rows(tmp_path, capsys):
         ([("a", 0.5), ("a", 0.25)], [], "the lines (and --threshold) give 0.25, 0.5"),
         ([("a", None)], [], "the lines (and --threshold) give none"),
         ([("a", 0.5)], ["--threshold", "0.3"], "give 0.3, 0.5"),
-        ([("a", 0.5)], ["--chunk-tokens", "5000"], "fewer than one chunk of 5000"),
+        # Issue 34: the message now says what to do.
+        (
+            [("a", 0.5)],
+            ["--chunk-tokens", "5000"],
+            "600 decoded tokens of a, fewer than one chunk of 5000 (--chunk-tokens): record more of its healthy "
+            "traffic (a few thousand tokens give bands that hold for the live 5-minute windows), or give a smaller "
+            "--chunk-tokens",
+        ),
     ],
 )
 def test_a_trace_that_makes_no_single_baseline_is_refused(tmp_path, capsys, lines, extra, message):

@@ -263,13 +263,14 @@ class TerminalDemo:
     """`layerwatch demo` in a new session whose controlling terminal is a pty: closing the pty's
     master is a closed terminal window (the kernel hangs up the session: SIGHUP)."""
 
-    def __init__(self, workdir: Path, model: Path, *flags: str) -> None:
+    def __init__(self, temporary: Path, model: Path, *flags: str) -> None:
         self.ports = {name: free_port() for name in ("port", "exporter-port", "prometheus-port", "alertmanager-port")}
-        argv = [*LAYERWATCH, "demo", "--model", str(model), "--workdir", str(workdir), "--interval", "0.5", *flags]
+        argv = [*LAYERWATCH, "demo", "--model", str(model), "--interval", "0.5", *flags]
         for name, port in self.ports.items():
             argv += [f"--{name}", str(port)]
         self._master, slave = pty.openpty()
-        environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+        # No --workdir: the demo makes its own temporary folder, here under `temporary`.
+        environment = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(temporary)}
         self.process = subprocess.Popen(  # setsid --ctty: a session of its own, the pty its terminal
             ["setsid", "--ctty", *argv], stdin=slave, stdout=slave, stderr=slave, env=environment
         )
@@ -325,8 +326,10 @@ def test_the_demo_leaves_nothing_behind_however_it_ends(tiny_checkpoint, tmp_pat
     Alertmanager running with their ports held (all four still up 8 s later). Now a hang-up stops
     them as Ctrl-C does (tests/test_demo.py), also while the shim is still loading, a SIGKILL of
     the demo takes them along (each one gets SIGTERM when its parent dies), and --duration ends it
-    all with status 0."""
-    demo = TerminalDemo(tmp_path, tiny_checkpoint.path, *(["--duration", "8"] if ending == "duration" else []))
+    all with status 0. Issue 34: each run also left its temporary folder behind (1-7 MB); now it is
+    removed, unless --keep-workdir asks for it, and then its path is said (a SIGKILL leaves it)."""
+    flags = ["--duration", "8", "--keep-workdir"] if ending == "duration" else []
+    demo = TerminalDemo(tmp_path, tiny_checkpoint.path, *flags)
     try:
         if ending == "terminal closed during start-up":
             while _port_free(demo.ports["exporter-port"]):  # the exporter up, the shim loading
@@ -342,7 +345,12 @@ def test_the_demo_leaves_nothing_behind_however_it_ends(tiny_checkpoint, tmp_pat
         taken = _wait_ports_free(demo.ports, within=15.0)
         assert not taken, f"still listening after the demo ended: {taken}\n{demo.text()}"
         assert status == {"demo killed": -signal.SIGKILL, "duration": 0}.get(ending, -signal.SIGHUP), demo.text()
+        left = [p.name for p in tmp_path.glob("layerwatch-demo-*")]
         if ending == "duration":
             assert b"stopped every process it started" in demo.output
+            assert len(left) == 1 and f"logs and configs kept in {tmp_path / left[0]}" in demo.text(), demo.text()
+            assert (tmp_path / left[0] / "shim.log").exists()
+        elif ending != "demo killed":
+            assert left == [], demo.text()
     finally:
         demo.close()

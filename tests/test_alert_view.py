@@ -1,0 +1,128 @@
+"""The alert state as the demo and `top --prometheus` write it (demo/alert_view.py, alerts/signals.py):
+every trigger that can page has its figure on screen, marked when past its limit, and the figures say
+what they are (issue 34: a newcomer could not tell which figure had crossed which limit)."""
+
+from __future__ import annotations
+
+import yaml
+
+from alerts.durations import Timing
+from alerts.profile_file import PROFILES_DIR, load_profile
+from alerts.recorded import Recorded
+from alerts.rules import model_rules, recorded_names, rule_groups
+from alerts.signals import FIGURES
+from demo.alert_view import PAST, RESTART_NOTE, PrometheusAlert, Snapshot
+from demo.receiver import Notification, WebhookReceiver
+from demo.stack import TIMING, render_config
+from layerwatch.promql import check_queries, known_series
+from mixin import config
+
+PROFILE = load_profile(PROFILES_DIR / "demo.yaml")
+MODEL = PROFILE.model_name
+NOW = 1_000.0
+
+
+def snapshot(figures: dict[str, float], alerts: list[PrometheusAlert] = (), **extra: object) -> Snapshot:
+    return Snapshot(
+        "http://127.0.0.1:9090",
+        alerts=list(alerts),
+        figures={(MODEL, label): value for label, value in figures.items()},
+        profiles={MODEL: PROFILE},
+        taken_at=NOW,
+        window=TIMING(config.RATE_WINDOW),
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def figure_line(lines: list[str], label: str) -> str:
+    (line,) = [line for line in lines if line.startswith(f"  {label} ")]
+    return line
+
+
+def test_every_rule_that_pages_has_its_figure_on_screen():
+    paging = {
+        (rule["alert"], rule["labels"].get("trigger"))
+        for rule in model_rules(PROFILE, Timing())
+        if "alert" in rule and rule["labels"]["severity"] == config.SEVERITY_PAGE
+    }
+    shown = {(figure.alert, figure.trigger) for figure in FIGURES}
+    assert paging - shown == set()
+    # The collapse floor pages nobody (a ticket) but is the skip ratio's other limit.
+    assert ("LayerwatchSkippingCollapsed", None) in shown
+
+
+def test_every_figure_reads_series_that_exist():
+    recorded = Recorded.for_timing(TIMING)
+    known = known_series(recorded_names(rule_groups([PROFILE], TIMING)))
+    check_queries([(figure.label, figure.query(recorded, PROFILE)) for figure in FIGURES], known)
+
+
+def test_the_runaway_drill_shows_its_fallbacks_past_the_limit_and_a_low_skip_ratio_unmarked():
+    """The runaway drill paged on fallbacks while the screen showed a skip ratio of 0.164, unmarked, and
+    no fallback figure at all."""
+    firing = PrometheusAlert(
+        "LayerwatchRunawaySkipping",
+        "firing",
+        {"model_name": MODEL, "severity": "critical", "trigger": "fallbacks"},
+        12.0,
+    )
+    figures = {"skip ratio": 0.164, "fallbacks per minute": 41.5, "skip ratio, collapse floor": 0.164}
+    lines = snapshot(figures, [firing]).lines(MODEL)
+    assert figure_line(lines, "fallbacks per minute").endswith(
+        f"41.5  ≤ 0.0    LayerwatchRunawaySkipping (fallbacks){PAST}"
+    )
+    assert figure_line(lines, "skip ratio").endswith("0.164  ≤ 0.850  LayerwatchRunawaySkipping (skip_ratio)")
+    # Above the collapse floor (0.5 of the healthy 0.2534) too: skipping has not collapsed.
+    assert figure_line(lines, "skip ratio, collapse floor").endswith("0.164  ≥ 0.127  LayerwatchSkippingCollapsed")
+
+
+def test_the_figures_say_their_unit_window_and_what_the_profile_expects():
+    lines = snapshot(
+        {
+            "est. perplexity increase": 0.029,
+            "newly static layers": 1.0,
+            "entropy peaks": 1.0,
+            "dip test p-value": 0.41,
+            "token-dependent share": 0.62,
+        }
+    ).lines(MODEL)
+    assert "what the pages read (rates: last 3s; routing, peaks: the exporter's window)" in lines
+    assert figure_line(lines, "est. perplexity increase").endswith("+2.9 %  none     (no alert reads it: context)")
+    assert figure_line(lines, "newly static layers").endswith(
+        f"1  ≤ 0      LayerwatchRoutingStatic (new_static_layers){PAST}"
+    )
+    assert figure_line(lines, "entropy peaks").endswith(f"1  ≥ 2      LayerwatchEntropySinglePeak{PAST}")
+    assert figure_line(lines, "dip test p-value").endswith(f"0.410  ≤ 0.050  LayerwatchEntropySinglePeak{PAST}")
+    assert PAST not in figure_line(lines, "token-dependent share")
+    assert figure_line(lines, "shadow agreement").endswith("-  ≥ 0.796  LayerwatchShadowAgreementLow")
+
+
+def test_the_drills_own_restart_of_the_shim_is_marked_expected_on_the_alert_and_the_page():
+    shim = "127.0.0.1:8000"
+    down = {"alertname": "LayerwatchTargetDown", "instance": shim, "job": "layerwatch-shim", "severity": "critical"}
+    page = Notification(NOW - 5.0, "/pager", {"alerts": [{"labels": down, "status": "firing"}]})
+    restart = (shim, NOW - 20.0)
+    alerts = [
+        PrometheusAlert("LayerwatchTargetDown", "firing", down, 15.0),
+        PrometheusAlert("LayerwatchTargetDown", "firing", down | {"instance": "127.0.0.1:9411"}, 15.0),
+    ]
+    lines = snapshot({}, alerts, notifications=[page], restart=restart).lines(MODEL)
+    marked = [line for line in lines if RESTART_NOTE in line]
+    assert len(marked) == 2, lines  # the shim's alert and its page; not the exporter's
+    assert "critical 127.0.0.1:8000 (expected: the drill's restart)" in marked[0]
+    assert "pager  LayerwatchTargetDown (expected: the drill's restart)" in marked[1]
+    # A target down that began before the restart is news.
+    lines = snapshot({}, alerts[:1], restart=(shim, NOW - 10.0)).lines(MODEL)
+    assert not [line for line in lines if RESTART_NOTE in line]
+
+
+def test_the_demos_alertmanager_repeats_a_page_after_production_hours_not_every_36_seconds(tmp_path):
+    receiver = WebhookReceiver()
+    try:
+        stack = render_config(tmp_path, [PROFILE], "http://127.0.0.1:1", "http://127.0.0.1:2", receiver, "127.0.0.1:3")
+    finally:
+        receiver.close()
+    route = yaml.safe_load(stack.alertmanager_config.read_text())["route"]
+    pager = next(r for r in route["routes"] if r["receiver"] == "pager")
+    assert (pager["repeat_interval"], route["repeat_interval"]) == ("1h", "4h")
+    assert (route["group_wait"], route["group_interval"]) == ("300ms", "3s")  # the rest stays scaled
