@@ -193,7 +193,9 @@ class _GGUFFile:
         try:
             self.reader = gguf.GGUFReader(path)
         except (ValueError, OSError, IndexError, TypeError, KeyError) as exc:  # bad magic, truncated, malformed
-            raise self.error(f"not a readable GGUF file, truncated or malformed ({type(exc).__name__}: {exc})") from None
+            raise self.error(
+                f"not a readable GGUF file, truncated or malformed ({type(exc).__name__}: {exc})"
+            ) from None
         self.tensors = {t.name: t for t in self.reader.tensors}
         if self.get("split.count", 1) > 1:
             raise self.error(
@@ -316,7 +318,9 @@ class _GGUFFile:
             gguf_names[f"{gguf_base}.{suffix}"] = hf_name
         unexpected = sorted(set(self.tensors) - set(gguf_names))
         if unexpected:
-            raise self.error(f"tensors {unexpected[:3]} are not part of a {self.architecture} model as config describes")
+            raise self.error(
+                f"tensors {unexpected[:3]} are not part of a {self.architecture} model as config describes"
+            )
         missing = sorted(set(gguf_names) - set(self.tensors))
         if missing:
             raise self.error(f"{len(missing)} tensors missing, e.g. {missing[:3]}")
@@ -366,7 +370,8 @@ class _GGUFFile:
             raise self.error(
                 f"tensor {name} is of type {tensor.tensor_type.name}, which the gguf library cannot dequantize"
             ) from None
-        weight = torch.from_numpy(np.require(values, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))  # F32 is a read-only view
+        # An F32 tensor comes as a read-only view of the file (copied here); a dequantized one is new.
+        weight = torch.from_numpy(np.require(values, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
         if self.architecture in PERMUTED_QK and name.endswith(("attn_q.weight", "attn_k.weight")):
             weight = _unpermute(weight, config.num_heads if "attn_q" in name else config.num_kv_heads)
         weight = weight.to(dtype)
@@ -395,9 +400,10 @@ class _GGUFFile:
         )
         backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
         backend.decoder = decoders.ByteLevel()
-        added = [(t, kind) for t, kind in zip(tokens, types, strict=False) if kind in (CONTROL_TOKEN, USER_DEFINED_TOKEN)]
-        backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, k in added if k == CONTROL_TOKEN])
-        backend.add_tokens([AddedToken(t, normalized=False, special=False) for t, k in added if k == USER_DEFINED_TOKEN])
+        control = [t for t, kind in zip(tokens, types, strict=False) if kind == CONTROL_TOKEN]
+        user_defined = [t for t, kind in zip(tokens, types, strict=False) if kind == USER_DEFINED_TOKEN]
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+        backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user_defined])
 
         def token(key: str) -> str | None:
             token_id = self.get(f"tokenizer.ggml.{key}", None)
