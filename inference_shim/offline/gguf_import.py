@@ -139,13 +139,16 @@ def import_gguf(source: str | Path, out: str | Path, dtype: str = "float32", for
 
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
     try:
+        partial.mkdir(parents=True)
         parameters = gguf_file.write_weights(config, DTYPES[dtype], partial)
         (partial / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
         (partial / GENERATION_CONFIG_FILE).write_text(json.dumps(gguf_file.generation_config(), indent=2) + "\n")
         tokenizer.save(partial)
         _move_into_place(partial, out)
+    except OSError as exc:  # no room, no permission, a file where a folder should be
+        shutil.rmtree(partial, ignore_errors=True)
+        raise GGUFImportError(f"--out {out}: cannot write the folder ({exc})") from None
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -177,3 +177,13 @@ def test_a_tensor_type_the_gguf_library_cannot_dequantize_is_refused_by_name(tmp
     path.write_bytes(bytes(data))
     with pytest.raises(GGUFImportError, match=r"tensor blk\.0\.ffn_up\.weight is of type Q8_1"):
         import_gguf(path, tmp_path / "out")
+
+
+def test_an_out_that_cannot_be_written_is_refused_in_one_line(tmp_path, backend_tokenizer, capsys):
+    path = tmp_path / "model.gguf"
+    write_gguf(path, build_reference("llama", LLAMA), backend_tokenizer, "llama", "gpt-2")
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "model"
+    assert main(["import-gguf", str(path), "--out", str(out)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: --out {out}: cannot write the folder (") and error.count("\n") == 1
