@@ -78,11 +78,10 @@ def test_logits_match_transformers(reference, ours):
 
 def test_chat_prompt_has_transformers_token_ids(reference, ours):
     _, tokenizer = reference
-    expected = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
-    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    expected = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)
     text = ours.tokenizer.apply_chat_template(CHAT)
     assert text == tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
-    assert ours.tokenizer.encode_chat_prompt(text) == list(expected)
+    assert ours.tokenizer.encode_chat_prompt(text) == expected["input_ids"]
     assert ours.tokenizer.eos_token_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
 
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from demo.processes import ManagedProcess, free_port
+from layerwatch_cli.main import main
 
 # A real model predicts English prose: full-depth perplexity on the KJV is ~15 (issue 33 measured
 # 15.6 over its held-out chapters); an import that scrambled the weights or the tokenizer lands in
@@ -54,16 +55,14 @@ def test_serve_answers_a_sampled_chat_completion(real_model, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("bible") is None, reason="needs the Debian package bible-kjv")
-def test_eval_measures_a_plausible_perplexity(real_model, tmp_path):
+def test_eval_measures_a_plausible_perplexity(real_model, tmp_path, capsys):
     text = tmp_path / "genesis.txt"
     verses = subprocess.run(["bible", "-f", "Ge1:1-Ge1:12"], capture_output=True, text=True, check=True).stdout
     text.write_text("\n".join(line.split(" ", 1)[1] for line in verses.splitlines() if " " in line) + "\n")
-    argv = [sys.executable, "-m", "layerwatch_cli.main", "eval", "--model", str(real_model.folder)]
-    argv += ["--data", str(text), "--max-tokens", "48", "--window", "40", "--prefill", "16"]
-    argv += ["--repeats", "1", "--batch-size", "2", "--threads", "1", "--depth-execution", "rows", "--json"]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    argv = ["eval", "--model", str(real_model.folder), "--data", str(text), "--max-tokens", "48", "--window", "40"]
+    argv += ["--prefill", "16", "--repeats", "1", "--batch-size", "2", "--threads", "1", "--depth-execution", "rows"]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
     assert report["decoded_tokens"] >= 48
     assert 1.0 < report["perplexity_full"] < PLAUSIBLE_PERPLEXITY
     assert len(report["per_layer_skip_rate"]) == 30
