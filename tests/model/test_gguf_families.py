@@ -187,3 +187,19 @@ def test_an_out_that_cannot_be_written_is_refused_in_one_line(tmp_path, backend_
     assert main(["import-gguf", str(path), "--out", str(out)]) == 2
     error = capsys.readouterr().err
     assert error.startswith(f"error: --out {out}: cannot write the folder (") and error.count("\n") == 1
+
+
+def test_large_models_are_written_in_shards_that_load(tmp_path, backend_tokenizer, monkeypatch):
+    from inference_shim.offline import gguf_import
+
+    path = tmp_path / "model.gguf"
+    write_gguf(path, build_reference("qwen2", dict(LLAMA, num_key_value_heads=1)), backend_tokenizer, "qwen2", "qwen2")
+    import_gguf(path, tmp_path / "whole")
+    monkeypatch.setattr(gguf_import, "SHARD_BYTES", 20_000)  # a 32 x 300 float32 embedding is 38,400 bytes
+    import_gguf(path, tmp_path / "sharded")
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
+    assert len(shards) > 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert not (tmp_path / "sharded" / "model.safetensors").exists()
+    whole, sharded = load_checkpoint(tmp_path / "whole").model, load_checkpoint(tmp_path / "sharded").model
+    for (name, expected), (_, got) in zip(whole.state_dict().items(), sharded.state_dict().items(), strict=True):
+        assert torch.equal(expected, got), name
