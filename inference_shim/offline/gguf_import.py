@@ -56,12 +56,12 @@ GGUF_ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
-# llama.cpp's converter permutes Q and K of these (convert_hf_to_gguf.py, LlamaModel.permute).
+# The families whose Q and K rows llama.cpp's converter permutes (its RoPE rotates adjacent pairs).
 PERMUTED_QK = ("llama",)
 
-# Byte-level BPE pre-tokenizers by `tokenizer.ggml.pre`, as the models' own tokenizer.json split text
-# (llama.cpp's llama-vocab.cpp holds the same regexes): SmolLM splits every digit apart, then
-# GPT-2's regex; Llama 3 and Qwen2 split by their own regex (digits in threes, one by one).
+# Byte-level BPE pre-tokenizers by `tokenizer.ggml.pre`, splitting text as llama.cpp does for each
+# name: SmolLM every digit apart, then GPT-2's regex; Llama 3 and Qwen2 by their own regex (digits
+# in threes, one by one), the regexes transformers' GGUF loading uses for them too.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"

@@ -64,7 +64,7 @@ CONTROL, NORMAL = 3, 1  # llama.cpp's token types
 def write_gguf(
     path, reference, backend_tokenizer, architecture: str, pre: str, quantize=gguf.GGMLQuantizationType.Q8_0
 ):
-    """`reference` (a transformers model) as llama.cpp's convert_hf_to_gguf.py writes it."""
+    """`reference` (a transformers model) as llama.cpp's converter writes it."""
     config = reference.config
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_block_count(config.num_hidden_layers)

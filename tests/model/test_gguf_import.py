@@ -108,8 +108,8 @@ def test_greedy_tokens_match_transformers(reference, ours):
 
 def test_digits_are_split_as_the_models_own_tokenizer_splits_them(ours):
     """`tokenizer.ggml.pre` says "smollm": every digit is its own piece before GPT-2's regex, as in
-    the model's tokenizer.json and llama.cpp. transformers' GGUF loading ignores that name, and
-    so spaces before a digit come out one token each there ("a", "Ġ", "Ġ", "1")."""
+    llama.cpp (the vocabulary holds no token of two digits). transformers' GGUF loading ignores that
+    name, and so spaces before a digit come out one token each there ("a", "Ġ", "Ġ", "1")."""
     ids = ours.tokenizer.encode("a  1 22")
     assert [ours.tokenizer.backend.id_to_token(i) for i in ids] == ["a", "ĠĠ", "1", "Ġ", "2", "2"]
 
