@@ -41,6 +41,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "layerwatch_cli.train_demo",
         "train the embedded demo model (tokenizer, backbone) from the KJV text",
     ),
+    "import-gguf": (
+        "layerwatch_cli.import_gguf",
+        "write a checkpoint folder serve, eval and train-gates take from a GGUF file (llama.cpp's format)",
+    ),
     "generate": (
         "layerwatch_cli.generate",
         "write the rules, dashboards, deploy configs and docs/metrics.md from code (--check)",

