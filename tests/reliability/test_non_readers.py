@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -119,9 +118,9 @@ def test_a_slow_reader_that_keeps_taking_its_answer_is_not_cut_off():
     """The send deadline is for a client that takes nothing (nginx's send_timeout: the time between
     two writes that make progress), not a bound on a whole answer."""
     stopped = threading.Event()
-    with Served(endless_stream_app(stopped), HTTPLimits(send_timeout=1.0)).running() as served:
+    with Served(endless_stream_app(stopped), HTTPLimits(send_timeout=2.0)).running() as served:
         with non_reader(("127.0.0.1", served.port), b"GET / HTTP/1.1\r\nHost: x\r\n\r\n") as client:
-            read, deadline = 0, time.monotonic() + 3.0  # three send timeouts
+            read, deadline = 0, time.monotonic() + 5.0  # past two send timeouts
             while time.monotonic() < deadline:
                 read += len(client.recv(8192))
                 time.sleep(0.05)
@@ -225,24 +224,20 @@ def test_connections_pipelining_requests_they_never_read_cannot_hold_every_conne
     nothing got /healthz a 503 for as long as they stayed. Now one of them is closed for it."""
     shim = small_shim
     evicted = sample_sum(shim.metrics(), "layerwatch_http_connections_refused_total", reason="evicted")
-    files = open_files(shim)
     scrapes = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 8
     attackers = [non_reader(("127.0.0.1", shim.port), scrapes) for _ in range(6)]
+
+    def answered_by_closing_an_attacker() -> bool:
+        # (A probe may get in before the server has taken in every attacker: it proves nothing.)
+        answered = httpx.get(f"{shim.url}/healthz", timeout=10).status_code == 200
+        return answered and any(closed_by_server(attacker) for attacker in attackers)
+
     try:
         deadline = time.monotonic() + 30
-        while open_files(shim) < files + len(attackers):  # until the server has accepted them all
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        while (status := httpx.get(f"{shim.url}/healthz", timeout=10).status_code) == 503:
+        while not answered_by_closing_an_attacker():
             assert time.monotonic() < deadline, "every connection stayed held by clients that read nothing"
             time.sleep(0.1)
-        assert status == 200
-        assert sum(closed_by_server(attacker) for attacker in attackers) >= 1
         assert sample_sum(shim.metrics(), "layerwatch_http_connections_refused_total", reason="evicted") > evicted
     finally:
         for attacker in attackers:
             attacker.close()
-
-
-def open_files(shim: Shim) -> int:
-    return len(os.listdir(f"/proc/{shim.process.proc.pid}/fd"))
