@@ -1,5 +1,5 @@
 """The API's HTTP/1.1 protocol: uvicorn's h11 implementation, with bounds on what a client's
-request head may cost (docs/service.md, "Connections").
+request head, and an answer it leaves unread, may cost (docs/service.md, "Connections").
 
 uvicorn's default parser (httptools) sets no limit on a header line and re-copies it as it grows,
 on the event loop: one client sending an endless header line held /healthz at 2.5-9.8 s and cost
@@ -7,18 +7,25 @@ on the event loop: one client sending an endless header line held /healthz at 2.
 over `max_incomplete_event_size` bytes (here `HTTPLimits.max_head_bytes`); this protocol refuses a
 complete one over that size too (h11 parses a head that arrives whole in one read at any size),
 with a 431 (where uvicorn says 400 for any parse error). uvicorn bounds neither the time a head
-may take nor the number of connections, so this protocol adds both:
+may take, nor the number of connections, nor how long an answer may wait for its client, so this
+protocol adds all three:
 
 - a request head must be complete within `head_timeout` seconds of the connection opening or of
   the previous answer on it (else 408 and the connection closed; a connection that sent nothing
   is just closed, as uvicorn closes an idle keep-alive one after `timeout_keep_alive`);
 - at most `max_connections` connections: one more closes the connection whose request has been
-  arriving longest (a slow client, still sending its head or its body), else the one idle longest
-  (a keep-alive connection between requests: its client reconnects), or, when every connection has
-  a whole request in (never closed to make room), is answered 503 at once, with `Retry-After` as
+  arriving longest (a slow client, still sending its head or its body), else the one whose answer
+  has waited longest for its client (below), else the one idle longest (a keep-alive connection
+  between requests: its client reconnects), or, when every connection has a whole request in and
+  takes its answers (never closed to make room), is answered 503 at once, with `Retry-After` as
   the admission queue's 429 (room comes back as soon as any of them is answered). A body still
   arriving is closed as a head is: 1,000 bodies trickled a byte at a time otherwise kept everyone
-  out for the whole body timeout (30 s), again after each reconnect (docs/reliability.md).
+  out for the whole body timeout (30 s), again after each reconnect (docs/reliability.md);
+- an answer the client does not take: a connection whose unsent output has not shrunk for
+  `send_timeout` seconds is reset, its unsent output dropped (nginx's `send_timeout`: the time
+  between two writes that make progress, not a bound on the whole answer), which cancels a
+  generation still running for it. A stream whose client stopped reading held its connection for
+  good, and connections pipelining requests without reading the answers filled every slot (issue 31).
 
 It also refuses a request whose body two parsers could frame differently, where h11 accepts it:
 `Content-Length` with `Transfer-Encoding` (h11 reads it chunked and keeps the connection: behind a
