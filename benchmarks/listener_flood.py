@@ -3,6 +3,8 @@
     python benchmarks/listener_flood.py api-endless-header [--clients 4]       # one header line that never ends
     python benchmarks/listener_flood.py api-slowloris --clients 1100 --nofile 1024   # heads trickled, past the files
     python benchmarks/listener_flood.py api-slow-bodies --clients 1100           # whole heads, bodies trickled
+    python benchmarks/listener_flood.py api-unread-streams --clients 4          # streams whose client never reads
+    python benchmarks/listener_flood.py api-unread-pipelines --clients 20       # pipelined requests, answers unread
     python benchmarks/listener_flood.py receiver-trickle --clients 32          # mitigation receiver, no token
     python benchmarks/listener_flood.py exporter-half-sent --clients 600       # requests stopped mid-head
     python benchmarks/listener_flood.py exporter-burst --clients 1000          # connections opened at once
@@ -11,7 +13,8 @@
 The target runs as its own process (`serve` on the embedded demo model, or `exporter`), with the code
 of `--checkout` (default: this one). While the attack runs for `--seconds`, a well-behaved client does
 what the listener is for, every `--every` seconds: GET /healthz of the API, an authenticated
-Alertmanager notification to the receiver, a scrape of the exporter's /metrics. Printed: that
+Alertmanager notification to the receiver, a scrape of the exporter's /metrics (against unread
+streams, a one-token completion instead: their harm is to admission). Printed: that
 client's latency (median, 90th percentile, worst) and failures; the target's resident memory
 (before, peak, after), CPU share, threads and open files (/proc). Figures in docs/reliability.md.
 """
@@ -40,13 +43,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from demo.processes import free_port
-from tests.slow_clients import EndlessHeader, Trickler, half_sent_requests
+from tests.slow_clients import EndlessHeader, Trickler, half_sent_requests, non_reader
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 ATTACKS = (
     "api-endless-header",
     "api-slowloris",
     "api-slow-bodies",
+    "api-unread-streams",
+    "api-unread-pipelines",
     "receiver-trickle",
     "exporter-half-sent",
     "exporter-burst",
@@ -55,6 +60,28 @@ ATTACKS = (
 SLOW_BODY_HEAD = (
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
 )
+# Issue 31, item 1: six choices of 64 tokens, 20 alternatives each (about 1.7 KB of events a token).
+UNREAD_STREAM_BODY = json.dumps(
+    {
+        "model": "layerwatch-demo",
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "n": 6,
+        "max_tokens": 64,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "stream": True,
+    }
+).encode()
+UNREAD_STREAM = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(UNREAD_STREAM_BODY), UNREAD_STREAM_BODY)
+)
+UNREAD_PIPELINE = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 8
+# The issue's servers: two batch slots and two waiting ones; twenty connections.
+UNREAD_FLAGS = {
+    "api-unread-streams": ["--max-batch-size", "2", "--max-waiting-requests", "2"],
+    "api-unread-pipelines": ["--max-connections", "20"],
+}
 
 
 class Target:
@@ -253,18 +280,33 @@ def flood_receiver(args: argparse.Namespace, workdir: Path) -> dict:
         return measure(target, attack, notify, args.seconds, args.every)
 
 
+def one_token(url: str) -> Callable[[], object]:
+    body = json.dumps({"model": "layerwatch-demo", "prompt": "Hello", "max_tokens": 1}).encode()
+    headers = {"Content-Type": "application/json"}
+    return lambda: urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=30).read()
+
+
 def flood_api(args: argparse.Namespace, workdir: Path) -> dict:
     port = free_port()
     argv = ["serve", "--port", str(port), "--exporter-address", "", "--log-level", "warning"]
+    argv += UNREAD_FLAGS.get(args.attack, [])
     address = ("127.0.0.1", port)
-    if args.attack == "api-endless-header":
-        attack: EndlessHeader | Trickler = EndlessHeader(address, args.clients)
+    victim = get(f"http://127.0.0.1:{port}/healthz")
+    if args.attack == "api-unread-streams":
+        victim = one_token(f"http://127.0.0.1:{port}/v1/completions")
+    if args.attack.startswith("api-unread"):
+        request = UNREAD_STREAM if args.attack == "api-unread-streams" else UNREAD_PIPELINE
+        attack: EndlessHeader | Trickler | _Held = _Held(
+            lambda: [non_reader(address, request) for _ in range(args.clients)]
+        )
+    elif args.attack == "api-endless-header":
+        attack = EndlessHeader(address, args.clients)
     elif args.attack == "api-slow-bodies":
         attack = Trickler(address, args.clients, head=SLOW_BODY_HEAD, interval=1.0)
     else:
         attack = Trickler(address, args.clients, head=b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ", interval=1.0)
     with started(args.checkout, argv, f"http://127.0.0.1:{port}/healthz", args.nofile, workdir) as target:
-        return measure(target, attack, get(f"http://127.0.0.1:{port}/healthz"), args.seconds, args.every)
+        return measure(target, attack, victim, args.seconds, args.every)
 
 
 def main() -> None:

@@ -128,12 +128,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_http_connections_refused_total",
         "counter",
         ("model_name", "reason"),
-        "Requests the API refused before reading them, by reason: head_too_large (431: request line and headers "
-        "over --max-header-bytes), malformed_head (400), ambiguous_framing (400: Content-Length with "
-        "Transfer-Encoding, or Transfer-Encoding in HTTP/1.0, as in request smuggling; the connection closed), "
+        "Requests the API refused before reading them, and connections it closed, by reason: head_too_large "
+        "(431: request line and headers over --max-header-bytes), malformed_head (400), ambiguous_framing "
+        "(400: Content-Length with Transfer-Encoding, or Transfer-Encoding in HTTP/1.0, as in request "
+        "smuggling; the connection closed), "
         "head_timeout (408: not in within --header-timeout-seconds), "
-        "evicted (a connection closed while part of its head or body was in, to make room for a new one), "
-        "too_many_connections (503: --max-connections open, each with a request in).",
+        "evicted (a connection closed while part of its head or body was in, or its answer waited for its "
+        "client, to make room for a new one), "
+        "too_many_connections (503: --max-connections open, each with a request in), "
+        "send_timeout (a connection reset: its client took none of its answer within --send-timeout-seconds).",
         SHIM,
     ),
     _m(

@@ -99,7 +99,10 @@ def run(args: argparse.Namespace) -> int:
         http_url(api.getsockname()),  # where it is bound (--port 0: the port the system chose)
     )
     limits = HTTPLimits(
-        settings.max_header_bytes, settings.header_timeout_seconds, fit_open_files(settings.max_connections)
+        settings.max_header_bytes,
+        settings.header_timeout_seconds,
+        fit_open_files(settings.max_connections),
+        settings.send_timeout_seconds,
     )
     config = uvicorn.Config(
         create_app(service),

@@ -1,7 +1,7 @@
 """Hostile HTTP clients on loopback, for the tests and benchmarks/listener_flood.py: connections
 that trickle a request head that never ends (slowloris), one endless header line sent as fast as
-the server takes it, and bursts of half-sent requests. Each runs on one thread of its own, however
-many connections it holds."""
+the server takes it, bursts of half-sent requests, and connections that never read their answers.
+Each runs on one thread of its own, however many connections it holds."""
 
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ import threading
 import time
 
 TRICKLED_HEAD = b"POST /alerts HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Slow: "
+# Ethernet's segment size. Over loopback's 64 KiB segments Linux grows a sender's buffer to 4 MiB
+# (2.3 MB of answer held in the server's kernel before its own buffer fills); with this it holds
+# about 40 KB, as over a real link.
+ETHERNET_MSS = 1460
+TCP_ESTABLISHED = 1  # tcp_info's tcpi_state (linux/tcp_states.h)
 
 
 def connect(address: tuple[str, int], timeout: float = 10.0) -> socket.socket:
@@ -128,6 +133,23 @@ class EndlessHeader:
             except TimeoutError:
                 continue  # the server is slow to read: keep pushing
             self.sent += len(chunk)
+
+
+def non_reader(address: tuple[str, int], requests: bytes) -> socket.socket:
+    """A connection that sends `requests` (one, or several pipelined) and never reads the answers:
+    a 2 KiB receive buffer, the segment size of a client on Ethernet."""
+    connection = socket.socket()
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, ETHERNET_MSS)
+    connection.settimeout(10.0)
+    connection.connect(address)
+    connection.sendall(requests)
+    return connection
+
+
+def closed_by_server(connection: socket.socket) -> bool:
+    """Whether the server has closed (or reset) the connection, seen without reading its answer."""
+    return connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != TCP_ESTABLISHED
 
 
 def half_sent_requests(address: tuple[str, int], count: int, head: bytes = b"GET /metrics HTTP/1.1\r\nHo"):

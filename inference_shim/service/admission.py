@@ -1,6 +1,7 @@
 """Which generation requests get in: a bound on those waiting for a batch slot, and the drain.
 
-A request is admitted once its body has been read and leaves when it is answered: it is either
+A request is admitted once its body has been read and leaves when its generation ends (whether or
+not its client has read the answer: completions.py, `Generation._follow`): it is either
 running (its sequence holds one of the engine's batch slots) or waiting (being tokenized, or queued
 for a slot). A client still sending its body holds only its connection, so slow clients cannot
 fill the queue (it is checked before the body is read too, so that a full server reads no more

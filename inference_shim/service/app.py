@@ -230,7 +230,7 @@ async def _generate(service: ShimService, request: Request, kind: Literal["compl
     if prepared.stream:
 
         async def settle() -> None:  # runs however the stream ended, even before its first event
-            generation.abandon()
+            generation.cancel()
 
         return StreamingResponse(
             stream_events(generation),

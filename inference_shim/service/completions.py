@@ -9,6 +9,9 @@ the final update arrives and before the response is sent, so a scrape after the 
 them. A client that goes away cancels every choice; each is then counted as `cancelled` with the
 tokens it had generated until the engine stopped it (those tokens were decoded and are in the
 layer counters too). A choice that fails fails the request, and the other choices are cancelled.
+The updates are taken as the engine makes them, whether or not the client reads the answer
+(`Generation._follow`): a request is counted, and leaves admission, when its generation ends; a
+client that stopped reading held its admission slot for good (issue 31).
 
 With the audit trail on (audit.py), a request also has a span from its arrival until its last
 choice is counted, ended with a `RequestRecord` of the same numbers.
@@ -99,8 +102,6 @@ class Prepared:
 class Choice:
     """One sequence of a request: its engine handle, what it has produced, its metrics."""
 
-    _draining: set[asyncio.Task] = set()  # background tasks of abandoned choices (kept referenced)
-
     def __init__(
         self,
         parts: GenerationParts,
@@ -142,7 +143,6 @@ class Choice:
         self.final: SequenceUpdate | None = None
         self.status: str | None = None  # once counted
         self.recorded = False
-        self.abandoned = False
 
     def start(self) -> None:
         self.parts.worker.submit(self.handle)
@@ -174,27 +174,10 @@ class Choice:
         return item
 
     def cancel(self) -> None:
-        if self.final is None:
+        """Stop the engine's sequence (the client is gone, or another choice failed); it is counted
+        once the engine has stopped it. A no-op for a choice already counted."""
+        if not self.recorded:
             self.parts.worker.cancel(self.handle)
-
-    def abandon(self) -> None:
-        """The client is gone (or another choice failed): cancel, and count the choice once the
-        engine has stopped it. A no-op for a choice already counted, so it is safe to call however
-        a response ended."""
-        if self.recorded or self.abandoned:
-            return
-        self.abandoned = True
-        self.cancel()
-        task = asyncio.get_running_loop().create_task(self._drain())
-        self._draining.add(task)
-        task.add_done_callback(self._draining.discard)
-
-    async def _drain(self) -> None:
-        try:
-            while not self.recorded:
-                await self.next()
-        except APIError:
-            pass  # already counted as an error
 
     def _record(self, status: str) -> None:
         if self.recorded:
@@ -244,8 +227,22 @@ class Choice:
         return RequestLayers(counts.tokens, counts.skipped, counts.below_threshold)
 
 
+@dataclass(frozen=True)
+class Arrival:
+    """An update of one choice, with how far the choice's text and log-probabilities reached once it
+    was in (the choice may have moved on by the time the client is ready for it)."""
+
+    choice: Choice
+    update: SequenceUpdate
+    text_end: int
+    logprobs_end: int
+    completion_tokens: int
+
+
 class Generation:
     """A request's choices, and the response they make up."""
+
+    _following: set[asyncio.Task] = set()  # every generation's _follow task (kept referenced)
 
     def __init__(
         self, parts: GenerationParts, prepared: Prepared, arrived: float, audit: RequestSpan | None = None
@@ -274,6 +271,9 @@ class Generation:
         ]
         self._unrecorded = len(self.choices)
         self._token_texts: dict[int, str] = {}
+        # What _follow took, until the client is ready for it: Arrivals, a choice's APIError, and
+        # None once every choice is counted.
+        self._arrivals: asyncio.Queue[Arrival | APIError | None] = asyncio.Queue()
 
     def _choice_recorded(self) -> None:
         # The request was admitted once: it leaves once, when its last choice is counted.
@@ -309,34 +309,49 @@ class Generation:
     def start(self) -> None:
         for choice in self.choices:
             choice.start()
+        task = asyncio.get_running_loop().create_task(self._follow())
+        self._following.add(task)
+        task.add_done_callback(self._following.discard)
 
     def finished(self) -> bool:
         return all(choice.final is not None for choice in self.choices)
 
-    async def updates(self) -> AsyncIterator[tuple[Choice, SequenceUpdate]]:
-        """Every choice's updates as they arrive (in order within a choice). An APIError of one
-        choice ends the iteration; the caller then abandons the rest."""
-        waiting = {asyncio.ensure_future(c.next()): c for c in self.choices if c.final is None}
+    async def _follow(self) -> None:
+        """Take every choice's updates as they arrive (in order within a choice) until each choice
+        is counted, however fast the client reads them. A choice that fails cancels the others."""
+        waiting = {asyncio.ensure_future(c.next()): c for c in self.choices}
         try:
             while waiting:
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     choice = waiting.pop(task)
-                    update = task.result()
-                    if choice.final is None:
+                    try:
+                        update = task.result()
+                    except APIError as err:  # the choice is counted as an error
+                        self.cancel()
+                        self._arrivals.put_nowait(err)
+                        continue
+                    if not choice.recorded:
                         waiting[asyncio.ensure_future(choice.next())] = choice
-                    yield choice, update
+                    self._arrivals.put_nowait(
+                        Arrival(choice, update, len(choice.text), len(choice.logprobs), choice.completion_tokens)
+                    )
         finally:
             for task in waiting:
                 task.cancel()  # safe: an update is taken off its queue only by a finished get()
+            self._arrivals.put_nowait(None)
+
+    async def updates(self) -> AsyncIterator[Arrival]:
+        """Every choice's updates, as the client is ready for them, until each choice is counted.
+        The APIError of a choice that failed is raised (the other choices are cancelled)."""
+        while (arrival := await self._arrivals.get()) is not None:
+            if isinstance(arrival, APIError):
+                raise arrival
+            yield arrival
 
     def cancel(self) -> None:
         for choice in self.choices:
             choice.cancel()
-
-    def abandon(self) -> None:
-        for choice in self.choices:
-            choice.abandon()
 
     # --- what the client gets ----------------------------------------------------------------------
 
@@ -388,8 +403,10 @@ class Generation:
         logprobs: tuple[int, int],
         finish_reason: str | None = None,
         role: bool = False,
+        completion_tokens: int = 0,
     ) -> dict[str, Any]:
-        """One choice's streamed chunk: its new text and the log-probabilities of entries [start, end)."""
+        """One choice's streamed chunk: its new text and the log-probabilities of entries [start, end),
+        with `completion_tokens` generated so far."""
         entries = self._logprobs(choice, *logprobs)
         if self.prepared.kind == "chat":
             delta: dict[str, str] = {"role": "assistant"} if role else {}
@@ -400,11 +417,11 @@ class Generation:
             body = {"index": choice.index, "text": text or "", "finish_reason": finish_reason, "logprobs": entries}
         chunk = {**self.envelope(chunk=True), "choices": [body]}
         if self.prepared.continuous_usage:
-            prompt, completion = len(choice.prompt.ids), choice.completion_tokens
+            prompt = len(choice.prompt.ids)
             chunk["usage"] = {
                 "prompt_tokens": prompt,
-                "completion_tokens": completion,
-                "total_tokens": prompt + completion,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt + completion_tokens,
             }
         return chunk
 
@@ -489,7 +506,7 @@ async def run_to_end(generation: Generation, request: Request) -> None:
             pass
     finally:
         watcher.cancel()
-        generation.abandon()  # a no-op for the choices that finished
+        generation.cancel()  # a no-op for the choices counted
 
 
 async def _cancel_on_disconnect(request: Request, generation: Generation) -> None:
@@ -507,7 +524,7 @@ async def stream_events(generation: Generation) -> AsyncIterator[str]:
     every chunk its choice's usage so far, as vLLM's do); with the debug header a final
     `layerwatch.layer_activity` event carries the per-token layer activity. If the client
     disconnects, Starlette cancels the stream (possibly before this generator has started), and the
-    response's background task abandons the generation.
+    response's background task cancels the generation.
     """
     p = generation.prepared
     sent_text = {c.index: 0 for c in generation.choices}  # characters of each choice's text sent
@@ -516,12 +533,15 @@ async def stream_events(generation: Generation) -> AsyncIterator[str]:
         if p.kind == "chat":
             for choice in generation.choices:
                 yield _sse(generation.chunk(choice, "", (0, 0), role=True))
-        async for choice, update in generation.updates():
-            text = choice.text[sent_text[choice.index] :]
-            entries = (sent_logprobs[choice.index], len(choice.logprobs))
+        async for arrival in generation.updates():
+            choice, update = arrival.choice, arrival.update
+            text = choice.text[sent_text[choice.index] : arrival.text_end]
+            entries = (sent_logprobs[choice.index], arrival.logprobs_end)
             if text or update.finished or entries[1] > entries[0]:
-                sent_text[choice.index], sent_logprobs[choice.index] = len(choice.text), entries[1]
-                yield _sse(generation.chunk(choice, text, entries, update.finish_reason))
+                sent_text[choice.index], sent_logprobs[choice.index] = arrival.text_end, entries[1]
+                yield _sse(
+                    generation.chunk(choice, text, entries, update.finish_reason, False, arrival.completion_tokens)
+                )
         if p.include_usage:
             yield _sse({**generation.envelope(chunk=True), "choices": [], "usage": generation.usage()})
         if p.debug:
@@ -531,7 +551,7 @@ async def stream_events(generation: Generation) -> AsyncIterator[str]:
         yield _sse(err.body())
         yield "data: [DONE]\n\n"  # the stream still ends the way clients wait for
     finally:
-        generation.abandon()  # servers that raise on a disconnected send skip the background task
+        generation.cancel()  # servers that raise on a disconnected send skip the background task
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -1,5 +1,5 @@
 """The API's HTTP/1.1 protocol: uvicorn's h11 implementation, with bounds on what a client's
-request head may cost (docs/service.md, "Connections").
+request head, and an answer it leaves unread, may cost (docs/service.md, "Connections").
 
 uvicorn's default parser (httptools) sets no limit on a header line and re-copies it as it grows,
 on the event loop: one client sending an endless header line held /healthz at 2.5-9.8 s and cost
@@ -7,18 +7,25 @@ on the event loop: one client sending an endless header line held /healthz at 2.
 over `max_incomplete_event_size` bytes (here `HTTPLimits.max_head_bytes`); this protocol refuses a
 complete one over that size too (h11 parses a head that arrives whole in one read at any size),
 with a 431 (where uvicorn says 400 for any parse error). uvicorn bounds neither the time a head
-may take nor the number of connections, so this protocol adds both:
+may take, nor the number of connections, nor how long an answer may wait for its client, so this
+protocol adds all three:
 
 - a request head must be complete within `head_timeout` seconds of the connection opening or of
   the previous answer on it (else 408 and the connection closed; a connection that sent nothing
   is just closed, as uvicorn closes an idle keep-alive one after `timeout_keep_alive`);
 - at most `max_connections` connections: one more closes the connection whose request has been
-  arriving longest (a slow client, still sending its head or its body), else the one idle longest
-  (a keep-alive connection between requests: its client reconnects), or, when every connection has
-  a whole request in (never closed to make room), is answered 503 at once, with `Retry-After` as
+  arriving longest (a slow client, still sending its head or its body), else the one whose answer
+  has waited longest for its client (below), else the one idle longest (a keep-alive connection
+  between requests: its client reconnects), or, when every connection has a whole request in and
+  takes its answers (never closed to make room), is answered 503 at once, with `Retry-After` as
   the admission queue's 429 (room comes back as soon as any of them is answered). A body still
   arriving is closed as a head is: 1,000 bodies trickled a byte at a time otherwise kept everyone
-  out for the whole body timeout (30 s), again after each reconnect (docs/reliability.md).
+  out for the whole body timeout (30 s), again after each reconnect (docs/reliability.md);
+- an answer the client does not take: a connection whose unsent output has not shrunk for
+  `send_timeout` seconds is reset, its unsent output dropped (nginx's `send_timeout`: the time
+  between two writes that make progress, not a bound on the whole answer), which cancels a
+  generation still running for it. A stream whose client stopped reading held its connection for
+  good, and connections pipelining requests without reading the answers filled every slot (issue 31).
 
 It also refuses a request whose body two parsers could frame differently, where h11 accepts it:
 `Content-Length` with `Transfer-Encoding` (h11 reads it chunked and keeps the connection: behind a
@@ -36,6 +43,8 @@ import asyncio
 import logging
 import re
 import resource
+import socket
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
@@ -59,11 +68,13 @@ REFUSALS = (
     "head_timeout",
     "evicted",
     "too_many_connections",
+    "send_timeout",
 )
 _HEAD_END = re.compile(rb"\n\r?\n")  # where h11 sees the end of a request head
 # Kept besides the connections (a quarter of a lower hard limit): the model's files, the trace, its
 # own sockets; an idle `serve` holds about 20.
 SPARE_FILE_DESCRIPTORS = 256
+_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets the connection, dropping unsent data
 RETRY_AFTER_SECONDS = 1  # past max_connections: each busy connection is evictable again once answered
 
 
@@ -72,6 +83,9 @@ class HTTPLimits:
     max_head_bytes: int = 16 * 1024  # h11's own default
     head_timeout: float = 10.0
     max_connections: int = 1000
+    # nginx's send_timeout is 60 s, the exporter's listener allows 10 s for a whole answer: 30 s, as
+    # the body timeout, lets a client behind a congested link catch up and frees a stalled one's socket.
+    send_timeout: float = 30.0
 
 
 class ConnectionRefusals:
@@ -117,11 +131,19 @@ class BoundedH11Protocol(H11Protocol):
     # between two requests).
     arriving: ClassVar[OrderedDict[BoundedH11Protocol, None]]
     idle: ClassVar[OrderedDict[BoundedH11Protocol, None]]
+    # Its connections with output the client has not taken yet, the longest-stalled first.
+    stalled: ClassVar[OrderedDict[BoundedH11Protocol, None]]
 
     @classmethod
     def bounded(cls, limits: HTTPLimits, refusals: ConnectionRefusals) -> type[BoundedH11Protocol]:
         # The queues are this server's own: each bounded() class serves one server.
-        attributes = {"limits": limits, "refusals": refusals, "arriving": OrderedDict(), "idle": OrderedDict()}
+        attributes = {
+            "limits": limits,
+            "refusals": refusals,
+            "arriving": OrderedDict(),
+            "idle": OrderedDict(),
+            "stalled": OrderedDict(),
+        }
         return cast(type[BoundedH11Protocol], type(cls.__name__, (cls,), attributes))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -129,9 +151,15 @@ class BoundedH11Protocol(H11Protocol):
         self.conn = FramingCheckedConnection(h11.SERVER, self.limits.max_head_bytes)
         self._head_deadline: asyncio.TimerHandle | None = None
         self._reading_body = False  # its request head is in, its body is still arriving
+        self._send_deadline: asyncio.TimerHandle | None = None
+        self._unsent = 0  # bytes of output waiting for the client when the send deadline was set
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # Writing pauses as soon as the kernel leaves any output unsent (not past asyncio's 64 KiB),
+        # so that the send deadline watches every answer a client leaves unread, however small,
+        # and the next write of an answer waits for the client instead of piling up here.
+        transport.set_write_buffer_limits(high=0)
         if len(self.connections) > self.limits.max_connections and not self._make_room():
             self._refuse("too_many_connections", 503, "Too many connections, try again.", RETRY_AFTER_SECONDS)
             return
@@ -139,7 +167,18 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_waiting()
+        self._stop_stall_watch()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self.stalled[self] = None
+        self._unsent = self.transport.get_write_buffer_size()
+        self._send_deadline = self.loop.call_later(self.limits.send_timeout, self._send_timed_out)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_stall_watch()
 
     def data_received(self, data: bytes) -> None:
         if self in self.idle:  # its head begins
@@ -193,21 +232,61 @@ class BoundedH11Protocol(H11Protocol):
             self._head_deadline.cancel()
             self._head_deadline = None
 
+    def _stop_stall_watch(self) -> None:
+        self.stalled.pop(self, None)
+        if self._send_deadline is not None:
+            self._send_deadline.cancel()
+            self._send_deadline = None
+
     def _make_room(self) -> bool:
-        """Close the connection whose request has been arriving longest, else the one idle longest;
-        False when every connection has a whole request in."""
+        """Close the connection whose request has been arriving longest, else the one whose output
+        has waited longest for its client, else the one idle longest; False when every connection
+        has a whole request in and takes its answers."""
         if self.arriving:
             oldest = next(iter(self.arriving))
             oldest.refusals.count("evicted")
             part = "body" if oldest._reading_body else "head"
             log.warning("closed a connection from %s still sending its request %s, to make room", oldest.peer, part)
+        elif self.stalled:
+            oldest = next(iter(self.stalled))
+            oldest.refusals.count("evicted")
+            log.warning("closed a connection from %s not taking its answer, to make room", oldest.peer)
         elif self.idle:
             oldest = next(iter(self.idle))
         else:
             return False
         oldest._stop_waiting()
-        oldest.transport.close()
+        oldest._close_now()
         return True
+
+    def _close_now(self) -> None:
+        """Close, dropping any output the client has not taken: an orderly close waits for it to be
+        sent, which a client that does not read holds off for good (here, and in the kernel, which
+        would keep the socket and its unsent answer: it is reset instead, as nginx's
+        `reset_timedout_connection` does)."""
+        self._stop_stall_watch()
+        if self.transport.get_write_buffer_size():
+            self.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+            self.transport.abort()
+        else:
+            self.transport.close()
+
+    def _send_timed_out(self) -> None:
+        unsent = self.transport.get_write_buffer_size()
+        if unsent < self._unsent:  # the client took some: a slow reader, given another period
+            self._unsent = unsent
+            self._send_deadline = self.loop.call_later(self.limits.send_timeout, self._send_timed_out)
+            return
+        self._send_deadline = None
+        self.refusals.count("send_timeout")
+        log.warning(
+            "closed a connection from %s: its client took none of %d bytes of its answer within %g s",
+            self.peer,
+            unsent,
+            self.limits.send_timeout,
+        )
+        self._stop_waiting()
+        self._close_now()
 
     def _head_timed_out(self) -> None:
         self._head_deadline = None

@@ -203,8 +203,15 @@ class ServerSettings:
         HTTPLimits.max_connections,
         type=argtypes.positive(int),
         metavar="N",
-        help="open connections at most: one more closes the one waiting longest for its request head, or gets "
-        "503 when every connection has a request in (default %(default)s)",
+        help="open connections at most: one more closes the one slowest to send its request or to take its "
+        "answer, else the one idle longest, or gets 503 when every connection has a request in (default %(default)s)",
+    )
+    send_timeout_seconds: float = setting(
+        HTTPLimits.send_timeout,
+        type=argtypes.positive(float),
+        metavar="S",
+        help="a connection whose client takes none of its answer for this many seconds is closed, and a "
+        "generation still running for it cancelled (clients that stop reading; default %(default)s)",
     )
     allow_debug: bool = setting(
         False, help="honour the x-layerwatch-debug request header (returns per-token layer activity)"
