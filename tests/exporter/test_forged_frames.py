@@ -4,13 +4,16 @@ what a sender without the frame key can cost the exporter is bounded, and counte
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 
+from layerwatch.http_listener import WRITE_CHUNK_BYTES
 from layerwatch.wire import encode_frame
 from tests.exporter.support import RunningExporter, forged_flood, random_frame
 
@@ -155,3 +158,44 @@ def test_with_a_frame_key_replayed_frames_are_counted_once(start_exporter, tmp_p
     exporter.wait_for(lambda: rejected(exporter, "replayed") == 990)
     assert exporter.value("layerwatch_exporter_frames_received_total", model_name="demo") == 10
     assert exporter.value("layerwatch_exporter_frames_lost_total", model_name="demo") == 0
+
+
+def test_scrapes_are_answered_while_slow_readers_hold_the_page(start_exporter) -> None:
+    """Hostile review 6, defect 4: in the state forged frames can fill (every model slot, wide frames),
+    each GET rendered the page on its own: 60 clients that ask for /metrics and never read queued 60
+    renders ahead of the real scrape (none answered within Prometheus' 10 s timeout) and each kept a
+    whole copy of the page in its write buffer. Now concurrent scrapes share the render in flight,
+    and a page is written in chunks, each as the client takes the last."""
+    exporter = start_exporter()
+    exporter.send_frames(forged_flood(64, 64))
+    page_bytes = len(exporter.get("/metrics")[1].encode())
+    assert page_bytes > 1_000_000  # the state the attack needs: every slot taken, a large page
+    before = resident_bytes(exporter.process.pid)
+    readers = [slow_reader(exporter, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n") for _ in range(60)]
+    try:
+        with urllib.request.urlopen(exporter.url + "/metrics", timeout=PROMETHEUS_SCRAPE_TIMEOUT) as response:
+            assert response.status == 200 and len(response.read()) > 1_000_000
+        # Every slow reader has its answer (the shared page) and holds at most one chunk of it beyond
+        # what the kernel buffers: far less than a copy of the page each (60 x 1.4 MB before).
+        grown = resident_bytes(exporter.process.pid) - before
+        assert grown < 60 * WRITE_CHUNK_BYTES + 2 * page_bytes + 16_000_000, grown
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+PROMETHEUS_SCRAPE_TIMEOUT = 10.0  # Prometheus' default scrape_timeout
+
+
+def slow_reader(exporter: RunningExporter, request: bytes) -> socket.socket:
+    """A connection that sends `request` and never reads, its receive buffer the smallest the kernel allows."""
+    connection = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
+    connection.connect(("127.0.0.1", int(exporter.url.rsplit(":", 1)[1])))
+    connection.sendall(request)
+    return connection
+
+
+def resident_bytes(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
