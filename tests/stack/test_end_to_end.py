@@ -534,9 +534,10 @@ def test_threshold_095_pages_runaway_skipping(stack: Stack) -> None:
 def test_breaker_out_of_reach_pages_quality_cost(stack: Stack) -> None:
     """At 0.95 with the default protection the breaker forces full depth on most tokens (offline 0.14
     of layer evaluations skipped, 84 fallbacks in 1,500 tokens), and the quality cost per token comes
-    out near its limit (0.0775 nats against 0.0693 in a loaded run, 0.128 offline): a coin toss. Protecting a third layer keeps the skipped share (13 of 16) under the
-    breaker's 85 %, so every token after the first three skips 13 layers: 0.67 nats per token offline
-    (`layerwatch eval`'s teacher-forced loss, 9.7 times the limit)."""
+    out near its limit (0.0775 nats against 0.0693 in a loaded run, 0.128 offline): a coin toss.
+    Protecting a third layer keeps the skipped share (13 of 16) under the breaker's 85 %, so every
+    token after the first three skips 13 layers: 0.67 nats per token offline (`layerwatch eval`'s
+    teacher-forced loss, 9.7 times the limit)."""
     flags = ("--threshold", "0.95", "--protected-layers", "0,1,15")
     injected, serving = stack.restart_shim(*flags)
     fault = f"threshold 0.95, three protected layers (`{' '.join(flags)}`)"
