@@ -26,8 +26,8 @@ or raises (layerwatch/client.py); a failing trace writer is logged and stops, as
 
 Nothing the observer meets breaks the user's `generate()`: a forward in which a decoder layer was not
 called (an early exit), or whose adapter raised or returned values of the wrong shape or type, is not
-published; it is counted in `dropped[reason]` (`no_reading`, `adapter_error`) and logged as a WARNING
-at a bounded rate (layerwatch/log_limit.py).
+published; it is counted in `dropped[reason]` (`no_reading`, `adapter_error`) and logged as a WARNING,
+the first at once, then at most one a minute per reason with the count since the last.
 
 Only `generate()` is observed (a model called directly publishes nothing), one call at a time per
 model; greedy and sampled decoding, batch > 1. Not covered: beam search (every beam's row is
@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Self, cast
 
@@ -48,7 +50,6 @@ import torch
 from torch import nn
 
 from layerwatch.client import GateFrameSender
-from layerwatch.log_limit import RateLimit
 from layerwatch.trace import TraceWriter
 
 if TYPE_CHECKING:
@@ -57,11 +58,11 @@ if TYPE_CHECKING:
 __all__ = ["GenerateObserver", "ReadLayer", "observe", "read_attributes"]
 
 log = logging.getLogger(__name__)
-log.addFilter(RateLimit())  # a model that drops every forward logs a few lines a minute, not one per token
 
 # Why a forward was not published (GenerateObserver.dropped): a decoder layer that was not called in
 # it (an early exit), an adapter that raised or returned values that are not one score per token.
 DROP_REASONS = ("no_reading", "adapter_error")
+DROP_LOG_INTERVAL_SECONDS = 60.0  # a model that drops every forward logs a line a minute, not one per token
 
 # (score, ran): score float [batch, tokens, ...] in [0, 1]; ran bool of the same shape, None = always ran.
 LayerReading = tuple[torch.Tensor, "torch.Tensor | None"]
@@ -137,6 +138,8 @@ class GenerateObserver:
         self.steps = 0
         self.rows = 0
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
+        self._unlogged = dict.fromkeys(DROP_REASONS, 0)  # drops since the last WARNING of each reason
+        self._logged_at = dict.fromkeys(DROP_REASONS, -math.inf)
         self._eos_override = None if eos_token_id is None else _ids(eos_token_id)
         self._step: _Step | None = None  # the forward being observed, while generate() runs
         self._generation: _Generation | None = None
@@ -234,21 +237,29 @@ class GenerateObserver:
             except Exception as exc:  # the adapter's values are not one score per token (shape, type, device)
                 step.fail("adapter_error", f"{type(exc).__name__}: {exc}")
         if step.problem is not None:
-            reason, why = step.problem
-            self.dropped[reason] += 1
-            log.warning(
-                "model %r: a generate() forward not published (%s): %s; GenerateObserver.dropped[%r] counts them",
-                self.model_name,
-                reason,
-                why,
-                reason,
-                extra={"rate_key": reason},
-            )
+            self._drop(*step.problem)
             return
         layers = len(self.layers)
         keep = host[:, 2 * layers] == 0
         if keep.any():
             self._publish(host[keep, :layers], host[keep, layers : 2 * layers] == 0)
+
+    def _drop(self, reason: str, why: str) -> None:
+        self.dropped[reason] += 1
+        self._unlogged[reason] += 1
+        now = time.monotonic()
+        if now - self._logged_at[reason] < DROP_LOG_INTERVAL_SECONDS:
+            return
+        count, self._unlogged[reason], self._logged_at[reason] = self._unlogged[reason], 0, now
+        log.warning(
+            "model %r: a generate() forward not published (%s): %s; %d forward(s) dropped for this reason since "
+            "the last such line (GenerateObserver.dropped[%r])",
+            self.model_name,
+            reason,
+            why,
+            count,
+            reason,
+        )
 
     def _gather(self, step: _Step, finished: torch.Tensor) -> np.ndarray:
         """The forward's newest row per sequence on the host: [rows, 2 * layers + 1] (scores, ran, finished)."""

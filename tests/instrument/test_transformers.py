@@ -231,9 +231,8 @@ def test_a_layer_not_called_in_a_forward_drops_that_forward_never_generate(tmp_p
     assert output.shape == (2, 10)
     assert watch.dropped == {"no_reading": 3, "adapter_error": 0}
     assert watch.steps == 3 and watch.rows == 6 == len(list(read_trace(trace.path)))
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 3
-    assert all("not published (no_reading): decoder layers [3] were not called in this forward" in w for w in warnings)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]  # then one a minute
+    assert "not published (no_reading): decoder layers [3] were not called in this forward" in warning
 
     # A layer whose router set no score in one forward drops that forward only.
     def score_missing_in_the_second_forward(index, layer, output):
