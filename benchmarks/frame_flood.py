@@ -4,12 +4,19 @@
     .venv/bin/python benchmarks/frame_flood.py --checkout /old/checkout  # an older exporter, same flood
     .venv/bin/python benchmarks/frame_flood.py --with-key                # the exporter has a frame key
     .venv/bin/python benchmarks/frame_flood.py --layers 256 [-- --per-layer]  # the widest frames admitted
+    .venv/bin/python benchmarks/frame_flood.py --layers 256 --slow-readers 300   # then scrapes under attack
+    .venv/bin/python benchmarks/frame_flood.py --layers 256 --get-flood 16       # ... or under a GET flood
 
 The flood (issue 11, item 1): `--models` well-formed, untagged datagrams over loopback UDP, each naming a
 new model and carrying one row of `--layers` layers (15,742 is the widest single-row frame that fits a
 datagram). Measured from outside the process: resident memory (/proc) before and after, the size of
 one /metrics page and how long it takes. Goals (docs/reliability.md): RSS <= 100 MB, /metrics <= 1 MB,
 a scrape <= 100 ms. Figures go into docs/reliability.md ("Forged frames").
+
+With `--slow-readers N` (N connections that ask for /metrics and never read, their receive buffer the
+smallest the kernel allows) or `--get-flood T` (T threads asking for /metrics back to back), three
+scrapes are then made as Prometheus makes them (10 s timeout), each reported with its status and time,
+and the exporter's memory after them (hostile review 6, defect 4; docs/reliability.md, round six).
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -73,6 +82,50 @@ def report(label: str, pid: int, url: str) -> str:
     return page
 
 
+def scrapes_under_attack(url: str, pid: int, slow_readers: int, get_flood: int) -> None:
+    port = int(url.split(":")[2].split("/")[0])
+    readers = []
+    for _ in range(slow_readers):
+        reader = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
+        reader.connect(("127.0.0.1", port))
+        reader.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        readers.append(reader)
+    stop = threading.Event()
+
+    def flood() -> None:
+        while not stop.is_set():
+            try:
+                with urllib.request.urlopen(url, timeout=30) as response:
+                    response.read()
+            except OSError:
+                pass
+
+    flooders = [threading.Thread(target=flood, daemon=True) for _ in range(get_flood)]
+    for thread in flooders:
+        thread.start()
+    print(f"under attack: {slow_readers} slow readers, {get_flood} threads of GETs")
+    try:
+        for attempt in range(3):
+            start = time.perf_counter()
+            try:
+                with urllib.request.urlopen(url, timeout=10) as response:
+                    outcome = f"{response.status}, {len(response.read()):,} bytes"
+            except urllib.error.HTTPError as exc:
+                outcome = str(exc.code)
+            except OSError as exc:
+                outcome = f"failed ({exc})"
+            print(f"  scrape {attempt + 1}: {outcome} in {time.perf_counter() - start:.2f} s")
+        current, peak = resident_mb(pid)
+        print(f"  RSS {current:.1f} MB (peak {peak:.1f} MB)")
+    finally:
+        stop.set()
+        for thread in flooders:
+            thread.join()
+        for reader in readers:
+            reader.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -81,6 +134,8 @@ def main() -> None:
     parser.add_argument("--models", type=int, default=64, help="datagrams, each naming a new model (default 64)")
     parser.add_argument("--layers", type=int, default=WIDEST_SINGLE_ROW_LAYERS, help="layers per frame")
     parser.add_argument("--with-key", action="store_true", help="start the exporter with a frame key file")
+    parser.add_argument("--slow-readers", type=int, default=0, help="then scrape under this many slow readers")
+    parser.add_argument("--get-flood", type=int, default=0, help="then scrape under this many threads of GETs")
     parser.add_argument("exporter_args", nargs="*", help="further exporter flags (after --)")
     args = parser.parse_args()
 
@@ -123,6 +178,8 @@ def main() -> None:
         page = report("again", process.pid, url)  # the second scrape: the series-text cache is warm
         for name, value in sorted(counted_frames(page).items()):
             print(f"  {name} {value:g}")
+        if args.slow_readers or args.get_flood:
+            scrapes_under_attack(url, process.pid, args.slow_readers, args.get_flood)
     finally:
         process.terminate()
         process.wait(timeout=60)

@@ -14,6 +14,9 @@ The output is byte-for-byte what `generate_latest` writes for the same metrics (
 from __future__ import annotations
 
 import operator
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -88,3 +91,41 @@ def _count_text(count: int) -> str:
 
 def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+class SharedRender:
+    """The page rendered once for every scrape that asks while a render is in flight.
+
+    A scrape that arrives while the page is being rendered waits for that render and gets its bytes;
+    one that arrives when none is in flight starts one. So concurrent scrapes cost one render's CPU
+    and hold one page in memory whatever their number (hostile review 6: in the state forged frames
+    can fill, each GET rendered its own page, and 60 GETs never read queued 60 renders ahead of
+    Prometheus' scrape), and a page is never older than the render in flight when its scrape came.
+    """
+
+    def __init__(self, render: Callable[[], bytes]) -> None:
+        self._render = render
+        self._lock = threading.Lock()
+        self._in_flight: Future[bytes] | None = None
+
+    def page(self) -> bytes:
+        with self._lock:
+            shared, renders = self._in_flight, self._in_flight is None
+            if shared is None:
+                shared = self._in_flight = Future()
+        if renders:
+            try:
+                page = self._render()
+            except BaseException as exc:  # every scrape waiting on this render gets the error (a 500)
+                self._finish(shared, exc)
+                raise
+            self._finish(shared, page)
+        return shared.result()
+
+    def _finish(self, shared: Future[bytes], outcome: bytes | BaseException) -> None:
+        with self._lock:
+            self._in_flight = None  # a scrape from now on starts a new render
+        if isinstance(outcome, BaseException):
+            shared.set_exception(outcome)
+        else:
+            shared.set_result(outcome)

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from exporter.collectors import build_registry
-from exporter.exposition import TextEncoder
+from exporter.exposition import SharedRender, TextEncoder
 from exporter.state import ExporterState
 from layerwatch import ports
 from layerwatch.http_listener import Handler, Limits, Listener, Request, RequestHead, Response
@@ -24,8 +24,9 @@ RECEIVE_BUFFER_BYTES = 8 * 1024 * 1024
 _POLL_SECONDS = 0.2
 # /metrics and /healthz (layerwatch/http_listener.py): a few scrapers, GETs without a body; the
 # connection waiting longest for its request head is closed to let a new one in, so that a flood
-# of half-sent requests never keeps a scrape out.
-HTTP_LIMITS = Limits(max_connections=64, head_timeout=10.0, workers=4)
+# of half-sent requests never keeps a scrape out. A worker per connection: concurrent scrapes wait
+# on one shared render (SharedRender), never in the pool's queue behind each other.
+HTTP_LIMITS = Limits(max_connections=64, head_timeout=10.0, workers=64)
 
 
 class FrameReceiver:
@@ -77,8 +78,9 @@ class _Page(Handler):
     """GET /metrics, /healthz and / (a link page); anything else 404, other methods 405."""
 
     def __init__(self, registry: CollectorRegistry, receiver: FrameReceiver) -> None:
-        self._registry, self._receiver = registry, receiver
-        self._encoder = TextEncoder()
+        self._receiver = receiver
+        encoder = TextEncoder()
+        self._metrics = SharedRender(lambda: encoder.encode(registry))
 
     def screen(self, head: RequestHead) -> Response | None:
         if head.method != "GET":
@@ -89,7 +91,7 @@ class _Page(Handler):
         path = request.head.path
         if path == "/metrics":
             # Always the 0.0.4 text format: Prometheus accepts it whatever it asks for first.
-            return Response(200, self._encoder.encode(self._registry), CONTENT_TYPE_PLAIN_0_0_4)
+            return Response(200, self._metrics.page(), CONTENT_TYPE_PLAIN_0_0_4)
         if path == "/healthz":
             return Response(200, b"ok\n") if self._receiver.is_alive() else Response(503, b"frame receiver stopped\n")
         if path == "/":

@@ -17,7 +17,9 @@ buffer, never a thread:
 - a body only with one Content-Length of ASCII digits (else 400; none where `body_methods` need
   one: 411), at most `max_body_bytes` (else 413, unread), within `body_timeout` seconds (else 408);
 - the answer is computed on a pool of `workers` threads, and must be taken by the client within
-  `write_timeout` seconds (a connection whose answer is written may be closed to make room);
+  `write_timeout` seconds (a connection whose answer is written may be closed to make room); it is
+  handed to the socket `WRITE_CHUNK_BYTES` at a time as the client takes it, so that a client that
+  does not read holds one chunk of a large answer, not a copy of it;
 - one request per connection (`Connection: close`), as the stdlib's HTTP/1.0 server answered.
 
 A `Handler` screens each head before its body is read (`screen`, on the event loop: cheap checks
@@ -64,6 +66,7 @@ _FIELD_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")  # no control characters
 _CONTENT_LENGTH = re.compile(rb"[0-9]{1,18}")  # ASCII digits only: str.isdigit() also takes '²'
 LINGER_SECONDS = 1.0  # after an answer, unread input is drained this long, so the close sends no reset
 LINGER_BYTES = 1 << 16
+WRITE_CHUNK_BYTES = 1 << 16  # an answer's body goes to the transport this much at a time, as the client reads
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,8 @@ class Response:
     content_type: str = "text/plain; charset=utf-8"
     headers: tuple[tuple[str, str], ...] = ()
 
-    def encode(self) -> bytes:
+    def head(self) -> bytes:
+        """The status line and headers, up to the blank line that ends them."""
         lines = [
             f"HTTP/1.1 {self.status} {HTTPStatus(self.status).phrase}",
             f"Date: {formatdate(usegmt=True)}",
@@ -114,7 +118,7 @@ class Response:
             "Connection: close",
             *(f"{name}: {value}" for name, value in self.headers),
         ]
-        return "\r\n".join(lines).encode("latin-1") + _HEAD_END + self.body
+        return "\r\n".join(lines).encode("latin-1") + _HEAD_END
 
 
 class Handler:
@@ -334,9 +338,17 @@ class Listener:
             log.exception("%s: counting a refusal failed", self._name)
 
     async def _send(self, writer: asyncio.StreamWriter, connection: _Connection, response: Response) -> None:
-        writer.write(response.encode())
+        """Writes the answer within write_timeout, its body a chunk at a time: the transport copies
+        what the socket does not take at once, and an answer shared by many connections (the
+        exporter's page) would otherwise be copied whole into each slow reader's buffer."""
         connection.busy, connection.answered = False, True
-        await _within(writer.drain(), self._limits.write_timeout)
+        async with asyncio.timeout(self._limits.write_timeout):
+            writer.write(response.head())
+            body = memoryview(response.body)
+            for start in range(0, len(body), WRITE_CHUNK_BYTES):
+                writer.write(body[start : start + WRITE_CHUNK_BYTES])
+                await writer.drain()
+            await writer.drain()
 
     async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Half-close, then drain what the client still sends for a moment: closing a socket with

@@ -245,13 +245,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - weight_offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, as Llama does, so fp16/bf16 weights do not lose the small variances.
+        # Normalise in fp32 at least, as Llama does, so fp16/bf16 weights do not lose the small
+        # variances (a float64 model, which the tests compare with, stays float64).
         # F.rms_norm is x * rsqrt(mean(x^2) + eps) (times the weight) in one kernel instead of six.
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not self.weight_in_fp32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        wide = torch.promote_types(x.dtype, torch.float32)
+        x32 = F.rms_norm(x.to(wide), self.weight.shape, None, self.eps)
         if self.weight_in_fp32:  # Gemma, OLMo2: scale, then round once
-            return (x32 * (self.weight.float() + self.weight_offset)).to(x.dtype)
+            return (x32 * (self.weight.to(wide) + self.weight_offset)).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
@@ -264,7 +266,7 @@ class UnitRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
+        return F.rms_norm(x.to(torch.promote_types(x.dtype, torch.float32)), x.shape[-1:], None, self.eps).to(x.dtype)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:

@@ -24,6 +24,11 @@ per forward, a few operations on the device and one device-to-host transfer of `
 nothing waits on the device per layer (docs/performance.md, "Instrumenting transformers"). The sender never blocks
 or raises (layerwatch/client.py); a failing trace writer is logged and stops, as in the shim.
 
+Nothing the observer meets breaks the user's `generate()`: a forward in which a decoder layer was not
+called (an early exit), or whose adapter raised or returned values of the wrong shape or type, is not
+published; it is counted in `dropped[reason]` (`no_reading`, `adapter_error`) and logged as a WARNING,
+the first at once, then at most one a minute per reason with the count since the last.
+
 Only `generate()` is observed (a model called directly publishes nothing), one call at a time per
 model; greedy and sampled decoding, batch > 1. Not covered: beam search (every beam's row is
 published), assisted or speculative decoding (several new positions per forward), stopping rules
@@ -35,6 +40,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Self, cast
 
@@ -51,6 +58,11 @@ if TYPE_CHECKING:
 __all__ = ["GenerateObserver", "ReadLayer", "observe", "read_attributes"]
 
 log = logging.getLogger(__name__)
+
+# Why a forward was not published (GenerateObserver.dropped): a decoder layer that was not called in
+# it (an early exit), an adapter that raised or returned values that are not one score per token.
+DROP_REASONS = ("no_reading", "adapter_error")
+DROP_LOG_INTERVAL_SECONDS = 60.0  # a model that drops every forward logs a line a minute, not one per token
 
 # (score, ran): score float [batch, tokens, ...] in [0, 1]; ran bool of the same shape, None = always ran.
 LayerReading = tuple[torch.Tensor, "torch.Tensor | None"]
@@ -92,8 +104,9 @@ class GenerateObserver:
     `eos_token_id` or generation config's). Raises ValueError for a model, sender or trace that do
     not fit together.
 
-    `steps` counts the forwards published, `rows` the rows. `close()` removes the hooks and gives
-    `generate` back; the observer is also a context manager.
+    `steps` counts the forwards published, `rows` the rows, `dropped[reason]` the forwards not
+    published (DROP_REASONS); nothing is raised out of `generate()`. `close()` removes the hooks and
+    gives `generate` back; the observer is also a context manager.
     """
 
     def __init__(
@@ -124,6 +137,9 @@ class GenerateObserver:
         self.trace = trace
         self.steps = 0
         self.rows = 0
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)
+        self._unlogged = dict.fromkeys(DROP_REASONS, 0)  # drops since the last WARNING of each reason
+        self._logged_at = dict.fromkeys(DROP_REASONS, -math.inf)
         self._eos_override = None if eos_token_id is None else _ids(eos_token_id)
         self._step: _Step | None = None  # the forward being observed, while generate() runs
         self._generation: _Generation | None = None
@@ -191,38 +207,63 @@ class GenerateObserver:
         generation = self._generation
         if generation is None:
             return
-        tokens = kwargs.get("input_ids", args[0] if args else None)
-        embeds = kwargs.get("inputs_embeds")
-        fed = tokens if isinstance(tokens, torch.Tensor) else embeds
-        if not isinstance(fed, torch.Tensor):
-            raise ValueError("generate() called the model with neither input_ids nor inputs_embeds")
-        rows = fed.shape[0]
-        if generation.finished is None:  # the prefill: no row has finished
-            generation.finished = torch.zeros(rows, dtype=torch.bool, device=fed.device)
-        elif isinstance(tokens, torch.Tensor) and generation.eos_ids:
-            # A row fed an end-of-sequence token produced it at the previous step: it is done.
-            eos = generation.eos_tensor(tokens.device)
-            generation.finished = generation.finished | torch.isin(tokens[:, -1], eos)
-        self._step = _Step(rows, len(self.layers))
+        step = self._step = _Step(len(self.layers))
+        try:
+            step.rows = generation.note_inputs(kwargs.get("input_ids", args[0] if args else None), kwargs)
+        except Exception as exc:  # the user's generate() goes on whatever the observer meets
+            step.fail("adapter_error", f"the forward's inputs: {exc}")
 
     def _after_layer(self, index: int, module: nn.Module, args: tuple, output: Any) -> None:
         step = self._step
-        if step is None:
+        if step is None or step.problem is not None:
             return
-        step.scores[index], step.ran[index] = self.read_layer(index, module, output)
+        try:
+            step.scores[index], step.ran[index] = self.read_layer(index, module, output)
+        except Exception as exc:  # an adapter is user code: its failure drops the forward, not generate()
+            step.fail("adapter_error", f"{type(exc).__name__}: {exc}")
 
     def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
         step, generation = self._step, self._generation
-        if step is None or generation is None or generation.finished is None:
+        if step is None or generation is None:
             return
         self._step = None
-        read = [score for score in step.scores if score is not None]
-        if len(read) < len(step.scores):
+        if step.problem is None and None in step.scores:
             missing = [i for i, score in enumerate(step.scores) if score is None]
-            raise ValueError(
-                f"decoder layers {missing} gave no reading in this forward (their forward did not run): hook "
-                "modules that run at every step, e.g. the router's wrapper"
-            )
+            step.fail("no_reading", f"decoder layers {missing} were not called in this forward")
+        if step.problem is None:
+            assert generation.finished is not None  # set by the forward's pre-hook, which had no problem
+            try:
+                host = self._gather(step, generation.finished)
+            except Exception as exc:  # the adapter's values are not one score per token (shape, type, device)
+                step.fail("adapter_error", f"{type(exc).__name__}: {exc}")
+        if step.problem is not None:
+            self._drop(*step.problem)
+            return
+        layers = len(self.layers)
+        keep = host[:, 2 * layers] == 0
+        if keep.any():
+            self._publish(host[keep, :layers], host[keep, layers : 2 * layers] == 0)
+
+    def _drop(self, reason: str, why: str) -> None:
+        self.dropped[reason] += 1
+        self._unlogged[reason] += 1
+        now = time.monotonic()
+        if now - self._logged_at[reason] < DROP_LOG_INTERVAL_SECONDS:
+            return
+        count, self._unlogged[reason], self._logged_at[reason] = self._unlogged[reason], 0, now
+        log.warning(
+            "model %r: a generate() forward not published (%s): %s; %d forward(s) dropped for this reason since "
+            "the last such line (GenerateObserver.dropped[%r])",
+            self.model_name,
+            reason,
+            why,
+            count,
+            reason,
+        )
+
+    def _gather(self, step: _Step, finished: torch.Tensor) -> np.ndarray:
+        """The forward's newest row per sequence on the host: [rows, 2 * layers + 1] (scores, ran, finished)."""
+        read = cast(list[torch.Tensor], step.scores)
         scores = _newest(read, range(len(read)), step.rows, "score").float()
         decided = [i for i, r in enumerate(step.ran) if r is not None]
         values = [r for r in step.ran if r is not None]
@@ -232,12 +273,8 @@ class GenerateObserver:
             ran = torch.ones_like(scores)  # None: the layer ran for every row
             if decided:
                 ran[:, decided] = _newest(values, decided, step.rows, "ran").float()
-        packed = torch.cat([scores, ran, generation.finished[:, None].float()], dim=1)
-        host = packed.cpu().numpy()  # the one device-to-host transfer of the step
-        layers = len(self.layers)
-        keep = host[:, 2 * layers] == 0
-        if keep.any():
-            self._publish(host[keep, :layers], host[keep, layers : 2 * layers] == 0)
+        packed = torch.cat([scores, ran, finished[:, None].float()], dim=1)
+        return packed.cpu().numpy()  # the one device-to-host transfer of the step
 
     def _publish(self, scores: np.ndarray, skipped: np.ndarray) -> None:
         self.steps += 1
@@ -270,19 +307,37 @@ class _Generation:
         self.finished: torch.Tensor | None = None  # bool [batch] on the device, from the prefill on
         self._eos: torch.Tensor | None = None
 
-    def eos_tensor(self, device: torch.device) -> torch.Tensor:
+    def note_inputs(self, tokens: Any, kwargs: dict[str, Any]) -> int:
+        """Mark the rows fed an end-of-sequence token as finished; -> the forward's batch size."""
+        fed = tokens if isinstance(tokens, torch.Tensor) else kwargs.get("inputs_embeds")
+        if not isinstance(fed, torch.Tensor):
+            raise ValueError("generate() called the model with neither input_ids nor inputs_embeds")
+        rows = fed.shape[0]
+        if self.finished is None:  # the prefill: no row has finished
+            self.finished = torch.zeros(rows, dtype=torch.bool, device=fed.device)
+        elif isinstance(tokens, torch.Tensor) and self.eos_ids:
+            # A row fed an end-of-sequence token produced it at the previous step: it is done.
+            self.finished = self.finished | torch.isin(tokens[:, -1], self._eos_tensor(tokens.device))
+        return rows
+
+    def _eos_tensor(self, device: torch.device) -> torch.Tensor:
         if self._eos is None or self._eos.device != device:
             self._eos = torch.tensor(self.eos_ids, device=device)
         return self._eos
 
 
 class _Step:
-    """One forward's readings, layer by layer, still on the device."""
+    """One forward's readings, layer by layer, still on the device, or why it cannot be published."""
 
-    def __init__(self, rows: int, layers: int) -> None:
-        self.rows = rows
+    def __init__(self, layers: int) -> None:
+        self.rows = 0
         self.scores: list[torch.Tensor | None] = [None] * layers
         self.ran: list[torch.Tensor | None] = [None] * layers
+        self.problem: tuple[str, str] | None = None  # (reason, why): the first thing that went wrong
+
+    def fail(self, reason: str, why: str) -> None:
+        if self.problem is None:
+            self.problem = (reason, why)
 
 
 def _newest(values: list[torch.Tensor], layers: Sequence[int], rows: int, what: str) -> torch.Tensor:

@@ -4,9 +4,11 @@ what a sender without the frame key can cost the exporter is bounded, and counte
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -155,3 +157,37 @@ def test_with_a_frame_key_replayed_frames_are_counted_once(start_exporter, tmp_p
     exporter.wait_for(lambda: rejected(exporter, "replayed") == 990)
     assert exporter.value("layerwatch_exporter_frames_received_total", model_name="demo") == 10
     assert exporter.value("layerwatch_exporter_frames_lost_total", model_name="demo") == 0
+
+
+def test_scrapes_are_answered_while_slow_readers_hold_the_page(start_exporter) -> None:
+    """Hostile review 6, defect 4: in the state forged frames can fill (every model slot, wide frames),
+    each GET rendered the page on its own: 60 clients that ask for /metrics and never read queued 60
+    renders ahead of the real scrape (none answered within Prometheus' 10 s timeout). Now concurrent
+    scrapes share the render in flight. (What the slow readers cost in memory is measured by
+    benchmarks/frame_flood.py --slow-readers: docs/reliability.md, round six.)"""
+    exporter = start_exporter()
+    for datagram in forged_flood(64, 256):  # every slot, the widest frames --max-layers admits
+        exporter.send(datagram)
+        time.sleep(0.002)
+    exporter.wait_for(lambda: exporter.received_frames() == 64)
+    # The state the attack needs: a page that takes about a second to render.
+    assert len(exporter.get("/metrics")[1].encode()) > 5_000_000
+    readers = [slow_reader(exporter, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n") for _ in range(60)]
+    try:
+        with urllib.request.urlopen(exporter.url + "/metrics", timeout=PROMETHEUS_SCRAPE_TIMEOUT) as response:
+            assert response.status == 200 and len(response.read()) > 5_000_000
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+PROMETHEUS_SCRAPE_TIMEOUT = 10.0  # Prometheus' default scrape_timeout
+
+
+def slow_reader(exporter: RunningExporter, request: bytes) -> socket.socket:
+    """A connection that sends `request` and never reads, its receive buffer the smallest the kernel allows."""
+    connection = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
+    connection.connect(("127.0.0.1", int(exporter.url.rsplit(":", 1)[1])))
+    connection.sendall(request)
+    return connection

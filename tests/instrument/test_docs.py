@@ -54,15 +54,17 @@ def test_each_python_example_of_instrument_md_runs_as_written(index, tmp_path, m
     assert [p.name for p in tmp_path.iterdir()] == (["healthy.jsonl"] if "TraceWriter" in block else [])
 
 
-def test_a_stock_model_without_routers_is_told_what_to_add_in_one_line(tmp_path):
+def test_a_stock_model_without_routers_is_told_what_to_add_in_one_line(tmp_path, caplog):
     model = tiny_llama(layers=2, hidden_size=32)
     batch = torch.randint(2, 512, (1, 4))
     trace = TraceWriter(tmp_path / "t.jsonl", 1 << 20)
     observer = observe(model, read_attributes("router_score", "router_ran"), trace=trace, model_name="m")
-    with observer, pytest.raises(ValueError) as refused:
-        model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=2)
-    message = str(refused.value)
-    assert "\n" not in message and message.startswith(
-        "decoder layer 0 (LlamaDecoderLayer) has no tensor attribute 'router_score' after its forward"
+    with observer:  # generate() is never broken by the observer (issue 31, defect 5): it warns and counts
+        output = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=2)
+    assert output.shape == (1, 6) and observer.rows == 0 and observer.dropped["adapter_error"] == 2
+    message = next(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "\n" not in message and (
+        "not published (adapter_error): ValueError: decoder layer 0 (LlamaDecoderLayer) has no tensor "
+        "attribute 'router_score' after its forward" in message
     )
     assert "examples/router_llama.py, add_routers" in message and "docs/instrument.md" in message

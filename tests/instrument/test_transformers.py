@@ -6,12 +6,14 @@ same random checkpoint, row for row."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
@@ -176,23 +178,72 @@ def test_a_misfitting_sender_or_adapter_is_refused_clearly(router_model, tmp_pat
         observe(router_model, READ_ROUTERS)
     with pytest.raises(ValueError, match="needs model_name"):
         observe(router_model, READ_ROUTERS, trace=TraceWriter(tmp_path / "t.jsonl", 1 << 20))
+
+
+def test_an_adapter_that_fails_drops_the_forward_never_generate(router_model, tmp_path, caplog):
+    """Hostile review 6, defect 5: the adapter's errors were raised out of the user's generate()."""
     batch = prompts(2, 4, seed=4)
+    plain = router_model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=2, do_sample=False)
+
+    def complex_scores(index, layer, output):  # hostile review 2, H7: the imaginary part was lost
+        return layer.router_score.to(torch.complex64), None
+
     for adapter, message in (
         (read_attributes("no_such_score"), "decoder layer 0 .* has no tensor attribute 'no_such_score'"),
         (lambda i, layer, output: (layer.router_score[0], None), r"the adapter's score has shape \(4,\)"),
+        (complex_scores, "adapter.s score is torch.complex64; expected real"),
     ):
+        caplog.clear()
         trace = TraceWriter(tmp_path / "t.jsonl", 1 << 20)
-        with observe(router_model, adapter, trace=trace, model_name="m"), pytest.raises(ValueError, match=message):
-            router_model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=2)
+        with observe(router_model, adapter, trace=trace, model_name="m") as watch:
+            output = router_model.generate(
+                batch, attention_mask=torch.ones_like(batch), max_new_tokens=2, do_sample=False
+            )
+        assert torch.equal(output, plain)
+        assert watch.rows == 0 and watch.dropped == {"no_reading": 0, "adapter_error": 2}
+        assert any(re.search(message, r.getMessage()) for r in caplog.records if r.levelname == "WARNING"), message
 
-    # Hostile review 2, H7: complex scores lost their imaginary part with a warning and were published.
-    def complex_scores(index, layer, output):
-        return layer.router_score.to(torch.complex64), None
 
-    watch = observe(router_model, complex_scores, trace=TraceWriter(tmp_path / "c.jsonl", 1 << 20), model_name="m")
-    with watch, pytest.raises(TypeError, match="adapter.s score is torch.complex64; expected real"):
-        router_model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=2)
-    assert watch.rows == 0
+class EarlyExit(nn.Module):
+    """An early exit in front of a decoder layer: on the forwards listed in `exits` the layer is not
+    called at all and the hidden state passes through (the exit head took the token out)."""
+
+    def __init__(self, layer: nn.Module, exits: set[int]) -> None:
+        super().__init__()
+        self.layer, self.exits, self.forwards = layer, exits, 0
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        self.forwards += 1
+        if self.forwards - 1 in self.exits:
+            return hidden_states
+        return self.layer(hidden_states, *args, **kwargs)
+
+
+def test_a_layer_not_called_in_a_forward_drops_that_forward_never_generate(tmp_path, caplog):
+    """Hostile review 6, defect 5: generate() raised "decoder layers [3] gave no reading in this forward"."""
+    model = routed_llama(layers=4, hidden_size=32)
+    routers = list(model.model.layers)
+    model.model.layers[3] = EarlyExit(routers[3], exits={1, 3, 4})  # forward 0 is the prefill
+    batch = prompts(2, 4, seed=5)
+    trace = TraceWriter(tmp_path / "t.jsonl", 1 << 20)
+    with observe(model, READ_ROUTERS, trace=trace, model_name="m", layers=routers) as watch:
+        output = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=6, do_sample=False)
+    assert output.shape == (2, 10)
+    assert watch.dropped == {"no_reading": 3, "adapter_error": 0}
+    assert watch.steps == 3 and watch.rows == 6 == len(list(read_trace(trace.path)))
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]  # then one a minute
+    assert "not published (no_reading): decoder layers [3] were not called in this forward" in warning
+
+    # A layer whose router set no score in one forward drops that forward only.
+    def score_missing_in_the_second_forward(index, layer, output):
+        if index == 1 and watch.steps == 1 and not watch.dropped["adapter_error"]:
+            layer.router_score = None
+        return READ_ROUTERS(index, layer, output)
+
+    model.model.layers[3] = routers[3]
+    with observe(model, score_missing_in_the_second_forward, trace=trace, model_name="m") as watch:
+        model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=6, do_sample=False)
+    assert watch.dropped == {"no_reading": 0, "adapter_error": 1} and watch.steps == 5
 
 
 # --- layerwatch's gate file on a transformers Llama, against the engine ----------------------------
