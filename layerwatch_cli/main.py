@@ -120,10 +120,17 @@ class Parser(argparse.ArgumentParser):
             if not arg.startswith("--"):
                 continue
             written = arg.split("=", 1)[0]
-            near = [f for f in flags if f.startswith(written)] or difflib.get_close_matches(written, flags, n=3)
+            near = [f for f in flags if f.startswith(written)] or self._spelled_alike(written, flags)
             if near:
                 return f" (did you mean {' or '.join(near)}?)"
         return ""
+
+    @staticmethod
+    def _spelled_alike(written: str, flags: list[str]) -> list[str]:
+        """The flags `written` may be a misspelling of, compared without their dashes (which made
+        `top --drill` look like `--url`), and never --help (`top --htp` was 'did you mean --help?')."""
+        names = {f[2:]: f for f in flags if f != "--help"}
+        return [names[n] for n in difflib.get_close_matches(written[2:], list(names), n=3)]
 
 
 def build_parser(argv: list[str], environ: dict[str, str] | None = None) -> argparse.ArgumentParser:

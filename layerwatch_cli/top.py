@@ -13,6 +13,7 @@ import shutil
 import sys
 import time
 import urllib.error
+import urllib.parse
 from collections.abc import Callable
 
 from alerts.durations import Timing
@@ -23,12 +24,19 @@ from layerwatch import argtypes
 from layerwatch.ports import EXPORTER_HTTP_PORT, LOOPBACK
 
 
+DEFAULT_URL = f"http://{LOOPBACK}:{EXPORTER_HTTP_PORT}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--url", default=f"http://{LOOPBACK}:{EXPORTER_HTTP_PORT}", help="the exporter (default %(default)s)"
+        "--url",
+        type=argtypes.server_url("metrics"),
+        default=DEFAULT_URL,
+        help="the exporter: http://HOST:PORT, HOST:PORT or its page's address, .../metrics (default %(default)s)",
     )
     parser.add_argument(
         "--prometheus",
+        type=argtypes.server_url("alerts"),
         default=None,
         metavar="URL",
         help="a Prometheus that evaluates the layerwatch rules (e.g. http://127.0.0.1:9090): show each "
@@ -51,11 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def no_exporter(url: str, exc: Exception) -> str:
-    """What a reader without an exporter needs: which one to start, on which address."""
+    """What a reader without an exporter needs: which one to start, on the address read (`--http`
+    is the exporter's flag: `top --http` was refused as 'did you mean --help?')."""
     reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    exporter = "layerwatch exporter"
+    if url != DEFAULT_URL:
+        exporter += f" --http {urllib.parse.urlsplit(url).netloc}"
     return (
         f"layerwatch top: cannot read {url}/metrics: {reason}. Is an exporter running there? Start one with "
-        f"`layerwatch exporter` (--http HOST:PORT for another address), or the whole demo with `scripts/demo.sh`"
+        f"`{exporter}`, or the whole demo with `scripts/demo.sh`"
     )
 
 

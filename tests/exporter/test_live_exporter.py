@@ -175,6 +175,10 @@ def test_top_shows_histogram_verdict_and_statistics(start_exporter) -> None:
     assert "skip ratio 0.560" in top.stdout
     assert "0.05-0.10 ████" in top.stdout
     assert "frames received 500" in top.stdout
+    # The exporter as the demo prints it (its page) and as HOST:PORT: the same view.
+    for given in (exporter.url + "/metrics", exporter.url.removeprefix("http://")):
+        copied = subprocess.run([*LAYERWATCH_COMMAND, "top", "--url", given, "--once"], capture_output=True, text=True)
+        assert copied.returncode == 0 and "demo: bimodal  (6,000 observations" in copied.stdout, copied.stderr
 
     # With a Prometheus it cannot read, the view still shows the exporter, and says so beside each
     # model's histogram when the terminal is wide enough (COLUMNS), below it when not.
