@@ -253,12 +253,12 @@ def exporter_screen(shim_url: str, exporter_url: str, view: AlertView | None, co
         return lambda histogram_last: (
             shadow + render_samples(samples, exporter_url, clock, width=columns, histogram_last=histogram_last)
         )
-    beside = view.snapshot().lines
+    snapshot = view.snapshot()
     return lambda histogram_last: render_samples(
         samples,
         exporter_url,
         clock,
-        beside,
+        snapshot.compact_lines if histogram_last else snapshot.lines,
         columns,
         expected_static=view.expected_static,
         histogram_last=histogram_last,

@@ -14,7 +14,6 @@ import sys
 import time
 import urllib.error
 import urllib.parse
-from collections.abc import Callable
 
 from alerts.durations import Timing
 from alerts.profile_file import PROFILES_DIR, ProfileError, load_profiles
@@ -22,7 +21,6 @@ from demo.alert_view import AlertView
 from exporter.live_view import CLEAR_SCREEN, fit_view, render_samples, scrape, terminal_text
 from layerwatch import argtypes
 from layerwatch.ports import EXPORTER_HTTP_PORT, LOOPBACK
-
 
 DEFAULT_URL = f"http://{LOOPBACK}:{EXPORTER_HTTP_PORT}"
 
@@ -83,12 +81,13 @@ def run(args: argparse.Namespace) -> int:
     def screen(fit: bool) -> str:
         """The view, read once; with `fit`, fitted to the terminal (exporter/live_view.py)."""
         samples = scrape(args.url)
-        beside: Callable[[str], list[str]] | None = view.snapshot().lines if view is not None else None
+        snapshot = view.snapshot() if view is not None else None
         expected = view.expected_static if view is not None else None
         size = shutil.get_terminal_size()
 
         def render(histogram_last: bool) -> str:
             clock = time.strftime("%H:%M:%S")
+            beside = None if snapshot is None else snapshot.compact_lines if histogram_last else snapshot.lines
             return render_samples(
                 samples, args.url, clock, beside, size.columns, expected_static=expected, histogram_last=histogram_last
             )
