@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import itertools
 import logging
 import os
 import signal
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from layerwatch_cli import signals
 
@@ -107,12 +108,32 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args: object, **kwargs: object) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._unknown_flags: list[str] = []  # of the arguments being parsed
 
     def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:  # argparse's own overloads, passed through
+        given = args[0] if args else kwargs.get("args")
+        self._unknown_flags = self._flags_unknown(sys.argv[1:] if given is None else list(given))
         namespace, unknown = super().parse_known_args(*args, **kwargs)
         if unknown:
             self.error(f"unrecognized arguments: {' '.join(unknown)}{self._did_you_mean(unknown)}")
         return namespace, unknown
+
+    def error(self, message: str) -> NoReturn:
+        """argparse checks the required arguments before it reports unknown ones: `train-gates --dta x`
+        was refused as 'the following arguments are required: --data', the typo unnamed."""
+        if message.startswith("the following arguments are required") and self._unknown_flags:
+            unknown = self._unknown_flags
+            message = f"unrecognized arguments: {' '.join(unknown)}{self._did_you_mean(unknown)}; {message}"
+        super().error(message)
+
+    def _flags_unknown(self, given: list[str]) -> list[str]:
+        """The `--flags` in `given` that this parser does not know (none for the top-level parser: the
+        subcommand's are its parser's), up to a `--`. A word with a space is a value, as argparse reads it."""
+        if self._subparsers is not None:
+            return []
+        known = {s for action in self._actions for s in action.option_strings}
+        flags = [arg for arg in itertools.takewhile(lambda arg: arg != "--", given) if arg.startswith("--")]
+        return [arg for arg in flags if " " not in arg and arg.split("=", 1)[0] not in known]
 
     def _did_you_mean(self, unknown: list[str]) -> str:
         flags = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
@@ -120,6 +141,8 @@ class Parser(argparse.ArgumentParser):
             if not arg.startswith("--"):
                 continue
             written = arg.split("=", 1)[0]
+            if written in flags:  # known, so unrecognized where it stands (`replay -- t.jsonl --json`)
+                return " (after `--` every argument is a positional one)"
             near = [f for f in flags if f.startswith(written)] or self._spelled_alike(written, flags)
             if near:
                 return f" (did you mean {' or '.join(near)}?)"

@@ -165,6 +165,33 @@ def test_an_unknown_flag_like_none_of_the_commands_gets_no_guess(argv, capsys):
 
 
 @pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        # argparse checks the required arguments first: each was refused as 'the following arguments are
+        # required', the typo unnamed (`--ot`: the --out the user meant to give).
+        (
+            ["calibrate-trace", "t.jsonl", "--ot", "p.yaml"],
+            "unrecognized arguments: --ot (did you mean --out?); the following arguments are required: --out",
+        ),
+        (
+            ["replay", "--jsn"],
+            "unrecognized arguments: --jsn (did you mean --json?); the following arguments are required: TRACE.jsonl",
+        ),
+        # Known, but after `--`: was 'did you mean --json?'.
+        (
+            ["replay", "--", "t.jsonl", "--json"],
+            "unrecognized arguments: --json (after `--` every argument is a positional one)",
+        ),
+    ],
+)
+def test_a_misspelt_flag_is_named_before_the_arguments_it_leaves_missing(argv, error, capsys):
+    with pytest.raises(SystemExit) as exit:
+        build_parser(argv, environ={}).parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.splitlines()[-1] == f"layerwatch {argv[0]}: error: {error}", err
+
+
+@pytest.mark.parametrize(
     ("flag", "given", "read"),
     [
         # The demo prints its exporter as http://127.0.0.1:9411/metrics and its Prometheus as .../alerts:
