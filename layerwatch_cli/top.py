@@ -109,13 +109,15 @@ def run(args: argparse.Namespace) -> int:
             print(unreadable(exc), file=sys.stderr)
             return 1
         return 0
+    # Into a pipe or a file (`top | tee log`): each view whole, without the terminal's control codes.
+    interactive = sys.stdout.isatty()
     try:
         while True:
             try:
-                text = screen(fit=True)
+                text = screen(fit=interactive)
             except (OSError, ValueError, LookupError) as exc:
                 text = f"{unreadable(exc)} (retrying every {args.interval:g} s)"
-            sys.stdout.write(CLEAR_SCREEN + text + "\n")
+            sys.stdout.write((CLEAR_SCREEN if interactive else "") + text + "\n")
             sys.stdout.flush()
             time.sleep(args.interval)  # until a stop signal (Ctrl-C, the terminal closing: signals.py)
     except BrokenPipeError:  # the reader went away (`layerwatch top | head`)

@@ -261,3 +261,4 @@ def test_top_without_an_exporter_says_what_to_start():
     assert once.returncode == 1 and once.stderr.count("\n") == 1, once.stderr
     assert f"cannot read {url}/metrics: [Errno 111] Connection refused. " in once.stderr and start in once.stderr
     assert start in screen and screen.rstrip().endswith("`scripts/demo.sh` (retrying every 0.2 s)"), screen
+    assert "\x1b" not in screen  # into a pipe: no terminal control codes (they cleared a screen that was not there)
