@@ -141,6 +141,8 @@ class Parser(argparse.ArgumentParser):
             if not arg.startswith("--"):
                 continue
             written = arg.split("=", 1)[0]
+            if written == "--":  # a bare `--` every flag starts with (`top --once --` named all seven)
+                continue
             if written in flags:  # known, so unrecognized where it stands (`replay -- t.jsonl --json`)
                 return " (after `--` every argument is a positional one)"
             near = [f for f in flags if f.startswith(written)] or self._spelled_alike(written, flags)

@@ -177,6 +177,8 @@ def test_an_unknown_flag_like_none_of_the_commands_gets_no_guess(argv, capsys):
             ["replay", "--jsn"],
             "unrecognized arguments: --jsn (did you mean --json?); the following arguments are required: TRACE.jsonl",
         ),
+        # A bare `--` where nothing follows: was 'did you mean --help or --url or' ... every flag of top.
+        (["top", "--once", "--"], "unrecognized arguments: --"),
         # Known, but after `--`: was 'did you mean --json?'.
         (
             ["replay", "--", "t.jsonl", "--json"],
