@@ -83,7 +83,7 @@ class Snapshot:
             detail = alert.labels.get("trigger", target)
             began = None if alert.active_for is None else self.taken_at - alert.active_for
             if began is not None and self._restarted(alert.name, alert.labels, began):
-                detail += f" ({RESTART_NOTE})"
+                detail = f"({RESTART_NOTE}) {detail}"  # first: after the target it began past the 80th column
             lines.append(
                 f"  {alert.state.upper():8} {_age(alert.active_for):>4}  {alert.name:33} "
                 f"{alert.labels.get('severity', ''):9}{detail}".rstrip()

@@ -127,7 +127,8 @@ def test_the_drills_own_restart_of_the_shim_is_marked_expected_on_the_alert_and_
     lines = snapshot({}, alerts, notifications=[page], restart=restart).lines(MODEL)
     marked = [line for line in lines if RESTART_NOTE in line]
     assert len(marked) == 2, lines  # the shim's alert and its page; not the exporter's
-    assert "critical 127.0.0.1:8000 (expected: the drill's restart)" in marked[0]
+    assert "critical (expected: the drill's restart) 127.0.0.1:8000" in marked[0]
+    assert marked[0].index("(expected") < 70  # in sight in 80 columns (after the target, it began at 76)
     assert "pager  LayerwatchTargetDown (expected: the drill's restart)" in marked[1]
     # A target down that began before the restart is news.
     lines = snapshot({}, alerts[:1], restart=(shim, NOW - 10.0)).lines(MODEL)
