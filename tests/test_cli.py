@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -122,6 +123,8 @@ def test_numeric_flags_refuse_nan(flag, value, capsys):
         (["demo", "--interval", "nan"], "argument --interval: must be positive"),
         (["serve", "--port", "70000"], "argument --port: must be 0..65535"),
         (["demo", "--exporter-port", "-1"], "argument --exporter-port: must be 0..65535"),
+        # Found in the review of issue 34: accepted, then Prometheus failed once the shim had started.
+        (["demo", "--prometheus-port", "70000"], "argument --prometheus-port: must be 0..65535"),
     ],
 )
 def test_intervals_and_ports_out_of_range_are_usage_errors(argv, message, capsys):
@@ -219,6 +222,29 @@ def test_top_refuses_an_address_that_is_not_http(url, capsys):
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"layerwatch top: error: argument --url: expected http://HOST:PORT (or HOST:PORT), got {url!r}"
     )
+
+
+def test_the_demo_refuses_a_taken_port_by_its_own_flag_before_it_starts_anything(tmp_path):
+    """A taken --exporter-port failed the demo once its exporter had started, as 'the exporter's HTTP cannot
+    listen on ... (--http)', a flag the demo refuses, and left its workdir behind (exit 1)."""
+    import socket
+
+    from demo.processes import LAYERWATCH_COMMAND
+
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        taken = holder.getsockname()[1]
+        demo = subprocess.run(
+            [*LAYERWATCH_COMMAND, "demo", "--no-prometheus", "--port", "0", "--exporter-port", str(taken)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+            timeout=60,
+        )
+    assert demo.returncode == 2 and demo.stderr == (
+        f"layerwatch demo: the exporter cannot listen on 127.0.0.1:{taken} (--exporter-port): Address already in "
+        "use: stop what holds it, or give the demo another\n"
+    )
+    assert list(tmp_path.iterdir()) == []  # no workdir made
 
 
 def test_every_argument_parser_of_the_repository_refuses_abbreviations():
