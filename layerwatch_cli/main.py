@@ -16,6 +16,7 @@ import importlib
 import itertools
 import logging
 import os
+import re
 import signal
 import sys
 from typing import Any, NoReturn
@@ -124,6 +125,10 @@ class Parser(argparse.ArgumentParser):
         if message.startswith("the following arguments are required") and self._unknown_flags:
             unknown = self._unknown_flags
             message = f"unrecognized arguments: {' '.join(unknown)}{self._did_you_mean(unknown)}; {message}"
+        # A misspelt command or choice (`layerwatch tpo`, `demo --drill statc`): the one it is closest to.
+        choice = re.search(r"invalid choice: '(.*)' \(choose from (.*)\)$", message)
+        if choice and (near := difflib.get_close_matches(choice[1], re.findall(r"'([^']*)'", choice[2]), n=1)):
+            message += f" (did you mean {near[0]}?)"
         super().error(message)
 
     def _flags_unknown(self, given: list[str]) -> list[str]:

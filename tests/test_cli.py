@@ -197,6 +197,21 @@ def test_a_misspelt_flag_is_named_before_the_arguments_it_leaves_missing(argv, e
 
 
 @pytest.mark.parametrize(
+    ("argv", "usage", "error"),
+    [
+        (["tpo"], "layerwatch", "argument COMMAND: invalid choice: 'tpo' (choose from 'serve', "),
+        (["demo", "--drill", "statc"], "layerwatch demo", "argument --drill: invalid choice: 'statc' (choose from "),
+    ],
+)
+def test_a_misspelt_command_or_choice_is_answered_with_the_nearest(argv, usage, error, capsys):
+    with pytest.raises(SystemExit) as exit:
+        build_parser(argv, environ={}).parse_args(argv)
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert exit.value.code == 2 and last.startswith(f"{usage}: error: {error}"), last
+    assert last.endswith(f") (did you mean {'top' if argv == ['tpo'] else 'static'}?)"), last
+
+
+@pytest.mark.parametrize(
     ("flag", "given", "read"),
     [
         # The demo prints its exporter as http://127.0.0.1:9411/metrics and its Prometheus as .../alerts:
