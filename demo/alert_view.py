@@ -202,6 +202,10 @@ class AlertView:
                 body = json.loads(response.read())
         except urllib.error.HTTPError as exc:
             raise ValueError(f"{path}: HTTP {exc.code}") from None
+        # Alertmanager answers /api/v1/alerts too (its v1 API, 0.25), with a list: `top --prometheus` given
+        # the Alertmanager the demo prints below Prometheus was a TypeError traceback.
+        if not isinstance(body, dict) or not isinstance(body.get("data", {}), dict):
+            raise ValueError(f"{path}: not an answer of Prometheus' API (is this Prometheus?)")
         if body.get("status") != "success":
             raise ValueError(f"{path}: {body.get('error', body)}")
         return body["data"]

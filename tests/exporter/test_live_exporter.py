@@ -271,6 +271,24 @@ def test_top_into_a_pipe_writes_each_view_whole_without_control_codes() -> None:
     assert [line.strip() for line in lines].count("0.95-1.00                                          0") >= 1, lines
 
 
+def test_top_given_alertmanager_for_prometheus_says_so_and_shows_the_exporter() -> None:
+    """Alertmanager 0.25 (the demo's) answers /api/v1/alerts with a list; `top --prometheus` at it, the address
+    the demo prints below Prometheus', exited 1 with a TypeError traceback."""
+    with StaticPage(GOLDEN_METRICS.read_text()) as exporter, StaticPage('{"status":"success","data":[]}') as am:
+        top = subprocess.run(
+            [*LAYERWATCH_COMMAND, "top", "--once", "--url", exporter.url, "--prometheus", am.url],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "COLUMNS": "80"},
+        )
+    assert top.returncode == 0 and "Traceback" not in top.stderr, top.stderr
+    assert "demo: bimodal  (6,000 observations, window 6,000)" in top.stdout
+    unreadable = (
+        f"Prometheus {am.url}: not readable (/api/v1/alerts: not an answer of Prometheus' API (is this Prometheus?))"
+    )
+    assert top.stdout.count(unreadable) == 2, top.stdout  # one per model
+
+
 class StreamedPage:
     """A loopback server answering one GET with `chunks` of a page, `interval` seconds apart, then closing."""
 
