@@ -27,7 +27,8 @@ from mixin import config
 NOTIFICATIONS_SHOWN = 5
 TIMEOUT = 3.0  # seconds per Prometheus request: a slow one must not freeze the view
 TARGET_DOWN = "LayerwatchTargetDown"
-PAST = "  ← past the limit"
+# Before the alert's name, not after it: at the end of a row (80 to 108 columns) a terminal of 80 cut it off.
+PAST = "← past the limit of "
 RESTART_NOTE = "expected: the drill's restart"
 
 
@@ -58,8 +59,20 @@ class Snapshot:
     def lines(self, model: str) -> list[str]:
         if self.error is not None:
             return [f"Prometheus {self.prometheus_url}: not readable ({self.error})"]
-        notifications = [] if self.notifications is None else self._notification_lines(self.notifications, model)
-        return self._alert_lines(model) + notifications + self._figure_lines(model)
+        return self._alert_lines(model) + self._notifications(model) + self._figure_lines(model)
+
+    def compact_lines(self, model: str) -> list[str]:
+        """`lines` for a short terminal, which shows their top: the figures before the notifications (what
+        fires now before what was sent), and the rows past their limit first. In 80 × 24 the runaway drill's
+        screen ended at the table's heading, no figure of the alerts firing above it in sight."""
+        if self.error is not None:
+            return self.lines(model)
+        figures = self._figure_lines(model)
+        heading, rows = figures[:2], sorted(figures[2:], key=lambda row: PAST not in row)  # stable sort
+        return self._alert_lines(model) + heading + rows + self._notifications(model)
+
+    def _notifications(self, model: str) -> list[str]:
+        return [] if self.notifications is None else self._notification_lines(self.notifications, model)
 
     def _alert_lines(self, model: str) -> list[str]:
         mine = [a for a in self.alerts if a.labels.get("model_name", model) == model]
@@ -70,7 +83,7 @@ class Snapshot:
             detail = alert.labels.get("trigger", target)
             began = None if alert.active_for is None else self.taken_at - alert.active_for
             if began is not None and self._restarted(alert.name, alert.labels, began):
-                detail += f" ({RESTART_NOTE})"
+                detail = f"({RESTART_NOTE}) {detail}"  # first: after the target it began past the 80th column
             lines.append(
                 f"  {alert.state.upper():8} {_age(alert.active_for):>4}  {alert.name:33} "
                 f"{alert.labels.get('severity', ''):9}{detail}".rstrip()
@@ -120,7 +133,7 @@ class Snapshot:
             limit = f"{'≥' if figure.fires_below else '≤'} {figure.show(figure.limit(profile))}"
             alert = f"{figure.alert} ({figure.trigger})" if figure.trigger else f"{figure.alert}"
             mark = PAST if value is not None and figure.breached(value, profile) else ""
-            lines.append(f"  {figure.label:27} {shown:>6}  {limit:8} {alert}{mark}")
+            lines.append(f"  {figure.label:27} {shown:>6}  {limit:8} {mark}{alert}")
         return lines
 
 
@@ -189,6 +202,10 @@ class AlertView:
                 body = json.loads(response.read())
         except urllib.error.HTTPError as exc:
             raise ValueError(f"{path}: HTTP {exc.code}") from None
+        # Alertmanager answers /api/v1/alerts too (its v1 API, 0.25), with a list: `top --prometheus` given
+        # the Alertmanager the demo prints below Prometheus was a TypeError traceback.
+        if not isinstance(body, dict) or not isinstance(body.get("data", {}), dict):
+            raise ValueError(f"{path}: not an answer of Prometheus' API (is this Prometheus?)")
         if body.get("status") != "success":
             raise ValueError(f"{path}: {body.get('error', body)}")
         return body["data"]

@@ -9,6 +9,7 @@ whatever they put beside the histogram (the alert state).
 from __future__ import annotations
 
 import collections
+import time
 import urllib.request
 from collections.abc import Callable, Sequence
 
@@ -91,10 +92,24 @@ def fit_view(whole: str, compact: Callable[[], str], columns: int, rows: int) ->
     return "\n".join(lines)
 
 
+# An exporter's page holds at most its --max-models x --max-layers series: megabytes, not this.
+MAX_PAGE_BYTES = 64 << 20
+
+
 def scrape(url: str, timeout: float = 5.0) -> Samples:
-    """Every sample of `url`/metrics (a shim or an exporter), by sample name."""
+    """Every sample of `url`/metrics (a shim or an exporter), by sample name. The page must come within
+    `timeout` seconds (a server trickling a byte every few seconds held `top --once` forever: the socket's
+    timeout bounds each read, not the page) and `MAX_PAGE_BYTES`."""
+    deadline = time.monotonic() + timeout
+    page = bytearray()
     with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as response:
-        return parse_samples(response.read().decode("utf-8"))
+        while chunk := response.read1(1 << 16):
+            page += chunk
+            if len(page) > MAX_PAGE_BYTES:
+                raise ValueError(f"a page over {MAX_PAGE_BYTES >> 20} MiB")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the page took over {timeout:g} s")
+    return parse_samples(page.decode("utf-8"))
 
 
 def parse_samples(text: str) -> Samples:

@@ -5,6 +5,7 @@ each parses one flag's text or raises ArgumentTypeError, which argparse reports 
 from __future__ import annotations
 
 import argparse
+import urllib.parse
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -136,3 +137,20 @@ def listen_address(text: str) -> tuple[str, int]:
         return parse_address(text, listening=True)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def server_url(page: str) -> Callable[[str], str]:
+    """A server's base URL, to which a command appends its paths. Given as the demo prints it (the
+    page `http://127.0.0.1:9411/metrics`), the page is dropped; `HOST:PORT` alone is read as
+    http://HOST:PORT, as the address flags write it. Anything else but an http(s) URL is refused: it
+    was read at every refresh as 'unknown url type', with a hint to start an exporter."""
+
+    def parse(text: str) -> str:
+        url = (text if "://" in text else "http://" + text).rstrip("/")
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise argparse.ArgumentTypeError(f"expected http://HOST:PORT (or HOST:PORT), got {text!r}")
+        return url.removesuffix("/" + page)
+
+    parse.__name__ = "URL"
+    return parse

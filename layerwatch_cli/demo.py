@@ -51,8 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=ports.EXPORTER_HTTP_PORT,
         help="exporter HTTP port (default %(default)s)",
     )
-    parser.add_argument("--prometheus-port", type=int, default=ports.PROMETHEUS_PORT, help="(default %(default)s)")
-    parser.add_argument("--alertmanager-port", type=int, default=ports.ALERTMANAGER_PORT, help="(default %(default)s)")
+    parser.add_argument(
+        "--prometheus-port", type=argtypes.port, default=ports.PROMETHEUS_PORT, help="(default %(default)s)"
+    )
+    parser.add_argument(
+        "--alertmanager-port", type=argtypes.port, default=ports.ALERTMANAGER_PORT, help="(default %(default)s)"
+    )
     parser.add_argument("--no-prometheus", action="store_true", help="do not start Prometheus and Alertmanager")
     parser.add_argument(
         "--drill",
@@ -98,6 +102,10 @@ def run(args: argparse.Namespace) -> int:
     if drill is not None and not monitoring:
         why = "--no-prometheus was given" if args.no_prometheus else f"they are not installed: {INSTALL_HINT}"
         print(f"layerwatch demo: --drill needs Prometheus and Alertmanager to page; {why}", file=sys.stderr)
+        return 2
+    taken = taken_port(args, monitoring)
+    if taken is not None:
+        print(f"layerwatch demo: {taken}: stop what holds it, or give the demo another", file=sys.stderr)
         return 2
     temporary = args.workdir is None
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="layerwatch-demo-"))
@@ -177,6 +185,24 @@ def run(args: argparse.Namespace) -> int:
     return 0 if drill_run is None else _drill_verdict(drill_run, interrupted)
 
 
+def taken_port(args: argparse.Namespace, monitoring: bool) -> str | None:
+    """Which of the demo's ports another process holds, naming the demo's flag for it, or None. Found
+    by its processes, a taken port failed the demo after they started, in the words of the shim's or
+    the exporter's own flags (`--http`, which the demo refuses), and left a workdir behind."""
+    wanted = [(args.port, "the shim's API", "--port"), (args.exporter_port, "the exporter", "--exporter-port")]
+    if monitoring:
+        wanted += [
+            (args.prometheus_port, "Prometheus", "--prometheus-port"),
+            (args.alertmanager_port, "Alertmanager", "--alertmanager-port"),
+        ]
+    for port, what, flag in wanted:
+        try:
+            ports.reserve((ports.LOOPBACK, port), what, flag).close()
+        except OSError as exc:
+            return exc.strerror
+    return None
+
+
 def _say(line: str, stream: TextIO = sys.stdout) -> None:
     """Print, unless the terminal is gone (a hang-up): the clean-up goes on without it."""
     with contextlib.suppress(OSError):
@@ -253,12 +279,12 @@ def exporter_screen(shim_url: str, exporter_url: str, view: AlertView | None, co
         return lambda histogram_last: (
             shadow + render_samples(samples, exporter_url, clock, width=columns, histogram_last=histogram_last)
         )
-    beside = view.snapshot().lines
+    snapshot = view.snapshot()
     return lambda histogram_last: render_samples(
         samples,
         exporter_url,
         clock,
-        beside,
+        snapshot.compact_lines if histogram_last else snapshot.lines,
         columns,
         expected_static=view.expected_static,
         histogram_last=histogram_last,

@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import itertools
 import logging
 import os
+import re
 import signal
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from layerwatch_cli import signals
 
@@ -111,12 +113,36 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args: object, **kwargs: object) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._unknown_flags: list[str] = []  # of the arguments being parsed
 
     def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:  # argparse's own overloads, passed through
+        given = args[0] if args else kwargs.get("args")
+        self._unknown_flags = self._flags_unknown(sys.argv[1:] if given is None else list(given))
         namespace, unknown = super().parse_known_args(*args, **kwargs)
         if unknown:
             self.error(f"unrecognized arguments: {' '.join(unknown)}{self._did_you_mean(unknown)}")
         return namespace, unknown
+
+    def error(self, message: str) -> NoReturn:
+        """argparse checks the required arguments before it reports unknown ones: `train-gates --dta x`
+        was refused as 'the following arguments are required: --data', the typo unnamed."""
+        if message.startswith("the following arguments are required") and self._unknown_flags:
+            unknown = self._unknown_flags
+            message = f"unrecognized arguments: {' '.join(unknown)}{self._did_you_mean(unknown)}; {message}"
+        # A misspelt command or choice (`layerwatch tpo`, `demo --drill statc`): the one it is closest to.
+        choice = re.search(r"invalid choice: '(.*)' \(choose from (.*)\)$", message)
+        if choice and (near := difflib.get_close_matches(choice[1], re.findall(r"'([^']*)'", choice[2]), n=1)):
+            message += f" (did you mean {near[0]}?)"
+        super().error(message)
+
+    def _flags_unknown(self, given: list[str]) -> list[str]:
+        """The `--flags` in `given` that this parser does not know (none for the top-level parser: the
+        subcommand's are its parser's), up to a `--`. A word with a space is a value, as argparse reads it."""
+        if self._subparsers is not None:
+            return []
+        known = {s for action in self._actions for s in action.option_strings}
+        flags = [arg for arg in itertools.takewhile(lambda arg: arg != "--", given) if arg.startswith("--")]
+        return [arg for arg in flags if " " not in arg and arg.split("=", 1)[0] not in known]
 
     def _did_you_mean(self, unknown: list[str]) -> str:
         flags = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
@@ -124,10 +150,21 @@ class Parser(argparse.ArgumentParser):
             if not arg.startswith("--"):
                 continue
             written = arg.split("=", 1)[0]
-            near = [f for f in flags if f.startswith(written)] or difflib.get_close_matches(written, flags, n=3)
+            if written == "--":  # a bare `--` every flag starts with (`top --once --` named all seven)
+                continue
+            if written in flags:  # known, so unrecognized where it stands (`replay -- t.jsonl --json`)
+                return " (after `--` every argument is a positional one)"
+            near = [f for f in flags if f.startswith(written)] or self._spelled_alike(written, flags)
             if near:
                 return f" (did you mean {' or '.join(near)}?)"
         return ""
+
+    @staticmethod
+    def _spelled_alike(written: str, flags: list[str]) -> list[str]:
+        """The flags `written` may be a misspelling of, compared without their dashes (which made
+        `top --drill` look like `--url`), and never --help (`top --htp` was 'did you mean --help?')."""
+        names = {f[2:]: f for f in flags if f != "--help"}
+        return [names[n] for n in difflib.get_close_matches(written[2:], list(names), n=3)]
 
 
 def build_parser(argv: list[str], environ: dict[str, str] | None = None) -> argparse.ArgumentParser:

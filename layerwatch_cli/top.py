@@ -13,7 +13,7 @@ import shutil
 import sys
 import time
 import urllib.error
-from collections.abc import Callable
+import urllib.parse
 
 from alerts.durations import Timing
 from alerts.profile_file import PROFILES_DIR, ProfileError, load_profiles
@@ -22,13 +22,19 @@ from exporter.live_view import CLEAR_SCREEN, fit_view, render_samples, scrape, t
 from layerwatch import argtypes
 from layerwatch.ports import EXPORTER_HTTP_PORT, LOOPBACK
 
+DEFAULT_URL = f"http://{LOOPBACK}:{EXPORTER_HTTP_PORT}"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--url", default=f"http://{LOOPBACK}:{EXPORTER_HTTP_PORT}", help="the exporter (default %(default)s)"
+        "--url",
+        type=argtypes.server_url("metrics"),
+        default=DEFAULT_URL,
+        help="the exporter: http://HOST:PORT, HOST:PORT or its page's address, .../metrics (default %(default)s)",
     )
     parser.add_argument(
         "--prometheus",
+        type=argtypes.server_url("alerts"),
         default=None,
         metavar="URL",
         help="a Prometheus that evaluates the layerwatch rules (e.g. http://127.0.0.1:9090): show each "
@@ -51,11 +57,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def no_exporter(url: str, exc: Exception) -> str:
-    """What a reader without an exporter needs: which one to start, on which address."""
+    """What a reader without an exporter needs: which one to start, on the address read (`--http`
+    is the exporter's flag: `top --http` was refused as 'did you mean --help?')."""
     reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    exporter = "layerwatch exporter"
+    if url != DEFAULT_URL:
+        exporter += f" --http {urllib.parse.urlsplit(url).netloc}"
     return (
         f"layerwatch top: cannot read {url}/metrics: {reason}. Is an exporter running there? Start one with "
-        f"`layerwatch exporter` (--http HOST:PORT for another address), or the whole demo with `scripts/demo.sh`"
+        f"`{exporter}`, or the whole demo with `scripts/demo.sh`"
     )
 
 
@@ -71,12 +81,13 @@ def run(args: argparse.Namespace) -> int:
     def screen(fit: bool) -> str:
         """The view, read once; with `fit`, fitted to the terminal (exporter/live_view.py)."""
         samples = scrape(args.url)
-        beside: Callable[[str], list[str]] | None = view.snapshot().lines if view is not None else None
+        snapshot = view.snapshot() if view is not None else None
         expected = view.expected_static if view is not None else None
         size = shutil.get_terminal_size()
 
         def render(histogram_last: bool) -> str:
             clock = time.strftime("%H:%M:%S")
+            beside = None if snapshot is None else snapshot.compact_lines if histogram_last else snapshot.lines
             return render_samples(
                 samples, args.url, clock, beside, size.columns, expected_static=expected, histogram_last=histogram_last
             )
@@ -98,13 +109,15 @@ def run(args: argparse.Namespace) -> int:
             print(unreadable(exc), file=sys.stderr)
             return 1
         return 0
+    # Into a pipe or a file (`top | tee log`): each view whole, without the terminal's control codes.
+    interactive = sys.stdout.isatty()
     try:
         while True:
             try:
-                text = screen(fit=True)
+                text = screen(fit=interactive)
             except (OSError, ValueError, LookupError) as exc:
                 text = f"{unreadable(exc)} (retrying every {args.interval:g} s)"
-            sys.stdout.write(CLEAR_SCREEN + text + "\n")
+            sys.stdout.write((CLEAR_SCREEN if interactive else "") + text + "\n")
             sys.stdout.flush()
             time.sleep(args.interval)  # until a stop signal (Ctrl-C, the terminal closing: signals.py)
     except BrokenPipeError:  # the reader went away (`layerwatch top | head`)

@@ -33,7 +33,7 @@ from mixin import config
 DATA = Path(__file__).resolve().parent / "data" / "demo-screen.json"
 DOC = Path(__file__).resolve().parent.parent / "docs" / "demo.md"
 MARKER = "<!-- the sample screen: python -m tests.demo_screen docs (tests/test_demo_screen.py) -->"
-DOC_COLUMNS = 172  # the narrowest terminal that shows the alert state beside the histogram
+DOC_COLUMNS = 173  # the narrowest terminal that shows the alert state beside the histogram
 DRILL = "static"
 TAKEN_AT = 10_000.0  # the snapshot's monotonic clock, rebuilt: every age is relative to it
 SETTLE_SECONDS = 6.0  # after the page: its notification and the figures past their limits are on screen
@@ -63,7 +63,7 @@ def render(data: dict, columns: int, rows: int, banner: str = "") -> str:
             samples,
             data["exporter_url"],
             data["clock"],
-            snapshot.lines,
+            snapshot.compact_lines if histogram_last else snapshot.lines,
             columns,
             expected_static=lambda model: profiles[model].routing.static_layers if model in profiles else None,
             histogram_last=histogram_last,

@@ -69,11 +69,29 @@ def test_the_runaway_drill_shows_its_fallbacks_past_the_limit_and_a_low_skip_rat
     figures = {"skip ratio": 0.164, "fallbacks per minute": 41.5, "skip ratio, collapse floor": 0.164}
     lines = snapshot(figures, [firing]).lines(MODEL)
     assert figure_line(lines, "fallbacks per minute").endswith(
-        f"41.5  ≤ 0.0    LayerwatchRunawaySkipping (fallbacks){PAST}"
+        f"41.5  ≤ 0.0    {PAST}LayerwatchRunawaySkipping (fallbacks)"
     )
     assert figure_line(lines, "skip ratio").endswith("0.164  ≤ 0.850  LayerwatchRunawaySkipping (skip_ratio)")
     # Above the collapse floor (0.5 of the healthy 0.2534) too: skipping has not collapsed.
     assert figure_line(lines, "skip ratio, collapse floor").endswith("0.164  ≥ 0.127  LayerwatchSkippingCollapsed")
+    # Its mark within 80 columns: after the alert's name (up to 108) it was cut off the edge.
+    assert figure_line(lines, "fallbacks per minute").index(PAST) + len(PAST) < 80
+
+
+def test_a_short_terminal_shows_the_figures_past_their_limit_first_and_the_notifications_last():
+    """In 80 × 24 the runaway drill's screen ended at the table's heading: five notifications above it,
+    and the fallbacks, the figure that paged, sixth in the table."""
+    firing = PrometheusAlert("LayerwatchRunawaySkipping", "firing", {"model_name": MODEL, "trigger": "fallbacks"}, 9.0)
+    page = Notification(NOW - 5.0, "/pager", {"alerts": [{"labels": firing.labels, "status": "firing"}]})
+    figures = {"skip ratio": 0.164, "fallbacks per minute": 41.5, "token-dependent share": 0.0}
+    view = snapshot(figures, [firing], notifications=[page])
+    compact = view.compact_lines(MODEL)
+    heading = compact.index("what the pages read (rates: last 3s; routing, peaks: the exporter's window)")
+    past = [figure_line(compact, "token-dependent share"), figure_line(compact, "fallbacks per minute")]
+    assert compact[heading + 2 : heading + 4] == past and all(PAST in line for line in past), compact
+    assert compact[heading + 4] == figure_line(compact, "newly static layers"), compact  # then the table's order
+    assert compact[-2:] == ["notifications delivered (Alertmanager → this demo's receiver)", compact[-1]]
+    assert sorted(compact) == sorted(view.lines(MODEL))  # the same lines, reordered
 
 
 def test_the_figures_say_their_unit_window_and_what_the_profile_expects():
@@ -89,10 +107,10 @@ def test_the_figures_say_their_unit_window_and_what_the_profile_expects():
     assert "what the pages read (rates: last 3s; routing, peaks: the exporter's window)" in lines
     assert figure_line(lines, "est. perplexity increase").endswith("+2.9 %  none     (no alert reads it: context)")
     assert figure_line(lines, "newly static layers").endswith(
-        f"1  ≤ 0      LayerwatchRoutingStatic (new_static_layers){PAST}"
+        f"1  ≤ 0      {PAST}LayerwatchRoutingStatic (new_static_layers)"
     )
-    assert figure_line(lines, "entropy peaks").endswith(f"1  ≥ 2      LayerwatchEntropySinglePeak{PAST}")
-    assert figure_line(lines, "dip test p-value").endswith(f"0.410  ≤ 0.050  LayerwatchEntropySinglePeak{PAST}")
+    assert figure_line(lines, "entropy peaks").endswith(f"1  ≥ 2      {PAST}LayerwatchEntropySinglePeak")
+    assert figure_line(lines, "dip test p-value").endswith(f"0.410  ≤ 0.050  {PAST}LayerwatchEntropySinglePeak")
     assert PAST not in figure_line(lines, "token-dependent share")
     assert figure_line(lines, "shadow agreement").endswith("-  ≥ 0.796  LayerwatchShadowAgreementLow")
 
@@ -109,7 +127,8 @@ def test_the_drills_own_restart_of_the_shim_is_marked_expected_on_the_alert_and_
     lines = snapshot({}, alerts, notifications=[page], restart=restart).lines(MODEL)
     marked = [line for line in lines if RESTART_NOTE in line]
     assert len(marked) == 2, lines  # the shim's alert and its page; not the exporter's
-    assert "critical 127.0.0.1:8000 (expected: the drill's restart)" in marked[0]
+    assert "critical (expected: the drill's restart) 127.0.0.1:8000" in marked[0]
+    assert marked[0].index("(expected") < 70  # in sight in 80 columns (after the target, it began at 76)
     assert "pager  LayerwatchTargetDown (expected: the drill's restart)" in marked[1]
     # A target down that began before the restart is news.
     lines = snapshot({}, alerts[:1], restart=(shim, NOW - 10.0)).lines(MODEL)

@@ -37,7 +37,7 @@ def test_the_screen_labels_what_each_figure_counts():
     assert "static-run layers (below τ for ≤5% of tokens: run whatever the token) 0,1,2" in screen
     assert "what the pages read (rates: last 3s; routing, peaks: the exporter's window)" in screen
     # Both of the firing alert's triggers have their figure marked, and nothing else is.
-    marked = [line.split("  ")[-2].strip() for line in lines if line.endswith(PAST)]
+    marked = [line.split(PAST)[1] for line in lines if PAST in line]
     assert marked == [f"{PAGE} (share)", f"{PAGE} (new_static_layers)"], lines
     assert "est. perplexity increase    +4.3 %  none     (no alert reads it: context)" in screen
     assert screen.count("LayerwatchTargetDown") == 2 == screen.count("(expected: the drill's restart)")
@@ -51,5 +51,10 @@ def test_an_80_by_24_terminal_keeps_the_drill_line_and_the_alerts_in_sight():
     assert lines[1].startswith(f"  PAGED {PAGE} 27.9s after the fault")
     firing = [line for line in lines if line.startswith("  FIRING")]
     assert len(firing) == len(SCREEN["alerts"]) == 5, lines
+    # Which figure crossed which limit: both of the page's, marked within the 80 columns (the table
+    # was below the notifications, out of sight, and the marks past the 80th column).
+    marked = [line for line in lines if PAST in line]
+    assert [line[:29].strip() for line in marked] == ["token-dependent share", "newly static layers"], lines
+    assert all(line.index(PAST) + len(PAST) < 80 for line in marked), marked
     assert lines[-1].startswith("… ") and lines[-1].endswith("more lines: a taller terminal shows them")
     assert not [line for line in lines if line.startswith("banner")]

@@ -3,16 +3,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -20,6 +24,7 @@ import numpy as np
 import pytest
 
 from demo.processes import LAYERWATCH_COMMAND
+from exporter.live_view import MAX_PAGE_BYTES, scrape
 from layerwatch.catalog import EXPORTER, for_component
 from layerwatch.wire import MAX_FRAME_BYTES, encode_frame
 from tests.exporter.support import DATA, GOLDEN_TRACE, random_frame, trace_frames
@@ -175,6 +180,10 @@ def test_top_shows_histogram_verdict_and_statistics(start_exporter) -> None:
     assert "skip ratio 0.560" in top.stdout
     assert "0.05-0.10 ████" in top.stdout
     assert "frames received 500" in top.stdout
+    # The exporter as the demo prints it (its page) and as HOST:PORT: the same view.
+    for given in (exporter.url + "/metrics", exporter.url.removeprefix("http://")):
+        copied = subprocess.run([*LAYERWATCH_COMMAND, "top", "--url", given, "--once"], capture_output=True, text=True)
+        assert copied.returncode == 0 and "demo: bimodal  (6,000 observations" in copied.stdout, copied.stderr
 
     # With a Prometheus it cannot read, the view still shows the exporter, and says so beside each
     # model's histogram when the terminal is wide enough (COLUMNS), below it when not.
@@ -241,6 +250,82 @@ def test_top_shows_a_pages_escape_sequences_escaped_and_refuses_a_page_it_cannot
     (line,) = top.stderr.splitlines()
     assert line.startswith(f"layerwatch top: cannot read {server.url}/metrics: not a layerwatch exporter's page")
     assert r"demo\x1b]0;owned\x07\x1b[2J: no layerwatch_entropy_zero_total" in line
+
+
+def test_top_into_a_pipe_writes_each_view_whole_without_control_codes() -> None:
+    """`layerwatch top | tee log` got each view cut to 80 x 24 ('… N more lines: a taller terminal
+    shows them', with no terminal there) behind a clear-screen code."""
+    with StaticPage(GOLDEN_METRICS.read_text()) as server:
+        top = subprocess.Popen(
+            [*LAYERWATCH_COMMAND, "top", "--url", server.url, "--interval", "0.2"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "COLUMNS": "80", "LINES": "24"},
+        )
+        try:
+            lines = [top.stdout.readline() for _ in range(60)]  # type: ignore[union-attr]
+        finally:
+            top.send_signal(signal.SIGTERM)
+            top.communicate(timeout=30)
+    assert not [line for line in lines if "\x1b" in line or "a taller terminal shows them" in line], lines
+    assert [line.strip() for line in lines].count("0.95-1.00                                          0") >= 1, lines
+
+
+def test_top_given_alertmanager_for_prometheus_says_so_and_shows_the_exporter() -> None:
+    """Alertmanager 0.25 (the demo's) answers /api/v1/alerts with a list; `top --prometheus` at it, the address
+    the demo prints below Prometheus', exited 1 with a TypeError traceback."""
+    with StaticPage(GOLDEN_METRICS.read_text()) as exporter, StaticPage('{"status":"success","data":[]}') as am:
+        top = subprocess.run(
+            [*LAYERWATCH_COMMAND, "top", "--once", "--url", exporter.url, "--prometheus", am.url],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "COLUMNS": "80"},
+        )
+    assert top.returncode == 0 and "Traceback" not in top.stderr, top.stderr
+    assert "demo: bimodal  (6,000 observations, window 6,000)" in top.stdout
+    unreadable = (
+        f"Prometheus {am.url}: not readable (/api/v1/alerts: not an answer of Prometheus' API (is this Prometheus?))"
+    )
+    assert top.stdout.count(unreadable) == 2, top.stdout  # one per model
+
+
+class StreamedPage:
+    """A loopback server answering one GET with `chunks` of a page, `interval` seconds apart, then closing."""
+
+    def __init__(self, chunks: Iterator[bytes], interval: float = 0.0) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+
+        def serve() -> None:
+            connection, _ = self.listener.accept()
+            with connection, contextlib.suppress(OSError):  # the reader may hang up first
+                connection.recv(65536)
+                connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n")
+                for chunk in chunks:
+                    connection.sendall(chunk)
+                    time.sleep(interval)
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    def __enter__(self) -> StreamedPage:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.listener.close()
+
+
+def test_a_page_that_trickles_or_never_ends_is_given_up_on() -> None:
+    """Whatever answers at --url: a page a comment line every 0.3 s held `top --once` forever (the socket's
+    timeout bounds each read, not the page), and an endless one grew top to 4.4 GB in 20 s."""
+    with StreamedPage((b"# still coming\n" for _ in range(40)), interval=0.3) as trickling:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="the page took over 1 s"):
+            scrape(trickling.url, timeout=1.0)
+        assert time.monotonic() - started < 3.0
+    line = b"# " + b"x" * 65_534 + b"\n"
+    endless = StreamedPage(itertools.repeat(line, MAX_PAGE_BYTES // len(line) + 2))
+    with endless, pytest.raises(ValueError, match="a page over 64 MiB"):
+        scrape(endless.url)
 
 
 def test_top_reports_an_unreachable_exporter() -> None:
