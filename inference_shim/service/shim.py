@@ -26,6 +26,7 @@ from inference_shim.runtime.checkpoint import (
     load_checkpoint,
     resolve_device,
 )
+from inference_shim.runtime.demo_model import served_model_name
 from inference_shim.runtime.depth_execution import (
     DepthExecutionConfig,
     default_depth_execution,
@@ -317,7 +318,7 @@ class ShimService:
         model.attach_gates(gates.gates)
         self.model = model
         self.tokenizer = checkpoint.tokenizer
-        self.model_name = settings.model_name or checkpoint.path.resolve().name
+        self.model_name = served_model_name(checkpoint.path, settings.model_name)
         if (character := unprintable(self.model_name)) is not None:  # as the exporter would refuse its frames
             raise ValueError(f"--model-name {self.model_name!r} holds {character}, which is not printable")
         self.allow_debug = settings.allow_debug
