@@ -181,8 +181,9 @@ def test_coarsened_divergences_are_exact_at_k_equal_v_and_lower_bounds_growing_w
         assert (forward >= previous[0] - 1e-6).all() and (reverse >= previous[1] - 1e-6).all(), k
         assert (forward <= exact_forward + 1e-6).all() and (reverse <= exact_reverse + 1e-6).all(), k
         previous = (forward, reverse)
-    torch.testing.assert_close(previous[0], exact_forward, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(previous[1], exact_reverse, rtol=1e-5, atol=1e-7)
+    # (the same float32 rounding: a position at full depth has an exact KL of 0)
+    torch.testing.assert_close(previous[0], exact_forward, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(previous[1], exact_reverse, rtol=1e-5, atol=1e-6)
     assert (divergences(4)[0] < exact_forward - 1e-4).any()  # coarse enough to lose something
 
 
