@@ -331,6 +331,8 @@ GATED_SETTINGS = (
     "skip_rule",
     "ewma_alpha",
     "protected_layers",
+    "depth_execution",
+    "batch_consensus",
     "request_threshold_range",
     "long_prompt_tokens",
     "complexity_cutoff",

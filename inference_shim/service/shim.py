@@ -362,8 +362,11 @@ class ShimService:
             raise ValueError(f"--max-batch-size must be >= 1, got {settings.max_batch_size}")
         self.kv_policy = settings.kv_policy
         # Shared by every engine the worker builds: the measured costs hold for the model, not an engine.
+        # Without gates nothing is skipped: whole layers, with no start-up measurement of the row-partial
+        # path (9 s for SmolLM2-135M's 30 layers on a loaded CPU core).
+        depth = DepthExecutionConfig(settings.depth_execution, settings.batch_consensus)
         self.depth_execution = default_depth_execution(
-            model, self.kv_policy, DepthExecutionConfig(settings.depth_execution, settings.batch_consensus)
+            model, self.kv_policy, depth if gates is not None else DepthExecutionConfig("batch")
         )
         self.max_batch_size = settings.max_batch_size
         _check_kv_cache_fits(checkpoint, settings.max_batch_size, self.max_seq_len)
