@@ -31,6 +31,10 @@ chunk's agreement less the margin (`agreement_floor`), the quality-cost limit QU
 highest chunk's nats per token (`quality_cost_limit`), the gate-importance floors half the lowest
 reading of each gauge and at least the margin below it (`gate_importance_floor`,
 `gate_importance_profile`).
+
+A baseline the alerts can use (`baseline_problems`): one that does not already show what an alert
+pages on (static routing, nothing skipped, one peak, a shadow agreement or quality cost beyond the
+limits below); `layerwatch calibrate` refuses any other unless told to accept it.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 The baseline is served traffic in miniature: prompts cut from the beginnings of the text's verses
 (lines), completed by the real GenerationEngine with the service's sampling settings, so every
 skip decision follows the real decode semantics (patience, protected layers, fallback, KV policy).
-The run is `inference_shim.offline.calibration.calibrate`; this command parses its flags, writes
-the profile (alerts/profile.py defines the file) and prints what was measured.
+The run is `inference_shim.offline.calibration.calibrate`; this command parses its flags, prints what
+was measured and writes the profile (alerts/profile.py defines the file), unless the baseline shows
+what its alerts page on (`Calibration.problems`): then it exits 2 naming each problem, and writes the
+profile only with --accept-unhealthy (docs/alerting.md, "What calibrate measures").
 """
 
 from __future__ import annotations
