@@ -584,7 +584,7 @@ class ShimService:
         """SIGHUP: check the gate file now, when it is watched; serving goes on either way."""
         if self.gate_watcher is None:
             log.warning(
-                "SIGHUP received and ignored: the gate file is not watched (--gates-watch-seconds 0 or a drill)"
+                "SIGHUP received and ignored: no gate file is watched (--gates-watch-seconds 0, a drill or --no-gates)"
             )
             return
         log.warning("SIGHUP received: checking the gate file %s now", self.gate_watcher.path)
