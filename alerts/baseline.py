@@ -31,6 +31,10 @@ chunk's agreement less the margin (`agreement_floor`), the quality-cost limit QU
 highest chunk's nats per token (`quality_cost_limit`), the gate-importance floors half the lowest
 reading of each gauge and at least the margin below it (`gate_importance_floor`,
 `gate_importance_profile`).
+
+A baseline the alerts can use (`baseline_problems`): one that does not already show what an alert
+pages on (static routing, nothing skipped, one peak, a shadow agreement or quality cost beyond the
+limits below); `layerwatch calibrate` refuses any other unless told to accept it.
 """
 
 from __future__ import annotations
@@ -56,7 +60,15 @@ from alerts.profile import (
     RoutingProfile,
 )
 from layerwatch.catalog import REQUEST_FRACTION_BUCKETS
-from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS, Routing, below_threshold, routing_from_rows, wilson_bounds
+from layerwatch.routing import (
+    DEFAULT_MIN_ROUTING_TOKENS,
+    DYNAMIC_SHARE,
+    STATIC,
+    Routing,
+    below_threshold,
+    routing_from_rows,
+    wilson_bounds,
+)
 from layerwatch.statistics import (
     DEFAULT_WINDOW_OBSERVATIONS,
     ZERO_ENTROPY_LIMIT,
@@ -397,6 +409,63 @@ def baseline_summary(stats: BaselineStatistics, profile: Profile) -> list[str]:
         f"{list(rp.static_layers)} (whole baseline or any chunk); skipping collapsed below "
         f"{profile.skip_collapse_fraction} x {profile.skip_ratio_normal}",
     ]
+
+
+# --- a baseline the alerts can use ---------------------------------------------------------------
+
+# A profile is cut around its baseline: every alert pages on a departure from what the baseline showed.
+# A baseline that already shows what an alert pages on makes that alert blind (its floor lies below a
+# broken model) or a constant page; `layerwatch calibrate` refuses such a baseline unless told to
+# accept it. The limits below are ours, placed well outside the demo model's healthy baseline
+# (alerts/profiles/demo.yaml: agreement 0.826 in its lowest chunk, 0.046 nats per token in its worst)
+# and well inside the first SmolLM2-135M gates of issue 33 that skipped statically (0.459, 0.598).
+# LayerwatchShadowAgreementLow pages below the baseline's lowest chunk less the margin: below this
+# share of full-depth top-1 tokens kept, the gates change the answers, and the floor would make that normal.
+MIN_HEALTHY_AGREEMENT = 0.7
+# LayerwatchShadowQualityCost pages above QUALITY_COST_FACTOR x the baseline's worst chunk: above this
+# many nats per token of KL(gated || full) (a perplexity-scale cost of exp(0.2) - 1 = 22 %), the limit
+# would accept a model made far worse by its skipping.
+MAX_HEALTHY_KL_NATS = 0.2
+
+
+def baseline_problems(
+    stats: BaselineStatistics,
+    threshold: float,
+    *,
+    agreement: float | None = None,
+    kl_nats_per_token: float | None = None,
+) -> list[str]:
+    """What in a baseline keeps its profile's alerts from telling healthy traffic from broken, one
+    phrase each naming the figure and the alert (empty: none). `agreement` (top-1 tokens kept over the
+    shadow-checked tokens) and `kl_nats_per_token` left out: not measured, not judged."""
+    problems = []
+    routing, b = stats.routing, stats.bimodality
+    if routing.token_dependent_share is None:
+        problems.append(
+            f"no gate score below the threshold {threshold:g}: nothing is skipped, so the routing and skip-rate "
+            "alerts have no healthy skipping to compare with"
+        )
+    elif routing.verdict == STATIC:
+        problems.append(
+            f"routing static: token-dependent share {routing.token_dependent_share:.3f}, below {DYNAMIC_SHARE}; the "
+            "same layers are skipped whatever the token, so LayerwatchRoutingStatic cannot page on static pruning"
+        )
+    if b.bimodal is False:
+        problems.append(
+            f"the entropy histogram is not bimodal ({b.peaks} peak(s), dip p-value {b.dip_p_value:.3g}): "
+            "LayerwatchEntropySinglePeak would page on this healthy traffic"
+        )
+    if agreement is not None and agreement < MIN_HEALTHY_AGREEMENT:
+        problems.append(
+            f"shadow agreement {agreement:.3f}, below {MIN_HEALTHY_AGREEMENT}: the gates change the full-depth "
+            "top-1 token too often for LayerwatchShadowAgreementLow's floor to mean healthy"
+        )
+    if kl_nats_per_token is not None and kl_nats_per_token > MAX_HEALTHY_KL_NATS:
+        problems.append(
+            f"quality cost {kl_nats_per_token:.3f} nats per token, above {MAX_HEALTHY_KL_NATS}: "
+            "LayerwatchShadowQualityCost's limit would accept that loss as healthy"
+        )
+    return problems
 
 
 # --- the shadow check's limits ------------------------------------------------------------------

@@ -51,6 +51,12 @@ def flag_of(field: dataclasses.Field[Any]) -> Flag | None:
     return field.metadata.get(_SETTING)
 
 
+def flag_name(field: dataclasses.Field[Any]) -> str:
+    """The flag a declared field is set by: its own name for it, else --<field-name>."""
+    spec = flag_of(field)
+    return (spec.flag if spec is not None else None) or "--" + field.name.replace("_", "-")
+
+
 def _declared(cls: type, names: Iterable[str] | None) -> list[tuple[dataclasses.Field[Any], Flag]]:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     chosen = [fields[name] for name in names] if names is not None else list(fields.values())
@@ -68,7 +74,7 @@ def add_flags(
     """One flag per declared field of `cls` (or of those `names`, in that order). `flags` and `helps`
     rename a flag or reword its help where another command reads the same setting under its own name."""
     for field, spec in _declared(cls, names):
-        name = (flags or {}).get(field.name) or spec.flag or "--" + field.name.replace("_", "-")
+        name = (flags or {}).get(field.name) or flag_name(field)
         options: dict[str, Any] = {"dest": field.name, "help": (helps or {}).get(field.name, spec.help)}
         default = None if field.default is dataclasses.MISSING else field.default
         if spec.type is None and default is False:
@@ -76,6 +82,12 @@ def add_flags(
         else:
             options.update(default=default, type=spec.type, choices=spec.choices, metavar=spec.metavar)
         parser.add_argument(name, **{key: value for key, value in options.items() if value is not None})
+
+
+def changed_from_default(settings: Any, names: Iterable[str]) -> list[str]:
+    """The flags of those fields of a settings dataclass that are not at their declared default, in order."""
+    fields = {f.name: f for f in dataclasses.fields(settings)}
+    return [flag_name(fields[name]) for name in names if getattr(settings, name) != fields[name].default]
 
 
 def from_flags(cls: type, args: argparse.Namespace, names: Iterable[str] | None = None, **values: Any) -> Any:

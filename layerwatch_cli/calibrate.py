@@ -3,8 +3,10 @@
 The baseline is served traffic in miniature: prompts cut from the beginnings of the text's verses
 (lines), completed by the real GenerationEngine with the service's sampling settings, so every
 skip decision follows the real decode semantics (patience, protected layers, fallback, KV policy).
-The run is `inference_shim.offline.calibration.calibrate`; this command parses its flags, writes
-the profile (alerts/profile.py defines the file) and prints what was measured.
+The run is `inference_shim.offline.calibration.calibrate`; this command parses its flags, prints what
+was measured and writes the profile (alerts/profile.py defines the file), unless the baseline shows
+what its alerts page on (`Calibration.problems`): then it exits 2 naming each problem, and writes the
+profile only with --accept-unhealthy (docs/alerting.md, "What calibrate measures").
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import math
 import statistics
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from inference_shim.runtime.demo_model import DEMO_MODEL_NAME
+from inference_shim.runtime.demo_model import DEMO_MODEL_NAME, served_model_name
 from layerwatch import argtypes
 from layerwatch.catalog import GATE_LAYER_SAMPLES, MIN_GATE_SCORE_STD
 from layerwatch_cli.model_arguments import (
@@ -26,6 +29,9 @@ from layerwatch_cli.model_arguments import (
     load_from_arguments,
     report_errors,
 )
+
+if TYPE_CHECKING:
+    from inference_shim.offline.calibration import Calibration
 
 
 def _defaults() -> dict[str, object]:
@@ -44,7 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", type=Path, required=True, help="profile YAML to write")
     parser.add_argument(
-        "--model-name", default=DEMO_MODEL_NAME, help="the model_name the service reports and the alerts select on"
+        "--model-name",
+        default=None,
+        help="the model_name the service reports and the alerts select on (default: the name `serve` gives the "
+        f"model: the checkpoint folder's name, {DEMO_MODEL_NAME} for the embedded demo model)",
     )
     parser.add_argument(
         "--threshold",
@@ -75,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the shadow rate the model's shims are expected to run at (written to the profile; 0: none expected)",
     )
     parser.add_argument(
+        "--accept-unhealthy",
+        action="store_true",
+        help="write the profile even when the baseline shows what its alerts page on (static routing, a single "
+        "peak, low shadow agreement, a high quality cost, gates that rank no tokens; docs/alerting.md, "
+        '"What calibrate measures"); without it such a baseline is refused with exit 2',
+    )
+    parser.add_argument(
         "--min-observations",
         type=int,
         default=defaults["min_observations"],
@@ -83,14 +99,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from alerts.baseline import ascii_histogram, baseline_summary
     from alerts.profile_file import ProfileError, dump_profile
     from inference_shim.offline.calibration import CalibrationSettings, calibrate
     from inference_shim.offline.corpus import read_documents
 
     try:  # before the model loads: a bad number fails at once
         settings = CalibrationSettings(
-            model_name=args.model_name,
+            model_name=served_model_name(args.model, args.model_name),
             threshold=args.threshold,
             prompts=args.prompts,
             max_new_tokens=args.max_new_tokens,
@@ -118,10 +133,33 @@ def run(args: argparse.Namespace) -> int:
     gated, documents = prepared
     try:
         result = calibrate(gated, documents, settings, data_name=args.data.name)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report(result, args.margin)
+    problems = result.problems()
+    if problems and not args.accept_unhealthy:
+        print(
+            f"error: an unhealthy baseline, {args.out} not written: {'; '.join(problems)} (--accept-unhealthy "
+            "writes it anyway)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
         dump_profile(result.profile, args.out)
     except (ValueError, ProfileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    for problem in problems:
+        print(f"warning: an unhealthy baseline, written as asked (--accept-unhealthy): {problem}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def report(result: Calibration, margin: float) -> None:
+    """What the baseline measured and the profile's limits cut from it, for the terminal."""
+    from alerts.baseline import ascii_histogram, baseline_summary
+
     profile, stats = result.profile, result.stats
     print(
         f"baseline: {result.requests} requests, {result.decoded_tokens} decoded tokens, {stats.observations} gate "
@@ -145,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
             "gate-importance correlation (the shim's gauge over the probed shadow passes: per layer, Spearman of "
             f"the last {GATE_LAYER_SAMPLES} (gate score, next update) pairs, the mean over the layers whose gates "
             f"vary; {len(served.headline)} readings): {_span(served.headline)}; page below {gp.correlation_min} "
-            f"(half the lowest, at least {args.margin:g} below it); {drills}"
+            f"(half the lowest, at least {margin:g} below it); {drills}"
         )
         print(
             f"  per layer ({len(gp.layer_floors)} counted in every reading), median (floor): "
@@ -153,15 +191,10 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print(
-            "warning: no layer's gate scores varied over the baseline (standard deviation below "
-            f"{MIN_GATE_SCORE_STD}): there is no ranking of tokens to calibrate, the shim's gate-importance "
+            "gate-importance correlation: no layer's gate scores varied over the baseline (standard deviation "
+            f"below {MIN_GATE_SCORE_STD}): there is no ranking of tokens to calibrate, the shim's gate-importance "
             f"correlation stays absent and LayerwatchGateMiscalibrated silent; the profile keeps its default "
             f"floor {gp.correlation_min}"
-        )
-    for flag in result.drills_above_the_floor():
-        print(
-            f"warning: the gate-importance floor is not above every {flag} reading: "
-            "LayerwatchGateMiscalibrated cannot tell those gates from this model's own"
         )
     fractions, tail = result.request_skip_fractions, profile.request_tail
     above = sum(f > tail.runaway_skip_fraction for f in fractions) / len(fractions)
@@ -172,8 +205,6 @@ def run(args: argparse.Namespace) -> int:
     )
     print("20-bin histogram of decode-time entropies (all layers):")
     print(ascii_histogram(stats.histogram))
-    print(f"wrote {args.out}")
-    return 0
 
 
 def _span(values: list[float]) -> str:

@@ -8,7 +8,8 @@ measured in pairs, full depth and gated interleaved batch by batch, `--repeats` 
 (docs/performance.md says why). Batches run their layers as `serve` does (`--depth-execution`,
 `--batch-consensus`: inference_shim/runtime/depth_execution.py); `--batch-sizes` measures each batch
 size in turn and prints one row per size: the depth execution's choice, the decided and executed
-skips, gated ÷ full and the perplexity cost.
+skips, gated ÷ full and the perplexity cost. `--no-gates` measures a checkpoint without a gate file at
+full depth alone: perplexity and speed, before its gates are trained.
 """
 
 from __future__ import annotations
@@ -75,10 +76,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="torch.compile each layer's attention and FFN bodies first (the skip decision stays eager)",
     )
+    parser.add_argument(
+        "--no-gates",
+        action="store_true",
+        help="a model without a gate file (as `serve --no-gates` serves it): full-depth perplexity and tokens/s only",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+# The flags that need gates, by dest and the value that means "not given": refused with --no-gates.
+GATED_FLAGS = {
+    "gates": None,
+    "threshold": None,
+    "sweep": None,
+    "compare_rules": False,
+    "patience": None,
+    "skip_rule": None,
+    "ewma_alpha": None,
+    "batch_sizes": None,
+}
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.no_gates:
+        return run_full_depth(args)
     from inference_shim.offline.evaluation import gated_result, heldout_windows, paired_decode
     from inference_shim.offline.training import text_file_stream
     from layerwatch.skip_policy import SKIP_RULES
@@ -191,6 +212,63 @@ def run(args: argparse.Namespace) -> int:
         print(format_single(results[0], extra["execution"], batch_size))
     else:
         print(format_sweep(results))
+    return 0
+
+
+def run_full_depth(args: argparse.Namespace) -> int:
+    """`eval --no-gates`: the checkpoint alone, at full depth."""
+    given = [f"--{dest.replace('_', '-')}" for dest, unset in GATED_FLAGS.items() if getattr(args, dest) != unset]
+    if given:
+        print(f"error: --no-gates evaluates full depth only: {', '.join(given)} need(s) gates", file=sys.stderr)
+        return 2
+    import torch
+
+    from inference_shim.offline.evaluation import full_depth_result, full_depth_runs, heldout_windows
+    from inference_shim.offline.training import text_file_stream
+    from inference_shim.runtime.checkpoint import load_checkpoint, resolve_device
+
+    def prepare():
+        if args.threads > 0:
+            torch.set_num_threads(args.threads)
+        loaded = load_checkpoint(args.model, device=resolve_device(args.device))
+        if args.compile:
+            loaded.model.compile_layers()
+        stream = text_file_stream(loaded.tokenizer, args.data, min_tokens=args.window)
+        return loaded.model, heldout_windows(stream, args.window, args.max_tokens, args.prefill)
+
+    prepared = report_errors(prepare)
+    if prepared is None:
+        return 2
+    model, windows = prepared
+    batch_size = min(args.batch_size, len(windows))
+    runs = full_depth_runs(
+        model, windows, prefill=args.prefill, kv_policy=args.kv_policy, batch_size=batch_size, repeats=args.repeats
+    )
+    result = full_depth_result(runs)
+    if args.json:
+        header = {
+            "model": str(args.model),
+            "gates": None,
+            "gates_sha256": None,
+            "data": str(args.data),
+            "windows": len(windows),
+            "window": args.window,
+            "prefill": args.prefill,
+            "batch_size": batch_size,
+            "kv_policy": args.kv_policy,
+            "compiled": args.compile,
+            "repeats": args.repeats,
+            "decoded_tokens": runs[0].tokens,
+        }
+        print(json.dumps(header | result, indent=2))
+        return 0
+    print(f"model {args.model}  no gates: full depth")
+    print(
+        f"data {args.data}: {len(windows)} windows of {args.window} tokens, prefill {args.prefill}, "
+        f"{runs[0].tokens} decoded tokens, batch {batch_size}" + (", compiled layer bodies" if args.compile else "")
+    )
+    speed = _spread_text(result["speed"]["tokens_per_second_full"])
+    print(f"full-depth perplexity {result['perplexity_full']:.3f}, tokens/s {speed} (median (range) of {args.repeats})")
     return 0
 
 

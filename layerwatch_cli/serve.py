@@ -13,7 +13,7 @@ import os
 import signal
 from pathlib import Path
 
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME, demo_model_present
+from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, demo_model_present, served_model_name
 from inference_shim.service.http_protocol import HTTPLimits
 from inference_shim.service.settings import SERVE_GROUPS, ServeSettings
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
@@ -30,17 +30,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from_arguments(args: argparse.Namespace) -> ServeSettings:
     """The flags as ServeSettings (one flag per field); no --model means the embedded demo model."""
     if args.model_dir is None:
-        return from_flags(ServeSettings, args, model_dir=DEMO_MODEL_DIR, model_name=args.model_name or DEMO_MODEL_NAME)
+        return from_flags(ServeSettings, args, model_dir=DEMO_MODEL_DIR)
     return from_flags(ServeSettings, args)
 
 
 def profile_runaway_fraction(settings: ServeSettings, profiles_dir: Path | None = None) -> tuple[float, str] | None:
     """The served model's request runaway cut-off from its profile, and the profile's path; None when
     alerts/profiles has no profile for the model (or cannot be read). The model name is the one the
-    service will report: --model-name, else the checkpoint folder's name."""
+    service will report (`served_model_name`)."""
     from alerts.profile_file import PROFILES_DIR, ProfileError, load_profile
 
-    model_name = settings.model_name or Path(settings.model_dir).resolve().name
+    model_name = served_model_name(settings.model_dir, settings.model_name)
     for path in sorted((profiles_dir or PROFILES_DIR).glob("*.yaml")):
         try:
             profile = load_profile(path)

@@ -86,6 +86,7 @@ def test_serve_flags_take_their_defaults_and_choices_from_the_service():
     from pathlib import Path
 
     from inference_shim.runtime.checkpoint import DTYPES
+    from inference_shim.runtime.demo_model import served_model_name
     from inference_shim.runtime.model import KV_POLICIES
     from inference_shim.service.shim import ServeSettings
     from layerwatch_cli.serve import settings_from_arguments
@@ -100,7 +101,8 @@ def test_serve_flags_take_their_defaults_and_choices_from_the_service():
     assert tuple(actions["kv_policy"].choices) == KV_POLICIES and tuple(actions["dtype"].choices) == tuple(DTYPES)
     assert settings_from_arguments(serve.parse_args(["--model", "m"])) == ServeSettings(model_dir=Path("m"))
     demo = settings_from_arguments(serve.parse_args([]))
-    assert (demo.model_name, demo.model_dir.name) == ("layerwatch-demo", "demo_model")
+    assert served_model_name(demo.model_dir, demo.model_name) == "layerwatch-demo"
+    assert demo.model_dir.name == "demo_model"
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,7 @@ from alerts.baseline import (
     BaselineStatistics,
     GateReadings,
     agreement_floor,
+    baseline_problems,
     build_profile,
     gate_importance_profile,
     quality_cost_limit,
@@ -300,6 +301,29 @@ class Calibration:
         """Whether some layer's gate varied enough over the baseline to measure its ranking of tokens
         (else the profile's gate_importance is the schema's default, and the alert stays silent)."""
         return bool(self.gate_importance.served.headline)
+
+    def problems(self) -> list[str]:
+        """What keeps this baseline's profile from telling healthy from broken (alerts/baseline.py's
+        `baseline_problems`, and the gate-importance alert's own: gates that rank no tokens, a floor that
+        does not separate the drills); empty for a healthy baseline."""
+        tokens = self.shadow_total("tokens")
+        problems = baseline_problems(
+            self.stats,
+            self.profile.threshold,
+            agreement=self.shadow_total("agreements") / tokens if tokens else None,
+            kl_nats_per_token=self.shadow_total("kl_nats") / tokens if tokens else None,
+        )
+        if not self.gates_vary:
+            problems.append(
+                "no gate's score varied over the baseline: the gates rank no tokens, and LayerwatchGateMiscalibrated "
+                "has nothing to read"
+            )
+        problems.extend(
+            f"the gate-importance floor {self.profile.gate_importance.correlation_min} is not above every {flag} "
+            "reading: LayerwatchGateMiscalibrated cannot tell those gates from these"
+            for flag in self.drills_above_the_floor()
+        )
+        return problems
 
     def drills_above_the_floor(self) -> list[str]:
         """The drills (by flag) with a reading at or above the headline's floor: the alert cannot tell

@@ -255,6 +255,28 @@ def paired_decode(
     return PairedRuns(list(policies), full=totals[0], gated=totals[1:], depth=depth)
 
 
+def full_depth_runs(
+    model: Transformer, windows: torch.Tensor, *, prefill: int, kv_policy: str, batch_size: int, repeats: int
+) -> list[DecodeTotals]:
+    """Full depth alone, `repeats` times (a model without gates: `eval --no-gates`)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    model.attach_gates(None)
+    return [
+        teacher_forced_decode(model, windows, prefill, None, kv_policy, batch_size=batch_size) for _ in range(repeats)
+    ]
+
+
+def full_depth_result(runs: list[DecodeTotals]) -> dict:
+    """The `eval --no-gates --json` keys (docs/interfaces.md): quality from the first run, speed from all."""
+    tokens_per_second = [r.tokens_per_second for r in runs]
+    return {
+        "perplexity_full": runs[0].perplexity,
+        "tokens_per_second_full": float(np.median(tokens_per_second)),
+        "speed": {"repeats": len(runs), "tokens_per_second_full": _spread(tokens_per_second)},
+    }
+
+
 def _spread(values: list[float]) -> dict:
     return {"median": float(np.median(values)), "min": min(values), "max": max(values), "runs": values}
 

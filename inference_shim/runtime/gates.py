@@ -118,7 +118,8 @@ def load_gates(path: str | Path, model: Transformer) -> LoadedGates:
     if not path.exists():
         raise GateFileError(
             f"{path}: gate file not found; train gates for this model with `layerwatch train-gates "
-            f"--model DIR --data TEXT --out {path}`, or serve untrained gates with `--reset-gates`"
+            f"--model DIR --data TEXT --out {path}`; until then `layerwatch serve --no-gates` serves the model at "
+            "full depth"
         )
     if not path.is_file():
         raise GateFileError(f"{path}: not a regular file")

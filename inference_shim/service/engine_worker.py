@@ -115,9 +115,13 @@ class EngineWorker:
         telemetry: StepTelemetry | None = None,
         shadow: ShadowChecker | None = None,
         depth: DepthDecider | None = None,
+        gated: bool = True,
     ) -> None:
+        """`depth` None: no complexity pre-check after the prefill. `gated` False: the model is served
+        without gates (--no-gates), so the readiness probe asks that every layer ran, not that every gate scored."""
         self._engine_factory = engine_factory
         self._depth = depth
+        self._gated = gated
         self._probe_prompt_ids = probe_prompt_ids
         self._telemetry = telemetry
         self._shadow = shadow
@@ -315,7 +319,7 @@ class EngineWorker:
         if error is not None:
             probe.future.set_result(ProbeResult(False, error))
         elif probe.saw_layer_activity:
-            probe.future.set_result(ProbeResult(True, "a one-token generation ran through the gated model"))
+            probe.future.set_result(ProbeResult(True, "a one-token generation ran through the model's layers"))
         else:
             probe.future.set_result(ProbeResult(False, "the probe generated without a layer-activity record"))
 
@@ -338,8 +342,10 @@ class EngineWorker:
         if self._probes:
             is_probe = np.isin(sequence_ids, np.fromiter(self._probes, dtype=np.int64))
             for row in np.flatnonzero(is_probe).tolist():
-                # Layer activity = every layer's gate produced a finite entropy for this token.
-                self._probes[int(sequence_ids[row])].saw_layer_activity = bool(np.isfinite(entropies[row]).all())
+                # Layer activity = every layer's gate produced a finite entropy for this token (without
+                # gates: every layer ran for it).
+                activity = np.isfinite(entropies[row]).all() if self._gated else not skipped[row].any()
+                self._probes[int(sequence_ids[row])].saw_layer_activity = bool(activity)
             if is_probe.all():
                 return
             client = ~is_probe

@@ -51,6 +51,13 @@ class ModelSettings:
         None,
         help=f"name clients use and metrics carry (default: the folder's name; {DEMO_MODEL_NAME} for the demo model)",
     )
+    no_gates: bool = setting(
+        False,
+        help="serve at full depth without gates, before any are trained: no gate file is read, every layer runs "
+        "for every token, no gate frames or trace lines are written (nothing scores a layer) and "
+        'layerwatch_model_info says gates_sha256="none" (docs/service.md, "Serving without gates"); the flags '
+        "that need gates are refused with it",
+    )
     reset_gates: bool = setting(
         False,
         help="serve freshly initialised gates instead of the gate file: simulates the 'gate "
@@ -309,6 +316,30 @@ class ServeSettings(
 ):
     """Every serve setting; its fields in the order of SERVE_GROUPS (a dataclass lists its bases' fields
     from the last base to the first)."""
+
+
+# The settings that mean something only with gates (a gate file, a drill on it, the skip policy, what
+# reads gate scores, requests asking to skip): `serve --no-gates` refuses them (shim.ShimService.load).
+GATED_SETTINGS = (
+    "gates_path",
+    "reset_gates",
+    "static_gates",
+    "shuffle_gates",
+    "scramble_gates",
+    "threshold",
+    "patience",
+    "skip_rule",
+    "ewma_alpha",
+    "protected_layers",
+    "depth_execution",
+    "batch_consensus",
+    "request_threshold_range",
+    "long_prompt_tokens",
+    "complexity_cutoff",
+    "rollout_levels",
+    "trace_file",
+    "shadow_rate",
+)
 
 
 # `serve --help`'s groups, in order: each concern's flags under its title.

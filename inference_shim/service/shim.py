@@ -26,6 +26,7 @@ from inference_shim.runtime.checkpoint import (
     load_checkpoint,
     resolve_device,
 )
+from inference_shim.runtime.demo_model import served_model_name
 from inference_shim.runtime.depth_execution import (
     DepthExecutionConfig,
     default_depth_execution,
@@ -64,7 +65,12 @@ from inference_shim.service.mitigation import MitigationMetrics, Mitigations, Mi
 from inference_shim.service.mitigation_receiver import WEBHOOK_PATH, MitigationReceiver, reserve
 from inference_shim.service.power import NvmlCollector, RaplCollector
 from inference_shim.service.readiness import Readiness
-from inference_shim.service.settings import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServeSettings
+from inference_shim.service.settings import (
+    DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_MAX_TOKENS_CAP,
+    GATED_SETTINGS,
+    ServeSettings,
+)
 from inference_shim.service.shadow import ShadowChecker
 from inference_shim.service.telemetry import FrameSenderCollector, StepTelemetry, TraceCollector
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
@@ -72,7 +78,8 @@ from layerwatch.client import GateFrameSender, default_shim_id
 from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.ports import http_url
 from layerwatch.secret_file import RotatingSecret
-from layerwatch.skip_policy import POLICY_FIELDS
+from layerwatch.settings import changed_from_default
+from layerwatch.skip_policy import POLICY_FIELDS, SkipPolicyConfig
 from layerwatch.trace import TraceWriter
 from layerwatch.wire import load_frame_key, parse_address, unprintable
 
@@ -84,6 +91,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RESET_GATES_SEED = 0
+# layerwatch_model_info's gates_sha256 under --no-gates: no gate weights are served.
+NO_GATES_SHA256 = "none"
+# The policy served under --no-gates: nothing scores strictly below 0, so no layer is ever skipped.
+FULL_DEPTH_POLICY = SkipPolicyConfig(threshold=0.0)
 PROBE_TEXT = "ready"
 GATE_SWAP_TIMEOUT_SECONDS = 60.0  # the engine takes new gates at its next step boundary
 OTLP_PROTOCOL = "http/protobuf"  # the one OTLP transport the audit trail speaks
@@ -218,12 +229,19 @@ def resolve_limits(settings: ServeSettings, context: int, chars_per_token: int |
     return Limits(prompt, cap, settings.max_body_bytes, settings.body_timeout_seconds, max_chars)
 
 
-def _load_model(settings: ServeSettings) -> tuple[LoadedCheckpoint, LoadedGates]:
-    """The checkpoint and the gates it serves (a drill's, when one is asked for)."""
+def _load_model(settings: ServeSettings) -> tuple[LoadedCheckpoint, LoadedGates | None]:
+    """The checkpoint and the gates it serves (a drill's, when one is asked for; None: --no-gates)."""
     log.info("loading the model %s (%s, %s)", settings.model_dir, settings.device, settings.dtype)
     checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])
     if settings.compile:
         checkpoint.model.compile_layers()
+    if settings.no_gates:
+        log.warning(
+            "serving at full depth without gates (--no-gates): every layer runs for every token; no gate "
+            'frames, layerwatch_model_info{gates_sha256="%s"}',
+            NO_GATES_SHA256,
+        )
+        return checkpoint, None
     if settings.reset_gates:
         gates = reset_gates(checkpoint.model, seed=RESET_GATES_SEED)
         log.warning("serving freshly initialised gates (--reset-gates), gates_sha256=%s", gates.sha256)
@@ -280,26 +298,31 @@ class ShimService:
     def __init__(
         self,
         checkpoint: LoadedCheckpoint,
-        gates: LoadedGates,
+        gates: LoadedGates | None,
         settings: ServeSettings,
         frame_key: bytes | None,
         registry: CollectorRegistry | None = None,
         mitigation: MitigationListener | None = None,
         span_exporter: SpanExporter | None = None,
     ) -> None:
-        """`settings.otlp_endpoint` is the resolved traces URL (None: spans off); a `span_exporter`
-        turns spans on with that exporter instead (tests: the SDK's in-memory exporter)."""
+        """`gates` None serves the model at full depth without gates (--no-gates). `settings.otlp_endpoint`
+        is the resolved traces URL (None: spans off); a `span_exporter` turns spans on with that exporter
+        instead (tests: the SDK's in-memory exporter)."""
         self._serve_model(checkpoint, gates, settings)
         num_layers = checkpoint.config.num_layers
-        shadow_metrics = self._request_metrics(registry, settings, num_layers, gates.sha256)
-        self._telemetry(settings, frame_key, span_exporter, num_layers)
+        sha256 = NO_GATES_SHA256 if gates is None else gates.sha256
+        shadow_metrics = self._request_metrics(registry, settings, num_layers, sha256)
+        self._telemetry(settings, frame_key, span_exporter, num_layers, gated=gates is not None)
         self._register_collectors(settings, num_layers)
         shadow = self._mitigation_and_depth(settings, mitigation, shadow_metrics, num_layers)
         telemetry = StepTelemetry(self.model_name, self.decode_stats, self.sender, self.trace)
         probe_prompt = self.tokenizer.encode(PROBE_TEXT)
-        self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow, self.depth)
+        # Without gates no prefill scores a prompt: no complexity pre-check (nor scores of 0 to count).
+        gated = gates is not None
+        precheck = self.depth if gated else None
+        self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow, precheck, gated=gated)
         self.readiness = Readiness(self.worker)
-        self.gate_watcher = self._gate_watcher(settings, gates)
+        self.gate_watcher = None if gates is None else self._gate_watcher(settings, gates)
         self.generation_parts = GenerationParts(
             self.worker,
             self.depth,
@@ -310,14 +333,14 @@ class ShimService:
             lambda: self.gates_sha256,
         )
 
-    def _serve_model(self, checkpoint: LoadedCheckpoint, gates: LoadedGates, settings: ServeSettings) -> None:
+    def _serve_model(self, checkpoint: LoadedCheckpoint, gates: LoadedGates | None, settings: ServeSettings) -> None:
         """The model with its gates, the limits, the skip policy and how batches run it; refuses what
         cannot be served (protected layers, batch size, KV cache, drain timeout) before anything starts."""
         model, config = checkpoint.model, checkpoint.config
-        model.attach_gates(gates.gates)
+        model.attach_gates(None if gates is None else gates.gates)
         self.model = model
         self.tokenizer = checkpoint.tokenizer
-        self.model_name = settings.model_name or checkpoint.path.resolve().name
+        self.model_name = served_model_name(checkpoint.path, settings.model_name)
         if (character := unprintable(self.model_name)) is not None:  # as the exporter would refuse its frames
             raise ValueError(f"--model-name {self.model_name!r} holds {character}, which is not printable")
         self.allow_debug = settings.allow_debug
@@ -329,14 +352,21 @@ class ShimService:
             )
         # What the command line leaves unset (None) the gate file says (SkipPolicyConfig.recorded).
         chosen = {name: getattr(settings, name) for name in POLICY_FIELDS}
-        self.policy = gates.metadata.policy(**chosen, protected_layers=settings.protected_layers)
+        self.policy = (
+            FULL_DEPTH_POLICY
+            if gates is None
+            else gates.metadata.policy(**chosen, protected_layers=settings.protected_layers)
+        )
         self.policy.protected(config.num_layers)  # refuse out-of-range protected layers at start-up
         if settings.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be >= 1, got {settings.max_batch_size}")
         self.kv_policy = settings.kv_policy
         # Shared by every engine the worker builds: the measured costs hold for the model, not an engine.
+        # Without gates nothing is skipped: whole layers, with no start-up measurement of the row-partial
+        # path (9 s for SmolLM2-135M's 30 layers on a loaded CPU core).
+        depth = DepthExecutionConfig(settings.depth_execution, settings.batch_consensus)
         self.depth_execution = default_depth_execution(
-            model, self.kv_policy, DepthExecutionConfig(settings.depth_execution, settings.batch_consensus)
+            model, self.kv_policy, depth if gates is not None else DepthExecutionConfig("batch")
         )
         self.max_batch_size = settings.max_batch_size
         _check_kv_cache_fits(checkpoint, settings.max_batch_size, self.max_seq_len)
@@ -370,12 +400,19 @@ class ShimService:
         return ShadowMetrics(self.registry, self.model_name)
 
     def _telemetry(
-        self, settings: ServeSettings, frame_key: bytes | None, span_exporter: SpanExporter | None, num_layers: int
+        self,
+        settings: ServeSettings,
+        frame_key: bytes | None,
+        span_exporter: SpanExporter | None,
+        num_layers: int,
+        *,
+        gated: bool,
     ) -> None:
-        """Where the decode steps go (gate frames, the trace file) and the audit trail."""
+        """Where the decode steps go (gate frames, the trace file) and the audit trail. Without gates
+        (`gated` False) there are no scores: no frames (the exporter keeps no statistics for the model)."""
         shim_id = settings.shim_id or default_shim_id()
         self.sender: GateFrameSender | None = None
-        if settings.exporter_address:
+        if settings.exporter_address and gated:
             try:
                 self.sender = GateFrameSender(
                     settings.exporter_address,
@@ -483,6 +520,8 @@ class ShimService:
         ]
         if len(drills) > 1:
             raise ValueError(f"{' and '.join(drills)} exclude each other")
+        if settings.no_gates and (needing := changed_from_default(settings, GATED_SETTINGS)):
+            raise ValueError(f"--no-gates serves no gates: {', '.join(needing)} need(s) them")
         if settings.static_gates and (settings.threshold is not None or settings.patience is not None):
             # The constants are placed either side of the gate file's own tau: served at another tau or
             # patience, the drill would no longer keep the healthy skip ratio.
@@ -545,7 +584,7 @@ class ShimService:
         """SIGHUP: check the gate file now, when it is watched; serving goes on either way."""
         if self.gate_watcher is None:
             log.warning(
-                "SIGHUP received and ignored: the gate file is not watched (--gates-watch-seconds 0 or a drill)"
+                "SIGHUP received and ignored: no gate file is watched (--gates-watch-seconds 0, a drill or --no-gates)"
             )
             return
         log.warning("SIGHUP received: checking the gate file %s now", self.gate_watcher.path)

@@ -10,10 +10,13 @@ import numpy as np
 import pytest
 
 from alerts.baseline import (
+    MAX_HEALTHY_KL_NATS,
+    MIN_HEALTHY_AGREEMENT,
     MIN_REQUEST_NORMAL_SHARE,
     GateReadings,
     agreement_floor,
     ascii_histogram,
+    baseline_problems,
     build_profile,
     gate_importance_floor,
     gate_importance_profile,
@@ -68,17 +71,33 @@ def varying_model_dir(tmp_path_factory):
 def run_calibrate(model: Path, text: Path, out: Path, *extra: str) -> int:
     """`layerwatch calibrate` on the tiny model with a baseline just long enough for its checks."""
     sizes = ["--prompts", str(TINY_PROMPTS), "--max-new-tokens", str(TINY_TOKENS), "--threads", "1"]
-    windows = ["--chunk-tokens", "64", "--min-observations", "50", "--model-name", "tiny"]
+    windows = ["--chunk-tokens", "64", "--min-observations", "50"]
     data = ["--model", str(model), "--data", str(text), "--out", str(out)]
     return main(["calibrate", *data, *sizes, *windows, *extra])
 
 
-def test_calibrate_writes_a_loadable_profile(model_dir, text_file, tmp_path, capsys):  # noqa: F811
+def test_calibrate_refuses_a_static_baseline_and_writes_it_only_when_told_to(
+    model_dir,  # noqa: F811
+    text_file,  # noqa: F811
+    tmp_path,
+    capsys,
+):
+    # The tiny model's constant gates skip the same layer for every token: what LayerwatchRoutingStatic
+    # pages on. Written as the healthy profile, its routing floor (0) could never page.
     out = tmp_path / "tiny.yaml"
-    code = run_calibrate(model_dir, text_file, out)
+    assert run_calibrate(model_dir, text_file, out) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(
+        f"error: an unhealthy baseline, {out} not written: routing static: token-dependent share 0.000, below 0.5; "
+    )
+    assert "no gate's score varied over the baseline" in line and line.endswith("(--accept-unhealthy writes it anyway)")
+    assert not out.exists()
+
+    code = run_calibrate(model_dir, text_file, out, "--accept-unhealthy")
     assert code == 0, capsys.readouterr().err
     profile = load_profile(out)
-    assert profile.model_name == "tiny" and profile.threshold == 0.18 and profile.patience == 3
+    # Named as `serve` names the model: after its folder (the flag's default was the demo model's name).
+    assert profile.model_name == model_dir.name and profile.threshold == 0.18 and profile.patience == 3
     # The tiny model's gates: layers 0, 1, 3 score ~0, layer 2 ~1. Only layer 1 is skippable and low,
     # and only after each sequence's first `patience` decode steps: at most (32 - 3) / 32 of a quarter.
     assert 0.0 < profile.skip_ratio_normal <= (32 - 3) / 32 / 4
@@ -102,7 +121,10 @@ def test_calibrate_writes_a_loadable_profile(model_dir, text_file, tmp_path, cap
     assert profile.skip_ratio_normal < tail.runaway_skip_fraction < 0.5
     assert MIN_REQUEST_NORMAL_SHARE <= tail.normal_share < 1.0
     # Constant gates rank no tokens: nothing to calibrate, said so, and the schema's default floor kept.
-    assert "warning: no layer's gate scores varied over the baseline" in out
+    assert "gate-importance correlation: no layer's gate scores varied over the baseline" in out
+    accepted = "warning: an unhealthy baseline, written as asked (--accept-unhealthy): "
+    assert f"{accepted}routing static: token-dependent share 0.000" in out
+    assert f"{accepted}no gate's score varied over the baseline" in out
     assert profile.gate_importance == GateImportance()
     assert f"request tail: {TINY_PROMPTS} requests skipped" in out
     assert (
@@ -201,7 +223,8 @@ def test_calibrate_decodes_its_baseline_with_the_depth_execution_it_is_given(
 ):
     # As the model will be served: a profile says which execution its baseline ran.
     out = tmp_path / "rows.yaml"
-    assert run_calibrate(model_dir, text_file, out, "--depth-execution", "rows", "--batch-consensus", "off") == 0
+    depth = ["--depth-execution", "rows", "--batch-consensus", "off"]
+    assert run_calibrate(model_dir, text_file, out, *depth, "--accept-unhealthy") == 0
     assert load_profile(out).source.endswith("depth execution rows")
     with pytest.raises(SystemExit):
         run_calibrate(model_dir, text_file, tmp_path / "bad.yaml", "--depth-execution", "layers")
@@ -467,3 +490,34 @@ def test_quality_cost_limit_is_a_factor_over_the_worst_chunk():
     assert quality_cost_limit(checks, chunk_tokens=20) == 0.15
     with pytest.raises(ValueError, match="fewer than one chunk"):
         quality_cost_limit(checks[:1], chunk_tokens=20)
+
+
+def test_baseline_problems_name_each_figure_an_alert_could_not_use():
+    rng = np.random.default_rng(3)
+    # Two humps, and layers 0-3 below tau on a random half of the tokens: healthy.
+    low = np.zeros((800, 8), dtype=bool)
+    low[:, :4] = rng.random((800, 4)) < 0.5
+    entropies = np.where(low, rng.normal(0.1, 0.02, low.shape), rng.normal(0.3, 0.02, low.shape))
+    kwargs = dict(chunk_tokens=200, margin=0.03, min_observations=100, source="")
+    _, healthy = build_profile("m", 0.18, 3, 0.85, entropies, low, 0.8, **kwargs)
+    limits = {"agreement": MIN_HEALTHY_AGREEMENT, "kl_nats_per_token": MAX_HEALTHY_KL_NATS}
+    assert baseline_problems(healthy, 0.18, **limits) == []
+    # Below the limits: the shadow check's own alerts would take the damage for healthy.
+    (agreement,) = baseline_problems(healthy, 0.18, agreement=0.459)
+    assert agreement.startswith(f"shadow agreement 0.459, below {MIN_HEALTHY_AGREEMENT}")
+    (cost,) = baseline_problems(healthy, 0.18, kl_nats_per_token=0.598)
+    assert cost.startswith(f"quality cost 0.598 nats per token, above {MAX_HEALTHY_KL_NATS}")
+    # The same layers low on every token, one hump: the routing and single-peak alerts.
+    static = np.zeros_like(low)
+    static[:, :4] = True
+    one_hump = rng.normal(0.2, 0.03, low.shape)
+    _, broken = build_profile("m", 0.18, 3, 0.85, np.where(static, 0.1, one_hump), static, 0.8, **kwargs)
+    routing, shape = baseline_problems(broken, 0.18)
+    assert routing.startswith("routing static: token-dependent share 0.") and "below 0.5" in routing
+    assert shape.startswith("the entropy histogram is not bimodal (1 peak(s)")
+    # Nothing below tau (0: full depth): no skipping to compare with.
+    _, idle = build_profile("m", 0.0, 3, 0.85, entropies, np.zeros_like(low), 0.8, **kwargs)
+    assert baseline_problems(idle, 0.0) == [
+        "no gate score below the threshold 0: nothing is skipped, so the routing and skip-rate alerts have no "
+        "healthy skipping to compare with"
+    ]

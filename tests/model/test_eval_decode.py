@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from inference_shim.offline.evaluation import heldout_windows, paired_decode, te
 from inference_shim.offline.gated_model import load_gated_model
 from inference_shim.runtime.checkpoint import save_checkpoint
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
-from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
+from inference_shim.runtime.gates import GATES_FILE, GateMetadata, model_fingerprint, save_gates
 from inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.skip_policy import SkipPolicyConfig
 from layerwatch_cli.main import main
@@ -327,3 +328,20 @@ def test_eval_reports_the_batch_size_that_ran_and_refuses_empty_or_repeated_size
     assert set(report["batch_sizes"][1]["row_partial_limits"]) == {"4"}
     assert run_eval(model_dir, text_file, "--json", "--repeats", "1") == 0  # --batch-size 8, the default
     assert json.loads(capsys.readouterr().out)["batch_size"] == 4
+
+
+def test_eval_no_gates_measures_the_full_depth_of_a_model_without_a_gate_file(model_dir, text_file, tmp_path, capsys):
+    ungated = tmp_path / "ungated"
+    shutil.copytree(model_dir, ungated, ignore=shutil.ignore_patterns(GATES_FILE))
+    assert run_eval(ungated, text_file, "--json") == 2
+    assert "`layerwatch serve --no-gates`" in capsys.readouterr().err
+    assert run_eval(ungated, text_file, "--no-gates", "--json", "--repeats", "1") == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert run_eval(model_dir, text_file, "--json", "--repeats", "1") == 0
+    paired = json.loads(capsys.readouterr().out)
+    # The same checkpoint at full depth: the same windows and the same perplexity, to the bit.
+    assert alone["perplexity_full"] == paired["perplexity_full"] and alone["decoded_tokens"] == paired["decoded_tokens"]
+    assert (alone["gates"], alone["gates_sha256"], alone["speed"]["repeats"]) == (None, None, 1)
+    assert run_eval(ungated, text_file, "--no-gates", "--threshold", "0.2", "--compare-rules") == 2
+    err = capsys.readouterr().err
+    assert "error: --no-gates evaluates full depth only: --threshold, --compare-rules need(s) gates" in err

@@ -129,11 +129,11 @@ def test_gates_follow_the_model_dtype(tmp_path, model):
 def test_missing_truncated_and_foreign_files(tmp_path, model):
     with pytest.raises(GateFileError, match="gate file not found") as missing:
         load_gates(tmp_path / "absent.safetensors", model)
-    # It says how to get one: train gates, or serve untrained ones.
+    # It says how to get one (train gates) and how to serve the model meanwhile (at full depth).
     assert f"layerwatch train-gates --model DIR --data TEXT --out {tmp_path / 'absent.safetensors'}" in str(
         missing.value
     )
-    assert "--reset-gates" in str(missing.value)
+    assert "`layerwatch serve --no-gates` serves the model at full depth" in str(missing.value)
     path = tmp_path / "gates.safetensors"
     save_gates(path, random_gates(model.config), metadata_for(model))
     path.write_bytes(path.read_bytes()[:-10])
