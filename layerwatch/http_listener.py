@@ -261,8 +261,10 @@ class Listener:
             # logs that as a traceback (Python 3.11), whether the listener stops or made room.
             if connection.evicted and not connection.answered:
                 self._refuse(connection, _Refused("evicted", 0, "closed to make room for a new connection"))
-        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
-            pass  # the client went away, or did not take its answer in time
+        except (OSError, asyncio.IncompleteReadError):
+            # The client went away (a reset, which a socket's shutdown reports as ENOTCONN, not as a
+            # ConnectionError), or did not take its answer in time (TimeoutError).
+            pass
         finally:
             self._connections.pop(connection, None)
             writer.transport.abort()  # a no-op after an orderly close

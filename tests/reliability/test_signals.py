@@ -193,7 +193,7 @@ def test_the_exporter_stops_cleanly_on_each_stop_signal_and_exits_by_it(tmp_path
         assert exporter.process.proc.wait(30) == -sig
         log = exporter.process.log_path.read_text()
         assert f"{sig.name} received: stopping" in log and "stopped" in log, log
-        assert "Traceback" not in log
+        assert "Traceback" not in log, log
     finally:
         exporter.stop()
 

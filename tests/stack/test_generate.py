@@ -112,7 +112,8 @@ def test_rules_at_prometheus_limits_pass_promtool(tree: Path, promtool: str) -> 
         ({"for": {"LayerwatchEntropyDrift": "1000000000000000d"}}, "is out of range: Prometheus durations are at most"),
         ({"drift": {"limit": 0.18, "window": "106752d"}}, "drift: window: '106752d' is out of range"),  # one day over
         ({"model_name": "m" * 256}, "must match"),  # longer than a gate frame carries: no series would match
-        ({"bimodality": {"min_observations": 10**400}}, "bimodality.min_observations"),  # PromQL cannot read it
+        # PromQL cannot read it
+        ({"bimodality": {"min_observations": 10**400}}, "bimodality: min_observations: an integer of 401 digits"),
     ],
 )
 def test_generate_refuses_what_prometheus_would(tree: Path, changes: dict, problem: str) -> None:
