@@ -196,9 +196,9 @@ def fit_importance_gates(
         gates,
         sample,
         lambda scores: hard_skip_fraction(scores, schedule),
+        schedule.threshold,
         schedule.target_skip,
         schedule.low_score,
-        schedule.high_score,
     )
     hold_at(gates, schedule.protected_layers, schedule.high_score)
     return gates.eval()

@@ -21,9 +21,8 @@ routers are distilled from importance targets:
 4. **Calibrate** (`calibrate_to_rate`): one affine map of every logit (the same for all layers, so
    a single τ still compares costs across layers), chosen so that under the skip rule at the
    threshold τ the training windows skip `target_skip` of their (token, skippable layer) pairs,
-   and one standard deviation of the predicted costs spans the distance from `low_score` to
-   `high_score`. A lower τ at serve time skips less, a higher one more: the sweep of
-   `layerwatch eval` is the trade-off curve.
+   with the pairs around that share spread from `low_score` up to τ. A lower τ at serve time
+   skips less, a higher one more: the sweep of `layerwatch eval` is the trade-off curve.
 
 Protected layers get a constant gate at the high score.
 """
@@ -164,16 +163,23 @@ def calibrate_to_rate(
     gates: GateBank,
     sample: ImportanceSample,
     skip_fraction: Callable[[torch.Tensor], float],
+    threshold: float,
     target_skip: float,
     low_score: float,
-    high_score: float,
 ) -> None:
-    """Rescale every skippable gate's logit ℓ to a·ℓ + b in place: a maps one standard deviation of
-    the predicted logits to the distance between logit(low_score) and logit(high_score); b is found
-    by bisection so that `skip_fraction(scores)` (the skip rule at the trained threshold, applied to
-    [L', W, T] scores) is `target_skip` on the scored windows."""
+    """Rescale every skippable gate's logit ℓ to a·ℓ + b in place. a: the scored pairs' logits at
+    the `target_skip` and `target_skip / 2` quantiles lie logit(threshold) − logit(low_score) apart,
+    so the scores spread around τ where the decisions are made (a spread taken over all pairs is
+    set by the expensive layers, and squeezed the cheap ones into a few hundredths of score around
+    τ). b: found by bisection so that `skip_fraction(scores)` (the skip rule at `threshold`, applied
+    to [L', W, T] scores) is `target_skip` on the scored windows."""
     logits = predicted_logits(gates, sample)
-    scale = (_logit(high_score) - _logit(low_score)) / logits.std().clamp_min(1e-12).item()
+    ranked = logits.flatten().sort().values
+
+    def at(share: float) -> float:
+        return ranked[min(int(share * len(ranked)), len(ranked) - 1)].item()
+
+    scale = (_logit(threshold) - _logit(low_score)) / max(at(target_skip) - at(target_skip / 2), 1e-12)
     low, high = -50.0, 50.0  # offsets: more skipping as the offset falls
     for _ in range(60):
         middle = (low + high) / 2
