@@ -139,10 +139,11 @@ def fit_gates(
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate * 0.5 * (1 + math.cos(math.pi * done / total_steps))
             rows = order[step * minibatch : (step + 1) * minibatch]
-            loss = sum(
+            summed = sum(
                 F.huber_loss(gates[layer].logit(flat_inputs[i, rows].float()), flat_targets[i, rows])
                 for i, layer in enumerate(sample.layers)
-            ) / len(sample.layers)
+            )
+            loss = cast(torch.Tensor, summed) / len(sample.layers)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
