@@ -15,7 +15,7 @@ from layerwatch_cli.training_run import from_arguments, run_training
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from inference_shim.offline.gate_training import GateSchedule
+    from inference_shim.offline.gate_training import GATE_METHODS, GateSchedule
     from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
     from layerwatch.skip_policy import SKIP_RULES
 
@@ -28,7 +28,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--data", type=Path, required=True, help="plain UTF-8 text; blank lines separate documents")
     parser.add_argument("--out", type=Path, required=True, help="gate file to write (safetensors)")
-    parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument(
+        "--method",
+        choices=GATE_METHODS,
+        default=d.method,
+        help="relaxed: train the relaxed skip decision through the model (the demo's recipe); importance: "
+        "score each layer's per-token cost of a skip once with the frozen model, then fit the gates to it "
+        "(fast on real models; docs/gate-training.md)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=d.steps, help="training steps (importance: batches of windows scored)"
+    )
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--seq-len", type=int, default=d.seq_len)
     parser.add_argument("--learning-rate", type=float, default=d.learning_rate)
@@ -65,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--low-score", type=float, default=d.low_score)
     parser.add_argument("--high-score", type=float, default=d.high_score)
+    parser.add_argument(
+        "--fit-epochs", type=int, default=d.fit_epochs, help="importance: passes of the gate fit over the scores"
+    )
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -76,11 +89,13 @@ def run(args: argparse.Namespace) -> int:
 
     from inference_shim.offline.corpus import CorpusError
     from inference_shim.offline.gate_training import GateSchedule, GateStepStats, train_gate_file
+    from inference_shim.offline.importance_gates import ImportanceStats
     from inference_shim.runtime.checkpoint import CheckpointError
 
     def train() -> str:
         schedule = from_arguments(GateSchedule, args)  # before the model loads: a bad number fails at once
-        with tqdm(total=schedule.steps, desc="train-gates", disable=args.quiet, file=sys.stderr) as bar:
+        total = schedule.steps + (schedule.fit_epochs if schedule.method == "importance" else 0)
+        with tqdm(total=total, desc="train-gates", disable=args.quiet, file=sys.stderr) as bar:
 
             def progress(stats: GateStepStats) -> None:
                 bar.update(1)
@@ -91,7 +106,19 @@ def run(args: argparse.Namespace) -> int:
                     temp=f"{stats.temperature:.2f}",
                 )
 
-            sha256 = train_gate_file(args.model, args.data, args.out, schedule, device=args.device, on_step=progress)
+            def importance_progress(stats: ImportanceStats) -> None:
+                bar.update(1)
+                bar.set_postfix(stage=stats.stage, loss=f"{stats.loss:.4f}")
+
+            sha256 = train_gate_file(
+                args.model,
+                args.data,
+                args.out,
+                schedule,
+                device=args.device,
+                on_step=progress,
+                on_progress=importance_progress,
+            )
         return f"wrote {args.out} (sha256 {sha256})"
 
     return run_training(args, train, bad_input=(CheckpointError, CorpusError, ValueError))

@@ -35,6 +35,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from inference_shim.offline.importance_gates import (
+    ImportanceStats,
+    calibrate_to_rate,
+    fit_gates,
+    hold_at,
+    score_windows,
+)
 from inference_shim.offline.training import lm_loss, sample_windows, text_file_stream
 from inference_shim.runtime.checkpoint import load_checkpoint, resolve_device
 from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
@@ -54,9 +61,15 @@ _FINITE_FIELDS = (
 )
 
 
+GATE_METHODS = ("relaxed", "importance")
+
+
 @dataclass(frozen=True)
 class GateSchedule:
-    steps: int = 1200
+    # relaxed: the relaxed skip decision trained through the model (this module);
+    # importance: gates fitted to per-token layer importance scored once (importance_gates.py).
+    method: str = "relaxed"
+    steps: int = 1200  # importance: batches of windows scored
     batch_size: int = 8
     seq_len: int = 128
     learning_rate: float = 5e-3
@@ -73,14 +86,17 @@ class GateSchedule:
     sharpness: float = 5.0  # decision logit per unit of gate logit
     start_temperature: float = 1.0
     end_temperature: float = 0.1
+    fit_epochs: int = 20  # importance: passes of the gate fit over the scored windows
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.method not in GATE_METHODS:
+            raise ValueError(f"--method must be one of {', '.join(GATE_METHODS)}, got {self.method!r}")
         # NaN compares false with every limit: a NaN weight trained and wrote a gate file, exit 0.
         for name in _FINITE_FIELDS:
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
-        for name in ("steps", "batch_size", "seq_len"):
+        for name in ("steps", "batch_size", "seq_len", "fit_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
 
@@ -141,6 +157,51 @@ def average_skip(high: torch.Tensor, patience: int) -> torch.Tensor:
     skip = F.pad(1.0 - high[:, :-1], (1, 0), value=0.0)
     warm = torch.arange(high.shape[-1], device=high.device) >= patience
     return skip * warm
+
+
+def hard_skip_fraction(scores: torch.Tensor, schedule: GateSchedule) -> float:
+    """[..., T] scores of consecutive tokens -> the share of them the schedule's skip rule skips at
+    its threshold (decoding's rule, on hard decisions)."""
+    scores = scores.reshape(-1, scores.shape[-1])
+    if schedule.skip_rule == "ewma":
+        high = moving_average(scores.double(), schedule.ewma_alpha) >= schedule.threshold
+        return average_skip(high.double(), schedule.patience).mean().item()
+    return patience_skip((scores >= schedule.threshold).double(), schedule.patience).mean().item()
+
+
+def fit_importance_gates(
+    model: Transformer,
+    gates: GateBank,
+    stream: torch.Tensor,
+    schedule: GateSchedule,
+    on_progress: Callable[[ImportanceStats], None] | None = None,
+) -> GateBank:
+    """The importance method (importance_gates.py): score `steps` batches of windows with the frozen
+    `model`, fit the skippable layers' gates, calibrate them to `target_skip` under the skip rule."""
+    generator = torch.Generator().manual_seed(schedule.seed)
+    skippable = tuple(l for l in range(len(gates)) if l not in schedule.protected_layers)
+    sample = score_windows(
+        model,
+        stream,
+        schedule.steps,
+        schedule.batch_size,
+        schedule.seq_len,
+        skippable,
+        generator,
+        on_batch=on_progress,
+    )
+    gates.to(next(model.parameters()).device).train()
+    fit_gates(gates, sample, schedule.fit_epochs, schedule.learning_rate, generator, on_epoch=on_progress)
+    calibrate_to_rate(
+        gates,
+        sample,
+        lambda scores: hard_skip_fraction(scores, schedule),
+        schedule.threshold,
+        schedule.target_skip,
+        schedule.low_score,
+    )
+    hold_at(gates, schedule.protected_layers, schedule.high_score)
+    return gates.eval()
 
 
 class GatedForward:
@@ -247,6 +308,7 @@ def train_gate_file(
     *,
     device: str = "cpu",
     on_step: Callable[[GateStepStats], None] | None = None,
+    on_progress: Callable[[ImportanceStats], None] | None = None,
 ) -> str:
     """Train gates for the frozen checkpoint in `model_dir` on the text file `data` and write them to
     `out`, with the skip policy they were trained for (threshold, patience, rule); returns the
@@ -264,7 +326,10 @@ def train_gate_file(
     if not schedule.protected_layers:
         schedule = replace(schedule, protected_layers=policy.protected(config.num_layers))
     gates = init_gates(config.num_layers, config.hidden_size, schedule)
-    train_gates(model, gates, stream, schedule, on_step=on_step)
+    if schedule.method == "importance":
+        fit_importance_gates(model, gates, stream, schedule, on_progress=on_progress)
+    else:
+        train_gates(model, gates, stream, schedule, on_step=on_step)
     metadata = GateMetadata(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,

@@ -1,4 +1,5 @@
-"""`layerwatch train-gates` on a tiny random model: determinism, the relaxed skip rules, bad input."""
+"""`layerwatch train-gates` on a tiny random model: determinism, the relaxed skip rules, the importance
+method, bad input."""
 
 from __future__ import annotations
 
@@ -7,16 +8,20 @@ import hashlib
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from inference_shim.offline.gate_training import (
     GateSchedule,
     average_skip,
+    fit_importance_gates,
+    hard_skip_fraction,
     init_gates,
     moving_average,
     patience_skip,
     train_gates,
 )
-from inference_shim.offline.training import text_file_stream
+from inference_shim.offline.importance_gates import predicted_logits, score_windows
+from inference_shim.offline.training import sample_windows, text_file_stream
 from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint
 from inference_shim.runtime.gates import load_gates
 from inference_shim.runtime.skip_policy import SkipPolicy
@@ -192,3 +197,77 @@ def test_a_weight_that_is_not_a_finite_number_is_refused_and_writes_nothing(
     assert train(model_dir, text_file, out, flag, "nan") == 2
     assert f"{flag} must be a finite number, got nan" in capsys.readouterr().err
     assert not out.exists()
+
+
+# --- the importance method ------------------------------------------------------------------------
+
+
+def test_importance_gates_are_reproducible_and_load_with_their_threshold(model_dir, text_file, tmp_path):
+    first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    for out in (first, second):
+        assert train(model_dir, text_file, out, "--method", "importance", "--fit-epochs", "2", "--seed", "5") == 0
+    assert sha256(first) == sha256(second)
+    loaded = load_gates(first, load_checkpoint(model_dir).model)
+    assert loaded.metadata.threshold == GateSchedule().threshold
+
+
+def test_a_cost_is_what_skipping_the_layer_for_the_window_does_to_the_next_token():
+    model = random_model()
+    stream = torch.arange(100) % 50
+    sample = score_windows(model, stream, 1, 2, 16, (1, 2), torch.Generator().manual_seed(0))
+    tokens = sample_windows(stream, 2, 16, torch.Generator().manual_seed(0))[:, :-1]
+    with torch.no_grad():
+        full = F.log_softmax(model(tokens)[0], dim=-1)
+        for i, layer in enumerate((1, 2)):
+            skip = lambda l, x, layer=layer: torch.zeros(x.shape[:-1] + (1,)) if l == layer else None  # noqa: E731
+            skipped = F.log_softmax(model(tokens, update_scale=skip)[0], dim=-1)
+            kl = (full.exp() * (full - skipped)).sum(-1)
+            torch.testing.assert_close(sample.costs[i], kl[:, 1:], rtol=1e-4, atol=1e-6)
+    assert sample.inputs.shape == (2, 2, 15, 32) and (sample.costs[0] > 0).all()
+
+
+@pytest.mark.parametrize("target", [0.1, 0.4])
+def test_importance_gates_skip_the_target_share_of_the_scored_windows_at_their_threshold(target):
+    model = random_model()
+    stream = torch.arange(400) % 50
+    schedule = GateSchedule(
+        method="importance",
+        steps=2,
+        batch_size=4,
+        seq_len=24,
+        fit_epochs=3,
+        target_skip=target,
+        protected_layers=(0, 3),
+    )
+    gates = fit_importance_gates(model, init_gates(4, 32, schedule), stream, schedule)
+    sample = score_windows(model, stream, 2, 4, 24, (1, 2), torch.Generator().manual_seed(schedule.seed))
+    scores = torch.sigmoid(predicted_logits(gates, sample))
+    assert hard_skip_fraction(scores, schedule) == pytest.approx(target, abs=0.02)
+    # Protected layers read the high score whatever their input.
+    x = torch.randn(5, 32)
+    assert torch.allclose(gates[0](x), torch.full((5,), schedule.high_score))
+
+
+def test_importance_gates_rank_layers_by_their_cost():
+    # Layer 2's updates are scaled down 100-fold, so skipping it costs almost nothing: at a small
+    # target the gates must skip it and leave layer 1 running.
+    model = random_model()
+    with torch.no_grad():
+        model.layers[2].self_attn.o_proj.weight.mul_(0.01)
+        model.layers[2].mlp.down_proj.weight.mul_(0.01)
+    stream = torch.arange(400) % 50
+    schedule = GateSchedule(
+        method="importance",
+        steps=2,
+        batch_size=4,
+        seq_len=24,
+        fit_epochs=100,
+        learning_rate=0.02,
+        target_skip=0.3,
+        protected_layers=(0, 3),
+    )
+    gates = fit_importance_gates(model, init_gates(4, 32, schedule), stream, schedule)
+    sample = score_windows(model, stream, 2, 4, 24, (1, 2), torch.Generator().manual_seed(schedule.seed))
+    scores = torch.sigmoid(predicted_logits(gates, sample))
+    per_layer = [hard_skip_fraction(scores[i], schedule) for i in range(2)]
+    assert per_layer[1] > 0.5 > 0.1 > per_layer[0]
