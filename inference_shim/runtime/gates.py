@@ -16,6 +16,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
@@ -72,14 +73,16 @@ class LoadedGates:
 def model_fingerprint(model: Transformer) -> str:
     """A cheap identity of the base model: its shape-defining config, tensor names and shapes, and
     a strided sample of every tensor's values. Rounded to bfloat16, so the same weights loaded in
-    fp32 or bf16 share a fingerprint."""
+    fp32 or bf16 share a fingerprint; the config's numbers to float32, so the same model read from
+    its config.json (`rms_norm_eps` 1e-05) and from a GGUF, which stores float32 (9.999999747e-06),
+    shares one too."""
     digest = hashlib.sha256()
     config = model.config.to_dict()
     for not_shape in ("bos_token_id", "eos_token_ids", "max_position_embeddings"):
         del config[not_shape]
     # Family features count only where set, so a Llama keeps the fingerprint its gate files carry.
     config = {k: v for k, v in config.items() if k not in FAMILY_FIELDS} | model.config.family_features()
-    digest.update(json.dumps(config, sort_keys=True).encode())
+    digest.update(json.dumps(_float32_decimals(config), sort_keys=True).encode())
     for name, tensor in sorted(model.state_dict().items()):
         if name.startswith("gates."):
             continue
@@ -88,6 +91,18 @@ def model_fingerprint(model: Transformer) -> str:
         sample = flat[picks.to(flat.device)].to(torch.bfloat16).view(torch.int16).cpu().numpy()
         digest.update(f"{name}:{list(tensor.shape)}:".encode() + sample.tobytes())
     return digest.hexdigest()
+
+
+def _float32_decimals(value: Any) -> Any:
+    """`value` with every float as the shortest decimal that reads back as the same float32 (1e-05
+    for both 1e-05 and 9.999999747378752e-06): what the demo model's files already hold."""
+    if isinstance(value, float):
+        return float(str(np.float32(value)))
+    if isinstance(value, dict):
+        return {key: _float32_decimals(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_float32_decimals(item) for item in value]
+    return value
 
 
 def _sample_indices(numel: int, samples: int) -> torch.Tensor:

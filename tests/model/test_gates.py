@@ -7,6 +7,7 @@ import hashlib
 import json
 import tracemalloc
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -105,6 +106,19 @@ def test_fingerprint_of_a_tensor_past_float32_integers_samples_its_last_value():
     with torch.no_grad():
         model.embed_tokens.weight[-1, -1] += 1.0  # the last value is always sampled
     assert model_fingerprint(model) != fingerprint
+
+
+def test_fingerprint_reads_config_numbers_at_float32(model):
+    # A GGUF stores rms_norm_eps as float32 (9.999999747378752e-06), the model's config.json as 1e-05:
+    # one model, one fingerprint, so gates trained on either folder load on the other.
+    from_gguf = Transformer(dataclasses.replace(model.config, rms_norm_eps=float(np.float32(1e-5))))
+    from_json = Transformer(dataclasses.replace(model.config, rms_norm_eps=1e-5))
+    for other in (from_gguf, from_json):
+        other.load_state_dict(model.state_dict())
+    assert model_fingerprint(from_gguf) == model_fingerprint(from_json)
+    wider = Transformer(dataclasses.replace(model.config, rms_norm_eps=2e-5))
+    wider.load_state_dict(model.state_dict())
+    assert model_fingerprint(wider) != model_fingerprint(from_json)
 
 
 def test_family_features_enter_the_fingerprint_only_when_set(model):
