@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,9 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-def build_backend_tokenizer() -> BackendTokenizer:
-    """Byte-level BPE: every string encodes, and multi-byte characters span several tokens."""
+def build_backend_tokenizer(texts: Sequence[str] = TRAINING_TEXT) -> BackendTokenizer:
+    """Byte-level BPE trained on `texts`: every string encodes, and multi-byte characters span several
+    tokens."""
     backend = BackendTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -36,7 +38,7 @@ def build_backend_tokenizer() -> BackendTokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator(TRAINING_TEXT * 4, trainer)
+    backend.train_from_iterator(list(texts) * 4, trainer)
     return backend
 
 

@@ -19,7 +19,7 @@ from inference_shim.offline.gguf_import import GGUFImportError, import_gguf
 from inference_shim.runtime.checkpoint import load_checkpoint
 from layerwatch_cli.main import main
 
-from .conftest import TRAINING_TEXT, VOCAB_SIZE
+from .conftest import TRAINING_TEXT, build_backend_tokenizer
 from .test_transformers_reference import LLAMA, build_reference, float32_tolerance, logits_of, sequence
 
 transformers = pytest.importorskip("transformers")
@@ -43,19 +43,7 @@ TEXT = "In 2024 THEY'D paid  1,234 coins;\n\n  the earth was   without form 2024
 def backend_tokenizer():
     """Byte-level BPE (tests/model/conftest.py's) trained with digit runs too, so that its merges
     join digits: how each pre-tokenizer cuts them then shows in the ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator([*TRAINING_TEXT, "In 2024, 1234 and 2024: 20 24 202 4"] * 4, trainer)
-    return backend
+    return build_backend_tokenizer([*TRAINING_TEXT, "In 2024, 1234 and 2024: 20 24 202 4"])
 
 
 CONTROL, NORMAL = 3, 1  # llama.cpp's token types
