@@ -52,8 +52,13 @@ def test_the_static_drill_shows_its_page_and_ctrl_c_leaves_nothing_behind(tmp_pa
             output.append(line)
             if f"PAGED {PAGE}" in line:
                 break
-        for _ in range(40):  # the rest of the screen that says PAGED: the alert panel
-            output.append(demo.stdout.readline())
+        # The rest of the screen that says PAGED (the alert panel: its length grows with the alerts and
+        # notifications), up to the next screen's first line.
+        for _ in range(200):
+            line = demo.stdout.readline()
+            if not line or line.startswith("drill "):
+                break
+            output.append(line)
         # `layerwatch top` shows the same alert state, given the demo's Prometheus and time scale.
         top = subprocess.run(
             [*LAYERWATCH_COMMAND, "top", "--once", "--url", f"http://127.0.0.1:{ports['exporter-port']}"]
