@@ -567,14 +567,16 @@ def test_shadow_rate_zero_tickets_quality_guard_blind(stack: Stack) -> None:
 # --- phase 5: a small category of traffic runs away ---------------------------------------------------
 
 
-def _tail_ratio(stack: Stack, recorded: Recorded) -> list[float]:
+def _tail_ratio(stack: Stack, recorded: Recorded, since: float | None = None) -> list[float]:
+    """The share of requests above the cut-off now, or its highest value since `since` (monotonic)."""
     cutoff = stack.profile.request_tail.runaway_skip_fraction
-    return values(
-        stack.query(
-            f'{recorded.request_skip_tail_ratio}{{model_name="{stack.model_name}", '
-            f'instance="{stack.shim_instance}", le="{cutoff:g}"}}'
-        )
+    series = (
+        f'{recorded.request_skip_tail_ratio}{{model_name="{stack.model_name}", '
+        f'instance="{stack.shim_instance}", le="{cutoff:g}"}}'
     )
+    if since is not None:
+        series = f"max_over_time({series}[{math.ceil(time.monotonic() - since)}s])"
+    return values(stack.query(series))
 
 
 def _requests_above_cutoff(stack: Stack) -> float:
