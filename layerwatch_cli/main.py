@@ -69,38 +69,73 @@ def env_var_for(action: argparse.Action) -> str | None:
     return "LAYERWATCH_" + longs[0][2:].upper().replace("-", "_")
 
 
-def apply_environment(parser: argparse.ArgumentParser, environ: dict[str, str]) -> None:
-    """Turn `LAYERWATCH_<FLAG>` variables into defaults, parsed and checked as the flags are."""
+def apply_environment(
+    parser: argparse.ArgumentParser, environ: dict[str, str], *, command: str | None = None, strict: bool = True
+) -> None:
+    """Turn `LAYERWATCH_<FLAG>` variables into defaults, parsed and checked as the flags are.
+
+    A bad value is refused naming the variable; with `strict` off (the user asked for `--help`) it is
+    left out and the help says so, so that a wrong environment never hides the help that explains it.
+    A `LAYERWATCH_*` variable `command` does not read is named on stderr: a misspelt one would
+    otherwise be ignored without a word (one shell or compose file may set variables for several
+    commands, so it is a warning, not an error)."""
+    read: set[str] = set()
     for action in parser._actions:  # argparse offers no public iterator over actions
         name = env_var_for(action)
-        if name is None or name not in environ:
+        if name is None:
             continue
-        raw = environ[name]
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-            value = raw.strip().lower()
-            if value not in _TRUE | _FALSE:
-                parser.error(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
-            enabled = value in _TRUE
-            action.default = enabled if isinstance(action, argparse._StoreTrueAction) else not enabled
-        elif action.nargs in ("*", "+"):
-            action.default = [_environment_value(parser, name, v, action) for v in raw.split(",") if v]
-        else:
-            action.default = _environment_value(parser, name, raw, action)
+        read.add(name)
+        if name not in environ:
+            continue
+        try:
+            _apply_variable(parser, action, name, environ[name])
+        except _EnvironmentValueError as exc:
+            if strict:
+                parser.error(str(exc))
+            action.help = (action.help or "") + f" [env: {name}, ignored: {exc}]"
+            continue
         action.required = False
         action.help = (action.help or "") + f" [env: {name}]"
+    if command is not None:
+        for name in sorted(n for n in environ if n.startswith("LAYERWATCH_") and n not in read):
+            near = difflib.get_close_matches(name, sorted(read), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            print(
+                f"layerwatch {command}: warning: {name} is not a setting of this command: ignored{hint}",
+                file=sys.stderr,
+            )
 
 
-def _environment_value(parser: argparse.ArgumentParser, name: str, raw: str, action: argparse.Action) -> object:
+class _EnvironmentValueError(ValueError):
+    """A LAYERWATCH_* variable whose value its flag would refuse."""
+
+
+def _apply_variable(parser: argparse.ArgumentParser, action: argparse.Action, name: str, raw: str) -> None:
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        value = raw.strip().lower()
+        if value not in _TRUE | _FALSE:
+            raise _EnvironmentValueError(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+        enabled = value in _TRUE
+        action.default = enabled if isinstance(action, argparse._StoreTrueAction) else not enabled
+    elif action.nargs in ("*", "+"):
+        action.default = [_environment_value(name, v, action) for v in raw.split(",") if v]
+    else:
+        action.default = _environment_value(name, raw, action)
+
+
+def _environment_value(name: str, raw: str, action: argparse.Action) -> object:
     """`raw` parsed as the flag would parse it, type and choices both (argparse checks neither
     against a default); a bad value is refused naming the variable."""
     try:
         value = action.type(raw) if callable(action.type) else raw
     except argparse.ArgumentTypeError as exc:
-        parser.error(f"{name}={raw!r}: {exc}")
+        raise _EnvironmentValueError(f"{name}={raw!r}: {exc}") from None
     except (TypeError, ValueError):
-        parser.error(f"{name}={raw!r}: invalid {getattr(action.type, '__name__', 'value')} value")
+        raise _EnvironmentValueError(
+            f"{name}={raw!r}: invalid {getattr(action.type, '__name__', 'value')} value"
+        ) from None
     if action.choices is not None and value not in action.choices:
-        parser.error(f"{name}={raw!r}: expected one of {', '.join(map(str, action.choices))}")
+        raise _EnvironmentValueError(f"{name}={raw!r}: expected one of {', '.join(map(str, action.choices))}")
     return value
 
 
@@ -186,9 +221,15 @@ def build_parser(argv: list[str], environ: dict[str, str] | None = None) -> argp
         except ModuleNotFoundError as exc:
             # A slim install (the exporter's image ships no torch and no model code) lacks some commands.
             parser.error(f"`layerwatch {name}` is not available in this installation: {exc}")
-        apply_environment(p, environ)
+        # `demo` hands its environment on to the serve and exporter it starts, which read their own.
+        checked = None if name == "demo" else name
+        apply_environment(p, environ, command=checked, strict=not _asks_for_help(argv))
         p.set_defaults(_module=module)
     return parser
+
+
+def _asks_for_help(argv: list[str]) -> bool:
+    return any(arg in ("-h", "--help") for arg in itertools.takewhile(lambda arg: arg != "--", argv))
 
 
 def _requested_command(argv: list[str]) -> str | None:

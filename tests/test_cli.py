@@ -47,6 +47,34 @@ def test_environment_values_are_validated_like_flags_naming_the_variable(capsys)
         assert message in capsys.readouterr().err
 
 
+def test_a_bad_environment_value_does_not_hide_the_help(capsys):
+    """Found in the review of issue 34: LAYERWATCH_PORT=abc made `serve -h` exit 2 with the error,
+    the help that explains the variable out of reach. The help names the variable and why it is left
+    out; without -h the value is still refused."""
+    environ = {"LAYERWATCH_PORT": "abc"}
+    with pytest.raises(SystemExit) as shown:
+        build_parser(["serve", "-h"], environ).parse_args(["serve", "-h"])
+    assert shown.value.code == 0
+    out = capsys.readouterr().out
+    assert "[env: LAYERWATCH_PORT, ignored: LAYERWATCH_PORT='abc': invalid" in " ".join(out.split())
+    with pytest.raises(SystemExit) as refused:
+        build_parser(["serve"], environ).parse_args(["serve"])
+    assert refused.value.code == 2 and "LAYERWATCH_PORT='abc'" in capsys.readouterr().err
+
+
+def test_a_variable_the_command_does_not_read_is_named(capsys):
+    """A misspelt LAYERWATCH_* variable was ignored without a word (review of issue 34)."""
+    environ = {"LAYERWATCH_THRESHHOLD": "0.1", "LAYERWATCH_PORT": "9000"}
+    args = build_parser(["serve"], environ).parse_args(["serve"])
+    assert args.port == 9000 and args.threshold is None
+    err = capsys.readouterr().err
+    assert "LAYERWATCH_THRESHHOLD is not a setting of this command: ignored (did you mean LAYERWATCH_THRESHOLD?)" in err
+    assert "LAYERWATCH_PORT" not in err
+    # `demo` passes its environment on to the serve it starts, which reads LAYERWATCH_THRESHOLD.
+    build_parser(["demo"], {"LAYERWATCH_THRESHOLD": "0.1"}).parse_args(["demo"])
+    assert "not a setting" not in capsys.readouterr().err
+
+
 def test_an_empty_bind_host_is_refused_not_read_as_every_interface(capsys):
     # bind(("", port)) listens on every interface: services bind to loopback unless told otherwise.
     for argv, environ in [(["serve", "--host", ""], {}), (["serve"], {"LAYERWATCH_HOST": " "})]:
