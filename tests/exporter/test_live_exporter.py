@@ -290,9 +290,15 @@ def test_top_given_alertmanager_for_prometheus_says_so_and_shows_the_exporter() 
 
 
 class StreamedPage:
-    """A loopback server answering one GET with `chunks` of a page, `interval` seconds apart, then closing."""
+    """A loopback server answering one GET with `head` and `chunks` of a page, `interval` seconds apart,
+    then closing."""
 
-    def __init__(self, chunks: Iterator[bytes], interval: float = 0.0) -> None:
+    def __init__(
+        self,
+        chunks: Iterator[bytes],
+        interval: float = 0.0,
+        head: bytes = b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n",
+    ) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
 
@@ -300,7 +306,7 @@ class StreamedPage:
             connection, _ = self.listener.accept()
             with connection, contextlib.suppress(OSError):  # the reader may hang up first
                 connection.recv(65536)
-                connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n")
+                connection.sendall(head)
                 for chunk in chunks:
                     connection.sendall(chunk)
                     time.sleep(interval)
@@ -322,6 +328,14 @@ def test_a_page_that_trickles_or_never_ends_is_given_up_on() -> None:
         with pytest.raises(TimeoutError, match="the page took over 1 s"):
             scrape(trickling.url, timeout=1.0)
         assert time.monotonic() - started < 3.0
+    # The head a byte at a time (review of issue 34): read by http.client line by line, it got the same
+    # per-read timeout, and no bound on the whole.
+    head = b"HTTP/1.0 200 OK\r\n" + b"X-Padding: still coming\r\n" * 3 + b"\r\n"
+    with StreamedPage((bytes([byte]) for byte in head), interval=0.3, head=b"") as trickling:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="the page took over 1 s"):
+            scrape(trickling.url, timeout=1.0)
+        assert time.monotonic() - started < 3.0
     line = b"# " + b"x" * 65_534 + b"\n"
     endless = StreamedPage(itertools.repeat(line, MAX_PAGE_BYTES // len(line) + 2))
     with endless, pytest.raises(ValueError, match="a page over 64 MiB"):
@@ -335,6 +349,19 @@ def test_top_reports_an_unreachable_exporter() -> None:
         text=True,
     )
     assert top.returncode == 1 and "cannot read http://127.0.0.1:9/metrics" in top.stderr
+
+
+def test_top_tells_a_server_that_is_not_an_exporter_from_no_server() -> None:
+    """Review of issue 34: a server answering 404 got 'Is an exporter running there? Start one with ...'."""
+    with ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler) as server:  # no do_GET: 501
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        top = subprocess.run([*LAYERWATCH_COMMAND, "top", "--once", "--url", url], capture_output=True, text=True)
+        server.shutdown()
+    assert top.returncode == 1 and top.stderr == (
+        f"layerwatch top: cannot read {url}/metrics: not a layerwatch exporter's page (HTTP 501 Unsupported method "
+        "('GET'))\n"
+    )
 
 
 def test_unknown_paths_are_404_and_bad_flags_are_refused(start_exporter) -> None:
