@@ -15,12 +15,15 @@ full depth alone: perplexity and speed, before its gates are trained.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
+from inference_shim.service.settings import SkippingSettings
 from layerwatch import argtypes
 from layerwatch_cli.model_arguments import (
+    DEPTH_SETTINGS,
     add_depth_arguments,
     add_model_arguments,
     depth_from_arguments,
@@ -84,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-# The flags that need gates, by dest and the value that means "not given": refused with --no-gates.
+# The flags that need gates, by dest and the value that means "not given": refused with --no-gates
+# (the depth flags too, as `serve --no-gates` refuses them: without gates layers run whole).
 GATED_FLAGS = {
     "gates": None,
     "threshold": None,
@@ -94,6 +98,7 @@ GATED_FLAGS = {
     "skip_rule": None,
     "ewma_alpha": None,
     "batch_sizes": None,
+    **{field.name: field.default for field in dataclasses.fields(SkippingSettings) if field.name in DEPTH_SETTINGS},
 }
 
 

@@ -54,8 +54,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("layerwatch_cli.demo", "run the whole stack on the demo model and show the live histogram"),
 }
 
-# Commands that run until stopped: each signal they are sent has a documented effect (signals.py).
-LONG_RUNNING = ("serve", "exporter", "top", "demo")
+# Commands that run until stopped, and import-gguf (minutes of writing, whose partial folder a signal
+# must not leave behind): each signal they are sent has a documented effect (signals.py).
+LONG_RUNNING = ("serve", "exporter", "top", "demo", "import-gguf")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}

@@ -51,9 +51,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
 
+# How a batch runs the layers its rows decided (depth_execution.py): serve's two flags, for `eval`.
+DEPTH_SETTINGS = ("depth_execution", "batch_consensus")
+
+
 def add_depth_arguments(parser: argparse.ArgumentParser) -> None:
-    """How a batch runs the layers its rows decided (depth_execution.py): serve's two flags, for `eval`."""
-    add_flags(parser, SkippingSettings, ("depth_execution", "batch_consensus"))
+    add_flags(parser, SkippingSettings, DEPTH_SETTINGS)
 
 
 def depth_from_arguments(args: argparse.Namespace):

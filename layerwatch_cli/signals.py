@@ -1,6 +1,7 @@
 """How the long-running commands answer signals (docs/interfaces.md, "Signals").
 
-SIGTERM and SIGINT stop `serve`, `exporter`, `top` and `demo`: the command undoes what it started,
+SIGTERM and SIGINT stop `serve`, `exporter`, `top`, `demo` and `import-gguf` (which removes the
+folder it was writing): the command undoes what it started,
 says so, and exits by the signal (status 128 + its number: 143, 130), as a shell expects of a
 program it interrupted. SIGHUP reloads where there is something to reload (`serve`: the gate file;
 it never stops it) and stops the others like SIGTERM (status 129): `top` and `demo` run in a

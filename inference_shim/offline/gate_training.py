@@ -99,6 +99,12 @@ class GateSchedule:
         for name in ("steps", "batch_size", "seq_len", "fit_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        # The skip rule looks back --patience scores in a window (and the importance method scores all
+        # but its last token): a window no longer than that was a tensor-shape traceback.
+        if self.seq_len <= self.patience:
+            raise ValueError(f"--seq-len must be longer than --patience ({self.patience}), got {self.seq_len}")
+        if not 0 <= self.target_skip <= 1:
+            raise ValueError(f"--target-skip is a share of (token, layer) pairs in [0, 1], got {self.target_skip}")
 
     def temperature_at(self, step: int) -> float:
         """Geometric annealing from start to end over the run."""

@@ -345,3 +345,7 @@ def test_eval_no_gates_measures_the_full_depth_of_a_model_without_a_gate_file(mo
     assert run_eval(ungated, text_file, "--no-gates", "--threshold", "0.2", "--compare-rules") == 2
     err = capsys.readouterr().err
     assert "error: --no-gates evaluates full depth only: --threshold, --compare-rules need(s) gates" in err
+    # serve --no-gates refuses the depth flags too: they were taken and did nothing.
+    assert run_eval(ungated, text_file, "--no-gates", "--depth-execution", "rows", "--batch-consensus", "off") == 2
+    err = capsys.readouterr().err
+    assert "error: --no-gates evaluates full depth only: --depth-execution, --batch-consensus need(s) gates" in err

@@ -187,6 +187,25 @@ def test_unavailable_device_fails_clearly(model_dir, text_file, tmp_path, capsys
 
 
 @pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        (["--seq-len", "2"], "--seq-len must be longer than --patience (3), got 2"),
+        (["--method", "importance", "--seq-len", "3"], "--seq-len must be longer than --patience (3), got 3"),
+        (["--target-skip", "1.5"], "--target-skip is a share of (token, layer) pairs in [0, 1], got 1.5"),
+    ],
+)
+def test_a_window_no_longer_than_the_patience_or_a_share_past_one_is_refused(
+    model_dir, text_file, tmp_path, capsys, arguments, named
+):
+    """Before: --seq-len 2 (importance: 3) trained into a tensor-shape RuntimeError traceback; a target
+    share of 1.5 trained and wrote a gate file, exit 0."""
+    out = tmp_path / "gates.safetensors"
+    assert train(model_dir, text_file, out, *arguments) == 2
+    assert named in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
     "flag", ["--target-skip", "--sparsity-weight", "--commit-weight", "--low-score", "--high-score"]
 )
 def test_a_weight_that_is_not_a_finite_number_is_refused_and_writes_nothing(

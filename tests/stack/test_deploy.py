@@ -353,6 +353,24 @@ def test_docker_compose_requires_the_grafana_password(docker_compose: str) -> No
     assert result.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in result.stderr
 
 
+def test_the_documented_override_for_a_model_without_gates_passes_serves_checks() -> None:
+    """docs/deploy.md's override for a model without gates, on top of compose's own environment: the
+    settings `serve --no-gates` refuses are all at their defaults (compose's LAYERWATCH_SHADOW_RATE
+    0.05 made the documented `LAYERWATCH_NO_GATES: "true"` exit 2 naming --shadow-rate)."""
+    from inference_shim.service.settings import GATED_SETTINGS
+    from layerwatch.settings import changed_from_default
+    from layerwatch_cli.main import build_parser
+    from layerwatch_cli.serve import settings_from_arguments
+
+    blocks = re.findall(r"```yaml\n(.*?)```", (REPO / "docs/deploy.md").read_text(), re.DOTALL)
+    (override,) = [yaml.safe_load(b) for b in blocks if "LAYERWATCH_NO_GATES" in b]
+    compose = yaml.safe_load(COMPOSE_FILES[0].read_text())
+    environ = compose["services"]["shim"]["environment"] | override["services"]["shim"]["environment"]
+    args = build_parser(["serve"], environ).parse_args(["serve"])
+    settings = settings_from_arguments(args)
+    assert settings.no_gates and changed_from_default(settings, GATED_SETTINGS) == []
+
+
 def test_compose_publishes_on_loopback_and_mounts_the_generated_files() -> None:
     compose = yaml.safe_load(COMPOSE_FILES[0].read_text())
     services = compose["services"]
