@@ -186,7 +186,8 @@ def main() -> int:
     if args.model is not None:
         loaded = load_checkpoint(args.model)
         model, tokenizer = loaded.model, loaded.tokenizer
-        args.layers, args.hidden, args.vocab = model.config.num_layers, model.config.hidden_size, model.config.vocab_size
+        config = model.config
+        args.layers, args.hidden, args.vocab = config.num_layers, config.hidden_size, config.vocab_size
     else:
         model, tokenizer = build_model(args.layers, args.hidden, args.vocab), bench_tokenizer(args.vocab)
     if args.layers < 4:  # the forced patterns skip up to half the layers, never the first or the last

@@ -110,7 +110,10 @@ def main() -> int:
         their_rates.append(args.tokens / their_seconds)
         ratios.append(our_seconds / their_seconds)
         shared.append(shared_prefix(our_tokens, their_tokens))
-    print("| layerwatch | tokens | layerwatch tok/CPU-s | llama.cpp tok/CPU-s | llama.cpp ÷ layerwatch (range) | same first tokens |")
+    print(
+        "| layerwatch | tokens | layerwatch tok/CPU-s | llama.cpp tok/CPU-s | llama.cpp ÷ layerwatch (range) "
+        "| same first tokens |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     print(
         f"| {args.model.name}, {args.dtype} | {args.tokens} | {statistics.median(our_rates):.1f} | "

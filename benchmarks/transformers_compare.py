@@ -7,11 +7,11 @@ For each shape (layers x d) a random Llama checkpoint is written once (`save_che
 transformers loads as LlamaForCausalLM); or, with `--model`, a real checkpoint folder (e.g. one
 `layerwatch import-gguf` wrote), which transformers loads from `--reference` (default: the same
 folder), prompted with PROMPT_TEXT. Then both generate greedily from the same prompt at batch 1,
-fp32, one torch thread, through any end-of-sequence token: transformers' `generate` (its KV cache) and our `GenerationEngine` without
-gates. The generated token ids are asserted identical, so both did the same work. Timing is the
-process CPU clock, the two interleaved `--repeats` times; printed: tokens per CPU second of each and
-their ratio (ours ÷ transformers, > 1 = faster), median and range. Results go into
-docs/performance.md ("Against transformers").
+fp32, one torch thread, through any end-of-sequence token: transformers' `generate` (its KV cache)
+and our `GenerationEngine` without gates. The generated token ids are asserted identical, so both
+did the same work. Timing is the process CPU clock, the two interleaved `--repeats` times; printed:
+tokens per CPU second of each and their ratio (ours ÷ transformers, > 1 = faster), median and range.
+Results go into docs/performance.md ("Against transformers").
 """
 
 from __future__ import annotations

@@ -151,18 +151,17 @@ def non_finite_problem(name: str, tensor: torch.Tensor, converted_to: torch.dtyp
 # weights lie in it decides their speed (docs/performance.md, "Against transformers"):
 #   - storage in transparent huge pages (`weight_storage`): a step streams hundreds of MB, and 2 MiB
 #     pages spare it the TLB misses of 4 KiB ones;
-#   - the wide projections (gate/up, o, down, the LM head) as the transpose of an [in, out] matrix,
-#     x @ W with W contiguous, which MKL streams faster for one row than nn.Linear's [out, in]; a
-#     tied LM head too (SmolLM2's 49,152 x 576: 20.9 -> 8.3 ms a token), the embedding then looking
-#     its rows up in the same matrix (one strided row per token);
-#   - projections that read one input in one matrix (q/k/v as rows, gate/up as columns), so that
-#     one matmul computes them.
+#   - a projection whose output is at least as wide as its input (q/k/v and gate/up fused, o, the
+#     LM head) as the transpose of an [in, out] matrix, x @ W with W contiguous, which MKL streams
+#     faster for one row than nn.Linear's [out, in] (SmolLM2's tied 49,152 x 576 head: 20.9 -> 8.3
+#     ms a token, the embedding then looking its rows up in the same matrix, one strided row per
+#     token; q/k/v 960 x 576: 196 -> 132 us); a narrowing one (down) as nn.Linear's rows, which MKL
+#     streams faster there (1,536 -> 576: 298 -> 245 us);
+#   - projections that read one input in one matrix (q/k/v, gate/up), so that one matmul computes them.
 # The parameters stay the [out, in] tensors Hugging Face names (state dicts, checkpoints, training
 # and hooks see nothing else; each is a view into its matrix, only its strides or storage differ).
 # Fused matmuls run without autograd only; training calls each linear, so every parameter gets its
 # gradient. `Transformer.lay_out_weights` builds the layout, and again after loading or moving.
-# q/k/v keep the [out, in] rows: transposed, their rounding moved attention's logits by up to
-# 1e-4 against transformers' on the reference tests' random weights (tests/model/test_transformers_reference.py).
 
 HUGE_PAGE = 2 << 20
 
@@ -179,9 +178,12 @@ def weight_storage(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(region, dtype=like.dtype).view(shape)  # the tensor keeps the mapping alive
 
 
-def _laid_out(layout: FusedLinears | None, linears: Sequence[nn.Linear], transposed: bool) -> FusedLinears:
-    """`layout` while it holds, else the linears laid out afresh."""
-    return layout if layout is not None and layout.intact() else FusedLinears(linears, transposed)
+def _laid_out(layout: FusedLinears | None, linears: Sequence[nn.Linear]) -> FusedLinears:
+    """`layout` while it holds, else the linears laid out afresh: as columns when their outputs
+    together are at least as wide as their input, else as rows (see above)."""
+    if layout is not None and layout.intact():
+        return layout
+    return FusedLinears(linears, transposed=sum(linear.out_features for linear in linears) >= linears[0].in_features)
 
 
 class FusedLinears:
@@ -770,12 +772,12 @@ class Transformer(nn.Module):
         self.decode_layout = True
         for block in cast("Iterable[Block]", self.layers):  # nn.ModuleList is not generic
             attention, mlp = block.self_attn, block.mlp
-            attention.qkv = _laid_out(attention.qkv, [attention.q_proj, attention.k_proj, attention.v_proj], False)
-            attention.o_layout = _laid_out(attention.o_layout, [attention.o_proj], True)
-            mlp.gate_up = _laid_out(mlp.gate_up, [mlp.gate_proj, mlp.up_proj], True)
-            mlp.down_layout = _laid_out(mlp.down_layout, [mlp.down_proj], True)
+            attention.qkv = _laid_out(attention.qkv, [attention.q_proj, attention.k_proj, attention.v_proj])
+            attention.o_layout = _laid_out(attention.o_layout, [attention.o_proj])
+            mlp.gate_up = _laid_out(mlp.gate_up, [mlp.gate_proj, mlp.up_proj])
+            mlp.down_layout = _laid_out(mlp.down_layout, [mlp.down_proj])
         tied = self.lm_head.weight is self.embed_tokens.weight
-        self.lm_head_layout = _laid_out(self.lm_head_layout, [self.lm_head], True)
+        self.lm_head_layout = _laid_out(self.lm_head_layout, [self.lm_head])
         if tied:  # one parameter still: the embedding reads its rows from the head's [in, out] matrix
             self.embed_tokens.weight = self.lm_head.weight
 
