@@ -809,8 +809,8 @@ class Transformer(nn.Module):
         # positions: [B, T] -> cos, sin: [B, 1, T, head_dim], sin's first half negated (apply_rope)
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        sin = emb.sin()
-        return emb.cos().to(dtype), torch.cat((-sin[..., : freqs.shape[-1]], sin[..., freqs.shape[-1] :]), -1).to(dtype)
+        half, sin = freqs.shape[-1], emb.sin()
+        return emb.cos().to(dtype), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(dtype)
 
     # Full sequence, full depth: training, scoring, prefill. ------------------------------------
 
