@@ -31,13 +31,13 @@ this device's measured cost(r) (printed first per model, r = 1 .. the largest ba
 `--compile` adds the same model with its layer bodies compiled (Transformer.compile_layers, what
 `serve --compile` does), full depth and gated, and prints compiled ÷ eager tokens/s for both.
 
-With CUDA present, a GPU section follows (the model on cuda:0, wall clock with the device
-synchronised, its own measured limits): tokens/s at full depth and gated, and realised ÷ ideal where
-the ideal counts only whole-batch skips (decode on a GPU is memory-bound: a layer saves its weight
-reads only when no row runs it), w there being the layers' attention + FFN share of the weights a
-step reads; with nvidia-ml-py, the GPU's energy per token (NVML's total-energy counter) at full
-depth and gated. Toy models leave a GPU launch-bound rather than memory-bound: give `--models` a real
-size (e.g. 32x4096) for GPU figures.
+With CUDA present, a GPU section follows (the model on cuda:0 in `--gpu-dtype`, bfloat16 unless told
+otherwise, as GPUs serve; wall clock with the device synchronised, its own measured limits):
+tokens/s at full depth and gated, and realised ÷ ideal where the ideal counts only whole-batch skips
+(decode on a GPU is memory-bound: a layer saves its weight reads only when no row runs it), w there
+being the layers' attention + FFN share of the weights a step reads; with nvidia-ml-py, the GPU's
+energy per token (NVML's total-energy counter) at full depth and gated. Toy models leave a GPU
+launch-bound rather than memory-bound: give `--models` a real size (e.g. 32x4096) for GPU figures.
 Results go into docs/performance.md ("Decode at batch > 1").
 """
 
@@ -63,6 +63,7 @@ from inference_shim.offline.corpus import read_bible, split_chapters, split_held
 from inference_shim.offline.evaluation import DecodeStep, heldout_windows, teacher_forced_decode
 from inference_shim.offline.gated_model import GatedModel, load_gated_model
 from inference_shim.offline.training import text_file_stream
+from inference_shim.runtime.checkpoint import DTYPES
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from inference_shim.runtime.depth_execution import (
     DepthExecution,
@@ -171,7 +172,8 @@ def metered_decode_run(
     over the same decode steps."""
     config = model.config
     device = model.embed_tokens.weight.device
-    cache = KVCache(config, slots=batch, max_len=PROMPT_TOKENS + steps + 1, dtype=torch.float32, device=device)
+    weight = model.embed_tokens.weight
+    cache = KVCache(config, slots=batch, max_len=PROMPT_TOKENS + steps + 1, dtype=weight.dtype, device=weight.device)
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, config.vocab_size, (batch, PROMPT_TOKENS), generator=generator).to(device)
     for slot in range(batch):
@@ -419,16 +421,17 @@ def gpu_section(
     ("n/a" without one). Any device runs it (the tests run it on the CPU)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     clock = "wall clock, device synchronised" if device.type == "cuda" else "CPU clock"  # as metered_decode_run
-    print(f"GPU: {name}; KV policy project; {clock}; depth execution {DEFAULT.describe()}")
+    dtype = DTYPES[args.gpu_dtype]
+    print(f"GPU: {name}; {args.gpu_dtype}; KV policy project; {clock}; depth execution {DEFAULT.describe()}")
     print(
         "| model | batch | row-partial up to | skipped: decided | executed | whole-batch | w (weights) | full tok/s "
         "| gated tok/s | gated / full | realised / ideal (whole-batch) | rows / full | J/token full | J/token gated |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for layers, hidden in models:
-        model = build_model(layers, hidden, vocab=8192).to(device)
+        model = build_model(layers, hidden, vocab=8192).to(device, dtype)
         torch.manual_seed(1)
-        gates = GateBank(layers, hidden).eval().to(device)
+        gates = GateBank(layers, hidden).eval().to(device, dtype)
         model.attach_gates(gates)
         w = weight_share(model, "project")
         masks_all = for_depth(recorded, layers)
@@ -468,6 +471,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions per configuration")
     parser.add_argument("--models", default=MODELS, help="comma-separated random models, layers x d")
     parser.add_argument("--compile", action="store_true", help="also measure the compiled layer bodies (CPU)")
+    parser.add_argument("--gpu-dtype", default="bfloat16", choices=tuple(DTYPES), help="the GPU section's weights")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     models = parse_models(args.models)

@@ -1,6 +1,7 @@
 """Decode benchmark: batch-1 tokens/s of the gated engine on a small random model, on one CPU thread.
 
     .venv/bin/python benchmarks/decode_bench.py            # defaults: 12 layers, d=512, 128 tokens
+    .venv/bin/python benchmarks/decode_bench.py --model DIR   # a checkpoint folder instead (e.g. SmolLM2)
 
 One run measures, on the same model and prompt, through the real GenerationEngine:
   - no gates (the plain model);
@@ -12,7 +13,8 @@ layers to keep marked protected, so from the second step on exactly those layers
 Printed ratios (goals in docs/performance.md): gate overhead = tokens/s(tau = 0) / tokens/s(no gates), goal
 >= 0.97; realised vs ideal speed-up, ideal = 1 / (1 - f*w) where f is the skipped fraction of
 layers and w the share of a full-depth step spent in attention + FFN (what a skip removes),
-measured by a per-layer profile.
+measured by a per-layer profile. The gates are random (a gate costs the same whatever its weights;
+the forced patterns do not read their scores), also with `--model`.
 Results go into docs/performance.md ("Decode").
 """
 
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
 
+from inference_shim.runtime.checkpoint import load_checkpoint
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepRecord
 from inference_shim.runtime.model import KV_POLICIES, Block, GateBank, ModelConfig, Transformer
 from inference_shim.runtime.tokenizer import Tokenizer
@@ -99,7 +102,7 @@ def decode_steps(
         max_seq_len=len(prompt) + tokens + 1,
         step_hook=records.append,
     )
-    engine.submit(prompt, SamplingParams(max_tokens=tokens))
+    engine.submit(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
     cpu: list[float] = []
     while engine.has_work():
         started = time.thread_time()
@@ -159,7 +162,7 @@ def skippable_share(model: Transformer, tokenizer: Tokenizer, prompt: list[int],
         max_batch_size=1,
         max_seq_len=len(prompt) + tokens + 1,
     )
-    engine.submit(prompt, SamplingParams(max_tokens=tokens))
+    engine.submit(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
     shares: list[float] = []
     with skippable_spans(model, clock) as (starts, ends):
         while engine.has_work():
@@ -176,13 +179,19 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--tokens", type=int, default=128, help="decode steps per measurement")
     parser.add_argument("--repeats", type=int, default=5, help="generations per configuration, interleaved")
+    parser.add_argument("--model", type=Path, help="a checkpoint folder instead of the random model")
     args = parser.parse_args()
-    if args.layers < 4:  # the forced patterns skip up to half the layers, never the first or the last
-        parser.error(f"--layers {args.layers}: at least 4 (the forced patterns skip half the inner layers)")
     torch.set_num_threads(1)  # one thread: the thread's CPU clock then measures all of a step's work
 
-    model = build_model(args.layers, args.hidden, args.vocab)
-    tokenizer = bench_tokenizer(args.vocab)
+    if args.model is not None:
+        loaded = load_checkpoint(args.model)
+        model, tokenizer = loaded.model, loaded.tokenizer
+        config = model.config
+        args.layers, args.hidden, args.vocab = config.num_layers, config.hidden_size, config.vocab_size
+    else:
+        model, tokenizer = build_model(args.layers, args.hidden, args.vocab), bench_tokenizer(args.vocab)
+    if args.layers < 4:  # the forced patterns skip up to half the layers, never the first or the last
+        parser.error(f"--layers {args.layers}: at least 4 (the forced patterns skip half the inner layers)")
     torch.manual_seed(1)
     gates = GateBank(args.layers, args.hidden).eval()
     prompt = list(range(1, 17))

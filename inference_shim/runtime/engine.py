@@ -644,8 +644,10 @@ class GenerationEngine:
             except Exception as exc:
                 sequence.error = f"sampling failed: {type(exc).__name__}: {exc}"
         # Non-finite logits have no distribution to draw from; checked on the device, so the mark
-        # travels with the tokens in the step's one transfer.
-        all_finite = torch.isfinite(logits).count_nonzero(dim=-1) == logits.shape[-1]
+        # travels with the tokens in the step's one transfer. A row's logits times 0 sum to 0 exactly
+        # when all are finite (inf * 0 and NaN are NaN): one pass, where isfinite's several passes
+        # and temporaries over 49,152 logits cost 0.29 ms a step, against 0.04 (docs/performance.md).
+        all_finite = (logits * 0).sum(dim=-1) == 0
         return torch.where(all_finite, tokens, -1)
 
     def _adjusted_logits(self, logits: torch.Tensor, sequence: _Sequence) -> torch.Tensor:

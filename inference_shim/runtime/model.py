@@ -151,16 +151,17 @@ def non_finite_problem(name: str, tensor: torch.Tensor, converted_to: torch.dtyp
 # weights lie in it decides their speed (docs/performance.md, "Against transformers"):
 #   - storage in transparent huge pages (`weight_storage`): a step streams hundreds of MB, and 2 MiB
 #     pages spare it the TLB misses of 4 KiB ones;
-#   - the wide projections (gate/up, o, down, the LM head) as the transpose of an [in, out] matrix,
-#     x @ W with W contiguous, which MKL streams faster for one row than nn.Linear's [out, in];
-#   - projections that read one input in one matrix (q/k/v as rows, gate/up as columns), so that
-#     one matmul computes them.
+#   - a projection whose output is at least as wide as its input (q/k/v and gate/up fused, o, the
+#     LM head) as the transpose of an [in, out] matrix, x @ W with W contiguous, which MKL streams
+#     faster for one row than nn.Linear's [out, in] (SmolLM2's tied 49,152 x 576 head: 20.9 -> 8.3
+#     ms a token, the embedding then looking its rows up in the same matrix, one strided row per
+#     token; q/k/v 960 x 576: 196 -> 132 us); a narrowing one (down) as nn.Linear's rows, which MKL
+#     streams faster there (1,536 -> 576: 298 -> 245 us);
+#   - projections that read one input in one matrix (q/k/v, gate/up), so that one matmul computes them.
 # The parameters stay the [out, in] tensors Hugging Face names (state dicts, checkpoints, training
 # and hooks see nothing else; each is a view into its matrix, only its strides or storage differ).
 # Fused matmuls run without autograd only; training calls each linear, so every parameter gets its
 # gradient. `Transformer.lay_out_weights` builds the layout, and again after loading or moving.
-# q/k/v keep the [out, in] rows: transposed, their rounding moved attention's logits by up to
-# 1e-4 against transformers' on the reference tests' random weights (tests/model/test_transformers_reference.py).
 
 HUGE_PAGE = 2 << 20
 
@@ -177,9 +178,12 @@ def weight_storage(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(region, dtype=like.dtype).view(shape)  # the tensor keeps the mapping alive
 
 
-def _laid_out(layout: FusedLinears | None, linears: Sequence[nn.Linear], transposed: bool) -> FusedLinears:
-    """`layout` while it holds, else the linears laid out afresh."""
-    return layout if layout is not None and layout.intact() else FusedLinears(linears, transposed)
+def _laid_out(layout: FusedLinears | None, linears: Sequence[nn.Linear]) -> FusedLinears:
+    """`layout` while it holds, else the linears laid out afresh: as columns when their outputs
+    together are at least as wide as their input, else as rows (see above)."""
+    if layout is not None and layout.intact():
+        return layout
+    return FusedLinears(linears, transposed=sum(linear.out_features for linear in linears) >= linears[0].in_features)
 
 
 class FusedLinears:
@@ -298,14 +302,16 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    # x [..., D] -> [second half, first half], one copy
+    return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, heads, T, D]; cos/sin: [B, 1, T, D]
-    return x * cos + rotate_half(x) * sin
+    # x: [B, heads, T, D]; cos, sin: [B, 1, T, D] (Transformer.rope), sin's first half negated so
+    # that swap_halves(x) * sin is Llama's rotate_half(x) * sin bit for bit, in two kernels, not
+    # four (negate, cat, multiply: a decode step runs it twice per layer)
+    return x * cos + swap_halves(x) * sin
 
 
 class KVCache(nn.Module):
@@ -766,12 +772,14 @@ class Transformer(nn.Module):
         self.decode_layout = True
         for block in cast("Iterable[Block]", self.layers):  # nn.ModuleList is not generic
             attention, mlp = block.self_attn, block.mlp
-            attention.qkv = _laid_out(attention.qkv, [attention.q_proj, attention.k_proj, attention.v_proj], False)
-            attention.o_layout = _laid_out(attention.o_layout, [attention.o_proj], True)
-            mlp.gate_up = _laid_out(mlp.gate_up, [mlp.gate_proj, mlp.up_proj], True)
-            mlp.down_layout = _laid_out(mlp.down_layout, [mlp.down_proj], True)
-        if self.lm_head.weight is not self.embed_tokens.weight:  # tied, it is the embedding table's rows
-            self.lm_head_layout = _laid_out(self.lm_head_layout, [self.lm_head], True)
+            attention.qkv = _laid_out(attention.qkv, [attention.q_proj, attention.k_proj, attention.v_proj])
+            attention.o_layout = _laid_out(attention.o_layout, [attention.o_proj])
+            mlp.gate_up = _laid_out(mlp.gate_up, [mlp.gate_proj, mlp.up_proj])
+            mlp.down_layout = _laid_out(mlp.down_layout, [mlp.down_proj])
+        tied = self.lm_head.weight is self.embed_tokens.weight
+        self.lm_head_layout = _laid_out(self.lm_head_layout, [self.lm_head])
+        if tied:  # one parameter still: the embedding reads its rows from the head's [in, out] matrix
+            self.embed_tokens.weight = self.lm_head.weight
 
     def _apply(self, fn, recurse=True):
         # Moving or converting the model gives every parameter its own new storage.
@@ -798,10 +806,11 @@ class Transformer(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        # positions: [B, T] -> cos, sin: [B, 1, T, head_dim]
+        # positions: [B, T] -> cos, sin: [B, 1, T, head_dim], sin's first half negated (apply_rope)
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        half, sin = freqs.shape[-1], emb.sin()
+        return emb.cos().to(dtype), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(dtype)
 
     # Full sequence, full depth: training, scoring, prefill. ------------------------------------
 

@@ -20,7 +20,8 @@ from inference_shim.runtime.model import KV_POLICIES
 MODELS = [(2, 64)]  # layers x d: the smallest build_model makes (one attention head of 64)
 BATCHES = [1, 2]
 STEPS = 2
-ARGS = argparse.Namespace(steps=STEPS, repeats=2, compile=False)  # 2: the ratios print their spread
+# repeats 2: the ratios print their spread; bfloat16, the GPU section's default, on the CPU too
+ARGS = argparse.Namespace(steps=STEPS, repeats=2, compile=False, gpu_dtype="bfloat16")
 
 
 def recorded_masks() -> np.ndarray:

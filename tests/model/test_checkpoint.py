@@ -47,6 +47,22 @@ def test_saved_folder_round_trips(folder, tokenizer):
     assert loaded.tokenizer.encode("the earth") == tokenizer.encode("the earth")
 
 
+def test_a_tied_head_decodes_from_its_column_layout_and_stays_the_embedding(tmp_path, tokenizer):
+    # The LM head is read whole every token (SmolLM2's is a fifth of its weights), and MKL streams one
+    # row's x @ W an [in, out] matrix holds 2.5 times as fast as nn.Linear's [out, in] rows
+    # (docs/performance.md, "SmolLM2-135M on one thread"): a tied head gets that layout too, and the
+    # embedding keeps reading the same parameter, through a move and a conversion.
+    original = random_model(tiny_config(tie_word_embeddings=True), seed=3)
+    save_checkpoint(original, tokenizer, tmp_path)
+    model = load_checkpoint(tmp_path).model
+    tokens = torch.tensor([[0, 5, 9, 100, 200]])
+    assert torch.equal(model(tokens)[0], original(tokens)[0])
+    for step in ("loaded", "converted"):
+        assert model.lm_head.weight is model.embed_tokens.weight, step
+        assert model.lm_head.weight.t().is_contiguous(), step
+        model = model.double()
+
+
 def test_dtype_comes_from_the_caller_or_from_config(folder):
     assert load_checkpoint(folder, dtype=torch.bfloat16).model.lm_head.weight.dtype == torch.bfloat16
     edit_config(folder, torch_dtype=None, dtype="float16")
