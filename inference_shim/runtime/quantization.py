@@ -1,12 +1,13 @@
 """Weights in low precision, quantized at load time: weight-only int8 and int4 on torch's own CPU kernels.
 
-  - int8: one scale per output channel, symmetric: w = s_n * q, q in -127..127, s_n >= max|W_n| / 127.
+  - int8: one scale per output channel, symmetric: w = s_n * q, q in -127..127, s_n = max|W_n| / 127.
     Kernel: torch._weight_int8pack_mm.
   - int4: one scale and one minimum per group of INT4_GROUP inputs (GGUF's Q4_1 block): w = s * q + m,
-    q in 0..15, s >= (max - min) / 15. Kernel: torch._weight_int4pack_mm_for_cpu on the layout
+    q in 0..15, s = (max - min) / 15. Kernel: torch._weight_int4pack_mm_for_cpu on the layout
     torch._convert_weight_to_int4pack_for_cpu packs, which computes (q - 8) * s + zero, zero = m + 8 s.
 
-Scales are stored in bfloat16, rounded up so that every weight stays within half a step of its level
+Scales are stored in bfloat16; rounded by at most 2^-8 of themselves, they leave the largest weight
+127.5 or 15.06 steps away at most, so every weight stays within half a step of its level
 (`QuantizedWeight.error_bound`). Both kernels are fast only on bfloat16 inputs (float32 or float16
 inputs take 10-30 times as long, docs/performance.md, "Weights in low precision"), so a quantized
 linear computes in bfloat16 whatever the model's dtype: its input rounded to bfloat16, its output
@@ -87,12 +88,6 @@ def check_quantizable(device: torch.device, config: ModelConfig, quantization: s
             )
 
 
-def _bf16_at_least(values: torch.Tensor) -> torch.Tensor:
-    """`values` (float32) in bfloat16, each rounded up: never below the float32 value."""
-    rounded = values.to(COMPUTE_DTYPE)
-    return torch.where(rounded.float() < values, torch.nextafter(rounded, rounded.new_tensor(float("inf"))), rounded)
-
-
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A weight [N, K] as levels and their scales (module doc), before the kernel's packing."""
@@ -126,7 +121,7 @@ class QuantizedWeight:
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     """Per-channel symmetric int8 of a weight [N, K]."""
     w = weight.detach().float()
-    scales = _bf16_at_least(w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127)
+    scales = (w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127).to(COMPUTE_DTYPE)
     levels = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
     return QuantizedWeight("int8", levels, scales)
 
@@ -137,7 +132,7 @@ def quantize_int4(weight: torch.Tensor) -> QuantizedWeight:
     n, k = w.shape
     groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scales = _bf16_at_least(((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny))
+    scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny).to(COMPUTE_DTYPE)
     zeros = (low + 8 * scales.float()).to(COMPUTE_DTYPE)
     minimum = zeros.float() - 8 * scales.float()  # the m' the kernel's (q - 8) * s + zero stands for
     levels = torch.round((groups - minimum[..., None]) / scales.float()[..., None]).clamp(0, 15)

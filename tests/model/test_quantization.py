@@ -59,7 +59,7 @@ def test_every_dequantized_weight_is_within_half_a_step(method):
     slack = 4 * FP32_ROUNDOFF * (w.abs() + quantized.error_bound())
     assert bool((error <= quantized.error_bound() + slack).all())
     # And the bound is the scheme's: half of the step that spans the row (int8) or group (int4),
-    # which bfloat16 scales round up by at most one bfloat16 step.
+    # which a bfloat16 scale moves by at most 2^-8 of itself.
     if method == "int8":
         step = w.abs().amax(dim=1, keepdim=True) / 127
     else:
