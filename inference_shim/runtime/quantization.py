@@ -6,12 +6,12 @@
     q in 0..15, s = (max - min) / 15. Kernel: torch._weight_int4pack_mm_for_cpu on the layout
     torch._convert_weight_to_int4pack_for_cpu packs, which computes (q - 8) * s + zero, zero = m + 8 s.
 
-Scales are stored in bfloat16; rounded by at most 2^-8 of themselves, they leave the largest weight
-127.5 or 15.06 steps away at most, so every weight stays within half a step of its level
-(`QuantizedWeight.error_bound`). Both kernels are fast only on bfloat16 inputs (float32 or float16
-inputs take 10-30 times as long, docs/performance.md, "Weights in low precision"), so a quantized
-linear computes in bfloat16 whatever the model's dtype: its input rounded to bfloat16, its output
-returned in the model's dtype.
+Scales are stored in bfloat16. Rounded by at most 2^-8 of itself, a scale leaves the row's largest
+weight at most 127.5 steps from 0 (int8), a group's at most 15.06 steps from its minimum (int4): the
+last level is still within half a step, so every weight is (`QuantizedWeight.error_bound`). Both
+kernels are fast only on bfloat16 inputs (float32 or float16 inputs took 6 to 35 times as long,
+docs/model.md, "Weights in low precision"), so a quantized linear computes in bfloat16 whatever the
+model's dtype: its input rounded to bfloat16, its output returned in the model's dtype.
 
 Quantized are every layer's projections and the LM head: what a decode step reads. The embedding
 table (one row read per token), the norms and the gate heads keep the model's dtype; a tied LM head
@@ -145,6 +145,9 @@ QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
 class QuantizedLinear(nn.Module):
     """A linear whose weight is quantized (module doc): y = x W^T + b, computed by torch's kernel in bfloat16."""
 
+    packed: torch.Tensor  # buffers, registered in __init__
+    scales: torch.Tensor
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -184,13 +187,16 @@ class QuantizedPart(nn.Module):
         return self.group(x)[..., self.start : self.start + self.out_features]
 
 
+Group = tuple[QuantizedLinear, list[int]]  # one quantized matrix, the output widths of the linears it stacks
+
+
 class QuantizedLayout:
     """model.py's decode layout (a `DecodeLayout`, like FusedLinears) for quantized linears: the
     groups of linears that read one input, each group one quantized matrix of their stacked rows.
     `outputs(x, first)` computes linears first..n; `first` starts a group (q alone, then k and v)."""
 
-    def __init__(self, groups: Sequence[tuple[QuantizedLinear, Sequence[int]]]) -> None:
-        self._groups = [(group, list(sizes)) for group, sizes in groups]
+    def __init__(self, groups: Sequence[Group]) -> None:
+        self._groups = list(groups)
 
     def outputs(self, x: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, ...]:
         results: list[torch.Tensor] = []
@@ -207,16 +213,16 @@ class QuantizedLayout:
         return True  # the groups hold their own buffers: nothing can be swapped from under them
 
 
-def _grouped(linears: Sequence[nn.Linear], method: str) -> tuple[QuantizedLinear, list[nn.Module]]:
+def _grouped(linears: Sequence[nn.Linear], method: str) -> tuple[Group, list[nn.Module]]:
     """`linears` (one input) as one quantized matrix of their stacked rows, and a module per linear."""
-    weight = torch.cat([linear.weight for linear in linears])
+    sizes = [linear.out_features for linear in linears]
     biases = [linear.bias for linear in linears]
     bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
-    group = QuantizedLinear(weight, bias, method)
+    group = QuantizedLinear(torch.cat([linear.weight for linear in linears]), bias, method)
     if len(linears) == 1:
-        return group, [group]
-    starts = [sum(linear.out_features for linear in linears[:i]) for i in range(len(linears))]
-    return group, [QuantizedPart(group, start, linear.out_features) for start, linear in zip(starts, linears)]
+        return (group, sizes), [group]
+    starts = [sum(sizes[:i]) for i in range(len(linears))]
+    return (group, sizes), [QuantizedPart(group, start, size) for start, size in zip(starts, sizes)]
 
 
 @torch.no_grad()
@@ -235,15 +241,15 @@ def quantize_model(model: Transformer, method: str) -> Transformer:
             (attention, "q_proj", q_proj),
             (attention, "k_proj", k_proj),
             (attention, "v_proj", v_proj),
-            (attention, "o_proj", _grouped([attention.o_proj], method)[0]),
+            (attention, "o_proj", _grouped([attention.o_proj], method)[1][0]),
             (mlp, "gate_proj", gate_proj),
             (mlp, "up_proj", up_proj),
-            (mlp, "down_proj", _grouped([mlp.down_proj], method)[0]),
+            (mlp, "down_proj", _grouped([mlp.down_proj], method)[1][0]),
         ):
             owner.register_module(name, module)
-        attention.qkv = QuantizedLayout([(q, [q.out_features]), (kv, [k_proj.out_features, v_proj.out_features])])
-        mlp.gate_up = QuantizedLayout([(gate_up, [gate_proj.out_features, up_proj.out_features])])
+        attention.qkv = QuantizedLayout([q, kv])
+        mlp.gate_up = QuantizedLayout([gate_up])
         attention.o_layout = mlp.down_layout = None
-    model.register_module("lm_head", _grouped([model.lm_head], method)[0])
+    model.register_module("lm_head", _grouped([model.lm_head], method)[1][0])
     model.lm_head_layout = None
     return model
