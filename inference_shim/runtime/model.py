@@ -188,7 +188,7 @@ class DecodeLayout(Protocol):
 def _laid_out(layout: DecodeLayout | None, linears: Sequence[nn.Module], transposed: bool) -> DecodeLayout | None:
     """`layout` while it holds, else the linears laid out afresh; quantized linears keep the layout
     quantization.py gave them."""
-    if not all(type(linear) is nn.Linear for linear in linears):
+    if not all(isinstance(linear, nn.Linear) for linear in linears):
         return layout
     if layout is not None and layout.intact():
         return layout
