@@ -359,8 +359,5 @@ def test_eval_quantizes_the_model_its_gates_were_trained_on_and_refuses_what_can
     assert (int8["quantization"], int8["dtype"], float32["quantization"]) == ("int8", "float32", "none")
     assert int8["perplexity_full"] != float32["perplexity_full"]
     assert abs(math.log(int8["perplexity_full"] / float32["perplexity_full"])) < 0.05
-    assert run_eval(model_dir, text_file, "--no-gates", "--repeats", "1", "--quantization", "int4") == 2
-    err = capsys.readouterr().err
-    assert err == "error: --quantization int4 needs output widths divisible by 16: vocab_size is 300 (use int8)\n"
     assert run_eval(model_dir, text_file, "--dtype", "float16") == 2
     assert capsys.readouterr().err.startswith("error: --dtype float16 is slow on the CPU")

@@ -17,6 +17,7 @@ from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint
 from inference_shim.runtime.gates import model_fingerprint
 from inference_shim.runtime.model import GateBank, KVCache, Transformer
 from inference_shim.runtime.quantization import (
+    HEAD_QUANTIZATION,
     INT4_GROUP,
     PrecisionError,
     QuantizedLinear,
@@ -111,7 +112,7 @@ def dequantized_copy(model: Transformer, method: str, rounding: bool = False) ->
     with torch.no_grad():
         for name in quantized:
             linear = copy.get_submodule(name)
-            weight = QUANTIZERS[method](linear.weight).dequantized()
+            weight = QUANTIZERS[HEAD_QUANTIZATION[method] if name == "lm_head" else method](linear.weight).dequantized()
             if name == "lm_head" and model.config.tie_word_embeddings:
                 linear.weight = nn.Parameter(weight)  # the head's own copy; the embedding keeps its rows
             else:
@@ -158,7 +159,7 @@ def test_a_quantized_model_computes_its_dequantized_weights_within_bfloat16(meth
     # less than all the roundings together move the logits.
     bound = (rounded - expected).abs().max()
     quantize_model(model, method)
-    assert isinstance(model.lm_head, QuantizedLinear)
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.method == HEAD_QUANTIZATION[method]
     actual = logits_of(model, tokens, skip)
     assert (actual - rounded).abs().max() <= bound
     # The quantization itself moved the logits by more than that: the comparison can tell.
@@ -176,10 +177,10 @@ def test_a_quantized_checkpoint_keeps_its_fingerprint_for_its_gates(tmp_path, to
 
 
 def test_int4_refuses_widths_its_kernel_cannot_take(tmp_path, tokenizer):
-    save_checkpoint(random_model(), tokenizer, tmp_path)  # vocabulary 300: not a multiple of 16
-    with pytest.raises(PrecisionError, match=r"^--quantization int4 needs output widths divisible by 16: vocab_size"):
+    save_checkpoint(random_model(tiny_config(intermediate_size=48)), tokenizer, tmp_path)
+    with pytest.raises(PrecisionError, match=r"^--quantization int4 needs input widths divisible by 32: intermediate_"):
         load_checkpoint(tmp_path, quantization="int4")
-    assert isinstance(load_checkpoint(tmp_path, quantization="int8").model.lm_head, QuantizedLinear)
+    assert isinstance(load_checkpoint(tmp_path, quantization="int8").model.layers[0].mlp.down_proj, QuantizedLinear)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from .conftest import MODEL_NAME
 def test_serve_quantized_answers_with_the_gates_of_its_float_weights(in_process, tiny_checkpoint):
     server = in_process(quantization="int4", dtype="bfloat16")
     model = server.service.model
-    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.method == "int4"
+    assert isinstance(down := model.layers[0].mlp.down_proj, QuantizedLinear) and down.method == "int4"
     assert model.gates is not None
     body = {"model": MODEL_NAME, "prompt": "In the beginning", "max_tokens": 8, "temperature": 0}
     response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
