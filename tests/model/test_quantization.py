@@ -37,11 +37,6 @@ QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
 CPU = torch.device("cpu")
 
 
-def quantizable_config(**overrides):
-    # int4 packs output channels by 16: the conftest's vocabulary of 300 becomes 304.
-    return tiny_config(vocab_size=304, **overrides)
-
-
 def weights(rows: int = 48, columns: int = 96) -> torch.Tensor:
     torch.manual_seed(0)
     w = torch.randn(rows, columns) * 0.05
@@ -142,7 +137,7 @@ def logits_of(model: Transformer, tokens: torch.Tensor, skip: torch.Tensor) -> t
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("method", METHODS)
 def test_a_quantized_model_computes_its_dequantized_weights_within_bfloat16(method, tied):
-    config = quantizable_config(tie_word_embeddings=tied)
+    config = tiny_config(tie_word_embeddings=tied)
     model = random_model(config).eval()
     torch.manual_seed(2)
     model.attach_gates(GateBank(config.num_layers, config.hidden_size).eval())
@@ -171,7 +166,7 @@ def test_a_quantized_model_computes_its_dequantized_weights_within_bfloat16(meth
 
 
 def test_a_quantized_checkpoint_keeps_its_fingerprint_for_its_gates(tmp_path, tokenizer):
-    model = random_model(quantizable_config())
+    model = random_model(tiny_config())
     save_checkpoint(model, tokenizer, tmp_path)
     assert model_fingerprint(load_checkpoint(tmp_path, quantization="int4").model) == model_fingerprint(model)
 
@@ -199,4 +194,4 @@ def test_combinations_a_device_cannot_run_are_refused_in_one_line(device, dtype,
 
 def test_the_kernel_check_does_not_need_the_device():
     with pytest.raises(PrecisionError, match="not on cuda"):
-        check_quantizable(torch.device("cuda"), quantizable_config(), "int8")
+        check_quantizable(torch.device("cuda"), tiny_config(), "int8")
