@@ -50,7 +50,7 @@ def check_precision(device: torch.device, dtype: torch.dtype, quantization: str)
     """What a command checks before loading: refuse a combination that cannot run here, or only at a
     crawl (a float16 checkpoint still loads as float16 for whoever asks load_checkpoint for it)."""
     if device.type == "cpu" and dtype == torch.float16:
-        # SmolLM2-135M decoded at a quarter of float32's speed (docs/performance.md).
+        # SmolLM2-135M decoded at a quarter of float32's speed (docs/model.md, "Weights in low precision").
         raise PrecisionError("--dtype float16 is slow on the CPU (torch has no fast float16 path there): use bfloat16")
     _check_kernels(device, quantization)
 
@@ -125,7 +125,7 @@ class QuantizedWeight:
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     """Per-channel symmetric int8 of a weight [N, K]."""
     w = weight.detach().float()
-    scales = (w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127).to(COMPUTE_DTYPE)
+    scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(COMPUTE_DTYPE)
     levels = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
     return QuantizedWeight("int8", levels, scales)
 
