@@ -100,13 +100,12 @@ def dequantized_copy(model: Transformer, method: str, rounding: bool = False) ->
         copy.attach_gates(GateBank(model.config.num_layers, model.config.hidden_size))
     copy.load_state_dict(model.state_dict())
     quantized = [
-        name
+        (name, module)
         for name, module in copy.named_modules()
-        if isinstance(module, nn.Linear) and not name.startswith("gates.") and name != "embed_tokens"
+        if isinstance(module, nn.Linear) and not name.startswith("gates.")
     ]
     with torch.no_grad():
-        for name in quantized:
-            linear = copy.get_submodule(name)
+        for name, linear in quantized:
             weight = QUANTIZERS[HEAD_QUANTIZATION[method] if name == "lm_head" else method](linear.weight).dequantized()
             if name == "lm_head" and model.config.tie_word_embeddings:
                 linear.weight = nn.Parameter(weight)  # the head's own copy; the embedding keeps its rows
