@@ -2,7 +2,7 @@
 patterns real gates produce and the depth execution serve runs?
 
     .venv/bin/python benchmarks/batch_decode_bench.py [--batches 1,4,8,16] [--steps 48] [--repeats 5]
-        [--models 12x512,16x1024] [--compile]
+        [--models 12x512,16x1024] [--compile] [--dtype bfloat16] [--quantization int8|int4]
 
 The skip patterns are real: the embedded demo model decodes its held-out text teacher-forced at its
 own τ (inference_shim/offline/evaluation.py, the engine's step semantics), and every step's per-row
@@ -72,7 +72,10 @@ from inference_shim.runtime.depth_execution import (
     MeasuredDepthCosts,
 )
 from inference_shim.runtime.model import KV_POLICIES, Block, GateBank, KVCache, Transformer
+from inference_shim.runtime.quantization import PrecisionError, check_precision
 from inference_shim.service.power import NvmlReader
+from inference_shim.service.settings import PRECISION_SETTINGS, ModelSettings
+from layerwatch.settings import add_flags
 
 PROMPT_TOKENS = 16
 MODELS = "12x512,16x1024"  # layers x d
@@ -171,9 +174,9 @@ def metered_decode_run(
     """decode_run's seconds, the wall clock, and the joules `energy` (a cumulative reading) grew by
     over the same decode steps."""
     config = model.config
-    device = model.embed_tokens.weight.device
     weight = model.embed_tokens.weight
-    cache = KVCache(config, slots=batch, max_len=PROMPT_TOKENS + steps + 1, dtype=weight.dtype, device=weight.device)
+    device = weight.device
+    cache = KVCache(config, slots=batch, max_len=PROMPT_TOKENS + steps + 1, dtype=weight.dtype, device=device)
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, config.vocab_size, (batch, PROMPT_TOKENS), generator=generator).to(device)
     for slot in range(batch):
@@ -214,10 +217,11 @@ def row_costs(model: Transformer, rows: list[int], repeats: int = 20) -> dict[in
     `rows`: a batch of R with nothing gathered, so what R running rows cost this device at least.
     The row counts take turns, so that a slow spell of a shared machine hits all of them."""
     config = model.config
-    cache = KVCache(config, slots=max(rows), max_len=2 * PROMPT_TOKENS, dtype=torch.float32, device="cpu")
+    dtype = model.embed_tokens.weight.dtype
+    cache = KVCache(config, slots=max(rows), max_len=2 * PROMPT_TOKENS, dtype=dtype, device="cpu")
     inputs = {}
     for count in rows:
-        h = torch.randn(count, config.hidden_size)
+        h = torch.randn(count, config.hidden_size, dtype=dtype)
         inputs[count] = h, model.step_rows(cache, list(range(count)), [PROMPT_TOKENS] * count)
     times: dict[int, list[float]] = {count: [] for count in rows}
     with torch.no_grad():
@@ -286,7 +290,7 @@ def cpu_section(
     costs_of: dict[tuple[int, int], dict[int, float]] = {}  # (layers, d) -> cost(r), r = 1 .. max(batches)
     for layers, hidden in models:
         costs = costs_of[layers, hidden] = row_costs(
-            build_model(layers, hidden, vocab=8192), list(range(1, max(batches) + 1))
+            build_model(layers, hidden, 8192, args.dtype, args.quantization), list(range(1, max(batches) + 1))
         )
         print(
             f"{layers} x {hidden}: every layer's decode at R rows ÷ at 1 row, CPU clock (proportional "
@@ -303,9 +307,9 @@ def cpu_section(
     )
     print("|---|---:|---|" + "---:|" * 15 + ("---:|---:|" if args.compile else ""))
     for layers, hidden in models:
-        model = build_model(layers, hidden, vocab=8192)
+        model = build_model(layers, hidden, 8192, args.dtype, args.quantization)
         torch.manual_seed(1)
-        gates = GateBank(layers, hidden).eval()
+        gates = GateBank(layers, hidden).eval().to(DTYPES[args.dtype])
         compiled = compiled_copy(model) if args.compile else None
         masks_all = for_depth(recorded, layers)
         limits = {kv: measured_limits(model, batches, kv) for kv in KV_POLICIES}
@@ -472,7 +476,14 @@ def main() -> int:
     parser.add_argument("--models", default=MODELS, help="comma-separated random models, layers x d")
     parser.add_argument("--compile", action="store_true", help="also measure the compiled layer bodies (CPU)")
     parser.add_argument("--gpu-dtype", default="bfloat16", choices=tuple(DTYPES), help="the GPU section's weights")
+    add_flags(parser, ModelSettings, PRECISION_SETTINGS)  # the CPU sections; the GPU section reads --gpu-dtype
     args = parser.parse_args()
+    try:
+        check_precision(torch.device("cpu"), DTYPES[args.dtype], args.quantization)
+    except PrecisionError as exc:
+        parser.error(str(exc))
+    if args.compile and args.quantization != "none":
+        parser.error("--compile copies the float weights' state: measure it with --quantization none")
     batches = [int(b) for b in args.batches.split(",")]
     models = parse_models(args.models)
     torch.set_num_threads(1)
@@ -483,7 +494,9 @@ def main() -> int:
         f"{1 - recorded.mean():.1%} of row-layer evaluations skipped"
     )
     cpu_section(recorded, models, batches, args, DemoQuality())
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and args.quantization != "none":
+        print(f"GPU section left out: --quantization {args.quantization} runs on torch's CPU kernels only")
+    elif torch.cuda.is_available():
         device = torch.device("cuda", 0)
         gpu_section(recorded, models, batches, args, device, gpu_energy(device))
     return 0

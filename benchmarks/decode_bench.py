@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/decode_bench.py            # defaults: 12 layers, d=512, 128 tokens
     .venv/bin/python benchmarks/decode_bench.py --model DIR   # a checkpoint folder instead (e.g. SmolLM2)
+    .venv/bin/python benchmarks/decode_bench.py --dtype bfloat16 --quantization int4   # as serve takes them
 
 One run measures, on the same model and prompt, through the real GenerationEngine:
   - no gates (the plain model);
@@ -37,17 +38,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
 
-from inference_shim.runtime.checkpoint import load_checkpoint
+from inference_shim.runtime.checkpoint import DTYPES, load_checkpoint
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepRecord
 from inference_shim.runtime.model import KV_POLICIES, Block, GateBank, ModelConfig, Transformer
+from inference_shim.runtime.quantization import PrecisionError, check_precision, quantize_model
 from inference_shim.runtime.tokenizer import Tokenizer
+from inference_shim.service.settings import PRECISION_SETTINGS, ModelSettings
+from layerwatch.settings import add_flags
 from layerwatch.skip_policy import SkipPolicyConfig
 
 HEAD_DIM = 64
 
 
-def build_model(layers: int, hidden: int, vocab: int) -> Transformer:
-    """A random Llama-shaped model: heads of HEAD_DIM, one KV head per four query heads."""
+def build_model(
+    layers: int, hidden: int, vocab: int, dtype: str = "float32", quantization: str = "none"
+) -> Transformer:
+    """A random Llama-shaped model: heads of HEAD_DIM, one KV head per four query heads; in `dtype`
+    (a DTYPES name) and `quantization`, as `serve --dtype --quantization` loads a checkpoint."""
     if hidden < HEAD_DIM or hidden % HEAD_DIM:
         # Else its heads would not cover d (at d < 64: none at all, and the model computes nothing).
         raise ValueError(f"d = {hidden}: a random benchmark model needs a positive multiple of {HEAD_DIM}")
@@ -67,7 +74,7 @@ def build_model(layers: int, hidden: int, vocab: int) -> Transformer:
         for p in model.parameters():
             p.normal_(0.0, 0.02)
     model.lay_out_weights()  # as a loaded checkpoint is, and as the engine decodes
-    return model
+    return quantize_model(model.to(DTYPES[dtype]), quantization)
 
 
 def bench_tokenizer(vocab: int) -> Tokenizer:
@@ -180,20 +187,26 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128, help="decode steps per measurement")
     parser.add_argument("--repeats", type=int, default=5, help="generations per configuration, interleaved")
     parser.add_argument("--model", type=Path, help="a checkpoint folder instead of the random model")
+    add_flags(parser, ModelSettings, PRECISION_SETTINGS)
     args = parser.parse_args()
+    try:
+        check_precision(torch.device("cpu"), DTYPES[args.dtype], args.quantization)
+    except PrecisionError as exc:
+        parser.error(str(exc))
     torch.set_num_threads(1)  # one thread: the thread's CPU clock then measures all of a step's work
 
     if args.model is not None:
-        loaded = load_checkpoint(args.model)
+        loaded = load_checkpoint(args.model, dtype=DTYPES[args.dtype], quantization=args.quantization)
         model, tokenizer = loaded.model, loaded.tokenizer
         config = model.config
         args.layers, args.hidden, args.vocab = config.num_layers, config.hidden_size, config.vocab_size
     else:
-        model, tokenizer = build_model(args.layers, args.hidden, args.vocab), bench_tokenizer(args.vocab)
+        model = build_model(args.layers, args.hidden, args.vocab, args.dtype, args.quantization)
+        tokenizer = bench_tokenizer(args.vocab)
     if args.layers < 4:  # the forced patterns skip up to half the layers, never the first or the last
         parser.error(f"--layers {args.layers}: at least 4 (the forced patterns skip half the inner layers)")
     torch.manual_seed(1)
-    gates = GateBank(args.layers, args.hidden).eval()
+    gates = GateBank(args.layers, args.hidden).eval().to(DTYPES[args.dtype])
     prompt = list(range(1, 17))
     L = args.layers
 
@@ -221,9 +234,9 @@ def main() -> int:
     wall_rate = {name: 1.0 / statistics.median(values) for name, values in wall.items()}
     cpu_rate = {name: 1.0 / statistics.median(values) for name, values in cpu.items()}
 
-    params = sum(p.numel() for p in model.parameters())
+    weights = "" if args.quantization == "none" else f", {args.quantization} weights"
     print(
-        f"model: {L} layers, d={args.hidden}, {params / 1e6:.1f} M parameters (fp32), vocab {args.vocab}; "
+        f"model: {L} layers, d={args.hidden}, {args.dtype}{weights}, vocab {args.vocab}; "
         f"batch 1, {args.repeats} x {args.tokens} decode steps, median step time, one torch thread"
     )
     print(f"w (share of a full-depth step in attention + FFN, per-layer profile) = {w:.3f}")

@@ -27,6 +27,7 @@ from layerwatch_cli.model_arguments import (
     add_depth_arguments,
     add_model_arguments,
     depth_from_arguments,
+    load_checkpoint_from_arguments,
     load_from_arguments,
     report_errors,
 )
@@ -162,8 +163,11 @@ def run(args: argparse.Namespace) -> int:
         "depth_execution": depth.mode,
         "batch_consensus": depth.vote,
         "compiled": args.compile,
+        "dtype": args.dtype,
+        "quantization": args.quantization,
         "repeats": args.repeats,
     }
+    title = f"model {args.model} ({precision(args)})  gates {gated.gates_path} (sha256 {gated.gates.sha256[:12]})"
     description = (
         f"{len(windows)} windows of {args.window} tokens, prefill {args.prefill}, patience {gated.patience}, "
         f"ewma alpha {gated.ewma_alpha:g}, kv policy {args.kv_policy}, depth execution {depth.describe()}"
@@ -190,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({**header, "batch_sizes": rows}, indent=2))
         else:
-            print(f"model {args.model}  gates {gated.gates_path} (sha256 {gated.gates.sha256[:12]})")
+            print(title)
             print(f"data {args.data}: {description}, threshold {policies[0].threshold:g}")
             print(format_batch_sizes(rows))
         return 0
@@ -211,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         )
         print(json.dumps(body, indent=2))
         return 0
-    print(f"model {args.model}  gates {gated.gates_path} (sha256 {gated.gates.sha256[:12]})")
+    print(title)
     print(f"data {args.data}: {description}, {full.tokens} decoded tokens, batch {batch_size}")
     if len(results) == 1:
         print(format_single(results[0], extra["execution"], batch_size))
@@ -226,16 +230,11 @@ def run_full_depth(args: argparse.Namespace) -> int:
     if given:
         print(f"error: --no-gates evaluates full depth only: {', '.join(given)} need(s) gates", file=sys.stderr)
         return 2
-    import torch
-
     from inference_shim.offline.evaluation import full_depth_result, full_depth_runs, heldout_windows
     from inference_shim.offline.training import text_file_stream
-    from inference_shim.runtime.checkpoint import load_checkpoint, resolve_device
 
     def prepare():
-        if args.threads > 0:
-            torch.set_num_threads(args.threads)
-        loaded = load_checkpoint(args.model, device=resolve_device(args.device))
+        loaded = load_checkpoint_from_arguments(args)
         if args.compile:
             loaded.model.compile_layers()
         stream = text_file_stream(loaded.tokenizer, args.data, min_tokens=args.window)
@@ -262,12 +261,14 @@ def run_full_depth(args: argparse.Namespace) -> int:
             "batch_size": batch_size,
             "kv_policy": args.kv_policy,
             "compiled": args.compile,
+            "dtype": args.dtype,
+            "quantization": args.quantization,
             "repeats": args.repeats,
             "decoded_tokens": runs[0].tokens,
         }
         print(json.dumps(header | result, indent=2))
         return 0
-    print(f"model {args.model}  no gates: full depth")
+    print(f"model {args.model} ({precision(args)})  no gates: full depth")
     print(
         f"data {args.data}: {len(windows)} windows of {args.window} tokens, prefill {args.prefill}, "
         f"{runs[0].tokens} decoded tokens, batch {batch_size}" + (", compiled layer bodies" if args.compile else "")
@@ -275,6 +276,11 @@ def run_full_depth(args: argparse.Namespace) -> int:
     speed = _spread_text(result["speed"]["tokens_per_second_full"])
     print(f"full-depth perplexity {result['perplexity_full']:.3f}, tokens/s {speed} (median (range) of {args.repeats})")
     return 0
+
+
+def precision(args: argparse.Namespace) -> str:
+    """ "float32", "float32, int4 weights"."""
+    return args.dtype + ("" if args.quantization == "none" else f", {args.quantization} weights")
 
 
 def format_single(r: dict, execution: dict, batch_size: int) -> str:

@@ -11,7 +11,7 @@ from typing import TypeVar
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from inference_shim.runtime.gates import GATES_FILE
 from inference_shim.runtime.model import KV_POLICIES
-from inference_shim.service.settings import SkippingSettings
+from inference_shim.service.settings import PRECISION_SETTINGS, ModelSettings, SkippingSettings
 from layerwatch import argtypes
 from layerwatch.settings import add_flags
 from layerwatch.skip_policy import SKIP_RULES
@@ -48,6 +48,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-policy", choices=KV_POLICIES, default=KV_POLICIES[0])
     parser.add_argument("--batch-size", type=argtypes.positive(int), default=8, help="sequences decoded together")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    add_flags(parser, ModelSettings, PRECISION_SETTINGS)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
 
@@ -78,7 +79,20 @@ def load_from_arguments(args: argparse.Namespace):
         ewma_alpha=args.ewma_alpha,
         device=args.device,
         threads=args.threads,
+        dtype=args.dtype,
+        quantization=args.quantization,
     )
+
+
+def load_checkpoint_from_arguments(args: argparse.Namespace):
+    """The checkpoint alone (no gates) the shared flags name, at their device, dtype and quantization."""
+    import torch
+
+    from inference_shim.runtime.checkpoint import load_precise
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    return load_precise(args.model, args.device, args.dtype, args.quantization)
 
 
 def report_errors(action: Callable[[], T]) -> T | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from inference_shim.runtime.checkpoint import LoadedCheckpoint, load_checkpoint, resolve_device
+from inference_shim.runtime.checkpoint import LoadedCheckpoint, load_precise
 from inference_shim.runtime.gates import LoadedGates, gates_path_for, load_gates
 from inference_shim.runtime.model import Transformer
 from layerwatch.skip_policy import SkipPolicyConfig
@@ -43,12 +43,15 @@ def load_gated_model(
     ewma_alpha: float | None = None,
     device: str = "cpu",
     threads: int = 0,
+    dtype: str = "float32",
+    quantization: str = "none",
 ) -> GatedModel:
-    """The checkpoint and its gates (default: the folder's gates.safetensors); patience, skip rule and
-    EWMA weight default to the gate file's. Raises ValueError subclasses on bad input."""
+    """The checkpoint (at `dtype`, a DTYPES name, and `quantization`) and its gates (default: the
+    folder's gates.safetensors); patience, skip rule and EWMA weight default to the gate file's.
+    Raises ValueError subclasses on bad input."""
     if threads > 0:
         torch.set_num_threads(threads)
-    loaded = load_checkpoint(model_dir, device=resolve_device(device))
+    loaded = load_precise(model_dir, device, dtype, quantization)
     gates_path = gates_path_for(model_dir, gates_path)
     gates = load_gates(gates_path, loaded.model)
     # The gate file's policy under the settings chosen here (refusing a bad one before any decoding).

@@ -27,6 +27,7 @@ from inference_shim.runtime.model import (
     non_finite_problem,
     rope_inverse_frequencies,
 )
+from inference_shim.runtime.quantization import check_precision, check_quantizable, quantize_model
 from inference_shim.runtime.tokenizer import Tokenizer, TokenizerError
 
 CONFIG_FILE = "config.json"
@@ -95,9 +96,15 @@ def device_memory_bytes(device: torch.device) -> int:
 
 
 def load_checkpoint(
-    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.float32
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = torch.float32,
+    quantization: str = "none",
 ) -> LoadedCheckpoint:
-    """Load a checkpoint folder. `dtype=None` keeps the dtype config.json declares."""
+    """Load a checkpoint folder. `dtype=None` keeps the dtype config.json declares; `quantization`
+    (QUANTIZATIONS) quantizes the projections and the LM head once loaded (runtime/quantization.py);
+    one the device or the model's widths cannot take is refused (PrecisionError) before any weight is
+    read."""
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a directory (expected a Hugging Face checkpoint folder)")
@@ -105,9 +112,10 @@ def load_checkpoint(
     config = config_from_hf(hf_config, folder / CONFIG_FILE, _generation_eos_ids(folder))
     if dtype is None:
         dtype = _declared_dtype(hf_config, folder / CONFIG_FILE)
+    check_quantizable(torch.device(device), config, quantization)
     fused = _architecture(hf_config) in FUSED_ARCHITECTURES
     state = _load_weights(folder, config, torch.device(device), dtype, fused)
-    model = _build_model(config, state, torch.device(device))
+    model = quantize_model(_build_model(config, state, torch.device(device)), quantization)
     try:
         tokenizer = Tokenizer.from_files(
             folder / TOKENIZER_FILE,
@@ -123,6 +131,14 @@ def load_checkpoint(
             f"embedding has only vocab_size={config.vocab_size} rows ({CONFIG_FILE})"
         )
     return LoadedCheckpoint(path=folder, config=config, model=model.eval(), tokenizer=tokenizer)
+
+
+def load_precise(path: str | Path, device: str, dtype: str, quantization: str) -> LoadedCheckpoint:
+    """A checkpoint at the device, dtype (a DTYPES name) and quantization a command's flags name,
+    a combination the device cannot run refused first (quantization.check_precision)."""
+    resolved = resolve_device(device)
+    check_precision(resolved, DTYPES[dtype], quantization)
+    return load_checkpoint(path, device=resolved, dtype=DTYPES[dtype], quantization=quantization)
 
 
 # --- config.json ---------------------------------------------------------------------------------

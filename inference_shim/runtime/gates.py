@@ -70,12 +70,20 @@ class LoadedGates:
     sha256: str  # of the file bytes
 
 
+# The attribute runtime/quantization.py records a quantized model's float fingerprint in.
+QUANTIZED_FROM = "quantized_from_fingerprint"
+
+
 def model_fingerprint(model: Transformer) -> str:
     """A cheap identity of the base model: its shape-defining config, tensor names and shapes, and
     a strided sample of every tensor's values. Rounded to bfloat16, so the same weights loaded in
     fp32 or bf16 share a fingerprint; the config's numbers to float32, so the same model read from
     its config.json (`rms_norm_eps` 1e-05) and from a GGUF, which stores float32 (9.999999747e-06),
-    shares one too."""
+    shares one too. A quantized model keeps the fingerprint of the weights it was quantized from
+    (QUANTIZED_FROM), so that its gates load on it."""
+    recorded = getattr(model, QUANTIZED_FROM, None)
+    if recorded is not None:
+        return recorded
     digest = hashlib.sha256()
     config = model.config.to_dict()
     for not_shape in ("bos_token_id", "eos_token_ids", "max_position_embeddings"):

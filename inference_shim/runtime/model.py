@@ -29,7 +29,7 @@ import mmap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
-from typing import cast
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -178,12 +178,24 @@ def weight_storage(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(region, dtype=like.dtype).view(shape)  # the tensor keeps the mapping alive
 
 
-def _laid_out(layout: FusedLinears | None, linears: Sequence[nn.Linear]) -> FusedLinears:
+class DecodeLayout(Protocol):
+    """How decoding computes linears that read one input: FusedLinears, or quantization.py's layout."""
+
+    def outputs(self, x: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, ...] | None: ...
+
+    def intact(self) -> bool: ...
+
+
+def _laid_out(layout: DecodeLayout | None, linears: Sequence[nn.Module]) -> DecodeLayout | None:
     """`layout` while it holds, else the linears laid out afresh: as columns when their outputs
-    together are at least as wide as their input, else as rows (see above)."""
+    together are at least as wide as their input, else as rows (see above). Quantized linears keep
+    the layout quantization.py gave them."""
+    if not all(isinstance(linear, nn.Linear) for linear in linears):
+        return layout
     if layout is not None and layout.intact():
         return layout
-    return FusedLinears(linears, transposed=sum(linear.out_features for linear in linears) >= linears[0].in_features)
+    plain = cast("Sequence[nn.Linear]", linears)
+    return FusedLinears(plain, transposed=sum(linear.out_features for linear in plain) >= plain[0].in_features)
 
 
 class FusedLinears:
@@ -427,8 +439,8 @@ class Attention(nn.Module):
         self.softcap = config.attn_logit_softcapping
         self.window = config.sliding_window if layer in config.sliding_layers else None
         # The decode layout of the projections (Transformer.lay_out_weights): q, k, v in one matrix.
-        self.qkv: FusedLinears | None = None
-        self.o_layout: FusedLinears | None = None
+        self.qkv: DecodeLayout | None = None
+        self.o_layout: DecodeLayout | None = None
         # The projections decoding calls, replaced by compiled ones by Transformer.compile_layers.
         self.decode_qkv: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self.project_qkv
         self.decode_queries: Callable[..., torch.Tensor] = self.queries
@@ -551,8 +563,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = ACTIVATIONS[config.hidden_act]
         # The decode layout of the projections (Transformer.lay_out_weights): gate and up in one matrix.
-        self.gate_up: FusedLinears | None = None
-        self.down_layout: FusedLinears | None = None
+        self.gate_up: DecodeLayout | None = None
+        self.down_layout: DecodeLayout | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.gate_up.outputs(x) if self.gate_up is not None else None
@@ -758,7 +770,7 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.gates: GateBank | None = None
-        self.lm_head_layout: FusedLinears | None = None
+        self.lm_head_layout: DecodeLayout | None = None
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
         # Executed (row, layer) computations since the last reset: proof that skipped means skipped.
         self.layer_rows_executed = [0] * config.num_layers
@@ -776,7 +788,7 @@ class Transformer(nn.Module):
             attention.o_layout = _laid_out(attention.o_layout, [attention.o_proj])
             mlp.gate_up = _laid_out(mlp.gate_up, [mlp.gate_proj, mlp.up_proj])
             mlp.down_layout = _laid_out(mlp.down_layout, [mlp.down_proj])
-        tied = self.lm_head.weight is self.embed_tokens.weight
+        tied = getattr(self.lm_head, "weight", None) is self.embed_tokens.weight  # a quantized head has none
         self.lm_head_layout = _laid_out(self.lm_head_layout, [self.lm_head])
         if tied:  # one parameter still: the embedding reads its rows from the head's [in, out] matrix
             self.embed_tokens.weight = self.lm_head.weight

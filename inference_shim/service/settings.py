@@ -16,6 +16,7 @@ from inference_shim.runtime.checkpoint import DTYPES
 from inference_shim.runtime.demo_model import DEMO_MODEL_NAME
 from inference_shim.runtime.depth_execution import DEFAULT_VOTE, DEPTH_MODES
 from inference_shim.runtime.model import KV_POLICIES
+from inference_shim.runtime.quantization import QUANTIZATIONS
 from inference_shim.service.depth import DepthSettings
 from inference_shim.service.http_protocol import HTTPLimits
 from layerwatch import argtypes
@@ -90,12 +91,28 @@ class ModelSettings:
         "(0: never; else at least 0.1; default %(default)s)",
     )
     device: str = setting("cpu", help="torch device: cpu, cuda, cuda:1, ...")
-    dtype: str = setting("float32", choices=tuple(DTYPES), help=None)
+    dtype: str = setting(
+        "float32",
+        choices=tuple(DTYPES),
+        help="the weights' and activations' dtype: float32, or bfloat16 (half the bytes a step reads); "
+        'float16 is refused on the CPU, slow there (docs/model.md, "Weights in low precision"; default %(default)s)',
+    )
+    quantization: str = setting(  # runtime/quantization.py
+        QUANTIZATIONS[0],
+        choices=QUANTIZATIONS,
+        help="quantize the projections and the LM head at load time, weight-only, on torch's CPU kernels: int8 "
+        "(per output channel) or int4 (per group of 32 inputs, as GGUF's Q4_1); the embedding table, norms and "
+        'gates keep --dtype (docs/model.md, "Weights in low precision"; default %(default)s)',
+    )
     compile: bool = setting(  # Transformer.compile_layers
         False,
         help="torch.compile each layer's attention and FFN bodies at start-up (the skip decision stays "
         "eager: skipped layers still do not run); docs/performance.md has what it buys",
     )
+
+
+# The ModelSettings that `eval`, `calibrate` and the benchmarks take too (layerwatch_cli/model_arguments.py).
+PRECISION_SETTINGS = ("dtype", "quantization")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,6 +41,7 @@ from inference_shim.runtime.gates import (
     shuffle_gates,
 )
 from inference_shim.runtime.model import KVCache
+from inference_shim.runtime.quantization import check_precision
 from inference_shim.runtime.static_gates import static_gates
 from inference_shim.service.admission import Admission
 from inference_shim.service.completions import GenerationParts
@@ -231,8 +232,16 @@ def resolve_limits(settings: ServeSettings, context: int, chars_per_token: int |
 
 def _load_model(settings: ServeSettings) -> tuple[LoadedCheckpoint, LoadedGates | None]:
     """The checkpoint and the gates it serves (a drill's, when one is asked for; None: --no-gates)."""
-    log.info("loading the model %s (%s, %s)", settings.model_dir, settings.device, settings.dtype)
-    checkpoint = load_checkpoint(settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype])
+    log.info(
+        "loading the model %s (%s, %s, quantization %s)",
+        settings.model_dir,
+        settings.device,
+        settings.dtype,
+        settings.quantization,
+    )
+    checkpoint = load_checkpoint(
+        settings.model_dir, device=settings.device, dtype=DTYPES[settings.dtype], quantization=settings.quantization
+    )
     if settings.compile:
         checkpoint.model.compile_layers()
     if settings.no_gates:
@@ -531,6 +540,7 @@ class ShimService:
             )
         if settings.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
+        check_precision(resolve_device(settings.device), DTYPES[settings.dtype], settings.quantization)
         # Read before the model loads (seconds to minutes), so that a bad key file fails at once.
         frame_key = (
             load_frame_key(settings.frame_key_file) if settings.frame_key_file and settings.exporter_address else None

@@ -14,14 +14,17 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.batch_decode_bench import cpu_section, gpu_energy, gpu_section
+from benchmarks.batch_decode_bench import cpu_section, gpu_energy, gpu_section, metered_decode_run, row_costs
+from benchmarks.decode_bench import build_model
 from inference_shim.runtime.model import KV_POLICIES
 
 MODELS = [(2, 64)]  # layers x d: the smallest build_model makes (one attention head of 64)
 BATCHES = [1, 2]
 STEPS = 2
 # repeats 2: the ratios print their spread; bfloat16, the GPU section's default, on the CPU too
-ARGS = argparse.Namespace(steps=STEPS, repeats=2, compile=False, gpu_dtype="bfloat16")
+ARGS = argparse.Namespace(
+    steps=STEPS, repeats=2, compile=False, gpu_dtype="bfloat16", dtype="float32", quantization="none"
+)
 
 
 def recorded_masks() -> np.ndarray:
@@ -98,3 +101,10 @@ def test_cpu_section(capsys: pytest.CaptureFixture[str]) -> None:
         limit, decided, executed, unneeded, *_ = numbers(row[3:16])
         assert 0 <= limit < int(row[1]) and 0 <= unneeded <= decided
         assert row[16:] == ["n/a", "n/a"]  # the demo perplexity columns
+
+
+def test_the_measurements_run_a_model_in_the_precision_it_was_built_in() -> None:
+    # --dtype bfloat16 --quantization int8: the caches take the model's dtype (they were float32 always).
+    model = build_model(2, 64, 8192, "bfloat16", "int8")
+    assert set(row_costs(model, [1, 2], repeats=1)) == {1, 2}
+    assert metered_decode_run(model, None, 2, STEPS, "project").seconds > 0

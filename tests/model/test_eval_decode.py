@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import numpy as np
@@ -349,3 +350,18 @@ def test_eval_no_gates_measures_the_full_depth_of_a_model_without_a_gate_file(mo
     assert run_eval(ungated, text_file, "--no-gates", "--depth-execution", "rows", "--batch-consensus", "off") == 2
     err = capsys.readouterr().err
     assert "error: --no-gates evaluates full depth only: --depth-execution, --batch-consensus need(s) gates" in err
+
+
+def test_eval_quantizes_the_model_its_gates_were_trained_on_and_refuses_what_cannot_run(model_dir, text_file, capsys):
+    assert run_eval(model_dir, text_file, "--json", "--repeats", "1") == 0
+    float32 = json.loads(capsys.readouterr().out)
+    assert run_eval(model_dir, text_file, "--json", "--repeats", "1", "--quantization", "int8") == 0
+    int8 = json.loads(capsys.readouterr().out)
+    # The gate file loads on the quantized model (the float weights' fingerprint), the report says
+    # what ran, and the perplexity moved (int8 weights and bfloat16 projections) but not far: a
+    # random model's logits moved by 2^-8 of their size change its perplexity by about as much.
+    assert (int8["quantization"], int8["dtype"], float32["quantization"]) == ("int8", "float32", "none")
+    assert int8["perplexity_full"] != float32["perplexity_full"]
+    assert abs(math.log(int8["perplexity_full"] / float32["perplexity_full"])) < 0.05
+    assert run_eval(model_dir, text_file, "--dtype", "float16") == 2
+    assert capsys.readouterr().err.startswith("error: --dtype float16 is slow on the CPU")
