@@ -271,7 +271,7 @@ def common_alerts(timing: Timing) -> list[dict]:
 def _profile_series_rules(profile: Profile, recorded: Recorded) -> list[dict]:
     model = {"model_name": profile.model_name}
     histogram = profile.bimodality.histogram
-    below = shares_below_edges(np.asarray(histogram)) if histogram else []
+    below: list[float] = shares_below_edges(np.asarray(histogram)).tolist() if histogram else []
     # The window's shape distance from the recorded healthy shape (layerwatch/statistics.py,
     # shape_distance): the largest gap between their shares below an edge.
     selector = f'{config.EXPORTER_SELECTOR}, model_name="{profile.model_name}"'
