@@ -293,18 +293,21 @@ def format_single(r: dict, execution: dict, batch_size: int) -> str:
 
 
 def format_sweep(results: list[dict]) -> str:
-    """A Markdown table (pasted as is into the model card)."""
+    """A Markdown table (pasted as is into the model card). Skips both as the rules decided them and as
+    the batch executed them (a layer run whole, or voted off, for the batch's sake): the perplexity
+    is that of what was executed (docs/model.md, "Depth execution")."""
     lines = [
         f"full-depth perplexity {results[0]['perplexity_full']:.3f}, "
         f"{results[0]['tokens_per_second_full']:.0f} tokens/s",
         "",
-        "| rule | threshold | layer evaluations skipped | perplexity | increase | fallbacks | tokens/s "
+        "| rule | threshold | skipped: decided | executed | perplexity | increase | fallbacks | tokens/s "
         "| gated / full |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
-            f"| {r['skip_rule']} | {r['threshold']:g} | {r['skip_fraction']:.1%} | {r['perplexity_gated']:.3f} | "
+            f"| {r['skip_rule']} | {r['threshold']:g} | {r['skip_fraction']:.1%} | {r['executed_skip_fraction']:.1%} | "
+            f"{r['perplexity_gated']:.3f} | "
             f"{r['perplexity_increase']:+.2%} | {r['fallbacks']} | {r['tokens_per_second_gated']:.0f} | "
             f"{_spread_text(r['speed']['gated_over_full'])} |"
         )

@@ -252,6 +252,25 @@ def test_eval_sweep_prints_one_row_per_threshold(model_dir, text_file, capsys):
     assert len(rows) == 2 and "| streak | 0 | 0.0% |" in rows[0] and "+0.00%" in rows[0]
 
 
+def test_eval_sweep_table_reports_executed_skips_beside_decided_ones(model_dir, text_file, tmp_path, capsys):
+    """A layer run whole for the batch runs for rows whose rule skipped it: the sweep table said only
+    how much the rule decided, beside a perplexity that comes from what was executed."""
+    model = random_model()  # model_dir's model
+    metadata = GateMetadata(
+        num_layers=4, hidden_size=32, threshold=0.18, patience=3, base_fingerprint=model_fingerprint(model)
+    )
+    gates = tmp_path / "random.safetensors"
+    save_gates(gates, random_gates(model.config), metadata)  # scores near 0.5 that differ by row
+    sweep = ["--gates", str(gates), "--sweep", "0.5,0.6", "--batch-size", "4", "--repeats", "1"]
+    sweep += ["--depth-execution", "batch", "--batch-consensus", "off"]  # a layer runs if any row wants it
+    assert run_eval(model_dir, text_file, *sweep, "--json") == 0
+    measured = [(r["skip_fraction"], r["executed_skip_fraction"]) for r in json.loads(capsys.readouterr().out)["sweep"]]
+    assert any(executed < decided for decided, executed in measured)
+    assert run_eval(model_dir, text_file, *sweep) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| streak |")]
+    assert [(row[3].strip(), row[4].strip()) for row in rows] == [(f"{d:.1%}", f"{e:.1%}") for d, e in measured]
+
+
 def test_eval_compare_rules_runs_each_threshold_under_both_rules(model_dir, text_file, capsys):
     assert run_eval(model_dir, text_file, "--sweep", "0,0.5", "--compare-rules", "--ewma-alpha", "0.3", "--json") == 0
     report = json.loads(capsys.readouterr().out)
