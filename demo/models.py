@@ -95,14 +95,17 @@ DEMO_MODELS: dict[str, DemoModel] = {
             ),
             gates=REPOSITORY / "inference_shim/gates/smollm2-135m-instruct/gates.safetensors",
             drill_overrides={
-                # Its gates score a third of (token, layer) pairs 0.95 or more (every eighth saturates at
-                # exactly 1.0): at the demo's 0.95 it skips some 40 %, the breaker never trips, and the
-                # layers protected from skipping, below 0.95 for every token, page LayerwatchRoutingStatic.
+                # Its gates saturate: layers 1 and 11 score exactly 1.0 for every token, layer 28 for most,
+                # and a third of all scores are 0.95 or more. At the demo's 0.95 it skipped some 40 % of
+                # its layers, no step skipped more than 85 % (the breaker's trigger), and the protected
+                # first and last layers, below 0.95 for every token, paged LayerwatchRoutingStatic
+                # instead; at 1.0 with them protected it skipped 78 %, still no fallback. At 1.0 with no
+                # layer protected, most steps skip more than 85 % and the breaker trips.
                 "runaway": replace(
                     DRILLS["runaway"],
-                    serve_flags=("--threshold", "1.0"),
-                    fault="skip threshold misconfigured to 1.0: every score but the saturated ones is below it, "
-                    "so the fallback breaker keeps forcing full depth (the skip ratio stays low; the fallbacks page)",
+                    serve_flags=("--threshold", "1.0", "--protected-layers="),
+                    fault="skip threshold misconfigured to 1.0 with no layer protected: every score but the "
+                    "saturated ones is below it, so the fallback breaker keeps forcing full depth (the fallbacks page)",
                 )
             },
         ),

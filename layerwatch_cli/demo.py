@@ -1,8 +1,9 @@
 """`layerwatch demo`: the whole stack on the embedded demo model, in one terminal.
 
-Starts the exporter and the shim (on the demo model unless --model is given), Prometheus and
-Alertmanager with the repo's own configs on the end-to-end test's scaled timing when their binaries
-are installed (Alertmanager delivering to a receiver in this process), and a load generator (sampled
+Starts the exporter and the shim (on the demo model, or the model --model names: demo/models.py has
+each one's serving, load and timing; `smollm2` is a real one), Prometheus and Alertmanager with the
+repo's own configs on scaled timing (the demo model's: the end-to-end test's) when their binaries are
+installed (Alertmanager delivering to a receiver in this process), and a load generator (sampled
 requests only, demo/loadgen.py); then shows the live entropy histogram with the alert state and the
 figures each page reads beside it (without Prometheus: the shim's shadow check since it started)
 until --duration, Ctrl-C, SIGTERM or SIGHUP (its terminal closed). With --drill, a fault is injected
