@@ -9,7 +9,10 @@ The bands are what a short monitoring window may show while the model is healthy
 decoded tokens are cut into chunks of `chunk_tokens` (roughly what the exporter's window holds at
 demo load), the statistic is computed per chunk, and the band is [lowest chunk - margin, highest
 chunk + margin], clipped to [0, 1]. The bimodality statistics are the exporter's own
-(layerwatch/statistics.py), on at most as many entropies as the exporter's window keeps.
+(layerwatch/statistics.py), on at most as many entropies as the exporter's window keeps. The healthy
+shape is the whole baseline's 20-bin histogram; its limit, the largest shape distance of a chunk's
+histogram from it plus the margin (`shape_distance_limit`), holds for windows of at least one chunk's
+entropies (the profile's `shape_min_observations`).
 
 The routing baseline uses the exporter's own statistics (layerwatch/routing.py) on the same chunks:
 the token-dependent share of the whole baseline (informational) and its floor, half the lowest
@@ -33,8 +36,9 @@ reading of each gauge and at least the margin below it (`gate_importance_floor`,
 `gate_importance_profile`).
 
 A baseline the alerts can use (`baseline_problems`): one that does not already show what an alert
-pages on (static routing, nothing skipped, one peak, a shadow agreement or quality cost beyond the
-limits below); `layerwatch calibrate` refuses any other unless told to accept it.
+pages on (static routing, nothing skipped, a shadow agreement or quality cost beyond the limits below)
+and whose shape the shape alert can use (one that varies less between chunks than MAX_HEALTHY_SHAPE_DISTANCE;
+one hump is a shape like two, recorded); `layerwatch calibrate` refuses any other unless told to accept it.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ from layerwatch.statistics import (
     Bimodality,
     check_bimodality,
     histogram20,
+    shape_distance,
 )
 from layerwatch.trace import read_trace_batches
 
@@ -100,6 +105,8 @@ class BaselineStatistics:
     skip_ratio: float
     bimodality: Bimodality
     routing: Routing  # of the whole baseline, at the profile's threshold
+    # shape_distance of each chunk's histogram from the whole baseline's (the healthy shape)
+    chunk_shape_distances: list[float]
 
 
 @dataclass(frozen=True)
@@ -135,19 +142,22 @@ def _routing(entropies: np.ndarray, skipped: np.ndarray, threshold: float) -> Ro
 
 
 def summarize(
-    entropies: np.ndarray, skipped: np.ndarray, min_observations: int, threshold: float
+    entropies: np.ndarray, skipped: np.ndarray, min_observations: int, threshold: float, chunk_tokens: int
 ) -> BaselineStatistics:
     mean, std, zero = _chunk_stats(entropies, skipped)
     window = entropies.ravel()[-DEFAULT_WINDOW_OBSERVATIONS:]  # the exporter's window size
+    histogram = histogram20(entropies.ravel())
+    chunks = range(0, len(entropies) - chunk_tokens + 1, chunk_tokens)
     return BaselineStatistics(
         observations=int(entropies.size),
-        histogram=[int(c) for c in histogram20(entropies.ravel())],
+        histogram=[int(c) for c in histogram],
         active_mean=mean,
         active_std=std,
         zero_ratio=zero,
         skip_ratio=float(skipped.mean()),
         bimodality=check_bimodality(window, min_observations),
         routing=_routing(entropies, skipped, threshold),
+        chunk_shape_distances=[shape_distance(histogram20(entropies[i : i + chunk_tokens]), histogram) for i in chunks],
     )
 
 
@@ -246,7 +256,7 @@ def build_profile(
         for i in range(0, len(entropies) - chunk_tokens + 1, chunk_tokens)
     ]
     means, stds, zeros = zip(*chunks)
-    stats = summarize(entropies, skipped, min_observations, threshold)
+    stats = summarize(entropies, skipped, min_observations, threshold, chunk_tokens)
     routing = routing_baseline(entropies, skipped, threshold, chunk_tokens)
     skip_ratio_normal = round(stats.skip_ratio, 4)
     zero_band = chunk_band(list(zeros), margin)
@@ -270,6 +280,9 @@ def build_profile(
             dip=_rounded(b.dip, 5),
             dip_p_value=_rounded(b.dip_p_value, 6),
             bimodality_coefficient=bc,
+            histogram=tuple(round(count / stats.observations, 4) for count in stats.histogram),
+            shape_distance_max=shape_distance_limit(stats.chunk_shape_distances, margin),
+            shape_min_observations=chunk_tokens * entropies.shape[1],
         ),
         routing=routing_profile(stats.routing, routing),
         source=source,
@@ -287,6 +300,11 @@ def build_profile(
     if shadow_rate_min is not None:
         profile = dataclasses.replace(profile, shadow_rate_min=shadow_rate_min)
     return profile, stats
+
+
+def shape_distance_limit(chunk_distances: list[float], margin: float) -> float:
+    """The largest healthy chunk's shape distance plus the margin, rounded up to 4 decimals."""
+    return math.ceil((max(chunk_distances) + margin) * 1e4 - 1e-9) / 1e4  # (- 1e-9: float noise)
 
 
 def _rounded(value: float | None, digits: int) -> float | None:
@@ -426,6 +444,10 @@ MIN_HEALTHY_AGREEMENT = 0.7
 # many nats per token of KL(gated || full) (a perplexity-scale cost of exp(0.2) - 1 = 22 %), the limit
 # would accept a model made far worse by its skipping.
 MAX_HEALTHY_KL_NATS = 0.2
+# LayerwatchEntropyShapeChanged pages above the largest shape distance of a healthy chunk (plus the margin):
+# a healthy shape that moves this much of its mass between chunks leaves room only for departures that
+# move most of it. Drilled gates move far more (docs/alerting.md, "The entropy shape").
+MAX_HEALTHY_SHAPE_DISTANCE = 0.25
 
 
 def baseline_problems(
@@ -439,7 +461,7 @@ def baseline_problems(
     phrase each naming the figure and the alert (empty: none). `agreement` (top-1 tokens kept over the
     shadow-checked tokens) and `kl_nats_per_token` left out: not measured, not judged."""
     problems = []
-    routing, b = stats.routing, stats.bimodality
+    routing = stats.routing
     if routing.token_dependent_share is None:
         problems.append(
             f"no gate score below the threshold {threshold:g}: nothing is skipped, so the routing and skip-rate "
@@ -450,10 +472,12 @@ def baseline_problems(
             f"routing static: token-dependent share {routing.token_dependent_share:.3f}, below {DYNAMIC_SHARE}; the "
             "same layers are skipped whatever the token, so LayerwatchRoutingStatic cannot page on static pruning"
         )
-    if b.bimodal is False:
+    shape_limit = shape_distance_limit(stats.chunk_shape_distances, 0.0)
+    if shape_limit > MAX_HEALTHY_SHAPE_DISTANCE:
         problems.append(
-            f"the entropy histogram is not bimodal ({b.peaks} peak(s), dip p-value {b.dip_p_value:.3g}): "
-            "LayerwatchEntropySinglePeak would page on this healthy traffic"
+            f"the entropy shape varies between the baseline's chunks up to a distance {shape_limit:.3f} from the "
+            f"whole baseline's, above {MAX_HEALTHY_SHAPE_DISTANCE}: LayerwatchEntropyShapeChanged could not tell a "
+            "departure from the healthy shape from its own variation"
         )
     if agreement is not None and agreement < MIN_HEALTHY_AGREEMENT:
         problems.append(

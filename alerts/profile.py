@@ -13,6 +13,7 @@ from typing import NewType
 
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS
+from layerwatch.statistics import DIP_ALPHA
 
 Seconds = NewType("Seconds", float)  # written as a Prometheus duration in YAML
 
@@ -36,19 +37,35 @@ class Band:
 
 @dataclass(frozen=True)
 class BimodalityProfile:
-    """When the exporter's bimodality verdict counts, and what the healthy baseline looked like.
+    """The healthy shape of the entropy distribution, and when the exporter's window departs from it.
 
     Not the verdict itself (that is layerwatch.statistics.Bimodality): the profile's expectations of it.
+    LayerwatchEntropyShapeChanged pages on a departure from this shape: a healthy shape with two humps
+    (`healthy_bimodal`) pages when the window is no longer bimodal; a recorded `histogram` pages when the
+    window's shape_distance to it (layerwatch/statistics.py) exceeds `shape_distance_max`. A profile
+    needs at least one of the two (alerts/profile_file.py): a healthy shape of one hump is recorded.
     """
 
-    # The single-peak alert waits until the exporter's window holds at least this many entropies
+    # The bimodality trigger waits until the exporter's window holds at least this many entropies
     # (the exporter itself withholds the verdict below its own, possibly smaller, minimum).
     min_observations: int
-    # Statistics of the healthy baseline, for the alert text and the dashboard; informational.
+    # Statistics of the healthy baseline: `peaks` and `dip_p_value` say whether it had two humps; all of
+    # them are in the alert text.
     peaks: int | None = None
     dip: float | None = field(default=None, metadata=_FRACTION)
     dip_p_value: float | None = field(default=None, metadata=_FRACTION)
     bimodality_coefficient: float | None = field(default=None, metadata=_FRACTION)
+    # The healthy shape itself: the baseline's share of entropies in each of the 20 bins (layerwatch.statistics.
+    # histogram20), the largest shape distance of a healthy window from it plus the margin (calibrate: its
+    # chunks'), and the window that limit holds for (the entropies of one chunk: a smaller window is noisier).
+    histogram: tuple[float, ...] = ()
+    shape_distance_max: float | None = field(default=None, metadata=_FRACTION)
+    shape_min_observations: int | None = None
+
+    @property
+    def healthy_bimodal(self) -> bool:
+        """Whether the healthy shape has two humps, by the exporter's rule (layerwatch/statistics.py)."""
+        return self.peaks is not None and self.peaks >= 2 and (self.dip_p_value is None or self.dip_p_value < DIP_ALPHA)
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ from typing import Any
 import yaml
 
 from alerts.durations import format_duration, parse_duration
-from alerts.profile import GateImportance, Profile, Seconds
+from alerts.profile import BimodalityProfile, GateImportance, Profile, Seconds
 from alerts.specs import PER_MODEL_ALERTS
 from layerwatch.catalog import REQUEST_FRACTION_BUCKETS
-from layerwatch.statistics import MAX_WINDOW_OBSERVATIONS
+from layerwatch.statistics import BINS, MAX_WINDOW_OBSERVATIONS
 from layerwatch.wire import MAX_NAME_BYTES
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"  # the committed per-model profiles
@@ -258,6 +258,7 @@ def _check(p: Profile, where: str) -> None:
             f"{p.bimodality.min_observations} must be at least 1 and at most {MAX_WINDOW_OBSERVATIONS} "
             f"(what a window can hold)",
         )
+    _check_shape(p.bimodality, fail)
     if p.zero_ratio_page < p.zero_ratio.high:
         fail("zero_ratio_page", f"{p.zero_ratio_page} is below the healthy band's high end {p.zero_ratio.high}")
     if p.runaway_skip_ratio <= p.skip_ratio_normal:
@@ -304,6 +305,42 @@ def _check(p: Profile, where: str) -> None:
     unknown = sorted(set(p.for_durations) - _PER_MODEL_ALERT_NAMES)
     if unknown:
         fail("for", f"unknown alert(s) {unknown}; per-model alerts: {sorted(_PER_MODEL_ALERT_NAMES)}")
+
+
+# The shares of a recorded histogram are rounded (calibrate: 4 decimals); they must still sum to about 1.
+HISTOGRAM_SUM_TOLERANCE = 0.01
+
+
+def _check_shape(b: BimodalityProfile, fail: Callable[[str, str], typing.NoReturn]) -> None:
+    """A healthy shape LayerwatchEntropyShapeChanged can page on a departure from: two humps, or a
+    recorded histogram with its limit (alerts/profile.py)."""
+    parts = {"histogram": bool(b.histogram), "shape_distance_max": b.shape_distance_max is not None}
+    parts["shape_min_observations"] = b.shape_min_observations is not None
+    if any(parts.values()) and not all(parts.values()):
+        missing = ", ".join(name for name, given in parts.items() if not given)
+        fail("bimodality", f"{missing} missing: histogram, shape_distance_max and shape_min_observations go together")
+    if not b.histogram:
+        if not b.healthy_bimodal:
+            fail(
+                "bimodality",
+                f"the healthy shape is not bimodal (peaks {b.peaks}, dip_p_value {b.dip_p_value}) and no histogram "
+                "is recorded: LayerwatchEntropyShapeChanged would have no shape to compare with (`layerwatch "
+                "calibrate` records it)",
+            )
+        return
+    if len(b.histogram) != BINS:
+        fail("bimodality.histogram", f"{len(b.histogram)} shares, not one per bin ({BINS})")
+    if any(not 0.0 <= share <= 1.0 for share in b.histogram):
+        fail("bimodality.histogram", "every share must lie in [0, 1]")
+    if abs(sum(b.histogram) - 1.0) > HISTOGRAM_SUM_TOLERANCE:
+        fail("bimodality.histogram", f"the shares sum to {sum(b.histogram):.4f}, not 1")
+    if b.shape_distance_max is not None and not 0.0 < b.shape_distance_max < 1.0:
+        fail("bimodality.shape_distance_max", f"{b.shape_distance_max} must lie strictly between 0 and 1")
+    if b.shape_min_observations is not None and not 1 <= b.shape_min_observations <= MAX_WINDOW_OBSERVATIONS:
+        fail(
+            "bimodality.shape_min_observations",
+            f"{b.shape_min_observations} must be 1..{MAX_WINDOW_OBSERVATIONS} (what a window can hold)",
+        )
 
 
 def _check_gate_importance(g: GateImportance, fail: Callable[[str, str], typing.NoReturn]) -> None:

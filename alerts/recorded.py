@@ -21,6 +21,9 @@ BY_FLEET = "job, model_name"
 # A profile's per-layer gate-importance floors, one constant series per layer (labels model_name and
 # layer; alerts/rules.py records them, LayerwatchGateMiscalibrated and the dashboard read them).
 GATE_LAYER_IMPORTANCE_FLOOR = "model_name_layer:layerwatch_profile_gate_layer_importance:floor"
+# A profile's healthy entropy shape: the share of its entropies below each edge, one constant series per
+# edge (labels model_name and edge, as layerwatch_entropy_window_below_ratio's).
+ENTROPY_BELOW_HEALTHY = "model_name_edge:layerwatch_profile_entropy_below:healthy"
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,11 @@ class Recorded:
     telemetry_drop_ratio: str  # frames the shim could not send
     request_skip_tail_ratio: str  # by le: share of finished requests whose skip fraction is above le
     runaway_skip_ratio_by_layer: str  # skipped share of the runaway requests' tokens, per layer
-    # Verdicts per exporter target: 1 = single peak or static routing, 0 = neither (or withheld).
+    # The exporter window's shape distance from the profile's healthy shape (models with a recorded one).
+    entropy_shape_distance: str
+    # Per exporter target: 1 while a LayerwatchEntropyShapeChanged rule's condition holds (before its `for:`).
+    entropy_shape_changed: str
+    # Verdicts per exporter target: 1 = shape changed or static routing, 0 = neither (or withheld).
     gating_unhealthy: str
     # The fleet (BY_FLEET): how many exporter targets of a model are unhealthy, of how many.
     fleet_gating_unhealthy: str
@@ -87,6 +94,8 @@ class Recorded:
             telemetry_drop_ratio=f"model_name:layerwatch_telemetry_frames_dropped:ratio_{rate}",
             request_skip_tail_ratio=f"model_name_le:layerwatch_request_skip_fraction:tail_ratio_{rate}",
             runaway_skip_ratio_by_layer=f"model_name_layer:layerwatch_request_runaway_layer_skips:ratio_{rate}",
+            entropy_shape_distance="model_name:layerwatch_entropy_window_below:shape_distance",
+            entropy_shape_changed="model_name:layerwatch_entropy_shape:changed",
             gating_unhealthy="model_name:layerwatch_gating_unhealthy:bool",
             fleet_gating_unhealthy="job_model_name:layerwatch_gating_unhealthy:sum",
             fleet_gating_instances="job_model_name:layerwatch_gating_instances:count",

@@ -18,14 +18,25 @@ of the production durations; recorded names follow their window (`mean_rate5m` -
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 
+import numpy as np
 import yaml
 
 from alerts.durations import Timing
 from alerts.profile import Profile
-from alerts.recorded import BY_FLEET, BY_MODEL, BY_TARGET, GATE_LAYER_IMPORTANCE_FLOOR, Recorded
-from alerts.specs import COMMON_ALERTS, PER_MODEL_ALERTS, AlertBuild, skip_collapse_limit
+from alerts.recorded import (
+    BY_FLEET,
+    BY_MODEL,
+    BY_TARGET,
+    ENTROPY_BELOW_HEALTHY,
+    GATE_LAYER_IMPORTANCE_FLOOR,
+    Recorded,
+)
+from alerts.specs import COMMON_ALERTS, PER_MODEL_ALERTS, AlertBuild, entropy_shape_changed, skip_collapse_limit
+from layerwatch.catalog import ENTROPY_WINDOW_EDGES
+from layerwatch.statistics import shares_below_edges
 from mixin import config
 
 
@@ -195,12 +206,12 @@ def fleet_rules(timing: Timing) -> list[dict]:
     r = Recorded.for_timing(timing)
     w = timing(config.RATE_WINDOW)
     exp, shim = config.EXPORTER_SELECTOR, config.SHIM_SELECTOR
-    # Per exporter target: 1 when either verdict says unhealthy (a single entropy peak, or static
-    # routing), else 0, also while both verdicts are withheld, so that every target reporting the
-    # model (its window size is always exported) counts in the fleet's total.
+    # Per exporter target: 1 when either verdict says unhealthy (the entropy shape changed, as the
+    # model's profile judges it, or static routing), else 0, also while both verdicts are withheld, so
+    # that every target reporting the model (its window size is always exported) counts in the fleet's total.
     unhealthy = (
         f"max by ({BY_MODEL}) (\n"
-        f"  (\n    layerwatch_entropy_bimodal{{{exp}}} == 0\n    or\n    layerwatch_routing_dynamic{{{exp}}} == 0\n"
+        f"  (\n    {r.entropy_shape_changed}\n    or\n    layerwatch_routing_dynamic{{{exp}}} == 0\n"
         "  ) * 0 + 1\n"
         f"  or\n  layerwatch_entropy_window_observations{{{exp}}} * 0\n)"
     )
@@ -250,14 +261,49 @@ def common_alerts(timing: Timing) -> list[dict]:
     return [rule for spec in COMMON_ALERTS for rule in spec.build(AlertBuild(spec, timing, recorded))]
 
 
-def _profile_series_rules(profile: Profile) -> list[dict]:
+def _profile_series_rules(profile: Profile, recorded: Recorded) -> list[dict]:
     model = {"model_name": profile.model_name}
-    return [
-        {"record": name, "expr": f"vector({value})", "labels": model} for name, value in profile_series(profile).items()
-    ] + [
-        {"record": GATE_LAYER_IMPORTANCE_FLOOR, "expr": f"vector({floor})", "labels": model | {"layer": str(layer)}}
-        for layer, floor in sorted(profile.gate_importance.layer_floors.items())
-    ]
+    histogram = profile.bimodality.histogram
+    below = shares_below_edges(np.asarray(histogram)) if histogram else []
+    # The window's shape distance from the recorded healthy shape (layerwatch/statistics.py,
+    # shape_distance): the largest gap between their shares below an edge.
+    selector = f'{config.EXPORTER_SELECTOR}, model_name="{profile.model_name}"'
+    distance = {
+        "record": recorded.entropy_shape_distance,
+        "expr": f"max by ({BY_MODEL}) (\n  abs(\n    layerwatch_entropy_window_below_ratio{{{selector}}}\n"
+        f"    - on (model_name, edge) group_left ()\n    {ENTROPY_BELOW_HEALTHY}\n  )\n)",
+        "labels": model,  # as on the series: it keeps the groups' rules of one name apart (promtool)
+    }
+    return (
+        [
+            {"record": name, "expr": f"vector({value})", "labels": model}
+            for name, value in profile_series(profile).items()
+        ]
+        + [
+            {"record": GATE_LAYER_IMPORTANCE_FLOOR, "expr": f"vector({floor})", "labels": model | {"layer": str(layer)}}
+            for layer, floor in sorted(profile.gate_importance.layer_floors.items())
+        ]
+        + [
+            {
+                "record": ENTROPY_BELOW_HEALTHY,
+                "expr": f"vector({round(float(share), 4)})",
+                "labels": model | {"edge": edge},
+            }
+            for edge, share in zip(ENTROPY_WINDOW_EDGES, below)
+        ]
+        + ([distance] if histogram else [])
+    )
+
+
+def _shape_changed_rule(profile: Profile, alerts: list[dict], recorded: Recorded) -> dict:
+    """1 per exporter target while a rule of LayerwatchEntropyShapeChanged holds (the fleet's verdict)."""
+    conditions = [rule["expr"] for rule in alerts if rule["alert"] == entropy_shape_changed.name]
+    either = "\nor\n".join(f"(\n{textwrap.indent(condition, '  ')}\n)" for condition in conditions)
+    return {
+        "record": recorded.entropy_shape_changed,
+        "expr": f"(\n{textwrap.indent(either, '  ')}\n) * 0 + 1",
+        "labels": {"model_name": profile.model_name},
+    }
 
 
 def model_rules(profile: Profile, timing: Timing) -> list[dict]:
@@ -268,7 +314,7 @@ def model_rules(profile: Profile, timing: Timing) -> list[dict]:
     # of two profiles apart for promtool's duplicate-rule check (same name and static labels).
     for rule in alerts:
         rule["labels"]["model_name"] = profile.model_name
-    return _profile_series_rules(profile) + alerts
+    return _profile_series_rules(profile, recorded) + [_shape_changed_rule(profile, alerts, recorded)] + alerts
 
 
 def rule_groups(profiles: list[Profile], timing: Timing = Timing()) -> dict:

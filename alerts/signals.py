@@ -5,8 +5,10 @@ demo`): every entry is one PromQL query over the series the alert itself reads (
 under the recorded names of the rendering's timing) and the profile field that holds its limit.
 Every rule of a per-model alert that pages has its entry (its `trigger`, where the alert has
 several; tests/test_alert_view.py holds FIGURES to that), so that a page on screen always has its
-figure beside it. Adding a figure is one entry in FIGURES (one without an alert and limit is shown
-for context). LayerwatchTargetDown reads `up`.
+figure beside it. A figure whose rule a profile does not generate (LayerwatchEntropyShapeChanged's
+triggers follow the recorded healthy shape) is left out for that model (`figures_for`). Adding a
+figure is one entry in FIGURES (one without an alert and limit is shown for context).
+LayerwatchTargetDown reads `up`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Figure:
     fires_below: bool  # the alert fires below the limit (else above it); the worse direction
     trigger: str | None = None  # the `trigger` label of the alert's rule that reads it, where it has several
     show: Callable[[float], str] = _ratio  # the value (and the limit) as the screen writes it
+    applies: Callable[[Profile], bool] = lambda p: True  # whether the profile's rules read this figure
 
     def query(self, recorded: Recorded, profile: Profile) -> str:
         """The worst of the model's series (lowest or highest across its targets)."""
@@ -87,18 +90,31 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         "entropy peaks",
-        "LayerwatchEntropySinglePeak",
+        "LayerwatchEntropyShapeChanged",
         lambda r, p, s: f"layerwatch_entropy_peaks{{{config.EXPORTER_SELECTOR}, {s}}}",
         lambda p: 2.0,  # layerwatch/statistics.py: bimodal takes two peaks and the dip test
         fires_below=True,
+        trigger="single_peak",
         show=_count,
+        applies=lambda p: p.bimodality.healthy_bimodal,
     ),
     Figure(
         "dip test p-value",
-        "LayerwatchEntropySinglePeak",
+        "LayerwatchEntropyShapeChanged",
         lambda r, p, s: f"layerwatch_entropy_dip_p_value{{{config.EXPORTER_SELECTOR}, {s}}}",
         lambda p: DIP_ALPHA,
         fires_below=False,
+        trigger="single_peak",
+        applies=lambda p: p.bimodality.healthy_bimodal,
+    ),
+    Figure(
+        "entropy shape distance",
+        "LayerwatchEntropyShapeChanged",
+        lambda r, p, s: f"{r.entropy_shape_distance}{{{s}}}",
+        lambda p: p.bimodality.shape_distance_max or 0.0,  # applies only where it is recorded
+        fires_below=False,
+        trigger="shape",
+        applies=lambda p: bool(p.bimodality.histogram),
     ),
     Figure(
         "skip ratio",
@@ -177,3 +193,8 @@ FIGURES: tuple[Figure, ...] = (
         trigger="lost",
     ),
 )
+
+
+def figures_for(profile: Profile) -> tuple[Figure, ...]:
+    """The figures the profile's rules read."""
+    return tuple(figure for figure in FIGURES if figure.applies(profile))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from alerts.durations import Timing, parse_duration
 from alerts.profile import Profile
-from alerts.recorded import BY_MODEL, GATE_LAYER_IMPORTANCE_FLOOR, Recorded
+from alerts.recorded import BY_MODEL, ENTROPY_BELOW_HEALTHY, GATE_LAYER_IMPORTANCE_FLOOR, Recorded
 from layerwatch.catalog import ZERO_ENTROPY_LIMIT
 from mixin import config
 
@@ -307,8 +307,11 @@ def collector_failing(b: AlertBuild) -> list[dict]:
 # --- per-model alerts (thresholds from the profile) -------------------------------------------------
 
 
-@alert("LayerwatchEntropySinglePeak", severities=(PAGE,), default_for="10m", reads=("bimodality",))
-def entropy_single_peak(b: AlertBuild) -> list[dict]:
+# A departure from the healthy shape of the pooled entropy distribution (alerts/profile.py,
+# BimodalityProfile): a healthy shape with two humps that loses one (`single_peak`), or a window whose
+# distribution lies farther from the recorded healthy histogram than any healthy window did (`shape`).
+@alert("LayerwatchEntropyShapeChanged", severities=(PAGE,), default_for="10m", reads=("bimodality",))
+def entropy_shape_changed(b: AlertBuild) -> list[dict]:
     bp = b.profile.bimodality
     exporter = f"{config.EXPORTER_SELECTOR}, {b.selector}"
     baseline = (
@@ -324,27 +327,57 @@ def entropy_single_peak(b: AlertBuild) -> list[dict]:
         )
         or "not recorded in the profile"
     )
-    return [
-        b.rule(
-            # The exporter withholds the verdict below its own minimum window; the profile may ask for more.
-            f"layerwatch_entropy_bimodal{{{exporter}}} == 0\n"
-            f"and on ({BY_MODEL})\n"
-            f"layerwatch_entropy_window_observations{{{exporter}}} >= {bp.min_observations}",
-            "The gate entropy distribution is no longer bimodal (a single peak).",
-            f"The entropy window of {_WHERE} holds "
-            + _lookup("layerwatch_entropy_window_observations", "%.0f")
-            + " entropies and is not bimodal: bimodality coefficient "
-            + _lookup("layerwatch_entropy_bimodality_coefficient")
-            + ", dip "
-            + _lookup("layerwatch_entropy_dip")
-            + " (p = "
-            + _lookup("layerwatch_entropy_dip_p_value")
-            + "), "
-            + _lookup("layerwatch_entropy_peaks", "%.0f")
-            + f" peak(s). Healthy baseline: {baseline}. Gating has degraded into static "
-            "pruning or noise; the usual cause is gate weights overwritten or not loaded.",
+    window = (
+        "bimodality coefficient "
+        + _lookup("layerwatch_entropy_bimodality_coefficient")
+        + ", dip "
+        + _lookup("layerwatch_entropy_dip")
+        + " (p = "
+        + _lookup("layerwatch_entropy_dip_p_value")
+        + "), "
+        + _lookup("layerwatch_entropy_peaks", "%.0f")
+        + f" peak(s). Healthy baseline: {baseline}."
+    )
+    observations = _lookup("layerwatch_entropy_window_observations", "%.0f")
+    rules = []
+    if bp.healthy_bimodal:
+        rules.append(
+            b.rule(
+                # The exporter withholds the verdict below its own minimum window; the profile may ask for more.
+                f"layerwatch_entropy_bimodal{{{exporter}}} == 0\n"
+                f"and on ({BY_MODEL})\n"
+                f"layerwatch_entropy_window_observations{{{exporter}}} >= {bp.min_observations}",
+                "The gate entropy distribution is no longer bimodal (a single peak).",
+                f"The entropy window of {_WHERE} holds {observations} entropies and is not bimodal: {window} "
+                "Gating has degraded into static pruning or noise; the usual cause is gate weights overwritten or "
+                "not loaded.",
+                labels={"trigger": "single_peak"},
+            )
         )
-    ]
+    if bp.histogram:
+        gaps = (
+            "abs(layerwatch_entropy_window_below_ratio{instance=%q,model_name=%q} - on (model_name, edge) "
+            f"group_left () {ENTROPY_BELOW_HEALTHY})"
+        )
+        largest_gap = (
+            "{{ range printf `topk(1, " + gaps + ")` $labels.instance $labels.model_name | query }}"
+            "{{ .Labels.edge }}{{ end }}"
+        )
+        rules.append(
+            b.rule(
+                f"{b.recorded.entropy_shape_distance}{{{b.selector}}} > {bp.shape_distance_max}\n"
+                f"and on ({BY_MODEL})\n"
+                f"layerwatch_entropy_window_observations{{{exporter}}} >= {bp.shape_min_observations}",
+                "The gate entropy distribution has left the model's healthy shape.",
+                f"The entropy window of {_WHERE} holds {observations} entropies whose distribution lies "
+                f"{_value()} from the healthy one (the largest gap between their shares below an edge, here below "
+                f"{largest_gap}; limit {bp.shape_distance_max}, the most a healthy window moved): {window} The gates "
+                "score tokens differently than when the profile was measured: gate weights overwritten, reset or "
+                "for another model, or traffic unlike the calibration's (see the runbook).",
+                labels={"trigger": "shape"},
+            )
+        )
+    return rules
 
 
 # The pooled histogram stays bimodal when gating degrades into static pruning (docs/exporter.md,

@@ -212,8 +212,8 @@ def _verdict_mappings() -> list[dashboard_models.ValueMapping]:
     return [
         dashboard_models.ValueMap(
             options={
-                "1": dashboard_models.ValueMappingResult(text="bimodal (healthy)", color="green", index=0),
-                "0": dashboard_models.ValueMappingResult(text="single peak", color="red", index=1),
+                "1": dashboard_models.ValueMappingResult(text="bimodal", color="green", index=0),
+                "0": dashboard_models.ValueMappingResult(text="single peak", color="orange", index=1),
             }
         )
     ]
@@ -300,8 +300,8 @@ def _fleet_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dash
     d = d.with_panel(
         p.stat(
             "Instances unhealthy",
-            "Exporter targets of the model whose entropy verdict is a single peak or whose routing verdict is "
-            "static (LayerwatchEntropySinglePeak, LayerwatchRoutingStatic: those alerts name the instance), "
+            "Exporter targets of the model whose entropy shape has left its healthy one or whose routing verdict "
+            "is static (LayerwatchEntropyShapeChanged, LayerwatchRoutingStatic: those alerts name the instance), "
             "of every target reporting the model. A target whose verdicts are withheld counts as healthy.",
             [
                 (f"{r.fleet_gating_unhealthy}{{{MODEL}}}", "unhealthy"),
@@ -679,9 +679,10 @@ def _gate_entropy_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboa
     d = d.with_panel(
         p.stat(
             "Bimodality verdict",
-            "The exporter's verdict on its sliding window: two humps is healthy; "
-            "a single peak means gating degraded into static pruning or noise "
-            "(LayerwatchEntropySinglePeak). No value while the window is too small.",
+            "The exporter's verdict on its sliding window: two humps or one. For a model whose healthy shape "
+            "has two humps (its profile's bimodality), a single peak means gating degraded into static pruning "
+            "or noise (LayerwatchEntropyShapeChanged); a model whose healthy shape has one is judged by the shape "
+            "distance instead. No value while the window is too small.",
             [(f"layerwatch_entropy_bimodal{{{MODEL}}}", "")],
             mappings=_verdict_mappings(),
             no_value="collecting (window too small)",
@@ -754,8 +755,8 @@ def _entropy_distribution_panels(d: dashboard.Dashboard, p: Panels) -> dashboard
     d = d.with_panel(
         p.heatmap(
             "Entropy distribution over time",
-            "Gate entropies per 0.05-wide bin over time. Healthy: "
-            "two bands (redundant layers near 0.05–0.15, key layers near 0.25–0.35).",
+            "Gate entropies per 0.05-wide bin over time. Healthy: the model's recorded shape (the field's: "
+            "two bands, redundant layers near 0.05–0.15, key layers near 0.25–0.35).",
             f"sum by (le) (increase(layerwatch_entropy_bucket{{{MODEL}}}{RATE}))",
             "{{le}}",
             "none",

@@ -20,7 +20,7 @@ from datetime import datetime
 from alerts.durations import Timing
 from alerts.profile import Profile
 from alerts.recorded import Recorded
-from alerts.signals import FIGURES, Figure
+from alerts.signals import Figure, figures_for
 from demo.receiver import Notification, WebhookReceiver
 from mixin import config
 
@@ -124,7 +124,7 @@ class Snapshot:
             f"what the pages read (rates: last {self.window}; routing, peaks: the exporter's window)",
             f"  {'':27} {'now':>6}  limit",
         ]
-        for figure in FIGURES:
+        for figure in figures_for(profile):
             value = self.figures.get((model, figure.label))
             shown = "-" if value is None else figure.show(value)
             if figure.limit is None:
@@ -174,7 +174,7 @@ class AlertView:
             for model in self.profiles if models is None else models:
                 profile = self.profiles.get(model)
                 if profile is not None:
-                    for figure in FIGURES:
+                    for figure in figures_for(profile):
                         snap.figures[(model, figure.label)] = self._value(figure, profile)
         except (OSError, ValueError) as exc:
             snap.error = str(exc)

@@ -48,7 +48,7 @@ DRILLS: dict[str, Drill] = {
         Drill(
             "reset",
             ("--reset-gates",),
-            "LayerwatchEntropySinglePeak",
+            "LayerwatchEntropyShapeChanged",
             "gate weights overwritten with freshly initialised ones: every layer scores about 0.5",
         ),
         Drill(

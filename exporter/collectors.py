@@ -13,15 +13,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import numpy as np
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from exporter.state import ExporterState
 from layerwatch import prometheus
-from layerwatch.catalog import EXPORTER
+from layerwatch.catalog import ENTROPY_WINDOW_EDGES, EXPORTER
 from layerwatch.prometheus import HistogramArrays
 from layerwatch.routing import DYNAMIC
-from layerwatch.statistics import DECISIONS
+from layerwatch.statistics import DECISIONS, shares_below_edges
 
 
 def family(name: str) -> CounterMetricFamily | GaugeMetricFamily:
@@ -95,10 +96,11 @@ class WindowCollector(_StateCollector):
         "layerwatch_entropy_dip",
         "layerwatch_entropy_dip_p_value",
         "layerwatch_entropy_peaks",
+        "layerwatch_entropy_window_below_ratio",
     )
 
     def collect(self) -> Iterator[Metric]:
-        observations, bimodal, coefficient, dip, dip_p_value, peaks = map(family, self.metric_names)
+        observations, bimodal, coefficient, dip, dip_p_value, peaks, below = map(family, self.metric_names)
         for name in self._state.model_names():
             result = self._state.bimodality(name)
             observations.add_metric([name], result.observations)
@@ -108,6 +110,7 @@ class WindowCollector(_StateCollector):
                 or result.dip is None
                 or result.dip_p_value is None
                 or result.peaks is None
+                or result.histogram is None
             ):
                 continue
             bimodal.add_metric([name], 1 if result.bimodal else 0)
@@ -115,7 +118,9 @@ class WindowCollector(_StateCollector):
             dip.add_metric([name], result.dip)
             dip_p_value.add_metric([name], result.dip_p_value)
             peaks.add_metric([name], result.peaks)
-        yield from (observations, bimodal, coefficient, dip, dip_p_value, peaks)
+            for edge, share in zip(ENTROPY_WINDOW_EDGES, shares_below_edges(np.asarray(result.histogram))):
+                below.add_metric([name, edge], float(share))
+        yield from (observations, bimodal, coefficient, dip, dip_p_value, peaks, below)
 
 
 class RoutingCollector(_StateCollector):

@@ -19,6 +19,8 @@ EXPORTER = "exporter"
 
 # 20 equal buckets over [0, 1]: le = 0.05, 0.10, ... 0.95, 1.0 (docs/metrics.md).
 ENTROPY_BUCKETS: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(1, 21))
+# The `edge` labels of layerwatch_entropy_window_below_ratio: the inner edges of the 20 bins.
+ENTROPY_WINDOW_EDGES: tuple[str, ...] = tuple(f"{edge:g}" for edge in ENTROPY_BUCKETS[:-1])
 # An entropy below this counts as a "zero-entropy" layer (docs/metrics.md: layerwatch_entropy_zero_total).
 ZERO_ENTROPY_LIMIT = 0.01
 # Each layer's gate-importance correlation is computed over the last this many (gate score, update)
@@ -690,6 +692,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         ("model_name",),
         "Peaks found in the sliding window's 20-bin histogram.",
+        EXPORTER,
+    ),
+    _m(
+        "layerwatch_entropy_window_below_ratio",
+        "gauge",
+        ("model_name", "edge"),
+        "Share of the sliding window's entropies below the edge (0.05 to 0.95 by 0.05): the window's distribution, "
+        "compared with the profile's healthy one by the shape alert; absent while the window is too small.",
         EXPORTER,
     ),
     _m(

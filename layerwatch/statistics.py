@@ -12,6 +12,11 @@ The bimodality verdict (docs/exporter.md explains the choice of thresholds):
 on the sliding window's raw values, withheld while the window holds fewer than the minimum.
 Sarle's bimodality coefficient is reported but does not vote: flat and skewed single-hump shapes
 sit near its 5/9 line.
+
+The window's shape against a recorded healthy one (`shape_distance`): the largest gap between their
+cumulative shares below the 20-bin edges 0.05 … 0.95, the Kolmogorov-Smirnov distance of the two
+binned distributions (0: the same shape, 1: disjoint). A model whose healthy scores have one hump
+is judged by it rather than by the bimodality verdict (docs/alerting.md, "The entropy shape").
 """
 
 from __future__ import annotations
@@ -135,6 +140,7 @@ class Bimodality:
     dip: float | None
     dip_p_value: float | None
     peaks: int | None
+    histogram: tuple[int, ...] | None = None  # the window's 20 bins (histogram20)
 
     @property
     def withheld(self) -> bool:
@@ -147,9 +153,23 @@ def check_bimodality(values: np.ndarray, min_observations: int) -> Bimodality:
     if n < max(min_observations, 4):  # BC needs n > 3
         return Bimodality(n, None, None, None, None, None)
     dip, p_value = diptest.diptest(values.astype(np.float64))
-    peaks = count_peaks(histogram20(values))
+    histogram = histogram20(values)
+    peaks = count_peaks(histogram)
     bimodal = peaks >= 2 and p_value < DIP_ALPHA
-    return Bimodality(n, bimodal, bimodality_coefficient(values), float(dip), float(p_value), peaks)
+    counts = tuple(int(c) for c in histogram)
+    return Bimodality(n, bimodal, bimodality_coefficient(values), float(dip), float(p_value), peaks, counts)
+
+
+def shares_below_edges(histogram: np.ndarray) -> np.ndarray:
+    """The share of a 20-bin histogram's values below each inner edge 0.05 … 0.95 (19 values)."""
+    counts = np.asarray(histogram, dtype=np.float64)
+    return np.cumsum(counts)[:-1] / max(counts.sum(), 1.0)
+
+
+def shape_distance(histogram: np.ndarray, healthy: np.ndarray) -> float:
+    """The Kolmogorov-Smirnov distance between two 20-bin histograms (counts or shares): the largest
+    gap between their shares below an edge (see the module docstring)."""
+    return float(np.abs(shares_below_edges(histogram) - shares_below_edges(healthy)).max())
 
 
 def bimodality_coefficient(values: np.ndarray) -> float:

@@ -61,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults["threshold"],
         help="tau (default: the threshold the gates were trained for)",
     )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="chat traffic: each prompt is a whole line of --data sent as one user message, rendered by the model's "
+        "chat template as /v1/chat/completions renders it (default: completions of a line's first 2-6 words)",
+    )
     parser.add_argument("--prompts", type=int, default=defaults["prompts"], help="requests in the baseline")
     parser.add_argument(
         "--max-new-tokens", type=int, default=defaults["max_new_tokens"], help="tokens generated per request"
@@ -112,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             top_p=args.top_p,
             seed=args.seed,
+            chat=args.chat,
             chunk_tokens=args.chunk_tokens,
             margin=args.margin,
             min_observations=args.min_observations,

@@ -4,13 +4,14 @@ what they are (issue 34: a newcomer could not tell which figure had crossed whic
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from alerts.durations import Timing
-from alerts.profile_file import PROFILES_DIR, load_profile
+from alerts.profile_file import PROFILES_DIR, load_profile, load_profiles
 from alerts.recorded import Recorded
 from alerts.rules import model_rules, recorded_names, rule_groups
-from alerts.signals import FIGURES
+from alerts.signals import figures_for
 from demo.alert_view import PAST, RESTART_NOTE, PrometheusAlert, Snapshot
 from demo.receiver import Notification, WebhookReceiver
 from demo.stack import DEMO_TIMING, render_config
@@ -39,22 +40,28 @@ def figure_line(lines: list[str], label: str) -> str:
     return line
 
 
-def test_every_rule_that_pages_has_its_figure_on_screen():
+@pytest.mark.parametrize("profile", load_profiles(PROFILES_DIR), ids=lambda p: p.model_name)
+def test_every_rule_that_pages_has_its_figure_on_screen(profile):
+    rules = [rule for rule in model_rules(profile, Timing()) if "alert" in rule]
     paging = {
         (rule["alert"], rule["labels"].get("trigger"))
-        for rule in model_rules(PROFILE, Timing())
-        if "alert" in rule and rule["labels"]["severity"] == config.SEVERITY_PAGE
+        for rule in rules
+        if rule["labels"]["severity"] == config.SEVERITY_PAGE
     }
-    shown = {(figure.alert, figure.trigger) for figure in FIGURES}
+    shown = {(figure.alert, figure.trigger) for figure in figures_for(profile) if figure.alert}
+    # Every page has its figure, and every figure shown reads a rule of this profile's (the single-peak
+    # figures only where the healthy shape has two humps, the shape distance where it is recorded).
     assert paging - shown == set()
+    assert shown - {(rule["alert"], rule["labels"].get("trigger")) for rule in rules} == set()
     # The collapse floor pages nobody (a ticket) but is the skip ratio's other limit.
     assert ("LayerwatchSkippingCollapsed", None) in shown
 
 
 def test_every_figure_reads_series_that_exist():
     recorded = Recorded.for_timing(DEMO_TIMING.rules)
-    known = known_series(recorded_names(rule_groups([PROFILE], DEMO_TIMING.rules)))
-    check_queries([(figure.label, figure.query(recorded, PROFILE)) for figure in FIGURES], known)
+    known = known_series(recorded_names(rule_groups(load_profiles(PROFILES_DIR), DEMO_TIMING.rules)))
+    for profile in load_profiles(PROFILES_DIR):
+        check_queries([(figure.label, figure.query(recorded, profile)) for figure in figures_for(profile)], known)
 
 
 def test_the_runaway_drill_shows_its_fallbacks_past_the_limit_and_a_low_skip_ratio_unmarked():
@@ -109,8 +116,9 @@ def test_the_figures_say_their_unit_window_and_what_the_profile_expects():
     assert figure_line(lines, "newly static layers").endswith(
         f"1  ≤ 0      {PAST}LayerwatchRoutingStatic (new_static_layers)"
     )
-    assert figure_line(lines, "entropy peaks").endswith(f"1  ≥ 2      {PAST}LayerwatchEntropySinglePeak")
-    assert figure_line(lines, "dip test p-value").endswith(f"0.410  ≤ 0.050  {PAST}LayerwatchEntropySinglePeak")
+    single_peak = "LayerwatchEntropyShapeChanged (single_peak)"
+    assert figure_line(lines, "entropy peaks").endswith(f"1  ≥ 2      {PAST}{single_peak}")
+    assert figure_line(lines, "dip test p-value").endswith(f"0.410  ≤ 0.050  {PAST}{single_peak}")
     assert PAST not in figure_line(lines, "token-dependent share")
     assert figure_line(lines, "shadow agreement").endswith("-  ≥ 0.796  LayerwatchShadowAgreementLow")
 

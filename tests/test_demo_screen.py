@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from alerts.signals import FIGURES
+from alerts.profile_file import PROFILES_DIR, load_profile
+from alerts.signals import figures_for
 from demo.alert_view import PAST
 from tests.demo_screen import DATA, DOC, doc_sample, render, sample
 
@@ -22,7 +23,8 @@ def test_docs_demo_md_shows_the_screen_the_code_renders():
 
 def test_the_captured_run_holds_every_figure_a_page_reads():
     captured = {label for _, label, _ in SCREEN["figures"]}
-    assert {figure.label for figure in FIGURES} <= captured, "recapture: python -m tests.demo_screen capture"
+    demo = load_profile(PROFILES_DIR / "demo.yaml")
+    assert {figure.label for figure in figures_for(demo)} <= captured, "recapture: python -m tests.demo_screen capture"
 
 
 def test_the_screen_labels_what_each_figure_counts():

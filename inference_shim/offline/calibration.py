@@ -65,6 +65,7 @@ from inference_shim.runtime.depth_execution import DepthExecutionConfig
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.gates import LoadedGates, scramble_gates, shuffle_gates
 from inference_shim.runtime.model import KV_POLICIES, Transformer
+from inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.catalog import GATE_LAYER_SAMPLES
 from layerwatch.gate_importance import LayerSignalStats
 from layerwatch.request_tail import RequestLayers, request_skipping
@@ -86,6 +87,10 @@ class CalibrationSettings:
     temperature: float = 1.0  # OpenAI's defaults: the hottest of the demo load generator's traffic
     top_p: float = 1.0
     seed: int = 0
+    # Chat traffic: each prompt is one user message, a whole line of the text, rendered by the model's
+    # chat template as /v1/chat/completions renders it (an instruction-tuned model is served that way);
+    # else a completion prompt, the first words of a line.
+    chat: bool = False
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # decoded tokens per chunk when measuring how much window statistics vary
     margin: float = DEFAULT_MARGIN  # added on both sides of each measured band
     # Entropies the exporter's window needs before the single-peak alert may fire: the exporter's own
@@ -160,6 +165,24 @@ def line_prompts(documents: list[str], count: int, rng: random.Random) -> list[s
     return [" ".join(words[: rng.randint(2, min(6, len(words) - 1))]) for words in rng.choices(lines, k=count)]
 
 
+def chat_messages(documents: list[str], count: int, rng: random.Random) -> list[str]:
+    """`count` user messages: randomly chosen lines of the text of three words or more, whole."""
+    lines = [
+        " ".join(words) for document in documents for line in document.splitlines() if len(words := line.split()) >= 3
+    ]
+    if not lines:
+        raise ValueError("the text has no line of three words or more to use as a chat message")
+    return rng.choices(lines, k=count)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
+    """A prompt's ids as the shim encodes it: a chat message rendered by the chat template with the
+    assistant's turn opened (/v1/chat/completions), or completion text (/v1/completions)."""
+    if not chat:
+        return tokenizer.encode(prompt)
+    return tokenizer.encode_chat_prompt(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
+
+
 def generate_baseline(
     gated: GatedModel,
     policy: SkipPolicyConfig,
@@ -174,6 +197,7 @@ def generate_baseline(
     temperature: float,
     top_p: float,
     seed: int,
+    chat: bool = False,
 ) -> int:
     """Complete every prompt with the GenerationEngine, recording each decode step and each request's
     gated distribution (its shadow job); returns fallbacks."""
@@ -198,7 +222,7 @@ def generate_baseline(
     )
     submitted: dict[int, tuple[list[int], list[int]]] = {}  # sequence id -> (prompt, generated so far)
     for i, prompt in enumerate(prompts):
-        prompt_ids = tokenizer.encode(prompt)
+        prompt_ids = encode_prompt(tokenizer, prompt, chat)
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + i)
         submitted[engine.submit(prompt_ids, params, record=True)] = (prompt_ids, [])
     while engine.has_work():
@@ -341,7 +365,8 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
     prompt in the text, a baseline shorter than one chunk, shadow checks that never fill the
     gate-importance reservoir)."""
     s = settings
-    prompts = line_prompts(documents, s.prompts, random.Random(s.seed))
+    cut = chat_messages if s.chat else line_prompts
+    prompts = cut(documents, s.prompts, random.Random(s.seed))
     threshold = s.threshold if s.threshold is not None else gated.gates.metadata.threshold
     policy = gated.policy(threshold)
     baseline = Baseline()
@@ -358,6 +383,7 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         temperature=s.temperature,
         top_p=s.top_p,
         seed=s.seed,
+        chat=s.chat,
     )
     entropies, skipped = baseline.arrays()
     shadow = shadow_checks(gated, baseline.jobs)
@@ -371,7 +397,8 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         )
     request_skip_fractions = baseline.request_skip_fractions()
     source = (
-        f"layerwatch calibrate {datetime.date.today().isoformat()}: {len(prompts)} prompts from {data_name}, "
+        f"layerwatch calibrate {datetime.date.today().isoformat()}: {len(prompts)} "
+        f"{'chat messages (the chat template)' if s.chat else 'prompts'} from {data_name}, "
         f"{len(entropies)} decoded tokens (temperature {s.temperature:g}, top_p {s.top_p:g}), threshold "
         f"{threshold:g}, skip rule {policy.rule_description()}, gates sha256 {gated.gates.sha256[:12]}, "
         f"kv policy {s.kv_policy}, batch {s.batch_size}, depth execution {s.depth.describe()}"

@@ -2,7 +2,7 @@
 
 Each layer's gate is replaced by a constant, so nothing depends on the token any more while the
 model keeps about its skip ratio and its two entropy humps: the failure LayerwatchRoutingStatic
-exists for and LayerwatchEntropySinglePeak cannot see (docs/exporter.md, "Static pruning and the
+exists for and LayerwatchEntropyShapeChanged cannot see (docs/exporter.md, "Static pruning and the
 routing verdict").
 
 Design. The healthy scores are measured at start-up from the loaded gates, the way they are served:
@@ -18,7 +18,7 @@ GenerationEngine under the gate file's own threshold τ and patience. Then:
 Why not simply each layer's overall mean score: a layer that is below τ for half of the tokens
 averages to about τ, so the constants fill the valley between the humps and the pooled histogram
 becomes one peak (the demo model's means are 0.11-0.30 with most near 0.2): the drill would page
-LayerwatchEntropySinglePeak like `--reset-gates` does, instead of showing a static pruning that
+LayerwatchEntropyShapeChanged like `--reset-gates` does, instead of showing a static pruning that
 only the routing statistics can see.
 
 A constant gate is the gate architecture with zero weights and the output bias at logit(c):

@@ -25,7 +25,8 @@ import pytest
 
 from demo.processes import LAYERWATCH_COMMAND
 from exporter.live_view import MAX_PAGE_BYTES, scrape
-from layerwatch.catalog import EXPORTER, for_component
+from layerwatch.catalog import ENTROPY_WINDOW_EDGES, EXPORTER, for_component
+from layerwatch.statistics import shares_below_edges
 from layerwatch.wire import MAX_FRAME_BYTES, encode_frame
 from tests.exporter.support import DATA, GOLDEN_TRACE, random_frame, trace_frames
 from tests.slow_clients import Trickler, half_sent_requests
@@ -145,6 +146,10 @@ def test_live_exporter_agrees_with_replay(start_exporter) -> None:
         assert exporter.value("layerwatch_entropy_bimodality_coefficient", **model) == pytest.approx(
             report["bimodality_coefficient"], rel=1e-9
         )
+        # The window's distribution, which the shape alert compares with the profile's healthy one: the
+        # whole trace is in the window, so its shares below each edge are replay's histogram's.
+        below = [exporter.value("layerwatch_entropy_window_below_ratio", **model, edge=e) for e in ENTROPY_WINDOW_EDGES]
+        assert below == pytest.approx(shares_below_edges(np.asarray(report["histogram"])), abs=1e-12)
         count = sum(exporter.value("layerwatch_entropy_count", model_name=name, decision=d) for d in ("run", "skip"))
         skips = exporter.value("layerwatch_entropy_count", model_name=name, decision="skip")
         assert count == report["observations"] and skips / count == pytest.approx(report["skip_ratio"])

@@ -17,6 +17,7 @@ from layerwatch.statistics import (
     count_peaks,
     histogram20,
     le_bucket_index,
+    shape_distance,
 )
 
 N = 20_000
@@ -85,6 +86,32 @@ def test_the_verdict_is_withheld_below_the_minimum_window() -> None:
     assert result.observations == MIN_WINDOW - 1
     assert (result.dip, result.bimodality_coefficient, result.peaks) == (None, None, None)
     assert check_bimodality(two_humps(1)[:MIN_WINDOW], MIN_WINDOW).bimodal is True
+
+
+def test_shape_distance_is_the_kolmogorov_smirnov_distance_of_the_binned_distributions() -> None:
+    """A healthy shape of one hump (SmolLM2's kind) has no second peak to lose: the shape alert reads how far
+    a window's distribution lies from the recorded one. Two samples of one shape lie close, a shifted hump or
+    a collapse to one spike far; on binned data the distance is scipy's two-sample KS statistic evaluated
+    at the bin edges, which for values off the edges equals the largest gap of the empirical CDFs there."""
+    healthy = histogram20(SINGLE_PEAK["lognormal"])
+    assert shape_distance(healthy, healthy) == 0.0
+    again = histogram20(_clip(_rng(40).lognormal(math.log(0.2), 0.5, N)))
+    assert shape_distance(again, healthy) < 0.02
+    # The same 20,000 values: counts or shares, either way round.
+    assert shape_distance(healthy / healthy.sum(), healthy) == pytest.approx(0.0, abs=1e-12)
+    shifted = SINGLE_PEAK["hump at 0.50"]
+    edges = np.arange(1, 20) / 20
+    expected = np.abs(
+        np.searchsorted(np.sort(shifted), edges, side="left") / N
+        - np.searchsorted(np.sort(SINGLE_PEAK["lognormal"]), edges, side="left") / N
+    ).max()
+    assert shape_distance(histogram20(shifted), healthy) == pytest.approx(expected)
+    assert expected > 0.9
+    # Every entropy in one bin that held none of the healthy mass: disjoint.
+    assert shape_distance(histogram20(SINGLE_PEAK["all ones"]), histogram20(SINGLE_PEAK["all zeros"])) == 1.0
+    # A collapse onto the healthy mode still moves most of the mass below and above it.
+    collapsed = histogram20(_clip(_rng(41).normal(0.2, 0.005, N)))
+    assert shape_distance(collapsed, healthy) > 0.25
 
 
 def test_bimodality_coefficient_matches_sarles_formula_and_the_brief() -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from alerts.baseline import (
     MAX_HEALTHY_KL_NATS,
+    MAX_HEALTHY_SHAPE_DISTANCE,
     MIN_HEALTHY_AGREEMENT,
     MIN_REQUEST_NORMAL_SHARE,
     GateReadings,
@@ -30,6 +31,8 @@ from inference_shim.offline.calibration import (
     Baseline,
     CalibrationSettings,
     calibrate,
+    chat_messages,
+    encode_prompt,
     generate_baseline,
     line_prompts,
 )
@@ -42,7 +45,7 @@ from inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.catalog import GATE_LAYER_SAMPLES, REQUEST_FRACTION_BUCKETS
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS
 from layerwatch.skip_policy import SkipPolicyConfig
-from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS
+from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS, histogram20, shape_distance
 from layerwatch_cli.main import build_parser, main
 from tests.model.conftest import build_backend_tokenizer, random_gates, random_model
 from tests.model.test_eval_decode import model_dir, text_file  # noqa: F401 (fixtures)
@@ -213,6 +216,28 @@ def test_calibrate_measures_the_gate_floors_and_the_request_tail_from_its_own_ba
     assert sorted(result.request_skip_fractions) == pytest.approx(by_steps, abs=1e-12)
     assert profile.request_tail == request_tail_profile(result.request_skip_fractions, profile.skip_ratio_normal)
     assert max(result.request_skip_fractions) < profile.request_tail.runaway_skip_fraction
+
+
+def test_chat_baseline_sends_whole_lines_through_the_chat_template():
+    """An instruction-tuned model is served chat traffic (issue 33: SmolLM2-135M-Instruct's profile):
+    `calibrate --chat` sends each line of the text, whole, as one user message rendered by the model's
+    chat template with the assistant's turn opened, encoded as /v1/chat/completions encodes it."""
+    template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    tokenizer = Tokenizer(build_backend_tokenizer(), bos_token="<s>", eos_tokens=["</s>"], chat_template=template)
+    lines = ["What is the capital of France?", "Hi", "Write a short poem about the sea."]
+    messages = chat_messages(["\n".join(lines)], 20, random.Random(0))
+    assert set(messages) == {lines[0], lines[2]}  # whole lines of three words or more
+    ids = encode_prompt(tokenizer, lines[0], chat=True)
+    assert ids == tokenizer.encode(f"<|user|>{lines[0]}\n<|assistant|>", add_special_tokens=False)
+    assert encode_prompt(tokenizer, lines[0], chat=False) == tokenizer.encode(lines[0])
+    with pytest.raises(ValueError, match="no line of three words or more"):
+        chat_messages(["Hi\nthere you"], 3, random.Random(0))
+    parser = build_parser(["calibrate"], environ={})
+    assert parser.parse_args(["calibrate", "--data", "x", "--out", "y", "--chat"]).chat
+    assert not parser.parse_args(["calibrate", "--data", "x", "--out", "y"]).chat
 
 
 def test_calibrate_decodes_its_baseline_with_the_depth_execution_it_is_given(
@@ -492,6 +517,27 @@ def test_quality_cost_limit_is_a_factor_over_the_worst_chunk():
         quality_cost_limit(checks[:1], chunk_tokens=20)
 
 
+def test_a_healthy_shape_of_one_hump_is_recorded_not_refused():
+    """Issue 33: SmolLM2's healthy gate scores need not make two humps; calibrate refused such a baseline
+    ('not bimodal'). Its shape is recorded instead: the histogram, and the largest distance a healthy chunk
+    lay from it plus the margin, for windows of one chunk's entropies."""
+    rng = np.random.default_rng(5)
+    low = np.zeros((800, 8), dtype=bool)
+    low[:, :4] = rng.random((800, 4)) < 0.3
+    entropies = np.clip(rng.lognormal(np.log(0.3), 0.4, low.shape), 0, 1)
+    entropies[low] = rng.uniform(0.05, 0.18, int(low.sum()))
+    kwargs = dict(chunk_tokens=200, margin=0.03, min_observations=100, source="")
+    profile, stats = build_profile("m", 0.18, 3, 0.85, entropies, low, 0.8, **kwargs)
+    assert stats.bimodality.bimodal is False and not profile.bimodality.healthy_bimodal
+    assert baseline_problems(stats, 0.18) == []
+    shape = profile.bimodality
+    assert len(shape.histogram) == 20 and sum(shape.histogram) == pytest.approx(1.0, abs=1e-3)
+    assert shape.histogram == pytest.approx(histogram20(entropies) / entropies.size, abs=5e-5)
+    chunks = [shape_distance(histogram20(entropies[i : i + 200]), histogram20(entropies)) for i in range(0, 800, 200)]
+    assert shape.shape_distance_max == pytest.approx(max(chunks) + 0.03, abs=1e-4)
+    assert shape.shape_min_observations == 200 * 8
+
+
 def test_baseline_problems_name_each_figure_an_alert_could_not_use():
     rng = np.random.default_rng(3)
     # Two humps, and layers 0-3 below tau on a random half of the tokens: healthy.
@@ -507,14 +553,20 @@ def test_baseline_problems_name_each_figure_an_alert_could_not_use():
     assert agreement.startswith(f"shadow agreement 0.459, below {MIN_HEALTHY_AGREEMENT}")
     (cost,) = baseline_problems(healthy, 0.18, kl_nats_per_token=0.598)
     assert cost.startswith(f"quality cost 0.598 nats per token, above {MAX_HEALTHY_KL_NATS}")
-    # The same layers low on every token, one hump: the routing and single-peak alerts.
+    # The same layers low on every token: the routing alert.
     static = np.zeros_like(low)
     static[:, :4] = True
     one_hump = rng.normal(0.2, 0.03, low.shape)
     _, broken = build_profile("m", 0.18, 3, 0.85, np.where(static, 0.1, one_hump), static, 0.8, **kwargs)
-    routing, shape = baseline_problems(broken, 0.18)
+    (routing,) = baseline_problems(broken, 0.18)
     assert routing.startswith("routing static: token-dependent share 0.") and "below 0.5" in routing
-    assert shape.startswith("the entropy histogram is not bimodal (1 peak(s)")
+    # A shape that moves between chunks (one hump at 0.3, then at 0.6): the shape alert could not tell a
+    # departure from it.
+    moving = np.where(low, entropies, np.repeat([0.3, 0.3, 0.6, 0.6], 200)[:, None] + rng.normal(0, 0.02, low.shape))
+    _, restless = build_profile("m", 0.18, 3, 0.85, moving, low, 0.8, **kwargs)
+    (shape,) = baseline_problems(restless, 0.18)
+    assert shape.startswith("the entropy shape varies between the baseline's chunks up to a distance 0.")
+    assert f"above {MAX_HEALTHY_SHAPE_DISTANCE}" in shape
     # Nothing below tau (0: full depth): no skipping to compare with.
     _, idle = build_profile("m", 0.0, 3, 0.85, entropies, np.zeros_like(low), 0.8, **kwargs)
     assert baseline_problems(idle, 0.0) == [

@@ -234,7 +234,7 @@ def test_alerts_of_other_models_and_other_alerts_are_ignored_and_counted():
         state,
         alert(model="another-model"),
         alert("LayerwatchSkipRateSurge", severity="warning"),
-        alert("LayerwatchEntropySinglePeak", severity="critical"),
+        alert("LayerwatchEntropyShapeChanged", severity="critical"),
     )
     assert outcomes == ["other_model", "not_mitigating", "not_mitigating"]
     assert state.for_new_request() == NO_MITIGATION
@@ -288,13 +288,13 @@ def test_paging_callbacks_hear_each_paging_alert_fire_and_resolve_once():
     events: list[PagingEvent] = []
     state.on_paging.append(events.append)
     state.on_paging.insert(0, lambda event: 1 / 0)  # a failing reaction does not stop the others
-    apply(state, alert("LayerwatchEntropySinglePeak"), alert("LayerwatchEntropyDrift", severity="warning"))
-    apply(state, alert("LayerwatchEntropySinglePeak"))  # a repeat
-    apply(state, alert("LayerwatchEntropySinglePeak", status="resolved"))
-    apply(state, alert("LayerwatchEntropySinglePeak", model="another-model"))
+    apply(state, alert("LayerwatchEntropyShapeChanged"), alert("LayerwatchEntropyDrift", severity="warning"))
+    apply(state, alert("LayerwatchEntropyShapeChanged"))  # a repeat
+    apply(state, alert("LayerwatchEntropyShapeChanged", status="resolved"))
+    apply(state, alert("LayerwatchEntropyShapeChanged", model="another-model"))
     assert [(e.alertname, e.firing) for e in events] == [
-        ("LayerwatchEntropySinglePeak", True),
-        ("LayerwatchEntropySinglePeak", False),
+        ("LayerwatchEntropyShapeChanged", True),
+        ("LayerwatchEntropyShapeChanged", False),
     ]
 
 

@@ -129,7 +129,7 @@ def test_amtool_check_config(amtool: str, stack: deploy.Stack, which: str) -> No
 @pytest.mark.parametrize(
     "labels, receiver",
     [
-        (["severity=critical", "alertname=LayerwatchEntropySinglePeak", "model_name=demo"], "pager"),
+        (["severity=critical", "alertname=LayerwatchEntropyShapeChanged", "model_name=demo"], "pager"),
         (["severity=critical", "alertname=LayerwatchTargetDown", "instance=shim:8000"], "pager"),
         (["severity=warning", "alertname=LayerwatchSkipRateSurge", "model_name=demo"], "ticket"),
         (["alertname=SomethingWithoutSeverity"], "ticket"),

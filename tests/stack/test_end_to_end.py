@@ -4,10 +4,10 @@ scraping a real `layerwatch serve` and `layerwatch exporter` under generated loa
 One stack per module (`stack` fixture); the tests are phases and run in file order:
 1. a healthy baseline fires no layerwatch alert;
 2. the shim restarted with `--static-gates` (gating degraded into static pruning, two entropy humps
-   kept) pages LayerwatchRoutingStatic while LayerwatchEntropySinglePeak stays silent; then the
+   kept) pages LayerwatchRoutingStatic while LayerwatchEntropyShapeChanged stays silent; then the
    healthy shim is restored and every alert resolves;
 3. the shim restarted with `--reset-gates` (the field's "gate weights overwritten" incident) pages
-   LayerwatchEntropySinglePeak and tickets LayerwatchGateWeightsChanged; the fresh gates skip
+   LayerwatchEntropyShapeChanged and tickets LayerwatchGateWeightsChanged; the fresh gates skip
    nothing, so the quality guard measures no cost and its pages stay silent;
 4. the shim restarted with `--threshold 0.95` pages LayerwatchRunawaySkipping (the fallback
    breaker trips over and over);
@@ -426,11 +426,11 @@ def test_static_gates_page_routing_static_while_single_peak_stays_silent(stack: 
 
     # The single-peak alert stays silent: the constants keep the two humps. Watched until its own
     # `for:` has run on a window that holds nothing but the static gates' entropies.
-    watch_until = serving + EXPORTER_WINDOW_SECONDS + stack.for_seconds("LayerwatchEntropySinglePeak")
+    watch_until = serving + EXPORTER_WINDOW_SECONDS + stack.for_seconds("LayerwatchEntropyShapeChanged")
     fired = _watch_alerts(stack, watch_until + 3 * EVALUATION_INTERVAL)
-    assert "LayerwatchEntropySinglePeak" not in fired, stack.diagnostics()
+    assert "LayerwatchEntropyShapeChanged" not in fired, stack.diagnostics()
     assert "LayerwatchRoutingStatic" in fired
-    assert not stack.alertmanager_alerts("LayerwatchEntropySinglePeak")
+    assert not stack.alertmanager_alerts("LayerwatchEntropyShapeChanged")
     model = f'model_name="{stack.model_name}"'
     assert values(stack.query(f"layerwatch_entropy_bimodal{{{model}}}")) == [1.0]  # two humps ...
     assert values(stack.query(f"layerwatch_routing_dynamic{{{model}}}")) == [0.0]  # ... but static
@@ -474,12 +474,12 @@ def test_reset_gates_page_single_peak_and_gate_weights_changed(stack: Stack) -> 
     injected, serving = stack.restart_shim("--reset-gates")
     alerts = stack.wait_for_pages(
         "gates reset (`--reset-gates`)",
-        ["LayerwatchEntropySinglePeak", "LayerwatchGateWeightsChanged"],
+        ["LayerwatchEntropyShapeChanged", "LayerwatchGateWeightsChanged"],
         injected,
         serving,
     )
 
-    single_peak = alerts["LayerwatchEntropySinglePeak"]
+    single_peak = alerts["LayerwatchEntropyShapeChanged"]
     assert single_peak["labels"]["severity"] == "critical"
     assert single_peak["labels"]["instance"] == stack.exporter_instance  # the exporter's verdict
     (reset_sha,) = _served_hashes(stack) - {healthy_sha}

@@ -6,7 +6,7 @@ VictoriaMetrics that Prometheus remote-writes to (the long-term store).
 One stack per module (`fleet` fixture); the tests are phases and run in file order:
 1. healthy: both exporters' verdicts are in and healthy, the fleet shows 0 of 2 instances unhealthy,
    and the fleet's skip ratio lies between the two shims' own;
-2. shim b restarted with `--reset-gates`: LayerwatchEntropySinglePeak pages naming b's exporter, the
+2. shim b restarted with `--reset-gates`: LayerwatchEntropyShapeChanged pages naming b's exporter, the
    dashboard's "Instances unhealthy" panel (its queries as Grafana sends them) shows 1 of 2, and no
    alert about a's shim or exporter fires at any point of phases 1 and 2 (pending is allowed: on the
    scaled 3 s window LayerwatchShadowAgreementLow's ratio over a handful of greedy tokens dips below
@@ -272,10 +272,10 @@ def test_reset_gates_on_one_instance_pages_it_and_the_fleet_shows_one_of_two(fle
         fleet.watch_healthy_member()
         pages = [
             a
-            for a in fleet.alertmanager_alerts("LayerwatchEntropySinglePeak")
+            for a in fleet.alertmanager_alerts("LayerwatchEntropyShapeChanged")
             if a["status"]["state"] == "active" and a["labels"].get("model_name") == DEMO_MODEL_NAME
         ]
-        paged_at = fleet.webhooks.first_firing("/pager", "LayerwatchEntropySinglePeak", injected)
+        paged_at = fleet.webhooks.first_firing("/pager", "LayerwatchEntropyShapeChanged", injected)
         if pages and paged_at is not None:
             break
         assert time.monotonic() < deadline, (
@@ -298,7 +298,7 @@ def test_reset_gates_on_one_instance_pages_it_and_the_fleet_shows_one_of_two(fle
     fleet.watch_healthy_member()
     assert fleet.healthy_member_alerts == set(), fleet.healthy_member_alerts
     print(
-        f"\nreset gates on b: serving again {serving - injected:.1f}s, LayerwatchEntropySinglePeak active in "
+        f"\nreset gates on b: serving again {serving - injected:.1f}s, LayerwatchEntropyShapeChanged active in "
         f"Alertmanager {in_alertmanager - injected:.1f}s, at the pager {paged_at - injected:.1f}s after the restart"
     )
 

@@ -195,5 +195,5 @@ def test_generation_fails_when_a_panel_reads_an_undefined_metric(monkeypatch, tr
 def test_generation_fails_when_a_rule_reads_an_undefined_metric(monkeypatch, tree: Path) -> None:
     real = catalog.all_series_names
     monkeypatch.setattr(catalog, "all_series_names", lambda: real() - {"layerwatch_entropy_dip"})
-    with pytest.raises(UnknownMetricError, match=r"rule LayerwatchEntropySinglePeak \(annotation\)"):
+    with pytest.raises(UnknownMetricError, match=r"rule LayerwatchEntropyShapeChanged \(annotation\)"):
         artifacts.generated_files(tree)

@@ -89,8 +89,21 @@ def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
     assert p.runaway_skip_ratio == 0.85 and p.zero_ratio_page == 0.40
     assert p.gate_importance == GateImportance(correlation_min=0.03)  # a correlation, not a fraction: [-1, 1]
     assert p.skip_collapse_fraction == 0.5 and p.routing.min_tokens == 200  # the exporter's minimum
-    assert _for_seconds(p, "LayerwatchEntropySinglePeak") == 600
+    assert _for_seconds(p, "LayerwatchEntropyShapeChanged") == 600
     assert (p.request_tail.runaway_skip_fraction, p.request_tail.normal_share) == (0.5, 0.01)
+
+
+def _shape(**change: object) -> dict:
+    """A recorded healthy shape of one hump (bimodality's fields), with `change` applied."""
+    shares = [0.0, 0.1, 0.2, 0.3, 0.2, 0.1, 0.1] + [0.0] * 13
+    shape = {"min_observations": 1000, "peaks": 1, "histogram": shares, "shape_distance_max": 0.05}
+    return shape | {"shape_min_observations": 15360} | change
+
+
+def test_a_recorded_shape_of_one_hump_loads(tmp_path: Path) -> None:
+    p = load_profile(write(tmp_path, reference_data() | {"bimodality": _shape()}))
+    assert not p.bimodality.healthy_bimodal and p.bimodality.histogram[3] == 0.3
+    assert (p.bimodality.shape_distance_max, p.bimodality.shape_min_observations) == (0.05, 15360)
 
 
 @pytest.mark.parametrize(
@@ -115,6 +128,23 @@ def test_defaults_fill_optional_fields(tmp_path: Path) -> None:
         ({"bimodality": {"min_observations": 0}}, "bimodality.min_observations", "at least 1"),
         ({"bimodality": {"min_observations": 72_001}}, "bimodality.min_observations", "at most 72000"),
         ({"model_name": "demo\n"}, "model_name", "must match"),
+        # A healthy shape the shape alert can use: two humps, or a recorded histogram with its limit.
+        ({"bimodality": {"min_observations": 1000, "peaks": 1}}, "bimodality", "no histogram is recorded"),
+        (
+            {"bimodality": {"min_observations": 1000, "peaks": 2, "dip_p_value": 0.4}},
+            "bimodality",
+            "the healthy shape is not bimodal",
+        ),
+        (
+            {"bimodality": {"min_observations": 1000, "peaks": 1, "histogram": [0.05] * 20}},
+            "bimodality",
+            "shape_distance_max, shape_min_observations missing",
+        ),
+        ({"bimodality": _shape(histogram=[0.05] * 19)}, "bimodality.histogram", "19 shares, not one per bin (20)"),
+        ({"bimodality": _shape(histogram=[0.025] * 20)}, "bimodality.histogram", "sum to 0.5000, not 1"),
+        ({"bimodality": _shape(histogram=[1.5] + [0.0] * 19)}, "bimodality.histogram", "must lie in [0, 1]"),
+        ({"bimodality": _shape(shape_distance_max=0.0)}, "bimodality.shape_distance_max", "strictly between 0 and 1"),
+        ({"bimodality": _shape(shape_min_observations=0)}, "bimodality.shape_min_observations", "must be 1.."),
         # A floor for the pooled correlation of old would page on healthy gates: named, not "unknown".
         ({"gate_importance_correlation_min": 0.178}, "gate_importance_correlation_min", "retired"),
         ({"gate_importance": {"correlation_min": -1.5}}, "gate_importance.correlation_min", "outside [-1, 1]"),
