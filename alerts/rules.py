@@ -65,6 +65,7 @@ class ProfileSeries:
     shadow_agreement_min: str = _profile_name("shadow_agreement", "min")
     shadow_kl_nats_max: str = _profile_name("shadow_kl_nats", "max")
     gate_importance_min: str = _profile_name("gate_importance", "min")
+    entropy_shape_distance_max: str = _profile_name("entropy_shape_distance", "max")
     threshold: str = _profile_name("threshold", "value")
 
 
@@ -89,6 +90,12 @@ def profile_series(profile: Profile) -> dict[str, float]:
         n.shadow_kl_nats_max: p.shadow_kl_nats_max,
         n.gate_importance_min: p.gate_importance.correlation_min,
         n.threshold: p.threshold,
+        # Only where the profile records the healthy shape (alerts/profile.py).
+        **(
+            {}
+            if p.bimodality.shape_distance_max is None
+            else {n.entropy_shape_distance_max: p.bimodality.shape_distance_max}
+        ),
     }
 
 

@@ -717,10 +717,10 @@ def _gate_entropy_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboa
             width=12,
         )
     )
-    return _entropy_distribution_panels(d, p)
+    return _entropy_distribution_panels(d, p, r)
 
 
-def _entropy_distribution_panels(d: dashboard.Dashboard, p: Panels) -> dashboard.Dashboard:
+def _entropy_distribution_panels(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dashboard:
     """The rest of the Gate entropy row: routing's token-dependent share and the entropy's distribution."""
     d = d.with_panel(
         p.timeseries(
@@ -761,7 +761,23 @@ def _entropy_distribution_panels(d: dashboard.Dashboard, p: Panels) -> dashboard
             "{{le}}",
             "none",
             PromQueryFormat.HEATMAP,
-            width=16,
+            width=8,
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Entropy shape distance",
+            "How far the exporter window's entropy distribution lies from the healthy shape the model's profile "
+            "records: the largest gap between their shares below a bin edge (0: the same shape, 1: disjoint), with "
+            "the profile's limit, the most a healthy window moved (LayerwatchEntropyShapeChanged, trigger shape). "
+            "No value for a model whose profile records no histogram, or while the window is too small.",
+            "percentunit",
+            [
+                (f"{r.entropy_shape_distance}{{{MODEL}}}", "distance {{instance}}"),
+                (f"{PROFILE.entropy_shape_distance_max}{{{MODEL}}}", "limit: max"),
+            ],
+            width=8,
+            limits="limit",
         )
     )
     shape_title = f"Entropy histogram, last {_in_words(config.RATE_WINDOW)}"
