@@ -30,6 +30,36 @@ PROMPTS = (
     "Praise ye the LORD.",
 )
 
+# Short chat turns as people type them to a small assistant: the load of an instruction-tuned model,
+# each sent as one user message through /v1/chat/completions, so that the served model's own chat
+# template frames it (`Traffic.chat`).
+CHAT_PROMPTS = (
+    "What is the capital of France?",
+    "Give me three tips for sleeping better.",
+    "Write a haiku about the sea.",
+    "How do I boil an egg?",
+    "Explain photosynthesis in one sentence.",
+    "What's a good name for a black cat?",
+    "How do you say 'good morning' in Spanish?",
+    "Why is the sky blue?",
+    "Suggest a quick vegetarian dinner.",
+    "What should I pack for a weekend hike?",
+    "Tell me a fun fact about octopuses.",
+    "How can I stay focused while studying?",
+)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What the load's sampled requests say, and through which route."""
+
+    prompts: tuple[str, ...]
+    chat: bool  # each prompt a user message to /v1/chat/completions; else a prompt to /v1/completions
+
+
+BOOK = Traffic(PROMPTS, chat=False)  # the demo model's: the book it was trained on, continued
+CHAT = Traffic(CHAT_PROMPTS, chat=True)
+
 # The load's sampling, request i at TEMPERATURES[i % 2] with its own seed: what chat clients send
 # (OpenAI's default temperature 1, and a cooler 0.7), top_p left at its default 1. No greedy share:
 # the shim's shadow check compares requests at any temperature.
@@ -138,17 +168,21 @@ def _one_request(
     stream: bool,
     temperature: float,
     timeout: float,
-    prompts: tuple[str, ...] = PROMPTS,
+    traffic: Traffic = BOOK,
 ) -> tuple[int, dict | None]:
-    body = {"model": model, "prompt": rng.choice(prompts), "max_tokens": max_tokens, "stream": stream}
-    body["temperature"] = temperature
+    text = rng.choice(traffic.prompts)
+    body: dict = {"model": model, "max_tokens": max_tokens, "stream": stream, "temperature": temperature}
+    if traffic.chat:
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": text}]
+    else:
+        path, body["prompt"] = "/v1/completions", text
     if temperature > 0:
         body["seed"] = rng.randrange(1 << 30)
     if stream:
         body["stream_options"] = {"include_usage": True}
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()
         payload = resp.read()
         if resp.status != 200:
@@ -180,11 +214,12 @@ def run_load(
     stop: threading.Event | None = None,
     timeout: float = 120.0,
     category: Category | None = None,
+    traffic: Traffic = BOOK,
 ) -> LoadReport:
-    """Send completions from `concurrency` threads until `duration` seconds, `max_requests` or `stop`.
+    """Send `traffic` from `concurrency` threads until `duration` seconds, `max_requests` or `stop`.
 
     Requests sample at TEMPERATURES in turn, each with its own seed. With a `category`, its share of
-    the requests (evenly spread) use its prompts and settings instead.
+    the requests (evenly spread) use its prompts and settings instead (completions).
     """
     parts = urlsplit(base_url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
@@ -207,11 +242,19 @@ def run_load(
             if category is not None and in_category:
                 temperature = 0.0 if category.greedy else TEMPERATURES[request % len(TEMPERATURES)]
                 status, usage = _one_request(
-                    host, port, model, rng, category.max_tokens, stream, temperature, timeout, category.prompts
+                    host,
+                    port,
+                    model,
+                    rng,
+                    category.max_tokens,
+                    stream,
+                    temperature,
+                    timeout,
+                    Traffic(category.prompts, chat=False),
                 )
             else:
                 temperature = TEMPERATURES[request % len(TEMPERATURES)]
-                status, usage = _one_request(host, port, model, rng, max_tokens, stream, temperature, timeout)
+                status, usage = _one_request(host, port, model, rng, max_tokens, stream, temperature, timeout, traffic)
             merge.add(status, usage, time.monotonic() - started, in_category)
             if status in (0, 429, 503):
                 # Not reachable, full, or draining for a restart: back off instead of spinning (a drill's

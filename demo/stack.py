@@ -1,9 +1,10 @@
 """The processes of one demo run: the exporter and the shim, then Prometheus and Alertmanager with
 the repository's own rendered configs when their binaries are installed.
 
-The monitoring side runs on the end-to-end test's timing (docs/end-to-end.md): the production rules
-with every window, `for:` and Alertmanager wait scaled by TIME_SCALE, scraped and evaluated every
-second, and a 10 s exporter window, so that a fault pages within about a minute instead of 10 to 20.
+The monitoring side runs on a scaled timing (`StackTiming`; the demo model's is the end-to-end test's,
+docs/end-to-end.md): the production rules with every window, `for:` and Alertmanager wait scaled,
+scraped and evaluated every second, and a short exporter window, so that a fault pages within about a
+minute or a few instead of 10 to 20.
 Alertmanager delivers to a receiver in the demo's own process (demo/receiver.py).
 
 Every process is started through ManagedProcess (its log in the run's workdir) and stopped, in
@@ -18,6 +19,7 @@ import socket
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from alerts.durations import Timing
@@ -26,27 +28,45 @@ from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
 from demo.receiver import PAGER_PATH, TICKET_PATH, WebhookReceiver
 from deploy.render import Stack, render_stack
 
-TIME_SCALE = 0.01  # 5m -> 3s, 10m -> 6s, 1h -> 36s
 SCRAPE_INTERVAL = EVALUATION_INTERVAL = 1.0
-EXPORTER_WINDOW_SECONDS = 10.0  # the bimodality and routing window (the exporter's default: 300 s)
-TIMING = Timing(TIME_SCALE)
 # Alertmanager's repeat intervals stay production's (a page 1h, a ticket 4h): scaled, a page still
 # firing came again every 36 s, five notifications of one alert in a minute and a quarter; a repeat
 # is a reminder, not news, and a demo is over long before one.
 REPEAT_TIME_SCALE = 1.0
-# What the terminal says about it.
-TIMING_NOTE = (
-    f"timing             rules' windows, for: and Alertmanager waits x {TIME_SCALE:g} (5m -> {TIMING(300)}, "
-    f"10m -> {TIMING(600)}), scrape and evaluation {SCRAPE_INTERVAL:g}s, exporter window {EXPORTER_WINDOW_SECONDS:g}s\n"
-    "                   so that a fault pages within about a minute (in production: 10-20 minutes)"
-)
+
+
+@dataclass(frozen=True)
+class StackTiming:
+    """How fast the monitoring runs: the production rules with every window, `for:` and Alertmanager
+    wait × `time_scale`, and the exporter's bimodality and routing window (its default: 300 s)."""
+
+    time_scale: float
+    exporter_window_seconds: float
+
+    @property
+    def rules(self) -> Timing:
+        return Timing(self.time_scale)
+
+    def note(self) -> str:
+        """What the terminal says about it."""
+        return (
+            f"timing             rules' windows, for: and Alertmanager waits x {self.time_scale:g} "
+            f"(5m -> {self.rules(300)}, 10m -> {self.rules(600)}), scrape and evaluation {SCRAPE_INTERVAL:g}s, "
+            f"exporter window {self.exporter_window_seconds:g}s\n"
+            "                   so that a fault pages within minutes (in production: 10-20 minutes)"
+        )
+
+
+# The embedded demo model's, the end-to-end test's: 5m -> 3s, 10m -> 6s, 1h -> 36s, a 10 s window.
+DEMO_TIMING = StackTiming(time_scale=0.01, exporter_window_seconds=10.0)
 
 
 class DemoStack:
     """The processes of one demo run, stopped in reverse order of starting."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, timing: StackTiming = DEMO_TIMING) -> None:
         self.workdir = workdir
+        self.timing = timing
         self.processes: list[ManagedProcess] = []
         self.model_name = ""
         self.shim_url = ""
@@ -66,7 +86,10 @@ class DemoStack:
             self.processes.append(proc)
         return proc
 
-    def start_core(self, *, port: int, exporter_port: int, shadow_rate: float, model: str | None) -> tuple[str, str]:
+    def start_core(
+        self, *, port: int, exporter_port: int, shadow_rate: float, model_flags: list[str]
+    ) -> tuple[str, str]:
+        """Start the exporter and the shim (`serve` with `model_flags`: the embedded model without any)."""
         cli = LAYERWATCH_COMMAND
         udp_port = free_port(socket.SOCK_DGRAM)
         exporter_url = f"http://127.0.0.1:{exporter_port}"
@@ -74,7 +97,7 @@ class DemoStack:
             "exporter",
             cli
             + ["exporter", "--listen", f"127.0.0.1:{udp_port}", "--http", f"127.0.0.1:{exporter_port}"]
-            + ["--window-seconds", f"{EXPORTER_WINDOW_SECONDS:g}", "--statistics-cache-seconds", "0.5"],
+            + ["--window-seconds", f"{self.timing.exporter_window_seconds:g}", "--statistics-cache-seconds", "0.5"],
         )
         shim_argv = cli + [
             "serve",
@@ -84,9 +107,8 @@ class DemoStack:
             f"127.0.0.1:{udp_port}",
             "--shadow-rate",
             str(shadow_rate),
+            *model_flags,
         ]
-        if model:
-            shim_argv += ["--model", model]
         self._shim_argv = shim_argv
         shim = self._start("shim", shim_argv)
         exporter.wait_http(exporter_url + "/healthz", timeout=30)
@@ -123,7 +145,13 @@ class DemoStack:
         """Start Alertmanager (routing to `receiver`) and Prometheus (evaluating the rules of
         `profiles`); returns Prometheus' URL."""
         paths = render_config(
-            self.workdir / "config", profiles, shim_url, exporter_url, receiver, f"127.0.0.1:{alertmanager_port}"
+            self.workdir / "config",
+            profiles,
+            shim_url,
+            exporter_url,
+            receiver,
+            f"127.0.0.1:{alertmanager_port}",
+            self.timing,
         )
         # A fresh store each run: a reused --workdir's old series (other ports, other gates) would
         # still answer queries for Prometheus' 5-minute lookback, and old alerts would fire again.
@@ -176,8 +204,9 @@ def render_config(
     exporter_url: str,
     receiver: WebhookReceiver,
     alertmanager_target: str,
+    timing: StackTiming = DEMO_TIMING,
 ) -> Stack:
-    """The demo's Prometheus and Alertmanager configs and rules, on its timing, into `dest`."""
+    """The demo's Prometheus and Alertmanager configs and rules, on `timing`, into `dest`."""
     return render_stack(
         dest,
         profiles=profiles,
@@ -188,7 +217,7 @@ def render_config(
         ticket_url=receiver.url(TICKET_PATH),
         scrape_interval=SCRAPE_INTERVAL,
         evaluation_interval=EVALUATION_INTERVAL,
-        time_scale=TIME_SCALE,
+        time_scale=timing.time_scale,
         repeat_time_scale=REPEAT_TIME_SCALE,
     )
 

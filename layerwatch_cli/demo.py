@@ -1,8 +1,9 @@
 """`layerwatch demo`: the whole stack on the embedded demo model, in one terminal.
 
-Starts the exporter and the shim (on the demo model unless --model is given), Prometheus and
-Alertmanager with the repo's own configs on the end-to-end test's scaled timing when their binaries
-are installed (Alertmanager delivering to a receiver in this process), and a load generator (sampled
+Starts the exporter and the shim (on the demo model, or the model --model names: demo/models.py has
+each one's serving, load and timing; `smollm2` is a real one), Prometheus and Alertmanager with the
+repo's own configs on scaled timing (the demo model's: the end-to-end test's) when their binaries are
+installed (Alertmanager delivering to a receiver in this process), and a load generator (sampled
 requests only, demo/loadgen.py); then shows the live entropy histogram with the alert state and the
 figures each page reads beside it (without Prometheus: the shim's shadow check since it started)
 until --duration, Ctrl-C, SIGTERM or SIGHUP (its terminal closed). With --drill, a fault is injected
@@ -30,8 +31,9 @@ from alerts.profile_file import PROFILES_DIR, ProfileError, load_profiles
 from demo.alert_view import AlertView
 from demo.drills import DRILLS, DrillRun
 from demo.loadgen import run_load
+from demo.models import DEFAULT_MODEL, DEMO_MODELS, demo_model, model_cache, serve_flags
 from demo.receiver import WebhookReceiver
-from demo.stack import TIMING, TIMING_NOTE, DemoStack, host_port, monitoring_installed
+from demo.stack import DemoStack, host_port, monitoring_installed
 from exporter.live_view import CLEAR_SCREEN, Samples, fit_view, render_samples, scrape, total
 from layerwatch import argtypes, ports
 from layerwatch_cli.signals import Stopped
@@ -41,7 +43,14 @@ STOP_HINT = "(Ctrl-C stops the demo)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded demo model)")
+    parser.add_argument(
+        "--model",
+        type=demo_model,
+        default=DEFAULT_MODEL,
+        metavar="NAME|DIR",
+        help="; ".join(f"{m.name}: {m.what}" for m in DEMO_MODELS.values())
+        + f" (default {DEFAULT_MODEL.name}); or a checkpoint folder",
+    )
     parser.add_argument(
         "--port", type=argtypes.port, default=ports.SHIM_HTTP_PORT, help="shim HTTP port (default %(default)s)"
     )
@@ -63,16 +72,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(DRILLS),
         default=None,
         help="after --baseline seconds of healthy traffic, restart the shim with a fault and show its page: "
-        + "; ".join(f"{d.name}: {' '.join(d.serve_flags)} pages {d.page}" for d in DRILLS.values()),
+        + "; ".join(f"{d.name}: {' '.join(d.serve_flags)} pages {d.page}" for d in DRILLS.values())
+        + "".join(
+            f" (on {m.name}: "
+            + "; ".join(f"{d.name}: {' '.join(d.serve_flags)}" for d in m.drill_overrides.values())
+            + ")"
+            for m in DEMO_MODELS.values()
+            if m.drill_overrides
+        ),
     )
     parser.add_argument(
         "--baseline",
         type=float,
-        default=20.0,
-        help="seconds of healthy traffic before a drill's fault (default %(default)s)",
+        default=None,
+        help="seconds of healthy traffic before a drill's fault (default: the model's, "
+        + _defaults("baseline_seconds")
+        + ")",
     )
-    parser.add_argument("--concurrency", type=int, default=2, help="load generator clients (default %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=48, help="tokens per generated completion")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="load generator clients (default: " + _defaults("concurrency") + ")",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="tokens per generated completion (default: " + _defaults("max_tokens") + ")",
+    )
     parser.add_argument(
         "--shadow-rate",
         type=float,
@@ -96,8 +124,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _defaults(setting: str) -> str:
+    """A flag's default on each demo model, in words: `demo 2, smollm2 1`."""
+    return ", ".join(f"{m.name} {getattr(m, setting):g}" for m in DEMO_MODELS.values())
+
+
 def run(args: argparse.Namespace) -> int:
-    drill = DRILLS[args.drill] if args.drill else None
+    model = args.model
+    baseline = model.baseline_seconds if args.baseline is None else args.baseline
+    concurrency = model.concurrency if args.concurrency is None else args.concurrency
+    max_tokens = model.max_tokens if args.max_tokens is None else args.max_tokens
+    drill = model.drill(args.drill) if args.drill else None
     monitoring = not args.no_prometheus and monitoring_installed()
     if drill is not None and not monitoring:
         why = "--no-prometheus was given" if args.no_prometheus else f"they are not installed: {INSTALL_HINT}"
@@ -111,14 +148,15 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="layerwatch-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     failed = False
-    stack = DemoStack(workdir)
+    stack = DemoStack(workdir, model.timing)
     receiver = WebhookReceiver() if monitoring else None
     stop = threading.Event()
     drill_run: DrillRun | None = None
     interrupted = False
     try:
+        model_flags = serve_flags(model, model_cache(), _say)
         shim_url, exporter_url = stack.start_core(
-            port=args.port, exporter_port=args.exporter_port, shadow_rate=args.shadow_rate, model=args.model
+            port=args.port, exporter_port=args.exporter_port, shadow_rate=args.shadow_rate, model_flags=model_flags
         )
         lines = [
             f"shim (OpenAI API)  {shim_url}/v1   metrics {shim_url}/metrics",
@@ -135,12 +173,12 @@ def run(args: argparse.Namespace) -> int:
                 prometheus_port=args.prometheus_port,
                 alertmanager_port=args.alertmanager_port,
             )
-            view = AlertView(prometheus_url, profiles, TIMING, receiver)
+            view = AlertView(prometheus_url, profiles, stack.timing.rules, receiver)
             lines += [
                 f"prometheus         {prometheus_url}/alerts",
                 f"alertmanager       http://127.0.0.1:{args.alertmanager_port}   "
                 f"delivers to this demo: {receiver.url('/pager')}, /ticket",
-                TIMING_NOTE,
+                stack.timing.note(),
             ]
         elif args.no_prometheus:
             lines.append("prometheus         off (--no-prometheus): no rule is evaluated, no alert can fire")
@@ -156,12 +194,18 @@ def run(args: argparse.Namespace) -> int:
         load = threading.Thread(
             target=run_load,
             args=(shim_url, stack.model_name),
-            kwargs=dict(duration=float("inf"), concurrency=args.concurrency, max_tokens=args.max_tokens, stop=stop),
+            kwargs=dict(
+                duration=float("inf"),
+                concurrency=concurrency,
+                max_tokens=max_tokens,
+                stop=stop,
+                traffic=model.traffic,
+            ),
             daemon=True,
         )
         load.start()
         if drill is not None and receiver is not None:
-            drill_run = DrillRun(drill, stack, receiver, args.baseline)
+            drill_run = DrillRun(drill, stack, receiver, baseline)
         _show(shim_url, exporter_url, banner, args, stack, view, drill_run)
     except Stopped:
         interrupted = True

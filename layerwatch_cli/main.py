@@ -51,7 +51,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "layerwatch_cli.generate",
         "write the rules, dashboards, deploy configs and docs/metrics.md from code (--check)",
     ),
-    "demo": ("layerwatch_cli.demo", "run the whole stack on the demo model and show the live histogram"),
+    "demo": (
+        "layerwatch_cli.demo",
+        "run the whole stack on the demo model (or a real one) and show the live histogram",
+    ),
 }
 
 # Commands that run until stopped, and import-gguf (minutes of writing, whose partial folder a signal

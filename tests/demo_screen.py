@@ -25,7 +25,7 @@ from demo.drills import DRILLS, DrillRun
 from demo.loadgen import run_load
 from demo.processes import free_port
 from demo.receiver import Notification, WebhookReceiver
-from demo.stack import TIMING, DemoStack, host_port
+from demo.stack import DEMO_TIMING, DemoStack, host_port
 from exporter.live_view import parse_samples, render_samples
 from layerwatch_cli.demo import frame
 from mixin import config
@@ -49,7 +49,7 @@ def render(data: dict, columns: int, rows: int, banner: str = "") -> str:
         notifications=[Notification(TAKEN_AT - n["age"], n["receiver"], n["payload"]) for n in data["notifications"]],
         profiles=profiles,
         taken_at=TAKEN_AT,
-        window=TIMING(config.RATE_WINDOW),
+        window=DEMO_TIMING.rules(config.RATE_WINDOW),
         restart=(data["shim_instance"], TAKEN_AT - data["drill"]["paged_after"] - data["drill"]["page_age"]),
     )
     drill = DrillRun(DRILLS[data["drill"]["name"]], None, None, 0.0)  # type: ignore[arg-type]  # times only
@@ -81,7 +81,7 @@ def capture() -> dict:
         stop = threading.Event()
         try:
             shim_url, exporter_url = stack.start_core(
-                port=free_port(), exporter_port=free_port(), shadow_rate=1.0, model=None
+                port=free_port(), exporter_port=free_port(), shadow_rate=1.0, model_flags=[]
             )
             profiles = load_profiles(PROFILES_DIR)
             prometheus_url = stack.start_prometheus(
@@ -92,7 +92,7 @@ def capture() -> dict:
                 prometheus_port=free_port(),
                 alertmanager_port=free_port(),
             )
-            view = AlertView(prometheus_url, profiles, TIMING, receiver)
+            view = AlertView(prometheus_url, profiles, DEMO_TIMING.rules, receiver)
             load = dict(duration=float("inf"), concurrency=2, max_tokens=48, stop=stop)
             threading.Thread(target=run_load, args=(shim_url, stack.model_name), kwargs=load, daemon=True).start()
             drill = DrillRun(DRILLS[DRILL], stack, receiver, baseline_seconds=20.0)

@@ -14,7 +14,7 @@ from alerts.rules import model_rules, recorded_names, rule_groups
 from alerts.signals import figures_for
 from demo.alert_view import PAST, RESTART_NOTE, PrometheusAlert, Snapshot
 from demo.receiver import Notification, WebhookReceiver
-from demo.stack import TIMING, render_config
+from demo.stack import DEMO_TIMING, render_config
 from layerwatch.promql import check_queries, known_series
 from mixin import config
 
@@ -30,7 +30,7 @@ def snapshot(figures: dict[str, float], alerts: list[PrometheusAlert] = (), **ex
         figures={(MODEL, label): value for label, value in figures.items()},
         profiles={MODEL: PROFILE},
         taken_at=NOW,
-        window=TIMING(config.RATE_WINDOW),
+        window=DEMO_TIMING.rules(config.RATE_WINDOW),
         **extra,  # type: ignore[arg-type]
     )
 
@@ -58,8 +58,8 @@ def test_every_rule_that_pages_has_its_figure_on_screen(profile):
 
 
 def test_every_figure_reads_series_that_exist():
-    recorded = Recorded.for_timing(TIMING)
-    known = known_series(recorded_names(rule_groups(load_profiles(PROFILES_DIR), TIMING)))
+    recorded = Recorded.for_timing(DEMO_TIMING.rules)
+    known = known_series(recorded_names(rule_groups(load_profiles(PROFILES_DIR), DEMO_TIMING.rules)))
     for profile in load_profiles(PROFILES_DIR):
         check_queries([(figure.label, figure.query(recorded, profile)) for figure in figures_for(profile)], known)
 
