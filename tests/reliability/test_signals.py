@@ -36,6 +36,21 @@ from tests.reliability.test_gate_reload import gate_file_bytes, gates_sha256, re
 DRAINED_TOKENS = 600  # finishes within the drain, after the test has looked at the draining server
 
 
+@pytest.fixture(autouse=True)
+def default_stop_signals():
+    """The commands under test start with SIGHUP and SIGINT at their default actions, as from a terminal.
+    A test run started by `nohup`, or as a background job of a non-interactive shell, has them ignored,
+    and the commands rightly keep an inherited ignore (layerwatch_cli/signals.py): six of these tests
+    then timed out in a fresh-clone run started so."""
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGHUP, signal.SIGINT)}
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    for signum, handler in previous.items():
+        if handler is not None:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signum, handler)
+
+
 def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(make_long_shim):
     shim = make_long_shim("--max-batch-size", "1", "--drain-timeout-seconds", "60")
     decoding = Stream(shim, max_tokens=DRAINED_TOKENS)

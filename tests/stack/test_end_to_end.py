@@ -56,6 +56,7 @@ from alerts.durations import Timing, parse_duration
 from alerts.profile import Profile
 from alerts.profile_file import load_profiles
 from alerts.recorded import Recorded
+from alerts.rules import PROFILE_SERIES
 from alerts.specs import AGREEMENT_NOISE_Z
 from demo.loadgen import STUTTER, Category, LoadReport, run_load
 from demo.processes import ManagedProcess, free_port
@@ -804,7 +805,11 @@ def test_dashboard_variables_list_the_served_model_and_shim(stack: Stack) -> Non
 
 @pytest.mark.parametrize("panel", PANELS, ids=[panel["title"] for panel in PANELS])
 def test_dashboard_panel_has_data(stack: Stack, panel: dict) -> None:
-    lacking = []
+    lacking, unrecorded = [], []
+    shape_series = (
+        Recorded.for_timing(Timing(TIME_SCALE)).entropy_shape_distance,
+        PROFILE_SERIES.entropy_shape_distance_max,
+    )
     for target in panel["targets"]:
         expr = dashboard_expr(target["expr"], stack.model_name, stack.shim_instance)
         # A reading the host cannot give never arrives: no point polling for it.
@@ -812,6 +817,14 @@ def test_dashboard_panel_has_data(stack: Stack, panel: dict) -> None:
         if needs is not None:
             lacking.append(f"target {target['refId']} needs {needs}")
             continue
+        # The distance from a recorded healthy histogram and its limit: the demo's profile records none
+        # (its shape has two humps, which the single_peak trigger reads); alerts/tests/shape.test.yaml
+        # computes them for SmolLM2's, which does.
+        if any(name in expr for name in shape_series) and not stack.profile.bimodality.histogram:
+            unrecorded.append(f"target {target['refId']} needs a profile that records the healthy histogram")
+            continue
         assert _wait_for_data(stack, expr), f"no data for target {target['refId']}: {expr}"
     if lacking:
         pytest.xfail(f"this host lacks hardware readings: {'; '.join(lacking)}")
+    if unrecorded:
+        pytest.xfail(f"{stack.model_name}'s profile records no healthy histogram: {'; '.join(unrecorded)}")
