@@ -30,25 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.transformers_compare import PROMPT_TEXT, ours
 from inference_shim.runtime.checkpoint import DTYPES, load_checkpoint
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams
-from layerwatch.skip_policy import SkipPolicyConfig
-
-PROMPT_TEXT = "The history of the printing press begins"  # as benchmarks/transformers_compare.py
-
-
-def ours(loaded, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
-    engine = GenerationEngine(
-        loaded.model,
-        loaded.tokenizer,
-        model_name="bench",
-        policy=SkipPolicyConfig(threshold=0.0),  # no gates attached: nothing is scored or skipped
-        max_batch_size=1,
-        max_seq_len=len(prompt) + tokens + 1,
-    )
-    started = time.process_time()
-    result = engine.generate(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
-    return time.process_time() - started, list(result.token_ids)
 
 
 def theirs(llama, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
