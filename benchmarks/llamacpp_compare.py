@@ -1,7 +1,7 @@
 """layerwatch's engine at full depth against llama.cpp on the same GGUF file (opt-in, not in the suite).
 
     .venv/bin/pip install llama-cpp-python          # builds llama.cpp from source (cmake, a C++ compiler)
-    .venv/bin/python benchmarks/llamacpp_compare.py --gguf FILE.gguf --model DIR [--dtype bfloat16]
+    .venv/bin/python benchmarks/llamacpp_compare.py --gguf FILE.gguf --model DIR [--dtype D] [--quantization Q]
 
 `--model` is the folder `layerwatch import-gguf FILE.gguf --out DIR` wrote from the same file (its
 weights dequantized to floats); llama.cpp runs the file itself, in its own quantization. Both decode
@@ -31,7 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.transformers_compare import PROMPT_TEXT, ours
-from inference_shim.runtime.checkpoint import DTYPES, load_checkpoint
+from inference_shim.runtime.checkpoint import DTYPES, load_precise
+from inference_shim.runtime.quantization import QUANTIZATIONS
 
 
 def theirs(llama, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
@@ -54,6 +55,7 @@ def main() -> int:
     parser.add_argument("--gguf", type=Path, required=True, help="the GGUF file llama.cpp runs")
     parser.add_argument("--model", type=Path, required=True, help="the folder `layerwatch import-gguf` made of it")
     parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="layerwatch's weights")
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="as serve takes it")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per generation")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
@@ -77,7 +79,7 @@ def main() -> int:
         n_threads_batch=args.threads,
         verbose=False,
     )
-    loaded = load_checkpoint(args.model, dtype=DTYPES[args.dtype])
+    loaded = load_precise(args.model, "cpu", args.dtype, args.quantization)
     prompt = loaded.tokenizer.encode(PROMPT_TEXT)
     if len(prompt) + args.tokens > llama.n_ctx():
         raise SystemExit(f"--tokens {args.tokens} and the prompt do not fit llama.cpp's context of {llama.n_ctx()}")
@@ -99,7 +101,7 @@ def main() -> int:
     )
     print("|---|---:|---:|---:|---:|---:|")
     print(
-        f"| {args.model.name}, {args.dtype} | {args.tokens} | {statistics.median(our_rates):.1f} | "
+        f"| {args.model.name}, {args.dtype}+{args.quantization} | {args.tokens} | {statistics.median(our_rates):.1f} | "
         f"{statistics.median(their_rates):.1f} | {statistics.median(ratios):.2f} "
         f"({min(ratios):.2f}–{max(ratios):.2f}) | {min(shared)} |"
     )

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/service_bench.py                  # the demo model if trained, else random
     .venv/bin/python benchmarks/service_bench.py --model DIR      # any checkpoint folder (gates optional)
     .venv/bin/python benchmarks/service_bench.py --random         # a random model (--layers, --hidden)
+    .venv/bin/python benchmarks/service_bench.py --model DIR --quantization int4   # as serve loads it (--dtype too)
 
 "On" is exactly what `layerwatch serve` hangs on the engine's step hook: the per-layer metric
 accumulation (DecodeStats) and one gate frame per step over UDP to an exporter stand-in (a separate
@@ -33,14 +34,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.decode_bench import bench_tokenizer, build_model
+from inference_shim.runtime.checkpoint import DTYPES
 from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, demo_model_present
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepHook, StepRecord
 from inference_shim.runtime.gates import gates_path_for
 from inference_shim.runtime.model import GateBank, Transformer
+from inference_shim.runtime.quantization import PrecisionError, check_precision
 from inference_shim.runtime.tokenizer import Tokenizer
 from inference_shim.service.metrics import DecodeStats
+from inference_shim.service.settings import PRECISION_SETTINGS, ModelSettings
 from inference_shim.service.telemetry import StepTelemetry
 from layerwatch.client import GateFrameSender
+from layerwatch.settings import add_flags
 from layerwatch.skip_policy import SkipPolicyConfig
 
 # The exporter stand-in: binds a loopback UDP port, prints it, discards what arrives.
@@ -50,17 +55,17 @@ RECEIVER = (
 )
 
 
-def random_model(layers: int, hidden: int, vocab: int) -> tuple[Transformer, Tokenizer]:
-    model = build_model(layers, hidden, vocab)
-    model.attach_gates(GateBank(layers, hidden).eval())
+def random_model(layers: int, hidden: int, vocab: int, dtype: str, quantization: str) -> tuple[Transformer, Tokenizer]:
+    model = build_model(layers, hidden, vocab, dtype, quantization)
+    model.attach_gates(GateBank(layers, hidden).eval().to(DTYPES[dtype]))
     return model, bench_tokenizer(vocab)
 
 
-def load_model(folder: Path) -> tuple[Transformer, Tokenizer]:
+def load_model(folder: Path, dtype: str, quantization: str) -> tuple[Transformer, Tokenizer]:
     from inference_shim.runtime.checkpoint import load_checkpoint
     from inference_shim.runtime.gates import load_gates
 
-    loaded = load_checkpoint(folder)
+    loaded = load_checkpoint(folder, dtype=DTYPES[dtype], quantization=quantization)
     gates_path = gates_path_for(folder)
     gates = (
         load_gates(gates_path, loaded.model).gates
@@ -156,17 +161,23 @@ def main() -> int:
     parser.add_argument(
         "--shadow-rate", type=float, default=0.0, help="share of the 'on' runs' sequences that record (shadow check)"
     )
+    add_flags(parser, ModelSettings, PRECISION_SETTINGS)
     args = parser.parse_args()
+    try:
+        check_precision(torch.device("cpu"), DTYPES[args.dtype], args.quantization)
+    except PrecisionError as exc:
+        parser.error(str(exc))
     recording = round(args.shadow_rate * args.batch)
     torch.set_num_threads(args.threads)
 
     folder = args.model or (DEMO_MODEL_DIR if demo_model_present() and not args.random else None)
     if folder is not None:
-        model, tokenizer = load_model(folder)
+        model, tokenizer = load_model(folder, args.dtype, args.quantization)
         described = f"checkpoint {folder}"
     else:
-        model, tokenizer = random_model(args.layers, args.hidden, vocab=2048)
+        model, tokenizer = random_model(args.layers, args.hidden, 2048, args.dtype, args.quantization)
         described = f"random model, {args.layers} layers, d={args.hidden}"
+    described += f", {args.dtype}, quantization {args.quantization}"
     prompt = list(range(2, 34))
     receiver = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True)
     try:
