@@ -98,8 +98,21 @@ METRICS: tuple[MetricSpec, ...] = (
     _m(
         "layerwatch_model_info",
         "gauge",
-        ("model_name", "layers", "threshold", "patience", "skip_rule", "ewma_alpha", "kv_policy", "gates_sha256"),
-        "What is being served (always 1): skip_rule is streak (below threshold for patience steps) or ewma "
+        (
+            "model_name",
+            "layers",
+            "dtype",
+            "quantization",
+            "threshold",
+            "patience",
+            "skip_rule",
+            "ewma_alpha",
+            "kv_policy",
+            "gates_sha256",
+        ),
+        "What is being served (always 1): dtype is the weights' and activations' (serve --dtype), quantization "
+        "the projections' and LM head's (serve --quantization: none, int8 or int4); skip_rule is streak "
+        "(below threshold for patience steps) or ewma "
         "(the scores' moving average below threshold, ewma_alpha the newest score's weight; empty under streak); "
         "gates_sha256 is the hash of the loaded gate weights.",
         SHIM,

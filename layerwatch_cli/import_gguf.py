@@ -17,7 +17,11 @@ DTYPE_CHOICES = ("float32", "bfloat16", "float16")  # checkpoint.py's DTYPES, wi
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("gguf", type=Path, metavar="FILE.gguf", help="the GGUF file to import")
     parser.add_argument(
-        "--out", type=Path, required=True, metavar="DIR", help="checkpoint folder to write (must not hold files)"
+        "--out",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="checkpoint folder to write (must not hold files; missing parent folders are made)",
     )
     parser.add_argument(
         "--dtype",

@@ -18,12 +18,14 @@ type, a tokenizer, a RoPE scaling): a folder that loads but computes another mod
 So is a file that is not what it says (docs/reliability.md, "Hostile review, round six"): metadata of
 the wrong type, counts past the file's end, a vocabulary that names a token twice, a folder that
 would not load; each is refused in one line naming the key or the tensor.
-The folder is written beside `out` and renamed into place when complete.
+The folder is written beside `out` and renamed into place when complete; the folders missing above
+`out` are made, and removed again when the import fails.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -108,6 +110,12 @@ SHARD_BYTES = 2 << 30
 # (Gemma 3's about 262,000 tokens, Llama 3's about 280,000 merges). The gguf library builds a numpy
 # array per element (two per string): 2,000,000 one-letter tokens, an 18 MB file, took it 98 s and 2.7 GB.
 MAX_ARRAY_LENGTH = 1 << 20
+# The largest count metadata may give (a dimension, a head or layer count, the context length): past
+# every model's (Llama 3 405B's widest, its feed-forward, is 53,248; the longest contexts a few million
+# tokens), and the most positions the model tells apart (runtime/model.py computes RoPE angles from
+# float32 positions, exact integers up to 2^24). A context_length of 2^63 was imported as written; a
+# width of 2^63 overflowed torch's int64 in the model built to check the shapes, a traceback.
+MAX_COUNT = 1 << 24
 
 
 class GGUFImportError(ValueError):
@@ -153,8 +161,14 @@ def import_gguf(source: str | Path, out: str | Path, dtype: str = "float32", for
 
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
+    # The folders missing above `out` are made (as `git clone` makes them), and removed if this run fails.
+    missing = list(itertools.takewhile(lambda folder: not folder.exists(), out.parents))[::-1]
+    made: list[Path] = []
     try:
-        partial.mkdir(parents=True)
+        for folder in missing:
+            folder.mkdir()
+            made.append(folder)
+        partial.mkdir()
         (partial / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
         parameters = gguf_file.write_weights(config, DTYPES[dtype], partial)
         (partial / GENERATION_CONFIG_FILE).write_text(json.dumps(gguf_file.generation_config(), indent=2) + "\n")
@@ -162,10 +176,10 @@ def import_gguf(source: str | Path, out: str | Path, dtype: str = "float32", for
         _read_back_tokenizer(partial, gguf_file)
         _move_into_place(partial, out)
     except (OSError, SafetensorError) as exc:  # no room, no permission, a file where a folder should be
-        shutil.rmtree(partial, ignore_errors=True)
+        _remove_written(partial, made)
         raise GGUFImportError(f"--out {out}: cannot write the folder ({exc})") from None
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        _remove_written(partial, made)
         raise
     return ImportSummary(
         source=source,
@@ -177,6 +191,17 @@ def import_gguf(source: str | Path, out: str | Path, dtype: str = "float32", for
         dtype=dtype,
         seconds=time.perf_counter() - started,
     )
+
+
+def _remove_written(partial: Path, made: list[Path]) -> None:
+    """What a failed run wrote: its partial folder, and the folders it made above `out` (outermost
+    first in `made`) unless something else was put in one since."""
+    shutil.rmtree(partial, ignore_errors=True)
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:  # not empty: the folder is no longer this run's alone
+            return
 
 
 def _check_destination(out: Path, force: bool, source: Path) -> None:
@@ -280,6 +305,8 @@ class _GGUFFile:
         value = self.get(key, default, INTEGER)
         if value <= 0:
             raise self.error(f"metadata {key!r} must be a positive integer, found {value}")
+        if value > MAX_COUNT:
+            raise self.error(f"metadata {key!r} must be at most {MAX_COUNT:,}, found {value:,}")
         return value
 
     def _float(self, key: str, default: float) -> float:

@@ -393,6 +393,8 @@ class RequestQueueCollector(ShimCollector):
 class ModelInfo:
     model_name: str
     layers: int
+    dtype: str  # a DTYPES name (serve --dtype)
+    quantization: str  # a QUANTIZATIONS name (serve --quantization)
     threshold: float
     patience: int
     skip_rule: str
@@ -416,6 +418,8 @@ class ModelInfoCollector(ShimCollector):
             [
                 info.model_name,
                 str(info.layers),
+                info.dtype,
+                info.quantization,
                 floatToGoString(info.threshold),
                 str(info.patience),
                 info.skip_rule,

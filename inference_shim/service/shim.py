@@ -391,6 +391,8 @@ class ShimService:
         self.model_info = ModelInfo(
             self.model_name,
             num_layers,
+            settings.dtype,  # what _load_model loaded the checkpoint at
+            settings.quantization,
             self.policy.threshold,
             self.policy.patience,
             self.policy.skip_rule,

@@ -140,6 +140,11 @@ NOT_JINJA = "{% for %}"
         ),
         ({"llama.rope.freq_base": (-1.0, Kind.FLOAT32)}, "'llama.rope.freq_base' must be a positive finite number"),
         ({"llama.block_count": (2_000, Kind.UINT32)}, "block_count=2000, but the tensors are of 1 blocks"),
+        (
+            {"llama.context_length": (2**63, Kind.UINT64)},
+            "'llama.context_length' must be at most 16,777,216, found 9,223,372,036,854,775,808",
+        ),
+        ({"llama.embedding_length": (2**63, Kind.UINT64)}, "'llama.embedding_length' must be at most 16,777,216"),
         ({"tokenizer.ggml.eos_token_id": (-1, Kind.INT32)}, "tokenizer.ggml.eos_token_id=-1 is outside the vocabulary"),
         ({"tokenizer.ggml.add_bos_token": ("yes", Kind.STRING)}, "'tokenizer.ggml.add_bos_token' must be true or"),
         ({"tokenizer.ggml.tokens": (list(range(259)), Kind.ARRAY, Kind.INT32)}, "must be a list of text"),
@@ -151,9 +156,10 @@ NOT_JINJA = "{% for %}"
     ids=lambda case: next(iter(case)) if isinstance(case, dict) else None,
 )
 def test_metadata_that_is_not_what_it_says_is_refused_naming_it(tmp_path, changes, named):
-    """Before: tracebacks (ZeroDivisionError, TypeError, tokenizers' bare Exception), hangs (a block
-    count of 10^7 built gguf's name map for that many), or a folder that computed NaN (eps NaN), took
-    the last token for EOS (id -1) or did not load (a template that is not text or not Jinja)."""
+    """Before: tracebacks (ZeroDivisionError, TypeError, tokenizers' bare Exception; torch's int64
+    overflow for a width of 2^63), hangs (a block count of 10^7 built gguf's name map for that many),
+    or a folder that computed NaN (eps NaN), took the last token for EOS (id -1), did not load (a
+    template that is not text or not Jinja) or claimed a context of 2^63 tokens."""
     assert named in refusal(write_tiny_gguf(tmp_path / "model.gguf", changes), tmp_path / "out")
 
 
@@ -231,6 +237,16 @@ def test_force_through_a_link_replaces_its_target_and_keeps_the_link(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "model.gguf", "target"]
 
 
+def test_a_failed_import_removes_the_folders_it_made_above_out(tmp_path):
+    """Before: `--out models/new/tiny` made models/ and models/new/ and left them when the import failed."""
+    out = tmp_path / "models" / "new" / "tiny"
+    path = write_tiny_gguf(tmp_path / "model.gguf", {"tokenizer.chat_template": (NOT_JINJA, Kind.STRING)})
+    assert "chat template 'default' is not valid" in refusal(path, out)
+    assert [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
+    import_gguf(write_tiny_gguf(tmp_path / "good.gguf"), out)  # made as `git clone` makes them
+    assert (out / "config.json").is_file()
+
+
 @pytest.mark.parametrize("what", ["weights", "tokenizer"])
 def test_a_full_disk_is_refused_in_one_line_and_leaves_nothing(tmp_path, capsys, what):
     """A file-size limit stands in for a full disk (EFBIG as ENOSPC: the write fails part way).
@@ -266,4 +282,4 @@ def test_sigterm_mid_import_leaves_no_partial_folder(tmp_path):
     finally:
         process.kill()
     assert "SIGTERM received: stopping" in process.stderr.read()
-    assert list(out.parent.iterdir()) == []
+    assert list(tmp_path.iterdir()) == []  # models/, which the import made, removed with its partial folder

@@ -43,7 +43,7 @@ def shim_collectors() -> list:
     collectors = [
         LayerSignalsCollector(signals, "m"),
         DecodeStatsCollector(stats, "m"),
-        ModelInfoCollector(lambda: ModelInfo("m", 3, 0.18, 3, "streak", 0.5, "project", "0" * 64)),
+        ModelInfoCollector(lambda: ModelInfo("m", 3, "float32", "none", 0.18, 3, "streak", 0.5, "project", "0" * 64)),
         FrameSenderCollector(None, "m"),
         TraceCollector(None, "m"),
         NvmlCollector(reader=lambda: [GpuReading(0, "GPU-0", 120.0, 5.0)]),

@@ -21,8 +21,10 @@ def test_serve_quantized_answers_with_the_gates_of_its_float_weights(in_process,
     response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 8
-    info = [labels for (name, labels) in server.metrics() if name == "layerwatch_model_info"]
-    assert dict(info[0])["gates_sha256"] == tiny_checkpoint.gates_sha256
+    [info] = [dict(labels) for (name, labels) in server.metrics() if name == "layerwatch_model_info"]
+    assert info["gates_sha256"] == tiny_checkpoint.gates_sha256
+    # An operator comparing quality or speed across a fleet sees the precision each shim serves in.
+    assert (info["dtype"], info["quantization"]) == ("bfloat16", "int4")
 
 
 @pytest.mark.parametrize(
