@@ -670,12 +670,40 @@ class Gate(nn.Module):
         return torch.sigmoid(self.logit(x))
 
 
+# Parameters and modules registered by attribute anywhere in this process, counted by nn.Module's
+# global registration hooks: a GateBank looks for a replaced parameter only after this changed.
+_registrations = [0]
+
+
+def _count_registration(*_: object) -> None:
+    _registrations[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+
+
 class GateBank(nn.Module):
-    """One gate per layer. Kept apart from the transformer's weights: stored in gates.safetensors."""
+    """One gate per layer. Kept apart from the transformer's weights: stored in gates.safetensors.
+
+    Every gate's parameters are views into four tensors stacked by layer, which `scores` reads as
+    they are (`_lay_out`): an update in place (an optimizer step, `load_state_dict`) is in the stacks
+    already, and only a parameter replaced (a new Parameter assigned) or moved (`.to()` gives it new
+    storage, `_apply`) or copied (`__setstate__`) has them laid out again. A replacement is looked
+    for (a walk over the parameters' identities) only after some module registered a parameter or a
+    module by attribute (`_registrations`), which a decode step does not. Reading every parameter's
+    `_version` and storage each step, as the check did before, cost SmolLM2's int4 decode step 0.2 ms
+    of its 20 (docs/performance.md, "Weights in low precision"). Not seen: a parameter's `.data`
+    swapped by hand, or one written into `_parameters` directly; assign a new Parameter instead.
+    """
 
     def __init__(self, num_layers: int, hidden_size: int) -> None:
         super().__init__()
         self.gates = nn.ModuleList(Gate(hidden_size) for _ in range(num_layers))
+        self._stacks: tuple[torch.Tensor, ...] = ()  # w1 [L, 16, d], b1 [L, 1, 16], w2 [L, 1, 16], b2 [L, 1, 1]
+        self._laid_out: list[torch.Tensor] = []  # the parameters that are views into the stacks, in order
+        self._registrations_seen = -1  # `_registrations` when the parameters were last checked
+        self._lay_out()
 
     def __getitem__(self, layer: int) -> Gate:
         return cast(Gate, self.gates[layer])  # nn.ModuleList is not generic
@@ -691,34 +719,61 @@ class GateBank(nn.Module):
         later steps, so the step evaluates them together after its last layer instead of as 4 small
         ops per layer.
         """
-        w1, b1, w2, b2 = self._stacked_weights()
-        hidden = F.gelu(torch.baddbmm(b1, inputs, w1))  # [L, N, 16]
-        return torch.sigmoid(torch.baddbmm(b2, hidden, w2)[..., 0]).T
+        if self._registrations_seen != _registrations[0]:
+            current = self._parameters_in_order()
+            if len(current) != len(self._laid_out) or any(p is not q for p, q in zip(current, self._laid_out)):
+                self._lay_out()  # a parameter was replaced
+            self._registrations_seen = _registrations[0]
+        w1, b1, w2, b2 = self._stacks
+        hidden = F.gelu(torch.baddbmm(b1, inputs, w1.transpose(1, 2)))  # [L, N, 16]
+        return torch.sigmoid(torch.baddbmm(b2, hidden, w2.transpose(1, 2))[..., 0]).T
 
-    def _stacked_weights(self) -> tuple[torch.Tensor, ...]:
-        # Stacking 4L small tensors costs more than the gates themselves, so the stacks are kept
-        # until a parameter is replaced, moved (`.to()` swaps its storage) or updated in place
-        # (which bumps its `_version`). The key walks the module dicts directly: it runs every
-        # decode step, and `self.parameters()` costs four times as much (~70 us at 16 layers).
-        key = tuple(
-            (id(p), p.data_ptr(), p._version)
+    def _apply(self, fn, recurse=True):
+        # Moving or converting the gates gives every parameter its own new storage.
+        super()._apply(fn, recurse)
+        self._lay_out()
+        return self
+
+    def __setstate__(self, state: dict) -> None:
+        # A copy (copy.deepcopy, pickle): deepcopy clones each parameter apart from the stacks.
+        super().__setstate__(state)
+        self._lay_out()
+
+    def _parameters_in_order(self) -> list[torch.Tensor]:
+        # The module dicts walked directly: `self.parameters()` costs four times as much, every step.
+        return [
+            p
             for gate in self.gates._modules.values()
             if gate is not None
             for linear in gate._modules.values()
             if linear is not None
             for p in linear._parameters.values()
             if p is not None
+        ]
+
+    def _lay_out(self) -> None:
+        """Stack every gate's parameters by layer and make each parameter a view into its stack (a
+        contiguous one, as safetensors saves them)."""
+        gates = list(cast("Iterable[Gate]", self.gates))  # nn.ModuleList is not generic
+        if not gates:
+            self._stacks, self._laid_out = (), []
+            return
+        like = gates[0].fc1.weight
+        L, d = len(gates), like.shape[1]
+        w1, b1, w2, b2 = (
+            torch.empty(shape, dtype=like.dtype, device=like.device)
+            for shape in ((L, GATE_HIDDEN, d), (L, 1, GATE_HIDDEN), (L, 1, GATE_HIDDEN), (L, 1, 1))
         )
-        if getattr(self, "_stack_key", None) != key:
-            gates = cast("Iterable[Gate]", self.gates)  # nn.ModuleList is not generic
-            self._stacks = (
-                torch.stack([g.fc1.weight for g in gates]).transpose(1, 2).contiguous(),  # [L, d, 16]
-                torch.stack([g.fc1.bias for g in gates])[:, None, :],  # [L, 1, 16]
-                torch.stack([g.fc2.weight for g in gates]).transpose(1, 2).contiguous(),  # [L, 16, 1]
-                torch.stack([g.fc2.bias for g in gates])[:, None, :],
-            )  # [L, 1, 1]
-            self._stack_key = key
-        return self._stacks
+        with torch.no_grad():
+            for l, gate in enumerate(gates):
+                for linear, weight, bias in ((gate.fc1, w1[l], b1[l, 0]), (gate.fc2, w2[l], b2[l, 0])):
+                    for name, view in (("weight", weight), ("bias", bias)):
+                        old = linear._parameters[name]
+                        assert old is not None  # gate linears have biases
+                        view.copy_(old)
+                        setattr(linear, name, nn.Parameter(view, requires_grad=old.requires_grad))
+        self._stacks = (w1, b1, w2, b2)
+        self._laid_out = self._parameters_in_order()
 
 
 # --- per-layer signals of a full-depth pass ----------------------------------------------------

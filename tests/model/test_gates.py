@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -183,8 +184,8 @@ def test_batched_scores_equal_each_gate_and_follow_weight_updates(model):
     gates = random_gates(model.config)
     inputs = torch.randn(model.config.num_layers, 5, model.config.hidden_size)
 
-    def each_gate():
-        return torch.stack([gates[l](inputs[l]) for l in range(len(gates))], dim=-1).detach()
+    def each_gate(bank=gates):
+        return torch.stack([bank[l](inputs[l]) for l in range(len(bank))], dim=-1).detach()
 
     assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
     with torch.no_grad():
@@ -194,6 +195,14 @@ def test_batched_scores_equal_each_gate_and_follow_weight_updates(model):
     assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
     gates[0].fc1.weight = torch.nn.Parameter(torch.zeros_like(gates[0].fc1.weight))  # replaced
     assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
+    gates.gates[3] = random_gates(model.config, seed=4)[3]  # a whole gate replaced
+    assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
+    copied = copy.deepcopy(gates)  # a copy's parameters are its own: updating them leaves the original
+    with torch.no_grad():
+        copied[1].fc2.bias.sub_(2.0)
+    assert torch.allclose(copied.scores(inputs), each_gate(copied), atol=1e-6)
+    assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
+    assert not torch.allclose(copied.scores(inputs), gates.scores(inputs), atol=1e-3)
     gates.to(torch.float64)  # moved: new storage, same Parameter objects
     inputs = inputs.double()
     assert gates.scores(inputs).dtype == torch.float64
