@@ -55,13 +55,15 @@ RECEIVER = (
 )
 
 
-def random_model(layers: int, hidden: int, vocab: int, dtype: str, quantization: str) -> tuple[Transformer, Tokenizer]:
+def random_model(
+    layers: int, hidden: int, vocab: int, dtype: str = "float32", quantization: str = "none"
+) -> tuple[Transformer, Tokenizer]:
     model = build_model(layers, hidden, vocab, dtype, quantization)
     model.attach_gates(GateBank(layers, hidden).eval().to(DTYPES[dtype]))
     return model, bench_tokenizer(vocab)
 
 
-def load_model(folder: Path, dtype: str, quantization: str) -> tuple[Transformer, Tokenizer]:
+def load_model(folder: Path, dtype: str = "float32", quantization: str = "none") -> tuple[Transformer, Tokenizer]:
     from inference_shim.runtime.checkpoint import load_checkpoint
     from inference_shim.runtime.gates import load_gates
 
