@@ -81,8 +81,7 @@ def check_quantizable(device: torch.device, config: ModelConfig, quantization: s
         for name, width in inputs.items():
             if width % INT8_INPUTS:
                 raise PrecisionError(
-                    f"--quantization int8 needs input widths divisible by {INT8_INPUTS}: {name} is {width} "
-                    "(use none)"
+                    f"--quantization int8 needs input widths divisible by {INT8_INPUTS}: {name} is {width} (use none)"
                 )
         return
     outputs = {  # the LM head is int8 (HEAD_QUANTIZATION): any vocabulary

@@ -179,7 +179,10 @@ def test_int4_refuses_widths_its_kernel_cannot_take(tmp_path, tokenizer):
 
 @pytest.mark.parametrize(
     "config, name",
-    [(tiny_config(num_heads=3, num_kv_heads=1), "num_heads \\* head_dim is 24"), (tiny_config(hidden_size=40), "hidden_size is 40")],
+    [
+        (tiny_config(num_heads=3, num_kv_heads=1), "num_heads \\* head_dim is 24"),
+        (tiny_config(hidden_size=40), "hidden_size is 40"),
+    ],
 )
 def test_int8_refuses_input_widths_its_kernel_cannot_take(tmp_path, tokenizer, config, name):
     """Hostile review, round seven: torch's int8 kernel (_weight_int8pack_mm) reads inputs in units of 16.
