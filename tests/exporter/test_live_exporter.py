@@ -23,6 +23,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from alerts.profile_file import PROFILES_DIR, load_profiles
+from demo.alert_view import TIMEOUT as ALERT_VIEW_TIMEOUT
+from demo.alert_view import AlertView
 from demo.processes import LAYERWATCH_COMMAND
 from exporter.live_view import MAX_PAGE_BYTES, ScrapeError, scrape
 from layerwatch.catalog import ENTROPY_WINDOW_EDGES, EXPORTER, for_component
@@ -369,6 +372,25 @@ def test_a_broken_http_answer_is_a_one_line_refusal_not_a_traceback_or_a_short_p
         f"layerwatch top: cannot read {broken.url}/metrics: not a layerwatch exporter's page "
         "(not an HTTP answer: BadStatusLine: HELLO)"
     ], top.stderr
+
+
+def test_a_hostile_prometheus_leaves_the_alert_view_one_line_within_its_timeout() -> None:
+    """Hostile review, round seven: `top --prometheus` at a server trickling its answer hung for good (the
+    timeout bounds each read, not the answer); a broken HTTP answer ended `top` with a traceback; an alert
+    without labels was reported as the exporter's page being unreadable."""
+    json_head = b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n"
+    answers = [
+        (json_head + b'{"status": "success", "data": {"alerts": [', itertools.repeat(b" ", 100), "took over 3 s"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n{", iter([]), "ended 499 bytes short of its Content-Length"),
+        (b"HELLO\r\n\r\n", iter([]), "not an HTTP answer: BadStatusLine: HELLO"),
+        (json_head + b'{"status": "success", "data": {"alerts": [{"state": "firing"}]}}', iter([]), "an alert without"),
+    ]
+    for head, rest, reason in answers:
+        with StreamedPage(rest, interval=0.2, head=head) as prometheus:
+            started = time.monotonic()
+            snapshot = AlertView(prometheus.url, load_profiles(PROFILES_DIR)).snapshot()
+            assert time.monotonic() - started < 3 * ALERT_VIEW_TIMEOUT
+        assert snapshot.error is not None and reason in snapshot.error and "\n" not in snapshot.error, snapshot.error
 
 
 def test_top_reports_an_unreachable_exporter() -> None:
