@@ -303,8 +303,9 @@ def build_profile(
 
 
 def shape_distance_limit(chunk_distances: list[float], margin: float) -> float:
-    """The largest healthy chunk's shape distance plus the margin, rounded up to 4 decimals."""
-    return math.ceil((max(chunk_distances) + margin) * 1e4 - 1e-9) / 1e4  # (- 1e-9: float noise)
+    """The largest healthy chunk's shape distance plus the margin, rounded up to 4 decimals; at least
+    0.0001 (one chunk at --margin 0 measures 0, and a profile's limit is positive)."""
+    return max(1, math.ceil((max(chunk_distances) + margin) * 1e4 - 1e-9)) / 1e4  # (- 1e-9: float noise)
 
 
 def _rounded(value: float | None, digits: int) -> float | None:

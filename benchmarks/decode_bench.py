@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
 
-from inference_shim.runtime.checkpoint import DTYPES, load_checkpoint
+from inference_shim.runtime.checkpoint import DTYPES, CheckpointError, load_checkpoint
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepRecord
 from inference_shim.runtime.model import KV_POLICIES, Block, GateBank, ModelConfig, Transformer
 from inference_shim.runtime.quantization import PrecisionError, check_precision, quantize_model
@@ -196,7 +196,10 @@ def main() -> int:
     torch.set_num_threads(1)  # one thread: the thread's CPU clock then measures all of a step's work
 
     if args.model is not None:
-        loaded = load_checkpoint(args.model, dtype=DTYPES[args.dtype], quantization=args.quantization)
+        try:
+            loaded = load_checkpoint(args.model, dtype=DTYPES[args.dtype], quantization=args.quantization)
+        except (CheckpointError, PrecisionError) as exc:
+            parser.error(str(exc))
         model, tokenizer = loaded.model, loaded.tokenizer
         config = model.config
         args.layers, args.hidden, args.vocab = config.num_layers, config.hidden_size, config.vocab_size

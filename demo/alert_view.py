@@ -8,6 +8,7 @@ every figure a page reads next to its profile limit (alerts/signals.py). `layerw
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import time
@@ -26,6 +27,7 @@ from mixin import config
 
 NOTIFICATIONS_SHOWN = 5
 TIMEOUT = 3.0  # seconds per Prometheus request: a slow one must not freeze the view
+MAX_ANSWER_BYTES = 16 << 20  # an endless answer must not grow the view without bound
 TARGET_DOWN = "LayerwatchTargetDown"
 # Before the alert's name, not after it: at the end of a row (80 to 108 columns) a terminal of 80 cut it off.
 PAST = "← past the limit of "
@@ -182,26 +184,46 @@ class AlertView:
 
     def _alerts(self) -> list[PrometheusAlert]:
         now = time.time()
-        return [
-            PrometheusAlert(a["labels"]["alertname"], a["state"], a["labels"], _since(a.get("activeAt"), now))
-            for a in self._api("/api/v1/alerts")["alerts"]
-            if a.get("state") in ("pending", "firing")
-        ]
+        try:
+            return [
+                PrometheusAlert(a["labels"]["alertname"], a["state"], a["labels"], _since(a.get("activeAt"), now))
+                for a in self._api("/api/v1/alerts")["alerts"]
+                if a.get("state") in ("pending", "firing")
+            ]
+        except (LookupError, TypeError, AttributeError):
+            raise ValueError("/api/v1/alerts: an alert without its labels, alertname or state") from None
 
     def _value(self, figure: Figure, profile: Profile) -> float | None:
         result = self._api("/api/v1/query", query=figure.query(self.recorded, profile))["result"]
         if not result:
             return None
-        value = float(result[0]["value"][1])
+        try:
+            value = float(result[0]["value"][1])
+        except (LookupError, TypeError):
+            raise ValueError(f"/api/v1/query: not a sample ({str(result[0])[:80]})") from None
         return None if math.isnan(value) else value
 
     def _api(self, path: str, **params: str) -> dict:
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        deadline = time.monotonic() + TIMEOUT  # TIMEOUT bounds each read; this, an answer that trickles
         try:
             with urllib.request.urlopen(f"{self.prometheus_url}{path}{query}", timeout=TIMEOUT) as response:
-                body = json.loads(response.read())
+                answer = bytearray()
+                while chunk := response.read1(1 << 16):
+                    answer += chunk
+                    if len(answer) > MAX_ANSWER_BYTES:
+                        raise ValueError(f"{path}: an answer over {MAX_ANSWER_BYTES >> 20} MiB")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{path}: the answer took over {TIMEOUT:g} s")
+                if response.length:  # http.client's read1 ends a page cut short quietly
+                    raise ValueError(f"{path}: the answer ended {response.length} bytes short of its Content-Length")
+            body = json.loads(answer)
         except urllib.error.HTTPError as exc:
             raise ValueError(f"{path}: HTTP {exc.code}") from None
+        except http.client.HTTPException as exc:  # neither OSError nor ValueError: it escaped `top`
+            if isinstance(exc, OSError):  # RemoteDisconnected: no answer at all
+                raise
+            raise ValueError(f"{path}: not an HTTP answer: {type(exc).__name__}: {str(exc).strip()}") from None
         # Alertmanager answers /api/v1/alerts too (its v1 API, 0.25), with a list: `top --prometheus` given
         # the Alertmanager the demo prints below Prometheus was a TypeError traceback.
         if not isinstance(body, dict) or not isinstance(body.get("data", {}), dict):

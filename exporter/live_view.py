@@ -101,7 +101,9 @@ MAX_PAGE_BYTES = 64 << 20
 
 
 class ScrapeError(ValueError):
-    """The server answered, but not with a metrics page (a status other than 200)."""
+    """The server answered, but not with a whole metrics page: a status other than 200, a broken HTTP
+    answer (http.client's errors are neither OSError nor ValueError: they escaped `top`'s handling),
+    or a page cut short of its Content-Length (http.client's read1 ends such a page quietly)."""
 
 
 def scrape(url: str, timeout: float = 5.0) -> Samples:
@@ -123,6 +125,12 @@ def scrape(url: str, timeout: float = 5.0) -> Samples:
             page += chunk
             if len(page) > MAX_PAGE_BYTES:
                 raise ValueError(f"a page over {MAX_PAGE_BYTES >> 20} MiB")
+        if response.length:  # what the head announced and the server never sent
+            raise ScrapeError(f"the page ended {response.length} bytes short of its Content-Length")
+    except http.client.HTTPException as exc:
+        if isinstance(exc, OSError):  # RemoteDisconnected: no answer at all, as a server that is not there
+            raise
+        raise ScrapeError(f"not an HTTP answer: {type(exc).__name__}: {str(exc).strip()}") from None
     finally:
         connection.close()
     return parse_samples(page.decode("utf-8"))

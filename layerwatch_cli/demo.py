@@ -34,7 +34,7 @@ from demo.loadgen import run_load
 from demo.models import DEFAULT_MODEL, DEMO_MODELS, demo_model, model_cache, serve_flags
 from demo.receiver import WebhookReceiver
 from demo.stack import DemoStack, host_port, monitoring_installed
-from exporter.live_view import CLEAR_SCREEN, Samples, fit_view, render_samples, scrape, total
+from exporter.live_view import CLEAR_SCREEN, Samples, ScrapeError, fit_view, render_samples, scrape, total
 from layerwatch import argtypes, ports
 from layerwatch_cli.signals import Stopped
 
@@ -306,7 +306,7 @@ def _show(
                 text = frame(banner, status, screen, size.columns, size.lines)
             else:
                 text = status + screen(False) + "\n"
-        except OSError as exc:
+        except (OSError, ScrapeError) as exc:  # a drill's restarted shim may close a page mid-body
             text = f"shim or exporter not readable yet: {exc}\n"
         sys.stdout.write((CLEAR_SCREEN if interactive else "") + text + "\n")
         sys.stdout.flush()

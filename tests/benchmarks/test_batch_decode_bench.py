@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -16,7 +17,10 @@ import torch
 
 from benchmarks.batch_decode_bench import cpu_section, gpu_energy, gpu_section, metered_decode_run, row_costs
 from benchmarks.decode_bench import build_model
+from inference_shim.runtime.checkpoint import save_checkpoint
 from inference_shim.runtime.model import KV_POLICIES
+from inference_shim.runtime.tokenizer import Tokenizer
+from tests.model.conftest import build_backend_tokenizer, random_model, tiny_config
 
 MODELS = [(2, 64)]  # layers x d: the smallest build_model makes (one attention head of 64)
 BATCHES = [1, 2]
@@ -108,3 +112,23 @@ def test_the_measurements_run_a_model_in_the_precision_it_was_built_in() -> None
     model = build_model(2, 64, 8192, "bfloat16", "int8")
     assert set(row_costs(model, [1, 2], repeats=1)) == {1, 2}
     assert metered_decode_run(model, None, 2, STEPS, "project").seconds > 0
+
+
+def test_decode_bench_refuses_a_checkpoint_its_precision_cannot_load_in_one_line(
+    tmp_path, monkeypatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Hostile review, round seven: `decode_bench.py --model DIR` of a folder that is not a checkpoint, or
+    with a --quantization its widths cannot take, ended in a traceback."""
+    from benchmarks import decode_bench
+
+    tokenizer = Tokenizer(build_backend_tokenizer(), bos_token="<s>", eos_tokens=["</s>"], add_bos_token=True)
+    save_checkpoint(random_model(tiny_config(num_heads=3, num_kv_heads=1)), tokenizer, tmp_path / "odd")
+    for flags, reason in [
+        (["--model", str(tmp_path / "missing")], "not a directory (expected a Hugging Face checkpoint folder)"),
+        (["--model", str(tmp_path / "odd"), "--quantization", "int8"], "num_heads * head_dim is 24 (use none)"),
+    ]:
+        monkeypatch.setattr(sys, "argv", ["decode_bench.py", *flags])
+        with pytest.raises(SystemExit) as refused:
+            decode_bench.main()
+        assert refused.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(reason)

@@ -23,8 +23,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from alerts.profile_file import PROFILES_DIR, load_profiles
+from demo.alert_view import TIMEOUT as ALERT_VIEW_TIMEOUT
+from demo.alert_view import AlertView
 from demo.processes import LAYERWATCH_COMMAND
-from exporter.live_view import MAX_PAGE_BYTES, scrape
+from exporter.live_view import MAX_PAGE_BYTES, ScrapeError, scrape
 from layerwatch.catalog import ENTROPY_WINDOW_EDGES, EXPORTER, for_component
 from layerwatch.statistics import shares_below_edges
 from layerwatch.wire import MAX_FRAME_BYTES, encode_frame
@@ -345,6 +348,49 @@ def test_a_page_that_trickles_or_never_ends_is_given_up_on() -> None:
     endless = StreamedPage(itertools.repeat(line, MAX_PAGE_BYTES // len(line) + 2))
     with endless, pytest.raises(ValueError, match="a page over 64 MiB"):
         scrape(endless.url)
+
+
+def test_a_broken_http_answer_is_a_one_line_refusal_not_a_traceback_or_a_short_page() -> None:
+    """Hostile review, round seven: http.client's own errors (neither OSError nor ValueError) ended
+    `top` with a traceback, and a page cut short of its Content-Length was read as the whole page."""
+    page = b"layerwatch_exporter_frames_total 1\n" * 20
+    answers = {
+        b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(page) + page[:70]: "the page ended 630 bytes short",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n100\r\n" + page[:70]: "IncompleteRead",
+        b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70_000 + b"\r\n\r\n": "LineTooLong: got more than 65536 bytes",
+        b"HTTP/1.1 200 OK\r\n" + b"X: a\r\n" * 150 + b"\r\n": "HTTPException: got more than 100 headers",
+        b"HELLO\r\n\r\n": "BadStatusLine: HELLO",
+    }
+    for answer, reason in answers.items():
+        with StreamedPage(iter([answer]), head=b"") as broken, pytest.raises(ScrapeError, match=reason):
+            scrape(broken.url)
+    with StreamedPage(iter([b"HELLO\r\n\r\n"]), head=b"") as broken:
+        top = subprocess.run(
+            [*LAYERWATCH_COMMAND, "top", "--once", "--url", broken.url], capture_output=True, text=True, timeout=60
+        )
+    assert top.returncode == 1 and top.stderr.strip().splitlines() == [
+        f"layerwatch top: cannot read {broken.url}/metrics: not a layerwatch exporter's page "
+        "(not an HTTP answer: BadStatusLine: HELLO)"
+    ], top.stderr
+
+
+def test_a_hostile_prometheus_leaves_the_alert_view_one_line_within_its_timeout() -> None:
+    """Hostile review, round seven: `top --prometheus` at a server trickling its answer hung for good (the
+    timeout bounds each read, not the answer); a broken HTTP answer ended `top` with a traceback; an alert
+    without labels was reported as the exporter's page being unreadable."""
+    json_head = b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n"
+    answers = [
+        (json_head + b'{"status": "success", "data": {"alerts": [', itertools.repeat(b" ", 100), "took over 3 s"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n{", iter([]), "ended 499 bytes short of its Content-Length"),
+        (b"HELLO\r\n\r\n", iter([]), "not an HTTP answer: BadStatusLine: HELLO"),
+        (json_head + b'{"status": "success", "data": {"alerts": [{"state": "firing"}]}}', iter([]), "an alert without"),
+    ]
+    for head, rest, reason in answers:
+        with StreamedPage(rest, interval=0.2, head=head) as prometheus:
+            started = time.monotonic()
+            snapshot = AlertView(prometheus.url, load_profiles(PROFILES_DIR)).snapshot()
+            assert time.monotonic() - started < 3 * ALERT_VIEW_TIMEOUT
+        assert snapshot.error is not None and reason in snapshot.error and "\n" not in snapshot.error, snapshot.error
 
 
 def test_top_reports_an_unreachable_exporter() -> None:

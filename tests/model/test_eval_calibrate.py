@@ -396,6 +396,30 @@ def test_bands_cover_every_chunk_with_the_margin():
     assert profile.routing.static_layers == (0, 1, 2, 3) and profile.routing.token_dependent_share == 0.0
 
 
+def test_a_zero_margin_on_one_chunk_still_writes_a_shape_limit_the_profile_accepts(tmp_path):
+    """Hostile review, round seven: `calibrate --margin 0` (allowed) on a baseline of one chunk measured a
+    shape distance of 0, a limit the profile refuses (strictly positive): the whole calibration ran, then
+    exit 2 and no profile."""
+    rng = np.random.default_rng(0)
+    entropies = np.where(rng.random((100, 8)) < 0.4, rng.random((100, 8)) * 0.1, 0.7 + rng.random((100, 8)) * 0.3)
+    profile, _ = build_profile(
+        "m",
+        0.18,
+        3,
+        0.85,
+        entropies,
+        entropies < 0.18,
+        0.8,
+        chunk_tokens=100,
+        margin=0.0,
+        min_observations=100,
+        source="",
+    )
+    assert profile.bimodality.shape_distance_max == 0.0001  # the profile's unit: a limit of no healthy departure
+    dump_profile(profile, tmp_path / "m.yaml")
+    assert load_profile(tmp_path / "m.yaml") == profile
+
+
 def test_routing_baseline_floor_and_static_layers():
     rng = np.random.default_rng(1)
     tokens, chunk = 2000, 500

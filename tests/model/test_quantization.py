@@ -178,6 +178,22 @@ def test_int4_refuses_widths_its_kernel_cannot_take(tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize(
+    "config, name",
+    [
+        (tiny_config(num_heads=3, num_kv_heads=1), "num_heads \\* head_dim is 24"),
+        (tiny_config(hidden_size=40), "hidden_size is 40"),
+    ],
+)
+def test_int8_refuses_input_widths_its_kernel_cannot_take(tmp_path, tokenizer, config, name):
+    """Hostile review, round seven: torch's int8 kernel (_weight_int8pack_mm) reads inputs in units of 16.
+    At 24 inputs it returned NaN for one row and killed the process (SIGSEGV) for five: `serve
+    --quantization int8` of such a model crashed at its first prompt."""
+    save_checkpoint(random_model(config), tokenizer, tmp_path)
+    with pytest.raises(PrecisionError, match=rf"^--quantization int8 needs input widths divisible by 16: {name} "):
+        load_checkpoint(tmp_path, quantization="int8")
+
+
+@pytest.mark.parametrize(
     "device, dtype, quantization, message",
     [
         ("cpu", torch.float16, "none", "--dtype float16 is slow on the CPU"),
