@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inference_shim.offline.evaluation import full_depth_result, full_depth_runs, heldout_windows
 from inference_shim.offline.training import text_file_stream
-from inference_shim.runtime.checkpoint import LoadedCheckpoint, load_precise
+from inference_shim.runtime.checkpoint import DTYPES, CheckpointError, LoadedCheckpoint, load_precise
 from inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from inference_shim.runtime.gates import LoadedGates, load_gates
+from inference_shim.runtime.quantization import QUANTIZATIONS, PrecisionError
 from layerwatch.skip_policy import SkipPolicyConfig
 
 PROMPT = "The history of the printing press begins"
@@ -93,7 +94,15 @@ def main() -> int:
     gates: dict[str, LoadedGates] = {}
     for precision in precisions:
         dtype, _, quantization = precision.partition("+")
-        models[precision] = load_precise(args.model, "cpu", dtype, quantization or "none")
+        if dtype not in DTYPES or (quantization or "none") not in QUANTIZATIONS:
+            parser.error(
+                f"--precisions: {precision!r} is not DTYPE or DTYPE+QUANTIZATION "
+                f"(DTYPE one of {', '.join(DTYPES)}; QUANTIZATION one of {', '.join(QUANTIZATIONS)})"
+            )
+        try:
+            models[precision] = load_precise(args.model, "cpu", dtype, quantization or "none")
+        except (CheckpointError, PrecisionError) as exc:
+            parser.error(str(exc))
         if args.gates is not None:
             gates[precision] = load_gates(args.gates, models[precision].model)
 

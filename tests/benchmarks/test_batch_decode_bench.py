@@ -132,3 +132,25 @@ def test_decode_bench_refuses_a_checkpoint_its_precision_cannot_load_in_one_line
             decode_bench.main()
         assert refused.value.code == 2
         assert capsys.readouterr().err.strip().splitlines()[-1].endswith(reason)
+
+
+def test_precision_bench_refuses_a_precision_it_cannot_load_in_one_line(
+    tmp_path, monkeypatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Hostile review, round seven: `precision_bench.py --precisions float64+int8` ended in a KeyError
+    traceback."""
+    from benchmarks import precision_bench
+
+    tokenizer = Tokenizer(build_backend_tokenizer(), bos_token="<s>", eos_tokens=["</s>"], add_bos_token=True)
+    save_checkpoint(random_model(tiny_config(num_heads=3, num_kv_heads=1)), tokenizer, tmp_path / "odd")
+    for precision, reason in [
+        ("float64+int8", "'float64+int8' is not DTYPE or DTYPE+QUANTIZATION"),
+        ("float32+int5", "'float32+int5' is not DTYPE or DTYPE+QUANTIZATION"),
+        ("float32+int8", "num_heads * head_dim is 24 (use none)"),
+    ]:
+        argv = ["precision_bench.py", "--model", str(tmp_path / "odd"), "--data", "x.txt", "--precisions", precision]
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit) as refused:
+            precision_bench.main()
+        assert refused.value.code == 2
+        assert reason in capsys.readouterr().err.strip().splitlines()[-1]
