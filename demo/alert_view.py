@@ -8,13 +8,10 @@ every figure a page reads next to its profile limit (alerts/signals.py). `layerw
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -23,6 +20,7 @@ from alerts.profile import Profile
 from alerts.recorded import Recorded
 from alerts.signals import Figure, figures_for
 from demo.receiver import Notification, WebhookReceiver
+from layerwatch import http_get
 from mixin import config
 
 NOTIFICATIONS_SHOWN = 5
@@ -205,25 +203,14 @@ class AlertView:
 
     def _api(self, path: str, **params: str) -> dict:
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
-        deadline = time.monotonic() + TIMEOUT  # TIMEOUT bounds each read; this, an answer that trickles
-        try:
-            with urllib.request.urlopen(f"{self.prometheus_url}{path}{query}", timeout=TIMEOUT) as response:
-                answer = bytearray()
-                while chunk := response.read1(1 << 16):
-                    answer += chunk
-                    if len(answer) > MAX_ANSWER_BYTES:
-                        raise ValueError(f"{path}: an answer over {MAX_ANSWER_BYTES >> 20} MiB")
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{path}: the answer took over {TIMEOUT:g} s")
-                if response.length:  # http.client's read1 ends a page cut short quietly
-                    raise ValueError(f"{path}: the answer ended {response.length} bytes short of its Content-Length")
-            body = json.loads(answer)
-        except urllib.error.HTTPError as exc:
-            raise ValueError(f"{path}: HTTP {exc.code}") from None
-        except http.client.HTTPException as exc:  # neither OSError nor ValueError: it escaped `top`
-            if isinstance(exc, OSError):  # RemoteDisconnected: no answer at all
-                raise
-            raise ValueError(f"{path}: not an HTTP answer: {type(exc).__name__}: {str(exc).strip()}") from None
+        url = f"{self.prometheus_url}{path}{query}"
+        try:  # the whole exchange within TIMEOUT (layerwatch/http_get.py): a trickling answer held the view
+            answer = http_get.get(url, TIMEOUT, MAX_ANSWER_BYTES, "application/json")
+            if answer.status != 200:
+                raise ValueError(f"HTTP {answer.status}")
+            body = json.loads(answer.body)
+        except (ValueError, TimeoutError) as exc:  # BadAnswer, a size or a JSON error are ValueErrors
+            raise ValueError(f"{path}: {exc}") from None
         # Alertmanager answers /api/v1/alerts too (its v1 API, 0.25), with a list: `top --prometheus` given
         # the Alertmanager the demo prints below Prometheus was a TypeError traceback.
         if not isinstance(body, dict) or not isinstance(body.get("data", {}), dict):

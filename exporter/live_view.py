@@ -9,18 +9,13 @@ whatever they put beside the histogram (the alert state).
 from __future__ import annotations
 
 import collections
-import http.client
-import io
-import math
-import socket
-import time
-import urllib.parse
 from collections.abc import Callable, Sequence
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.report_text import format_report
+from layerwatch import http_get
 from layerwatch.statistics import DECISIONS, Bimodality, EntropyTotals, report
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, clear screen
@@ -101,98 +96,20 @@ MAX_PAGE_BYTES = 64 << 20
 
 
 class ScrapeError(ValueError):
-    """The server answered, but not with a whole metrics page: a status other than 200, a broken HTTP
-    answer (http.client's errors are neither OSError nor ValueError: they escaped `top`'s handling),
-    or a page cut short of its Content-Length (http.client's read1 ends such a page quietly)."""
+    """The server answered, but not with a whole metrics page: a status other than 200, or not a whole
+    HTTP answer (layerwatch/http_get.py's BadAnswer)."""
 
 
 def scrape(url: str, timeout: float = 5.0) -> Samples:
     """Every sample of `url`/metrics (a shim or an exporter), by sample name. The whole exchange, head
-    included, must end within `timeout` seconds (a server trickling a byte every few seconds held `top`
-    forever: a socket's timeout bounds each read, not the page) and `MAX_PAGE_BYTES`."""
-    parts = urllib.parse.urlsplit(url.rstrip("/") + "/metrics")
-    deadline = time.monotonic() + timeout
-    connection_class = _BoundedHTTPSConnection if parts.scheme == "https" else _BoundedHTTPConnection
-    connection = connection_class(parts.netloc, timeout=timeout)
-    connection.deadline = deadline
+    included, must end within `timeout` seconds and `MAX_PAGE_BYTES` (layerwatch/http_get.py)."""
     try:
-        connection.request("GET", parts.path, headers={"Accept": "text/plain"})
-        response = connection.getresponse()
-        if response.status != 200:
-            raise ScrapeError(f"HTTP {response.status} {response.reason}")
-        page = bytearray()
-        while chunk := response.read1(1 << 16):
-            page += chunk
-            if len(page) > MAX_PAGE_BYTES:
-                raise ValueError(f"a page over {MAX_PAGE_BYTES >> 20} MiB")
-        if response.length:  # what the head announced and the server never sent
-            raise ScrapeError(f"the page ended {response.length} bytes short of its Content-Length")
-    except http.client.HTTPException as exc:
-        if isinstance(exc, OSError):  # RemoteDisconnected: no answer at all, as a server that is not there
-            raise
-        raise ScrapeError(f"not an HTTP answer: {type(exc).__name__}: {str(exc).strip()}") from None
-    finally:
-        connection.close()
-    return parse_samples(page.decode("utf-8"))
-
-
-class _DeadlineReader(io.RawIOBase):
-    """A socket's reads, each waiting only for what is left of one deadline."""
-
-    def __init__(self, sock: socket.socket, deadline: float, timeout: float) -> None:
-        self._sock, self._deadline, self._timeout = sock, deadline, timeout
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]  # RawIOBase's takes any buffer
-        left = self._deadline - time.monotonic()
-        if left > 0:
-            self._sock.settimeout(left)
-            try:
-                return self._sock.recv_into(buffer)
-            except TimeoutError:
-                pass
-        raise TimeoutError(f"the page took over {self._timeout:g} s")
-
-    def close(self) -> None:
-        if not self.closed:
-            self._sock.close()
-        super().close()
-
-
-class _DeadlineSocket:
-    """A connected socket whose response stream (http.client reads it through makefile) ends at a deadline."""
-
-    def __init__(self, sock: socket.socket, deadline: float, timeout: float) -> None:
-        self._sock, self._deadline, self._timeout = sock, deadline, timeout
-        self._streaming = False
-
-    def makefile(self, mode: str, *args: object, **kwargs: object) -> io.BufferedReader:
-        self._streaming = True
-        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline, self._timeout))
-
-    def close(self) -> None:
-        """http.client closes the connection once a response's head says the server will close it, before
-        the body is read: the socket then stays open until the response stream closes (as socket.makefile's)."""
-        if not self._streaming:
-            self._sock.close()
-
-    def __getattr__(self, name: str) -> object:  # sendall, close, ... as the socket's
-        return getattr(self._sock, name)
-
-
-class _BoundedHTTPConnection(http.client.HTTPConnection):
-    deadline = math.inf  # time.monotonic() by which the response must be in
-
-    def connect(self) -> None:
-        super().connect()  # (through HTTPSConnection's: the TLS handshake, bounded by the timeout)
-        assert self.timeout is not None  # scrape gives one
-        self.sock = _DeadlineSocket(self.sock, self.deadline, self.timeout)
-
-
-class _BoundedHTTPSConnection(_BoundedHTTPConnection, http.client.HTTPSConnection):
-    pass
+        page = http_get.get(url.rstrip("/") + "/metrics", timeout, MAX_PAGE_BYTES, "text/plain", what="page")
+    except http_get.BadAnswer as exc:
+        raise ScrapeError(str(exc)) from None
+    if page.status != 200:
+        raise ScrapeError(f"HTTP {page.status} {page.reason}")
+    return parse_samples(page.body.decode("utf-8"))
 
 
 def parse_samples(text: str) -> Samples:

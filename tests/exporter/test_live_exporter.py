@@ -375,15 +375,17 @@ def test_a_broken_http_answer_is_a_one_line_refusal_not_a_traceback_or_a_short_p
 
 
 def test_a_hostile_prometheus_leaves_the_alert_view_one_line_within_its_timeout() -> None:
-    """Hostile review, round seven: `top --prometheus` at a server trickling its answer hung for good (the
-    timeout bounds each read, not the answer); a broken HTTP answer ended `top` with a traceback; an alert
-    without labels was reported as the exporter's page being unreadable."""
+    """Hostile review, round seven: `top --prometheus` at a server trickling its answer, body or head, hung
+    for good (the timeout bounds each read, not the answer); a broken HTTP answer ended `top` with a
+    traceback; an alert without labels was reported as the exporter's page being unreadable."""
     json_head = b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n"
     answers = [
         (json_head + b'{"status": "success", "data": {"alerts": [', itertools.repeat(b" ", 100), "took over 3 s"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n{", iter([]), "ended 499 bytes short of its Content-Length"),
         (b"HELLO\r\n\r\n", iter([]), "not an HTTP answer: BadStatusLine: HELLO"),
         (json_head + b'{"status": "success", "data": {"alerts": [{"state": "firing"}]}}', iter([]), "an alert without"),
+        # The head a byte every 0.2 s: bounded by the per-read timeout only, it held the view 25 s and more.
+        (b"", (bytes([byte]) for byte in json_head * 3), "took over 3 s"),
     ]
     for head, rest, reason in answers:
         with StreamedPage(rest, interval=0.2, head=head) as prometheus:
