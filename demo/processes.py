@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,8 +31,29 @@ DIE_WITH_PARENT = [sys.executable, "-I", "-S", str(Path(__file__).with_name("die
 _STARTER = ThreadPoolExecutor(1, thread_name_prefix="process-starter")  # the parent thread of them all
 
 
+# Where free_port looks first: below the kernel's ephemeral range, from which it gives every outgoing
+# connection its local port. A port from that range (a bind to port 0) is free when chosen, but any
+# connection may take it before the process it is for binds it, seconds later: a broken-checkpoint
+# test's serve found its port "already in use" so.
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+BELOW_EPHEMERAL = 8192  # how many ports below the range to draw from
+
+
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
-    """A port on 127.0.0.1 that is free right now (TCP by default, UDP with SOCK_DGRAM)."""
+    """A port on 127.0.0.1 that is free right now (TCP by default, UDP with SOCK_DGRAM): one below the
+    ephemeral range where one is free there, else one the kernel picks."""
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux
+        low = 0
+    candidates = range(max(1024, low - BELOW_EPHEMERAL), low)
+    for port in random.sample(candidates, min(len(candidates), 20)):
+        with socket.socket(socket.AF_INET, kind) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use
+                continue
+            return port
     with socket.socket(socket.AF_INET, kind) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
