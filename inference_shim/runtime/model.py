@@ -81,6 +81,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:  # RoPE rotates each head as two halves
+            raise ValueError(f"head_dim={self.head_dim} is odd: rotary embeddings need an even head dimension")
         self.sliding_layers = tuple(self.sliding_layers)  # a config read back from JSON holds a list
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
