@@ -29,7 +29,7 @@ import mmap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -691,14 +691,17 @@ class _StackedParameter(nn.Parameter):
     `torch.nn.utils.vector_to_parameters` does) gives it other storage without registering anything,
     so the assignment is counted as a registration: the bank then finds it apart from its stack."""
 
-    @property  # type: ignore[override]
+    @property
     def data(self) -> torch.Tensor:
-        return torch.Tensor.data.__get__(self)
+        return _TENSOR_DATA.__get__(self)
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
-        torch.Tensor.data.__set__(self, value)
+        _TENSOR_DATA.__set__(self, value)
         _registrations[0] += 1
+
+
+_TENSOR_DATA: Any = vars(torch._C.TensorBase)["data"]  # the C property a Tensor's `.data` is
 
 
 class GateBank(nn.Module):
