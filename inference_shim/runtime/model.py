@@ -794,11 +794,13 @@ class GateBank(nn.Module):
             return
         like = gates[0].fc1.weight
         L, d = len(gates), like.shape[1]
-        w1, b1, w2, b2 = (
-            torch.empty(shape, dtype=like.dtype, device=like.device)
-            for shape in ((L, GATE_HIDDEN, d), (L, 1, GATE_HIDDEN), (L, 1, GATE_HIDDEN), (L, 1, 1))
-        )
-        with torch.no_grad():
+        # Laid out by a decode step (the engine's inference mode) too: tensors made there could never
+        # again be updated in place or trained outside it.
+        with torch.inference_mode(False), torch.no_grad():
+            w1, b1, w2, b2 = (
+                torch.empty(shape, dtype=like.dtype, device=like.device)
+                for shape in ((L, GATE_HIDDEN, d), (L, 1, GATE_HIDDEN), (L, 1, GATE_HIDDEN), (L, 1, 1))
+            )
             for l, gate in enumerate(gates):
                 for linear, weight, bias in ((gate.fc1, w1[l], b1[l, 0]), (gate.fc2, w2[l], b2[l, 0])):
                     for name, view in (("weight", weight), ("bias", bias)):

@@ -213,7 +213,7 @@ def test_batched_scores_equal_each_gate_and_follow_weight_updates(model):
 def test_batched_scores_follow_the_data_torch_helpers_assign_and_reparametrized_gates(model):
     """Hostile review, round eight: `vector_to_parameters` assigns each parameter's `.data` (the
     stacks kept the old values), prune and weight_norm compute a weight no longer a parameter
-    (scores raised KeyError)."""
+    (scores raised KeyError), and stacks laid out in inference mode could not be updated after it."""
     gates = random_gates(model.config)
     inputs = torch.randn(model.config.num_layers, 5, model.config.hidden_size)
 
@@ -232,6 +232,12 @@ def test_batched_scores_follow_the_data_torch_helpers_assign_and_reparametrized_
     torch.nn.utils.prune.remove(gates[2].fc1, "weight")  # a parameter again: stacked again
     with torch.no_grad():
         gates[2].fc1.weight.add_(1.0)
+    assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
+    gates[0].fc2.bias = torch.nn.Parameter(torch.ones(1))
+    with torch.inference_mode():  # as the engine decodes: the stacks laid out again there
+        gates.scores(inputs)
+    with torch.no_grad():
+        gates[0].fc2.bias.add_(1.0)  # an inference tensor refused this
     assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
 
 
