@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -39,24 +40,43 @@ EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 BELOW_EPHEMERAL = 8192  # how many ports below the range to draw from
 
 
+# Every port free_port gave this process: ports drawn back to back (a stack's four) are all free
+# until their processes bind them, so one could be drawn twice (2 in 2,000 draws of four).
+_given: set[int] = set()
+_given_lock = threading.Lock()
+
+
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
-    """A port on 127.0.0.1 that is free right now (TCP by default, UDP with SOCK_DGRAM): one below the
-    ephemeral range where one is free there, else one the kernel picks."""
+    """A port on 127.0.0.1 that is free right now (TCP by default, UDP with SOCK_DGRAM) and that this
+    process was never given before: one below the ephemeral range where one is free there, else one
+    the kernel picks."""
     try:
         low = int(EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):  # not Linux
         low = 0
     candidates = range(max(1024, low - BELOW_EPHEMERAL), low)
-    for port in random.sample(candidates, min(len(candidates), 20)):
-        with socket.socket(socket.AF_INET, kind) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:  # in use
-                continue
-            return port
+    with _given_lock:
+        for port in random.sample(candidates, min(len(candidates), 20)):
+            if port not in _given and _bindable(port, kind):
+                _given.add(port)
+                return port
+        for _ in range(20):
+            with socket.socket(socket.AF_INET, kind) as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _given:
+                _given.add(port)
+                return port
+    raise OSError(f"no free port on 127.0.0.1 that this process was not given already ({len(_given)} given)")
+
+
+def _bindable(port: int, kind: int) -> bool:
     with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:  # in use
+            return False
+        return True
 
 
 class ManagedProcess:

@@ -148,7 +148,11 @@ def server_url(page: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         url = (text if "://" in text else "http://" + text).rstrip("/")
         parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
+        try:
+            parts.port  # noqa: B018 -- read for its check: http.client's traceback otherwise, at the first read
+        except ValueError:  # 'abc', 99999 (which connected to port 99999 - 65536)
+            raise argparse.ArgumentTypeError(f"expected a port 0..65535 in {text!r}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
             raise argparse.ArgumentTypeError(f"expected http://HOST:PORT (or HOST:PORT), got {text!r}")
         return url.removesuffix("/" + page)
 

@@ -81,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
     def screen(fit: bool) -> str:
         """The view, read once; with `fit`, fitted to the terminal (exporter/live_view.py)."""
         samples = scrape(args.url)
+        if not any(name.startswith("layerwatch_exporter_") for name in samples):
+            # A shim's /metrics, Prometheus' own, or an empty 200 read as an exporter with no frames yet.
+            raise LookupError("no layerwatch_exporter_ series: a shim's page, or another program's?")
         snapshot = view.snapshot() if view is not None else None
         expected = view.expected_static if view is not None else None
         size = shutil.get_terminal_size()

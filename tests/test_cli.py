@@ -269,6 +269,16 @@ def test_top_refuses_an_address_that_is_not_http(url, capsys):
     )
 
 
+@pytest.mark.parametrize("url", ["http://127.0.0.1:abc", "127.0.0.1:99999", "http://:9411"])
+def test_top_refuses_a_port_that_is_not_one(url, capsys):
+    """Hostile review, round eight: ':abc' was http.client's InvalidURL traceback at the first read,
+    ':99999' read port 34463 (99999 - 65536) and said to start an exporter on 99999."""
+    with pytest.raises(SystemExit) as exit:
+        build_parser(["top"], environ={}).parse_args(["top", "--prometheus", url])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("layerwatch top: error: argument --prometheus: expected")
+
+
 def test_the_demo_refuses_a_taken_port_by_its_own_flag_before_it_starts_anything(tmp_path):
     """A taken --exporter-port failed the demo once its exporter had started, as 'the exporter's HTTP cannot
     listen on ... (--http)', a flag the demo refuses, and left its workdir behind (exit 1)."""

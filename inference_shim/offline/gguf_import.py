@@ -328,6 +328,9 @@ class _GGUFFile:
         kv_heads = self._count(f"{arch}.attention.head_count_kv", heads)
         hidden = self._count(f"{arch}.embedding_length")
         head_dim = self._count(f"{arch}.attention.key_length", hidden // heads)
+        value_dim = self._count(f"{arch}.attention.value_length", head_dim)
+        if value_dim != head_dim:  # the v tensors were read as key_length wide: a file of another kind
+            raise self.error(f"value heads of {value_dim} dimensions and key heads of {head_dim} are not supported")
         rotary = self._count(f"{arch}.rope.dimension_count", head_dim)
         if rotary != head_dim:
             raise self.error(f"RoPE on {rotary} of {head_dim} head dimensions is not supported (the whole head only)")

@@ -78,11 +78,14 @@ class LoadedCheckpoint:
 
 
 def resolve_device(name: str) -> torch.device:
-    """A torch device from its name; ValueError for a malformed name or a GPU this machine lacks."""
+    """A torch device from its name; ValueError for a malformed name, a kind of device the model does
+    not run on (meta, mps, xpu: a traceback from the first tensor made there) or a GPU this machine lacks."""
     try:
         device = torch.device(name)
     except RuntimeError as exc:
         raise ValueError(f"--device {name!r}: {exc}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: the model runs on cpu or cuda (cuda:N)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available on this machine")
     return device

@@ -29,12 +29,13 @@ import mmap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 KV_POLICIES = ("project", "evict")
 GATE_HIDDEN = 16  # width of the gate head's hidden layer: Linear(d->16) -> GELU -> Linear(16->1)
@@ -80,6 +81,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:  # RoPE rotates each head as two halves
+            raise ValueError(f"head_dim={self.head_dim} is odd: rotary embeddings need an even head dimension")
         self.sliding_layers = tuple(self.sliding_layers)  # a config read back from JSON holds a list
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
@@ -683,6 +686,24 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_count_regis
 torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
 
 
+class _StackedParameter(nn.Parameter):
+    """A gate parameter that is a view into its bank's stack. Assigning its `.data` (as
+    `torch.nn.utils.vector_to_parameters` does) gives it other storage without registering anything,
+    so the assignment is counted as a registration: the bank then finds it apart from its stack."""
+
+    @property
+    def data(self) -> torch.Tensor:
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        _TENSOR_DATA.__set__(self, value)
+        _registrations[0] += 1
+
+
+_TENSOR_DATA: Any = vars(torch._C.TensorBase)["data"]  # the C property a Tensor's `.data` is
+
+
 class GateBank(nn.Module):
     """One gate per layer. Kept apart from the transformer's weights: stored in gates.safetensors.
 
@@ -690,11 +711,13 @@ class GateBank(nn.Module):
     they are (`_lay_out`): an update in place (an optimizer step, `load_state_dict`) is in the stacks
     already, and only a parameter replaced (a new Parameter assigned) or moved (`.to()` gives it new
     storage, `_apply`) or copied (`__setstate__`) has them laid out again. A replacement is looked
-    for (a walk over the parameters' identities) only after some module registered a parameter or a
-    module by attribute (`_registrations`), which a decode step does not. Reading every parameter's
-    `_version` and storage each step, as the check did before, cost SmolLM2's int4 decode step 0.2 ms
-    of its 20 (docs/performance.md, "Weights in low precision"). Not seen: a parameter's `.data`
-    swapped by hand, or one written into `_parameters` directly; assign a new Parameter instead.
+    for (a walk over the parameters' identities and storage) only after some module registered a
+    parameter or a module by attribute or a gate parameter's `.data` was assigned (`_registrations`),
+    which a decode step does not. Reading every parameter's `_version` and storage each step, as the
+    check did before, cost SmolLM2's int4 decode step 0.2 ms of its 20 (docs/performance.md, "Weights
+    in low precision"). Gates reparametrized (`torch.nn.utils.parametrize`, `prune`, `weight_norm`:
+    their weight is computed, no longer a parameter) are scored by calling each gate. Not seen: a
+    parameter written into `_parameters` directly; assign a new Parameter instead.
     """
 
     def __init__(self, num_layers: int, hidden_size: int) -> None:
@@ -702,6 +725,7 @@ class GateBank(nn.Module):
         self.gates = nn.ModuleList(Gate(hidden_size) for _ in range(num_layers))
         self._stacks: tuple[torch.Tensor, ...] = ()  # w1 [L, 16, d], b1 [L, 1, 16], w2 [L, 1, 16], b2 [L, 1, 1]
         self._laid_out: list[torch.Tensor] = []  # the parameters that are views into the stacks, in order
+        self._laid_out_at: list[int] = []  # their data pointers, into the stacks
         self._registrations_seen = -1  # `_registrations` when the parameters were last checked
         self._lay_out()
 
@@ -721,9 +745,13 @@ class GateBank(nn.Module):
         """
         if self._registrations_seen != _registrations[0]:
             current = self._parameters_in_order()
-            if len(current) != len(self._laid_out) or any(p is not q for p, q in zip(current, self._laid_out)):
-                self._lay_out()  # a parameter was replaced
+            if [id(p) for p in current] != [id(p) for p in self._laid_out] or [
+                p.data_ptr() for p in current
+            ] != self._laid_out_at:
+                self._lay_out()  # a parameter was replaced, or its data
             self._registrations_seen = _registrations[0]
+        if not self._stacks:  # reparametrized gates: their weights are computed by their own forward
+            return torch.stack([gate(inputs[layer]) for layer, gate in enumerate(self.gates)], dim=-1)
         w1, b1, w2, b2 = self._stacks
         hidden = F.gelu(torch.baddbmm(b1, inputs, w1.transpose(1, 2)))  # [L, N, 16]
         return torch.sigmoid(torch.baddbmm(b2, hidden, w2.transpose(1, 2))[..., 0]).T
@@ -755,25 +783,34 @@ class GateBank(nn.Module):
         """Stack every gate's parameters by layer and make each parameter a view into its stack (a
         contiguous one, as safetensors saves them)."""
         gates = list(cast("Iterable[Gate]", self.gates))  # nn.ModuleList is not generic
-        if not gates:
-            self._stacks, self._laid_out = (), []
+        linears = [linear for gate in gates for linear in (gate.fc1, gate.fc2)]
+        if not gates or any(
+            parametrize.is_parametrized(linear)
+            or None in (linear._parameters.get("weight"), linear._parameters.get("bias"))
+            for linear in linears
+        ):
+            self._stacks, self._laid_out = (), self._parameters_in_order()
+            self._laid_out_at = [p.data_ptr() for p in self._laid_out]
             return
         like = gates[0].fc1.weight
         L, d = len(gates), like.shape[1]
-        w1, b1, w2, b2 = (
-            torch.empty(shape, dtype=like.dtype, device=like.device)
-            for shape in ((L, GATE_HIDDEN, d), (L, 1, GATE_HIDDEN), (L, 1, GATE_HIDDEN), (L, 1, 1))
-        )
-        with torch.no_grad():
+        # Laid out by a decode step (the engine's inference mode) too: tensors made there could never
+        # again be updated in place or trained outside it.
+        with torch.inference_mode(False), torch.no_grad():
+            w1, b1, w2, b2 = (
+                torch.empty(shape, dtype=like.dtype, device=like.device)
+                for shape in ((L, GATE_HIDDEN, d), (L, 1, GATE_HIDDEN), (L, 1, GATE_HIDDEN), (L, 1, 1))
+            )
             for l, gate in enumerate(gates):
                 for linear, weight, bias in ((gate.fc1, w1[l], b1[l, 0]), (gate.fc2, w2[l], b2[l, 0])):
                     for name, view in (("weight", weight), ("bias", bias)):
                         old = linear._parameters[name]
                         assert old is not None  # gate linears have biases
                         view.copy_(old)
-                        setattr(linear, name, nn.Parameter(view, requires_grad=old.requires_grad))
+                        setattr(linear, name, _StackedParameter(view, requires_grad=old.requires_grad))
         self._stacks = (w1, b1, w2, b2)
         self._laid_out = self._parameters_in_order()
+        self._laid_out_at = [p.data_ptr() for p in self._laid_out]
 
 
 # --- per-layer signals of a full-depth pass ----------------------------------------------------

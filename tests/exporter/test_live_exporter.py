@@ -417,6 +417,39 @@ def test_top_tells_a_server_that_is_not_an_exporter_from_no_server() -> None:
     )
 
 
+class _PageHandler(BaseHTTPRequestHandler):
+    page = b""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.page)))
+        self.end_headers()
+        self.wfile.write(self.page)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "page",
+    [b"", b'layerwatch_requests_total{model_name="m",status="ok"} 3.0\n'],
+    ids=["an empty 200", "a shim's page"],
+)
+def test_top_refuses_a_metrics_page_that_is_not_an_exporters(page: bytes) -> None:
+    """Hostile review, round eight: `top --url` at the shim's port (or at any server answering 200 with
+    an empty page) showed 'frames received 0 ... no gate frames received yet', an idle exporter."""
+    handler = type("Handler", (_PageHandler,), {"page": page})
+    with ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        top = subprocess.run([*LAYERWATCH_COMMAND, "top", "--once", "--url", url], capture_output=True, text=True)
+        server.shutdown()
+    assert top.returncode == 1 and top.stderr == (
+        f"layerwatch top: cannot read {url}/metrics: not a layerwatch exporter's page (no layerwatch_exporter_ "
+        "series: a shim's page, or another program's?)\n"
+    )
+
+
 def test_unknown_paths_are_404_and_bad_flags_are_refused(start_exporter) -> None:
     exporter = start_exporter()
     assert exporter.get("/nope")[0] == 404

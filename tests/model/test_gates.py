@@ -11,6 +11,7 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
+import torch.nn.utils.prune
 from safetensors.torch import save_file
 
 from inference_shim.runtime.checkpoint import load_checkpoint
@@ -206,6 +207,37 @@ def test_batched_scores_equal_each_gate_and_follow_weight_updates(model):
     gates.to(torch.float64)  # moved: new storage, same Parameter objects
     inputs = inputs.double()
     assert gates.scores(inputs).dtype == torch.float64
+    assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
+
+
+def test_batched_scores_follow_the_data_torch_helpers_assign_and_reparametrized_gates(model):
+    """Hostile review, round eight: `vector_to_parameters` assigns each parameter's `.data` (the
+    stacks kept the old values), prune and weight_norm compute a weight no longer a parameter
+    (scores raised KeyError), and stacks laid out in inference mode could not be updated after it."""
+    gates = random_gates(model.config)
+    inputs = torch.randn(model.config.num_layers, 5, model.config.hidden_size)
+
+    def each_gate():
+        return torch.stack([gates[l](inputs[l]) for l in range(len(gates))], dim=-1).detach()
+
+    gates.scores(inputs)  # laid out, its registrations seen
+    vector = torch.nn.utils.parameters_to_vector(random_gates(model.config, seed=5).parameters())
+    torch.nn.utils.vector_to_parameters(vector, gates.parameters())
+    assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
+    with torch.no_grad():
+        gates[1].fc1.weight.mul_(2.0)  # the new parameter is laid out again: in place is seen
+    assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
+    torch.nn.utils.prune.l1_unstructured(gates[2].fc1, "weight", amount=0.5)
+    assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
+    torch.nn.utils.prune.remove(gates[2].fc1, "weight")  # a parameter again: stacked again
+    with torch.no_grad():
+        gates[2].fc1.weight.add_(1.0)
+    assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
+    gates[0].fc2.bias = torch.nn.Parameter(torch.ones(1))
+    with torch.inference_mode():  # as the engine decodes: the stacks laid out again there
+        gates.scores(inputs)
+    with torch.no_grad():
+        gates[0].fc2.bias.add_(1.0)  # an inference tensor refused this
     assert torch.allclose(gates.scores(inputs), each_gate(), atol=1e-6)
 
 

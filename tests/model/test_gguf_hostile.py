@@ -62,8 +62,11 @@ def metadata(tokens: list[str] = TOKENS) -> dict[str, tuple]:
     }
 
 
-def write_tiny_gguf(path: Path, changes: dict | None = None, tokens: list[str] = TOKENS) -> Path:
-    """A tied one-layer Llama (random weights) with `changes` to its metadata (None: the key left out)."""
+def write_tiny_gguf(
+    path: Path, changes: dict | None = None, tokens: list[str] = TOKENS, shapes: dict | None = None
+) -> Path:
+    """A tied one-layer Llama (random weights) with `changes` to its metadata (None: the key left out)
+    and `shapes` to its tensors' shapes."""
     writer = gguf.GGUFWriter(str(path), "llama")
     for key, value in (metadata(tokens) | (changes or {})).items():
         if value is not None:
@@ -81,7 +84,7 @@ def write_tiny_gguf(path: Path, changes: dict | None = None, tokens: list[str] =
         "blk.0.ffn_up.weight": (FFN, HIDDEN),
         "blk.0.ffn_down.weight": (HIDDEN, FFN),
         "output_norm.weight": (HIDDEN,),
-    }
+    } | (shapes or {})
     for name, shape in shapes.items():
         writer.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
     writer.write_header_to_file()
@@ -161,6 +164,29 @@ def test_metadata_that_is_not_what_it_says_is_refused_naming_it(tmp_path, change
     or a folder that computed NaN (eps NaN), took the last token for EOS (id -1), did not load (a
     template that is not text or not Jinja) or claimed a context of 2^63 tokens."""
     assert named in refusal(write_tiny_gguf(tmp_path / "model.gguf", changes), tmp_path / "out")
+
+
+# Two heads of 3 dimensions (key_length 3): q, k and v 6 rows, the output 6 columns.
+ODD_HEADS = {f"blk.0.attn_{name}.weight": (6, HIDDEN) for name in "qkv"} | {"blk.0.attn_output.weight": (HIDDEN, 6)}
+
+
+@pytest.mark.parametrize(
+    ("changes", "shapes", "named"),
+    [
+        (
+            {"llama.attention.key_length": (3, Kind.UINT32), "llama.rope.dimension_count": (3, Kind.UINT32)},
+            ODD_HEADS,
+            "head_dim=3 is odd: rotary embeddings need an even head dimension",
+        ),
+        ({"llama.attention.value_length": (2, Kind.UINT32)}, {}, "value heads of 2 dimensions and key heads of 4"),
+    ],
+    ids=["odd head dimension", "value_length other than key_length"],
+)
+def test_heads_the_model_cannot_compute_are_refused_though_the_shapes_agree(tmp_path, changes, shapes, named):
+    """Hostile review, round eight: heads of 3 dimensions were a RuntimeError traceback (the Q/K
+    unpermutation reshapes by pairs); value heads narrower than the key heads were imported as key-wide,
+    the metadata contradicting the folder."""
+    assert named in refusal(write_tiny_gguf(tmp_path / "model.gguf", changes, shapes=shapes), tmp_path / "out")
 
 
 def test_a_token_listed_twice_is_refused(tmp_path):
