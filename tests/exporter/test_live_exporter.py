@@ -404,13 +404,19 @@ def test_top_reports_an_unreachable_exporter() -> None:
     assert top.returncode == 1 and "cannot read http://127.0.0.1:9/metrics" in top.stderr
 
 
-def test_top_tells_a_server_that_is_not_an_exporter_from_no_server() -> None:
-    """Review of issue 34: a server answering 404 got 'Is an exporter running there? Start one with ...'."""
-    with ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler) as server:  # no do_GET: 501
+def _top_once_against(handler: type[BaseHTTPRequestHandler]) -> tuple[str, subprocess.CompletedProcess]:
+    """`top --once` at a server on loopback whose requests `handler` answers: its URL and top's run."""
+    with ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
         url = f"http://127.0.0.1:{server.server_address[1]}"
         top = subprocess.run([*LAYERWATCH_COMMAND, "top", "--once", "--url", url], capture_output=True, text=True)
         server.shutdown()
+    return url, top
+
+
+def test_top_tells_a_server_that_is_not_an_exporter_from_no_server() -> None:
+    """Review of issue 34: a server answering 404 got 'Is an exporter running there? Start one with ...'."""
+    url, top = _top_once_against(BaseHTTPRequestHandler)  # no do_GET: 501
     assert top.returncode == 1 and top.stderr == (
         f"layerwatch top: cannot read {url}/metrics: not a layerwatch exporter's page (HTTP 501 Unsupported method "
         "('GET'))\n"
@@ -438,12 +444,7 @@ class _PageHandler(BaseHTTPRequestHandler):
 def test_top_refuses_a_metrics_page_that_is_not_an_exporters(page: bytes) -> None:
     """Hostile review, round eight: `top --url` at the shim's port (or at any server answering 200 with
     an empty page) showed 'frames received 0 ... no gate frames received yet', an idle exporter."""
-    handler = type("Handler", (_PageHandler,), {"page": page})
-    with ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        top = subprocess.run([*LAYERWATCH_COMMAND, "top", "--once", "--url", url], capture_output=True, text=True)
-        server.shutdown()
+    url, top = _top_once_against(type("Handler", (_PageHandler,), {"page": page}))
     assert top.returncode == 1 and top.stderr == (
         f"layerwatch top: cannot read {url}/metrics: not a layerwatch exporter's page (no layerwatch_exporter_ "
         "series: a shim's page, or another program's?)\n"
