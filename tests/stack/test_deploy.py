@@ -424,12 +424,14 @@ def test_each_image_copies_every_package_its_command_imports(tmp_path: Path, doc
     assert copied, dockerfile
     for folder in copied:
         shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    image_env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}  # only what is copied
     result = subprocess.run(
         [sys.executable, "-c", _IMAGE_PYTHON, str(tmp_path), command, "--help"],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=tmp_path,
+        env=image_env,
     )
     assert result.returncode == 0, result.stderr
     missing = subprocess.run(
@@ -438,6 +440,7 @@ def test_each_image_copies_every_package_its_command_imports(tmp_path: Path, doc
         text=True,
         timeout=120,
         cwd=tmp_path,
+        env=image_env,
     )
     assert missing.returncode == 2 and "not available in this installation" in missing.stderr
 
