@@ -4,18 +4,18 @@ scraping a real `layerwatch serve` and `layerwatch exporter` under generated loa
 One stack per module (`stack` fixture); the tests are phases and run in file order:
 1. a healthy baseline fires no layerwatch alert;
 2. the shim restarted with `--static-gates` (gating degraded into static pruning, two entropy humps
-   kept) pages LayerwatchRoutingStatic while LayerwatchEntropyShapeChanged stays silent; then the
-   healthy shim is restored and every alert resolves;
-3. the shim restarted with `--reset-gates` (the field's "gate weights overwritten" incident) pages
-   LayerwatchEntropyShapeChanged and tickets LayerwatchGateWeightsChanged; the fresh gates skip
-   nothing, so the quality guard measures no cost and its pages stay silent;
-4. the shim restarted with `--threshold 0.95` pages LayerwatchRunawaySkipping (the fallback
+   kept) pages LayerwatchRoutingStatic while LayerwatchEntropyShapeChanged stays silent;
+3. the shim restarted with `--threshold 0.95` pages LayerwatchRunawaySkipping (the fallback
    breaker trips over and over);
-   4a. the shim restarted with `--threshold 0.95 --protected-layers 0,1,15` (13 of 16 layers skipped
+   3a. the shim restarted with `--threshold 0.95 --protected-layers 0,1,15` (13 of 16 layers skipped
    on every token, under the breaker's line, so nothing limits the damage) pages
    LayerwatchShadowQualityCost;
-   4b. the shim restarted with `--shadow-rate 0` (the demo profile expects checks) tickets
+   3b. the shim restarted with `--shadow-rate 0` (the demo profile expects checks) tickets
    LayerwatchQualityGuardBlind;
+4. the healthy shim is restored and every alert resolves (the static gates' hash leaves the gate
+   change's window); then the shim restarted with `--reset-gates` (the field's "gate weights
+   overwritten" incident) pages LayerwatchEntropyShapeChanged and tickets LayerwatchGateWeightsChanged;
+   the fresh gates skip nothing, so the quality guard measures no cost and its pages stay silent;
 5. back to healthy, a small category of garbled transcripts (demo.loadgen.STUTTER) pages
    LayerwatchRequestTailRunaway while the global skip ratio barely moves;
 6. the shim restarted with `--shuffle-gates` (every gate on another layer) pages
@@ -128,6 +128,7 @@ class Stack:
     alertmanager_port: int = field(default_factory=free_port)
     processes: dict[str, ManagedProcess] = field(default_factory=dict)
     load: Load | None = None
+    load_started_at: float = 0.0  # monotonic
     pages: list[Page] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)  # (monotonic, what happened)
     shim_restarts: int = 0
@@ -313,7 +314,8 @@ def stack(tmp_path_factory, prometheus_binary: str, alertmanager_binary: str) ->
             f"http://127.0.0.1:{s.prometheus_port}/-/ready",
         )
         s.load = Load(f"http://{s.shim_instance}", s.model_name)
-        s.events.append((time.monotonic(), "load started"))
+        s.load_started_at = time.monotonic()
+        s.events.append((s.load_started_at, "load started"))
         yield s
     finally:
         s.stop()
@@ -336,13 +338,16 @@ def stack(tmp_path_factory, prometheus_binary: str, alertmanager_binary: str) ->
 # --- phase 1: a healthy baseline -----------------------------------------------------------------
 
 
-def _baseline_seconds(stack: Stack) -> float:
-    """Long enough for every alert's scaled `for:` to pass over full windows."""
+def _baseline_until(stack: Stack) -> float:
+    """When the healthy baseline has been watched long enough (monotonic), asked once its last signal,
+    the gate-importance correlation, is measured: every alert's scaled `for:` has passed over full
+    windows of the load, and since that signal too."""
     longest_for = max(parse_duration(rule["for"]) for rule in stack.alert_rules())
     longest_window = max(
         TIME_SCALE * config.RATE_WINDOW, TIME_SCALE * stack.profile.drift.window, EXPORTER_WINDOW_SECONDS
     )
-    return longest_window + longest_for + 3 * EVALUATION_INTERVAL
+    settle = longest_for + 3 * EVALUATION_INTERVAL
+    return max(stack.load_started_at + longest_window + settle, time.monotonic() + settle)
 
 
 def test_healthy_baseline_fires_no_alert(stack: Stack) -> None:
@@ -350,7 +355,7 @@ def test_healthy_baseline_fires_no_alert(stack: Stack) -> None:
     # positions, about 20 s of this load): the baseline is watched once it is measured.
     headline = f'layerwatch_gate_importance_correlation{{model_name="{stack.model_name}"}}'
     assert _wait_for_data(stack, headline, FAULT_TIMEOUT), f"no {headline} within {FAULT_TIMEOUT:.0f}s"
-    deadline = time.monotonic() + _baseline_seconds(stack)
+    deadline = _baseline_until(stack)
     fired: dict[str, str] = {}  # alertname -> its description (the evidence)
     while time.monotonic() < deadline:
         fired.update(
@@ -454,15 +459,6 @@ def test_static_gates_page_routing_static_while_single_peak_stays_silent(stack: 
     assert named and named <= static_now - set(stack.profile.routing.static_layers), (named, static_now)
     stack.events.append((time.monotonic(), f"static layers {sorted(static_now)}"))
 
-    # Healthy gates again: everything resolves (the gate change stays visible for its window), so
-    # that the next fault starts from a quiet stack.
-    stack.restart_shim()
-    _wait_until_quiet(stack, FAULT_TIMEOUT)
-    assert _served_hashes(stack) == {healthy_sha}
-
-
-# --- phase 3: gate weights overwritten ---------------------------------------------------------------
-
 
 def _served_hashes(stack: Stack) -> set[str]:
     return {
@@ -470,8 +466,87 @@ def _served_hashes(stack: Stack) -> set[str]:
     }
 
 
+def _shadow_quality(stack: Stack) -> dict[str, float]:
+    """The shim's shadow check over the scaled rate window, from the recorded series."""
+    recorded, shim = Recorded.for_timing(Timing(TIME_SCALE)), f'instance="{stack.shim_instance}"'
+    window = f"{TIME_SCALE * config.RATE_WINDOW:g}s"
+    queries = {
+        "agreement": f"{recorded.shadow_agreement_ratio}{{{shim}}}",
+        "nats per token": f"{recorded.shadow_kl_per_token}{{{shim}}}",
+        "perplexity increase": f"{recorded.shadow_perplexity_increase}{{{shim}}}",
+        "tokens": f"sum(increase(layerwatch_shadow_tokens_total{{{shim}}}[{window}]))",
+    }
+    return {what: next(iter(values(_wait_for_data(stack, expr))), math.nan) for what, expr in queries.items()}
+
+
+def _quality_text(quality: dict[str, float]) -> str:
+    return ", ".join(f"{what} {value:.4g}" for what, value in quality.items())
+
+
+# --- phase 3: a threshold misconfigured to 0.95 -------------------------------------------------------
+
+
+def test_threshold_095_pages_runaway_skipping(stack: Stack) -> None:
+    injected, serving = stack.restart_shim("--threshold", "0.95")
+    alerts = stack.wait_for_pages(
+        "threshold 0.95 (`--threshold 0.95`)", ["LayerwatchRunawaySkipping"], injected, serving
+    )
+    runaway = alerts["LayerwatchRunawaySkipping"]
+    assert runaway["labels"]["severity"] == "critical"
+    assert runaway["labels"]["instance"] == stack.shim_instance
+    # Every unprotected layer below 0.95 is 14 of 16 layers skipped, over the breaker's 85 %: it trips
+    # every 22 tokens or so (its figure: fallbacks per minute, against the demo profile's 0).
+    assert runaway["labels"]["trigger"] == "fallbacks"
+    assert stack.query(f'layerwatch_model_info{{instance="{stack.shim_instance}", threshold="0.95"}}')
+
+
+# --- phase 3a: skipping whose damage nothing limits ---------------------------------------------------
+
+
+def test_breaker_out_of_reach_pages_quality_cost(stack: Stack) -> None:
+    """At 0.95 with the default protection the breaker forces full depth on most tokens (offline 0.14
+    of layer evaluations skipped, 84 fallbacks in 1,500 tokens), and the quality cost per token comes
+    out near its limit (0.0775 nats against 0.0693 in a loaded run, 0.128 offline): a coin toss.
+    Protecting a third layer keeps the skipped share (13 of 16) under the breaker's 85 %, so every
+    token after the first three skips 13 layers: 0.67 nats per token offline (`layerwatch eval`'s
+    teacher-forced loss, 9.7 times the limit)."""
+    flags = ("--threshold", "0.95", "--protected-layers", "0,1,15")
+    injected, serving = stack.restart_shim(*flags)
+    fault = f"threshold 0.95, three protected layers (`{' '.join(flags)}`)"
+    alerts = stack.wait_for_pages(fault, ["LayerwatchShadowQualityCost"], injected, serving)
+    cost = alerts["LayerwatchShadowQualityCost"]
+    assert cost["labels"]["severity"] == "critical" and cost["labels"]["instance"] == stack.shim_instance
+    quality = _shadow_quality(stack)
+    assert quality["nats per token"] > stack.profile.shadow_kl_nats_max, quality
+    print(f"\n{fault}: shadow check {_quality_text(quality)}")
+
+
+# --- phase 3b: the quality guard turned off ------------------------------------------------------------
+
+
+def test_shadow_rate_zero_tickets_quality_guard_blind(stack: Stack) -> None:
+    """The demo profile expects shadow checks (shadow_rate_min); a shim serving without them is blind."""
+    assert stack.profile.shadow_rate_min > 0
+    injected, serving = stack.restart_shim("--shadow-rate", "0")
+    alerts = stack.wait_for_pages(
+        "shadow rate 0 (`--shadow-rate 0`)", ["LayerwatchQualityGuardBlind"], injected, serving
+    )
+    blind = alerts["LayerwatchQualityGuardBlind"]
+    assert blind["labels"]["severity"] == "warning" and blind["labels"]["trigger"] == "rate"
+    assert blind["labels"]["instance"] == stack.shim_instance
+
+
+# --- phase 4: gate weights overwritten ---------------------------------------------------------------
+
+
 def test_reset_gates_page_single_peak_and_gate_weights_changed(stack: Stack) -> None:
+    # Healthy gates again, the gate file's own hash served, and every earlier alert resolved, so that
+    # this drill's pages are new ones. The static drill's hash leaves the gate change's window (1h,
+    # 36 s scaled) only that long after it; phase 3 keeps the gate file and runs meanwhile.
+    stack.restart_shim()
+    _wait_until_quiet(stack, FAULT_TIMEOUT)
     (healthy_sha,) = _served_hashes(stack)
+    assert healthy_sha == hashlib.sha256((DEMO_MODEL_DIR / "gates.safetensors").read_bytes()).hexdigest()
     injected, serving = stack.restart_shim("--reset-gates")
     alerts = stack.wait_for_pages(
         "gates reset (`--reset-gates`)",
@@ -493,76 +568,6 @@ def test_reset_gates_page_single_peak_and_gate_weights_changed(stack: Stack) -> 
     firing = {a["labels"]["alertname"] for a in stack.layerwatch_alerts() if a["state"] == "firing"}
     assert not firing & {"LayerwatchShadowAgreementLow", "LayerwatchShadowQualityCost"}, firing
     print(f"\nreset gates: shadow check {_quality_text(quality)}")
-
-
-def _shadow_quality(stack: Stack) -> dict[str, float]:
-    """The shim's shadow check over the scaled rate window, from the recorded series."""
-    recorded, shim = Recorded.for_timing(Timing(TIME_SCALE)), f'instance="{stack.shim_instance}"'
-    window = f"{TIME_SCALE * config.RATE_WINDOW:g}s"
-    queries = {
-        "agreement": f"{recorded.shadow_agreement_ratio}{{{shim}}}",
-        "nats per token": f"{recorded.shadow_kl_per_token}{{{shim}}}",
-        "perplexity increase": f"{recorded.shadow_perplexity_increase}{{{shim}}}",
-        "tokens": f"sum(increase(layerwatch_shadow_tokens_total{{{shim}}}[{window}]))",
-    }
-    return {what: next(iter(values(_wait_for_data(stack, expr))), math.nan) for what, expr in queries.items()}
-
-
-def _quality_text(quality: dict[str, float]) -> str:
-    return ", ".join(f"{what} {value:.4g}" for what, value in quality.items())
-
-
-# --- phase 4: a threshold misconfigured to 0.95 -------------------------------------------------------
-
-
-def test_threshold_095_pages_runaway_skipping(stack: Stack) -> None:
-    injected, serving = stack.restart_shim("--threshold", "0.95")
-    alerts = stack.wait_for_pages(
-        "threshold 0.95 (`--threshold 0.95`)", ["LayerwatchRunawaySkipping"], injected, serving
-    )
-    runaway = alerts["LayerwatchRunawaySkipping"]
-    assert runaway["labels"]["severity"] == "critical"
-    assert runaway["labels"]["instance"] == stack.shim_instance
-    # Every unprotected layer below 0.95 is 14 of 16 layers skipped, over the breaker's 85 %: it trips
-    # every 22 tokens or so (its figure: fallbacks per minute, against the demo profile's 0).
-    assert runaway["labels"]["trigger"] == "fallbacks"
-    assert stack.query(f'layerwatch_model_info{{instance="{stack.shim_instance}", threshold="0.95"}}')
-
-
-# --- phase 4a: skipping whose damage nothing limits ---------------------------------------------------
-
-
-def test_breaker_out_of_reach_pages_quality_cost(stack: Stack) -> None:
-    """At 0.95 with the default protection the breaker forces full depth on most tokens (offline 0.14
-    of layer evaluations skipped, 84 fallbacks in 1,500 tokens), and the quality cost per token comes
-    out near its limit (0.0775 nats against 0.0693 in a loaded run, 0.128 offline): a coin toss.
-    Protecting a third layer keeps the skipped share (13 of 16) under the breaker's 85 %, so every
-    token after the first three skips 13 layers: 0.67 nats per token offline (`layerwatch eval`'s
-    teacher-forced loss, 9.7 times the limit)."""
-    flags = ("--threshold", "0.95", "--protected-layers", "0,1,15")
-    injected, serving = stack.restart_shim(*flags)
-    fault = f"threshold 0.95, three protected layers (`{' '.join(flags)}`)"
-    alerts = stack.wait_for_pages(fault, ["LayerwatchShadowQualityCost"], injected, serving)
-    cost = alerts["LayerwatchShadowQualityCost"]
-    assert cost["labels"]["severity"] == "critical" and cost["labels"]["instance"] == stack.shim_instance
-    quality = _shadow_quality(stack)
-    assert quality["nats per token"] > stack.profile.shadow_kl_nats_max, quality
-    print(f"\n{fault}: shadow check {_quality_text(quality)}")
-
-
-# --- phase 4b: the quality guard turned off ------------------------------------------------------------
-
-
-def test_shadow_rate_zero_tickets_quality_guard_blind(stack: Stack) -> None:
-    """The demo profile expects shadow checks (shadow_rate_min); a shim serving without them is blind."""
-    assert stack.profile.shadow_rate_min > 0
-    injected, serving = stack.restart_shim("--shadow-rate", "0")
-    alerts = stack.wait_for_pages(
-        "shadow rate 0 (`--shadow-rate 0`)", ["LayerwatchQualityGuardBlind"], injected, serving
-    )
-    blind = alerts["LayerwatchQualityGuardBlind"]
-    assert blind["labels"]["severity"] == "warning" and blind["labels"]["trigger"] == "rate"
-    assert blind["labels"]["instance"] == stack.shim_instance
 
 
 # --- phase 5: a small category of traffic runs away ---------------------------------------------------
@@ -596,7 +601,7 @@ def test_request_tail_category_pages_while_the_skip_ratio_barely_moves(stack: St
     Not the benchmark's 5 % of traffic (benchmarks/request_tail.py, over real 5-minute windows): at
     this time scale the rate window is 3 s and holds about a dozen requests, and the tail must be in
     every window for the whole scaled `for:`."""
-    if stack.shim_restarts:  # after phase 3: healthy settings again
+    if stack.shim_restarts:  # after phase 4: healthy settings again
         stack.restart_shim()
     recorded = Recorded.for_timing(Timing(TIME_SCALE))
     alertname = "LayerwatchRequestTailRunaway"
