@@ -82,6 +82,7 @@ from .support import (
     prometheus_argv,
     receiver,
     shim_argv,
+    start_processes,
     values,
 )
 
@@ -145,15 +146,12 @@ class Stack:
     def exporter_instance(self) -> str:
         return f"127.0.0.1:{self.exporter_http_port}"
 
-    def start_process(self, name: str, argv: list[str], ready_url: str, timeout: float = 120.0) -> None:
-        process = ManagedProcess(name, argv, self.workdir / f"{name}.log")
-        self.processes[name] = process
-        process.wait_http(ready_url, timeout)
+    def shim(self, *extra: str) -> tuple[str, list[str], str]:
+        """The shim's name, command line with `extra` and ready URL, for start_processes."""
+        return "shim", shim_argv(self.shim_port, self.exporter_udp_port, *extra), f"http://{self.shim_instance}/readyz"
 
     def start_shim(self, *extra: str) -> None:
-        self.start_process(
-            "shim", shim_argv(self.shim_port, self.exporter_udp_port, *extra), f"http://{self.shim_instance}/readyz"
-        )
+        start_processes(self.workdir, self.processes, self.shim(*extra))
 
     def restart_shim(self, *extra: str) -> tuple[float, float]:
         """Replace the shim by one started with `extra`, at the same address (the same target).
@@ -296,22 +294,30 @@ def stack(tmp_path_factory, prometheus_binary: str, alertmanager_binary: str) ->
     )
     s.rules = yaml.safe_load(rendered.rules.read_text())
     try:
-        s.start_process(
-            "alertmanager",
-            alertmanager_argv(alertmanager_binary, rendered.alertmanager_config, workdir, s.alertmanager_port),
-            f"http://127.0.0.1:{s.alertmanager_port}/-/ready",
+        start_processes(
+            workdir,
+            s.processes,
+            (
+                "alertmanager",
+                alertmanager_argv(alertmanager_binary, rendered.alertmanager_config, workdir, s.alertmanager_port),
+                f"http://127.0.0.1:{s.alertmanager_port}/-/ready",
+            ),
+            (
+                "exporter",
+                exporter_argv(s.exporter_udp_port, s.exporter_instance),
+                f"http://{s.exporter_instance}/healthz",
+            ),
+            s.shim(),
         )
-        s.start_process(
-            "exporter",
-            exporter_argv(s.exporter_udp_port, s.exporter_instance),
-            f"http://{s.exporter_instance}/healthz",
-        )
-        s.start_shim()
         # Prometheus last: from its first scrape on, every target is up (no TargetDown at start).
-        s.start_process(
-            "prometheus",
-            prometheus_argv(prometheus_binary, rendered.prometheus_config, workdir, s.prometheus_port),
-            f"http://127.0.0.1:{s.prometheus_port}/-/ready",
+        start_processes(
+            workdir,
+            s.processes,
+            (
+                "prometheus",
+                prometheus_argv(prometheus_binary, rendered.prometheus_config, workdir, s.prometheus_port),
+                f"http://127.0.0.1:{s.prometheus_port}/-/ready",
+            ),
         )
         s.load = Load(f"http://{s.shim_instance}", s.model_name)
         s.load_started_at = time.monotonic()
