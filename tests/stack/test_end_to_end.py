@@ -12,12 +12,12 @@ One stack per module (`stack` fixture); the tests are phases and run in file ord
    LayerwatchShadowQualityCost;
    3b. the shim restarted with `--shadow-rate 0` (the demo profile expects checks) tickets
    LayerwatchQualityGuardBlind;
-4. the healthy shim is restored and every alert resolves (the static gates' hash leaves the gate
-   change's window); then the shim restarted with `--reset-gates` (the field's "gate weights
-   overwritten" incident) pages LayerwatchEntropyShapeChanged and tickets LayerwatchGateWeightsChanged;
-   the fresh gates skip nothing, so the quality guard measures no cost and its pages stay silent;
-5. back to healthy, a small category of garbled transcripts (demo.loadgen.STUTTER) pages
+4. back to healthy, a small category of garbled transcripts (demo.loadgen.STUTTER) pages
    LayerwatchRequestTailRunaway while the global skip ratio barely moves;
+5. every alert resolves (the static gates' hash leaves the gate change's window); then the shim
+   restarted with `--reset-gates` (the field's "gate weights overwritten" incident) pages
+   LayerwatchEntropyShapeChanged and tickets LayerwatchGateWeightsChanged; the fresh gates skip
+   nothing, so the quality guard measures no cost and its pages stay silent;
 6. the shim restarted with `--shuffle-gates` (every gate on another layer) pages
    LayerwatchGateMiscalibrated from the shadow check's layer signals;
 7. the shim restarted with `--scramble-gates` (each gate on its layer, reading a permuted hidden
@@ -542,41 +542,7 @@ def test_shadow_rate_zero_tickets_quality_guard_blind(stack: Stack) -> None:
     assert blind["labels"]["instance"] == stack.shim_instance
 
 
-# --- phase 4: gate weights overwritten ---------------------------------------------------------------
-
-
-def test_reset_gates_page_single_peak_and_gate_weights_changed(stack: Stack) -> None:
-    # Healthy gates again, the gate file's own hash served, and every earlier alert resolved, so that
-    # this drill's pages are new ones. The static drill's hash leaves the gate change's window (1h,
-    # 36 s scaled) only that long after it; phase 3 keeps the gate file and runs meanwhile.
-    stack.restart_shim()
-    _wait_until_quiet(stack, FAULT_TIMEOUT)
-    (healthy_sha,) = _served_hashes(stack)
-    assert healthy_sha == hashlib.sha256((DEMO_MODEL_DIR / "gates.safetensors").read_bytes()).hexdigest()
-    injected, serving = stack.restart_shim("--reset-gates")
-    alerts = stack.wait_for_pages(
-        "gates reset (`--reset-gates`)",
-        ["LayerwatchEntropyShapeChanged", "LayerwatchGateWeightsChanged"],
-        injected,
-        serving,
-    )
-
-    single_peak = alerts["LayerwatchEntropyShapeChanged"]
-    assert single_peak["labels"]["severity"] == "critical"
-    assert single_peak["labels"]["instance"] == stack.exporter_instance  # the exporter's verdict
-    (reset_sha,) = _served_hashes(stack) - {healthy_sha}
-    description = alerts["LayerwatchGateWeightsChanged"]["annotations"]["description"]
-    assert healthy_sha in description and reset_sha in description, description
-    # Fresh gates score about 0.5 everywhere, above tau: nothing is skipped, so the gated model is the
-    # full-depth one and the quality guard, measuring on the same traffic, sees no cost.
-    quality = _shadow_quality(stack)
-    assert quality["agreement"] > 0.99 and quality["nats per token"] < 1e-4, quality
-    firing = {a["labels"]["alertname"] for a in stack.layerwatch_alerts() if a["state"] == "firing"}
-    assert not firing & {"LayerwatchShadowAgreementLow", "LayerwatchShadowQualityCost"}, firing
-    print(f"\nreset gates: shadow check {_quality_text(quality)}")
-
-
-# --- phase 5: a small category of traffic runs away ---------------------------------------------------
+# --- phase 4: a small category of traffic runs away ---------------------------------------------------
 
 
 def _tail_ratio(stack: Stack, recorded: Recorded, since: float | None = None) -> list[float]:
@@ -607,7 +573,7 @@ def test_request_tail_category_pages_while_the_skip_ratio_barely_moves(stack: St
     Not the benchmark's 5 % of traffic (benchmarks/request_tail.py, over real 5-minute windows): at
     this time scale the rate window is 3 s and holds about a dozen requests, and the tail must be in
     every window for the whole scaled `for:`."""
-    if stack.shim_restarts:  # after phase 4: healthy settings again
+    if stack.shim_restarts:  # after phase 3b: healthy settings again
         stack.restart_shim()
     recorded = Recorded.for_timing(Timing(TIME_SCALE))
     alertname = "LayerwatchRequestTailRunaway"
@@ -689,6 +655,39 @@ def test_request_tail_category_pages_while_the_skip_ratio_barely_moves(stack: St
         f"\nrequest tail: skip ratio {healthy_ratio} -> {skip_ratio}, share above {cutoff:g} {tail}, "
         f"{above:.0f} of the category's {requests} requests above it (their executed skip fraction {executed:.3f})"
     )
+
+
+# --- phase 5: gate weights overwritten ---------------------------------------------------------------
+
+
+def test_reset_gates_page_single_peak_and_gate_weights_changed(stack: Stack) -> None:
+    # The healthy gates of phase 4 (the gate file's own hash) and every earlier alert resolved, so that
+    # this drill's pages are new ones. The static drill's hash leaves the gate change's window (1h,
+    # 36 s scaled) only that long after it; phases 3 and 4 keep the gate file and run meanwhile.
+    _wait_until_quiet(stack, FAULT_TIMEOUT)
+    (healthy_sha,) = _served_hashes(stack)
+    assert healthy_sha == hashlib.sha256((DEMO_MODEL_DIR / "gates.safetensors").read_bytes()).hexdigest()
+    injected, serving = stack.restart_shim("--reset-gates")
+    alerts = stack.wait_for_pages(
+        "gates reset (`--reset-gates`)",
+        ["LayerwatchEntropyShapeChanged", "LayerwatchGateWeightsChanged"],
+        injected,
+        serving,
+    )
+
+    single_peak = alerts["LayerwatchEntropyShapeChanged"]
+    assert single_peak["labels"]["severity"] == "critical"
+    assert single_peak["labels"]["instance"] == stack.exporter_instance  # the exporter's verdict
+    (reset_sha,) = _served_hashes(stack) - {healthy_sha}
+    description = alerts["LayerwatchGateWeightsChanged"]["annotations"]["description"]
+    assert healthy_sha in description and reset_sha in description, description
+    # Fresh gates score about 0.5 everywhere, above tau: nothing is skipped, so the gated model is the
+    # full-depth one and the quality guard, measuring on the same traffic, sees no cost.
+    quality = _shadow_quality(stack)
+    assert quality["agreement"] > 0.99 and quality["nats per token"] < 1e-4, quality
+    firing = {a["labels"]["alertname"] for a in stack.layerwatch_alerts() if a["state"] == "firing"}
+    assert not firing & {"LayerwatchShadowAgreementLow", "LayerwatchShadowQualityCost"}, firing
+    print(f"\nreset gates: shadow check {_quality_text(quality)}")
 
 
 # --- phase 6: gates on the wrong layers ---------------------------------------------------------------
