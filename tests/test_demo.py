@@ -31,7 +31,7 @@ def _port_closed(port: int) -> bool:
 def test_the_static_drill_shows_its_page_and_ctrl_c_leaves_nothing_behind(tmp_path):
     ports = {name: free_port() for name in ("port", "exporter-port", "prometheus-port", "alertmanager-port")}
     argv = [*LAYERWATCH_COMMAND, "demo", "--workdir", str(tmp_path), "--interval", "1"]
-    argv += ["--drill", "static", "--baseline", "12", "--duration", "240"]
+    argv += ["--drill", "static", "--baseline", "8", "--duration", "240"]
     for name, port in ports.items():
         argv += [f"--{name}", str(port)]
     # Ctrl-C reaches a demo run from a terminal; one started by a background job (`cmd &` in a

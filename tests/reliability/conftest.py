@@ -226,13 +226,14 @@ def exporter(tmp_path) -> Iterator[Exporter]:
 
 @pytest.fixture
 def make_shim(tmp_path, tiny_checkpoint) -> Iterator:
-    """Factory: make_shim(*args, exporter=None) -> a started Shim (stopped after the test)."""
+    """Factory: make_shim(*args, exporter=None, start=True) -> a Shim, started unless `start` is False
+    (stopped after the test)."""
     shims: list[Shim] = []
 
-    def make(*args: str, exporter: Exporter | None = None) -> Shim:
+    def make(*args: str, exporter: Exporter | None = None, start: bool = True) -> Shim:
         shim = Shim(tmp_path, tiny_checkpoint, *args, exporter=exporter)
         shims.append(shim)
-        return shim.start()
+        return shim.start() if start else shim
 
     yield make
     for shim in shims:

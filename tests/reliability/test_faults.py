@@ -91,8 +91,11 @@ def prometheus_for(tmp_path):
 
 
 def test_prometheus_down_mid_load_is_invisible_to_the_shim(make_shim, prometheus_for):
-    shim = make_shim()
+    shim = make_shim(start=False)
     prometheus = prometheus_for([f"127.0.0.1:{shim.port}"])
+    # Prometheus first: it scrapes some 5 s after it starts (its target discovery's first update),
+    # time the shim's start-up takes place in.
+    shim.start()
     prometheus.wait_scraped(after=time.time())
     load = BackgroundLoad(shim.url, duration=5.0, concurrency=4, max_tokens=12, seed=5)
     load.sleep_until(2.0)
@@ -114,16 +117,19 @@ def test_shim_restart_keeps_prometheus_increase_exact(make_shim, prometheus_for)
     window starting just before the first one (whose value is 0), so Prometheus has nothing to
     extrapolate: the result must be exact. `rate` is the same number over the window's length.
     """
-    shim = make_shim()
+    shim = make_shim(start=False)
     prometheus = prometheus_for([f"127.0.0.1:{shim.port}"])
+    # Prometheus first: it scrapes some 5 s after it starts (its target discovery's first update),
+    # time the shim's start-up takes place in.
+    shim.start()
     prometheus.wait_scraped(after=time.time())  # the first sample: the counter at 0
 
-    first = run_load(shim.url, MODEL_NAME, duration=3.0, concurrency=3, max_tokens=10, seed=11)
+    first = run_load(shim.url, MODEL_NAME, duration=1.0, concurrency=3, max_tokens=10, seed=11)
     prometheus.wait_scraped(after=time.time())
     shim.stop()
     shim.start()
     prometheus.wait_scraped(after=time.time())  # the new process, its counter back at 0
-    second = run_load(shim.url, MODEL_NAME, duration=3.0, concurrency=3, max_tokens=10, seed=12)
+    second = run_load(shim.url, MODEL_NAME, duration=1.0, concurrency=3, max_tokens=10, seed=12)
     prometheus.wait_scraped(after=time.time())
     expected = first.completion_tokens + second.completion_tokens
     assert first.server_errors == second.server_errors == 0 and expected > 0

@@ -17,6 +17,7 @@ from pathlib import Path
 from alerts.durations import Timing
 from alerts.recorded import Recorded
 from demo.loadgen import LoadReport, run_load
+from demo.processes import ManagedProcess
 from demo.receiver import PAGER_PATH, TICKET_PATH
 
 TIME_SCALE = 0.01  # 5m -> 3s, 10m -> 6s, 1h -> 36s
@@ -80,6 +81,17 @@ def prometheus_argv(binary: str, config: Path, workdir: Path, port: int) -> list
         f"--storage.tsdb.path={workdir / 'prometheus-data'}",
         f"--web.listen-address=127.0.0.1:{port}",
     ]
+
+
+def start_processes(
+    workdir: Path, processes: dict[str, ManagedProcess], *specs: tuple[str, list[str], str], timeout: float = 120.0
+) -> None:
+    """Start every (name, argv, ready URL) at once, its log in workdir, then wait until each answers
+    its URL: their start-ups overlap (a shim's imports and model load take seconds)."""
+    for name, argv, _ in specs:
+        processes[name] = ManagedProcess(name, argv, workdir / f"{name}.log")
+    for name, _, ready_url in specs:
+        processes[name].wait_http(ready_url, timeout)
 
 
 def get_json(url: str) -> dict | list:

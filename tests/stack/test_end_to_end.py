@@ -4,20 +4,20 @@ scraping a real `layerwatch serve` and `layerwatch exporter` under generated loa
 One stack per module (`stack` fixture); the tests are phases and run in file order:
 1. a healthy baseline fires no layerwatch alert;
 2. the shim restarted with `--static-gates` (gating degraded into static pruning, two entropy humps
-   kept) pages LayerwatchRoutingStatic while LayerwatchEntropyShapeChanged stays silent; then the
-   healthy shim is restored and every alert resolves;
-3. the shim restarted with `--reset-gates` (the field's "gate weights overwritten" incident) pages
-   LayerwatchEntropyShapeChanged and tickets LayerwatchGateWeightsChanged; the fresh gates skip
-   nothing, so the quality guard measures no cost and its pages stay silent;
-4. the shim restarted with `--threshold 0.95` pages LayerwatchRunawaySkipping (the fallback
+   kept) pages LayerwatchRoutingStatic while LayerwatchEntropyShapeChanged stays silent;
+3. the shim restarted with `--threshold 0.95` pages LayerwatchRunawaySkipping (the fallback
    breaker trips over and over);
-   4a. the shim restarted with `--threshold 0.95 --protected-layers 0,1,15` (13 of 16 layers skipped
+   3a. the shim restarted with `--threshold 0.95 --protected-layers 0,1,15` (13 of 16 layers skipped
    on every token, under the breaker's line, so nothing limits the damage) pages
    LayerwatchShadowQualityCost;
-   4b. the shim restarted with `--shadow-rate 0` (the demo profile expects checks) tickets
+   3b. the shim restarted with `--shadow-rate 0` (the demo profile expects checks) tickets
    LayerwatchQualityGuardBlind;
-5. back to healthy, a small category of garbled transcripts (demo.loadgen.STUTTER) pages
+4. back to healthy, a small category of garbled transcripts (demo.loadgen.STUTTER) pages
    LayerwatchRequestTailRunaway while the global skip ratio barely moves;
+5. every alert resolves (the static gates' hash leaves the gate change's window); then the shim
+   restarted with `--reset-gates` (the field's "gate weights overwritten" incident) pages
+   LayerwatchEntropyShapeChanged and tickets LayerwatchGateWeightsChanged; the fresh gates skip
+   nothing, so the quality guard measures no cost and its pages stay silent;
 6. the shim restarted with `--shuffle-gates` (every gate on another layer) pages
    LayerwatchGateMiscalibrated from the shadow check's layer signals;
 7. the shim restarted with `--scramble-gates` (each gate on its layer, reading a permuted hidden
@@ -82,6 +82,7 @@ from .support import (
     prometheus_argv,
     receiver,
     shim_argv,
+    start_processes,
     values,
 )
 
@@ -128,6 +129,7 @@ class Stack:
     alertmanager_port: int = field(default_factory=free_port)
     processes: dict[str, ManagedProcess] = field(default_factory=dict)
     load: Load | None = None
+    load_started_at: float = 0.0  # monotonic
     pages: list[Page] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)  # (monotonic, what happened)
     shim_restarts: int = 0
@@ -144,15 +146,12 @@ class Stack:
     def exporter_instance(self) -> str:
         return f"127.0.0.1:{self.exporter_http_port}"
 
-    def start_process(self, name: str, argv: list[str], ready_url: str, timeout: float = 120.0) -> None:
-        process = ManagedProcess(name, argv, self.workdir / f"{name}.log")
-        self.processes[name] = process
-        process.wait_http(ready_url, timeout)
+    def shim(self, *extra: str) -> tuple[str, list[str], str]:
+        """The shim's name, command line with `extra` and ready URL, for start_processes."""
+        return "shim", shim_argv(self.shim_port, self.exporter_udp_port, *extra), f"http://{self.shim_instance}/readyz"
 
     def start_shim(self, *extra: str) -> None:
-        self.start_process(
-            "shim", shim_argv(self.shim_port, self.exporter_udp_port, *extra), f"http://{self.shim_instance}/readyz"
-        )
+        start_processes(self.workdir, self.processes, self.shim(*extra))
 
     def restart_shim(self, *extra: str) -> tuple[float, float]:
         """Replace the shim by one started with `extra`, at the same address (the same target).
@@ -295,25 +294,34 @@ def stack(tmp_path_factory, prometheus_binary: str, alertmanager_binary: str) ->
     )
     s.rules = yaml.safe_load(rendered.rules.read_text())
     try:
-        s.start_process(
-            "alertmanager",
-            alertmanager_argv(alertmanager_binary, rendered.alertmanager_config, workdir, s.alertmanager_port),
-            f"http://127.0.0.1:{s.alertmanager_port}/-/ready",
+        start_processes(
+            workdir,
+            s.processes,
+            (
+                "alertmanager",
+                alertmanager_argv(alertmanager_binary, rendered.alertmanager_config, workdir, s.alertmanager_port),
+                f"http://127.0.0.1:{s.alertmanager_port}/-/ready",
+            ),
+            (
+                "exporter",
+                exporter_argv(s.exporter_udp_port, s.exporter_instance),
+                f"http://{s.exporter_instance}/healthz",
+            ),
+            s.shim(),
         )
-        s.start_process(
-            "exporter",
-            exporter_argv(s.exporter_udp_port, s.exporter_instance),
-            f"http://{s.exporter_instance}/healthz",
-        )
-        s.start_shim()
         # Prometheus last: from its first scrape on, every target is up (no TargetDown at start).
-        s.start_process(
-            "prometheus",
-            prometheus_argv(prometheus_binary, rendered.prometheus_config, workdir, s.prometheus_port),
-            f"http://127.0.0.1:{s.prometheus_port}/-/ready",
+        start_processes(
+            workdir,
+            s.processes,
+            (
+                "prometheus",
+                prometheus_argv(prometheus_binary, rendered.prometheus_config, workdir, s.prometheus_port),
+                f"http://127.0.0.1:{s.prometheus_port}/-/ready",
+            ),
         )
         s.load = Load(f"http://{s.shim_instance}", s.model_name)
-        s.events.append((time.monotonic(), "load started"))
+        s.load_started_at = time.monotonic()
+        s.events.append((s.load_started_at, "load started"))
         yield s
     finally:
         s.stop()
@@ -336,13 +344,16 @@ def stack(tmp_path_factory, prometheus_binary: str, alertmanager_binary: str) ->
 # --- phase 1: a healthy baseline -----------------------------------------------------------------
 
 
-def _baseline_seconds(stack: Stack) -> float:
-    """Long enough for every alert's scaled `for:` to pass over full windows."""
+def _baseline_until(stack: Stack) -> float:
+    """When the healthy baseline has been watched long enough (monotonic), asked once its last signal,
+    the gate-importance correlation, is measured: every alert's scaled `for:` has passed over full
+    windows of the load, and since that signal too."""
     longest_for = max(parse_duration(rule["for"]) for rule in stack.alert_rules())
     longest_window = max(
         TIME_SCALE * config.RATE_WINDOW, TIME_SCALE * stack.profile.drift.window, EXPORTER_WINDOW_SECONDS
     )
-    return longest_window + longest_for + 3 * EVALUATION_INTERVAL
+    settle = longest_for + 3 * EVALUATION_INTERVAL
+    return max(stack.load_started_at + longest_window + settle, time.monotonic() + settle)
 
 
 def test_healthy_baseline_fires_no_alert(stack: Stack) -> None:
@@ -350,7 +361,7 @@ def test_healthy_baseline_fires_no_alert(stack: Stack) -> None:
     # positions, about 20 s of this load): the baseline is watched once it is measured.
     headline = f'layerwatch_gate_importance_correlation{{model_name="{stack.model_name}"}}'
     assert _wait_for_data(stack, headline, FAULT_TIMEOUT), f"no {headline} within {FAULT_TIMEOUT:.0f}s"
-    deadline = time.monotonic() + _baseline_seconds(stack)
+    deadline = _baseline_until(stack)
     fired: dict[str, str] = {}  # alertname -> its description (the evidence)
     while time.monotonic() < deadline:
         fired.update(
@@ -454,45 +465,11 @@ def test_static_gates_page_routing_static_while_single_peak_stays_silent(stack: 
     assert named and named <= static_now - set(stack.profile.routing.static_layers), (named, static_now)
     stack.events.append((time.monotonic(), f"static layers {sorted(static_now)}"))
 
-    # Healthy gates again: everything resolves (the gate change stays visible for its window), so
-    # that the next fault starts from a quiet stack.
-    stack.restart_shim()
-    _wait_until_quiet(stack, FAULT_TIMEOUT)
-    assert _served_hashes(stack) == {healthy_sha}
-
-
-# --- phase 3: gate weights overwritten ---------------------------------------------------------------
-
 
 def _served_hashes(stack: Stack) -> set[str]:
     return {
         s["metric"]["gates_sha256"] for s in stack.query(f'layerwatch_model_info{{instance="{stack.shim_instance}"}}')
     }
-
-
-def test_reset_gates_page_single_peak_and_gate_weights_changed(stack: Stack) -> None:
-    (healthy_sha,) = _served_hashes(stack)
-    injected, serving = stack.restart_shim("--reset-gates")
-    alerts = stack.wait_for_pages(
-        "gates reset (`--reset-gates`)",
-        ["LayerwatchEntropyShapeChanged", "LayerwatchGateWeightsChanged"],
-        injected,
-        serving,
-    )
-
-    single_peak = alerts["LayerwatchEntropyShapeChanged"]
-    assert single_peak["labels"]["severity"] == "critical"
-    assert single_peak["labels"]["instance"] == stack.exporter_instance  # the exporter's verdict
-    (reset_sha,) = _served_hashes(stack) - {healthy_sha}
-    description = alerts["LayerwatchGateWeightsChanged"]["annotations"]["description"]
-    assert healthy_sha in description and reset_sha in description, description
-    # Fresh gates score about 0.5 everywhere, above tau: nothing is skipped, so the gated model is the
-    # full-depth one and the quality guard, measuring on the same traffic, sees no cost.
-    quality = _shadow_quality(stack)
-    assert quality["agreement"] > 0.99 and quality["nats per token"] < 1e-4, quality
-    firing = {a["labels"]["alertname"] for a in stack.layerwatch_alerts() if a["state"] == "firing"}
-    assert not firing & {"LayerwatchShadowAgreementLow", "LayerwatchShadowQualityCost"}, firing
-    print(f"\nreset gates: shadow check {_quality_text(quality)}")
 
 
 def _shadow_quality(stack: Stack) -> dict[str, float]:
@@ -512,7 +489,7 @@ def _quality_text(quality: dict[str, float]) -> str:
     return ", ".join(f"{what} {value:.4g}" for what, value in quality.items())
 
 
-# --- phase 4: a threshold misconfigured to 0.95 -------------------------------------------------------
+# --- phase 3: a threshold misconfigured to 0.95 -------------------------------------------------------
 
 
 def test_threshold_095_pages_runaway_skipping(stack: Stack) -> None:
@@ -529,7 +506,7 @@ def test_threshold_095_pages_runaway_skipping(stack: Stack) -> None:
     assert stack.query(f'layerwatch_model_info{{instance="{stack.shim_instance}", threshold="0.95"}}')
 
 
-# --- phase 4a: skipping whose damage nothing limits ---------------------------------------------------
+# --- phase 3a: skipping whose damage nothing limits ---------------------------------------------------
 
 
 def test_breaker_out_of_reach_pages_quality_cost(stack: Stack) -> None:
@@ -550,7 +527,7 @@ def test_breaker_out_of_reach_pages_quality_cost(stack: Stack) -> None:
     print(f"\n{fault}: shadow check {_quality_text(quality)}")
 
 
-# --- phase 4b: the quality guard turned off ------------------------------------------------------------
+# --- phase 3b: the quality guard turned off ------------------------------------------------------------
 
 
 def test_shadow_rate_zero_tickets_quality_guard_blind(stack: Stack) -> None:
@@ -565,7 +542,7 @@ def test_shadow_rate_zero_tickets_quality_guard_blind(stack: Stack) -> None:
     assert blind["labels"]["instance"] == stack.shim_instance
 
 
-# --- phase 5: a small category of traffic runs away ---------------------------------------------------
+# --- phase 4: a small category of traffic runs away ---------------------------------------------------
 
 
 def _tail_ratio(stack: Stack, recorded: Recorded, since: float | None = None) -> list[float]:
@@ -596,7 +573,7 @@ def test_request_tail_category_pages_while_the_skip_ratio_barely_moves(stack: St
     Not the benchmark's 5 % of traffic (benchmarks/request_tail.py, over real 5-minute windows): at
     this time scale the rate window is 3 s and holds about a dozen requests, and the tail must be in
     every window for the whole scaled `for:`."""
-    if stack.shim_restarts:  # after phase 3: healthy settings again
+    if stack.shim_restarts:  # after phase 3b: healthy settings again
         stack.restart_shim()
     recorded = Recorded.for_timing(Timing(TIME_SCALE))
     alertname = "LayerwatchRequestTailRunaway"
@@ -678,6 +655,39 @@ def test_request_tail_category_pages_while_the_skip_ratio_barely_moves(stack: St
         f"\nrequest tail: skip ratio {healthy_ratio} -> {skip_ratio}, share above {cutoff:g} {tail}, "
         f"{above:.0f} of the category's {requests} requests above it (their executed skip fraction {executed:.3f})"
     )
+
+
+# --- phase 5: gate weights overwritten ---------------------------------------------------------------
+
+
+def test_reset_gates_page_single_peak_and_gate_weights_changed(stack: Stack) -> None:
+    # The healthy gates of phase 4 (the gate file's own hash) and every earlier alert resolved, so that
+    # this drill's pages are new ones. The static drill's hash leaves the gate change's window (1h,
+    # 36 s scaled) only that long after it; phases 3 and 4 keep the gate file and run meanwhile.
+    _wait_until_quiet(stack, FAULT_TIMEOUT)
+    (healthy_sha,) = _served_hashes(stack)
+    assert healthy_sha == hashlib.sha256((DEMO_MODEL_DIR / "gates.safetensors").read_bytes()).hexdigest()
+    injected, serving = stack.restart_shim("--reset-gates")
+    alerts = stack.wait_for_pages(
+        "gates reset (`--reset-gates`)",
+        ["LayerwatchEntropyShapeChanged", "LayerwatchGateWeightsChanged"],
+        injected,
+        serving,
+    )
+
+    single_peak = alerts["LayerwatchEntropyShapeChanged"]
+    assert single_peak["labels"]["severity"] == "critical"
+    assert single_peak["labels"]["instance"] == stack.exporter_instance  # the exporter's verdict
+    (reset_sha,) = _served_hashes(stack) - {healthy_sha}
+    description = alerts["LayerwatchGateWeightsChanged"]["annotations"]["description"]
+    assert healthy_sha in description and reset_sha in description, description
+    # Fresh gates score about 0.5 everywhere, above tau: nothing is skipped, so the gated model is the
+    # full-depth one and the quality guard, measuring on the same traffic, sees no cost.
+    quality = _shadow_quality(stack)
+    assert quality["agreement"] > 0.99 and quality["nats per token"] < 1e-4, quality
+    firing = {a["labels"]["alertname"] for a in stack.layerwatch_alerts() if a["state"] == "firing"}
+    assert not firing & {"LayerwatchShadowAgreementLow", "LayerwatchShadowQualityCost"}, firing
+    print(f"\nreset gates: shadow check {_quality_text(quality)}")
 
 
 # --- phase 6: gates on the wrong layers ---------------------------------------------------------------

@@ -47,6 +47,7 @@ from .support import (
     prometheus_api,
     prometheus_argv,
     shim_argv,
+    start_processes,
     values,
 )
 
@@ -97,17 +98,16 @@ class Fleet:
     # Every layerwatch alert seen about a's targets (firing in Prometheus, in Alertmanager, received).
     healthy_member_alerts: set[tuple[str, str, str]] = field(default_factory=set)
 
-    def start_process(self, name: str, argv: list[str], ready_url: str, timeout: float = 120.0) -> None:
-        process = ManagedProcess(name, argv, self.workdir / f"{name}.log")
-        self.processes[name] = process
-        process.wait_http(ready_url, timeout)
-
-    def start_shim(self, member: Member, *extra: str) -> None:
-        self.start_process(
+    def shim(self, member: Member, *extra: str) -> tuple[str, list[str], str]:
+        """The member's shim: its name, command line with `extra` and ready URL, for start_processes."""
+        return (
             f"shim-{member.name}",
             shim_argv(member.shim_port, member.exporter_udp_port, *extra),
             f"http://{member.shim_instance}/readyz",
         )
+
+    def start_shim(self, member: Member, *extra: str) -> None:
+        start_processes(self.workdir, self.processes, self.shim(member, *extra))
 
     def prometheus(self, path: str, **params: str) -> dict | list:
         return prometheus_api(f"http://127.0.0.1:{self.prometheus_port}", path, **params)
@@ -179,34 +179,43 @@ def fleet(
         remote_write_urls=[f"{f.victoria_url}/api/v1/write"],
     )
     try:
-        f.start_process(
-            "victoria-metrics",
-            [
-                victoria_metrics_binary,
-                f"-httpListenAddr=127.0.0.1:{f.victoria_port}",
-                f"-storageDataPath={workdir / 'victoria-metrics-data'}",
-                f"-search.latencyOffset={VICTORIA_LATENCY_OFFSET}",
-            ],
-            f"{f.victoria_url}/health",
+        start_processes(
+            workdir,
+            f.processes,
+            (
+                "victoria-metrics",
+                [
+                    victoria_metrics_binary,
+                    f"-httpListenAddr=127.0.0.1:{f.victoria_port}",
+                    f"-storageDataPath={workdir / 'victoria-metrics-data'}",
+                    f"-search.latencyOffset={VICTORIA_LATENCY_OFFSET}",
+                ],
+                f"{f.victoria_url}/health",
+            ),
+            (
+                "alertmanager",
+                alertmanager_argv(alertmanager_binary, rendered.alertmanager_config, workdir, f.alertmanager_port),
+                f"http://127.0.0.1:{f.alertmanager_port}/-/ready",
+            ),
+            *(
+                (
+                    f"exporter-{m.name}",
+                    exporter_argv(m.exporter_udp_port, m.exporter_instance),
+                    f"http://{m.exporter_instance}/healthz",
+                )
+                for m in members
+            ),
+            *(f.shim(m) for m in members),
         )
-        f.start_process(
-            "alertmanager",
-            alertmanager_argv(alertmanager_binary, rendered.alertmanager_config, workdir, f.alertmanager_port),
-            f"http://127.0.0.1:{f.alertmanager_port}/-/ready",
-        )
-        for m in members:
-            f.start_process(
-                f"exporter-{m.name}",
-                exporter_argv(m.exporter_udp_port, m.exporter_instance),
-                f"http://{m.exporter_instance}/healthz",
-            )
-        for m in members:
-            f.start_shim(m)
         # Prometheus last: from its first scrape on, every target is up (no TargetDown at start).
-        f.start_process(
-            "prometheus",
-            prometheus_argv(prometheus_binary, rendered.prometheus_config, workdir, f.prometheus_port),
-            f"http://127.0.0.1:{f.prometheus_port}/-/ready",
+        start_processes(
+            workdir,
+            f.processes,
+            (
+                "prometheus",
+                prometheus_argv(prometheus_binary, rendered.prometheus_config, workdir, f.prometheus_port),
+                f"http://127.0.0.1:{f.prometheus_port}/-/ready",
+            ),
         )
         f.loads = [Load(f"http://{m.shim_instance}", DEMO_MODEL_NAME) for m in members]
         yield f
