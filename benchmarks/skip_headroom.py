@@ -42,6 +42,7 @@ from inference_shim.offline.training import CorpusError, text_file_stream
 from inference_shim.runtime.checkpoint import CheckpointError, load_precise
 from inference_shim.runtime.model import Transformer
 from inference_shim.runtime.quantization import PrecisionError
+from layerwatch.argtypes import positive, positive_ints
 from layerwatch.skip_policy import SkipPolicyConfig
 
 WINDOW, PREFILL = 128, 16
@@ -122,15 +123,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="checkpoint folder")
     parser.add_argument("--data", required=True, help="comma-separated held-out texts")
-    parser.add_argument("--max-tokens", type=int, default=896, help="decoded tokens per text (eval's default)")
-    parser.add_argument("--counts", default="1,2,3", help="comma-separated layers to skip per decoded token")
-    parser.add_argument("--target-speedup", type=float, default=1.2, help="the speed-up whose share is printed")
+    parser.add_argument(
+        "--max-tokens", type=positive(int), default=896, help="decoded tokens per text (eval's default)"
+    )
+    parser.add_argument(
+        "--counts", type=positive_ints, default="1,2,3", help="comma-separated layers to skip per decoded token"
+    )
+    parser.add_argument(
+        "--target-speedup", type=positive(float, at_most=100), default=1.2, help="the speed-up whose share is printed"
+    )
     args = parser.parse_args()
-    try:
-        counts = {int(count) for count in args.counts.split(",")}
-    except ValueError:
-        parser.error(f"--counts: {args.counts!r} is not a comma-separated list of whole numbers")
-    if args.target_speedup <= 1:
+    counts = set(args.counts)
+    if not args.target_speedup > 1:
         parser.error("--target-speedup must be above 1")
     torch.set_num_threads(1)
     try:
@@ -146,8 +150,8 @@ def main() -> int:
     layers = model.config.num_layers
     protected = SkipPolicyConfig().protected(layers)
     skippable = [layer for layer in range(layers) if layer not in protected]
-    if not all(0 < count <= len(skippable) for count in counts):
-        parser.error(f"--counts: each count must lie between 1 and the {len(skippable)} skippable layers")
+    if max(counts) > len(skippable):
+        parser.error(f"--counts: at most the {len(skippable)} skippable layers")
     byte_shares = {"float32": layer_byte_share(model)}
     for quantization in QUANTIZED:
         try:
