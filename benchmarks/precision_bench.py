@@ -21,9 +21,11 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -64,13 +66,17 @@ def perplexity(loaded: LoadedCheckpoint, text: Path, max_tokens: int) -> float:
     return full_depth_result(runs)["perplexity_full"]
 
 
+def weight_bytes(parts: Iterable[nn.Module]) -> int:
+    """The bytes of the modules' parameters and buffers."""
+    tensors = [t for part in parts for t in (*part.parameters(), *part.buffers())]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def weight_megabytes_per_token(loaded: LoadedCheckpoint) -> float:
     """The weights one decode step reads: every layer's, the final norm's and the LM head's (a tied
     float head is the embedding table; of the table itself a lookup reads one row)."""
     model = loaded.model
-    parts = [*model.layers, model.norm, model.lm_head]
-    tensors = [t for part in parts for t in (*part.parameters(), *part.buffers())]
-    return sum(t.numel() * t.element_size() for t in tensors) / 1e6
+    return weight_bytes([*model.layers, model.norm, model.lm_head]) / 1e6
 
 
 def spread(values: list[float]) -> str:

@@ -28,6 +28,7 @@ Printed: Markdown tables (docs/gate-training.md, "A real model").
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import sys
 from pathlib import Path
@@ -37,11 +38,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.precision_bench import weight_bytes
 from inference_shim.offline.evaluation import heldout_windows
 from inference_shim.offline.training import CorpusError, text_file_stream
 from inference_shim.runtime.checkpoint import CheckpointError, load_precise
 from inference_shim.runtime.model import Transformer
-from inference_shim.runtime.quantization import PrecisionError
+from inference_shim.runtime.quantization import PrecisionError, quantize_model
 from layerwatch.argtypes import positive, positive_ints
 from layerwatch.skip_policy import SkipPolicyConfig
 
@@ -99,24 +101,18 @@ def per_token_policy(costs: torch.Tensor, count: int) -> torch.Tensor:
     return keep
 
 
-def pairs_policy(costs: torch.Tensor, share: float) -> torch.Tensor:
-    """keep [L, W, T]: the cheapest `share` of the decoded (token, layer) pairs skipped."""
-    decided = costs.shape[0] * costs.shape[1] * (costs.shape[2] - PREFILL)
+def pairs_policy(costs: torch.Tensor, count: int) -> torch.Tensor:
+    """keep [L, W, T]: the cheapest decoded (token, layer) pairs of the text skipped, `count` per
+    decoded token on average."""
     keep = torch.ones(costs.numel())
-    keep[costs.flatten().argsort()[: round(share * decided)]] = 0
+    keep[costs.flatten().argsort()[: count * costs.shape[1] * (costs.shape[2] - PREFILL)]] = 0
     return keep.view_as(costs)
 
 
 def layer_byte_share(model: Transformer) -> float:
-    """The layers' share of the weight bytes a batch-1 decode step reads (all layers, the final norm,
-    the LM head; of a tied head's embedding table a lookup reads one row)."""
-
-    def megabytes(parts) -> float:
-        tensors = [t for part in parts for t in (*part.parameters(), *part.buffers())]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    layers = megabytes(model.layers)
-    return layers / (layers + megabytes([model.norm, model.lm_head]))
+    """The layers' share of the weight bytes a batch-1 decode step reads (precision_bench's
+    `weight_megabytes_per_token`: all layers, the final norm, the LM head)."""
+    return weight_bytes(model.layers) / weight_bytes([*model.layers, model.norm, model.lm_head])
 
 
 def main() -> int:
@@ -155,7 +151,7 @@ def main() -> int:
     byte_shares = {"float32": layer_byte_share(model)}
     for quantization in QUANTIZED:
         try:
-            quantized = load_precise(args.model, "cpu", "float32", quantization).model
+            quantized = quantize_model(copy.deepcopy(model), quantization)
             byte_shares[f"float32+{quantization}"] = layer_byte_share(quantized)
         except PrecisionError as exc:  # widths the kernel cannot take
             print(f"float32+{quantization}: not measured ({exc})", file=sys.stderr)
@@ -186,7 +182,7 @@ def main() -> int:
                 for policy in (
                     static_policy(costs, count),
                     per_token_policy(costs, count),
-                    pairs_policy(costs, count / layers),
+                    pairs_policy(costs, count),
                 )
             ]
             print(

@@ -724,8 +724,8 @@ class GateBank(nn.Module):
         super().__init__()
         self.gates = nn.ModuleList(Gate(hidden_size) for _ in range(num_layers))
         self._stacks: tuple[torch.Tensor, ...] = ()  # w1 [L, 16, d], b1 [L, 1, 16], w2 [L, 1, 16], b2 [L, 1, 1]
-        self._laid_out: list[torch.Tensor] = []  # the parameters that are views into the stacks, in order
-        self._laid_out_at: list[int] = []  # their data pointers, into the stacks
+        # The parameters, in order, each with its data pointer (into the stacks) when laid out.
+        self._laid_out: list[tuple[torch.Tensor, int]] = []
         self._registrations_seen = -1  # `_registrations` when the parameters were last checked
         self._lay_out()
 
@@ -745,9 +745,9 @@ class GateBank(nn.Module):
         """
         if self._registrations_seen != _registrations[0]:
             current = self._parameters_in_order()
-            if [id(p) for p in current] != [id(p) for p in self._laid_out] or [
-                p.data_ptr() for p in current
-            ] != self._laid_out_at:
+            if len(current) != len(self._laid_out) or any(
+                p is not q or p.data_ptr() != at for p, (q, at) in zip(current, self._laid_out)
+            ):
                 self._lay_out()  # a parameter was replaced, or its data
             self._registrations_seen = _registrations[0]
         if not self._stacks:  # reparametrized gates: their weights are computed by their own forward
@@ -781,17 +781,22 @@ class GateBank(nn.Module):
 
     def _lay_out(self) -> None:
         """Stack every gate's parameters by layer and make each parameter a view into its stack (a
-        contiguous one, as safetensors saves them)."""
+        contiguous one, as safetensors saves them); reparametrized gates get none (`scores` calls
+        each gate). Then note each parameter and where its data is."""
         gates = list(cast("Iterable[Gate]", self.gates))  # nn.ModuleList is not generic
         linears = [linear for gate in gates for linear in (gate.fc1, gate.fc2)]
-        if not gates or any(
+        self._stacks = ()
+        if gates and not any(
             parametrize.is_parametrized(linear)
             or None in (linear._parameters.get("weight"), linear._parameters.get("bias"))
             for linear in linears
         ):
-            self._stacks, self._laid_out = (), self._parameters_in_order()
-            self._laid_out_at = [p.data_ptr() for p in self._laid_out]
-            return
+            self._stacks = self._stacked(gates)
+        self._laid_out = [(p, p.data_ptr()) for p in self._parameters_in_order()]
+
+    @staticmethod
+    def _stacked(gates: list[Gate]) -> tuple[torch.Tensor, ...]:
+        """The four stacks, every gate parameter made a view into them."""
         like = gates[0].fc1.weight
         L, d = len(gates), like.shape[1]
         # Laid out by a decode step (the engine's inference mode) too: tensors made there could never
@@ -808,9 +813,7 @@ class GateBank(nn.Module):
                         assert old is not None  # gate linears have biases
                         view.copy_(old)
                         setattr(linear, name, _StackedParameter(view, requires_grad=old.requires_grad))
-        self._stacks = (w1, b1, w2, b2)
-        self._laid_out = self._parameters_in_order()
-        self._laid_out_at = [p.data_ptr() for p in self._laid_out]
+        return w1, b1, w2, b2
 
 
 # --- per-layer signals of a full-depth pass ----------------------------------------------------

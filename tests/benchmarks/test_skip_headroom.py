@@ -27,7 +27,7 @@ def test_each_policy_skips_its_count_per_decoded_token_and_never_a_protected_lay
         static, per_token, pairs = (
             static_policy(costs, count),
             per_token_policy(costs, count),
-            pairs_policy(costs, count / LAYERS),
+            pairs_policy(costs, count),
         )
         for keep in (static, per_token, pairs):
             skipped = keep == 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -53,29 +52,10 @@ def test_promtool_check_rules_is_clean(promtool: str) -> None:
     assert "SUCCESS" in result.stdout and "WARNING" not in result.stdout + result.stderr
 
 
-def test_promtool_unit_tests_pass(promtool: str, tmp_path: Path) -> None:
+def test_promtool_unit_tests_pass(promtool: str) -> None:
     assert TESTS, "no promtool tests in alerts/tests"
-    # promtool runs the groups one after another on one core (alerts.test.yaml alone ~5 s): every
-    # file's groups are split in two halves, their rule files named absolutely, run by two promtools
-    # side by side.
-    halves: list[list[Path]] = [[], []]
-    for path in TESTS:
-        cases = yaml.safe_load(path.read_text())
-        cases["rule_files"] = [str((path.parent / rules).resolve()) for rules in cases["rule_files"]]
-        groups = cases["tests"]
-        for i, half in enumerate((groups[: len(groups) // 2], groups[len(groups) // 2 :])):
-            if half:
-                halves[i].append(tmp_path / f"{i}-{path.name}")
-                halves[i][-1].write_text(yaml.safe_dump({**cases, "tests": half}, sort_keys=False))
-    runs = [
-        subprocess.Popen(
-            [promtool, "test", "rules", *half], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        for half in halves
-    ]
-    for run in runs:
-        output, _ = run.communicate(timeout=120)
-        assert run.returncode == 0, output
+    result = run_tool(promtool, "test", "rules", *TESTS)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def _cases_of(alertname: str, tmp_path: Path) -> Path:
