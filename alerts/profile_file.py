@@ -55,10 +55,7 @@ _RETIRED = {
 
 def load_profile(path: str | Path) -> Profile:
     path = Path(path)
-    data = _read_yaml(path)
-    profile = _build(Profile, data, f"{path}")
-    _check(profile, f"{path}")
-    return profile
+    return _validated(_read_yaml(path), f"{path}")
 
 
 def load_profiles(directory: str | Path) -> list[Profile]:
@@ -76,15 +73,25 @@ def load_profiles(directory: str | Path) -> list[Profile]:
 
 
 def dump_profile(profile: Profile, path: str | Path) -> None:
-    """Write `profile` so that `load_profile` reads back an equal one (checked before writing)."""
+    """Write `profile` so that `load_profile` reads it back: the text is read back through the checks
+    `load_profile` applies before anything is written, so a profile it would refuse is never written."""
     path = Path(path)
-    _check(profile, f"{path}")
     text = yaml.safe_dump(_to_yaml(profile), sort_keys=False, default_flow_style=None)
+    _validated(yaml.safe_load(text), f"{path}")
     header = f"# Healthy profile of model {profile.model_name!r}: bands and limits for its alerts.\n"
     path.write_text(header + text)
 
 
 # --- YAML -> dataclass --------------------------------------------------------------------------
+
+
+def _validated(data: Any, where: str) -> Profile:
+    """A profile from its parsed YAML, with every check a profile must pass: each field's own (types,
+    finite numbers, fractions in [0, 1]) and those across fields. The one validation of reading and writing."""
+    profile = _build(Profile, data, where)
+    _check(profile, where)
+    return profile
+
 
 # A profile is a page of YAML: anything larger is not one (and is not read into memory).
 MAX_PROFILE_BYTES = 1 << 20

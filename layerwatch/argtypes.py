@@ -5,8 +5,10 @@ each parses one flag's text or raises ArgumentTypeError, which argparse reports 
 from __future__ import annotations
 
 import argparse
+import os
 import urllib.parse
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from layerwatch.wire import parse_address
@@ -39,6 +41,14 @@ def positive_fraction(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def open_fraction(text: str) -> float:
+    """A number strictly between 0 and 1 (a probability whose logit must be finite)."""
+    value = float(text)
+    if not 0.0 < value < 1.0:  # written so that NaN fails too
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
     return value
 
 
@@ -113,6 +123,20 @@ def non_negative(text: str) -> float:
     if not value >= 0:  # written so that NaN fails too
         raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
     return value
+
+
+def output_file(text: str) -> Path:
+    """A file a command writes when it is done: in an existing folder it may write to, and not a folder
+    itself, so that a long run does not end in an error it could have been told at the start."""
+    path = Path(text)
+    folder = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: permission denied")
+    return path
 
 
 def port(text: str) -> int:

@@ -48,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data", type=Path, required=True, help="held-out plain UTF-8 text; prompts are the first words of its lines"
     )
-    parser.add_argument("--out", type=Path, required=True, help="profile YAML to write")
+    parser.add_argument(
+        "--out", type=argtypes.output_file, required=True, help="profile YAML to write (its folder must exist)"
+    )
     parser.add_argument(
         "--model-name",
         default=None,
@@ -85,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--shadow-rate-min",
-        type=float,
+        type=argtypes.fraction,
         default=defaults["shadow_rate_min"],
         help="the shadow rate the model's shims are expected to run at (written to the profile; 0: none expected)",
     )
@@ -154,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         dump_profile(result.profile, args.out)
-    except (ValueError, ProfileError) as exc:
+    except (OSError, ValueError, ProfileError) as exc:  # (OSError: the folder went away during the run)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for problem in problems:

@@ -73,8 +73,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.commit_weight,
         help="weight of the double-well penalty that pulls scores to --low-score/--high-score",
     )
-    parser.add_argument("--low-score", type=float, default=d.low_score)
-    parser.add_argument("--high-score", type=float, default=d.high_score)
+    parser.add_argument(
+        "--low-score",
+        type=argtypes.open_fraction,
+        default=d.low_score,
+        help="the double well's lower minimum, in (0, 1) and below --threshold",
+    )
+    parser.add_argument(
+        "--high-score",
+        type=argtypes.open_fraction,
+        default=d.high_score,
+        help="the double well's upper minimum, in (0, 1) and above --threshold",
+    )
     parser.add_argument(
         "--fit-epochs", type=int, default=d.fit_epochs, help="importance: passes of the gate fit over the scores"
     )

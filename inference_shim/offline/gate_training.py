@@ -103,6 +103,14 @@ class GateSchedule:
         # but its last token): a window no longer than that was a tensor-shape traceback.
         if self.seq_len <= self.patience:
             raise ValueError(f"--seq-len must be longer than --patience ({self.patience}), got {self.seq_len}")
+        # The double well's minima lie on either side of tau (skipped, computed), each a finite logit:
+        # --high-score 1 was a ZeroDivisionError, 0 or 2 a "math domain error" naming no flag, and a low
+        # score above the high one trained and wrote a file.
+        if not 0 < self.low_score < self.threshold < self.high_score < 1:
+            raise ValueError(
+                f"--low-score ({self.low_score}) < --threshold ({self.threshold}) < --high-score ({self.high_score}) "
+                "must hold, all in (0, 1)"
+            )
         if not 0 <= self.target_skip <= 1:
             raise ValueError(f"--target-skip is a share of (token, layer) pairs in [0, 1], got {self.target_skip}")
 

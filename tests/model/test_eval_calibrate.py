@@ -506,6 +506,23 @@ def test_calibrate_refuses_numbers_that_would_write_a_useless_profile(tmp_path, 
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        # Before: calibrated for 2 min 7 s, then a FileNotFoundError traceback, exit 1.
+        (["--out", "/nonexistent-folder/p.yaml"], "cannot write /nonexistent-folder/p.yaml: the folder"),
+        # Before: wrote a profile that load_profile refuses (outside [0, 1]), exit 0.
+        (["--shadow-rate-min", "5"], "argument --shadow-rate-min: must be in [0, 1], got 5"),
+        (["--shadow-rate-min", "nan"], "argument --shadow-rate-min: must be in [0, 1], got nan"),
+    ],
+)
+def test_calibrate_refuses_an_output_it_cannot_write_or_read_back_before_the_run(tmp_path, capsys, flags, message):
+    argv = ["calibrate", "--model", str(tmp_path / "never-loaded"), "--data", str(tmp_path / "x")]
+    with pytest.raises(SystemExit) as exit:
+        main([*argv, "--out", str(tmp_path / "p.yaml"), *flags])
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["calibrate", "train-gates"])
 def test_calibrate_and_train_gates_take_tau_as_eval_and_serve_do(tmp_path, capsys, command):
     """--threshold is a fraction in [0, 1] for every command: a usage error, before anything loads."""

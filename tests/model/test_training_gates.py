@@ -205,9 +205,7 @@ def test_a_window_no_longer_than_the_patience_or_a_share_past_one_is_refused(
     assert not out.exists()
 
 
-@pytest.mark.parametrize(
-    "flag", ["--target-skip", "--sparsity-weight", "--commit-weight", "--low-score", "--high-score"]
-)
+@pytest.mark.parametrize("flag", ["--target-skip", "--sparsity-weight", "--commit-weight"])
 def test_a_weight_that_is_not_a_finite_number_is_refused_and_writes_nothing(
     model_dir, text_file, tmp_path, capsys, flag
 ):
@@ -216,6 +214,34 @@ def test_a_weight_that_is_not_a_finite_number_is_refused_and_writes_nothing(
     assert train(model_dir, text_file, out, flag, "nan") == 2
     assert f"{flag} must be a finite number, got nan" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--high-score", "1"], "argument --high-score: must be in (0, 1), got 1"),
+        (["--high-score", "2"], "argument --high-score: must be in (0, 1), got 2"),
+        (["--low-score", "0"], "argument --low-score: must be in (0, 1), got 0"),
+        (["--low-score", "nan"], "argument --low-score: must be in (0, 1), got nan"),
+    ],
+)
+def test_a_score_outside_the_open_unit_interval_is_a_usage_error(tmp_path, capsys, flags, message):
+    """Before: --high-score 1 was a ZeroDivisionError traceback; --low-score 0 and --high-score 2 a
+    "math domain error" naming no flag, after the model had loaded."""
+    argv = ["train-gates", "--model", str(tmp_path / "never-loaded"), "--data", str(tmp_path / "x")]
+    with pytest.raises(SystemExit) as exit:
+        main([*argv, "--out", str(tmp_path / "g.safetensors"), *flags])
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_scores_on_the_wrong_side_of_tau_are_refused_before_the_model_loads(tmp_path, capsys):
+    """Before: --low-score 0.9 --high-score 0.05 trained and wrote a gate file, exit 0."""
+    out = tmp_path / "g.safetensors"
+    argv = ["train-gates", "--model", str(tmp_path / "never-loaded"), "--data", str(tmp_path / "x"), "--out", str(out)]
+    assert main([*argv, "--low-score", "0.9", "--high-score", "0.05"]) == 2
+    err = capsys.readouterr().err
+    assert "--low-score (0.9) < --threshold (0.18) < --high-score (0.05) must hold" in err
+    assert "never-loaded" not in err and not out.exists()
 
 
 # --- the importance method ------------------------------------------------------------------------

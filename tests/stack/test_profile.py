@@ -248,6 +248,16 @@ def test_dump_refuses_an_inconsistent_profile(tmp_path: Path) -> None:
     assert not (tmp_path / "x.yaml").exists()
 
 
+@pytest.mark.parametrize("shadow_rate_min", [5.0, float("nan"), float("inf")])
+def test_dump_refuses_every_value_load_would_refuse(tmp_path: Path, shadow_rate_min: float) -> None:
+    """Before: `calibrate --shadow-rate-min 5` (or nan) wrote a profile, exit 0, that load_profile refused
+    (outside [0, 1], not finite): generate exited 2 on it and serve skipped it."""
+    broken = dataclasses.replace(load_profile(REFERENCE), shadow_rate_min=shadow_rate_min)
+    with pytest.raises(ProfileError, match="shadow_rate_min"):
+        dump_profile(broken, tmp_path / "x.yaml")
+    assert not (tmp_path / "x.yaml").exists()
+
+
 @pytest.mark.parametrize("text, seconds", [("30s", 30), ("5m", 300), ("1h30m", 5400), ("500ms", 0.5), ("1d", 86400)])
 def test_durations_parse_and_format_back(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
