@@ -178,9 +178,17 @@ def chat_messages(documents: list[str], count: int, rng: random.Random) -> list[
 def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
     """A prompt's ids as the shim encodes it: a chat message rendered by the chat template with the
     assistant's turn opened (/v1/chat/completions), or completion text (/v1/completions)."""
+    from jinja2 import TemplateError
+
     if not chat:
         return tokenizer.encode(prompt)
-    return tokenizer.encode_chat_prompt(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    except TemplateError as exc:  # e.g. raise_exception('a system message is required'); serve answers 400
+        raise ValueError(
+            f"the model's chat template refused a conversation of one user message, which is what --chat sends: {exc}"
+        ) from None
+    return tokenizer.encode_chat_prompt(text)
 
 
 def generate_baseline(

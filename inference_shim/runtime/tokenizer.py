@@ -21,20 +21,17 @@ concatenation is the text of all tokens, never emitting half a UTF-8 character.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tokenizers
 from tokenizers import processors
 
-if TYPE_CHECKING:
-    from jinja2 import Environment, Template
+from inference_shim.runtime import chat_template
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +110,6 @@ class Tokenizer:
         if templates and "default" not in templates:
             raise TokenizerError(f"chat templates {sorted(templates)} include no 'default' one")
         self.chat_templates: dict[str, str] = templates
-        self._compiled: dict[str, Template] = {}  # compiled lazily (needs jinja2): most callers never render a chat
         self._facts: dict[str, TemplateFacts] = {}
 
     @classmethod
@@ -155,8 +151,8 @@ class Tokenizer:
         except TokenizerError as exc:
             raise TokenizerError(f"{tokenizer_config_json}: {exc}") from exc
         try:
-            for name in tokenizer.chat_templates:  # a broken template fails at load, not per request
-                tokenizer._template(name)
+            for name in tokenizer.chat_templates:  # a broken or hostile template fails at load, not per request
+                tokenizer._check_template(name)
         except TokenizerError as exc:
             source = tokenizer_json.parent / CHAT_TEMPLATE_FILE if template_files else tokenizer_config_json
             raise TokenizerError(f"{source}: {exc}") from exc
@@ -219,7 +215,8 @@ class Tokenizer:
         the checkpoint has one. `continue_final_message` leaves the last message open (the text
         ends with its content, as transformers cuts it). Messages of the `developer` role are
         `system` ones for a template that does not name the role. A template's `raise_exception`,
-        and a conversation continue_final_message cannot continue, raise jinja2's TemplateError."""
+        a conversation continue_final_message cannot continue, and a template past its bounds in time
+        or memory (chat_template.py) raise jinja2's TemplateError."""
         name = self.template_name(tools is not None)
         knows_developer = "developer" in self.template_facts(name).constants
         prepared = [_template_message(m, knows_developer) for m in messages]
@@ -228,13 +225,14 @@ class Tokenizer:
         if name is None:
             text = plain_chat_prompt(prepared, add_generation_prompt)
         else:
-            text = self._template(name).render(
-                messages=prepared,
-                tools=tools,
-                documents=documents,
-                add_generation_prompt=add_generation_prompt,
+            variables = {
+                "messages": prepared,
+                "tools": tools,
+                "documents": documents,
+                "add_generation_prompt": add_generation_prompt,
                 **{**self.special_tokens, **template_kwargs},  # as in transformers, the caller's win
-            )
+            }
+            text = chat_template.render(self.chat_templates[name], variables)
         return _cut_at_tag(text, prepared[-1]["content"]) if continue_final_message else text
 
     def template_name(self, tools: bool = False) -> str | None:
@@ -278,17 +276,25 @@ class Tokenizer:
             settings["chat_template"] = self.chat_template if len(named) == 1 else named
         (out_dir / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
 
-    def _template(self, name: str) -> Template:
-        from jinja2 import TemplateSyntaxError
+    def _check_template(self, name: str) -> None:
+        """Refuse a template that does not compile, or that cannot render a one-message conversation
+        within its bounds (a constant `'x' * 4000000000`, a loop whatever the messages); one that
+        refuses that conversation (`raise_exception`: "a system message is required") is not at fault."""
+        from jinja2 import TemplateError, TemplateSyntaxError
 
-        if name not in self._compiled:
-            try:
-                self._compiled[name] = _compile_template(self.chat_templates[name])
-            except TemplateSyntaxError as exc:
-                raise TokenizerError(f"chat template {name!r} is not valid Jinja (line {exc.lineno}: {exc})") from exc
-            except RecursionError:  # Jinja's parser recurses once per nested expression
-                raise TokenizerError(f"chat template {name!r} is nested too deeply for Jinja's parser") from None
-        return self._compiled[name]
+        try:
+            chat_template.check_compiles(self.chat_templates[name])
+        except TemplateSyntaxError as exc:
+            raise TokenizerError(f"chat template {name!r} is not valid Jinja (line {exc.lineno}: {exc})") from exc
+        except chat_template.TemplateLimitError as exc:
+            raise TokenizerError(f"chat template {name!r} {exc.problem}") from None
+        probe = {"messages": [{"role": "user", "content": "Hello"}], "add_generation_prompt": True}
+        try:
+            chat_template.render(self.chat_templates[name], {**self.special_tokens, **probe})
+        except chat_template.TemplateLimitError as exc:
+            raise TokenizerError(f"chat template {name!r} {exc.problem} to render one user message") from None
+        except TemplateError:
+            pass
 
     @staticmethod
     def _id_of(backend: tokenizers.Tokenizer, token: str) -> int:
@@ -505,79 +511,9 @@ def _cut_at_tag(text: str, tagged: str) -> str:
 def _template_facts(source: str) -> TemplateFacts:
     from jinja2 import meta, nodes
 
-    environment = _chat_template_environment()
+    environment = chat_template.environment()
     tree = environment.parse(source)
     constants = {node.value for node in tree.find_all(nodes.Const) if isinstance(node.value, str)}
     # (the environment's globals, raise_exception and the like, are not the caller's to give)
     variables = meta.find_undeclared_variables(tree) - environment.globals.keys()
     return TemplateFacts(frozenset(variables), frozenset(constants))
-
-
-def _compile_template(source: str) -> Template:
-    return _chat_template_environment().from_string(source)
-
-
-@functools.cache
-def _chat_template_environment() -> Environment:
-    """The Jinja environment of transformers' `apply_chat_template`: sandboxed (a checkpoint's template
-    is data, not trusted code), trim_blocks and lstrip_blocks, loop controls, the `{% generation %}`
-    tag (here a no-op: it only marks assistant text for training masks), a `tojson` that does not
-    escape HTML and takes json.dumps's arguments, and the globals `raise_exception`, `strftime_now`,
-    `dict` and `namespace` (the last two refusing what could reach Python internals). One for every
-    template: an environment renders in several threads at once."""
-    import jinja2
-    from jinja2 import nodes
-    from jinja2.exceptions import SecurityError, TemplateError
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationTag(Extension):
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller):
-            return caller()
-
-    def raise_exception(message: str):
-        raise TemplateError(message)
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(format: str) -> str:
-        return datetime.now().strftime(format)
-
-    class TemplateDict:
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
-
-    class TemplateNamespace(jinja2.utils.Namespace):
-        def __init__(*args, **kwargs):  # Namespace's signature: `namespace(self=...)` must work
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name, value):
-            TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check_name(name):
-            if isinstance(name, str) and name.startswith("_"):
-                raise SecurityError(f"chat templates cannot store underscore-prefixed attributes, got {name!r}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(
-        raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(), namespace=TemplateNamespace
-    )
-    return env

@@ -45,7 +45,7 @@ from inference_shim.service.prompts import (
     check_token_ids,
     describe_limits,
     encode_text,
-    render_chat,
+    render_chat_off_loop,
 )
 from inference_shim.service.records import FinishedRequest
 from inference_shim.service.schemas import (
@@ -252,7 +252,10 @@ async def _prepare(service: ShimService, request: Request, kind: Literal["comple
     else:
         body = await asyncio.to_thread(parse_request, CompletionRequest, data, COMPLETION_UNSUPPORTED)
     check_model(service, body.model)
-    inputs = await asyncio.to_thread(_prompt_inputs, service, body)
+    if isinstance(body, ChatCompletionRequest):
+        inputs: list[str | list[int]] = [await render_chat_off_loop(service.tokenizer, body)]
+    else:
+        inputs = body.prompts()
     if len(inputs) * body.n > MAX_CHOICES:
         raise APIError(
             400, f"At most {MAX_CHOICES} choices (n × prompts) per request.", param="n", code="invalid_value"
@@ -371,13 +374,6 @@ def _max_tokens(service: ShimService, body: CompletionRequest | ChatCompletionRe
     return max_tokens
 
 
-def _prompt_inputs(service: ShimService, body: CompletionRequest | ChatCompletionRequest) -> list[str | list[int]]:
-    """Each prompt as text or token ids; a chat's messages rendered by the chat template."""
-    if isinstance(body, CompletionRequest):
-        return body.prompts()
-    return [render_chat(service.tokenizer, body)]
-
-
 async def _tokenize(service: ShimService, request: Request) -> dict[str, Any]:
     """vLLM's /tokenize: a text prompt, or a conversation as the chat route renders it. Bounded as a
     generation's prompt is (body size, and a text too long in characters to fit is refused
@@ -389,7 +385,7 @@ async def _tokenize(service: ShimService, request: Request) -> dict[str, Any]:
     if isinstance(data, dict) and "messages" in data:
         body = await asyncio.to_thread(parse_request, TokenizeChat, data, TOKENIZE_CHAT_UNSUPPORTED)
         check_model(service, body.model)
-        text = await asyncio.to_thread(render_chat, tokenizer, body)
+        text = await render_chat_off_loop(tokenizer, body)
         add_special_tokens = body.add_special_tokens
 
         def encode(text: str) -> list[int]:

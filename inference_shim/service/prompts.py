@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 from jinja2.exceptions import TemplateError
 
+from inference_shim.runtime import chat_template
 from inference_shim.runtime.tokenizer import Tokenizer
 from inference_shim.service.schemas import APIError, ChatTemplateFields
 from inference_shim.service.shim import Limits
@@ -22,6 +24,17 @@ from inference_shim.service.shim import Limits
 REQUEST_FIELD_VARIABLES = frozenset(
     {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template"}
 )
+
+
+# Renders wait for a template worker in threads of their own, as many as there are workers: a template
+# at its time bound then holds none of the threads the other routes validate and tokenize in, and a
+# render still queued when its client disconnects is dropped.
+_RENDER_THREADS = ThreadPoolExecutor(chat_template.MAX_WORKERS, thread_name_prefix="chat-template")
+
+
+async def render_chat_off_loop(tokenizer: Tokenizer, body: ChatTemplateFields) -> str:
+    """`render_chat` off the event loop, on the render threads."""
+    return await asyncio.get_running_loop().run_in_executor(_RENDER_THREADS, render_chat, tokenizer, body)
 
 
 def render_chat(tokenizer: Tokenizer, body: ChatTemplateFields) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -521,6 +522,29 @@ def test_calibrate_refuses_an_output_it_cannot_write_or_read_back_before_the_run
     with pytest.raises(SystemExit) as exit:
         main([*argv, "--out", str(tmp_path / "p.yaml"), *flags])
     assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_calibrate_chat_with_a_template_that_refuses_one_user_message_is_one_line(
+    model_dir,  # noqa: F811
+    text_file,  # noqa: F811
+    tmp_path,
+    capsys,
+):
+    """Before: a jinja2 TemplateError traceback after the model had loaded (serve answers it with a 400)."""
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% if messages[0].role != 'system' %}{{ raise_exception('a system message is required') }}{% endif %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    out = tmp_path / "p.yaml"
+    assert main(["calibrate", "--model", str(folder), "--data", str(text_file), "--out", str(out), "--chat"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: the model's chat template refused a conversation of one user message, which is what --chat sends: "
+        "a system message is required\n"
+    )
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("command", ["calibrate", "train-gates"])

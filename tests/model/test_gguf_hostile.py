@@ -155,6 +155,11 @@ NOT_JINJA = "{% for %}"
         ({"tokenizer.ggml.merges": (["a zz"], Kind.ARRAY, Kind.STRING)}, "tokenizer: Error while initializing BPE"),
         ({"tokenizer.chat_template": (5, Kind.UINT32)}, "'tokenizer.chat_template' must be text, found 5"),
         ({"tokenizer.chat_template": (NOT_JINJA, Kind.STRING)}, "tokenizer: chat template 'default' is not valid"),
+        # Jinja folds the constant while it compiles: 1.5 GB in the importing process (4e9: 12 GB, killed).
+        (
+            {"tokenizer.chat_template": ("{{ 'x' * 1500000000 }}", Kind.STRING)},
+            "chat template 'default' needed more than 1024 MiB to render one user message",
+        ),
     ],
     ids=lambda case: next(iter(case)) if isinstance(case, dict) else None,
 )
@@ -162,7 +167,8 @@ def test_metadata_that_is_not_what_it_says_is_refused_naming_it(tmp_path, change
     """Before: tracebacks (ZeroDivisionError, TypeError, tokenizers' bare Exception; torch's int64
     overflow for a width of 2^63), hangs (a block count of 10^7 built gguf's name map for that many),
     or a folder that computed NaN (eps NaN), took the last token for EOS (id -1), did not load (a
-    template that is not text or not Jinja) or claimed a context of 2^63 tokens."""
+    template that is not text or not Jinja) or claimed a context of 2^63 tokens; a template whose
+    constants are gigabytes was compiled in the importing process."""
     assert named in refusal(write_tiny_gguf(tmp_path / "model.gguf", changes), tmp_path / "out")
 
 

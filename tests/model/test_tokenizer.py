@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,47 @@ def test_a_config_asking_for_a_bos_the_post_processor_does_not_add_is_reported(t
     loaded = Tokenizer.from_files(tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json")
     assert loaded.bos_token_id not in loaded.encode("the earth")
     assert "add_bos_token: true" in caplog.text and "tokenizer.json's post-processor adds no BOS" in caplog.text
+
+
+# Jinja folds a constant expression while it compiles: before, this one allocated its 1.5 GB in the
+# loading process (4e9, in a 16 KB GGUF, 12 GB); `eval`, `calibrate` and `serve` load the same way.
+MEMORY_BOMB = "{{ 'x' * 1500000000 }}"
+# Each render a stack of loops or a string doubled past any memory; both rendered for good before.
+LOOPING = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+DOUBLING = "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"
+
+
+@pytest.mark.parametrize(
+    "template, problem",
+    [(MEMORY_BOMB, "needed more than 1024 MiB"), (LOOPING, "took more than 2 s")],
+    ids=["bomb", "loop"],
+)
+def test_a_template_past_its_bounds_for_one_message_is_refused_at_load(tmp_path, backend_tokenizer, template, problem):
+    backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": template}))
+    with pytest.raises(
+        TokenizerError, match=rf"tokenizer_config.json: chat template 'default' {problem} to render one"
+    ):
+        Tokenizer.from_files(tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json")
+
+
+@pytest.mark.parametrize(
+    "template, problem",
+    [(LOOPING, "took more than 2 s"), (DOUBLING, "needed more than 1024 MiB")],
+    ids=["loop", "doubling"],
+)
+def test_a_render_past_its_time_or_memory_is_stopped_and_the_next_one_renders(backend_tokenizer, template, problem):
+    from jinja2 import TemplateError
+
+    from inference_shim.runtime.chat_template import RENDER_SECONDS
+
+    hostile = Tokenizer(backend_tokenizer, chat_template=template)
+    started = time.monotonic()
+    with pytest.raises(TemplateError, match=f"the chat template {problem}"):
+        hostile.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - started < RENDER_SECONDS + 3  # the worker is killed at its deadline
+    plain = Tokenizer(backend_tokenizer, chat_template="{{ messages[0].content }}!")
+    assert plain.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
 
 
 @pytest.mark.parametrize(
