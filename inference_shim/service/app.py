@@ -240,7 +240,10 @@ async def _generate(service: ShimService, request: Request, kind: Literal["compl
         )
     await run_to_end(generation, request)
     headers = {ACTIVITY_HEADER: generation.activity_json()} if prepared.debug else None
-    return JSONResponse(generation.response(), headers=headers)
+    # Built and encoded in a worker thread, a choice at a time: answers reach tens of MB (n 128 with
+    # top_logprobs 20), and the event loop answers everyone else meanwhile.
+    body = await asyncio.to_thread(generation.encoded_response)
+    return Response(body, media_type="application/json", headers=headers)
 
 
 async def _prepare(service: ShimService, request: Request, kind: Literal["completion", "chat"], data: Any) -> Prepared:
