@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from demo.processes import LAYERWATCH_COMMAND, free_port
+from layerwatch.demo.processes import LAYERWATCH_COMMAND, free_port
 from layerwatch.wire import GateFrame, encode_frame
 
 MODEL_NAME = "fleet-sim"
@@ -152,9 +152,9 @@ def exporter_series(layers: int, per_layer: bool) -> int:
 
 def shim_series(layers: int) -> int:
     """Series on a real shim's page serving a random `layers`-layer model, after a few requests."""
-    from inference_shim.runtime.checkpoint import save_checkpoint
-    from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
-    from inference_shim.runtime.model import ModelConfig, Transformer
+    from layerwatch.inference_shim.runtime.checkpoint import save_checkpoint
+    from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+    from layerwatch.inference_shim.runtime.model import ModelConfig, Transformer
 
     demo = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
     config = ModelConfig(

@@ -148,7 +148,7 @@ def main() -> None:
         extra += ["--frame-key-file", str(key_file)]
     log = workdir / "exporter.log"
     environment = dict(os.environ, PYTHONPATH=str(args.checkout.resolve()))
-    command = [sys.executable, "-m", "layerwatch_cli.main", "exporter", "--listen", "127.0.0.1:0"]
+    command = [sys.executable, "-m", "layerwatch.cli.main", "exporter", "--listen", "127.0.0.1:0"]
     command += ["--http", "127.0.0.1:0", *extra]
     with open(log, "wb") as stderr:
         process = subprocess.Popen(

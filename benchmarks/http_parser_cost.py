@@ -26,7 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from demo.processes import free_port
+from layerwatch.demo.processes import free_port
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def cpu_seconds(pid: int) -> float:
 def start(checkout: Path, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     environment = dict(os.environ, PYTHONPATH=str(checkout), OMP_NUM_THREADS="1")
-    argv = [sys.executable, "-m", "layerwatch_cli.main", "serve", "--port", str(port), "--exporter-address", ""]
+    argv = [sys.executable, "-m", "layerwatch.cli.main", "serve", "--port", str(port), "--exporter-address", ""]
     with open(log, "wb") as output:
         process = subprocess.Popen([*argv, "--log-level", "warning"], cwd=checkout, env=environment, stdout=output)
     url = f"http://127.0.0.1:{port}"

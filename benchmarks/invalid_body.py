@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from inference_shim.service.schemas import (
+from layerwatch.inference_shim.service.schemas import (
     CHAT_UNSUPPORTED,
     COMPLETION_UNSUPPORTED,
     APIError,

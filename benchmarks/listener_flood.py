@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from demo.processes import free_port
+from layerwatch.demo.processes import free_port
 from tests.slow_clients import EndlessHeader, Trickler, half_sent_requests, non_reader
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -107,7 +107,7 @@ class Target:
 
 @contextmanager
 def started(checkout: Path, argv: list[str], ready: str, nofile: int | None, workdir: Path) -> Iterator[Target]:
-    command = [sys.executable, "-m", "layerwatch_cli.main", *argv]
+    command = [sys.executable, "-m", "layerwatch.cli.main", *argv]
     if nofile:
         command = ["prlimit", f"--nofile={nofile}", *command]
     log = workdir / f"{argv[0]}.log"

@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference_shim.runtime.checkpoint import load_checkpoint
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
-from inference_shim.runtime.engine import FLOAT32_TINY, NUCLEUS_CANDIDATES, sample_token
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+from layerwatch.inference_shim.runtime.engine import FLOAT32_TINY, NUCLEUS_CANDIDATES, sample_token
 
 
 def sorted_whole(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:

@@ -9,7 +9,7 @@ by this score at full depth buys back as much of the gated perplexity increase a
 own perplexity or mean gate score and more than its length; with short prompts a little more than
 a random decile, with long ones no more.
 
-Torch-free: the shim (inference_shim/service/depth.py) and the benchmark share it.
+Torch-free: the shim (layerwatch/inference_shim/service/depth.py) and the benchmark share it.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from layerwatch_cli.main import COMMANDS, apply_environment, build_parser
+from layerwatch.cli.main import COMMANDS, apply_environment, build_parser
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,7 +101,7 @@ def test_every_command_has_help(command):
 @pytest.mark.parametrize("command", ["exporter", "replay", "top", "generate", "calibrate-trace"])
 def test_light_commands_never_import_torch(command):
     code = (
-        f"import sys; from layerwatch_cli.main import build_parser; build_parser([{command!r}]); "
+        f"import sys; from layerwatch.cli.main import build_parser; build_parser([{command!r}]); "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -113,11 +113,11 @@ def test_serve_flags_take_their_defaults_and_choices_from_the_service():
     import dataclasses
     from pathlib import Path
 
-    from inference_shim.runtime.checkpoint import DTYPES
-    from inference_shim.runtime.demo_model import served_model_name
-    from inference_shim.runtime.model import KV_POLICIES
-    from inference_shim.service.shim import ServeSettings
-    from layerwatch_cli.serve import settings_from_arguments
+    from layerwatch.cli.serve import settings_from_arguments
+    from layerwatch.inference_shim.runtime.checkpoint import DTYPES
+    from layerwatch.inference_shim.runtime.demo_model import served_model_name
+    from layerwatch.inference_shim.runtime.model import KV_POLICIES
+    from layerwatch.inference_shim.service.shim import ServeSettings
 
     parser = build_parser(["serve"], environ={})
     serve = parser._subparsers._group_actions[0].choices["serve"]
@@ -284,7 +284,7 @@ def test_the_demo_refuses_a_taken_port_by_its_own_flag_before_it_starts_anything
     listen on ... (--http)', a flag the demo refuses, and left its workdir behind (exit 1)."""
     import socket
 
-    from demo.processes import LAYERWATCH_COMMAND
+    from layerwatch.demo.processes import LAYERWATCH_COMMAND
 
     with socket.create_server(("127.0.0.1", 0)) as holder:
         taken = holder.getsockname()[1]
@@ -325,7 +325,7 @@ def test_top_without_an_exporter_says_what_to_start():
     import signal
     import socket
 
-    from demo.processes import LAYERWATCH_COMMAND
+    from layerwatch.demo.processes import LAYERWATCH_COMMAND
 
     with socket.socket() as unserved:
         unserved.bind(("127.0.0.1", 0))

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from demo.processes import LAYERWATCH_COMMAND, free_port
+from layerwatch.demo.processes import LAYERWATCH_COMMAND, free_port
 
 PAGE = "LayerwatchRoutingStatic"
 

@@ -4,7 +4,6 @@ else refused before anything starts; the real model's import is kept between run
 from __future__ import annotations
 
 import pytest
-
 from demo.loadgen import BOOK, CHAT
 from demo.models import DEMO_MODELS, serve_flags
 from layerwatch_cli.main import build_parser

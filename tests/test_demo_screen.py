@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from alerts.profile_file import PROFILES_DIR, load_profile
-from alerts.signals import figures_for
-from demo.alert_view import PAST
+from layerwatch.alerts.profile_file import PROFILES_DIR, load_profile
+from layerwatch.alerts.signals import figures_for
+from layerwatch.demo.alert_view import PAST
 from tests.demo_screen import DATA, DOC, doc_sample, render, sample
 
 SCREEN = json.loads(DATA.read_text())

@@ -17,9 +17,9 @@ import torch
 
 from benchmarks.batch_decode_bench import cpu_section, gpu_energy, gpu_section, metered_decode_run, row_costs
 from benchmarks.decode_bench import build_model
-from inference_shim.runtime.checkpoint import save_checkpoint
-from inference_shim.runtime.model import KV_POLICIES
-from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.inference_shim.runtime.checkpoint import save_checkpoint
+from layerwatch.inference_shim.runtime.model import KV_POLICIES
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 from tests.model.conftest import build_backend_tokenizer, random_model, tiny_config
 
 MODELS = [(2, 64)]  # layers x d: the smallest build_model makes (one attention head of 64)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.replay_plot import HeatMapBox
+from layerwatch.exporter.replay_plot import HeatMapBox
 from layerwatch.trace import read_trace_batches
 from layerwatch.wire import GateFrame, encode_frame
 

@@ -11,9 +11,9 @@ import urllib.request
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-import exporter.state
-from exporter.server import ExporterServer
-from exporter.state import ExporterConfig, ExporterState
+import layerwatch.exporter.state
+from layerwatch.exporter.server import ExporterServer
+from layerwatch.exporter.state import ExporterConfig, ExporterState
 from layerwatch.wire import encode_frame
 from tests.exporter.support import random_frame
 
@@ -34,7 +34,7 @@ def test_a_failing_collector_leaves_the_rest_of_the_scrape_served(monkeypatch) -
     def broken(*args: object, **kwargs: object) -> None:
         raise FloatingPointError("injected: the dip test failed")
 
-    monkeypatch.setattr(exporter.state, "check_bimodality", broken)
+    monkeypatch.setattr(layerwatch.exporter.state, "check_bimodality", broken)
     server = ExporterServer(
         ExporterState(ExporterConfig(min_window_observations=10)), ("127.0.0.1", 0), ("127.0.0.1", 0)
     )

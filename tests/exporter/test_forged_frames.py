@@ -56,7 +56,7 @@ def test_a_name_that_is_not_printable_is_refused_and_never_reaches_a_terminal(st
     exporter.send(datagram)
     exporter.wait_for(lambda: exporter.value("layerwatch_exporter_frames_malformed_total") == 1)
     top = subprocess.run(
-        [sys.executable, "-m", "layerwatch_cli.main", "top", "--once", "--url", exporter.url],
+        [sys.executable, "-m", "layerwatch.cli.main", "top", "--once", "--url", exporter.url],
         capture_output=True,
         timeout=60,
         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])),
@@ -117,7 +117,7 @@ def test_a_frame_key_file_others_can_read_stops_the_exporter_naming_it(tmp_path:
     key_file.write_text("k" * 64)
     key_file.chmod(0o644)
     result = subprocess.run(
-        [sys.executable, "-m", "layerwatch_cli.main", "exporter", "--frame-key-file", str(key_file)],
+        [sys.executable, "-m", "layerwatch.cli.main", "exporter", "--frame-key-file", str(key_file)],
         capture_output=True,
         text=True,
         timeout=60,

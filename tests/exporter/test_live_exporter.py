@@ -23,12 +23,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from alerts.profile_file import PROFILES_DIR, load_profiles
-from demo.alert_view import TIMEOUT as ALERT_VIEW_TIMEOUT
-from demo.alert_view import AlertView
-from demo.processes import LAYERWATCH_COMMAND
-from exporter.live_view import MAX_PAGE_BYTES, ScrapeError, scrape
+from layerwatch.alerts.profile_file import PROFILES_DIR, load_profiles
 from layerwatch.catalog import ENTROPY_WINDOW_EDGES, EXPORTER, for_component
+from layerwatch.demo.alert_view import TIMEOUT as ALERT_VIEW_TIMEOUT
+from layerwatch.demo.alert_view import AlertView
+from layerwatch.demo.processes import LAYERWATCH_COMMAND
+from layerwatch.exporter.live_view import MAX_PAGE_BYTES, ScrapeError, scrape
 from layerwatch.statistics import shares_below_edges
 from layerwatch.wire import MAX_FRAME_BYTES, encode_frame
 from tests.exporter.support import DATA, GOLDEN_TRACE, random_frame, trace_frames
@@ -90,7 +90,7 @@ def test_hostile_datagrams_are_counted_and_never_stop_the_exporter(start_exporte
         + exporter.value("layerwatch_entropy_count", model_name="demo", decision="skip")
         == 20 * 4 * 6
     )
-    assert exporter.stop() == -signal.SIGTERM  # a clean stop, then the exit by the signal (layerwatch_cli/signals.py)
+    assert exporter.stop() == -signal.SIGTERM  # a clean stop, then the exit by the signal (layerwatch/cli/signals.py)
 
 
 def test_metrics_pass_promtool_and_match_the_catalog(start_exporter) -> None:

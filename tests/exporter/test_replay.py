@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from demo.processes import LAYERWATCH_COMMAND
 from layerwatch import trace
+from layerwatch.demo.processes import LAYERWATCH_COMMAND
 from layerwatch.trace import MAX_LINE_BYTES, read_trace, read_trace_batches
 from tests.exporter.support import GOLDEN_TRACE
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from exporter.sequences import (
+from layerwatch.exporter.sequences import (
     MAX_SEQUENCE_GAP,
     MAX_STREAMS_PER_SHIM,
     MAX_TRACKED_SHIMS,
     REORDER_WINDOW,
     SequenceTracker,
 )
-from exporter.state import ExporterConfig, ExporterState, ModelStatistics
+from layerwatch.exporter.state import ExporterConfig, ExporterState, ModelStatistics
 from layerwatch.wire import GateFrame, encode_frame
 from tests.exporter.support import random_frame
 

@@ -1,5 +1,5 @@
 """`layerwatch calibrate-trace`: a profile from a trace of any engine's healthy traffic, cut by the code
-`layerwatch calibrate` uses (alerts/baseline.py), and trace problems refused with exit 2."""
+`layerwatch calibrate` uses (layerwatch/alerts/baseline.py), and trace problems refused with exit 2."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from alerts.baseline import build_profile
-from alerts.profile import GateImportance
-from alerts.profile_file import load_profile
-from demo.processes import LAYERWATCH_COMMAND
+from layerwatch.alerts.baseline import build_profile
+from layerwatch.alerts.profile import GateImportance
+from layerwatch.alerts.profile_file import load_profile
+from layerwatch.cli.main import main
+from layerwatch.demo.processes import LAYERWATCH_COMMAND
 from layerwatch.trace import TraceWriter
-from layerwatch_cli.main import main
 
 LAYERS = 6
 

@@ -19,12 +19,18 @@ transformers = pytest.importorskip("transformers")
 
 from examples.gate_file_llama import left_padded, load_gated_llama  # noqa: E402
 from examples.router_llama import THRESHOLD, prompts, routed_llama  # noqa: E402
-from inference_shim.runtime.checkpoint import load_checkpoint  # noqa: E402
-from inference_shim.runtime.depth_execution import DepthExecutionConfig  # noqa: E402
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams  # noqa: E402
-from inference_shim.runtime.gates import GateMetadata, gates_path_for, load_gates, model_fingerprint, save_gates  # noqa: E402
-from inference_shim.runtime.model import GateBank  # noqa: E402
 from layerwatch.client import GateFrameSender  # noqa: E402
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint  # noqa: E402
+from layerwatch.inference_shim.runtime.depth_execution import DepthExecutionConfig  # noqa: E402
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams  # noqa: E402
+from layerwatch.inference_shim.runtime.gates import (  # noqa: E402
+    GateMetadata,
+    gates_path_for,
+    load_gates,
+    model_fingerprint,
+    save_gates,
+)
+from layerwatch.inference_shim.runtime.model import GateBank  # noqa: E402
 from layerwatch.integrations.transformers import observe, read_attributes  # noqa: E402
 from layerwatch.trace import TraceWriter, read_trace  # noqa: E402
 from layerwatch.wire import decode_frame  # noqa: E402

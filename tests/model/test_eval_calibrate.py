@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from alerts.baseline import (
+from layerwatch.alerts.baseline import (
     MAX_HEALTHY_KL_NATS,
     MAX_HEALTHY_SHAPE_DISTANCE,
     MIN_HEALTHY_AGREEMENT,
@@ -25,9 +25,11 @@ from alerts.baseline import (
     request_tail_profile,
     skip_collapse_fraction,
 )
-from alerts.profile import GateImportance, RequestTail
-from alerts.profile_file import dump_profile, load_profile
-from inference_shim.offline.calibration import (
+from layerwatch.alerts.profile import GateImportance, RequestTail
+from layerwatch.alerts.profile_file import dump_profile, load_profile
+from layerwatch.catalog import GATE_LAYER_SAMPLES, REQUEST_FRACTION_BUCKETS
+from layerwatch.cli.main import build_parser, main
+from layerwatch.inference_shim.offline.calibration import (
     Baseline,
     CalibrationSettings,
     calibrate,
@@ -36,17 +38,15 @@ from inference_shim.offline.calibration import (
     generate_baseline,
     line_prompts,
 )
-from inference_shim.offline.corpus import read_documents
-from inference_shim.offline.gated_model import load_gated_model
-from inference_shim.runtime.agreement import ShadowResult
-from inference_shim.runtime.checkpoint import save_checkpoint
-from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
-from inference_shim.runtime.tokenizer import Tokenizer
-from layerwatch.catalog import GATE_LAYER_SAMPLES, REQUEST_FRACTION_BUCKETS
+from layerwatch.inference_shim.offline.corpus import read_documents
+from layerwatch.inference_shim.offline.gated_model import load_gated_model
+from layerwatch.inference_shim.runtime.agreement import ShadowResult
+from layerwatch.inference_shim.runtime.checkpoint import save_checkpoint
+from layerwatch.inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS
 from layerwatch.skip_policy import SkipPolicyConfig
 from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS, histogram20, shape_distance
-from layerwatch_cli.main import build_parser, main
 from tests.model.conftest import build_backend_tokenizer, random_gates, random_model
 from tests.model.test_eval_decode import model_dir, text_file  # noqa: F401 (fixtures)
 

@@ -11,14 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference_shim.offline.evaluation import heldout_windows, paired_decode, teacher_forced_decode
-from inference_shim.offline.gated_model import load_gated_model
-from inference_shim.runtime.checkpoint import save_checkpoint
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams
-from inference_shim.runtime.gates import GATES_FILE, GateMetadata, model_fingerprint, save_gates
-from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.cli.main import main
+from layerwatch.inference_shim.offline.evaluation import heldout_windows, paired_decode, teacher_forced_decode
+from layerwatch.inference_shim.offline.gated_model import load_gated_model
+from layerwatch.inference_shim.runtime.checkpoint import save_checkpoint
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from layerwatch.inference_shim.runtime.gates import GATES_FILE, GateMetadata, model_fingerprint, save_gates
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.skip_policy import SkipPolicyConfig
-from layerwatch_cli.main import main
 from tests.model.conftest import (
     TRAINING_TEXT,
     build_backend_tokenizer,

@@ -14,9 +14,9 @@ import torch
 import torch.nn.utils.prune
 from safetensors.torch import save_file
 
-from inference_shim.runtime.checkpoint import load_checkpoint
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
-from inference_shim.runtime.gates import (
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+from layerwatch.inference_shim.runtime.gates import (
     GateFileError,
     GateMetadata,
     gate_file_max_bytes,
@@ -25,7 +25,7 @@ from inference_shim.runtime.gates import (
     reset_gates,
     save_gates,
 )
-from inference_shim.runtime.model import GateBank, Transformer
+from layerwatch.inference_shim.runtime.model import GateBank, Transformer
 
 from .conftest import random_gates, random_model, tiny_config
 

@@ -10,10 +10,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from inference_shim.runtime.depth_execution import DepthExecutionConfig
-from inference_shim.runtime.engine import NUCLEUS_CANDIDATES, GenerationEngine, SamplingParams, sample_token
-from inference_shim.runtime.model import KVCache
-from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.inference_shim.runtime.depth_execution import DepthExecutionConfig
+from layerwatch.inference_shim.runtime.engine import NUCLEUS_CANDIDATES, GenerationEngine, SamplingParams, sample_token
+from layerwatch.inference_shim.runtime.model import KVCache
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.skip_policy import SkipPolicyConfig
 
 from .conftest import random_gates, random_model, tiny_config

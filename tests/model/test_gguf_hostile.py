@@ -25,10 +25,10 @@ import pytest
 from gguf import GGUFValueType as Kind
 from tokenizers import pre_tokenizers
 
-from inference_shim.offline import gguf_import
-from inference_shim.offline.gguf_import import GGUFImportError, import_gguf
-from inference_shim.runtime.checkpoint import load_checkpoint
-from layerwatch_cli.main import main
+from layerwatch.cli.main import main
+from layerwatch.inference_shim.offline import gguf_import
+from layerwatch.inference_shim.offline.gguf_import import GGUFImportError, import_gguf
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
 from tests.conftest import real_model_gguf
 
 TOKENS = [*sorted(pre_tokenizers.ByteLevel.alphabet()), "ab", "<s>", "</s>"]
@@ -296,7 +296,7 @@ def test_a_full_disk_is_refused_in_one_line_and_leaves_nothing(tmp_path, capsys,
 def test_sigterm_mid_import_leaves_no_partial_folder(tmp_path):
     """Before: the process died at once and its partial folder (up to the model's size) stayed."""
     out = tmp_path / "models" / "smollm2"
-    command = [sys.executable, "-m", "layerwatch_cli.main", "import-gguf", str(real_model_gguf()), "--out", str(out)]
+    command = [sys.executable, "-m", "layerwatch.cli.main", "import-gguf", str(real_model_gguf()), "--out", str(out)]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from layerwatch.skip_policy import SkipPolicyConfig
 
 from .conftest import random_gates, random_model, tiny_config

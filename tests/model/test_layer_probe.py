@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
-from inference_shim.runtime.model import LayerProbe, Transformer
+from layerwatch.inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
+from layerwatch.inference_shim.runtime.model import LayerProbe, Transformer
 from tests.service.conftest import uniform_record
 
 from .conftest import random_gates, random_model, tiny_config

@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint
-from inference_shim.runtime.gates import model_fingerprint
-from inference_shim.runtime.model import GateBank, KVCache, Transformer
-from inference_shim.runtime.quantization import (
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint
+from layerwatch.inference_shim.runtime.gates import model_fingerprint
+from layerwatch.inference_shim.runtime.model import GateBank, KVCache, Transformer
+from layerwatch.inference_shim.runtime.quantization import (
     HEAD_QUANTIZATION,
     INT4_GROUP,
     PrecisionError,

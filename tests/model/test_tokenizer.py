@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from inference_shim.runtime.tokenizer import Tokenizer, TokenizerError
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer, TokenizerError
 
 from .conftest import TRAINING_TEXT
 
@@ -93,7 +93,7 @@ def test_demo_tokenizer_agrees_with_transformers():
     # it was trained with (every training document starts with it).
     from transformers import AutoTokenizer
 
-    folder = Path(__file__).resolve().parents[2] / "inference_shim" / "demo_model"
+    folder = Path(__file__).resolve().parents[2] / "layerwatch" / "inference_shim" / "demo_model"
     ours = Tokenizer.from_files(folder / "tokenizer.json", folder / "tokenizer_config.json")
     reference = AutoTokenizer.from_pretrained(folder)
     for text in ("In the beginning God created", "", "Ünïcödé ✓"):

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference_shim.offline.gate_training import (
+from layerwatch.cli.main import main
+from layerwatch.inference_shim.offline.gate_training import (
     GateSchedule,
     average_skip,
     fit_importance_gates,
@@ -20,14 +21,13 @@ from inference_shim.offline.gate_training import (
     patience_skip,
     train_gates,
 )
-from inference_shim.offline.importance_gates import predicted_logits, score_windows
-from inference_shim.offline.training import sample_windows, text_file_stream
-from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint
-from inference_shim.runtime.gates import load_gates
-from inference_shim.runtime.skip_policy import SkipPolicy
-from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.inference_shim.offline.importance_gates import predicted_logits, score_windows
+from layerwatch.inference_shim.offline.training import sample_windows, text_file_stream
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint
+from layerwatch.inference_shim.runtime.gates import load_gates
+from layerwatch.inference_shim.runtime.skip_policy import SkipPolicy
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.skip_policy import SkipPolicyConfig
-from layerwatch_cli.main import main
 from tests.model.conftest import TRAINING_TEXT, build_backend_tokenizer, random_model
 
 

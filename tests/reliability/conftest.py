@@ -20,8 +20,8 @@ import httpx
 import pytest
 import yaml
 
-from demo.loadgen import LoadReport, run_load
-from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
+from layerwatch.demo.loadgen import LoadReport, run_load
+from layerwatch.demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
 from tests.service.conftest import MODEL_NAME, TinyCheckpoint, in_process, sample_sum, scrape, tiny_checkpoint  # noqa: F401
 
 LAYERWATCH = LAYERWATCH_COMMAND

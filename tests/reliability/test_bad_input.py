@@ -36,10 +36,10 @@ from prometheus_client import CollectorRegistry
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from demo.loadgen import run_load
-from demo.processes import free_port
-from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
-from inference_shim.service.http_protocol import BoundedH11Protocol, ConnectionRefusals, HTTPLimits
+from layerwatch.demo.loadgen import run_load
+from layerwatch.demo.processes import free_port
+from layerwatch.inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
+from layerwatch.inference_shim.service.http_protocol import BoundedH11Protocol, ConnectionRefusals, HTTPLimits
 from layerwatch.wire import GateFrame, encode_frame
 from tests.reliability.conftest import LAYERWATCH, MODEL_NAME, QUIET_ENV, Shim, sample_sum
 from tests.reliability.test_load import wait_for_frames
@@ -743,8 +743,8 @@ def test_serve_refuses_broken_gate_files_naming_file_and_fault(tiny_checkpoint, 
 
 def test_generate_refuses_a_malformed_profile_and_writes_nothing(tmp_path):
     tree = tmp_path / "tree"
-    shutil.copytree(REPO / "alerts" / "profiles", tree / "alerts" / "profiles")
-    profile = tree / "alerts" / "profiles" / "reference.yaml"
+    shutil.copytree(REPO / "layerwatch" / "alerts" / "profiles", tree / "layerwatch" / "alerts" / "profiles")
+    profile = tree / "layerwatch" / "alerts" / "profiles" / "reference.yaml"
     inputs = set(tree.rglob("*"))
     cases = {
         "not-yaml": "model_name: [unclosed\n",

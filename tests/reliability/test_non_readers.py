@@ -32,8 +32,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from demo.processes import free_port
-from inference_shim.service.http_protocol import BoundedH11Protocol, ConnectionRefusals, HTTPLimits
+from layerwatch.demo.processes import free_port
+from layerwatch.inference_shim.service.http_protocol import BoundedH11Protocol, ConnectionRefusals, HTTPLimits
 from tests.reliability.conftest import MODEL_NAME, Shim, sample_sum, wait_for_metrics
 from tests.slow_clients import closed_by_server, connect, non_reader
 

@@ -26,11 +26,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from demo.processes import ManagedProcess, free_port
-from inference_shim.runtime.agreement import SHADOW_TOP_K, GatedRecord
-from inference_shim.runtime.checkpoint import save_checkpoint
-from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
-from inference_shim.runtime.model import GateBank, ModelConfig, Transformer
+from layerwatch.demo.processes import ManagedProcess, free_port
+from layerwatch.inference_shim.runtime.agreement import SHADOW_TOP_K, GatedRecord
+from layerwatch.inference_shim.runtime.checkpoint import save_checkpoint
+from layerwatch.inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
+from layerwatch.inference_shim.runtime.model import GateBank, ModelConfig, Transformer
 from layerwatch.wire import GateFrame, decode_frame
 
 MODEL_NAME = "tiny-test"
@@ -241,7 +241,7 @@ def server(tiny_checkpoint, tmp_path_factory) -> Iterator[LiveServer]:
     argv = [
         sys.executable,
         "-m",
-        "layerwatch_cli.main",
+        "layerwatch.cli.main",
         "serve",
         "--model",
         str(tiny_checkpoint.path),
@@ -293,7 +293,7 @@ class InProcessServer:
     """uvicorn in a thread on a free loopback port, serving create_app(service)."""
 
     def __init__(self, service) -> None:
-        from inference_shim.service.app import create_app
+        from layerwatch.inference_shim.service.app import create_app
 
         self.service = service
         port = free_port()
@@ -322,7 +322,7 @@ class InProcessServer:
 @pytest.fixture
 def in_process(tiny_checkpoint):
     """Factory: in_process(**settings) -> a started InProcessServer (stopped after the test)."""
-    from inference_shim.service.shim import ServeSettings, ShimService
+    from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
 
     started: list[InProcessServer] = []
 

@@ -30,8 +30,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from demo.processes import ManagedProcess, free_port
-from inference_shim.service.shim import ServeSettings, ShimService, resolve_otlp_endpoint
+from layerwatch.demo.processes import ManagedProcess, free_port
+from layerwatch.inference_shim.service.shim import ServeSettings, ShimService, resolve_otlp_endpoint
 from tests.service.conftest import MODEL_NAME, NUM_LAYERS, InProcessServer, sample_sum, scrape
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -161,7 +161,7 @@ def test_fallbacks_in_the_span_match_the_fallback_lines(audited, caplog):
     # fallback breaker trips.
     server, exporter = audited(threshold=1.0, protected_layers=())
     client = client_for(server.base_url)
-    with caplog.at_level(logging.WARNING, logger="inference_shim.runtime.engine"):
+    with caplog.at_level(logging.WARNING, logger="layerwatch.inference_shim.runtime.engine"):
         result = client.completions.create(model=MODEL_NAME, prompt="And God said", max_tokens=30, temperature=0)
     (span,) = finished_spans(server, exporter, 1)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ILP_FALLBACK: HIGH_SKIPPING ")]
@@ -197,7 +197,7 @@ def test_spans_are_off_by_default_and_the_sdk_is_not_even_imported(tiny_checkpoi
     # In a fresh interpreter: this one has imported the SDK for the other tests.
     script = (
         "import sys\n"
-        "from inference_shim.service.shim import ServeSettings, ShimService\n"
+        "from layerwatch.inference_shim.service.shim import ServeSettings, ShimService\n"
         f"service = ShimService.load(ServeSettings(model_dir={str(tiny_checkpoint.path)!r}, exporter_address=''))\n"
         "assert service.audit is None\n"
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"
@@ -320,7 +320,7 @@ def test_serve_sends_spans_over_otlp_http_and_survives_a_collector_that_refuses(
     argv = [
         sys.executable,
         "-m",
-        "layerwatch_cli.main",
+        "layerwatch.cli.main",
         "serve",
         "--model",
         str(tiny_checkpoint.path),

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from benchmarks.invalid_body import hostile_bodies
-from inference_shim.service import schemas
+from layerwatch.inference_shim.service import schemas
 from tests.service.conftest import MODEL_NAME, sample_sum
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(400))  # far over --max-prompt-tokens 96

@@ -16,21 +16,21 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from inference_shim.runtime.agreement import LayerSignals, ShadowJob, full_depth_agreement
-from inference_shim.runtime.checkpoint import load_checkpoint
-from inference_shim.runtime.gates import (
+from layerwatch.catalog import GATE_LAYER_SAMPLES
+from layerwatch.gate_importance import LayerSignalStats, average_ranks_rows, spearman, spearman_rows
+from layerwatch.inference_shim.runtime.agreement import LayerSignals, ShadowJob, full_depth_agreement
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
+from layerwatch.inference_shim.runtime.gates import (
     feature_permutation,
     gate_derangement,
     load_gates,
     scramble_gates,
     shuffle_gates,
 )
-from inference_shim.service.layer_signals import LayerSignalsCollector
-from inference_shim.service.metrics import ShadowMetrics
-from inference_shim.service.shadow import ShadowChecker
-from inference_shim.service.shim import ServeSettings, ShimService
-from layerwatch.catalog import GATE_LAYER_SAMPLES
-from layerwatch.gate_importance import LayerSignalStats, average_ranks_rows, spearman, spearman_rows
+from layerwatch.inference_shim.service.layer_signals import LayerSignalsCollector
+from layerwatch.inference_shim.service.metrics import ShadowMetrics
+from layerwatch.inference_shim.service.shadow import ShadowChecker
+from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
 from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum, tiny_gates, uniform_record
 from tests.service.test_shadow import checks_done
 

@@ -21,11 +21,12 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from alerts.specs import ALERTS
-from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
-from inference_shim.service import mitigation_receiver
-from inference_shim.service.depth import parse_rollout_levels
-from inference_shim.service.mitigation import (
+from layerwatch import http_listener, log_limit
+from layerwatch.alerts.specs import ALERTS
+from layerwatch.demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
+from layerwatch.inference_shim.service import mitigation_receiver
+from layerwatch.inference_shim.service.depth import parse_rollout_levels
+from layerwatch.inference_shim.service.mitigation import (
     ALERT_OUTCOMES,
     ALERTS_PER_LOCK_HOLD,
     MAX_ALERTS_PER_NOTIFICATION,
@@ -41,9 +42,13 @@ from inference_shim.service.mitigation import (
     RequestMitigation,
     parse_notification,
 )
-from inference_shim.service.mitigation_receiver import MAX_BODY_BYTES, WEBHOOK_PATH, MitigationReceiver, reserve
-from layerwatch import http_listener, log_limit
-from mixin import config
+from layerwatch.inference_shim.service.mitigation_receiver import (
+    MAX_BODY_BYTES,
+    WEBHOOK_PATH,
+    MitigationReceiver,
+    reserve,
+)
+from layerwatch.mixin import config
 from tests.service.conftest import MODEL_NAME, sample_sum
 from tests.slow_clients import Trickler
 
@@ -130,7 +135,7 @@ def test_a_firing_alert_shadow_checks_the_next_n_requests_then_ends(caplog):
     state, registry, _ = mitigations(requests=3, shadow_rate=0.25)
     assert state.for_new_request() == NO_MITIGATION
     assert value(registry, "layerwatch_mitigation_shadow_rate") == 0.25
-    with caplog.at_level(logging.WARNING, logger="inference_shim.service.mitigation"):
+    with caplog.at_level(logging.WARNING, logger="layerwatch.inference_shim.service.mitigation"):
         assert apply(state, alert()) == ["started"]
         assert value(registry, "layerwatch_mitigations_active") == 1
         assert value(registry, "layerwatch_mitigation_shadow_rate") == 1
@@ -754,7 +759,7 @@ def test_a_paging_alert_demotes_the_staged_rollout_and_its_resolution_does_not_p
     )
     greedy(server, max_tokens=12)
     assert sample_sum(server.metrics(), "layerwatch_rollout_level") == 2
-    with caplog.at_level(logging.WARNING, logger="inference_shim.service.depth"):
+    with caplog.at_level(logging.WARNING, logger="layerwatch.inference_shim.service.depth"):
         post(f"http://127.0.0.1:{port}", notification(alert("LayerwatchRunawaySkipping", severity="warning")))
         assert sample_sum(server.metrics(), "layerwatch_rollout_level") == 2  # a ticket does not demote
         post(f"http://127.0.0.1:{port}", notification(alert(fingerprint="0f0f0f0f0f0f0f0f")))
@@ -800,7 +805,7 @@ def test_a_rotated_token_file_is_read_again_and_a_broken_replacement_keeps_the_l
     ],
 )
 def test_an_unusable_token_file_stops_the_shim_before_the_model_loads(tmp_path, mode, content, problem):
-    from inference_shim.service.shim import ServeSettings, ShimService
+    from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
 
     path = token_file(tmp_path, mode, content)
     settings = ServeSettings(
@@ -813,7 +818,7 @@ def test_an_unusable_token_file_stops_the_shim_before_the_model_loads(tmp_path, 
 
 
 def test_the_receiver_needs_a_token_file_and_a_listening_address(tmp_path):
-    from inference_shim.service.shim import ServeSettings, ShimService
+    from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
 
     no_model = tmp_path / "no-model"
     with pytest.raises(ValueError, match="--mitigation-address needs --mitigation-token-file"):
@@ -852,7 +857,7 @@ def test_values_from_a_webhook_cannot_forge_log_fields_or_lines(in_process, tmp_
         rollout_levels=parse_rollout_levels("share=0;share=1"),
     )
     url = f"http://127.0.0.1:{port}"
-    with caplog.at_level(logging.WARNING, logger="inference_shim.service"):
+    with caplog.at_level(logging.WARNING, logger="layerwatch.inference_shim.service"):
         post(url, notification(alert(fingerprint=forged_fingerprint)))  # starts, pages: demotes to level 1
         post(url, notification(alert(forged_name, fingerprint="0f0f0f0f0f0f0f0f")))  # pages: no lower level
         post(url, notification(alert(status="resolved", fingerprint=forged_fingerprint)))  # ends
@@ -886,7 +891,7 @@ def test_a_malformed_label_name_cannot_forge_a_log_line(receiver, caplog):
     forged = "x\nMITIGATION_END alertname=X fingerprint=f reason=operator"
     body = json.loads(notification(alert()))
     body["alerts"][0]["labels"][forged] = 7  # not a string: the problem names the label
-    with caplog.at_level(logging.WARNING, logger="inference_shim.service"):
+    with caplog.at_level(logging.WARNING, logger="layerwatch.inference_shim.service"):
         response = post(url, json.dumps(body).encode())
     assert response.status_code == 400
     assert json.dumps(forged)[1:-1] in response.json()["error"]  # still named, escaped
@@ -960,7 +965,7 @@ def test_a_notification_still_arriving_at_shutdown_starts_no_mitigation(tiny_che
     pair: its connection is closed unanswered, and Alertmanager retries it (another replica, or
     this one restarted). One already being applied when the end comes is refused: its
     Mitigations.apply raises ShuttingDown."""
-    from inference_shim.service.shim import ServeSettings, ShimService
+    from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
 
     settings = ServeSettings(
         model_dir=tiny_checkpoint.path,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from inference_shim.service.power import (
+from layerwatch.inference_shim.service.power import (
     GPU_READINGS,
     GpuReading,
     MonotonicEnergy,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from inference_shim.runtime.quantization import QuantizedLinear
-from inference_shim.service.shim import ServeSettings, ShimService
+from layerwatch.inference_shim.runtime.quantization import QuantizedLinear
+from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
 
 from .conftest import MODEL_NAME
 

@@ -37,7 +37,7 @@ def client(server) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def templated(tiny_checkpoint, tmp_path_factory):
     """An in-process server of the tiny model whose checkpoint carries TEMPLATE (chat_template.jinja)."""
-    from inference_shim.service.shim import ServeSettings, ShimService
+    from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
     from tests.service.conftest import InProcessServer
 
     folder = tmp_path_factory.mktemp("templated") / MODEL_NAME

@@ -16,12 +16,12 @@ import httpx
 import numpy as np
 import pytest
 
-from alerts.profile_file import PROFILES_DIR, load_profiles
-from inference_shim.runtime.demo_model import DEMO_MODEL_NAME
-from inference_shim.service.shim import ServeSettings
+from layerwatch.alerts.profile_file import PROFILES_DIR, load_profiles
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, REQUEST_FRACTION_BUCKETS
+from layerwatch.cli.serve import profile_runaway_fraction
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_NAME
+from layerwatch.inference_shim.service.shim import ServeSettings
 from layerwatch.trace import read_trace
-from layerwatch_cli.serve import profile_runaway_fraction
 from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum
 
 THRESHOLD = 0.18  # the tiny gates' calibrated threshold

@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from demo.processes import LAYERWATCH_COMMAND
-from inference_shim.service.shim import ServeSettings, ShimService, resolve_limits
+from layerwatch.demo.processes import LAYERWATCH_COMMAND
+from layerwatch.inference_shim.service.shim import ServeSettings, ShimService, resolve_limits
 from layerwatch.trace import read_trace
 from tests.service.conftest import MODEL_NAME
 
