@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from layerwatch.skip_policy import below_threshold
+
 
 def prompt_complexity(scores: np.ndarray, threshold: float, skippable: np.ndarray) -> float:
     """scores float [T, L]: the prompt's prefill gate scores (NaN without gates); skippable bool [L].
@@ -25,4 +27,4 @@ def prompt_complexity(scores: np.ndarray, threshold: float, skippable: np.ndarra
     scored = np.isfinite(on_skippable)
     if not scored.any():
         return 0.0
-    return float((on_skippable[scored] < threshold).sum() / scored.sum())
+    return float(below_threshold(on_skippable[scored], threshold).sum() / scored.sum())

@@ -212,3 +212,53 @@ def test_the_wheel_installs_one_top_level_name(tmp_path: Path) -> None:
     # The data the parts read at run time travels inside the one package.
     for data in ("layerwatch/alerts/profiles/demo.yaml", "layerwatch/inference_shim/demo_model/config.json"):
         assert data in names, data
+
+
+# Where a score may be compared with τ, or a count of steps with patience: the one skip rule and what is
+# checked against it. A second implementation of the rule compares there too, and fails the test below.
+RULE_SITES = {
+    "layerwatch/skip_policy.py": "below_threshold: the one comparison of a score with τ",
+    "layerwatch/inference_shim/runtime/skip_policy.py": "the rule: SkipPolicy, decide_sequences",
+    "layerwatch/inference_shim/offline/gate_training.py": "the rule's differentiable relaxation, for training "
+    "(equal to the rule at hard decisions: test_the_relaxed_rule_at_hard_decisions_is_the_decode_rule)",
+    "tests/model/test_training_gates.py": "that relaxation's hard decisions, compared with the rule",
+    "tests/model/test_skipping.py": "the rule's own tests: an oracle written from its definition",
+    "examples/router_llama.py": "another model's router, which layerwatch instruments (not layerwatch's rule)",
+}
+RULE_NAMES = {"threshold", "tau", "skip_threshold", "patience"}
+
+
+def _is_setting(node: ast.expr) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return name in RULE_NAMES or name.endswith("_threshold")
+
+
+def rule_comparisons(tree: ast.AST) -> list[int]:
+    """Lines where a value that is neither a constant nor another setting of the rule is ordered
+    against τ or patience (`score < threshold`, `streak >= patience`)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(isinstance(o, (ast.Lt, ast.LtE, ast.Gt, ast.GtE)) for o in node.ops):
+            operands = [node.left, *node.comparators]
+            settings = [o for o in operands if _is_setting(o)]
+            others = [o for o in operands if not _is_setting(o) and not isinstance(o, ast.Constant)]
+            if settings and others:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_skip_rule_is_written_once() -> None:
+    """The runtime, training, calibration, the tests' traces and the vLLM plugin all call the one rule
+    (SkipPolicy, decide_sequences, below_threshold): a copy of it elsewhere fails here."""
+    found = []
+    for folder in (CORE, "tests", "benchmarks", "examples"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            relative = path.relative_to(REPO).as_posix()
+            if relative not in RULE_SITES:
+                found += [f"{relative}:{line}" for line in rule_comparisons(ast.parse(path.read_text()))]
+    assert not found, "the skip rule (or its comparison with τ) written again; call SkipPolicy:\n" + "\n".join(found)
+
+
+def test_the_rule_check_finds_a_copy() -> None:
+    copy = "def skips(scores, streak, patience, threshold):\n    return (streak >= patience) & (scores < threshold)\n"
+    assert rule_comparisons(ast.parse(copy)) == [2, 2]

@@ -46,6 +46,7 @@ from layerwatch.inference_shim.offline.training import lm_loss, sample_windows, 
 from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint, resolve_device
 from layerwatch.inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
 from layerwatch.inference_shim.runtime.model import GateBank, Transformer
+from layerwatch.inference_shim.runtime.skip_policy import decide_sequences
 from layerwatch.skip_policy import SkipPolicyConfig
 
 _FINITE_FIELDS = (
@@ -167,12 +168,18 @@ def average_skip(high: torch.Tensor, patience: int) -> torch.Tensor:
 
 def hard_skip_fraction(scores: torch.Tensor, schedule: GateSchedule) -> float:
     """[..., T] scores of consecutive tokens -> the share of them the schedule's skip rule skips at
-    its threshold (decoding's rule, on hard decisions)."""
-    scores = scores.reshape(-1, scores.shape[-1])
-    if schedule.skip_rule == "ewma":
-        high = moving_average(scores.double(), schedule.ewma_alpha) >= schedule.threshold
-        return average_skip(high.double(), schedule.patience).mean().item()
-    return patience_skip((scores >= schedule.threshold).double(), schedule.patience).mean().item()
+    its threshold: decoding's own rule (`decide_sequences`), each row one layer's sequence, with no
+    protected layer and no fallback breaker (the relaxation above has neither)."""
+    rows = scores.detach().reshape(-1, scores.shape[-1]).double().cpu().numpy()
+    config = SkipPolicyConfig(
+        threshold=schedule.threshold,
+        patience=schedule.patience,
+        protected_layers=(),
+        fallback_skip_fraction=1.0,  # no step skips more than every layer: the breaker never starts
+        skip_rule=schedule.skip_rule,
+        ewma_alpha=schedule.ewma_alpha,
+    )
+    return float(decide_sequences(config, rows[:, :, None]).mean())
 
 
 def fit_importance_gates(

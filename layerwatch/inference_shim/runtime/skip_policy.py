@@ -120,3 +120,19 @@ class SkipPolicy:
         averaged = alpha * scores + (1.0 - alpha) * self._ewma[slots]
         self._ewma[slots] = np.where(seen[:, None] > 0, averaged, scores)
         self._steps_seen[slots] = np.minimum(seen + 1, self.config.patience)
+
+
+def decide_sequences(config: SkipPolicyConfig, scores: np.ndarray) -> np.ndarray:
+    """bool [B, T, L]: the layers the policy skips at each of T consecutive decode steps of B sequences
+    whose gates scored `scores` float [B, T, L], teacher-forced (each step's mask from the steps before
+    it, every decision executed). The one rule, replayed: what training reports, the tests' traces and
+    parity checks against other engines use instead of a copy of it."""
+    rows, steps, layers = scores.shape
+    policy = SkipPolicy(config, layers, slots=rows)
+    slots = np.arange(rows)
+    skipped = np.zeros(scores.shape, dtype=bool)
+    for t in range(steps):
+        run = policy.run_mask(slots)
+        skipped[:, t] = ~run
+        policy.observe(slots, scores[:, t], run)
+    return skipped

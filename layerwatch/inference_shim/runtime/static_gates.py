@@ -40,7 +40,7 @@ from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingP
 from layerwatch.inference_shim.runtime.gates import LoadedGates, gates_sha256
 from layerwatch.inference_shim.runtime.model import GateBank, Transformer
 from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
-from layerwatch.skip_policy import SkipPolicyConfig
+from layerwatch.skip_policy import SkipPolicyConfig, below_threshold
 
 # Short and generic (plus the demo model's KJV register), fixed so that the constants are reproducible.
 PROMPTS = (
@@ -109,14 +109,14 @@ def plan_constants(scores: np.ndarray, skipped: np.ndarray, threshold: float) ->
     k = int(round(float(skip_rates.sum())))  # <= the layers with a skip rate > 0: each rate is <= 1
     order = sorted(range(len(skip_rates)), key=lambda layer: (-skip_rates[layer], layer))
     static = tuple(sorted(layer for layer in order[:k] if skip_rates[layer] > 0))
-    below = scores < threshold
+    below = below_threshold(scores, threshold)
     constants = scores.mean(axis=0)
     for layer in range(scores.shape[1]):
         side = below[:, layer] if layer in static else ~below[:, layer]
         if side.any():
             constants[layer] = scores[side, layer].mean()
     # The chosen layers, and any other whose every healthy score was below τ.
-    return constants, tuple(np.flatnonzero(constants < threshold).tolist())
+    return constants, tuple(np.flatnonzero(below_threshold(constants, threshold)).tolist())
 
 
 def constant_gates(loaded: LoadedGates, constants: np.ndarray) -> LoadedGates:
