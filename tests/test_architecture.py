@@ -262,3 +262,26 @@ def test_the_skip_rule_is_written_once() -> None:
 def test_the_rule_check_finds_a_copy() -> None:
     copy = "def skips(scores, streak, patience, threshold):\n    return (streak >= patience) & (scores < threshold)\n"
     assert rule_comparisons(ast.parse(copy)) == [2, 2]
+
+
+def gelu_calls(tree: ast.AST) -> list[int]:
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", ""))
+        in ("gelu", "GELU")
+    ]
+
+
+def test_the_gate_is_defined_once() -> None:
+    """Linear(d->16) -> GELU -> Linear(16->1) -> Sigmoid lives in the runtime's model (Gate, and GateBank's
+    batched scores of the same parameters); the training, the plugin and the tests call it."""
+    home = "layerwatch/inference_shim/runtime/model.py"
+    found = []
+    for folder in (CORE, "tests", "benchmarks", "examples"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if path.relative_to(REPO).as_posix() != home:
+                found += [f"{path.relative_to(REPO)}:{line}" for line in gelu_calls(ast.parse(path.read_text()))]
+    assert not found, f"a gate (GELU) defined outside {home}:\n" + "\n".join(found)
+    assert gelu_calls(ast.parse((REPO / home).read_text()))  # the check looks where the gate is

@@ -39,8 +39,7 @@ def hand_signals(model: Transformer, tokens: torch.Tensor):
     for l, block in enumerate(model.layers):
         attn_mod = block.self_attn
         x = rms(h, block.input_layernorm.weight)
-        gate = model.gates[l]
-        gates.append(torch.sigmoid(gate.fc2(F.gelu(gate.fc1(x)))).squeeze(-1))
+        gates.append(model.gates[l](x))
         q = rope((x @ attn_mod.q_proj.weight.T).view(T, H, D).transpose(0, 1), positions)
         k = rope((x @ attn_mod.k_proj.weight.T).view(T, Hkv, D).transpose(0, 1), positions)
         v = (x @ attn_mod.v_proj.weight.T).view(T, Hkv, D).transpose(0, 1)
