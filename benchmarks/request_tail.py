@@ -23,10 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
-
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -35,25 +32,13 @@ from layerwatch.catalog import REQUEST_FRACTION_BUCKETS
 from layerwatch.demo.loadgen import STUTTER, Category, run_load
 from layerwatch.demo.processes import ManagedProcess, free_port
 from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from tests.support import sample_sum, scrape
 
 LAYERWATCH = [sys.executable, "-m", "layerwatch.cli.main"]
 
 
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
 def delta(after: dict, before: dict, name: str, **labels: str) -> float:
-    def pick(samples: dict) -> float:
-        return sum(v for (n, ls), v in samples.items() if n == name and all((k, labels[k]) in ls for k in labels))
-
-    return pick(after) - pick(before)
+    return sample_sum(after, name, **labels) - sample_sum(before, name, **labels)
 
 
 def summary(after: dict, before: dict, cutoff: float, layers: int) -> dict:

@@ -15,6 +15,7 @@ import numpy as np
 
 from layerwatch.wire import encode_frame
 from tests.exporter.support import RunningExporter, forged_flood, random_frame
+from tests.support import wait_for
 
 WIDEST_SINGLE_ROW_LAYERS = 15_742  # the widest one-row frame that fits a datagram
 
@@ -36,7 +37,7 @@ def test_a_flood_of_wide_frames_naming_new_models_is_refused_and_costs_nothing(s
     for datagram in forged_flood(64, WIDEST_SINGLE_ROW_LAYERS):
         exporter.send(datagram)
         time.sleep(0.002)
-    exporter.wait_for(lambda: rejected(exporter, "too_many_layers") == 64)
+    wait_for(lambda: rejected(exporter, "too_many_layers") == 64)
     page = exporter.metrics_text()
     assert "forged-" not in page and len(page.encode()) < 1_000_000
     assert exporter.value("process_resident_memory_bytes") < 100e6
@@ -54,7 +55,7 @@ def test_a_name_that_is_not_printable_is_refused_and_never_reaches_a_terminal(st
     hostile = random_frame(rng, 0, model="real", shim="forger")
     datagram = encode_frame(hostile).replace(b"real", b"\x1b[2J", 1)  # the same length: 4 bytes
     exporter.send(datagram)
-    exporter.wait_for(lambda: exporter.value("layerwatch_exporter_frames_malformed_total") == 1)
+    wait_for(lambda: exporter.value("layerwatch_exporter_frames_malformed_total") == 1)
     top = subprocess.run(
         [sys.executable, "-m", "layerwatch.cli.main", "top", "--once", "--url", exporter.url],
         capture_output=True,
@@ -73,8 +74,8 @@ def test_a_frame_of_another_width_under_a_models_name_is_refused(start_exporter)
     exporter.send(encode_frame(random_frame(rng, 1, layers=100)))  # wider, within the cap
     exporter.send(encode_frame(random_frame(rng, 2, layers=5)))
     exporter.send(encode_frame(random_frame(rng, 3, layers=101)))
-    exporter.wait_for(lambda: rejected(exporter, "layer_count_changed") == 2)
-    exporter.wait_for(lambda: rejected(exporter, "too_many_layers") == 1)
+    wait_for(lambda: rejected(exporter, "layer_count_changed") == 2)
+    wait_for(lambda: rejected(exporter, "too_many_layers") == 1)
     exporter.send_frames([encode_frame(random_frame(rng, 4, layers=6))])
     assert layer_series(exporter.metrics_text(), "demo") == 6
     assert exporter.value("layerwatch_exporter_frames_received_total", model_name="demo") == 2
@@ -86,8 +87,8 @@ def test_an_idle_model_is_forgotten_and_its_slot_goes_to_a_new_one(start_exporte
     rng = np.random.default_rng(0)
     exporter.send_frames([encode_frame(random_frame(rng, 0, model="squatter", shim="forger"))])
     exporter.send(encode_frame(random_frame(rng, 0, model="real", shim="shim")))
-    exporter.wait_for(lambda: rejected(exporter, "too_many_models") == 1)
-    exporter.wait_for(lambda: "squatter" not in exporter.metrics_text())  # a scrape forgets it, series and all
+    wait_for(lambda: rejected(exporter, "too_many_models") == 1)
+    wait_for(lambda: "squatter" not in exporter.metrics_text())  # a scrape forgets it, series and all
     exporter.send_frames([encode_frame(random_frame(rng, 1, model="real", shim="shim"))])
     assert layer_series(exporter.metrics_text(), "real") == 6
 
@@ -104,7 +105,7 @@ def test_with_a_frame_key_only_frames_tagged_under_it_are_counted(start_exporter
     for datagram in forged_flood(64, 6):  # named like new models, well-formed, untagged
         exporter.send(datagram)
     exporter.send(encode_frame(random_frame(rng, 1), os.urandom(32)))  # tagged under another key
-    exporter.wait_for(lambda: rejected(exporter, "missing_tag") == 64 and rejected(exporter, "bad_tag") == 1)
+    wait_for(lambda: rejected(exporter, "missing_tag") == 64 and rejected(exporter, "bad_tag") == 1)
     exporter.send_frames([encode_frame(random_frame(rng, 2), key)])
     page = exporter.metrics_text()
     assert "forged-" not in page
@@ -135,7 +136,7 @@ def test_two_forged_datagrams_cannot_blind_the_loss_counter(start_exporter) -> N
     exporter.send_frames([encode_frame(random_frame(rng, n, shim="real")) for n in range(5)])
     exporter.send_frames([encode_frame(random_frame(rng, 0, shim="made-up"))])
     exporter.send(encode_frame(random_frame(rng, 2**64 - 1, shim="made-up")))
-    exporter.wait_for(lambda: rejected(exporter, "sequence_jump") == 1)
+    wait_for(lambda: rejected(exporter, "sequence_jump") == 1)
     exporter.send_frames([encode_frame(random_frame(rng, n, shim="real")) for n in (6, 7)])  # 5 lost in transit
     assert exporter.value("layerwatch_exporter_frames_lost_total", model_name="demo") == 1
     assert exporter.value("layerwatch_exporter_frames_received_total", model_name="demo") == 8
@@ -154,7 +155,7 @@ def test_with_a_frame_key_replayed_frames_are_counted_once(start_exporter, tmp_p
         for datagram in captured:
             exporter.send(datagram)
         time.sleep(0.001)
-    exporter.wait_for(lambda: rejected(exporter, "replayed") == 990)
+    wait_for(lambda: rejected(exporter, "replayed") == 990)
     assert exporter.value("layerwatch_exporter_frames_received_total", model_name="demo") == 10
     assert exporter.value("layerwatch_exporter_frames_lost_total", model_name="demo") == 0
 
@@ -169,7 +170,7 @@ def test_scrapes_are_answered_while_slow_readers_hold_the_page(start_exporter) -
     for datagram in forged_flood(64, 256):  # every slot, the widest frames --max-layers admits
         exporter.send(datagram)
         time.sleep(0.002)
-    exporter.wait_for(lambda: exporter.received_frames() == 64)
+    wait_for(lambda: exporter.received_frames() == 64)
     # The state the attack needs: a page that takes about a second to render.
     assert len(exporter.get("/metrics")[1].encode()) > 5_000_000
     readers = [slow_reader(exporter, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n") for _ in range(60)]

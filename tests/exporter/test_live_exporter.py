@@ -33,6 +33,7 @@ from layerwatch.statistics import shares_below_edges
 from layerwatch.wire import MAX_FRAME_BYTES, encode_frame
 from tests.exporter.support import DATA, GOLDEN_TRACE, random_frame, trace_frames
 from tests.slow_clients import Trickler, half_sent_requests
+from tests.support import wait_for
 
 GOLDEN_METRICS = DATA / "golden-metrics.txt"
 # Values that depend on the clock or the host, not on the frames: left out of the golden page.
@@ -76,7 +77,7 @@ def test_hostile_datagrams_are_counted_and_never_stop_the_exporter(start_exporte
         exporter.send(valid[index])
     for datagram in valid[len(hostile) :]:
         exporter.send(datagram)
-    exporter.wait_for(
+    wait_for(
         lambda: (
             exporter.value("layerwatch_exporter_frames_malformed_total") == len(hostile)
             and exporter.received_frames() == len(valid)
@@ -464,9 +465,10 @@ def test_unknown_paths_are_404_and_bad_flags_are_refused(start_exporter) -> None
 
 def test_the_exporter_never_imports_torch_or_the_shim() -> None:
     code = (
-        "import sys, pkgutil, importlib, exporter, layerwatch.wire, layerwatch.trace\n"
-        "for m in pkgutil.iter_modules(exporter.__path__): importlib.import_module('exporter.' + m.name)\n"
-        "print(sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'inference_shim')))"
+        "import sys, pkgutil, importlib, layerwatch.exporter, layerwatch.wire, layerwatch.trace\n"
+        "for m in pkgutil.iter_modules(layerwatch.exporter.__path__):\n"
+        "    importlib.import_module('layerwatch.exporter.' + m.name)\n"
+        "print(sorted(n for n in sys.modules if n.startswith(('torch', 'layerwatch.inference_shim'))))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

@@ -43,6 +43,7 @@ from layerwatch.statistics import le_bucket_index
 from layerwatch.trace import TraceWriter, read_trace
 from tests.stack.conftest import REPO
 from tests.stack.support import dashboard_expr, prometheus_api, prometheus_argv
+from tests.support import wait_for
 
 TIME_SCALE = 0.01
 READ_ROUTERS = read_attributes("router_score", "router_ran")
@@ -103,7 +104,7 @@ def test_an_instrumented_transformers_model_is_seen_as_a_served_one(
             sampled_batch(model, seed)
 
     # 1. The exporter holds the trace's entropies, and judges them as replay does.
-    exporter.wait_for(lambda: exporter.received_frames() == sender.sent)
+    wait_for(lambda: exporter.received_frames() == sender.sent)
     assert (
         sum(sender.dropped.values()) == 0
         and sum(samples(exporter, "layerwatch_exporter_frames_lost_total").values()) == 0

@@ -17,12 +17,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import torch
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -32,6 +30,7 @@ from layerwatch.inference_shim.runtime.checkpoint import save_checkpoint
 from layerwatch.inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
 from layerwatch.inference_shim.runtime.model import GateBank, ModelConfig, Transformer
 from layerwatch.wire import GateFrame, decode_frame
+from tests.support import sample_sum, scrape
 
 MODEL_NAME = "tiny-test"
 NUM_LAYERS = 6
@@ -212,20 +211,6 @@ class LiveServer:
             last = current
             time.sleep(0.3)
         raise TimeoutError("the server did not go idle")
-
-
-def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample on /metrics as {(name, sorted labels): value}."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def sample_sum(snapshot: dict, name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in snapshot.items() if n == name and all((k, labels[k]) in ls for k in labels))
 
 
 @pytest.fixture(scope="session")

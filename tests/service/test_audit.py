@@ -32,7 +32,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from layerwatch.demo.processes import ManagedProcess, free_port
 from layerwatch.inference_shim.service.shim import ServeSettings, ShimService, resolve_otlp_endpoint
-from tests.service.conftest import MODEL_NAME, NUM_LAYERS, InProcessServer, sample_sum, scrape
+from tests.service.conftest import MODEL_NAME, NUM_LAYERS, InProcessServer
+from tests.support import sample_sum, scrape, wait_for
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -307,14 +308,6 @@ def receiver() -> Iterator[OtlpReceiver]:
     receiver.close()
 
 
-def wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        time.sleep(0.1)
-
-
 def test_serve_sends_spans_over_otlp_http_and_survives_a_collector_that_refuses(tiny_checkpoint, receiver, tmp_path):
     port = free_port()
     argv = [
@@ -342,7 +335,7 @@ def test_serve_sends_spans_over_otlp_http_and_survives_a_collector_that_refuses(
         process.wait_http(f"{base_url}/healthz", timeout=120)
         client = client_for(base_url)
         result = client.completions.create(model=MODEL_NAME, prompt="In the beginning", max_tokens=8, temperature=0)
-        wait_for(lambda: receiver.spans())
+        wait_for(lambda: receiver.spans(), timeout=30)
         ((resource, span_attributes, span),) = receiver.spans()
         assert receiver.paths == ["/v1/traces"]
         assert resource["service.name"] == "shim-under-test" and resource["service.instance.id"] == "audit-shim"
@@ -352,13 +345,17 @@ def test_serve_sends_spans_over_otlp_http_and_survives_a_collector_that_refuses(
         assert span_attributes["layerwatch.layers.skipped"] == result.usage.model_extra["layers_skipped"]
         assert span_attributes["layerwatch.gates.sha256"] == tiny_checkpoint.gates_sha256
         assert len(span_attributes["layerwatch.layers.skipped_per_layer"]) == NUM_LAYERS
-        wait_for(lambda: sample_sum(scrape(base_url), "layerwatch_audit_spans_total", outcome="exported") == 1)
+        wait_for(
+            lambda: sample_sum(scrape(base_url), "layerwatch_audit_spans_total", outcome="exported") == 1, timeout=30
+        )
 
         # A collector that refuses the spans: requests are served as before, the spans are counted as failed.
         receiver.status = 400
         for _ in range(3):
             assert client.completions.create(model=MODEL_NAME, prompt="Day", max_tokens=4).usage.completion_tokens == 4
-        wait_for(lambda: sample_sum(scrape(base_url), "layerwatch_audit_spans_total", outcome="failed") == 3)
+        wait_for(
+            lambda: sample_sum(scrape(base_url), "layerwatch_audit_spans_total", outcome="failed") == 3, timeout=30
+        )
         metrics = scrape(base_url)
         assert sample_sum(metrics, "layerwatch_audit_spans_total", outcome="exported") == 1
         assert sample_sum(metrics, "layerwatch_requests_total", status="ok") == 4
@@ -366,7 +363,9 @@ def test_serve_sends_spans_over_otlp_http_and_survives_a_collector_that_refuses(
 
         receiver.status = 200  # the collector is back
         client.completions.create(model=MODEL_NAME, prompt="Night", max_tokens=2)
-        wait_for(lambda: sample_sum(scrape(base_url), "layerwatch_audit_spans_total", outcome="exported") == 2)
+        wait_for(
+            lambda: sample_sum(scrape(base_url), "layerwatch_audit_spans_total", outcome="exported") == 2, timeout=30
+        )
         log = (tmp_path / "serve.log").read_text()
         assert log.count("audit spans: export failed") == 1  # said once, not per batch
         assert log.count("audit spans: exporting again, 3 span(s) lost meanwhile") == 1

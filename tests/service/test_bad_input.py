@@ -11,7 +11,8 @@ from pydantic import ValidationError
 
 from benchmarks.invalid_body import hostile_bodies
 from layerwatch.inference_shim.service import schemas
-from tests.service.conftest import MODEL_NAME, sample_sum
+from tests.service.conftest import MODEL_NAME
+from tests.support import sample_sum
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(400))  # far over --max-prompt-tokens 96
 DEEP = b"[" * 2000 + b"]" * 2000  # 4 KB, past the JSON parser's recursion limit

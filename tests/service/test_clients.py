@@ -30,7 +30,7 @@ import pytest
 from layerwatch.demo.processes import ManagedProcess, free_port
 from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
-from tests.service.conftest import sample_sum, scrape
+from tests.support import sample_sum, scrape
 
 AIPERF_ENV = Path(__file__).resolve().parents[2] / ".venv-aiperf"
 

@@ -24,8 +24,9 @@ from layerwatch.inference_shim.service.depth import (
     parse_threshold_range,
     request_position,
 )
-from tests.service.conftest import MODEL_NAME, sample_sum
+from tests.service.conftest import MODEL_NAME
 from tests.service.test_shadow import checks_done, settled
+from tests.support import sample_sum
 
 SHORT = "In"  # BOS + 1 token
 LONG = "In the beginning God created the heaven and the earth."  # well over 8 tokens

@@ -15,7 +15,8 @@ from layerwatch.client import GateFrameSender
 from layerwatch.demo.processes import LAYERWATCH_COMMAND, free_port
 from layerwatch.trace import read_trace
 from layerwatch.wire import MAX_FRAME_BYTES, decode_frame
-from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum
+from tests.service.conftest import MODEL_NAME, NUM_LAYERS
+from tests.support import sample_sum
 
 
 def test_frames_decode_to_the_same_entropies_and_masks_as_the_trace(server):

@@ -49,8 +49,9 @@ from layerwatch.inference_shim.service.mitigation_receiver import (
     reserve,
 )
 from layerwatch.mixin import config
-from tests.service.conftest import MODEL_NAME, sample_sum
+from tests.service.conftest import MODEL_NAME
 from tests.slow_clients import Trickler
+from tests.support import sample_sum, wait_for
 
 TOKEN = b"mitigation-token-0123456789abcdef0123"
 T0 = datetime(2026, 12, 1, 3, 0, tzinfo=UTC)
@@ -681,13 +682,14 @@ def greedy(server, max_tokens: int = 6) -> None:
     assert response.status_code == 200, response.text
 
 
-def wait_for(server, name: str, at_least: float, timeout: float = 30.0, **labels: str) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
+def metrics_once(server, name: str, at_least: float, **labels: str) -> dict:
+    """The server's samples, once `name` counts at least `at_least`."""
+
+    def reached() -> dict | None:
         snapshot = server.metrics()
-        if sample_sum(snapshot, name, **labels) >= at_least or time.monotonic() > deadline:
-            return snapshot
-        time.sleep(0.1)
+        return snapshot if sample_sum(snapshot, name, **labels) >= at_least else None
+
+    return wait_for(reached, timeout=30, what=f"{name} >= {at_least}")
 
 
 def test_a_served_model_shadow_checks_the_requests_of_a_mitigations_budget(in_process, tmp_path):
@@ -700,7 +702,7 @@ def test_a_served_model_shadow_checks_the_requests_of_a_mitigations_budget(in_pr
     assert post(f"http://127.0.0.1:{port}", notification(alert())).json() == {"outcomes": ["started"]}
     for _ in range(3):  # the third is past the budget of 2
         greedy(server)
-    snapshot = wait_for(server, "layerwatch_shadow_tokens_total", 12)
+    snapshot = metrics_once(server, "layerwatch_shadow_tokens_total", 12)
     assert sample_sum(snapshot, "layerwatch_shadow_tokens_total") == 12  # 2 requests x 6 tokens
     assert sample_sum(snapshot, "layerwatch_mitigated_requests_total") == 2
     assert sample_sum(snapshot, "layerwatch_mitigations_ended_total", reason="requests") == 1

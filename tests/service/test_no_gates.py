@@ -15,7 +15,8 @@ import pytest
 from layerwatch.demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
 from layerwatch.inference_shim.runtime.gates import GATES_FILE
 from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
-from tests.service.conftest import NUM_LAYERS, FrameCapture, sample_sum, scrape
+from tests.service.conftest import NUM_LAYERS, FrameCapture
+from tests.support import sample_sum, scrape
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,8 @@ from layerwatch.cli.serve import profile_runaway_fraction
 from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_NAME
 from layerwatch.inference_shim.service.shim import ServeSettings
 from layerwatch.trace import read_trace
-from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum
+from tests.service.conftest import MODEL_NAME, NUM_LAYERS
+from tests.support import sample_sum
 
 THRESHOLD = 0.18  # the tiny gates' calibrated threshold
 Z = 1.2815515655446004  # one-sided 90 %

@@ -15,7 +15,8 @@ from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingP
 from layerwatch.inference_shim.service.metrics import SHADOW_OUTCOMES, ShadowMetrics
 from layerwatch.inference_shim.service.shadow import QUEUE_LIMIT, ShadowChecker
 from layerwatch.skip_policy import SkipPolicyConfig
-from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum, tiny_gates, uniform_record
+from tests.service.conftest import MODEL_NAME, NUM_LAYERS, tiny_gates, uniform_record
+from tests.support import sample_sum
 
 SHADOW_COUNTERS = (
     "layerwatch_shadow_tokens_total",

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import tomllib
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,6 +21,7 @@ import yaml
 
 from layerwatch.deploy import render as deploy
 from layerwatch.mixin import config
+from tests.support import wait_for
 
 from .conftest import REPO, require_binary, run_tool
 
@@ -198,16 +198,6 @@ class Webhooks:
 
 def alert(name: str, severity: str, **labels: str) -> dict:
     return {"labels": {"alertname": name, "severity": severity, **labels}, "annotations": {"summary": name}}
-
-
-def wait_for(predicate, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    return predicate()
 
 
 @pytest.mark.parametrize(

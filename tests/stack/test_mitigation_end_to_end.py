@@ -29,9 +29,9 @@ from layerwatch.demo.processes import ManagedProcess, free_port
 from layerwatch.demo.receiver import WebhookReceiver
 from layerwatch.deploy.render import HEADER, MitigationWebhook, alertmanager_config
 from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
-from tests.service.conftest import sample_sum, scrape
 from tests.stack.conftest import run_tool
 from tests.stack.support import TIME_SCALE, alertmanager_alerts, alertmanager_argv
+from tests.support import sample_sum, scrape
 
 ALERTNAME = "LayerwatchRoutingStatic"
 TOKEN = "e2e-mitigation-token-" + "0123456789abcdef" * 2
