@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD .venv/bin/python benchmarks/http_parser_cost.py [--checkout /path/to/old/checkout]
 
 Two `serve` processes on the embedded demo model: this checkout (h11, http_protocol.py) and
-`--checkout` (default: this one too; give one from before issue 27, which served with httptools).
+`--checkout` (default: this one too; give an older one to compare, e.g. one that served with httptools).
 In interleaved rounds, alternating which goes first, the same client load goes to each: GET /healthz
 on a keep-alive connection, and streamed completions (`stream: true`, sampled, 32 tokens: a
 server-sent event per token, each framed by the parser). Printed per server: the median over

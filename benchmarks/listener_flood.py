@@ -1,4 +1,4 @@
-"""Hostile HTTP clients against each listener of the stack, and what they cost it (issue 27).
+"""Hostile HTTP clients against each listener of the stack, and what they cost it.
 
     python benchmarks/listener_flood.py api-endless-header [--clients 4]       # one header line that never ends
     python benchmarks/listener_flood.py api-slowloris --clients 1100 --nofile 1024   # heads trickled, past the files
@@ -60,7 +60,7 @@ ATTACKS = (
 SLOW_BODY_HEAD = (
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
 )
-# Issue 31, item 1: six choices of 64 tokens, 20 alternatives each (about 1.7 KB of events a token).
+# Six choices of 64 tokens, 20 alternatives each (about 1.7 KB of events a token).
 UNREAD_STREAM_BODY = json.dumps(
     {
         "model": "layerwatch-demo",

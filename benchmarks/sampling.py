@@ -1,5 +1,5 @@
 """What one sampled token's draw costs on a real vocabulary: the engine's `sample_token` against the whole
-vocabulary sorted and drawn by torch.multinomial (how the engine drew until issue 33).
+vocabulary sorted and drawn by torch.multinomial (the draw `sample_token` avoids).
 
     .venv/bin/python benchmarks/sampling.py --model DIR --data TEXT [--positions 256] [--top-p 1,0.95,0.9]
 

@@ -1,6 +1,6 @@
 """The alert state as the demo and `top --prometheus` write it (demo/alert_view.py, alerts/signals.py):
 every trigger that can page has its figure on screen, marked when past its limit, and the figures say
-what they are (issue 34: a newcomer could not tell which figure had crossed which limit)."""
+what they are, so that a newcomer can tell which figure crossed which limit."""
 
 from __future__ import annotations
 

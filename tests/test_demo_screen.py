@@ -1,6 +1,6 @@
 """The demo's screen, rendered by its own code from what a real `layerwatch demo --drill static` read at its
 page (tests/demo_screen.py): docs/demo.md shows exactly that, every figure a page reads is on it and
-says what it counts, and a small terminal keeps the drill's status and the alerts in sight (issue 34)."""
+says what it counts, and a small terminal keeps the drill's status and the alerts in sight."""
 
 from __future__ import annotations
 

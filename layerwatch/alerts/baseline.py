@@ -437,7 +437,7 @@ def baseline_summary(stats: BaselineStatistics, profile: Profile) -> list[str]:
 # broken model) or a constant page; `layerwatch calibrate` refuses such a baseline unless told to
 # accept it. The limits below are ours, placed well outside the demo model's healthy baseline
 # (layerwatch/alerts/profiles/demo.yaml: agreement 0.826 in its lowest chunk, 0.046 nats per token in its worst)
-# and well inside the first SmolLM2-135M gates of issue 33 that skipped statically (0.459, 0.598).
+# and well inside SmolLM2-135M gates that skipped statically (0.459, 0.598).
 # LayerwatchShadowAgreementLow pages below the baseline's lowest chunk less the margin: below this
 # share of full-depth top-1 tokens kept, the gates change the answers, and the floor would make that normal.
 MIN_HEALTHY_AGREEMENT = 0.7

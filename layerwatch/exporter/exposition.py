@@ -98,9 +98,9 @@ class SharedRender:
 
     A scrape that arrives while the page is being rendered waits for that render and gets its bytes;
     one that arrives when none is in flight starts one. So concurrent scrapes cost one render's CPU
-    and hold one page in memory whatever their number (hostile review 6: in the state forged frames
-    can fill, each GET rendered its own page, and 60 GETs never read queued 60 renders ahead of
-    Prometheus' scrape), and a page is never older than the render in flight when its scrape came.
+    and hold one page in memory whatever their number (in the state forged frames can fill, a render
+    per GET would let 60 GETs that are never read queue 60 renders ahead of Prometheus' scrape), and a
+    page is never older than the render in flight when its scrape came.
     """
 
     def __init__(self, render: Callable[[], bytes]) -> None:

@@ -98,7 +98,7 @@ def random_frame(
 
 
 def forged_flood(models: int, layers: int) -> list[bytes]:
-    """Issue 11's flood: well-formed, untagged frames of one row, each naming a new model."""
+    """The forged-frame flood: well-formed, untagged frames of one row, each naming a new model."""
     rng = np.random.default_rng(0)
     return [
         encode_frame(random_frame(rng, index, model=f"forged-{index}", shim="forger", rows=1, layers=layers))

@@ -1,4 +1,4 @@
-"""Forged gate frames against a real `layerwatch exporter` process over loopback UDP (issue 11, item 1):
+"""Forged gate frames against a real `layerwatch exporter` process over loopback UDP:
 what a sender without the frame key can cost the exporter is bounded, and counted by reason."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_a_flood_of_wide_frames_naming_new_models_is_refused_and_costs_nothing(s
 
 
 def test_a_name_that_is_not_printable_is_refused_and_never_reaches_a_terminal(start_exporter) -> None:
-    """Hostile review 2, H2: the decoder took any UTF-8 name, so one untagged datagram named
+    """A decoder that took any UTF-8 name would let one untagged datagram named
     "\\x1b]0;...\\x07\\x1b[2J..." became a label value that `layerwatch top` wrote raw to the
     operator's terminal (its title set, the screen cleared, a forged line after a newline)."""
     exporter = start_exporter()
@@ -129,8 +129,8 @@ def test_a_frame_key_file_others_can_read_stops_the_exporter_naming_it(tmp_path:
 
 
 def test_two_forged_datagrams_cannot_blind_the_loss_counter(start_exporter) -> None:
-    # Issue 27, item 3: a made-up shim id sent 0, then 2**64 - 1, for the real model: 1.84e19 "lost",
-    # and the one frame really lost afterwards was invisible in float64.
+    # A made-up shim id sends 0, then 2**64 - 1, for the real model: unbounded, 1.84e19 "lost", and the
+    # one frame really lost afterwards invisible in float64.
     exporter = start_exporter()
     rng = np.random.default_rng(0)
     exporter.send_frames([encode_frame(random_frame(rng, n, shim="real")) for n in range(5)])
@@ -151,7 +151,7 @@ def test_with_a_frame_key_replayed_frames_are_counted_once(start_exporter, tmp_p
     rng = np.random.default_rng(0)
     captured = [encode_frame(random_frame(rng, n), key) for n in range(10)]
     exporter.send_frames(captured)
-    for _ in range(99):  # issue 27, item 3: ten captured frames sent 100 times were all counted
+    for _ in range(99):  # ten captured frames sent 100 times must count once each
         for datagram in captured:
             exporter.send(datagram)
         time.sleep(0.001)
@@ -161,11 +161,11 @@ def test_with_a_frame_key_replayed_frames_are_counted_once(start_exporter, tmp_p
 
 
 def test_scrapes_are_answered_while_slow_readers_hold_the_page(start_exporter) -> None:
-    """Hostile review 6, defect 4: in the state forged frames can fill (every model slot, wide frames),
+    """In the state forged frames can fill (every model slot, wide frames),
     each GET rendered the page on its own: 60 clients that ask for /metrics and never read queued 60
     renders ahead of the real scrape (none answered within Prometheus' 10 s timeout). Now concurrent
     scrapes share the render in flight. (What the slow readers cost in memory is measured by
-    benchmarks/frame_flood.py --slow-readers: docs/reliability.md, round six.)"""
+    benchmarks/frame_flood.py --slow-readers: docs/reliability.md, "Forged frames".)"""
     exporter = start_exporter()
     for datagram in forged_flood(64, 256):  # every slot, the widest frames --max-layers admits
         exporter.send(datagram)

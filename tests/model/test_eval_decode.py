@@ -330,7 +330,7 @@ def test_eval_batch_sizes_prints_the_depth_execution_of_each(model_dir, text_fil
 
 
 def test_eval_reports_the_batch_size_that_ran_and_refuses_empty_or_repeated_sizes(model_dir, text_file, capsys):
-    """Hostile review 2, H8: `--batch-sizes 99999999999,1,,1` was accepted and its JSON said
+    """Unguarded, `--batch-sizes 99999999999,1,,1` is accepted and its JSON says
     `batch_size: 99999999999` for a batch of the 4 windows there were."""
     for sizes, message in (
         ("1,,2", "an empty entry in '1,,2'"),

@@ -211,7 +211,7 @@ def test_batched_scores_equal_each_gate_and_follow_weight_updates(model):
 
 
 def test_batched_scores_follow_the_data_torch_helpers_assign_and_reparametrized_gates(model):
-    """Hostile review, round eight: `vector_to_parameters` assigns each parameter's `.data` (the
+    """`vector_to_parameters` assigns each parameter's `.data` (the
     stacks kept the old values), prune and weight_norm compute a weight no longer a parameter
     (scores raised KeyError), and stacks laid out in inference mode could not be updated after it."""
     gates = random_gates(model.config)

@@ -1,5 +1,5 @@
 """`import-gguf` given files that are not what they say, and destinations that fight back
-(docs/reliability.md, "Hostile review, round six"): each refused in one line naming what is wrong,
+(docs/reliability.md, "GGUF import"): each refused in one line naming what is wrong,
 nothing written, nothing of the user's lost; and what it writes is readable by whoever serves it.
 
 The files are tiny (a one-layer Llama of width 8 over a byte-level vocabulary, written with the gguf
@@ -183,8 +183,8 @@ ODD_HEADS = {f"blk.0.attn_{name}.weight": (6, HIDDEN) for name in "qkv"} | {"blk
     ids=["odd head dimension", "value_length other than key_length"],
 )
 def test_heads_the_model_cannot_compute_are_refused_though_the_shapes_agree(tmp_path, changes, shapes, named):
-    """Hostile review, round eight: heads of 3 dimensions were a RuntimeError traceback (the Q/K
-    unpermutation reshapes by pairs); value heads narrower than the key heads were imported as key-wide,
+    """Unguarded, heads of 3 dimensions are a RuntimeError traceback (the Q/K
+    unpermutation reshapes by pairs); value heads narrower than the key heads are imported as key-wide,
     the metadata contradicting the folder."""
     assert named in refusal(write_tiny_gguf(tmp_path / "model.gguf", changes, shapes=shapes), tmp_path / "out")
 

@@ -217,7 +217,7 @@ def test_a_window_no_longer_than_the_patience_or_a_share_past_one_is_refused(
 def test_a_weight_that_is_not_a_finite_number_is_refused_and_writes_nothing(
     model_dir, text_file, tmp_path, capsys, flag
 ):
-    # Found in the self-review of issue 27: a NaN weight trained for every step and wrote a gate file, exit 0.
+    # Unguarded, a NaN weight trains for every step and writes a gate file, exit 0.
     out = tmp_path / "gates.safetensors"
     assert train(model_dir, text_file, out, flag, "nan") == 2
     assert f"{flag} must be a finite number, got nan" in capsys.readouterr().err

@@ -201,7 +201,7 @@ def test_ctrl_c_during_start_up_stops_serve_logged_and_by_the_signal(tiny_checkp
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_the_exporter_stops_cleanly_on_each_stop_signal_and_exits_by_it(tmp_path, sig):
-    # Issue 27, item 13: SIGHUP ended the exporter at once (exit 129), not a line in its log.
+    # SIGHUP's default would end the exporter at once (exit 129), not a line in its log.
     exporter = Exporter(tmp_path).start()
     try:
         exporter.process.proc.send_signal(sig)
@@ -337,11 +337,11 @@ class TerminalDemo:
 )
 @pytest.mark.parametrize("ending", ["terminal closed", "terminal closed during start-up", "demo killed", "duration"])
 def test_the_demo_leaves_nothing_behind_however_it_ends(tiny_checkpoint, tmp_path, ending):
-    """Issue 26, item 5: closing the demo's terminal left the shim, the exporter, Prometheus and
-    Alertmanager running with their ports held (all four still up 8 s later). Now a hang-up stops
+    """Unhandled, closing the demo's terminal leaves the shim, the exporter, Prometheus and
+    Alertmanager running with their ports held (all four still up 8 s later). A hang-up stops
     them as Ctrl-C does (tests/test_demo.py), also while the shim is still loading, a SIGKILL of
     the demo takes them along (each one gets SIGTERM when its parent dies), and --duration ends it
-    all with status 0. Issue 34: each run also left its temporary folder behind (1-7 MB); now it is
+    all with status 0. Each run's temporary folder (1-7 MB) is
     removed, unless --keep-workdir asks for it, and then its path is said (a SIGKILL leaves it)."""
     flags = ["--duration", "8", "--keep-workdir"] if ending == "duration" else []
     demo = TerminalDemo(tmp_path, tiny_checkpoint.path, *flags)

@@ -277,7 +277,7 @@ def test_logit_bias_and_penalties_match_a_reference(full_depth):
     assert served(frequency_penalty=1.5, presence_penalty=0.5) == texts(with_penalties)
 
 
-# --- numerically safe sampling (hostile review, item 2) ------------------------------------------
+# --- numerically safe sampling -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("hostile", [{"temperature": 1e-300}, {"top_p": 1e-300}, {"temperature": 2.0, "top_p": 1e-300}])

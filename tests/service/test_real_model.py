@@ -16,8 +16,8 @@ import pytest
 from layerwatch.cli.main import main
 from layerwatch.demo.processes import ManagedProcess, free_port
 
-# A real model predicts English prose: full-depth perplexity on the KJV is ~15 (issue 33 measured
-# 15.6 over its held-out chapters); an import that scrambled the weights or the tokenizer lands in
+# A real model predicts English prose: full-depth perplexity on the KJV is ~15 (15.6 measured
+# over its held-out chapters); an import that scrambled the weights or the tokenizer lands in
 # the hundreds or thousands (uniform over the vocabulary would be 49,152).
 PLAUSIBLE_PERPLEXITY = 40.0
 

@@ -129,10 +129,10 @@ def test_serve_takes_the_cutoff_from_the_served_models_profile(tmp_path):
     assert profile_runaway_fraction(ServeSettings(model_dir=tmp_path / "other-model")) is None
     (tmp_path / "broken.yaml").write_text("model_name: [")
     assert profile_runaway_fraction(ServeSettings(model_dir=Path("x"), model_name="x"), tmp_path) is None
-    # Issue 27, item 8: these stopped serve at start with a traceback (UnicodeDecodeError, RecursionError).
+    # Unchecked, these stop serve at start with a traceback (UnicodeDecodeError, RecursionError).
     (tmp_path / "latin-1.yaml").write_bytes("model_name: café\n".encode("latin-1"))
     (tmp_path / "deep.yaml").write_text("model_name: " + "[" * 5000 + "]" * 5000)
-    # Hostile review 4 (issue 31), 9: and this with OverflowError.
+    # And this one with OverflowError.
     demo_text = (PROFILES_DIR / "demo.yaml").read_text()
     (tmp_path / "huge.yaml").write_text(demo_text.replace("threshold: 0.18", "threshold: " + "9" * 401))
     (tmp_path / "z-demo.yaml").write_bytes((PROFILES_DIR / "demo.yaml").read_bytes())  # sorted after them

@@ -103,7 +103,7 @@ def test_rules_at_prometheus_limits_pass_promtool(tree: Path, promtool: str) -> 
 @pytest.mark.parametrize(
     "changes, problem",
     [
-        # Issue 27, item 5: generation exited 0 and wrote rules promtool refuses.
+        # Unchecked, generation exits 0 and writes rules promtool refuses.
         ({"model_name": "layerwatch-demo\n"}, "model_name: 'layerwatch-demo\\n' must match"),
         (
             {"drift": {"limit": 0.18, "window": "1000000000000000d"}},
@@ -128,7 +128,7 @@ def test_generate_refuses_what_prometheus_would(tree: Path, changes: dict, probl
 @pytest.mark.parametrize(
     "rewrite, problem",
     [
-        # Issue 27, item 8: the first two crashed generation with a traceback; the third was last-wins.
+        # Unchecked, the first two crash generation with a traceback; the third is last-wins.
         (lambda _: "model_name: café\n".encode("latin-1"), "not UTF-8 text (byte 15)"),
         (lambda _: b"model_name: " + b"[" * 5000 + b"]" * 5000, "nested too deeply"),
         (lambda original: original + b"\nthreshold: 0.5\n", "found key 'threshold' twice"),

@@ -187,7 +187,7 @@ def test_a_recorded_shape_of_one_hump_loads(tmp_path: Path) -> None:
             "must be 1..",
         ),
         ({"skip_surge_factor": float("nan")}, "skip_surge_factor", "not a finite number"),
-        # Hostile review 4 (issue 31), 9: float() raised OverflowError, past serve's and generate's ProfileError.
+        # Unguarded, float() raises OverflowError, past serve's and generate's ProfileError.
         ({"threshold": 10**400}, "threshold", "an integer of 401 digits is not a finite number"),
         ({"patience": 10**400}, "patience", "an integer of 401 digits is more than a float64 holds exactly"),
         (

@@ -15,7 +15,7 @@ the way in is undone here, as transformers' own GGUF loading undoes it:
 
 Anything this code cannot convert faithfully is refused with its name (an architecture, a tensor
 type, a tokenizer, a RoPE scaling): a folder that loads but computes another model is worse than none.
-So is a file that is not what it says (docs/reliability.md, "Hostile review, round six"): metadata of
+So is a file that is not what it says (docs/reliability.md, "GGUF import"): metadata of
 the wrong type, counts past the file's end, a vocabulary that names a token twice, a folder that
 would not load; each is refused in one line naming the key or the tensor.
 The folder is written beside `out` and renamed into place when complete; the folders missing above

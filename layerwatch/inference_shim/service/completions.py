@@ -11,7 +11,7 @@ tokens it had generated until the engine stopped it (those tokens were decoded a
 layer counters too). A choice that fails fails the request, and the other choices are cancelled.
 The updates are taken as the engine makes them, whether or not the client reads the answer
 (`Generation._follow`): a request is counted, and leaves admission, when its generation ends; a
-client that stopped reading held its admission slot for good (issue 31).
+client that stops reading cannot hold its admission slot for good.
 
 With the audit trail on (audit.py), a request also has a span from its arrival until its last
 choice is counted, ended with a `RequestRecord` of the same numbers.

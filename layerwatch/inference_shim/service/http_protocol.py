@@ -3,7 +3,7 @@ request head, and an answer it leaves unread, may cost (docs/service.md, "Connec
 
 uvicorn's default parser (httptools) sets no limit on a header line and re-copies it as it grows,
 on the event loop: one client sending an endless header line held /healthz at 2.5-9.8 s and cost
-290 MB (issue 27). h11, which uvicorn also brings, refuses an incomplete request line and headers
+290 MB. h11, which uvicorn also brings, refuses an incomplete request line and headers
 over `max_incomplete_event_size` bytes (here `HTTPLimits.max_head_bytes`); this protocol refuses a
 complete one over that size too (h11 parses a head that arrives whole in one read at any size),
 with a 431 (where uvicorn says 400 for any parse error). uvicorn bounds neither the time a head
@@ -25,7 +25,7 @@ protocol adds all three:
   `send_timeout` seconds is reset, its unsent output dropped (nginx's `send_timeout`: the time
   between two writes that make progress, not a bound on the whole answer), which cancels a
   generation still running for it. A stream whose client stopped reading held its connection for
-  good, and connections pipelining requests without reading the answers filled every slot (issue 31).
+  good, and connections pipelining requests without reading the answers would fill every slot.
 
 It also refuses a request whose body two parsers could frame differently, where h11 accepts it:
 `Content-Length` with `Transfer-Encoding` (h11 reads it chunked and keeps the connection: behind a

@@ -262,9 +262,9 @@ def _load_model(settings: ServeSettings) -> tuple[LoadedCheckpoint, LoadedGates 
         healthy = load_gates(gates_file(settings), checkpoint.model)
         # Decoded in a thread of its own, as the engine worker decodes: called from the main thread,
         # torch's CPU kernels took 18-45 s for this measurement against 0.5 s in a thread, on 2 CPU
-        # cores shared with other jobs (2026-11-30). Measured by `layerwatch serve --static-gates`:
+        # cores shared with other jobs. Measured by `layerwatch serve --static-gates`:
         # the time from its "loading the model" log line to "serving constant gates" (model load
-        # included: 2.0-2.8 s with the thread, at load average 1.8, 2026-12-01).
+        # included: 2.0-2.8 s with the thread, at load average 1.8).
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="static-gates") as pool:
             drill = pool.submit(
                 static_gates,
