@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/audit_spans.py                    # 2,000 requests, 80 layers, 2 choices
     .venv/bin/python benchmarks/audit_spans.py --layers 16 --requests 5000
 
-Drives the real AuditTrail (inference_shim/service/audit.py) with the real OTLP/HTTP exporter
+Drives the real AuditTrail (layerwatch/inference_shim/service/audit.py) with the real OTLP/HTTP exporter
 into an OTLP receiver stand-in in another process (it reads each request and answers 200, as a
 collector that accepts everything does), exactly as `layerwatch serve --otlp-endpoint` does per
 request: start the span at arrival, end it with a RequestRecord (`--choices` choices of `--tokens`
@@ -28,10 +28,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference_shim.runtime.engine import LayerCounts, SamplingParams
-from inference_shim.service.audit import AuditTrail
-from inference_shim.service.metrics import AuditSpanCounts
-from inference_shim.service.records import RequestRecord
+from layerwatch.inference_shim.runtime.engine import LayerCounts, SamplingParams
+from layerwatch.inference_shim.service.audit import AuditTrail
+from layerwatch.inference_shim.service.metrics import AuditSpanCounts
+from layerwatch.inference_shim.service.records import RequestRecord
 
 # The collector stand-in: an OTLP/HTTP endpoint that reads every export and accepts it.
 RECEIVER = """

@@ -5,7 +5,7 @@ patterns real gates produce and the depth execution serve runs?
         [--models 12x512,16x1024] [--compile] [--dtype bfloat16] [--quantization int8|int4]
 
 The skip patterns are real: the embedded demo model decodes its held-out text teacher-forced at its
-own τ (inference_shim/offline/evaluation.py, the engine's step semantics), and every step's per-row
+own τ (layerwatch/inference_shim/offline/evaluation.py, the engine's step semantics), and every step's per-row
 run mask (what each row's skip rule decided) is recorded. Those masks are then replayed, row by row
 and step by step, on random models of 12 × 512 and 16 × 1024 (layer l of a 12-layer model takes the
 demo's layer at the same relative depth), through `Transformer.decode_step` with both KV policies.
@@ -59,22 +59,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.decode_bench import build_model, skippable_spans
-from inference_shim.offline.corpus import read_bible, split_chapters, split_heldout, write_corpus
-from inference_shim.offline.evaluation import DecodeStep, heldout_windows, teacher_forced_decode
-from inference_shim.offline.gated_model import GatedModel, load_gated_model
-from inference_shim.offline.training import text_file_stream
-from inference_shim.runtime.checkpoint import DTYPES
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
-from inference_shim.runtime.depth_execution import (
+from layerwatch.inference_shim.offline.corpus import read_bible, split_chapters, split_heldout, write_corpus
+from layerwatch.inference_shim.offline.evaluation import DecodeStep, heldout_windows, teacher_forced_decode
+from layerwatch.inference_shim.offline.gated_model import GatedModel, load_gated_model
+from layerwatch.inference_shim.offline.training import text_file_stream
+from layerwatch.inference_shim.runtime.checkpoint import DTYPES
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+from layerwatch.inference_shim.runtime.depth_execution import (
     DepthExecution,
     DepthExecutionConfig,
     FixedDepthCosts,
     MeasuredDepthCosts,
 )
-from inference_shim.runtime.model import KV_POLICIES, Block, GateBank, KVCache, Transformer
-from inference_shim.runtime.quantization import PrecisionError, check_precision
-from inference_shim.service.power import NvmlReader
-from inference_shim.service.settings import PRECISION_SETTINGS, ModelSettings
+from layerwatch.inference_shim.runtime.model import KV_POLICIES, Block, GateBank, KVCache, Transformer
+from layerwatch.inference_shim.runtime.quantization import PrecisionError, check_precision
+from layerwatch.inference_shim.service.power import NvmlReader
+from layerwatch.inference_shim.service.settings import PRECISION_SETTINGS, ModelSettings
 from layerwatch.settings import add_flags
 
 PROMPT_TOKENS = 16

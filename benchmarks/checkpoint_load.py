@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.batch_decode_bench import parse_models, spread
 from benchmarks.decode_bench import bench_tokenizer, build_model
-from inference_shim.runtime import checkpoint
-from inference_shim.runtime.checkpoint import DTYPES, WEIGHTS_FILE, load_checkpoint, save_checkpoint
-from inference_shim.runtime.model import non_finite_problem
+from layerwatch.inference_shim.runtime import checkpoint
+from layerwatch.inference_shim.runtime.checkpoint import DTYPES, WEIGHTS_FILE, load_checkpoint, save_checkpoint
+from layerwatch.inference_shim.runtime.model import non_finite_problem
 
 VOCAB = 8192
 

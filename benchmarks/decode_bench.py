@@ -38,12 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
 
-from inference_shim.runtime.checkpoint import DTYPES, CheckpointError, load_checkpoint
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepRecord
-from inference_shim.runtime.model import KV_POLICIES, Block, GateBank, ModelConfig, Transformer
-from inference_shim.runtime.quantization import PrecisionError, check_precision, quantize_model
-from inference_shim.runtime.tokenizer import Tokenizer
-from inference_shim.service.settings import PRECISION_SETTINGS, ModelSettings
+from layerwatch.inference_shim.runtime.checkpoint import DTYPES, CheckpointError, load_checkpoint
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepRecord
+from layerwatch.inference_shim.runtime.model import KV_POLICIES, Block, GateBank, ModelConfig, Transformer
+from layerwatch.inference_shim.runtime.quantization import PrecisionError, check_precision, quantize_model
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.inference_shim.service.settings import PRECISION_SETTINGS, ModelSettings
 from layerwatch.settings import add_flags
 from layerwatch.skip_policy import SkipPolicyConfig
 

@@ -23,9 +23,9 @@ from prometheus_client import generate_latest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fleet_simulation import start_exporter
-from exporter.collectors import build_registry
-from exporter.exposition import TextEncoder
-from exporter.state import ExporterConfig, ExporterState
+from layerwatch.exporter.collectors import build_registry
+from layerwatch.exporter.exposition import TextEncoder
+from layerwatch.exporter.state import ExporterConfig, ExporterState
 from layerwatch.statistics import check_bimodality
 from layerwatch.wire import TAG_BYTES, GateFrame, decode_frame, encode_frame
 

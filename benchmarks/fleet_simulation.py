@@ -30,8 +30,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from demo.processes import LAYERWATCH_COMMAND, free_port
+from layerwatch.demo.processes import LAYERWATCH_COMMAND, free_port
 from layerwatch.wire import GateFrame, encode_frame
+from tests.support import page_samples, sample_sum
 
 MODEL_NAME = "fleet-sim"
 THRESHOLD = 0.18
@@ -63,8 +64,8 @@ def scrape(url: str) -> tuple[str, float]:
     return page, time.perf_counter() - started
 
 
-def sample_sum(page: str, name: str) -> float:
-    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{.*\}})? (\S+)$", page, re.M))
+def page_sum(page: str, name: str) -> float:
+    return sample_sum(page_samples(page), name)
 
 
 def series_count(page: str) -> int:
@@ -93,7 +94,7 @@ def simulate(shims: int, rows: int, layers: int, steps_per_second: float, second
         sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         address = ("127.0.0.1", udp_port)
         page, _ = scrape(url)
-        cpu_before = sample_sum(page, "process_cpu_seconds_total")
+        cpu_before = page_sum(page, "process_cpu_seconds_total")
         interval = 1.0 / (steps_per_second * shims)  # the fleet's frames, evenly spread
         sent, most_behind = 0, 0
         started = time.perf_counter()
@@ -110,10 +111,10 @@ def simulate(shims: int, rows: int, layers: int, steps_per_second: float, second
         wall = time.perf_counter() - started
         time.sleep(1.0)  # let the exporter drain its socket buffer
         page, _ = scrape(url)
-        cpu = sample_sum(page, "process_cpu_seconds_total") - cpu_before
+        cpu = page_sum(page, "process_cpu_seconds_total") - cpu_before
         scrapes = [scrape(url)[1] for _ in range(5)]
         page, _ = scrape(url)
-        received = sample_sum(page, "layerwatch_exporter_frames_received_total")
+        received = page_sum(page, "layerwatch_exporter_frames_received_total")
         return {
             "shims": shims,
             "frames_per_second": sent / wall,
@@ -121,9 +122,9 @@ def simulate(shims: int, rows: int, layers: int, steps_per_second: float, second
             "sent": sent,
             "sender_most_behind": most_behind,
             "received": received,
-            "lost": sample_sum(page, "layerwatch_exporter_frames_lost_total"),
+            "lost": page_sum(page, "layerwatch_exporter_frames_lost_total"),
             "exporter_cpu_share": cpu / (wall + 1.0),
-            "resident_mb": sample_sum(page, "process_resident_memory_bytes") / 1e6,
+            "resident_mb": page_sum(page, "process_resident_memory_bytes") / 1e6,
             "metrics_kib": len(page.encode()) / 1024,
             "scrape_ms": 1000 * float(np.median(scrapes)),
         }
@@ -152,9 +153,9 @@ def exporter_series(layers: int, per_layer: bool) -> int:
 
 def shim_series(layers: int) -> int:
     """Series on a real shim's page serving a random `layers`-layer model, after a few requests."""
-    from inference_shim.runtime.checkpoint import save_checkpoint
-    from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
-    from inference_shim.runtime.model import ModelConfig, Transformer
+    from layerwatch.inference_shim.runtime.checkpoint import save_checkpoint
+    from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+    from layerwatch.inference_shim.runtime.model import ModelConfig, Transformer
 
     demo = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
     config = ModelConfig(

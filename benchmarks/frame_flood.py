@@ -7,7 +7,7 @@
     .venv/bin/python benchmarks/frame_flood.py --layers 256 --slow-readers 300   # then scrapes under attack
     .venv/bin/python benchmarks/frame_flood.py --layers 256 --get-flood 16       # ... or under a GET flood
 
-The flood (issue 11, item 1): `--models` well-formed, untagged datagrams over loopback UDP, each naming a
+The flood: `--models` well-formed, untagged datagrams over loopback UDP, each naming a
 new model and carrying one row of `--layers` layers (15,742 is the widest single-row frame that fits a
 datagram). Measured from outside the process: resident memory (/proc) before and after, the size of
 one /metrics page and how long it takes. Goals (docs/reliability.md): RSS <= 100 MB, /metrics <= 1 MB,
@@ -16,7 +16,7 @@ a scrape <= 100 ms. Figures go into docs/reliability.md ("Forged frames").
 With `--slow-readers N` (N connections that ask for /metrics and never read, their receive buffer the
 smallest the kernel allows) or `--get-flood T` (T threads asking for /metrics back to back), three
 scrapes are then made as Prometheus makes them (10 s timeout), each reported with its status and time,
-and the exporter's memory after them (hostile review 6, defect 4; docs/reliability.md, round six).
+and the exporter's memory after them (docs/reliability.md, "Forged frames").
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def main() -> None:
         extra += ["--frame-key-file", str(key_file)]
     log = workdir / "exporter.log"
     environment = dict(os.environ, PYTHONPATH=str(args.checkout.resolve()))
-    command = [sys.executable, "-m", "layerwatch_cli.main", "exporter", "--listen", "127.0.0.1:0"]
+    command = [sys.executable, "-m", "layerwatch.cli.main", "exporter", "--listen", "127.0.0.1:0"]
     command += ["--http", "127.0.0.1:0", *extra]
     with open(log, "wb") as stderr:
         process = subprocess.Popen(

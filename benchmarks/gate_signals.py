@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/gate_signals.py --model DIR --temperatures 0
 
 What the shim does with `--shadow-rate`, offline: completions of the load generator's prompts
-(demo/loadgen.py) by the real GenerationEngine with each gate bank attached (the served gates, then
+(layerwatch/demo/loadgen.py) by the real GenerationEngine with each gate bank attached (the served gates, then
 `--shuffle-gates`' and `--scramble-gates'`), each re-run at full depth with the layer probe
 (`full_depth_agreement(..., layer_signals=True)`) and folded into a `LayerSignalStats`. After every
 pass once the buffers are full it records the shim's gauges: the within-layer headline
@@ -24,7 +24,7 @@ the healthy hidden states (then every layer keeps about its skip rate and level)
 permutations of all the features (random ones, and the features reversed), to see how much of a
 ranking a gate reading the wrong features keeps by chance. `--banks` runs only the banks named.
 
-`layerwatch calibrate` sets the floors in alerts/profiles/demo.yaml from the same gauges on its own
+`layerwatch calibrate` sets the floors in layerwatch/alerts/profiles/demo.yaml from the same gauges on its own
 baseline (docs/alerting.md, "What calibrate measures"); this script cross-checks them on the load
 generator's traffic (docs/service.md, "Layer signals").
 """
@@ -44,12 +44,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from demo.loadgen import PROMPTS
-from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
-from inference_shim.runtime.checkpoint import LoadedCheckpoint, load_checkpoint
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams
-from inference_shim.runtime.gates import (
+from layerwatch.demo.loadgen import PROMPTS
+from layerwatch.gate_importance import LayerSignalStats, spearman
+from layerwatch.inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
+from layerwatch.inference_shim.runtime.checkpoint import LoadedCheckpoint, load_checkpoint
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from layerwatch.inference_shim.runtime.gates import (
     GATES_FILE,
     LoadedGates,
     feature_permutation,
@@ -58,8 +59,7 @@ from inference_shim.runtime.gates import (
     scramble_gates,
     shuffle_gates,
 )
-from inference_shim.runtime.model import Block, GateBank
-from layerwatch.gate_importance import LayerSignalStats, spearman
+from layerwatch.inference_shim.runtime.model import Block, GateBank
 from layerwatch.statistics import check_bimodality
 
 POOLED_PAIRS = 4096  # the previous statistic's reservoir of (token, layer) pairs

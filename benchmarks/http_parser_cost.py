@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD .venv/bin/python benchmarks/http_parser_cost.py [--checkout /path/to/old/checkout]
 
 Two `serve` processes on the embedded demo model: this checkout (h11, http_protocol.py) and
-`--checkout` (default: this one too; give one from before issue 27, which served with httptools).
+`--checkout` (default: this one too; give an older one to compare, e.g. one that served with httptools).
 In interleaved rounds, alternating which goes first, the same client load goes to each: GET /healthz
 on a keep-alive connection, and streamed completions (`stream: true`, sampled, 32 tokens: a
 server-sent event per token, each framed by the parser). Printed per server: the median over
@@ -26,7 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from demo.processes import free_port
+from layerwatch.demo.processes import free_port
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def cpu_seconds(pid: int) -> float:
 def start(checkout: Path, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     environment = dict(os.environ, PYTHONPATH=str(checkout), OMP_NUM_THREADS="1")
-    argv = [sys.executable, "-m", "layerwatch_cli.main", "serve", "--port", str(port), "--exporter-address", ""]
+    argv = [sys.executable, "-m", "layerwatch.cli.main", "serve", "--port", str(port), "--exporter-address", ""]
     with open(log, "wb") as output:
         process = subprocess.Popen([*argv, "--log-level", "warning"], cwd=checkout, env=environment, stdout=output)
     url = f"http://127.0.0.1:{port}"

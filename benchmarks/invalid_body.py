@@ -6,8 +6,9 @@ Each body is `--mib` MiB of JSON (the default is `serve`'s --max-body-bytes) who
 invalid, in one of the ways a request can hold many: a list of wrong values in each list field, a
 dict of them, unknown fields by the thousand. For each, as the shim handles it (`parse_json`, then
 `parse_request`), printed: the seconds it took, the peak of Python's allocations (tracemalloc, a
-second run) and how many errors pydantic built (the first is all the 400 names). Before issue 31,
-`"prompt": [1.5, 1.5, ...]` built 786 k errors (4.8 s, 900 MB of RSS); figures in docs/reliability.md.
+second run) and how many errors pydantic built (the first is all the 400 names). Without the
+first-bad-element bound, `"prompt": [1.5, 1.5, ...]` builds 786 k errors (4.8 s, 900 MB of RSS); figures in
+docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from inference_shim.service.schemas import (
+from layerwatch.inference_shim.service.schemas import (
     CHAT_UNSUPPORTED,
     COMPLETION_UNSUPPORTED,
     APIError,

@@ -1,4 +1,4 @@
-"""Hostile HTTP clients against each listener of the stack, and what they cost it (issue 27).
+"""Hostile HTTP clients against each listener of the stack, and what they cost it.
 
     python benchmarks/listener_flood.py api-endless-header [--clients 4]       # one header line that never ends
     python benchmarks/listener_flood.py api-slowloris --clients 1100 --nofile 1024   # heads trickled, past the files
@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from demo.processes import free_port
+from layerwatch.demo.processes import free_port
 from tests.slow_clients import EndlessHeader, Trickler, half_sent_requests, non_reader
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ ATTACKS = (
 SLOW_BODY_HEAD = (
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
 )
-# Issue 31, item 1: six choices of 64 tokens, 20 alternatives each (about 1.7 KB of events a token).
+# Six choices of 64 tokens, 20 alternatives each (about 1.7 KB of events a token).
 UNREAD_STREAM_BODY = json.dumps(
     {
         "model": "layerwatch-demo",
@@ -107,7 +107,7 @@ class Target:
 
 @contextmanager
 def started(checkout: Path, argv: list[str], ready: str, nofile: int | None, workdir: Path) -> Iterator[Target]:
-    command = [sys.executable, "-m", "layerwatch_cli.main", *argv]
+    command = [sys.executable, "-m", "layerwatch.cli.main", *argv]
     if nofile:
         command = ["prlimit", f"--nofile={nofile}", *command]
     log = workdir / f"{argv[0]}.log"

@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.transformers_compare import PROMPT_TEXT, ours
-from inference_shim.runtime.checkpoint import DTYPES, load_precise
-from inference_shim.runtime.quantization import QUANTIZATIONS
+from layerwatch.inference_shim.runtime.checkpoint import DTYPES, load_precise
+from layerwatch.inference_shim.runtime.quantization import QUANTIZATIONS
 
 
 def theirs(llama, prompt: list[int], tokens: int) -> tuple[float, list[int]]:

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/load_test.py --model DIR --duration 60 --concurrency 8
 
 Streaming and non-streaming completions from `--concurrency` clients for `--duration` seconds
-(demo.loadgen.run_load), then the reconciliation the reliability tests assert
+(layerwatch.demo.loadgen.run_load), then the reconciliation the reliability tests assert
 (tests/reliability/test_load.py), on a longer run: zero 5xx; the shim's generated-tokens counter
 equals Σ usage.completion_tokens; frames sent equal the exporter's received + lost; the
 exporter's entropy count equals decoded tokens × layers. Prints throughput, latency percentiles
@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from demo.loadgen import run_load
-from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
-from exporter.live_view import scrape, total
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+from layerwatch.demo.loadgen import run_load
+from layerwatch.demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
+from layerwatch.exporter.live_view import scrape, total
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 
 LAYERWATCH = LAYERWATCH_COMMAND
 

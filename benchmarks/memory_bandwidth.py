@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference_shim.runtime.checkpoint import load_checkpoint
-from inference_shim.runtime.model import Transformer, weight_storage
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
+from layerwatch.inference_shim.runtime.model import Transformer, weight_storage
 
 GIB = 1 << 30
 

@@ -29,12 +29,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference_shim.offline.evaluation import full_depth_result, full_depth_runs, heldout_windows
-from inference_shim.offline.training import text_file_stream
-from inference_shim.runtime.checkpoint import DTYPES, CheckpointError, LoadedCheckpoint, load_precise
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams
-from inference_shim.runtime.gates import LoadedGates, load_gates
-from inference_shim.runtime.quantization import QUANTIZATIONS, PrecisionError
+from layerwatch.inference_shim.offline.evaluation import full_depth_result, full_depth_runs, heldout_windows
+from layerwatch.inference_shim.offline.training import text_file_stream
+from layerwatch.inference_shim.runtime.checkpoint import DTYPES, CheckpointError, LoadedCheckpoint, load_precise
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from layerwatch.inference_shim.runtime.gates import LoadedGates, load_gates
+from layerwatch.inference_shim.runtime.quantization import QUANTIZATIONS, PrecisionError
 from layerwatch.skip_policy import SkipPolicyConfig
 
 PROMPT = "The history of the printing press begins"

@@ -24,8 +24,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from layerwatch.demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 
 SHORT_PROMPT = "In the beginning God created the heaven"
 

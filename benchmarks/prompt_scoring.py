@@ -27,11 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference_shim.offline.corpus import read_bible, split_chapters, split_heldout, write_corpus
-from inference_shim.offline.gated_model import GatedModel, load_gated_model
-from inference_shim.offline.training import text_file_stream
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams, token_logprobs
+from layerwatch.inference_shim.offline.corpus import read_bible, split_chapters, split_heldout, write_corpus
+from layerwatch.inference_shim.offline.gated_model import GatedModel, load_gated_model
+from layerwatch.inference_shim.offline.training import text_file_stream
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams, token_logprobs
 
 VICTIM_PROMPT = 16
 

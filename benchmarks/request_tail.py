@@ -3,12 +3,12 @@
     .venv/bin/python benchmarks/request_tail.py                      # 1,000 healthy, then the mix
     .venv/bin/python benchmarks/request_tail.py --requests 400 --category-share 0.05
 
-Starts `layerwatch serve` (the embedded demo model) on loopback and sends, with demo.loadgen:
+Starts `layerwatch serve` (the embedded demo model) on loopback and sends, with layerwatch.demo.loadgen:
 1. `--requests` requests of the load generator's healthy traffic (its prompts, 32 tokens, a quarter
    greedy): the per-request skip fractions this traffic shows, and the share above each bucket edge.
-   This checks `request_tail` of alerts/profiles/demo.yaml, which `layerwatch calibrate` measures
+   This checks `request_tail` of layerwatch/alerts/profiles/demo.yaml, which `layerwatch calibrate` measures
    from its baseline's requests, against served traffic (docs/alerting.md, "What calibrate measures");
-2. as many again with `--category-share` of them from demo.loadgen.STUTTER (garbled transcripts at
+2. as many again with `--category-share` of them from layerwatch.demo.loadgen.STUTTER (garbled transcripts at
    temperature 0, 64 tokens): the global skip ratio against the share of requests above the runaway
    cut-off, and the layers the runaway requests skip (layerwatch_request_runaway_layer_skips_total).
 
@@ -23,37 +23,22 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
-
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from alerts.profile_file import PROFILES_DIR, load_profiles
-from demo.loadgen import STUTTER, Category, run_load
-from demo.processes import ManagedProcess, free_port
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from layerwatch.alerts.profile_file import PROFILES_DIR, load_profiles
 from layerwatch.catalog import REQUEST_FRACTION_BUCKETS
+from layerwatch.demo.loadgen import STUTTER, Category, run_load
+from layerwatch.demo.processes import ManagedProcess, free_port
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from tests.support import sample_sum, scrape
 
-LAYERWATCH = [sys.executable, "-m", "layerwatch_cli.main"]
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+LAYERWATCH = [sys.executable, "-m", "layerwatch.cli.main"]
 
 
 def delta(after: dict, before: dict, name: str, **labels: str) -> float:
-    def pick(samples: dict) -> float:
-        return sum(v for (n, ls), v in samples.items() if n == name and all((k, labels[k]) in ls for k in labels))
-
-    return pick(after) - pick(before)
+    return sample_sum(after, name, **labels) - sample_sum(before, name, **labels)
 
 
 def summary(after: dict, before: dict, cutoff: float, layers: int) -> dict:
@@ -152,9 +137,13 @@ def main() -> int:
         finally:
             shim.stop()
     h, m = summary(middle, start, cutoff, layers), summary(end, middle, cutoff, layers)
-    report("1. healthy load (demo.loadgen)", h, cutoff)
+    report("1. healthy load (layerwatch.demo.loadgen)", h, cutoff)
     print(f"  load: {healthy.summary()}")
-    report(f"2. the same load with {args.category_share:.0%} garbled transcripts (demo.loadgen.STUTTER)", m, cutoff)
+    report(
+        f"2. the same load with {args.category_share:.0%} garbled transcripts (layerwatch.demo.loadgen.STUTTER)",
+        m,
+        cutoff,
+    )
     print(f"  load: {mixed.summary()}")
     if mixed.category_requests:
         executed, skipped = mixed.category_layers_executed, mixed.category_layers_skipped

@@ -1,5 +1,5 @@
 """What one sampled token's draw costs on a real vocabulary: the engine's `sample_token` against the whole
-vocabulary sorted and drawn by torch.multinomial (how the engine drew until issue 33).
+vocabulary sorted and drawn by torch.multinomial (the draw `sample_token` avoids).
 
     .venv/bin/python benchmarks/sampling.py --model DIR --data TEXT [--positions 256] [--top-p 1,0.95,0.9]
 
@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference_shim.runtime.checkpoint import load_checkpoint
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
-from inference_shim.runtime.engine import FLOAT32_TINY, NUCLEUS_CANDIDATES, sample_token
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+from layerwatch.inference_shim.runtime.engine import FLOAT32_TINY, NUCLEUS_CANDIDATES, sample_token
 
 
 def sorted_whole(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:

@@ -34,17 +34,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.decode_bench import bench_tokenizer, build_model
-from inference_shim.runtime.checkpoint import DTYPES
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, demo_model_present
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepHook, StepRecord
-from inference_shim.runtime.gates import gates_path_for
-from inference_shim.runtime.model import GateBank, Transformer
-from inference_shim.runtime.quantization import PrecisionError, check_precision
-from inference_shim.runtime.tokenizer import Tokenizer
-from inference_shim.service.metrics import DecodeStats
-from inference_shim.service.settings import PRECISION_SETTINGS, ModelSettings
-from inference_shim.service.telemetry import StepTelemetry
 from layerwatch.client import GateFrameSender
+from layerwatch.inference_shim.runtime.checkpoint import DTYPES
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR, demo_model_present
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams, StepHook, StepRecord
+from layerwatch.inference_shim.runtime.gates import gates_path_for
+from layerwatch.inference_shim.runtime.model import GateBank, Transformer
+from layerwatch.inference_shim.runtime.quantization import PrecisionError, check_precision
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.inference_shim.service.metrics import DecodeStats
+from layerwatch.inference_shim.service.settings import PRECISION_SETTINGS, ModelSettings
+from layerwatch.inference_shim.service.telemetry import StepTelemetry
 from layerwatch.settings import add_flags
 from layerwatch.skip_policy import SkipPolicyConfig
 
@@ -64,8 +64,8 @@ def random_model(
 
 
 def load_model(folder: Path, dtype: str = "float32", quantization: str = "none") -> tuple[Transformer, Tokenizer]:
-    from inference_shim.runtime.checkpoint import load_checkpoint
-    from inference_shim.runtime.gates import load_gates
+    from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
+    from layerwatch.inference_shim.runtime.gates import load_gates
 
     loaded = load_checkpoint(folder, dtype=DTYPES[dtype], quantization=quantization)
     gates_path = gates_path_for(folder)

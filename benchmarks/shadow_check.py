@@ -3,11 +3,11 @@
     .venv/bin/python benchmarks/shadow_check.py                      # the demo model, held-out text needed
     .venv/bin/python benchmarks/shadow_check.py --data runs/demo/heldout.txt --requests 64
 
-1. Cost per request. Sampled completions of the load generator's prompts (demo/loadgen.py, temperature
+1. Cost per request. Sampled completions of the load generator's prompts (layerwatch/demo/loadgen.py, temperature
    1.0 and 0.7 in turn), each decoded alone by the real GenerationEngine with its gated distribution
    recorded, then checked as the shim checks it (`full_depth_agreement`, with and without the layer
    probe). Prints the median of shadow-job seconds / the request's decode seconds: while requests
-   decode, shadow work may take 10 % of the engine thread (inference_shim/service/shadow.py), so a busy
+   decode, shadow work may take 10 % of the engine thread (layerwatch/inference_shim/service/shadow.py), so a busy
    shim can check about 0.1 / ratio of its requests.
 2. Decode-path cost of recording: decode tokens per CPU second of `--batch` sequences with every row
    recording vs none, in interleaved repetitions (the median and spread of the paired ratios), and
@@ -37,10 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from demo.loadgen import PROMPTS, TEMPERATURES
-from inference_shim.offline.corpus import read_documents
-from inference_shim.runtime import engine as engine_module
-from inference_shim.runtime.agreement import (
+from layerwatch.demo.loadgen import PROMPTS, TEMPERATURES
+from layerwatch.inference_shim.offline.corpus import read_documents
+from layerwatch.inference_shim.runtime import engine as engine_module
+from layerwatch.inference_shim.runtime.agreement import (
     SHADOW_TOP_K,
     GatedRecord,
     ShadowJob,
@@ -48,12 +48,12 @@ from inference_shim.runtime.agreement import (
     full_depth_agreement,
     summarize_rows,
 )
-from inference_shim.runtime.checkpoint import LoadedCheckpoint, load_checkpoint
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams, gated_decode_step
-from inference_shim.runtime.gates import GATES_FILE, load_gates
-from inference_shim.runtime.model import KVCache
-from inference_shim.runtime.skip_policy import SkipPolicy
+from layerwatch.inference_shim.runtime.checkpoint import LoadedCheckpoint, load_checkpoint
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams, gated_decode_step
+from layerwatch.inference_shim.runtime.gates import GATES_FILE, load_gates
+from layerwatch.inference_shim.runtime.model import KVCache
+from layerwatch.inference_shim.runtime.skip_policy import SkipPolicy
 from layerwatch.skip_policy import SkipPolicyConfig
 
 

@@ -39,12 +39,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.precision_bench import weight_bytes
-from inference_shim.offline.evaluation import heldout_windows
-from inference_shim.offline.training import CorpusError, text_file_stream
-from inference_shim.runtime.checkpoint import CheckpointError, load_precise
-from inference_shim.runtime.model import Transformer
-from inference_shim.runtime.quantization import PrecisionError, quantize_model
 from layerwatch.argtypes import positive, positive_ints
+from layerwatch.inference_shim.offline.evaluation import heldout_windows
+from layerwatch.inference_shim.offline.training import CorpusError, text_file_stream
+from layerwatch.inference_shim.runtime.checkpoint import CheckpointError, load_precise
+from layerwatch.inference_shim.runtime.model import Transformer
+from layerwatch.inference_shim.runtime.quantization import PrecisionError, quantize_model
 from layerwatch.skip_policy import SkipPolicyConfig
 
 WINDOW, PREFILL = 128, 16

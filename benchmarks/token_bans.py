@@ -28,11 +28,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.service_bench import load_model, random_model
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, demo_model_present
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams
-from inference_shim.runtime.model import Transformer
-from inference_shim.runtime.tokenizer import Tokenizer
-from inference_shim.service.prompts import bad_word_ids
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR, demo_model_present
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from layerwatch.inference_shim.runtime.model import Transformer
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.inference_shim.service.prompts import bad_word_ids
 from layerwatch.skip_policy import SkipPolicyConfig
 
 BAD_WORDS = (" the", " and", "light", " God said", " unto them")

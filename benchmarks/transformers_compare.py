@@ -29,8 +29,8 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.decode_bench import bench_tokenizer, build_model
-from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams
 from layerwatch.skip_policy import SkipPolicyConfig
 
 VOCAB = 8192

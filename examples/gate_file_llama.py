@@ -3,10 +3,10 @@
     .venv/bin/python -m examples.gate_file_llama [--model DIR] [--gates FILE] [--exporter 127.0.0.1:9410]
 
 A checkpoint folder that `layerwatch serve` serves (the demo model by default) is loaded by
-transformers; each decoder layer gets its gate from the gate file (inference_shim/runtime/gates.py,
+transformers; each decoder layer gets its gate from the gate file (layerwatch/inference_shim/runtime/gates.py,
 refused unless it was trained on this checkpoint), and the skip policy the gate file records decides,
 before every forward, which rows run which layer, from the earlier steps' scores: the same rule,
-protected layers and fallback breaker as the engine (inference_shim/runtime/skip_policy.py). A
+protected layers and fallback breaker as the engine (layerwatch/inference_shim/runtime/skip_policy.py). A
 skipped (token, layer) keeps its hidden state and still writes its keys and values from the layer's
 normed input: the engine's `project` KV policy. So the skip decisions are the engine's, row for row
 (tests/instrument/test_transformers.py checks that against the GenerationEngine on one checkpoint);
@@ -29,13 +29,13 @@ import torch
 import transformers
 from torch import nn
 
-from inference_shim.runtime.checkpoint import load_checkpoint
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
-from inference_shim.runtime.gates import LoadedGates, gates_path_for, load_gates
-from inference_shim.runtime.model import Gate, GateBank
-from inference_shim.runtime.skip_policy import SkipPolicy
-from inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.client import GateFrameSender
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from layerwatch.inference_shim.runtime.gates import LoadedGates, gates_path_for, load_gates
+from layerwatch.inference_shim.runtime.model import Gate, GateBank
+from layerwatch.inference_shim.runtime.skip_policy import SkipPolicy
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.integrations.transformers import observe, read_attributes
 from layerwatch.skip_policy import SkipPolicyConfig
 from layerwatch.trace import TraceWriter

@@ -1,4 +1,6 @@
-"""layerwatch's torch-free core: the public names and formats every other part shares.
+"""layerwatch: the one top-level package. Its modules are the torch-free core, the public names and formats
+every other part shares; its subpackages are the parts (exporter, alerts, dashboards, deploy, demo, mixin,
+inference_shim, integrations, cli: docs/architecture.md).
 
 - catalog: every metric, its type, labels and help (the names dashboards and rules may query);
 - wire: the gate-frame datagram the shim sends and the exporter receives;

@@ -53,7 +53,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 )
 
 # Per-request fractions (skip fraction, token-dependent share): le = 0, 0.05, ... 0.95, 1.0. Every
-# cut-off a profile may use (alerts/profile.py: request_tail) is one of these edges, so the share of
+# cut-off a profile may use (layerwatch/alerts/profile.py: request_tail) is one of these edges, so the share of
 # requests above it is read straight from one bucket: the default 0.5 (below), the field's fallback
 # trigger 0.85 (docs/alerting.md, "The field's reports"), the demo model's 0.35, and 0.05 / 0.95
 # (the routing statistics' static lines). le="0" holds the requests that skipped nothing (fewer

@@ -65,7 +65,7 @@ class GateFrameSender:
 
     `address` is the exporter's `--listen` (HOST:PORT, IPv6 as `[::1]:PORT`); `model_name` is the
     `model_name` label of every series the exporter keeps for these frames and the name the
-    model's profile (alerts/profiles/) is written for; `num_layers` the number of scores per row;
+    model's profile (layerwatch/alerts/profiles/) is written for; `num_layers` the number of scores per row;
     `threshold` the skip threshold τ in [0, 1] the engine compares scores with (a score below it
     counts toward skipping the layer: the exporter's routing statistics need it). `shim_id` names
     this sender's sequence space (default: `default_shim_id()`, new per process); `key`, the frame

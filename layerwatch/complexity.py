@@ -9,12 +9,14 @@ by this score at full depth buys back as much of the gated perplexity increase a
 own perplexity or mean gate score and more than its length; with short prompts a little more than
 a random decile, with long ones no more.
 
-Torch-free: the shim (inference_shim/service/depth.py) and the benchmark share it.
+Torch-free: the shim (layerwatch/inference_shim/service/depth.py) and the benchmark share it.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from layerwatch.skip_policy import below_threshold
 
 
 def prompt_complexity(scores: np.ndarray, threshold: float, skippable: np.ndarray) -> float:
@@ -25,4 +27,4 @@ def prompt_complexity(scores: np.ndarray, threshold: float, skippable: np.ndarra
     scored = np.isfinite(on_skippable)
     if not scored.any():
         return 0.0
-    return float((on_skippable[scored] < threshold).sum() / scored.sum())
+    return float(below_threshold(on_skippable[scored], threshold).sum() / scored.sum())

@@ -1,15 +1,15 @@
 """The gate-importance correlation: within each layer, do the gates rank tokens like the layer's updates?
 
 The shadow check's full-depth pass measures, per decode-step position and layer, the layer's
-relative residual update ||dh||/||h|| and its gate score (`inference_shim.runtime.agreement.LayerSignals`).
+relative residual update ||dh||/||h|| and its gate score (`layerwatch.inference_shim.runtime.agreement.LayerSignals`).
 `LayerSignalStats` folds those passes in:
 
 - per layer, counters: measured tokens, sums of the relative update and of the attention KL;
 - per layer, a ring buffer of the last GATE_LAYER_SAMPLES (gate score, relative update) pairs. A pair
   is the gate's score at one position and the update at the next position of the same pass: the
   token that score decides, since the skip policy decides a token from the scores of the tokens
-  before it (inference_shim/runtime/skip_policy.py), and gate training scales a token's update by
-  the earlier tokens' scores (inference_shim/offline/gate_training.py);
+  before it (layerwatch/inference_shim/runtime/skip_policy.py), and gate training scales a token's update by
+  the earlier tokens' scores (layerwatch/inference_shim/offline/gate_training.py);
 - per layer, Spearman's rank correlation over its buffer, once full, for a layer whose gate scores
   vary there (standard deviation at least MIN_GATE_SCORE_STD): `layer_correlation`;
 - the headline, `correlation`: the mean of those per-layer correlations (each over a full buffer,
@@ -24,9 +24,9 @@ left out: a gate that scores every token alike makes the same decision for each 
 always-skipped layers), and the ranks of its tiny variations are noise. docs/service.md ("Layer
 signals") has the measurements behind each choice.
 
-Torch-free, so that the shim's gauges (inference_shim/service/layer_signals.py) and `layerwatch
+Torch-free, so that the shim's gauges (layerwatch/inference_shim/service/layer_signals.py) and `layerwatch
 calibrate` (which sets the profile's floors from the values they take on a healthy baseline,
-inference_shim/offline/calibration.py) run the same code.
+layerwatch/inference_shim/offline/calibration.py) run the same code.
 """
 
 from __future__ import annotations

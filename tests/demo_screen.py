@@ -1,6 +1,6 @@
-"""docs/demo.md's sample screen: the demo's own rendering (layerwatch_cli/demo.py) of what a real
+"""docs/demo.md's sample screen: the demo's own rendering (layerwatch/cli/demo.py) of what a real
 `layerwatch demo --drill static` read a few seconds after its page, kept in tests/data/demo-screen.json:
-the exporter's /metrics page, Prometheus' pending and firing alerts, every figure of alerts/signals.py,
+the exporter's /metrics page, Prometheus' pending and firing alerts, every figure of layerwatch/alerts/signals.py,
 the notifications the demo's receiver got and the drill's times. The limits come from the committed
 profiles, so the sample follows them. tests/test_demo_screen.py renders it; to make it again, with
 Prometheus and Alertmanager installed (about two minutes):
@@ -19,16 +19,16 @@ import time
 import urllib.request
 from pathlib import Path
 
-from alerts.profile_file import PROFILES_DIR, load_profiles
-from demo.alert_view import AlertView, PrometheusAlert, Snapshot
-from demo.drills import DRILLS, DrillRun
-from demo.loadgen import run_load
-from demo.processes import free_port
-from demo.receiver import Notification, WebhookReceiver
-from demo.stack import DEMO_TIMING, DemoStack, host_port
-from exporter.live_view import parse_samples, render_samples
-from layerwatch_cli.demo import frame
-from mixin import config
+from layerwatch.alerts.profile_file import PROFILES_DIR, load_profiles
+from layerwatch.cli.demo import frame
+from layerwatch.demo.alert_view import AlertView, PrometheusAlert, Snapshot
+from layerwatch.demo.drills import DRILLS, DrillRun
+from layerwatch.demo.loadgen import run_load
+from layerwatch.demo.processes import free_port
+from layerwatch.demo.receiver import Notification, WebhookReceiver
+from layerwatch.demo.stack import DEMO_TIMING, DemoStack, host_port
+from layerwatch.exporter.live_view import parse_samples, render_samples
+from layerwatch.mixin import config
 
 DATA = Path(__file__).resolve().parent / "data" / "demo-screen.json"
 DOC = Path(__file__).resolve().parent.parent / "docs" / "demo.md"

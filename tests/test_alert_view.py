@@ -1,22 +1,22 @@
 """The alert state as the demo and `top --prometheus` write it (demo/alert_view.py, alerts/signals.py):
 every trigger that can page has its figure on screen, marked when past its limit, and the figures say
-what they are (issue 34: a newcomer could not tell which figure had crossed which limit)."""
+what they are, so that a newcomer can tell which figure crossed which limit."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
-from alerts.durations import Timing
-from alerts.profile_file import PROFILES_DIR, load_profile, load_profiles
-from alerts.recorded import Recorded
-from alerts.rules import model_rules, recorded_names, rule_groups
-from alerts.signals import figures_for
-from demo.alert_view import PAST, RESTART_NOTE, PrometheusAlert, Snapshot
-from demo.receiver import Notification, WebhookReceiver
-from demo.stack import DEMO_TIMING, render_config
+from layerwatch.alerts.durations import Timing
+from layerwatch.alerts.profile_file import PROFILES_DIR, load_profile, load_profiles
+from layerwatch.alerts.recorded import Recorded
+from layerwatch.alerts.rules import model_rules, recorded_names, rule_groups
+from layerwatch.alerts.signals import figures_for
+from layerwatch.demo.alert_view import PAST, RESTART_NOTE, PrometheusAlert, Snapshot
+from layerwatch.demo.receiver import Notification, WebhookReceiver
+from layerwatch.demo.stack import DEMO_TIMING, render_config
+from layerwatch.mixin import config
 from layerwatch.promql import check_queries, known_series
-from mixin import config
 
 PROFILE = load_profile(PROFILES_DIR / "demo.yaml")
 MODEL = PROFILE.model_name

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from layerwatch_cli.main import COMMANDS, apply_environment, build_parser
+from layerwatch.cli.main import COMMANDS, apply_environment, build_parser
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,8 +48,8 @@ def test_environment_values_are_validated_like_flags_naming_the_variable(capsys)
 
 
 def test_a_bad_environment_value_does_not_hide_the_help(capsys):
-    """Found in the review of issue 34: LAYERWATCH_PORT=abc made `serve -h` exit 2 with the error,
-    the help that explains the variable out of reach. The help names the variable and why it is left
+    """LAYERWATCH_PORT=abc must not make `serve -h` exit 2 with the error, the help that explains the
+    variable out of reach. The help names the variable and why it is left
     out; without -h the value is still refused."""
     environ = {"LAYERWATCH_PORT": "abc"}
     with pytest.raises(SystemExit) as shown:
@@ -63,7 +63,7 @@ def test_a_bad_environment_value_does_not_hide_the_help(capsys):
 
 
 def test_a_variable_the_command_does_not_read_is_named(capsys):
-    """A misspelt LAYERWATCH_* variable was ignored without a word (review of issue 34)."""
+    """A misspelt LAYERWATCH_* variable is named, not ignored without a word."""
     environ = {"LAYERWATCH_THRESHHOLD": "0.1", "LAYERWATCH_PORT": "9000"}
     args = build_parser(["serve"], environ).parse_args(["serve"])
     assert args.port == 9000 and args.threshold is None
@@ -101,7 +101,7 @@ def test_every_command_has_help(command):
 @pytest.mark.parametrize("command", ["exporter", "replay", "top", "generate", "calibrate-trace"])
 def test_light_commands_never_import_torch(command):
     code = (
-        f"import sys; from layerwatch_cli.main import build_parser; build_parser([{command!r}]); "
+        f"import sys; from layerwatch.cli.main import build_parser; build_parser([{command!r}]); "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -113,11 +113,11 @@ def test_serve_flags_take_their_defaults_and_choices_from_the_service():
     import dataclasses
     from pathlib import Path
 
-    from inference_shim.runtime.checkpoint import DTYPES
-    from inference_shim.runtime.demo_model import served_model_name
-    from inference_shim.runtime.model import KV_POLICIES
-    from inference_shim.service.shim import ServeSettings
-    from layerwatch_cli.serve import settings_from_arguments
+    from layerwatch.cli.serve import settings_from_arguments
+    from layerwatch.inference_shim.runtime.checkpoint import DTYPES
+    from layerwatch.inference_shim.runtime.demo_model import served_model_name
+    from layerwatch.inference_shim.runtime.model import KV_POLICIES
+    from layerwatch.inference_shim.service.shim import ServeSettings
 
     parser = build_parser(["serve"], environ={})
     serve = parser._subparsers._group_actions[0].choices["serve"]
@@ -148,12 +148,12 @@ def test_numeric_flags_refuse_nan(flag, value, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        # Found in the self-review of issue 27: time.sleep(1e300) raised OverflowError (a traceback).
+        # Unguarded, time.sleep(1e300) raises OverflowError (a traceback).
         (["top", "--interval", "1e300"], "argument --interval: must be at most 86400"),
         (["demo", "--interval", "nan"], "argument --interval: must be positive"),
         (["serve", "--port", "70000"], "argument --port: must be 0..65535"),
         (["demo", "--exporter-port", "-1"], "argument --exporter-port: must be 0..65535"),
-        # Found in the review of issue 34: accepted, then Prometheus failed once the shim had started.
+        # Unguarded, accepted, then Prometheus fails once the shim has started.
         (["demo", "--prometheus-port", "70000"], "argument --prometheus-port: must be 0..65535"),
     ],
 )
@@ -166,7 +166,7 @@ def test_intervals_and_ports_out_of_range_are_usage_errors(argv, message, capsys
 @pytest.mark.parametrize(
     ("argv", "unknown", "hint"),
     [
-        # Found by a newcomer (issue 34): each of these ran, as --drill, --static-gates and --threshold.
+        # Abbreviations would run each of these, as --drill, --static-gates and --threshold.
         (["demo", "--dril", "static"], "--dril static", "(did you mean --drill?)"),
         (["serve", "--static-gate"], "--static-gate", "(did you mean --static-gates?)"),
         (["eval", "--data", "t.txt", "--thresh", "0.2"], "--thresh 0.2", "(did you mean --threshold?)"),
@@ -271,8 +271,8 @@ def test_top_refuses_an_address_that_is_not_http(url, capsys):
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:abc", "127.0.0.1:99999", "http://:9411"])
 def test_top_refuses_a_port_that_is_not_one(url, capsys):
-    """Hostile review, round eight: ':abc' was http.client's InvalidURL traceback at the first read,
-    ':99999' read port 34463 (99999 - 65536) and said to start an exporter on 99999."""
+    """Unguarded, ':abc' is http.client's InvalidURL traceback at the first read,
+    ':99999' reads port 34463 (99999 - 65536) and says to start an exporter on 99999."""
     with pytest.raises(SystemExit) as exit:
         build_parser(["top"], environ={}).parse_args(["top", "--prometheus", url])
     assert exit.value.code == 2
@@ -284,7 +284,7 @@ def test_the_demo_refuses_a_taken_port_by_its_own_flag_before_it_starts_anything
     listen on ... (--http)', a flag the demo refuses, and left its workdir behind (exit 1)."""
     import socket
 
-    from demo.processes import LAYERWATCH_COMMAND
+    from layerwatch.demo.processes import LAYERWATCH_COMMAND
 
     with socket.create_server(("127.0.0.1", 0)) as holder:
         taken = holder.getsockname()[1]
@@ -320,12 +320,12 @@ def test_every_argument_parser_of_the_repository_refuses_abbreviations():
 
 
 def test_top_without_an_exporter_says_what_to_start():
-    """Found by a newcomer (issue 34): `top` retried forever, 'Connection refused (retrying)', naming nothing
+    """`top` must not retry forever, 'Connection refused (retrying)', naming nothing
     to start. A bound socket that does not listen refuses connections, as a port nobody serves does."""
     import signal
     import socket
 
-    from demo.processes import LAYERWATCH_COMMAND
+    from layerwatch.demo.processes import LAYERWATCH_COMMAND
 
     with socket.socket() as unserved:
         unserved.bind(("127.0.0.1", 0))

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from demo.processes import LAYERWATCH_COMMAND, free_port
+from layerwatch.demo.processes import LAYERWATCH_COMMAND, free_port
 
 PAGE = "LayerwatchRoutingStatic"
 
@@ -96,7 +96,7 @@ def test_the_static_drill_shows_its_page_and_ctrl_c_leaves_nothing_behind(tmp_pa
 
 
 def test_free_port_never_gives_one_process_a_port_twice():
-    """Hostile review, round eight: ports drawn back to back (a stack's four, before any process binds
+    """Ports drawn back to back (a stack's four, before any process binds
     one) are all free at once, so a draw among the 8,192 below the ephemeral range repeated one (2
     in 2,000 draws of four): the second process to bind it failed 'Address already in use'."""
     ports = [free_port() for _ in range(500)] + [free_port(socket.SOCK_DGRAM) for _ in range(100)]

@@ -1,13 +1,13 @@
-"""`layerwatch demo --model`: a demo model by name (demo/models.py) or a checkpoint folder, anything
+"""`layerwatch demo --model`: a demo model by name (layerwatch/demo/models.py) or a checkpoint folder, anything
 else refused before anything starts; the real model's import is kept between runs."""
 
 from __future__ import annotations
 
 import pytest
 
-from demo.loadgen import BOOK, CHAT
-from demo.models import DEMO_MODELS, serve_flags
-from layerwatch_cli.main import build_parser
+from layerwatch.cli.main import build_parser
+from layerwatch.demo.loadgen import BOOK, CHAT
+from layerwatch.demo.models import DEMO_MODELS, serve_flags
 
 
 def _model(value: str):

@@ -1,14 +1,14 @@
 """The demo's screen, rendered by its own code from what a real `layerwatch demo --drill static` read at its
 page (tests/demo_screen.py): docs/demo.md shows exactly that, every figure a page reads is on it and
-says what it counts, and a small terminal keeps the drill's status and the alerts in sight (issue 34)."""
+says what it counts, and a small terminal keeps the drill's status and the alerts in sight."""
 
 from __future__ import annotations
 
 import json
 
-from alerts.profile_file import PROFILES_DIR, load_profile
-from alerts.signals import figures_for
-from demo.alert_view import PAST
+from layerwatch.alerts.profile_file import PROFILES_DIR, load_profile
+from layerwatch.alerts.signals import figures_for
+from layerwatch.demo.alert_view import PAST
 from tests.demo_screen import DATA, DOC, doc_sample, render, sample
 
 SCREEN = json.loads(DATA.read_text())

@@ -1,10 +1,10 @@
-"""demo.loadgen's traffic category: its share of the requests, spread evenly."""
+"""layerwatch.demo.loadgen's traffic category: its share of the requests, spread evenly."""
 
 from __future__ import annotations
 
 import pytest
 
-from demo.loadgen import PROMPTS, STUTTER, STUTTER_PROMPTS, Category
+from layerwatch.demo.loadgen import PROMPTS, STUTTER, STUTTER_PROMPTS, Category
 
 
 @pytest.mark.parametrize("share", [0.0, 0.05, 0.1, 1 / 3, 1.0])

@@ -17,9 +17,9 @@ import torch
 
 from benchmarks.batch_decode_bench import cpu_section, gpu_energy, gpu_section, metered_decode_run, row_costs
 from benchmarks.decode_bench import build_model
-from inference_shim.runtime.checkpoint import save_checkpoint
-from inference_shim.runtime.model import KV_POLICIES
-from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.inference_shim.runtime.checkpoint import save_checkpoint
+from layerwatch.inference_shim.runtime.model import KV_POLICIES
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 from tests.model.conftest import build_backend_tokenizer, random_model, tiny_config
 
 MODELS = [(2, 64)]  # layers x d: the smallest build_model makes (one attention head of 64)
@@ -117,8 +117,8 @@ def test_the_measurements_run_a_model_in_the_precision_it_was_built_in() -> None
 def test_decode_bench_refuses_a_checkpoint_its_precision_cannot_load_in_one_line(
     tmp_path, monkeypatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Hostile review, round seven: `decode_bench.py --model DIR` of a folder that is not a checkpoint, or
-    with a --quantization its widths cannot take, ended in a traceback."""
+    """Unguarded, `decode_bench.py --model DIR` of a folder that is not a checkpoint, or
+    with a --quantization its widths cannot take, ends in a traceback."""
     from benchmarks import decode_bench
 
     tokenizer = Tokenizer(build_backend_tokenizer(), bos_token="<s>", eos_tokens=["</s>"], add_bos_token=True)
@@ -137,7 +137,7 @@ def test_decode_bench_refuses_a_checkpoint_its_precision_cannot_load_in_one_line
 def test_precision_bench_refuses_a_precision_it_cannot_load_in_one_line(
     tmp_path, monkeypatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Hostile review, round seven: `precision_bench.py --precisions float64+int8` ended in a KeyError
+    """Unguarded, `precision_bench.py --precisions float64+int8` ends in a KeyError
     traceback."""
     from benchmarks import precision_bench
 

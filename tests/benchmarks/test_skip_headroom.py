@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.skip_headroom import PREFILL, log_probs, pairs_policy, per_token_policy, skip_costs, static_policy
-from inference_shim.runtime.model import KVCache
+from layerwatch.inference_shim.runtime.model import KVCache
 from tests.model.conftest import random_model, tiny_config
 
 LAYERS, WINDOWS, LENGTH = 5, 2, PREFILL + 6

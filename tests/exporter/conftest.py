@@ -42,7 +42,7 @@ def start_exporter(tmp_path: Path) -> Iterator[Callable[..., RunningExporter]]:
                 [
                     sys.executable,
                     "-m",
-                    "layerwatch_cli.main",
+                    "layerwatch.cli.main",
                     "exporter",
                     "--listen",
                     "127.0.0.1:0",

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from layerwatch.inference_shim.runtime.skip_policy import decide_sequences
+from layerwatch.skip_policy import SkipPolicyConfig
+
 THRESHOLD, PATIENCE = 0.18, 3
 # The demo model's served trace: per-layer share of tokens below the threshold.
 DEMO_LOW_RATES = (0, 0.48, 0.40, 0.45, 0.51, 0.56, 0.17, 0.32, 0.31, 0.72, 0.51, 0.92, 1.0, 0.97, 0.99, 0)
@@ -33,20 +36,18 @@ def static_rates(layers: int, static: list[int]) -> np.ndarray:
     return rates
 
 
-def patience_skips(
+def policy_skips(
     scores: np.ndarray, sequence_length: int, threshold: float = THRESHOLD, patience: int = PATIENCE
 ) -> np.ndarray:
-    """bool [tokens, layers]: the skip policy's decisions, sequences of `sequence_length` tokens."""
-    below = scores < np.float32(threshold)
-    skipped = np.zeros_like(below)
-    streak = np.zeros(scores.shape[1], dtype=int)
-    for token, row in enumerate(below):
-        if token % sequence_length == 0:
-            streak[:] = 0  # a new sequence: no history
-        skipped[token] = streak >= patience
-        streak = np.where(row, streak + 1, 0)
-    skipped[:, [0, -1]] = False  # protected layers
-    return skipped
+    """bool [tokens, layers]: the skip policy's decisions (the first and last layer protected), for
+    consecutive sequences of `sequence_length` tokens."""
+    config = SkipPolicyConfig(threshold=threshold, patience=patience)
+    return np.concatenate(
+        [
+            decide_sequences(config, scores[start : start + sequence_length][None])[0]
+            for start in range(0, len(scores), sequence_length)
+        ]
+    )
 
 
 def write_trace(
@@ -58,7 +59,7 @@ def write_trace(
 ) -> Path:
     """One JSONL trace; models {name: scores [tokens, layers]}, their tokens interleaved."""
     models = {name: np.round(scores, 4).astype(np.float32) for name, scores in models.items()}
-    skipped = {name: patience_skips(scores, sequence_length, skip_threshold) for name, scores in models.items()}
+    skipped = {name: policy_skips(scores, sequence_length, skip_threshold) for name, scores in models.items()}
     lines = []
     for token in range(max(len(scores) for scores in models.values())):
         for name, scores in models.items():

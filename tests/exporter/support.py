@@ -5,18 +5,16 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.replay_plot import HeatMapBox
+from layerwatch.exporter.replay_plot import HeatMapBox
 from layerwatch.trace import read_trace_batches
 from layerwatch.wire import GateFrame, encode_frame
+from tests.support import Sample, page_samples, wait_for
 
 DATA = Path(__file__).with_name("data")
 GOLDEN_TRACE = DATA / "golden-trace.jsonl"
@@ -46,22 +44,12 @@ class RunningExporter:
         assert status == 200
         return body
 
-    def samples(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    def samples(self) -> dict[Sample, float]:
         """{(sample name, sorted labels): value} of the current /metrics page."""
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(self.metrics_text())
-            for s in family.samples
-        }
+        return page_samples(self.metrics_text())
 
     def value(self, name: str, **labels: str) -> float | None:
         return self.samples().get((name, tuple(sorted(labels.items()))))
-
-    def wait_for(self, condition: Callable[[], bool], timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            assert time.monotonic() < deadline, "exporter did not reach the expected state"
-            time.sleep(0.02)
 
     def received_frames(self) -> float:
         samples = self.samples()
@@ -77,7 +65,7 @@ class RunningExporter:
             def all_counted(expected: float = start + min(offset + burst, len(frames))) -> bool:
                 return self.received_frames() >= expected
 
-            self.wait_for(all_counted)
+            wait_for(all_counted)
 
     def stop(self) -> int:
         self._socket.close()
@@ -110,7 +98,7 @@ def random_frame(
 
 
 def forged_flood(models: int, layers: int) -> list[bytes]:
-    """Issue 11's flood: well-formed, untagged frames of one row, each naming a new model."""
+    """The forged-frame flood: well-formed, untagged frames of one row, each naming a new model."""
     rng = np.random.default_rng(0)
     return [
         encode_frame(random_frame(rng, index, model=f"forged-{index}", shim="forger", rows=1, layers=layers))

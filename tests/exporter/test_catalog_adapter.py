@@ -8,7 +8,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.collectors import (
+from layerwatch import catalog, prometheus
+from layerwatch.exporter.collectors import (
     EntropyCollector,
     IngestCollector,
     LayerCollector,
@@ -17,8 +18,7 @@ from exporter.collectors import (
     build_registry,
     exporter_collectors,
 )
-from exporter.state import ExporterConfig, ExporterState
-from layerwatch import catalog, prometheus
+from layerwatch.exporter.state import ExporterConfig, ExporterState
 from tests.exporter.support import random_frame
 
 EXPORTER_COLLECTORS = (EntropyCollector, LayerCollector, WindowCollector, RoutingCollector, IngestCollector)

@@ -5,36 +5,24 @@ other alert of the target) and says which collector failed, as node_exporter doe
 from __future__ import annotations
 
 import socket
-import time
-import urllib.request
 
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
-import exporter.state
-from exporter.server import ExporterServer
-from exporter.state import ExporterConfig, ExporterState
+import layerwatch.exporter.state
+from layerwatch.exporter.server import ExporterServer
+from layerwatch.exporter.state import ExporterConfig, ExporterState
 from layerwatch.wire import encode_frame
 from tests.exporter.support import random_frame
+from tests.support import scrape, wait_for
 
 COLLECTORS = ("entropy", "layer", "window", "routing", "ingest")
-
-
-def scrape(url: str) -> tuple[int, dict]:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        text = response.read().decode("utf-8")
-        return response.status, {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
 
 
 def test_a_failing_collector_leaves_the_rest_of_the_scrape_served(monkeypatch) -> None:
     def broken(*args: object, **kwargs: object) -> None:
         raise FloatingPointError("injected: the dip test failed")
 
-    monkeypatch.setattr(exporter.state, "check_bimodality", broken)
+    monkeypatch.setattr(layerwatch.exporter.state, "check_bimodality", broken)
     server = ExporterServer(
         ExporterState(ExporterConfig(min_window_observations=10)), ("127.0.0.1", 0), ("127.0.0.1", 0)
     )
@@ -46,13 +34,10 @@ def test_a_failing_collector_leaves_the_rest_of_the_scrape_served(monkeypatch) -
             sender.sendto(encode_frame(random_frame(rng, sequence)), server.frames_address)
         host, port = server.http_address
         url = f"http://{host}:{port}"
-        deadline = time.monotonic() + 10
-        while scrape(url)[1].get(("layerwatch_exporter_frames_received_total", (("model_name", "demo"),))) != 5:
-            assert time.monotonic() < deadline, "the frames did not arrive"
-            time.sleep(0.02)
+        received = ("layerwatch_exporter_frames_received_total", (("model_name", "demo"),))
+        wait_for(lambda: scrape(url).get(received) == 5, what="the five frames")
 
-        status, samples = scrape(url)
-        assert status == 200
+        samples = scrape(url)  # a status other than 200 raises
         success = {
             dict(labels)["collector"]: value
             for (name, labels), value in samples.items()

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from exporter.collectors import EntropyCollector, IngestCollector, LayerCollector, WindowCollector
-from exporter.exposition import TextEncoder
-from exporter.state import ExporterConfig, ExporterState
+from layerwatch.exporter.collectors import EntropyCollector, IngestCollector, LayerCollector, WindowCollector
+from layerwatch.exporter.exposition import TextEncoder
+from layerwatch.exporter.state import ExporterConfig, ExporterState
 from layerwatch.prometheus import HistogramArrays
 from tests.exporter.support import random_frame
 

@@ -23,16 +23,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from alerts.profile_file import PROFILES_DIR, load_profiles
-from demo.alert_view import TIMEOUT as ALERT_VIEW_TIMEOUT
-from demo.alert_view import AlertView
-from demo.processes import LAYERWATCH_COMMAND
-from exporter.live_view import MAX_PAGE_BYTES, ScrapeError, scrape
+from layerwatch.alerts.profile_file import PROFILES_DIR, load_profiles
 from layerwatch.catalog import ENTROPY_WINDOW_EDGES, EXPORTER, for_component
+from layerwatch.demo.alert_view import TIMEOUT as ALERT_VIEW_TIMEOUT
+from layerwatch.demo.alert_view import AlertView
+from layerwatch.demo.processes import LAYERWATCH_COMMAND
+from layerwatch.exporter.live_view import MAX_PAGE_BYTES, ScrapeError, scrape
 from layerwatch.statistics import shares_below_edges
 from layerwatch.wire import MAX_FRAME_BYTES, encode_frame
 from tests.exporter.support import DATA, GOLDEN_TRACE, random_frame, trace_frames
 from tests.slow_clients import Trickler, half_sent_requests
+from tests.support import wait_for
 
 GOLDEN_METRICS = DATA / "golden-metrics.txt"
 # Values that depend on the clock or the host, not on the frames: left out of the golden page.
@@ -76,7 +77,7 @@ def test_hostile_datagrams_are_counted_and_never_stop_the_exporter(start_exporte
         exporter.send(valid[index])
     for datagram in valid[len(hostile) :]:
         exporter.send(datagram)
-    exporter.wait_for(
+    wait_for(
         lambda: (
             exporter.value("layerwatch_exporter_frames_malformed_total") == len(hostile)
             and exporter.received_frames() == len(valid)
@@ -90,7 +91,7 @@ def test_hostile_datagrams_are_counted_and_never_stop_the_exporter(start_exporte
         + exporter.value("layerwatch_entropy_count", model_name="demo", decision="skip")
         == 20 * 4 * 6
     )
-    assert exporter.stop() == -signal.SIGTERM  # a clean stop, then the exit by the signal (layerwatch_cli/signals.py)
+    assert exporter.stop() == -signal.SIGTERM  # a clean stop, then the exit by the signal (layerwatch/cli/signals.py)
 
 
 def test_metrics_pass_promtool_and_match_the_catalog(start_exporter) -> None:
@@ -237,7 +238,7 @@ class StaticPage:
 
 
 def test_top_shows_a_pages_escape_sequences_escaped_and_refuses_a_page_it_cannot_read() -> None:
-    # Hostile review 4 (issue 31), 10: label values reached the terminal raw (retitled, cleared it),
+    # Unescaped, label values reach the terminal raw (retitle it, clear it),
     # and a page without layerwatch_entropy_zero_total was a traceback carrying the raw escape.
     hostile = "demo\x1b]0;owned\x07\x1b[2J"
     page = GOLDEN_METRICS.read_text().replace('model_name="demo"', f'model_name="{hostile}"')
@@ -336,7 +337,7 @@ def test_a_page_that_trickles_or_never_ends_is_given_up_on() -> None:
         with pytest.raises(TimeoutError, match="the page took over 1 s"):
             scrape(trickling.url, timeout=1.0)
         assert time.monotonic() - started < 3.0
-    # The head a byte at a time (review of issue 34): read by http.client line by line, it got the same
+    # The head a byte at a time: read by http.client line by line, it got the same
     # per-read timeout, and no bound on the whole.
     head = b"HTTP/1.0 200 OK\r\n" + b"X-Padding: still coming\r\n" * 3 + b"\r\n"
     with StreamedPage((bytes([byte]) for byte in head), interval=0.3, head=b"") as trickling:
@@ -351,8 +352,8 @@ def test_a_page_that_trickles_or_never_ends_is_given_up_on() -> None:
 
 
 def test_a_broken_http_answer_is_a_one_line_refusal_not_a_traceback_or_a_short_page() -> None:
-    """Hostile review, round seven: http.client's own errors (neither OSError nor ValueError) ended
-    `top` with a traceback, and a page cut short of its Content-Length was read as the whole page."""
+    """Unguarded, http.client's own errors (neither OSError nor ValueError) end
+    `top` with a traceback, and a page cut short of its Content-Length is read as the whole page."""
     page = b"layerwatch_exporter_frames_total 1\n" * 20
     answers = {
         b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(page) + page[:70]: "the page ended 630 bytes short",
@@ -375,9 +376,9 @@ def test_a_broken_http_answer_is_a_one_line_refusal_not_a_traceback_or_a_short_p
 
 
 def test_a_hostile_prometheus_leaves_the_alert_view_one_line_within_its_timeout() -> None:
-    """Hostile review, round seven: `top --prometheus` at a server trickling its answer, body or head, hung
-    for good (the timeout bounds each read, not the answer); a broken HTTP answer ended `top` with a
-    traceback; an alert without labels was reported as the exporter's page being unreadable."""
+    """Unbounded, `top --prometheus` at a server trickling its answer, body or head, hangs
+    for good (the timeout bounds each read, not the answer); a broken HTTP answer ends `top` with a
+    traceback; an alert without labels is reported as the exporter's page being unreadable."""
     json_head = b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n"
     answers = [
         (json_head + b'{"status": "success", "data": {"alerts": [', itertools.repeat(b" ", 100), "took over 3 s"),
@@ -415,7 +416,7 @@ def _top_once_against(handler: type[BaseHTTPRequestHandler]) -> tuple[str, subpr
 
 
 def test_top_tells_a_server_that_is_not_an_exporter_from_no_server() -> None:
-    """Review of issue 34: a server answering 404 got 'Is an exporter running there? Start one with ...'."""
+    """A server answering 404 is not told 'Is an exporter running there? Start one with ...'."""
     url, top = _top_once_against(BaseHTTPRequestHandler)  # no do_GET: 501
     assert top.returncode == 1 and top.stderr == (
         f"layerwatch top: cannot read {url}/metrics: not a layerwatch exporter's page (HTTP 501 Unsupported method "
@@ -442,7 +443,7 @@ class _PageHandler(BaseHTTPRequestHandler):
     ids=["an empty 200", "a shim's page"],
 )
 def test_top_refuses_a_metrics_page_that_is_not_an_exporters(page: bytes) -> None:
-    """Hostile review, round eight: `top --url` at the shim's port (or at any server answering 200 with
+    """`top --url` at the shim's port (or at any server answering 200 with
     an empty page) showed 'frames received 0 ... no gate frames received yet', an idle exporter."""
     url, top = _top_once_against(type("Handler", (_PageHandler,), {"page": page}))
     assert top.returncode == 1 and top.stderr == (
@@ -464,9 +465,10 @@ def test_unknown_paths_are_404_and_bad_flags_are_refused(start_exporter) -> None
 
 def test_the_exporter_never_imports_torch_or_the_shim() -> None:
     code = (
-        "import sys, pkgutil, importlib, exporter, layerwatch.wire, layerwatch.trace\n"
-        "for m in pkgutil.iter_modules(exporter.__path__): importlib.import_module('exporter.' + m.name)\n"
-        "print(sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'inference_shim')))"
+        "import sys, pkgutil, importlib, layerwatch.exporter, layerwatch.wire, layerwatch.trace\n"
+        "for m in pkgutil.iter_modules(layerwatch.exporter.__path__):\n"
+        "    importlib.import_module('layerwatch.exporter.' + m.name)\n"
+        "print(sorted(n for n in sys.modules if n.startswith(('torch', 'layerwatch.inference_shim'))))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
@@ -477,9 +479,9 @@ def _threads(pid: int) -> int:
 
 
 def test_half_sent_requests_hold_no_thread_and_never_keep_a_scrape_out(start_exporter) -> None:
-    """Issue 27, item 6: the exporter's HTTP server gave each connection a thread and no deadline:
-    600 half-sent requests held 604 threads for good, and a scrape timed out during a burst of
-    1,000 connections. Now one event-loop thread reads every request head (within 10 s), at most
+    """A thread per connection and no deadline would let 600 half-sent requests hold 604 threads
+    for good, and a scrape time out during a burst of 1,000 connections. Here one event-loop thread
+    reads every request head (within 10 s), at most
     64 connections are open, and each new one closes the one waiting longest for its head."""
     exporter = start_exporter()
     address = ("127.0.0.1", int(exporter.url.rsplit(":", 1)[1]))

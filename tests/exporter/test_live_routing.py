@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from demo.processes import LAYERWATCH_COMMAND
+from layerwatch.demo.processes import LAYERWATCH_COMMAND
 from tests.exporter.routing_traces import DEMO_LOW_RATES, scores_for_rates, static_rates, write_trace
 from tests.exporter.support import trace_frames
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from demo.processes import LAYERWATCH_COMMAND
 from layerwatch import trace
+from layerwatch.demo.processes import LAYERWATCH_COMMAND
 from layerwatch.trace import MAX_LINE_BYTES, read_trace, read_trace_batches
 from tests.exporter.support import GOLDEN_TRACE
 
@@ -121,9 +121,9 @@ def trace_line(model: str, layers: int = 4) -> str:
     return json.dumps({"model_name": model, "scores": [0.5] * layers, "skipped": [0] * layers}) + "\n"
 
 
-# Issue 27, item 7: replay's memory was unbounded (a 160 MB line took 2.53 GB, 200,000 model names
+# Unbounded, replay's memory grows with its input (a 160 MB line: 2.53 GB, 200,000 model names:
 # 3.2 GB and, under an 8 GB limit, a numpy MemoryError traceback). The bounds, each naming the line;
-# the figures are in docs/reliability.md ("Oversized inputs").
+# the figures are in docs/reliability.md ("Profiles, traces and oversized inputs").
 def test_a_line_over_the_limit_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
     path = tmp_path / "long.jsonl"
     path.write_text(trace_line("demo") + "[" * MAX_LINE_BYTES + "\n")
@@ -151,7 +151,7 @@ def test_lines_wider_than_max_layers_are_refused_naming_the_line(tmp_path: Path)
 
 
 def test_a_model_whose_layer_count_changes_is_refused_naming_the_line(tmp_path: Path) -> None:
-    """Hostile review 2, H9: replay warned and then reported both widths mixed (the per-layer rates
+    """Unguarded, replay warns and then reports both widths mixed (the per-layer rates
     of the last only), where the exporter refuses such frames (layer_count_changed)."""
     path = tmp_path / "widths.jsonl"
     path.write_text(trace_line("demo") * 2 + trace_line("other", 6) + trace_line("demo", 6))

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from demo.processes import LAYERWATCH_COMMAND
-from exporter.replay import replay_trace
-from exporter.replay_plot import BAND_INCHES, DPI, WIDTH_INCHES, plot_reports
-from exporter.state import ExporterConfig
+from layerwatch.demo.processes import LAYERWATCH_COMMAND
+from layerwatch.exporter.replay import replay_trace
+from layerwatch.exporter.replay_plot import BAND_INCHES, DPI, WIDTH_INCHES, plot_reports
+from layerwatch.exporter.state import ExporterConfig
 from tests.exporter.routing_traces import DEMO_LOW_RATES, scores_for_rates, write_trace
 from tests.exporter.support import heat_map_row_colours
 
@@ -85,7 +85,7 @@ def test_the_command_draws_and_says_so(traces, tmp_path) -> None:
 def test_without_matplotlib_the_error_says_what_to_install(traces, tmp_path) -> None:
     out = tmp_path / "none.png"
     code = (
-        "import sys; sys.modules['matplotlib'] = None; from layerwatch_cli.main import main; "
+        "import sys; sys.modules['matplotlib'] = None; from layerwatch.cli.main import main; "
         f"sys.exit(main(['replay', {str(traces['static'])!r}, '--plot', {str(out)!r}]))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy.stats import binomtest
 
-from demo.processes import LAYERWATCH_COMMAND
+from layerwatch.demo.processes import LAYERWATCH_COMMAND
 from layerwatch.routing import (
     DYNAMIC,
     STATIC,

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from exporter.sequences import (
+from layerwatch.exporter.sequences import (
     MAX_SEQUENCE_GAP,
     MAX_STREAMS_PER_SHIM,
     MAX_TRACKED_SHIMS,
     REORDER_WINDOW,
     SequenceTracker,
 )
-from exporter.state import ExporterConfig, ExporterState, ModelStatistics
+from layerwatch.exporter.state import ExporterConfig, ExporterState, ModelStatistics
 from layerwatch.wire import GateFrame, encode_frame
 from tests.exporter.support import random_frame
 
@@ -136,8 +136,8 @@ def test_one_gap_counts_at_most_max_sequence_gap_lost_frames_and_a_longer_jump_i
 
 
 def test_two_forged_datagrams_cannot_inflate_the_loss_and_a_real_loss_stays_visible() -> None:
-    # Issue 27, item 3: a made-up shim id sent 0 and then 2**64 - 1 for the real model: 1.84e19 frames
-    # "lost", beyond which float64 cannot show the one frame really lost afterwards.
+    # A made-up shim id sends 0 and then 2**64 - 1 for the real model: unbounded, 1.84e19
+    # frames "lost", beyond which float64 cannot show the one frame really lost afterwards.
     state = make_state()
     ingest_sequences(state, [("real", n) for n in range(10)] + [("made-up", 0), ("made-up", 2**64 - 1)])
     ingest_sequences(state, [("real", n) for n in (11, 12)])  # 10 lost in transit
@@ -147,8 +147,8 @@ def test_two_forged_datagrams_cannot_inflate_the_loss_and_a_real_loss_stays_visi
 
 
 def test_a_forged_jump_under_a_real_shim_id_does_not_carry_its_numbering_off() -> None:
-    # Found in the self-review: the jump moved the real stream to 2**64 - 1, a forged 0 then started a
-    # stream the real shim's next frame continued, counting its whole numbering (99 frames) as lost.
+    # Were the jump to move the real stream to 2**64 - 1, a forged 0 would start a stream the real
+    # shim's next frame continued, counting its whole numbering (99 frames) as lost.
     state = make_state()
     forged = [("real", 2**64 - 1), ("real", 0)]
     ingest_sequences(state, [("real", n) for n in range(100)] + forged + [("real", 100), ("real", 102)])
@@ -159,7 +159,7 @@ def test_with_a_frame_key_replayed_frames_are_rejected_and_late_ones_accepted_on
     key = b"k" * 32
     state, rng = make_state(frame_key=key), np.random.default_rng(0)
     captured = [encode_frame(random_frame(rng, n), key) for n in range(10)]
-    for _ in range(100):  # issue 27, item 3: ten captured frames sent 100 times were all counted
+    for _ in range(100):  # ten captured frames sent 100 times must count once each
         for datagram in captured:
             state.ingest_datagram(datagram)
     assert by_model(state)["demo"].frames_received == 10

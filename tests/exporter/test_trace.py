@@ -95,7 +95,7 @@ def test_unknown_keys_and_blank_lines_are_ignored(tmp_path: Path) -> None:
     [
         ("{not json", "not valid JSON"),
         ("[1, 2]", "expected a JSON object"),
-        # Issue 34: "missing key(s) skipped" read as if keys had been skipped; the key is named skipped.
+        # "missing key(s) skipped" would read as if keys had been skipped; the key is named skipped.
         ('{"model_name": "m", "scores": [0.5]}', 'missing the key "skipped"'),
         ('{"model_name": "m"}', 'missing the keys "scores", "skipped"'),
         ('{"model_name": "", "scores": [0.5], "skipped": [0]}', "model_name must be a non-empty string"),
@@ -144,7 +144,7 @@ def test_bad_lines_name_file_and_line(tmp_path: Path, line: str, reason: str) ->
     ids=["utf-16-bom", "not-utf-8", "utf-16-line"],
 )
 def test_a_line_that_is_not_utf8_says_so(tmp_path: Path, line: bytes) -> None:
-    """Hostile review 2, H12: json.loads reads bytes that start with a UTF-16 BOM as UTF-16, so such a
+    """json.loads reads bytes that start with a UTF-16 BOM as UTF-16, so such a
     line failed as "not valid JSON ('utf-16-le' codec can't decode ...)", or was read."""
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b'{"model_name": "m", "scores": [0.5], "skipped": [0]}\n' + line + b"\n")
@@ -265,8 +265,8 @@ def test_only_a_last_line_without_newline_counts_as_torn(tmp_path: Path) -> None
     assert len(list(read_trace(path, on_torn_line=lambda exc: pytest.fail(str(exc))))) == 2
 
 
-# Issue 27, item 12: a FIFO as --trace-file blocked serve's start in open() for ever, holding its
-# port; trace files were created 0644, though they hold the token-level routing of user traffic.
+# A FIFO as --trace-file would block serve's start in open() for ever, holding its port; trace
+# files must not be created 0644: they hold the token-level routing of user traffic.
 @pytest.mark.parametrize("reader", [False, True], ids=["no-reader", "a-reader"])
 def test_a_fifo_is_refused_at_once_not_waited_on(tmp_path: Path, reader: bool) -> None:
     fifo = tmp_path / "trace.fifo"

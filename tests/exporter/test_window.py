@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from exporter.window import SlidingWindow
+from layerwatch.exporter.window import SlidingWindow
 
 
 def values(start: int, n: int) -> np.ndarray:

@@ -1,5 +1,5 @@
 """`layerwatch calibrate-trace`: a profile from a trace of any engine's healthy traffic, cut by the code
-`layerwatch calibrate` uses (alerts/baseline.py), and trace problems refused with exit 2."""
+`layerwatch calibrate` uses (layerwatch/alerts/baseline.py), and trace problems refused with exit 2."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from alerts.baseline import build_profile
-from alerts.profile import GateImportance
-from alerts.profile_file import load_profile
-from demo.processes import LAYERWATCH_COMMAND
+from layerwatch.alerts.baseline import build_profile
+from layerwatch.alerts.profile import GateImportance
+from layerwatch.alerts.profile_file import load_profile
+from layerwatch.cli.main import main
+from layerwatch.demo.processes import LAYERWATCH_COMMAND
 from layerwatch.trace import TraceWriter
-from layerwatch_cli.main import main
 
 LAYERS = 6
 
@@ -71,7 +71,7 @@ def test_the_profile_is_calibrates_own_on_the_traced_rows(tmp_path, capsys):
         ([("a", 0.5), ("a", 0.25)], [], "the lines (and --threshold) give 0.25, 0.5"),
         ([("a", None)], [], "the lines (and --threshold) give none"),
         ([("a", 0.5)], ["--threshold", "0.3"], "give 0.3, 0.5"),
-        # Issue 34: the message now says what to do.
+        # The message says what to do.
         (
             [("a", 0.5)],
             ["--chunk-tokens", "5000"],
@@ -92,8 +92,8 @@ def test_a_trace_that_makes_no_single_baseline_is_refused(tmp_path, capsys, line
 
 @pytest.mark.parametrize("scores", ["all-zero", "healthy"])
 def test_a_trace_whose_every_layer_was_skipped_is_refused_in_one_line(tmp_path, scores):
-    # Hostile review 4 (issue 31), 11: numpy's "RuntimeWarning: All-NaN axis encountered", with a
-    # source path, came before the exit-2 message.
+    # Unguarded, numpy's "RuntimeWarning: All-NaN axis encountered", with a
+    # source path, comes before the exit-2 message.
     rows = np.zeros((600, LAYERS), np.float32) if scores == "all-zero" else healthy_rows(600)[0]
     trace = write_trace(tmp_path / "t.jsonl", "a", rows, np.ones(rows.shape, bool))
     refused = subprocess.run(

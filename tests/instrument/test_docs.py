@@ -1,6 +1,6 @@
-"""docs/instrument.md's examples run as written: a newcomer copies the first one (issue 34: the
-transformers example named a `model` and `inputs` it never made, and on a stock model it stopped with
-a traceback). Each Python block is run whole, in a fresh namespace, from an empty folder; its frames go
+"""docs/instrument.md's examples run as written: a newcomer copies the first one (an example that
+names a `model` and `inputs` it never made, or stops with a traceback on a stock model, loses them).
+Each Python block is run whole, in a fresh namespace, from an empty folder; its frames go
 to a UDP socket of the test's in place of the exporter's default address, which the block names."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_a_stock_model_without_routers_is_told_what_to_add_in_one_line(tmp_path,
     batch = torch.randint(2, 512, (1, 4))
     trace = TraceWriter(tmp_path / "t.jsonl", 1 << 20)
     observer = observe(model, read_attributes("router_score", "router_ran"), trace=trace, model_name="m")
-    with observer:  # generate() is never broken by the observer (issue 31, defect 5): it warns and counts
+    with observer:  # generate() is never broken by the observer: it warns and counts
         output = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=2)
     assert output.shape == (1, 6) and observer.rows == 0 and observer.dropped["adapter_error"] == 2
     message = next(r.getMessage() for r in caplog.records if r.levelname == "WARNING")

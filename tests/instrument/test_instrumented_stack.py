@@ -30,19 +30,20 @@ import torch
 
 pytest.importorskip("transformers")
 
-from alerts.durations import Timing
-from alerts.profile_file import load_profile
-from alerts.recorded import Recorded
-from demo.processes import ManagedProcess, free_port
-from deploy.render import render_stack
 from examples.router_llama import MODEL_NAME, THRESHOLD, RoutedDecoderLayer, prompts, routed_llama
+from layerwatch.alerts.durations import Timing
+from layerwatch.alerts.profile_file import load_profile
+from layerwatch.alerts.recorded import Recorded
+from layerwatch.cli.main import main
 from layerwatch.client import GateFrameSender
+from layerwatch.demo.processes import ManagedProcess, free_port
+from layerwatch.deploy.render import render_stack
 from layerwatch.integrations.transformers import observe, read_attributes
 from layerwatch.statistics import le_bucket_index
 from layerwatch.trace import TraceWriter, read_trace
-from layerwatch_cli.main import main
 from tests.stack.conftest import REPO
 from tests.stack.support import dashboard_expr, prometheus_api, prometheus_argv
+from tests.support import wait_for
 
 TIME_SCALE = 0.01
 READ_ROUTERS = read_attributes("router_score", "router_ran")
@@ -103,7 +104,7 @@ def test_an_instrumented_transformers_model_is_seen_as_a_served_one(
             sampled_batch(model, seed)
 
     # 1. The exporter holds the trace's entropies, and judges them as replay does.
-    exporter.wait_for(lambda: exporter.received_frames() == sender.sent)
+    wait_for(lambda: exporter.received_frames() == sender.sent)
     assert (
         sum(sender.dropped.values()) == 0
         and sum(samples(exporter, "layerwatch_exporter_frames_lost_total").values()) == 0
@@ -210,7 +211,7 @@ def check_dashboard_skip_panels(base: str) -> None:
     """The Overview dashboard for a model no shim serves, as Grafana would query it: the model list
     has it, the shim instance list is empty (so $instance takes its All value), and every target of
     the skip panels returns a number."""
-    dashboard = json.loads((REPO / "dashboards" / "json" / "overview.json").read_text())
+    dashboard = json.loads((REPO / "layerwatch" / "dashboards" / "json" / "overview.json").read_text())
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
 
     def label_values(query: str) -> list[str]:

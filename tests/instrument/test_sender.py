@@ -126,9 +126,9 @@ def test_a_batch_arrives_as_the_frames_the_exporter_decodes(receiver):
         (("127.0.0.1:9410", "m", LAYERS, "0.5"), ValueError, "threshold must be a number in"),
         (("127.0.0.1", "m", LAYERS, 0.5), ValueError, "exporter address '127.0.0.1' is not HOST:PORT"),
         (("127.0.0.1:0", "m", LAYERS, 0.5), ValueError, "port 0 can only be listened on"),
-        # Hostile review 2, H6: socket.gaierror (an OSError) from the lookup. .invalid never resolves (RFC 6761).
+        # Unguarded, socket.gaierror (an OSError) from the lookup. .invalid never resolves (RFC 6761).
         (("example.invalid:9", "m", LAYERS, 0.5), ValueError, "exporter address 'example.invalid:9': cannot resolve"),
-        # Hostile review 4 (issue 31), 7: connect's OSError escaped (EACCES for broadcast, EINVAL without a zone).
+        # Unguarded, connect's OSError escapes (EACCES for broadcast, EINVAL without a zone).
         (("255.255.255.255:9", "m", LAYERS, 0.5), ValueError, "'255.255.255.255:9': cannot send to '255.255.255.255'"),
         (("[fe80::1]:9", "m", LAYERS, 0.5), ValueError, r"exporter address '\[fe80::1\]:9': cannot send to 'fe80::1'"),
     ],
@@ -163,9 +163,9 @@ def test_a_shim_id_names_the_sequence_space_and_a_key_tags_every_frame(receiver)
         (np.full((2, LAYERS), np.nan), np.zeros((2, LAYERS), bool), "NaN"),
         (np.full((2, LAYERS), 1.5), np.zeros((2, LAYERS), bool), "outside \\[0, 1\\]"),
         (np.full((2, LAYERS), 0.5), np.full((2, LAYERS), 2), "only 0/1"),
-        # Hostile review 2, H7: float32 kept the real part (a ComplexWarning) and the frame was sent.
+        # Unguarded, float32 keeps the real part (a ComplexWarning) and the frame is sent.
         (np.full((2, LAYERS), 0.5 + 0.5j), np.zeros((2, LAYERS), bool), "scores must be real numbers, got complex"),
-        # Hostile review 4 (issue 31), 6: np.isin's TypeError, and the elements' own __eq__, escaped send.
+        # Unguarded, np.isin's TypeError, and the elements' own __eq__, escape send.
         (np.full((1, LAYERS), 0.5), np.zeros((1, LAYERS), [("bit", "i1")]), "booleans or 0/1 numbers, got dtype"),
         (np.full((1, LAYERS), 0.5), np.zeros((1, LAYERS), "V1"), "booleans or 0/1 numbers, got dtype"),
         (np.full((1, LAYERS), 0.5), np.full((1, LAYERS), RaisingEquality()), "booleans or 0/1 numbers, got dtype"),

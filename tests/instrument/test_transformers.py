@@ -19,12 +19,18 @@ transformers = pytest.importorskip("transformers")
 
 from examples.gate_file_llama import left_padded, load_gated_llama  # noqa: E402
 from examples.router_llama import THRESHOLD, prompts, routed_llama  # noqa: E402
-from inference_shim.runtime.checkpoint import load_checkpoint  # noqa: E402
-from inference_shim.runtime.depth_execution import DepthExecutionConfig  # noqa: E402
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams  # noqa: E402
-from inference_shim.runtime.gates import GateMetadata, gates_path_for, load_gates, model_fingerprint, save_gates  # noqa: E402
-from inference_shim.runtime.model import GateBank  # noqa: E402
 from layerwatch.client import GateFrameSender  # noqa: E402
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint  # noqa: E402
+from layerwatch.inference_shim.runtime.depth_execution import DepthExecutionConfig  # noqa: E402
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams  # noqa: E402
+from layerwatch.inference_shim.runtime.gates import (  # noqa: E402
+    GateMetadata,
+    gates_path_for,
+    load_gates,
+    model_fingerprint,
+    save_gates,
+)
+from layerwatch.inference_shim.runtime.model import GateBank  # noqa: E402
 from layerwatch.integrations.transformers import observe, read_attributes  # noqa: E402
 from layerwatch.trace import TraceWriter, read_trace  # noqa: E402
 from layerwatch.wire import decode_frame  # noqa: E402
@@ -148,8 +154,8 @@ def test_a_callable_adapter_and_close_leave_the_model_as_it_was(router_model, tm
 
 @pytest.mark.parametrize("closed_first", ["inner", "outer"])
 def test_nested_observers_closed_in_either_order_each_publish_until_closed(router_model, tmp_path, closed_first):
-    # Hostile review 4 (issue 31), 8: closing the inner one deleted model.generate, the outer one's
-    # wrapper with it, and the outer one published nothing; closing the outer one first broke generate.
+    # Naively, closing the inner one deletes model.generate, the outer one's
+    # wrapper with it, and the outer one publishes nothing; closing the outer one first breaks generate.
     batch = prompts(2, 4, seed=5)
 
     def generate() -> None:
@@ -181,11 +187,11 @@ def test_a_misfitting_sender_or_adapter_is_refused_clearly(router_model, tmp_pat
 
 
 def test_an_adapter_that_fails_drops_the_forward_never_generate(router_model, tmp_path, caplog):
-    """Hostile review 6, defect 5: the adapter's errors were raised out of the user's generate()."""
+    """The adapter's errors must not be raised out of the user's generate()."""
     batch = prompts(2, 4, seed=4)
     plain = router_model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=2, do_sample=False)
 
-    def complex_scores(index, layer, output):  # hostile review 2, H7: the imaginary part was lost
+    def complex_scores(index, layer, output):  # the imaginary part must not be lost
         return layer.router_score.to(torch.complex64), None
 
     for adapter, message in (
@@ -220,7 +226,7 @@ class EarlyExit(nn.Module):
 
 
 def test_a_layer_not_called_in_a_forward_drops_that_forward_never_generate(tmp_path, caplog):
-    """Hostile review 6, defect 5: generate() raised "decoder layers [3] gave no reading in this forward"."""
+    """generate() must not raise "decoder layers [3] gave no reading in this forward"."""
     model = routed_llama(layers=4, hidden_size=32)
     routers = list(model.model.layers)
     model.model.layers[3] = EarlyExit(routers[3], exits={1, 3, 4})  # forward 0 is the prefill

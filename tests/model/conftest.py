@@ -10,8 +10,8 @@ import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from inference_shim.runtime.model import GateBank, ModelConfig, Transformer
-from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.inference_shim.runtime.model import GateBank, ModelConfig, Transformer
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 
 TRAINING_TEXT = [
     "In the beginning God created the heaven and the earth.",

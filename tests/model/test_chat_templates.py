@@ -20,7 +20,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer
 
-from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 
 from .conftest import TRAINING_TEXT
 

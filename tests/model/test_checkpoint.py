@@ -9,7 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from inference_shim.runtime.checkpoint import CheckpointError, config_from_hf, load_checkpoint, save_checkpoint
+from layerwatch.inference_shim.runtime.checkpoint import (
+    CheckpointError,
+    config_from_hf,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 from .conftest import random_model, tiny_config
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from inference_shim.runtime.engine import SamplingParams
-from inference_shim.runtime.model import CompileError
+from layerwatch.inference_shim.runtime.engine import SamplingParams
+from layerwatch.inference_shim.runtime.model import CompileError
 
 from .test_skipping import PROMPTS, Recorder, engine_for, gated_model
 

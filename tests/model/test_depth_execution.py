@@ -1,4 +1,4 @@
-"""The depth execution (inference_shim/runtime/depth_execution.py): how a batch runs the layers its
+"""The depth execution (layerwatch/inference_shim/runtime/depth_execution.py): how a batch runs the layers its
 rows decided. Plans are tested with given costs (FixedDepthCosts), so they are deterministic; the
 measured costs only for what a measurement must do."""
 
@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from inference_shim.offline.evaluation import teacher_forced_decode
-from inference_shim.runtime.depth_execution import (
+from layerwatch.inference_shim.offline.evaluation import teacher_forced_decode
+from layerwatch.inference_shim.runtime.depth_execution import (
     DepthExecution,
     DepthExecutionConfig,
     FixedDepthCosts,
     MeasuredDepthCosts,
 )
-from inference_shim.runtime.engine import SamplingParams
-from inference_shim.runtime.model import KVCache
+from layerwatch.inference_shim.runtime.engine import SamplingParams
+from layerwatch.inference_shim.runtime.model import KVCache
 
 from .test_skipping import MIXED, PROMPTS, Recorder, engine_for, gated_model
 

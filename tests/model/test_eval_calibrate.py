@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from alerts.baseline import (
+from layerwatch.alerts.baseline import (
     MAX_HEALTHY_KL_NATS,
     MAX_HEALTHY_SHAPE_DISTANCE,
     MIN_HEALTHY_AGREEMENT,
@@ -26,9 +26,11 @@ from alerts.baseline import (
     request_tail_profile,
     skip_collapse_fraction,
 )
-from alerts.profile import GateImportance, RequestTail
-from alerts.profile_file import dump_profile, load_profile
-from inference_shim.offline.calibration import (
+from layerwatch.alerts.profile import GateImportance, RequestTail
+from layerwatch.alerts.profile_file import dump_profile, load_profile
+from layerwatch.catalog import GATE_LAYER_SAMPLES, REQUEST_FRACTION_BUCKETS
+from layerwatch.cli.main import build_parser, main
+from layerwatch.inference_shim.offline.calibration import (
     Baseline,
     CalibrationSettings,
     calibrate,
@@ -37,17 +39,15 @@ from inference_shim.offline.calibration import (
     generate_baseline,
     line_prompts,
 )
-from inference_shim.offline.corpus import read_documents
-from inference_shim.offline.gated_model import load_gated_model
-from inference_shim.runtime.agreement import ShadowResult
-from inference_shim.runtime.checkpoint import save_checkpoint
-from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
-from inference_shim.runtime.tokenizer import Tokenizer
-from layerwatch.catalog import GATE_LAYER_SAMPLES, REQUEST_FRACTION_BUCKETS
+from layerwatch.inference_shim.offline.corpus import read_documents
+from layerwatch.inference_shim.offline.gated_model import load_gated_model
+from layerwatch.inference_shim.runtime.agreement import ShadowResult
+from layerwatch.inference_shim.runtime.checkpoint import save_checkpoint
+from layerwatch.inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS
 from layerwatch.skip_policy import SkipPolicyConfig
 from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS, histogram20, shape_distance
-from layerwatch_cli.main import build_parser, main
 from tests.model.conftest import build_backend_tokenizer, random_gates, random_model
 from tests.model.test_eval_decode import model_dir, text_file  # noqa: F401 (fixtures)
 
@@ -220,7 +220,7 @@ def test_calibrate_measures_the_gate_floors_and_the_request_tail_from_its_own_ba
 
 
 def test_chat_baseline_sends_whole_lines_through_the_chat_template():
-    """An instruction-tuned model is served chat traffic (issue 33: SmolLM2-135M-Instruct's profile):
+    """An instruction-tuned model is served chat traffic (SmolLM2-135M-Instruct's profile):
     `calibrate --chat` sends each line of the text, whole, as one user message rendered by the model's
     chat template with the assistant's turn opened, encoded as /v1/chat/completions encodes it."""
     template = (
@@ -398,7 +398,7 @@ def test_bands_cover_every_chunk_with_the_margin():
 
 
 def test_a_zero_margin_on_one_chunk_still_writes_a_shape_limit_the_profile_accepts(tmp_path):
-    """Hostile review, round seven: `calibrate --margin 0` (allowed) on a baseline of one chunk measured a
+    """`calibrate --margin 0` (allowed) on a baseline of one chunk measured a
     shape distance of 0, a limit the profile refuses (strictly positive): the whole calibration ran, then
     exit 2 and no profile."""
     rng = np.random.default_rng(0)
@@ -491,8 +491,7 @@ def test_agreement_floor_is_the_worst_chunk_minus_the_margin():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        # Found in the self-review of issue 27: --margin nan wrote every band as [0, 1], alerts that never
-        # fire, and exited 0.
+        # --margin nan would write every band as [0, 1], alerts that never fire, and exit 0.
         (["--margin", "nan"], "--margin must be a number in [0, 1), got nan"),
         (["--temperature", "inf"], "--temperature must be in [0, 2.0], got inf"),
         (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
@@ -559,8 +558,8 @@ def test_calibrate_and_train_gates_take_tau_as_eval_and_serve_do(tmp_path, capsy
 @pytest.mark.parametrize(
     "flags, message",
     [
-        # Found in the self-review of issue 27: the first three were tracebacks (ValueError,
-        # ZeroDivisionError, "range() arg 3 must not be zero"), the last evaluated and exited 0.
+        # Unguarded, the first three are tracebacks (ValueError,
+        # ZeroDivisionError, "range() arg 3 must not be zero"), the last evaluates and exits 0.
         (["--threshold", "nan"], "argument --threshold: must be in [0, 1], got nan"),
         (["--max-tokens", "0"], "argument --max-tokens: must be positive, got 0"),
         (["--batch-size", "0"], "argument --batch-size: must be positive, got 0"),
@@ -583,9 +582,10 @@ def test_quality_cost_limit_is_a_factor_over_the_worst_chunk():
 
 
 def test_a_healthy_shape_of_one_hump_is_recorded_not_refused():
-    """Issue 33: SmolLM2's healthy gate scores need not make two humps; calibrate refused such a baseline
-    ('not bimodal'). Its shape is recorded instead: the histogram, and the largest distance a healthy chunk
-    lay from it plus the margin, for windows of one chunk's entropies."""
+    """SmolLM2's healthy gate scores need not make two humps, so refusing such a baseline ('not
+    bimodal') would leave the model without a profile. Its shape is recorded instead: the histogram,
+    and the largest distance a healthy chunk lay from it plus the margin, for windows of one chunk's
+    entropies."""
     rng = np.random.default_rng(5)
     low = np.zeros((800, 8), dtype=bool)
     low[:, :4] = rng.random((800, 4)) < 0.3

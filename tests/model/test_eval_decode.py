@@ -11,14 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference_shim.offline.evaluation import heldout_windows, paired_decode, teacher_forced_decode
-from inference_shim.offline.gated_model import load_gated_model
-from inference_shim.runtime.checkpoint import save_checkpoint
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams
-from inference_shim.runtime.gates import GATES_FILE, GateMetadata, model_fingerprint, save_gates
-from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.cli.main import main
+from layerwatch.inference_shim.offline.evaluation import heldout_windows, paired_decode, teacher_forced_decode
+from layerwatch.inference_shim.offline.gated_model import load_gated_model
+from layerwatch.inference_shim.runtime.checkpoint import save_checkpoint
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from layerwatch.inference_shim.runtime.gates import GATES_FILE, GateMetadata, model_fingerprint, save_gates
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.skip_policy import SkipPolicyConfig
-from layerwatch_cli.main import main
 from tests.model.conftest import (
     TRAINING_TEXT,
     build_backend_tokenizer,
@@ -330,7 +330,7 @@ def test_eval_batch_sizes_prints_the_depth_execution_of_each(model_dir, text_fil
 
 
 def test_eval_reports_the_batch_size_that_ran_and_refuses_empty_or_repeated_sizes(model_dir, text_file, capsys):
-    """Hostile review 2, H8: `--batch-sizes 99999999999,1,,1` was accepted and its JSON said
+    """Unguarded, `--batch-sizes 99999999999,1,,1` is accepted and its JSON says
     `batch_size: 99999999999` for a batch of the 4 windows there were."""
     for sizes, message in (
         ("1,,2", "an empty entry in '1,,2'"),

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from alerts.profile_file import load_profile
-from inference_shim.runtime.checkpoint import load_checkpoint
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
-from inference_shim.runtime.gates import load_gates
-from layerwatch_cli.main import main
+from layerwatch.alerts.profile_file import load_profile
+from layerwatch.cli.main import main
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from layerwatch.inference_shim.runtime.gates import load_gates
 
 PROFILE = DEMO_MODEL_DIR.parents[1] / "alerts" / "profiles" / "demo.yaml"
 MAX_FOLDER_BYTES = 40 * 1024 * 1024

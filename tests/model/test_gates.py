@@ -14,9 +14,9 @@ import torch
 import torch.nn.utils.prune
 from safetensors.torch import save_file
 
-from inference_shim.runtime.checkpoint import load_checkpoint
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
-from inference_shim.runtime.gates import (
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+from layerwatch.inference_shim.runtime.gates import (
     GateFileError,
     GateMetadata,
     gate_file_max_bytes,
@@ -25,7 +25,7 @@ from inference_shim.runtime.gates import (
     reset_gates,
     save_gates,
 )
-from inference_shim.runtime.model import GateBank, Transformer
+from layerwatch.inference_shim.runtime.model import GateBank, Transformer
 
 from .conftest import random_gates, random_model, tiny_config
 
@@ -211,7 +211,7 @@ def test_batched_scores_equal_each_gate_and_follow_weight_updates(model):
 
 
 def test_batched_scores_follow_the_data_torch_helpers_assign_and_reparametrized_gates(model):
-    """Hostile review, round eight: `vector_to_parameters` assigns each parameter's `.data` (the
+    """`vector_to_parameters` assigns each parameter's `.data` (the
     stacks kept the old values), prune and weight_norm compute a weight no longer a parameter
     (scores raised KeyError), and stacks laid out in inference mode could not be updated after it."""
     gates = random_gates(model.config)

@@ -10,10 +10,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from inference_shim.runtime.depth_execution import DepthExecutionConfig
-from inference_shim.runtime.engine import NUCLEUS_CANDIDATES, GenerationEngine, SamplingParams, sample_token
-from inference_shim.runtime.model import KVCache
-from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.inference_shim.runtime.depth_execution import DepthExecutionConfig
+from layerwatch.inference_shim.runtime.engine import NUCLEUS_CANDIDATES, GenerationEngine, SamplingParams, sample_token
+from layerwatch.inference_shim.runtime.model import KVCache
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.skip_policy import SkipPolicyConfig
 
 from .conftest import random_gates, random_model, tiny_config
@@ -332,8 +332,8 @@ def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("top_p", [0.9, 1.0])
 def test_a_draw_sorts_no_real_vocabulary_and_follows_the_nucleus(top_p):
-    # Issue 33: every sampled token sorted the whole vocabulary for its nucleus and drew with
-    # torch.multinomial: 11 ms and 2.4 ms per token on SmolLM2-135M's 49,152 (benchmarks/sampling.py).
+    # Sorting the whole vocabulary for the nucleus and drawing with torch.multinomial would cost
+    # 11 ms and 2.4 ms per token on SmolLM2-135M's 49,152 (benchmarks/sampling.py).
     vocab = 49_152
     logits = torch.full((vocab,), -20.0)
     logits[:6] = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.5, 0.0])  # a peaked next-token distribution

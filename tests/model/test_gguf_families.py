@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from inference_shim.offline.gguf_import import GGUFImportError, import_gguf
-from inference_shim.runtime.checkpoint import load_checkpoint
-from layerwatch_cli.main import main
+from layerwatch.cli.main import main
+from layerwatch.inference_shim.offline.gguf_import import GGUFImportError, import_gguf
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
 
 from .conftest import TRAINING_TEXT, build_backend_tokenizer
 from .test_transformers_reference import LLAMA, build_reference, float32_tolerance, logits_of, sequence
@@ -178,7 +178,7 @@ def test_an_out_that_cannot_be_written_is_refused_in_one_line(tmp_path, backend_
 
 
 def test_large_models_are_written_in_shards_that_load(tmp_path, backend_tokenizer, monkeypatch):
-    from inference_shim.offline import gguf_import
+    from layerwatch.inference_shim.offline import gguf_import
 
     path = tmp_path / "model.gguf"
     write_gguf(path, build_reference("qwen2", dict(LLAMA, num_key_value_heads=1)), backend_tokenizer, "qwen2", "qwen2")

@@ -1,5 +1,5 @@
 """`import-gguf` given files that are not what they say, and destinations that fight back
-(docs/reliability.md, "Hostile review, round six"): each refused in one line naming what is wrong,
+(docs/reliability.md, "GGUF import"): each refused in one line naming what is wrong,
 nothing written, nothing of the user's lost; and what it writes is readable by whoever serves it.
 
 The files are tiny (a one-layer Llama of width 8 over a byte-level vocabulary, written with the gguf
@@ -25,10 +25,10 @@ import pytest
 from gguf import GGUFValueType as Kind
 from tokenizers import pre_tokenizers
 
-from inference_shim.offline import gguf_import
-from inference_shim.offline.gguf_import import GGUFImportError, import_gguf
-from inference_shim.runtime.checkpoint import load_checkpoint
-from layerwatch_cli.main import main
+from layerwatch.cli.main import main
+from layerwatch.inference_shim.offline import gguf_import
+from layerwatch.inference_shim.offline.gguf_import import GGUFImportError, import_gguf
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
 from tests.conftest import real_model_gguf
 
 TOKENS = [*sorted(pre_tokenizers.ByteLevel.alphabet()), "ab", "<s>", "</s>"]
@@ -189,8 +189,8 @@ ODD_HEADS = {f"blk.0.attn_{name}.weight": (6, HIDDEN) for name in "qkv"} | {"blk
     ids=["odd head dimension", "value_length other than key_length"],
 )
 def test_heads_the_model_cannot_compute_are_refused_though_the_shapes_agree(tmp_path, changes, shapes, named):
-    """Hostile review, round eight: heads of 3 dimensions were a RuntimeError traceback (the Q/K
-    unpermutation reshapes by pairs); value heads narrower than the key heads were imported as key-wide,
+    """Unguarded, heads of 3 dimensions are a RuntimeError traceback (the Q/K
+    unpermutation reshapes by pairs); value heads narrower than the key heads are imported as key-wide,
     the metadata contradicting the folder."""
     assert named in refusal(write_tiny_gguf(tmp_path / "model.gguf", changes, shapes=shapes), tmp_path / "out")
 
@@ -302,7 +302,7 @@ def test_a_full_disk_is_refused_in_one_line_and_leaves_nothing(tmp_path, capsys,
 def test_sigterm_mid_import_leaves_no_partial_folder(tmp_path):
     """Before: the process died at once and its partial folder (up to the model's size) stayed."""
     out = tmp_path / "models" / "smollm2"
-    command = [sys.executable, "-m", "layerwatch_cli.main", "import-gguf", str(real_model_gguf()), "--out", str(out)]
+    command = [sys.executable, "-m", "layerwatch.cli.main", "import-gguf", str(real_model_gguf()), "--out", str(out)]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from inference_shim.offline.gguf_import import GGUFImportError, import_gguf
-from inference_shim.runtime.checkpoint import load_checkpoint
-from inference_shim.runtime.model import KVCache
-from layerwatch_cli.main import main
+from layerwatch.cli.main import main
+from layerwatch.inference_shim.offline.gguf_import import GGUFImportError, import_gguf
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
+from layerwatch.inference_shim.runtime.model import KVCache
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams
-from layerwatch.skip_policy import SkipPolicyConfig
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from layerwatch.skip_policy import SkipPolicyConfig, below_threshold
 
 from .conftest import random_gates, random_model, tiny_config
 
@@ -44,7 +44,7 @@ def test_final_update_counts_each_sequences_skips_and_low_scores(tokenizer):
         counts = update.layer_counts
         assert counts.tokens == len(rows) <= lengths[sequence_id]  # EOS may end it early
         assert counts.skipped.tolist() == skipped.sum(axis=0).tolist()  # what its skip rule decided
-        assert counts.below_threshold.tolist() == (entropies < POLICY.threshold).sum(axis=0).tolist()
+        assert counts.below_threshold.tolist() == below_threshold(entropies, POLICY.threshold).sum(axis=0).tolist()
         np.testing.assert_allclose(counts.score_sum, entropies.astype(np.float64).sum(axis=0))
         # The client's usage: what ran for it, the batch's depth execution included.
         assert update.layers_skipped == int(executed_skipped.sum())

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
-from inference_shim.runtime.model import LayerProbe, Transformer
+from layerwatch.inference_shim.runtime.agreement import ShadowJob, full_depth_agreement
+from layerwatch.inference_shim.runtime.model import LayerProbe, Transformer
 from tests.service.conftest import uniform_record
 
 from .conftest import random_gates, random_model, tiny_config
@@ -39,8 +39,7 @@ def hand_signals(model: Transformer, tokens: torch.Tensor):
     for l, block in enumerate(model.layers):
         attn_mod = block.self_attn
         x = rms(h, block.input_layernorm.weight)
-        gate = model.gates[l]
-        gates.append(torch.sigmoid(gate.fc2(F.gelu(gate.fc1(x)))).squeeze(-1))
+        gates.append(model.gates[l](x))
         q = rope((x @ attn_mod.q_proj.weight.T).view(T, H, D).transpose(0, 1), positions)
         k = rope((x @ attn_mod.k_proj.weight.T).view(T, Hkv, D).transpose(0, 1), positions)
         v = (x @ attn_mod.v_proj.weight.T).view(T, Hkv, D).transpose(0, 1)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from inference_shim.offline.evaluation import teacher_forced_decode
-from inference_shim.runtime.depth_execution import DepthExecutionConfig
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams, SequenceUpdate
-from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.inference_shim.offline.evaluation import teacher_forced_decode
+from layerwatch.inference_shim.runtime.depth_execution import DepthExecutionConfig
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams, SequenceUpdate
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.skip_policy import SkipPolicyConfig
 
 from .conftest import random_gates, random_model, tiny_config

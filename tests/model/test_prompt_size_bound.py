@@ -19,7 +19,7 @@ from tokenizers import AddedToken, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models as tokenizer_models
 
-from inference_shim.runtime.tokenizer import MAX_CANONICAL_DECOMPOSITION, Tokenizer
+from layerwatch.inference_shim.runtime.tokenizer import MAX_CANONICAL_DECOMPOSITION, Tokenizer
 
 from .conftest import build_backend_tokenizer
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint
-from inference_shim.runtime.gates import model_fingerprint
-from inference_shim.runtime.model import GateBank, KVCache, Transformer
-from inference_shim.runtime.quantization import (
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint
+from layerwatch.inference_shim.runtime.gates import model_fingerprint
+from layerwatch.inference_shim.runtime.model import GateBank, KVCache, Transformer
+from layerwatch.inference_shim.runtime.quantization import (
     HEAD_QUANTIZATION,
     INT4_GROUP,
     PrecisionError,
@@ -185,7 +185,7 @@ def test_int4_refuses_widths_its_kernel_cannot_take(tmp_path, tokenizer):
     ],
 )
 def test_int8_refuses_input_widths_its_kernel_cannot_take(tmp_path, tokenizer, config, name):
-    """Hostile review, round seven: torch's int8 kernel (_weight_int8pack_mm) reads inputs in units of 16.
+    """torch's int8 kernel (_weight_int8pack_mm) reads inputs in units of 16.
     At 24 inputs it returned NaN for one row and killed the process (SIGSEGV) for five: `serve
     --quantization int8` of such a model crashed at its first prompt."""
     save_checkpoint(random_model(config), tokenizer, tmp_path)

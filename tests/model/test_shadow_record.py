@@ -1,4 +1,4 @@
-"""The shadow check's record and comparison (inference_shim/runtime/agreement.py): what the engine keeps of
+"""The shadow check's record and comparison (layerwatch/inference_shim/runtime/agreement.py): what the engine keeps of
 the gated distribution for a flagged sequence, and the divergences a full-depth pass computes from it,
 against exact values from the full gated and full-depth distributions of a tiny random model."""
 
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from inference_shim.runtime.agreement import ShadowJob, full_depth_agreement, partition_divergences
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams
-from inference_shim.runtime.model import GateBank
-from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.inference_shim.runtime.agreement import ShadowJob, full_depth_agreement, partition_divergences
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from layerwatch.inference_shim.runtime.model import GateBank
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.skip_policy import SkipPolicyConfig
 
 from .conftest import VOCAB_SIZE, constant_gates, random_model, tiny_config

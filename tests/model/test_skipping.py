@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference_shim.runtime.depth_execution import DepthExecution, DepthExecutionConfig, FixedDepthCosts
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams
-from inference_shim.runtime.model import Transformer, apply_rope
-from inference_shim.runtime.skip_policy import SkipPolicy
-from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.inference_shim.runtime.depth_execution import DepthExecution, DepthExecutionConfig, FixedDepthCosts
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from layerwatch.inference_shim.runtime.model import Transformer, apply_rope
+from layerwatch.inference_shim.runtime.skip_policy import SkipPolicy
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.skip_policy import SkipPolicyConfig
 
 from .conftest import constant_gates, random_gates, random_model, tiny_config
@@ -477,7 +477,7 @@ def test_fallback_after_sustained_high_skipping(tokenizer, caplog):
     records = []
     policy = SkipPolicyConfig(protected_layers=())  # everything skippable: 100 % skipped > 85 %
     engine = engine_for(model, tokenizer, policy=policy, step_hook=records.append)
-    with caplog.at_level(logging.WARNING, logger="inference_shim.runtime.engine"):
+    with caplog.at_level(logging.WARNING, logger="layerwatch.inference_shim.runtime.engine"):
         result = engine.generate(PROMPTS[0], SamplingParams(max_tokens=30))
     depth = result.activity.sum(axis=1)
     L = model.config.num_layers
@@ -500,7 +500,7 @@ def test_fallback_line_names_the_request_and_counts_in_the_sequence(tokenizer, c
     policy = SkipPolicyConfig(protected_layers=())
     engine = GenerationEngine(model, tokenizer, model_name="tiny model", policy=policy, step_hook=records.append)
     sequence_id = engine.submit(PROMPTS[0], SamplingParams(max_tokens=30), request_id="cmpl-42")
-    with caplog.at_level(logging.WARNING, logger="inference_shim.runtime.engine"):
+    with caplog.at_level(logging.WARNING, logger="layerwatch.inference_shim.runtime.engine"):
         finals = [u for _ in range(40) for u in engine.step() if u.finished]
     messages = [r.getMessage() for r in caplog.records if "FALLBACK" in r.getMessage()]
     # A value with a space is quoted, as logfmt does, so the line still splits into key=value pairs.

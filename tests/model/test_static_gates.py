@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams
-from inference_shim.runtime.gates import GateMetadata, LoadedGates, gates_sha256, model_fingerprint
-from inference_shim.runtime.static_gates import PROMPTS, constant_gates, plan_constants, static_gates
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from layerwatch.inference_shim.runtime.gates import GateMetadata, LoadedGates, gates_sha256, model_fingerprint
+from layerwatch.inference_shim.runtime.static_gates import PROMPTS, constant_gates, plan_constants, static_gates
 from layerwatch.routing import STATIC, below_threshold, routing_from_rows
 from layerwatch.skip_policy import SkipPolicyConfig
 from layerwatch.statistics import check_bimodality

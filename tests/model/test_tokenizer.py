@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from inference_shim.runtime.tokenizer import Tokenizer, TokenizerError
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer, TokenizerError
 
 from .conftest import TRAINING_TEXT
 
@@ -94,7 +94,7 @@ def test_demo_tokenizer_agrees_with_transformers():
     # it was trained with (every training document starts with it).
     from transformers import AutoTokenizer
 
-    folder = Path(__file__).resolve().parents[2] / "inference_shim" / "demo_model"
+    folder = Path(__file__).resolve().parents[2] / "layerwatch" / "inference_shim" / "demo_model"
     ours = Tokenizer.from_files(folder / "tokenizer.json", folder / "tokenizer_config.json")
     reference = AutoTokenizer.from_pretrained(folder)
     for text in ("In the beginning God created", "", "Ünïcödé ✓"):
@@ -140,7 +140,7 @@ def test_a_template_past_its_bounds_for_one_message_is_refused_at_load(tmp_path,
 def test_a_render_past_its_time_or_memory_is_stopped_and_the_next_one_renders(backend_tokenizer, template, problem):
     from jinja2 import TemplateError
 
-    from inference_shim.runtime.chat_template import RENDER_SECONDS
+    from layerwatch.inference_shim.runtime.chat_template import RENDER_SECONDS
 
     hostile = Tokenizer(backend_tokenizer, chat_template=template)
     started = time.monotonic()

@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-from inference_shim.offline import corpus, training
-from inference_shim.runtime.checkpoint import load_checkpoint
-from layerwatch_cli.main import main
+from layerwatch.cli.main import main
+from layerwatch.inference_shim.offline import corpus, training
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
 from tests.model.conftest import tiny_config
 
 FAKE_BIBLE = "\n".join(

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference_shim.offline.gate_training import (
+from layerwatch.cli.main import main
+from layerwatch.inference_shim.offline.gate_training import (
     GateSchedule,
     average_skip,
     fit_importance_gates,
@@ -20,14 +21,13 @@ from inference_shim.offline.gate_training import (
     patience_skip,
     train_gates,
 )
-from inference_shim.offline.importance_gates import predicted_logits, score_windows
-from inference_shim.offline.training import sample_windows, text_file_stream
-from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint
-from inference_shim.runtime.gates import load_gates
-from inference_shim.runtime.skip_policy import SkipPolicy
-from inference_shim.runtime.tokenizer import Tokenizer
+from layerwatch.inference_shim.offline.importance_gates import predicted_logits, score_windows
+from layerwatch.inference_shim.offline.training import sample_windows, text_file_stream
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint
+from layerwatch.inference_shim.runtime.gates import load_gates
+from layerwatch.inference_shim.runtime.skip_policy import decide_sequences
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.skip_policy import SkipPolicyConfig
-from layerwatch_cli.main import main
 from tests.model.conftest import TRAINING_TEXT, build_backend_tokenizer, random_model
 
 
@@ -98,19 +98,25 @@ def test_gates_trained_for_the_ewma_rule_say_so_in_their_file(model_dir, text_fi
     assert (metadata.skip_rule, metadata.ewma_alpha) == ("ewma", 0.25)
 
 
-def test_the_relaxed_ewma_rule_at_hard_decisions_is_the_decode_rule():
-    # Scores of one layer over 12 tokens; hard "high" events from the average, as the temperature -> 0.
-    scores = torch.tensor([[0.1, 0.9, 0.2, 0.1, 0.15, 0.6, 0.1, 0.1, 0.3, 0.9, 0.05, 0.1]])
+@pytest.mark.parametrize("skip_rule", ["streak", "ewma"])
+def test_the_relaxed_rule_at_hard_decisions_is_the_decode_rule(skip_rule):
+    # 64 sequences of one layer over 24 tokens; hard "high" events, as the temperature -> 0.
+    scores = torch.rand(64, 24, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 0.6
     alpha, tau, patience = 0.4, 0.3, 2
-    average = moving_average(scores.double(), alpha)
-    skip = average_skip((average >= tau).double(), patience)
-    config = SkipPolicyConfig(threshold=tau, patience=patience, protected_layers=(), skip_rule="ewma", ewma_alpha=alpha)
-    policy, slots, expected = SkipPolicy(config, num_layers=1, slots=1), np.array([0]), []
-    for score in scores[0].tolist():
-        run = policy.run_mask(slots)
-        expected.append(float(not run[0, 0]))
-        policy.observe(slots, np.array([[score]], dtype=np.float32), run)
-    assert skip[0].tolist() == expected and 0 < sum(expected) < len(expected) - patience
+    if skip_rule == "ewma":
+        skip = average_skip((moving_average(scores, alpha) >= tau).double(), patience)
+    else:
+        skip = patience_skip((scores >= tau).double(), patience)
+    config = SkipPolicyConfig(
+        threshold=tau,
+        patience=patience,
+        protected_layers=(),
+        fallback_skip_fraction=1.0,
+        skip_rule=skip_rule,
+        ewma_alpha=alpha,
+    )
+    decided = decide_sequences(config, scores.numpy()[:, :, None])[:, :, 0]
+    assert np.array_equal(skip.numpy().astype(bool), decided) and 0.1 < decided.mean() < 0.9
 
 
 @pytest.mark.parametrize("skip_rule", ["streak", "ewma"])
@@ -209,7 +215,7 @@ def test_a_window_no_longer_than_the_patience_or_a_share_past_one_is_refused(
 def test_a_weight_that_is_not_a_finite_number_is_refused_and_writes_nothing(
     model_dir, text_file, tmp_path, capsys, flag
 ):
-    # Found in the self-review of issue 27: a NaN weight trained for every step and wrote a gate file, exit 0.
+    # Unguarded, a NaN weight trains for every step and writes a gate file, exit 0.
     out = tmp_path / "gates.safetensors"
     assert train(model_dir, text_file, out, flag, "nan") == 2
     assert f"{flag} must be a finite number, got nan" in capsys.readouterr().err

@@ -19,12 +19,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams  # noqa: E402
-from inference_shim.runtime.gates import load_gates  # noqa: E402
-from inference_shim.runtime.model import KVCache, LayerProbe  # noqa: E402
+from layerwatch.cli.main import main  # noqa: E402
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams  # noqa: E402
+from layerwatch.inference_shim.runtime.gates import load_gates  # noqa: E402
+from layerwatch.inference_shim.runtime.model import KVCache, LayerProbe  # noqa: E402
 from layerwatch.skip_policy import SkipPolicyConfig  # noqa: E402
-from layerwatch_cli.main import main  # noqa: E402
 
 from .conftest import VOCAB_SIZE, constant_gates, random_model, tiny_config  # noqa: E402
 

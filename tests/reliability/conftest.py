@@ -20,9 +20,10 @@ import httpx
 import pytest
 import yaml
 
-from demo.loadgen import LoadReport, run_load
-from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
-from tests.service.conftest import MODEL_NAME, TinyCheckpoint, in_process, sample_sum, scrape, tiny_checkpoint  # noqa: F401
+from layerwatch.demo.loadgen import LoadReport, run_load
+from layerwatch.demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
+from tests.service.conftest import MODEL_NAME, TinyCheckpoint, in_process, tiny_checkpoint  # noqa: F401
+from tests.support import sample_sum, scrape
 
 LAYERWATCH = LAYERWATCH_COMMAND
 # One torch thread per process: the tests run on a shared 2-core machine.

@@ -17,7 +17,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from demo.processes import LAYERWATCH_COMMAND, ManagedProcess
+from layerwatch.demo.processes import LAYERWATCH_COMMAND, ManagedProcess
 
 LAYERWATCH = LAYERWATCH_COMMAND
 DEBUG_HEADER = "x-layerwatch-debug"

@@ -36,10 +36,10 @@ from prometheus_client import CollectorRegistry
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from demo.loadgen import run_load
-from demo.processes import free_port
-from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
-from inference_shim.service.http_protocol import BoundedH11Protocol, ConnectionRefusals, HTTPLimits
+from layerwatch.demo.loadgen import run_load
+from layerwatch.demo.processes import free_port
+from layerwatch.inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
+from layerwatch.inference_shim.service.http_protocol import BoundedH11Protocol, ConnectionRefusals, HTTPLimits
 from layerwatch.wire import GateFrame, encode_frame
 from tests.reliability.conftest import LAYERWATCH, MODEL_NAME, QUIET_ENV, Shim, sample_sum
 from tests.reliability.test_load import wait_for_frames
@@ -159,7 +159,7 @@ def test_fuzzed_generation_requests_never_fail_the_server(fuzz_shim, path, data)
     )
 
 
-# JSON that is valid but hostile (issue 27, item 4: each got a 500 with a traceback, not counted):
+# JSON that is valid but hostile (unguarded, each is a 500 with a traceback, not counted):
 # nesting past the parser's recursion limit (~1,000 levels), integers past Python's 4,300-digit
 # int/str conversion limit, as values and as logit_bias keys; and the values Python's json reads
 # beyond JSON itself.
@@ -328,7 +328,7 @@ def refused(shim: Shim, reason: str) -> float:
 
 
 def test_a_request_head_over_the_size_bound_gets_431_at_once(fuzz_shim):
-    """Issue 27, item 1: no bound on a request line or header (httptools, uvicorn's default parser)."""
+    """httptools, uvicorn's default parser, has no bound on a request line or header."""
     before = refused(fuzz_shim, "head_too_large")
     big_header = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n"
     long_path = b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -346,8 +346,8 @@ def test_a_request_head_over_the_size_bound_gets_431_at_once(fuzz_shim):
 
 
 def test_an_endless_header_line_costs_other_clients_nothing(fuzz_shim):
-    """Issue 27, item 1: one client sending a header line that never ends held /healthz at 2.5-9.8 s
-    and grew the shim by 290 MB, its growing buffer copied again and again on the event loop. Now
+    """Unbounded, one client sending a header line that never ends holds /healthz at 2.5-9.8 s
+    and grows the shim by 290 MB, its growing buffer copied again and again on the event loop. Now
     each such connection is answered 431 once 16 KiB are in, and closed; the attackers here open
     another one at once, for 3 s."""
     resident = resident_mb(fuzz_shim.process.proc.pid)
@@ -474,7 +474,7 @@ def few_files_shim(tiny_checkpoint, tmp_path_factory) -> Iterator[Shim]:
 
 
 def test_trickled_heads_are_cut_off_and_cannot_hold_every_connection(few_files_shim):
-    """Issue 27, item 1: uvicorn has no deadline for a request head, nor a bound on connections: a
+    """uvicorn has no deadline for a request head, nor a bound on connections: a
     head trickled a byte at a time held its connection for as long as the client liked, and enough
     of them used up the process' open files: every other client refused. Here 300 of them against
     the shim allowed 192 connections: each connection past that closes the one whose request has
@@ -500,7 +500,7 @@ def test_trickled_heads_are_cut_off_and_cannot_hold_every_connection(few_files_s
 
 
 def test_trickled_bodies_cannot_hold_every_connection(few_files_shim):
-    """Hostile review 2, H1: a connection whose head was in but whose body still trickled was never
+    """A connection whose head was in but whose body still trickled was never
     closed to make room, so 1,000 of them (one byte every 2 s) got every other client, /healthz
     included, a 503 for the whole --body-timeout-seconds (30 s), again after each reconnect. Now a
     body still arriving is closed to make room as a head still arriving is, the oldest first."""
@@ -524,7 +524,7 @@ def test_trickled_bodies_cannot_hold_every_connection(few_files_shim):
 
 
 def test_past_max_connections_with_every_one_busy_the_503_says_when_to_retry():
-    """Hostile review 2, H5: the 503 past --max-connections, when no connection can be closed for
+    """The 503 past --max-connections, when no connection can be closed for
     room, had no Retry-After (the queue's 429 and the exporter's listener send one). The API's own
     protocol in a real uvicorn on loopback, 2 connections allowed, each holding a whole request that
     its handler answers only when released: no model needed to keep them busy."""
@@ -743,8 +743,8 @@ def test_serve_refuses_broken_gate_files_naming_file_and_fault(tiny_checkpoint, 
 
 def test_generate_refuses_a_malformed_profile_and_writes_nothing(tmp_path):
     tree = tmp_path / "tree"
-    shutil.copytree(REPO / "alerts" / "profiles", tree / "alerts" / "profiles")
-    profile = tree / "alerts" / "profiles" / "reference.yaml"
+    shutil.copytree(REPO / "layerwatch" / "alerts" / "profiles", tree / "layerwatch" / "alerts" / "profiles")
+    profile = tree / "layerwatch" / "alerts" / "profiles" / "reference.yaml"
     inputs = set(tree.rglob("*"))
     cases = {
         "not-yaml": "model_name: [unclosed\n",

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from demo.loadgen import run_load
+from layerwatch.demo.loadgen import run_load
 from layerwatch.trace import read_trace
 from tests.reliability.conftest import (
     LAYERWATCH,

@@ -26,8 +26,8 @@ from safetensors import safe_open
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_bytes
 
-from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
-from inference_shim.runtime.model import GateBank
+from layerwatch.inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
+from layerwatch.inference_shim.runtime.model import GateBank
 from tests.reliability.conftest import MODEL_NAME, BackgroundLoad, Shim, sample_sum, wait_for_metrics
 from tests.service.conftest import NUM_LAYERS, tiny_model
 

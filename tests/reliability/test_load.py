@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from demo.loadgen import run_load
+from layerwatch.demo.loadgen import run_load
 from tests.reliability.conftest import MODEL_NAME, exporter_entropy_count, sample_sum
 
 LOAD_SECONDS = 6.0

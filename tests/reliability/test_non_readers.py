@@ -1,4 +1,4 @@
-"""Clients that stop reading their answers (issue 31, items 1 and 3), on loopback with the segment
+"""Clients that stop reading their answers on loopback with the segment
 size of a real link (tests/slow_clients.py, `non_reader`).
 
 - A stream whose client never reads leaves admission when its generation ends: it held its slot
@@ -32,8 +32,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from demo.processes import free_port
-from inference_shim.service.http_protocol import BoundedH11Protocol, ConnectionRefusals, HTTPLimits
+from layerwatch.demo.processes import free_port
+from layerwatch.inference_shim.service.http_protocol import BoundedH11Protocol, ConnectionRefusals, HTTPLimits
 from tests.reliability.conftest import MODEL_NAME, Shim, sample_sum, wait_for_metrics
 from tests.slow_clients import closed_by_server, connect, non_reader
 
@@ -202,9 +202,9 @@ def requests_counted(shim: Shim, status: str) -> float:
 
 
 def test_streams_their_clients_never_read_leave_admission_when_their_generation_ends(small_shim):
-    """Issue 31, item 1: a request left admission once its client had read its last update; a
-    client that never reads blocked the stream on a full socket, so two of them (the batch slot and
-    the waiting slot, ~200 KB of events each) got every other request 429 until they hung up. Now
+    """Were a request to leave admission only once its client read its last update, a
+    client that never reads would block the stream on a full socket, so two of them (the batch slot and
+    the waiting slot, ~200 KB of events each) would get every other request 429 until they hung up. Here
     they are counted, and leave, when their generations end, their connections still open."""
     shim = small_shim
     ok = requests_counted(shim, "ok")
@@ -220,8 +220,8 @@ def test_streams_their_clients_never_read_leave_admission_when_their_generation_
 
 
 def test_connections_pipelining_requests_they_never_read_cannot_hold_every_connection(small_shim):
-    """Issue 31, item 3: six connections (the cap) each pipelining eight scrapes and reading
-    nothing got /healthz a 503 for as long as they stayed. Now one of them is closed for it."""
+    """Unguarded, six connections (the cap) each pipelining eight scrapes and reading
+    nothing get /healthz a 503 for as long as they stay. Here one of them is closed for it."""
     shim = small_shim
     evicted = sample_sum(shim.metrics(), "layerwatch_http_connections_refused_total", reason="evicted")
     scrapes = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 8

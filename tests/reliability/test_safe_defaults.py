@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from layerwatch_cli.main import COMMANDS, build_parser
+from layerwatch.cli.main import COMMANDS, build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from demo.processes import ManagedProcess, free_port
+from layerwatch.demo.processes import ManagedProcess, free_port
 from tests.reliability.conftest import LAYERWATCH, LONG_TOKENS, MODEL_NAME, Exporter, Shim, sample_sum, wait_for_metrics
 from tests.reliability.test_back_pressure import Completion, Stream, queue
 from tests.reliability.test_gate_reload import gate_file_bytes, gates_sha256, replace_atomically
@@ -40,7 +40,7 @@ DRAINED_TOKENS = 600  # finishes within the drain, after the test has looked at 
 def default_stop_signals():
     """The commands under test start with SIGHUP and SIGINT at their default actions, as from a terminal.
     A test run started by `nohup`, or as a background job of a non-interactive shell, has them ignored,
-    and the commands rightly keep an inherited ignore (layerwatch_cli/signals.py): six of these tests
+    and the commands rightly keep an inherited ignore (layerwatch/cli/signals.py): six of these tests
     then timed out in a fresh-clone run started so."""
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGHUP, signal.SIGINT)}
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
@@ -201,7 +201,7 @@ def test_ctrl_c_during_start_up_stops_serve_logged_and_by_the_signal(tiny_checkp
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_the_exporter_stops_cleanly_on_each_stop_signal_and_exits_by_it(tmp_path, sig):
-    # Issue 27, item 13: SIGHUP ended the exporter at once (exit 129), not a line in its log.
+    # SIGHUP's default would end the exporter at once (exit 129), not a line in its log.
     exporter = Exporter(tmp_path).start()
     try:
         exporter.process.proc.send_signal(sig)
@@ -240,7 +240,7 @@ def test_top_stops_on_sighup_its_terminal_closing(tmp_path):
 
 
 def test_a_process_started_from_a_thread_that_ends_keeps_running(tmp_path):
-    """Linux sends the parent-death signal (demo/die_with_parent.py) when the *thread* that started a
+    """Linux sends the parent-death signal (layerwatch/demo/die_with_parent.py) when the *thread* that started a
     process ends, and a drill restarts the shim from a thread of its own, which then ends:
     ManagedProcess starts every process from one thread that lives as long as the process."""
     started: list[ManagedProcess] = []
@@ -325,7 +325,7 @@ class TerminalDemo:
         return self.output.decode(errors="replace")[-4000:]
 
     def close(self) -> None:
-        if self.process.poll() is None:  # its processes end with it (demo/processes.py)
+        if self.process.poll() is None:  # its processes end with it (layerwatch/demo/processes.py)
             self.process.kill()
             self.process.wait()
         self.hang_up()
@@ -337,11 +337,11 @@ class TerminalDemo:
 )
 @pytest.mark.parametrize("ending", ["terminal closed", "terminal closed during start-up", "demo killed", "duration"])
 def test_the_demo_leaves_nothing_behind_however_it_ends(tiny_checkpoint, tmp_path, ending):
-    """Issue 26, item 5: closing the demo's terminal left the shim, the exporter, Prometheus and
-    Alertmanager running with their ports held (all four still up 8 s later). Now a hang-up stops
+    """Unhandled, closing the demo's terminal leaves the shim, the exporter, Prometheus and
+    Alertmanager running with their ports held (all four still up 8 s later). A hang-up stops
     them as Ctrl-C does (tests/test_demo.py), also while the shim is still loading, a SIGKILL of
     the demo takes them along (each one gets SIGTERM when its parent dies), and --duration ends it
-    all with status 0. Issue 34: each run also left its temporary folder behind (1-7 MB); now it is
+    all with status 0. Each run's temporary folder (1-7 MB) is
     removed, unless --keep-workdir asks for it, and then its path is said (a SIGKILL leaves it)."""
     flags = ["--duration", "8", "--keep-workdir"] if ending == "duration" else []
     demo = TerminalDemo(tmp_path, tiny_checkpoint.path, *flags)

@@ -17,21 +17,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import torch
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from demo.processes import ManagedProcess, free_port
-from inference_shim.runtime.agreement import SHADOW_TOP_K, GatedRecord
-from inference_shim.runtime.checkpoint import save_checkpoint
-from inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
-from inference_shim.runtime.model import GateBank, ModelConfig, Transformer
+from layerwatch.demo.processes import ManagedProcess, free_port
+from layerwatch.inference_shim.runtime.agreement import SHADOW_TOP_K, GatedRecord
+from layerwatch.inference_shim.runtime.checkpoint import save_checkpoint
+from layerwatch.inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
+from layerwatch.inference_shim.runtime.model import GateBank, ModelConfig, Transformer
 from layerwatch.wire import GateFrame, decode_frame
+from tests.support import sample_sum, scrape
 
 MODEL_NAME = "tiny-test"
 NUM_LAYERS = 6
@@ -214,20 +213,6 @@ class LiveServer:
         raise TimeoutError("the server did not go idle")
 
 
-def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample on /metrics as {(name, sorted labels): value}."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def sample_sum(snapshot: dict, name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in snapshot.items() if n == name and all((k, labels[k]) in ls for k in labels))
-
-
 @pytest.fixture(scope="session")
 def server(tiny_checkpoint, tmp_path_factory) -> Iterator[LiveServer]:
     work = tmp_path_factory.mktemp("serve")
@@ -241,7 +226,7 @@ def server(tiny_checkpoint, tmp_path_factory) -> Iterator[LiveServer]:
     argv = [
         sys.executable,
         "-m",
-        "layerwatch_cli.main",
+        "layerwatch.cli.main",
         "serve",
         "--model",
         str(tiny_checkpoint.path),
@@ -293,7 +278,7 @@ class InProcessServer:
     """uvicorn in a thread on a free loopback port, serving create_app(service)."""
 
     def __init__(self, service) -> None:
-        from inference_shim.service.app import create_app
+        from layerwatch.inference_shim.service.app import create_app
 
         self.service = service
         port = free_port()
@@ -322,7 +307,7 @@ class InProcessServer:
 @pytest.fixture
 def in_process(tiny_checkpoint):
     """Factory: in_process(**settings) -> a started InProcessServer (stopped after the test)."""
-    from inference_shim.service.shim import ServeSettings, ShimService
+    from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
 
     started: list[InProcessServer] = []
 

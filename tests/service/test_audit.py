@@ -30,9 +30,10 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from demo.processes import ManagedProcess, free_port
-from inference_shim.service.shim import ServeSettings, ShimService, resolve_otlp_endpoint
-from tests.service.conftest import MODEL_NAME, NUM_LAYERS, InProcessServer, sample_sum, scrape
+from layerwatch.demo.processes import ManagedProcess, free_port
+from layerwatch.inference_shim.service.shim import ServeSettings, ShimService, resolve_otlp_endpoint
+from tests.service.conftest import MODEL_NAME, NUM_LAYERS, InProcessServer
+from tests.support import sample_sum, scrape, wait_for
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -161,7 +162,7 @@ def test_fallbacks_in_the_span_match_the_fallback_lines(audited, caplog):
     # fallback breaker trips.
     server, exporter = audited(threshold=1.0, protected_layers=())
     client = client_for(server.base_url)
-    with caplog.at_level(logging.WARNING, logger="inference_shim.runtime.engine"):
+    with caplog.at_level(logging.WARNING, logger="layerwatch.inference_shim.runtime.engine"):
         result = client.completions.create(model=MODEL_NAME, prompt="And God said", max_tokens=30, temperature=0)
     (span,) = finished_spans(server, exporter, 1)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ILP_FALLBACK: HIGH_SKIPPING ")]
@@ -197,7 +198,7 @@ def test_spans_are_off_by_default_and_the_sdk_is_not_even_imported(tiny_checkpoi
     # In a fresh interpreter: this one has imported the SDK for the other tests.
     script = (
         "import sys\n"
-        "from inference_shim.service.shim import ServeSettings, ShimService\n"
+        "from layerwatch.inference_shim.service.shim import ServeSettings, ShimService\n"
         f"service = ShimService.load(ServeSettings(model_dir={str(tiny_checkpoint.path)!r}, exporter_address=''))\n"
         "assert service.audit is None\n"
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"
@@ -307,20 +308,12 @@ def receiver() -> Iterator[OtlpReceiver]:
     receiver.close()
 
 
-def wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        time.sleep(0.1)
-
-
 def test_serve_sends_spans_over_otlp_http_and_survives_a_collector_that_refuses(tiny_checkpoint, receiver, tmp_path):
     port = free_port()
     argv = [
         sys.executable,
         "-m",
-        "layerwatch_cli.main",
+        "layerwatch.cli.main",
         "serve",
         "--model",
         str(tiny_checkpoint.path),
@@ -342,7 +335,7 @@ def test_serve_sends_spans_over_otlp_http_and_survives_a_collector_that_refuses(
         process.wait_http(f"{base_url}/healthz", timeout=120)
         client = client_for(base_url)
         result = client.completions.create(model=MODEL_NAME, prompt="In the beginning", max_tokens=8, temperature=0)
-        wait_for(lambda: receiver.spans())
+        wait_for(lambda: receiver.spans(), timeout=30)
         ((resource, span_attributes, span),) = receiver.spans()
         assert receiver.paths == ["/v1/traces"]
         assert resource["service.name"] == "shim-under-test" and resource["service.instance.id"] == "audit-shim"
@@ -352,13 +345,17 @@ def test_serve_sends_spans_over_otlp_http_and_survives_a_collector_that_refuses(
         assert span_attributes["layerwatch.layers.skipped"] == result.usage.model_extra["layers_skipped"]
         assert span_attributes["layerwatch.gates.sha256"] == tiny_checkpoint.gates_sha256
         assert len(span_attributes["layerwatch.layers.skipped_per_layer"]) == NUM_LAYERS
-        wait_for(lambda: sample_sum(scrape(base_url), "layerwatch_audit_spans_total", outcome="exported") == 1)
+        wait_for(
+            lambda: sample_sum(scrape(base_url), "layerwatch_audit_spans_total", outcome="exported") == 1, timeout=30
+        )
 
         # A collector that refuses the spans: requests are served as before, the spans are counted as failed.
         receiver.status = 400
         for _ in range(3):
             assert client.completions.create(model=MODEL_NAME, prompt="Day", max_tokens=4).usage.completion_tokens == 4
-        wait_for(lambda: sample_sum(scrape(base_url), "layerwatch_audit_spans_total", outcome="failed") == 3)
+        wait_for(
+            lambda: sample_sum(scrape(base_url), "layerwatch_audit_spans_total", outcome="failed") == 3, timeout=30
+        )
         metrics = scrape(base_url)
         assert sample_sum(metrics, "layerwatch_audit_spans_total", outcome="exported") == 1
         assert sample_sum(metrics, "layerwatch_requests_total", status="ok") == 4
@@ -366,7 +363,9 @@ def test_serve_sends_spans_over_otlp_http_and_survives_a_collector_that_refuses(
 
         receiver.status = 200  # the collector is back
         client.completions.create(model=MODEL_NAME, prompt="Night", max_tokens=2)
-        wait_for(lambda: sample_sum(scrape(base_url), "layerwatch_audit_spans_total", outcome="exported") == 2)
+        wait_for(
+            lambda: sample_sum(scrape(base_url), "layerwatch_audit_spans_total", outcome="exported") == 2, timeout=30
+        )
         log = (tmp_path / "serve.log").read_text()
         assert log.count("audit spans: export failed") == 1  # said once, not per batch
         assert log.count("audit spans: exporting again, 3 span(s) lost meanwhile") == 1

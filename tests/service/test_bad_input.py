@@ -10,8 +10,9 @@ import pytest
 from pydantic import ValidationError
 
 from benchmarks.invalid_body import hostile_bodies
-from inference_shim.service import schemas
-from tests.service.conftest import MODEL_NAME, sample_sum
+from layerwatch.inference_shim.service import schemas
+from tests.service.conftest import MODEL_NAME
+from tests.support import sample_sum
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(400))  # far over --max-prompt-tokens 96
 DEEP = b"[" * 2000 + b"]" * 2000  # 4 KB, past the JSON parser's recursion limit
@@ -155,7 +156,7 @@ CASES = [
         "invalid_value",
     ),
     ("unknown-route", "/v1/embeddings", completion(), {}, 404, "not_found"),
-    # Issue 27, item 4: these got a 500 with a traceback, not counted in layerwatch_requests_total.
+    # Unguarded, these get a 500 with a traceback, not counted in layerwatch_requests_total.
     (
         "json-nested-2000-deep",
         "/v1/completions",
@@ -260,8 +261,8 @@ def test_every_collection_of_a_request_stops_at_its_first_bad_element(model):
 
 @pytest.mark.parametrize("name", list(hostile_bodies(1)))
 def test_a_body_bad_in_every_element_costs_a_few_errors_not_one_per_element(name):
-    # pydantic built one error per bad element, and parse_request used the first: 786 k of them
-    # (4.8 s, 900 MB) for a 1 MiB "prompt": [1.5, 1.5, ...] (issue 31). At most one per union member now.
+    # Left alone, pydantic builds one error per bad element and parse_request uses the first: 786 k of
+    # them (4.8 s, 900 MB) for a 1 MiB "prompt": [1.5, 1.5, ...]. At most one per union member here.
     model, unsupported, data = hostile_bodies(20_000)[name]
     data = {field: value for field, value in data.items() if field not in (unsupported or {})}
     with pytest.raises(ValidationError) as refusal:

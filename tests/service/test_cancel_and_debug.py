@@ -4,18 +4,11 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 
-from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum
-
-
-def wait_for(condition, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
+from tests.service.conftest import MODEL_NAME, NUM_LAYERS
+from tests.support import sample_sum, wait_for
 
 
 def raw_post(server, body: dict) -> socket.socket:
@@ -48,7 +41,7 @@ def test_disconnected_clients_cancel_their_generation(server):
             before, "layerwatch_requests_total", status="cancelled"
         )
 
-    wait_for(lambda: cancelled() == 2)
+    wait_for(lambda: cancelled() == 2, timeout=20)
     server.wait_idle()
     after = server.metrics()
     decoded = sample_sum(after, "layerwatch_tokens_total", phase="decode") - sample_sum(

@@ -27,10 +27,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from demo.processes import ManagedProcess, free_port
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR
-from inference_shim.runtime.tokenizer import Tokenizer
-from tests.service.conftest import sample_sum, scrape
+from layerwatch.demo.processes import ManagedProcess, free_port
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
+from tests.support import sample_sum, scrape
 
 AIPERF_ENV = Path(__file__).resolve().parents[2] / ".venv-aiperf"
 
@@ -44,7 +44,7 @@ GENESIS = (
 
 def serve_demo(work: Path, *options: str) -> Iterator[str]:
     port = free_port()
-    argv = [sys.executable, "-m", "layerwatch_cli.main", "serve", "--port", str(port), "--exporter-address", ""]
+    argv = [sys.executable, "-m", "layerwatch.cli.main", "serve", "--port", str(port), "--exporter-address", ""]
     process = ManagedProcess("serve", [*argv, *options], work / "serve.log", env={"OMP_NUM_THREADS": "1"})
     base_url = f"http://127.0.0.1:{port}"
     try:
@@ -319,15 +319,15 @@ def full_depth_loglikelihood(full_depth_server) -> float:
 def genesis_eval(tmp_path_factory) -> dict:
     """`layerwatch eval` on the same tokens lm-eval sends: one window of BOS + text, prefilling the
     BOS only, at the gates' own threshold; it reports the full-depth perplexity beside the gated one."""
-    from inference_shim.runtime.checkpoint import load_checkpoint
-    from inference_shim.runtime.gates import gates_path_for, load_gates
+    from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
+    from layerwatch.inference_shim.runtime.gates import gates_path_for, load_gates
 
     checkpoint = load_checkpoint(DEMO_MODEL_DIR)
     threshold = load_gates(gates_path_for(DEMO_MODEL_DIR), checkpoint.model).metadata.threshold
     tokens = len(checkpoint.tokenizer.encode(GENESIS, add_special_tokens=False))
     text = tmp_path_factory.mktemp("genesis") / "genesis.txt"
     text.write_text(GENESIS + "\n")
-    command = [sys.executable, "-m", "layerwatch_cli.main", "eval", "--data", str(text), "--json", "--repeats", "1"]
+    command = [sys.executable, "-m", "layerwatch.cli.main", "eval", "--data", str(text), "--json", "--repeats", "1"]
     command += ["--window", str(tokens + 1), "--prefill", "1", "--max-tokens", str(tokens)]
     command += ["--threshold", str(threshold)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, **OFFLINE})

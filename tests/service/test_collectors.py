@@ -8,11 +8,14 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from inference_shim.runtime.agreement import LayerSignals
-from inference_shim.service.depth import DepthMetrics
-from inference_shim.service.http_protocol import ConnectionRefusals
-from inference_shim.service.layer_signals import LayerSignalsCollector
-from inference_shim.service.metrics import (
+from layerwatch import catalog
+from layerwatch.client import GateFrameSender
+from layerwatch.gate_importance import LayerSignalStats
+from layerwatch.inference_shim.runtime.agreement import LayerSignals
+from layerwatch.inference_shim.service.depth import DepthMetrics
+from layerwatch.inference_shim.service.http_protocol import ConnectionRefusals
+from layerwatch.inference_shim.service.layer_signals import LayerSignalsCollector
+from layerwatch.inference_shim.service.metrics import (
     AuditCollector,
     AuditSpanCounts,
     DecodeStats,
@@ -26,12 +29,9 @@ from inference_shim.service.metrics import (
     isolated,
     make_metric,
 )
-from inference_shim.service.mitigation import MitigationMetrics
-from inference_shim.service.power import GpuReading, NvmlCollector, RaplCollector
-from inference_shim.service.telemetry import FrameSenderCollector, TraceCollector
-from layerwatch import catalog
-from layerwatch.client import GateFrameSender
-from layerwatch.gate_importance import LayerSignalStats
+from layerwatch.inference_shim.service.mitigation import MitigationMetrics
+from layerwatch.inference_shim.service.power import GpuReading, NvmlCollector, RaplCollector
+from layerwatch.inference_shim.service.telemetry import FrameSenderCollector, TraceCollector
 
 
 def shim_collectors() -> list:

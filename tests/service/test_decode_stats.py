@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from inference_shim.service.metrics import DecodeStats, DecodeStatsCollector
+from layerwatch.inference_shim.service.metrics import DecodeStats, DecodeStatsCollector
 
 
 def test_collector_exposes_exact_per_layer_counts_and_the_executed_histogram():

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from demo.loadgen import run_load
-from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
-from exporter.replay_plot import plot_reports
-from inference_shim.runtime.demo_model import DEMO_MODEL_NAME, demo_model_present
+from layerwatch.demo.loadgen import run_load
+from layerwatch.demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
+from layerwatch.exporter.replay_plot import plot_reports
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_NAME, demo_model_present
 from tests.exporter.support import heat_map_row_colours
 
 pytestmark = pytest.mark.skipif(not demo_model_present(), reason="the demo model is not in this checkout")
@@ -69,7 +69,7 @@ def test_the_demo_models_served_trace_routes_per_token(tmp_path: Path) -> None:
     assert report["routing_tokens"] >= 500
     assert report["routing_verdict"] == "dynamic", report
     # Token-dependent layers carry most of the skipping, but not all of it: the demo model's deepest
-    # layers are already static (inference_shim/demo_model/README.md), and the statistic says so.
+    # layers are already static (layerwatch/inference_shim/demo_model/README.md), and the statistic says so.
     assert 0.5 <= report["token_dependent_share"] < 1.0, report
     assert report["static_layers"], report
     low = report["per_layer_low_rate"]

@@ -1,4 +1,4 @@
-"""The depth each request runs at (inference_shim/service/depth.py), against the real served tiny
+"""The depth each request runs at (layerwatch/inference_shim/service/depth.py), against the real served tiny
 model over real HTTP: the request field (through the official `openai` client's extra_body), the
 long-prompt rule, the complexity pre-check, the staged rollout with its demotion (the
 override and the demotion by a paging alert, which come from the alert-driven mitigation, are in
@@ -17,15 +17,16 @@ import httpx
 import openai
 import pytest
 
-from inference_shim.service.depth import (
+from layerwatch.inference_shim.service.depth import (
     DepthSettings,
     RolloutLevel,
     parse_rollout_levels,
     parse_threshold_range,
     request_position,
 )
-from tests.service.conftest import MODEL_NAME, sample_sum
+from tests.service.conftest import MODEL_NAME
 from tests.service.test_shadow import checks_done, settled
+from tests.support import sample_sum
 
 SHORT = "In"  # BOS + 1 token
 LONG = "In the beginning God created the heaven and the earth."  # well over 8 tokens
@@ -130,7 +131,7 @@ def test_rollout_enables_skipping_per_level_and_demotes_to_the_previous_one(in_p
     assert complete(server.base_url, max_tokens=16)["usage"]["layers_skipped"] == 0  # over the level's limit
     assert decisions(server, "full", "rollout") == 1
 
-    with caplog.at_level(logging.WARNING, logger="inference_shim.service.depth"):
+    with caplog.at_level(logging.WARNING, logger="layerwatch.inference_shim.service.depth"):
         assert depth.demote("LayerwatchRunawaySkipping") is True
         assert depth.demote("LayerwatchRunawaySkipping") is False  # already at the first level
     demoted = 'ROLLOUT_DEMOTED: from_level=2 to_level=1 conditions="share=0" reason=LayerwatchRunawaySkipping'
@@ -151,7 +152,7 @@ def test_demotions_within_the_holdoff_cost_one_level(in_process, caplog, holdoff
         rollout_demotion_holdoff_minutes=holdoff_minutes,
     )
     levels = []
-    with caplog.at_level(logging.WARNING, logger="inference_shim.service.depth"):
+    with caplog.at_level(logging.WARNING, logger="layerwatch.inference_shim.service.depth"):
         for alertname in ("LayerwatchRoutingStatic", "LayerwatchRunawaySkipping"):
             server.service.depth.demote(alertname)
             levels.append(sample_sum(server.metrics(), "layerwatch_rollout_level"))
@@ -216,7 +217,7 @@ def test_bad_depth_settings_are_refused_at_start():
 def test_bad_depth_settings_fail_before_the_model_loads(tmp_path):
     """As a bad token file does: a typo in a depth flag must not wait for minutes of loading (and
     compiling) to be reported. The model folder here does not exist: the flag is named first."""
-    from inference_shim.service.shim import ServeSettings, ShimService
+    from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
 
     settings = ServeSettings(model_dir=tmp_path / "absent", exporter_address="", rollout_level=2)
     with pytest.raises(ValueError, match="--rollout-level needs --rollout-levels"):
@@ -224,7 +225,7 @@ def test_bad_depth_settings_fail_before_the_model_loads(tmp_path):
 
 
 def test_serve_flags_parse_and_refuse_with_the_reason(capsys):
-    from layerwatch_cli import serve
+    from layerwatch.cli import serve
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)

@@ -11,11 +11,12 @@ import httpx
 import numpy as np
 import pytest
 
-from demo.processes import LAYERWATCH_COMMAND, free_port
 from layerwatch.client import GateFrameSender
+from layerwatch.demo.processes import LAYERWATCH_COMMAND, free_port
 from layerwatch.trace import read_trace
 from layerwatch.wire import MAX_FRAME_BYTES, decode_frame
-from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum
+from tests.service.conftest import MODEL_NAME, NUM_LAYERS
+from tests.support import sample_sum
 
 
 def test_frames_decode_to_the_same_entropies_and_masks_as_the_trace(server):
@@ -110,7 +111,7 @@ def test_with_a_key_every_frame_is_tagged_and_still_fits_a_datagram():
 
 
 def test_a_key_file_others_can_read_stops_the_shim_from_starting(tiny_checkpoint, tmp_path):
-    from inference_shim.service.shim import ServeSettings, ShimService
+    from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
 
     key_file = tmp_path / "frame.key"
     key_file.write_text("k" * 64)
@@ -121,7 +122,7 @@ def test_a_key_file_others_can_read_stops_the_shim_from_starting(tiny_checkpoint
 
 
 def test_a_bad_key_file_stops_the_shim_before_the_model_is_loaded(tmp_path):
-    from inference_shim.service.shim import ServeSettings, ShimService
+    from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
 
     key_file = tmp_path / "frame.key"
     key_file.write_text("k" * 64)

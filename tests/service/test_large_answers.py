@@ -37,7 +37,7 @@ print(json.dumps(seconds))
 def test_healthz_answers_while_a_large_answer_is_built(tiny_checkpoint):
     """Before: built and JSON-encoded on the event loop, whole, with /healthz waiting behind it (the
     int4 demo model's 24 MB answer stalled it 3.9 s)."""
-    from inference_shim.service.shim import ServeSettings, ShimService
+    from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
 
     torch.set_num_threads(1)
     settings = ServeSettings(
@@ -58,7 +58,7 @@ def test_healthz_answers_while_a_large_answer_is_built(tiny_checkpoint):
         "temperature": 0.8,
     }
     service = ShimService.load(settings)
-    gc.freeze()  # as `layerwatch serve` does once loaded (layerwatch_cli/serve.py)
+    gc.freeze()  # as `layerwatch serve` does once loaded (layerwatch/cli/serve.py)
     with InProcessServer(service) as server:
         host, port = server.base_url.removeprefix("http://").split(":")
         probe = subprocess.Popen(

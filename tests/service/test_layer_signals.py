@@ -13,26 +13,26 @@ import numpy as np
 import pytest
 import scipy.stats
 import torch
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client import CollectorRegistry
 
-from inference_shim.runtime.agreement import LayerSignals, ShadowJob, full_depth_agreement
-from inference_shim.runtime.checkpoint import load_checkpoint
-from inference_shim.runtime.gates import (
+from layerwatch.catalog import GATE_LAYER_SAMPLES
+from layerwatch.gate_importance import LayerSignalStats, average_ranks_rows, spearman, spearman_rows
+from layerwatch.inference_shim.runtime.agreement import LayerSignals, ShadowJob, full_depth_agreement
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
+from layerwatch.inference_shim.runtime.gates import (
     feature_permutation,
     gate_derangement,
     load_gates,
     scramble_gates,
     shuffle_gates,
 )
-from inference_shim.service.layer_signals import LayerSignalsCollector
-from inference_shim.service.metrics import ShadowMetrics
-from inference_shim.service.shadow import ShadowChecker
-from inference_shim.service.shim import ServeSettings, ShimService
-from layerwatch.catalog import GATE_LAYER_SAMPLES
-from layerwatch.gate_importance import LayerSignalStats, average_ranks_rows, spearman, spearman_rows
-from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum, tiny_gates, uniform_record
+from layerwatch.inference_shim.service.layer_signals import LayerSignalsCollector
+from layerwatch.inference_shim.service.metrics import ShadowMetrics
+from layerwatch.inference_shim.service.shadow import ShadowChecker
+from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
+from tests.service.conftest import MODEL_NAME, NUM_LAYERS, tiny_gates, uniform_record
 from tests.service.test_shadow import checks_done
+from tests.support import collector_samples, sample_sum
 
 # --- Spearman's rank correlation ------------------------------------------------------------------------
 
@@ -200,22 +200,11 @@ def test_without_gates_only_the_sums_move():
         stats.observe(signals(np.ones((5, 3)), gate=np.ones((4, 3))))
 
 
-def scrape(collector) -> dict:
-    registry = CollectorRegistry()
-    registry.register(collector)
-    text = generate_latest(registry).decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-    }
-
-
 def test_collector_exposes_each_layer_once_measured_and_the_headline_over_the_varying_gates():
     stats = LayerSignalStats(num_layers=3, reservoir=4)
     collector = LayerSignalsCollector(stats, "m")
     stats.observe(signals([[0.5, 0.25, 1.0], [0.5, 0.25, 2.0]], kl=[[1.0, 2.0, 0.0]] * 2, gate=[[0.3, 0.1, 0.2]] * 2))
-    samples = scrape(collector)
+    samples = collector_samples(collector)
 
     def layer(name: str, l: int):
         return samples.get((name, (("layer", str(l)), ("model_name", "m"))))
@@ -241,7 +230,7 @@ def test_collector_exposes_each_layer_once_measured_and_the_headline_over_the_va
             gate=[[0.1, 0.2, 0.1], [0.2, 0.2, 0.2], [0.3, 0.2, 0.3], [0.4, 0.2, 0.4], [0.5, 0.2, 0.5]],
         )
     )
-    samples = scrape(collector)
+    samples = collector_samples(collector)
     correlations = {
         dict(labels)["layer"]: value
         for (name, labels), value in samples.items()

@@ -9,7 +9,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from layerwatch import catalog
-from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum
+from tests.service.conftest import MODEL_NAME, NUM_LAYERS
+from tests.support import sample_sum
 
 
 def post(server, path: str, body: dict) -> dict:

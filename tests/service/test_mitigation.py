@@ -21,11 +21,12 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from alerts.specs import ALERTS
-from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
-from inference_shim.service import mitigation_receiver
-from inference_shim.service.depth import parse_rollout_levels
-from inference_shim.service.mitigation import (
+from layerwatch import http_listener, log_limit
+from layerwatch.alerts.specs import ALERTS
+from layerwatch.demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
+from layerwatch.inference_shim.service import mitigation_receiver
+from layerwatch.inference_shim.service.depth import parse_rollout_levels
+from layerwatch.inference_shim.service.mitigation import (
     ALERT_OUTCOMES,
     ALERTS_PER_LOCK_HOLD,
     MAX_ALERTS_PER_NOTIFICATION,
@@ -41,11 +42,16 @@ from inference_shim.service.mitigation import (
     RequestMitigation,
     parse_notification,
 )
-from inference_shim.service.mitigation_receiver import MAX_BODY_BYTES, WEBHOOK_PATH, MitigationReceiver, reserve
-from layerwatch import http_listener, log_limit
-from mixin import config
-from tests.service.conftest import MODEL_NAME, sample_sum
+from layerwatch.inference_shim.service.mitigation_receiver import (
+    MAX_BODY_BYTES,
+    WEBHOOK_PATH,
+    MitigationReceiver,
+    reserve,
+)
+from layerwatch.mixin import config
+from tests.service.conftest import MODEL_NAME
 from tests.slow_clients import Trickler
+from tests.support import sample_sum, wait_for
 
 TOKEN = b"mitigation-token-0123456789abcdef0123"
 T0 = datetime(2026, 12, 1, 3, 0, tzinfo=UTC)
@@ -130,7 +136,7 @@ def test_a_firing_alert_shadow_checks_the_next_n_requests_then_ends(caplog):
     state, registry, _ = mitigations(requests=3, shadow_rate=0.25)
     assert state.for_new_request() == NO_MITIGATION
     assert value(registry, "layerwatch_mitigation_shadow_rate") == 0.25
-    with caplog.at_level(logging.WARNING, logger="inference_shim.service.mitigation"):
+    with caplog.at_level(logging.WARNING, logger="layerwatch.inference_shim.service.mitigation"):
         assert apply(state, alert()) == ["started"]
         assert value(registry, "layerwatch_mitigations_active") == 1
         assert value(registry, "layerwatch_mitigation_shadow_rate") == 1
@@ -307,7 +313,7 @@ def test_settings_out_of_range_are_refused():
 
 
 def test_the_longest_mitigation_starts():
-    # Issue 27, item 10: 5e9 minutes were accepted, and the first mitigating alert raised
+    # Were 5e9 minutes accepted, the first mitigating alert would raise
     # OverflowError (a datetime past year 9999): no answer, no mitigation.
     state, registry, _ = mitigations(minutes=MAX_MITIGATION_MINUTES)
     assert apply(state, alert()) == ["started"]
@@ -560,9 +566,9 @@ def test_a_head_trickled_without_a_token_is_cut_off_with_408_and_counted_unautho
 
 
 def test_trickling_connections_without_the_token_cannot_lock_alertmanager_out():
-    """Issue 27, item 2: 32 connections trickling a head without a token held all 32 places of the
-    receiver, and Alertmanager's notifications were closed unanswered (17 of 21 over 45 s), the
-    attackers not counted. Now each new connection closes the one waiting longest for its head: the
+    """Unguarded, 32 connections trickling a head without a token hold all 32 places of the
+    receiver, and Alertmanager's notifications are closed unanswered (17 of 21 over 45 s), the
+    attackers not counted. Here each new connection closes the one waiting longest for its head: the
     notifications, whose heads arrive at once, are all served, and every attacker closed is
     counted as unauthorized. Default limits."""
     with running_receiver() as (address, state, registry):
@@ -606,8 +612,8 @@ def test_a_new_connection_gets_503_at_once_when_every_connection_has_its_request
     ids=["superscript", "digit-superscript", "sign", "list", "hex"],
 )
 def test_a_content_length_that_is_not_ascii_digits_gets_400_and_is_counted(length):
-    # Issue 27, item 9: '²' (byte 0xB2, as the header's Latin-1 reads it) passed str.isdigit()
-    # and failed int(): a traceback, a dropped connection, nothing counted.
+    # '²' (byte 0xB2, as the header's Latin-1 reads it) passes str.isdigit()
+    # and fails int(): a traceback, a dropped connection, nothing counted.
     with running_receiver() as (address, state, registry):
         head = authenticated_head(0).replace(b"Content-Length: 0", b"Content-Length: " + length)
         with socket.create_connection(address, timeout=10) as client:
@@ -618,7 +624,7 @@ def test_a_content_length_that_is_not_ascii_digits_gets_400_and_is_counted(lengt
 
 
 def test_refusals_are_counted_each_and_logged_at_a_bounded_rate(receiver, caplog):
-    # Issue 27, item 9: every refused request logged a WARNING line (5,000 in 12.7 s, 835 KiB).
+    # A WARNING line per refused request would be 5,000 lines in 12.7 s (835 KiB).
     url, _, registry = receiver
     with caplog.at_level(logging.WARNING):
         for _ in range(100):
@@ -676,13 +682,14 @@ def greedy(server, max_tokens: int = 6) -> None:
     assert response.status_code == 200, response.text
 
 
-def wait_for(server, name: str, at_least: float, timeout: float = 30.0, **labels: str) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
+def metrics_once(server, name: str, at_least: float, **labels: str) -> dict:
+    """The server's samples, once `name` counts at least `at_least`."""
+
+    def reached() -> dict | None:
         snapshot = server.metrics()
-        if sample_sum(snapshot, name, **labels) >= at_least or time.monotonic() > deadline:
-            return snapshot
-        time.sleep(0.1)
+        return snapshot if sample_sum(snapshot, name, **labels) >= at_least else None
+
+    return wait_for(reached, timeout=30, what=f"{name} >= {at_least}")
 
 
 def test_a_served_model_shadow_checks_the_requests_of_a_mitigations_budget(in_process, tmp_path):
@@ -695,7 +702,7 @@ def test_a_served_model_shadow_checks_the_requests_of_a_mitigations_budget(in_pr
     assert post(f"http://127.0.0.1:{port}", notification(alert())).json() == {"outcomes": ["started"]}
     for _ in range(3):  # the third is past the budget of 2
         greedy(server)
-    snapshot = wait_for(server, "layerwatch_shadow_tokens_total", 12)
+    snapshot = metrics_once(server, "layerwatch_shadow_tokens_total", 12)
     assert sample_sum(snapshot, "layerwatch_shadow_tokens_total") == 12  # 2 requests x 6 tokens
     assert sample_sum(snapshot, "layerwatch_mitigated_requests_total") == 2
     assert sample_sum(snapshot, "layerwatch_mitigations_ended_total", reason="requests") == 1
@@ -754,7 +761,7 @@ def test_a_paging_alert_demotes_the_staged_rollout_and_its_resolution_does_not_p
     )
     greedy(server, max_tokens=12)
     assert sample_sum(server.metrics(), "layerwatch_rollout_level") == 2
-    with caplog.at_level(logging.WARNING, logger="inference_shim.service.depth"):
+    with caplog.at_level(logging.WARNING, logger="layerwatch.inference_shim.service.depth"):
         post(f"http://127.0.0.1:{port}", notification(alert("LayerwatchRunawaySkipping", severity="warning")))
         assert sample_sum(server.metrics(), "layerwatch_rollout_level") == 2  # a ticket does not demote
         post(f"http://127.0.0.1:{port}", notification(alert(fingerprint="0f0f0f0f0f0f0f0f")))
@@ -783,7 +790,7 @@ def test_a_rotated_token_file_is_read_again_and_a_broken_replacement_keeps_the_l
     with caplog.at_level(logging.ERROR, logger="layerwatch.secret_file"):
         assert post(url, notification(alert()), f"Bearer {rotated.decode()}").status_code == 200
     assert "group or others may access it" in caplog.text and "stays in use" in caplog.text
-    # Issue 27, item 11: a token of bytes no header carries was "in use", and every request got 401.
+    # A token of bytes no header carries must not be "in use", with every request getting 401.
     token_file(tmp_path / "new", content="é".encode() * 20).replace(path)
     with caplog.at_level(logging.ERROR, logger="layerwatch.secret_file"):
         assert post(url, notification(alert()), f"Bearer {rotated.decode()}").status_code == 200
@@ -800,7 +807,7 @@ def test_a_rotated_token_file_is_read_again_and_a_broken_replacement_keeps_the_l
     ],
 )
 def test_an_unusable_token_file_stops_the_shim_before_the_model_loads(tmp_path, mode, content, problem):
-    from inference_shim.service.shim import ServeSettings, ShimService
+    from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
 
     path = token_file(tmp_path, mode, content)
     settings = ServeSettings(
@@ -813,7 +820,7 @@ def test_an_unusable_token_file_stops_the_shim_before_the_model_loads(tmp_path, 
 
 
 def test_the_receiver_needs_a_token_file_and_a_listening_address(tmp_path):
-    from inference_shim.service.shim import ServeSettings, ShimService
+    from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
 
     no_model = tmp_path / "no-model"
     with pytest.raises(ValueError, match="--mitigation-address needs --mitigation-token-file"):
@@ -852,7 +859,7 @@ def test_values_from_a_webhook_cannot_forge_log_fields_or_lines(in_process, tmp_
         rollout_levels=parse_rollout_levels("share=0;share=1"),
     )
     url = f"http://127.0.0.1:{port}"
-    with caplog.at_level(logging.WARNING, logger="inference_shim.service"):
+    with caplog.at_level(logging.WARNING, logger="layerwatch.inference_shim.service"):
         post(url, notification(alert(fingerprint=forged_fingerprint)))  # starts, pages: demotes to level 1
         post(url, notification(alert(forged_name, fingerprint="0f0f0f0f0f0f0f0f")))  # pages: no lower level
         post(url, notification(alert(status="resolved", fingerprint=forged_fingerprint)))  # ends
@@ -886,7 +893,7 @@ def test_a_malformed_label_name_cannot_forge_a_log_line(receiver, caplog):
     forged = "x\nMITIGATION_END alertname=X fingerprint=f reason=operator"
     body = json.loads(notification(alert()))
     body["alerts"][0]["labels"][forged] = 7  # not a string: the problem names the label
-    with caplog.at_level(logging.WARNING, logger="inference_shim.service"):
+    with caplog.at_level(logging.WARNING, logger="layerwatch.inference_shim.service"):
         response = post(url, json.dumps(body).encode())
     assert response.status_code == 400
     assert json.dumps(forged)[1:-1] in response.json()["error"]  # still named, escaped
@@ -960,7 +967,7 @@ def test_a_notification_still_arriving_at_shutdown_starts_no_mitigation(tiny_che
     pair: its connection is closed unanswered, and Alertmanager retries it (another replica, or
     this one restarted). One already being applied when the end comes is refused: its
     Mitigations.apply raises ShuttingDown."""
-    from inference_shim.service.shim import ServeSettings, ShimService
+    from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
 
     settings = ServeSettings(
         model_dir=tiny_checkpoint.path,

@@ -12,10 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
-from inference_shim.runtime.gates import GATES_FILE
-from inference_shim.service.shim import ServeSettings, ShimService
-from tests.service.conftest import NUM_LAYERS, FrameCapture, sample_sum, scrape
+from layerwatch.demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
+from layerwatch.inference_shim.runtime.gates import GATES_FILE
+from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
+from tests.service.conftest import NUM_LAYERS, FrameCapture
+from tests.support import sample_sum, scrape
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def test_without_a_gate_file_serve_exits_2_and_names_no_gates(ungated_folder):
 def test_no_gates_serves_a_chat_completion_at_full_depth_and_sends_no_frames(ungated_folder, tmp_path):
     capture = FrameCapture()
     port = free_port()
-    argv = [sys.executable, "-m", "layerwatch_cli.main", "serve", "--model", str(ungated_folder), "--no-gates"]
+    argv = [sys.executable, "-m", "layerwatch.cli.main", "serve", "--model", str(ungated_folder), "--no-gates"]
     shim = ManagedProcess(
         "serve",
         [*argv, "--port", str(port), "--exporter-address", capture.address],

@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 
-from inference_shim.offline.evaluation import teacher_forced_decode
+from layerwatch.inference_shim.offline.evaluation import teacher_forced_decode
 from tests.service.conftest import MODEL_NAME, NUM_LAYERS
 
 PROMPT = "In the beginning"
@@ -31,7 +31,7 @@ def client(server) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def full_depth(tiny_checkpoint):
     """An in-process server that skips nothing (threshold 0), and its openai client."""
-    from inference_shim.service.shim import ServeSettings, ShimService
+    from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
     from tests.service.conftest import InProcessServer
 
     settings = ServeSettings(
@@ -144,7 +144,7 @@ def test_several_prompts_string_and_token_ids(client, server):
     assert [c.text for c in batch.choices] == [r.choices[0].text for r in each]
     assert batch.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in each)
 
-    from inference_shim.runtime.checkpoint import load_checkpoint
+    from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
 
     tokenizer = load_checkpoint(server.checkpoint.path).tokenizer
     ids = [tokenizer.encode(p) for p in prompts]
@@ -277,7 +277,7 @@ def test_logit_bias_and_penalties_match_a_reference(full_depth):
     assert served(frequency_penalty=1.5, presence_penalty=0.5) == texts(with_penalties)
 
 
-# --- numerically safe sampling (hostile review, item 2) ------------------------------------------
+# --- numerically safe sampling -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("hostile", [{"temperature": 1e-300}, {"top_p": 1e-300}, {"temperature": 2.0, "top_p": 1e-300}])
@@ -419,7 +419,7 @@ def test_sampled_choices_never_hold_a_bad_word_and_keep_to_allowed_token_ids(ful
 
 
 def test_bans_that_leave_nothing_to_draw_are_refused(server):
-    from inference_shim.runtime.checkpoint import load_checkpoint
+    from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
 
     tokenizer = load_checkpoint(server.checkpoint.path).tokenizer
     (token,) = tokenizer.encode(" the", add_special_tokens=False)

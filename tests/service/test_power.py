@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from inference_shim.service.power import (
+from layerwatch.inference_shim.service.power import (
     GPU_READINGS,
     GpuReading,
     MonotonicEnergy,
@@ -17,12 +17,11 @@ from inference_shim.service.power import (
     find_rapl_zones,
 )
 from tests.service.simulated_nvml import SimulatedNvml
+from tests.support import Sample, collector_samples
 
 
-def samples(collector) -> dict[tuple[str, tuple], float]:
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value for family in collector.collect() for s in family.samples
-    }
+def samples(collector) -> dict[Sample, float]:
+    return collector_samples(collector)
 
 
 def test_monotonic_energy_survives_a_driver_reload():

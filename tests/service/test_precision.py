@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from inference_shim.runtime.quantization import QuantizedLinear
-from inference_shim.service.shim import ServeSettings, ShimService
+from layerwatch.inference_shim.runtime.quantization import QuantizedLinear
+from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
 
 from .conftest import MODEL_NAME
 
@@ -31,7 +31,7 @@ def test_serve_quantized_answers_with_the_gates_of_its_float_weights(in_process,
     "settings, message",
     [
         ({"dtype": "float16"}, "--dtype float16 is slow on the CPU"),
-        # Hostile review, round eight: meta (or mps, xpu on this build) was a traceback from the first
+        # Unguarded, meta (or mps, xpu on this build) is a traceback from the first
         # tensor op, seconds into loading. (int8 on a GPU: tests/model/test_quantization.py.)
         ({"device": "meta"}, "--device meta: the model runs on cpu or cuda"),
         ({"device": "mps"}, "--device mps: the model runs on cpu or cuda"),

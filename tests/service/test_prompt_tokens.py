@@ -9,7 +9,7 @@ import httpx
 import torch
 from transformers import AutoTokenizer
 
-from inference_shim.service.shim import ServeSettings, ShimService
+from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
 from tests.service.conftest import MODEL_NAME, InProcessServer
 
 # ChatML, which writes no BOS, on a tokenizer that prepends BOS to plain text.

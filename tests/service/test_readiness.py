@@ -5,7 +5,8 @@ from __future__ import annotations
 import httpx
 import torch
 
-from tests.service.conftest import MODEL_NAME, sample_sum
+from tests.service.conftest import MODEL_NAME
+from tests.support import sample_sum
 
 
 def test_live_server_is_healthy_and_ready(server):

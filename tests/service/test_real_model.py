@@ -13,18 +13,18 @@ import sys
 import httpx
 import pytest
 
-from demo.processes import ManagedProcess, free_port
-from layerwatch_cli.main import main
+from layerwatch.cli.main import main
+from layerwatch.demo.processes import ManagedProcess, free_port
 
-# A real model predicts English prose: full-depth perplexity on the KJV is ~15 (issue 33 measured
-# 15.6 over its held-out chapters); an import that scrambled the weights or the tokenizer lands in
+# A real model predicts English prose: full-depth perplexity on the KJV is ~15 (15.6 measured
+# over its held-out chapters); an import that scrambled the weights or the tokenizer lands in
 # the hundreds or thousands (uniform over the vocabulary would be 49,152).
 PLAUSIBLE_PERPLEXITY = 40.0
 
 
 def test_serve_answers_a_sampled_chat_completion(real_model, tmp_path):
     port = free_port()
-    argv = [sys.executable, "-m", "layerwatch_cli.main", "serve", "--model", str(real_model.folder)]
+    argv = [sys.executable, "-m", "layerwatch.cli.main", "serve", "--model", str(real_model.folder)]
     argv += ["--port", str(port), "--max-batch-size", "1", "--depth-execution", "rows"]
     argv += ["--exporter-address", f"127.0.0.1:{free_port()}"]
     process = ManagedProcess("serve", argv, tmp_path / "serve.log", env={"OMP_NUM_THREADS": "1"})

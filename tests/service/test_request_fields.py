@@ -1,4 +1,4 @@
-"""Nothing a client sends is silently ignored (issue 22), against a live `layerwatch serve`: unknown,
+"""Nothing a client sends is silently ignored, against a live `layerwatch serve`: unknown,
 misspelled and unsupported fields get a 400 naming them; the chat-template fields are honoured as
 vLLM defines them or refused when the template would not read them; the context limits are visible
 (`/v1/models`, `/v1/models/{id}`, the errors); vLLM's `/tokenize` and `/detokenize` serve the
@@ -37,7 +37,7 @@ def client(server) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def templated(tiny_checkpoint, tmp_path_factory):
     """An in-process server of the tiny model whose checkpoint carries TEMPLATE (chat_template.jinja)."""
-    from inference_shim.service.shim import ServeSettings, ShimService
+    from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
     from tests.service.conftest import InProcessServer
 
     folder = tmp_path_factory.mktemp("templated") / MODEL_NAME

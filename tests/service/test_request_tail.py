@@ -16,13 +16,14 @@ import httpx
 import numpy as np
 import pytest
 
-from alerts.profile_file import PROFILES_DIR, load_profiles
-from inference_shim.runtime.demo_model import DEMO_MODEL_NAME
-from inference_shim.service.shim import ServeSettings
+from layerwatch.alerts.profile_file import PROFILES_DIR, load_profiles
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, REQUEST_FRACTION_BUCKETS
+from layerwatch.cli.serve import profile_runaway_fraction
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_NAME
+from layerwatch.inference_shim.service.shim import ServeSettings
 from layerwatch.trace import read_trace
-from layerwatch_cli.serve import profile_runaway_fraction
-from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum
+from tests.service.conftest import MODEL_NAME, NUM_LAYERS
+from tests.support import sample_sum
 
 THRESHOLD = 0.18  # the tiny gates' calibrated threshold
 Z = 1.2815515655446004  # one-sided 90 %
@@ -128,10 +129,10 @@ def test_serve_takes_the_cutoff_from_the_served_models_profile(tmp_path):
     assert profile_runaway_fraction(ServeSettings(model_dir=tmp_path / "other-model")) is None
     (tmp_path / "broken.yaml").write_text("model_name: [")
     assert profile_runaway_fraction(ServeSettings(model_dir=Path("x"), model_name="x"), tmp_path) is None
-    # Issue 27, item 8: these stopped serve at start with a traceback (UnicodeDecodeError, RecursionError).
+    # Unchecked, these stop serve at start with a traceback (UnicodeDecodeError, RecursionError).
     (tmp_path / "latin-1.yaml").write_bytes("model_name: café\n".encode("latin-1"))
     (tmp_path / "deep.yaml").write_text("model_name: " + "[" * 5000 + "]" * 5000)
-    # Hostile review 4 (issue 31), 9: and this with OverflowError.
+    # And this one with OverflowError.
     demo_text = (PROFILES_DIR / "demo.yaml").read_text()
     (tmp_path / "huge.yaml").write_text(demo_text.replace("threshold: 0.18", "threshold: " + "9" * 401))
     (tmp_path / "z-demo.yaml").write_bytes((PROFILES_DIR / "demo.yaml").read_bytes())  # sorted after them

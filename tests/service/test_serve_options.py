@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from demo.processes import LAYERWATCH_COMMAND
-from inference_shim.service.shim import ServeSettings, ShimService, resolve_limits
+from layerwatch.demo.processes import LAYERWATCH_COMMAND
+from layerwatch.inference_shim.service.shim import ServeSettings, ShimService, resolve_limits
 from layerwatch.trace import read_trace
 from tests.service.conftest import MODEL_NAME
 
@@ -129,11 +129,11 @@ WATCH_REFUSED = r"--gates-watch-seconds must be 0 \(never\) or a number from 0.1
         ({"max_waiting_requests": -1}, "--max-waiting-requests must be >= 0"),
         ({"drain_timeout_seconds": -1.0}, "--drain-timeout-seconds must be >= 0"),
         ({"drain_timeout_seconds": float("nan")}, "--drain-timeout-seconds must be >= 0"),
-        # 1e300 (issue 27, item 10's class of bug) killed the watcher thread with OverflowError in Event.wait.
+        # 1e300 would kill the watcher thread with OverflowError in Event.wait.
         *(({"gates_watch_seconds": s}, WATCH_REFUSED) for s in (float("nan"), 1e-9, 0.05, -1.0, float("inf"), 1e300)),
         ({"mitigation_minutes": 5e9}, "--mitigation-minutes must be a positive number of at most 525600"),
         ({"max_batch_size": 10**9}, "--max-batch-size 1000000000: the KV cache for 1000000000 sequences"),
-        # Hostile review 2, H2: a name with an escape sequence reached label values and terminals.
+        # Unguarded, a name with an escape sequence reaches label values and terminals.
         ({"model_name": "demo\x1b[2J"}, r"--model-name 'demo\\x1b\[2J' holds '\\x1b', which is not printable"),
     ],
 )
@@ -144,7 +144,7 @@ def test_queue_drain_and_watch_settings_out_of_range_are_refused(tiny_checkpoint
 
 @pytest.mark.parametrize("address", ["255.255.255.255:9410", "[fe80::1]:9410"])
 def test_an_exporter_address_frames_cannot_be_sent_to_is_refused_naming_the_flag(tiny_checkpoint, address):
-    # Hostile review 4 (issue 31), 7: connect's OSError ("[Errno 13] Permission denied") named nothing.
+    # Unguarded, connect's OSError ("[Errno 13] Permission denied") names nothing.
     host = address.rpartition(":")[0].strip("[]")
     message = rf"--exporter-address, --shim-id\): exporter address '{re.escape(address)}': cannot send to '{host}'"
     with pytest.raises(ValueError, match=message):
@@ -154,7 +154,7 @@ def test_an_exporter_address_frames_cannot_be_sent_to_is_refused_naming_the_flag
 @pytest.mark.parametrize(
     "flags, message",
     [
-        # Issue 27, item 10: the first mitigating alert raised OverflowError; the mitigation never started.
+        # Unchecked, the first mitigating alert raises OverflowError; the mitigation never starts.
         (["--mitigation-minutes", "5e9"], "--mitigation-minutes must be a positive number of at most 525600"),
         (["--gates-watch-seconds", "1e300"], "--gates-watch-seconds must be 0 (never) or a number from 0.1"),
         (["--port", "70000"], "argument --port: must be 0..65535, got 70000"),  # was an OverflowError traceback
@@ -179,7 +179,7 @@ def test_the_prompt_size_bound_is_the_token_limit_times_the_longest_token():
 
 
 def test_a_fifo_as_trace_file_stops_the_start_at_once(tiny_checkpoint, tmp_path):
-    # Issue 27, item 12: serve waited in open() for a reader for ever, holding its port.
+    # Unchecked, serve waits in open() for a reader for ever, holding its port.
     fifo = tmp_path / "trace.fifo"
     os.mkfifo(fifo)
     argv = ["serve", "--model", str(tiny_checkpoint.path), "--exporter-address", "", "--port", "0"]

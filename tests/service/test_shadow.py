@@ -8,14 +8,15 @@ import httpx
 import torch
 from prometheus_client import CollectorRegistry
 
-from inference_shim.runtime.agreement import SHADOW_TOP_K, ShadowJob, full_depth_agreement
-from inference_shim.runtime.checkpoint import load_checkpoint
-from inference_shim.runtime.engine import GenerationEngine, SamplingParams
-from inference_shim.service.metrics import SHADOW_OUTCOMES, ShadowMetrics
-from inference_shim.service.shadow import QUEUE_LIMIT, ShadowChecker
 from layerwatch.catalog import METRICS
+from layerwatch.inference_shim.runtime.agreement import SHADOW_TOP_K, ShadowJob, full_depth_agreement
+from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams
+from layerwatch.inference_shim.service.metrics import SHADOW_OUTCOMES, ShadowMetrics
+from layerwatch.inference_shim.service.shadow import QUEUE_LIMIT, ShadowChecker
 from layerwatch.skip_policy import SkipPolicyConfig
-from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum, tiny_gates, uniform_record
+from tests.service.conftest import MODEL_NAME, NUM_LAYERS, tiny_gates, uniform_record
+from tests.support import sample_sum
 
 SHADOW_COUNTERS = (
     "layerwatch_shadow_tokens_total",

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
-from inference_shim.runtime.chat_template import RENDER_SECONDS
+from layerwatch.inference_shim.runtime.chat_template import RENDER_SECONDS
 
 from .conftest import MODEL_NAME, InProcessServer
 
@@ -25,7 +25,7 @@ CLIENTS = 7  # more than the event loop's default worker threads on a 2-core mac
 def test_renders_that_loop_are_stopped_and_a_plain_completion_is_answered_meanwhile(tiny_checkpoint, tmp_path):
     """Before: 7 such chats held a worker thread each for good (a disconnect did not stop them), and a
     plain /v1/completions sent after them timed out."""
-    from inference_shim.service.shim import ServeSettings, ShimService
+    from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
 
     folder = tmp_path / MODEL_NAME
     shutil.copytree(tiny_checkpoint.path, folder)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.service.conftest import MODEL_NAME, NUM_LAYERS, sample_sum
+from tests.service.conftest import MODEL_NAME, NUM_LAYERS
+from tests.support import sample_sum
 
 COMPLETION = {"prompt": "And the evening and the morning", "max_tokens": 14, "temperature": 0}
 REQUESTS = {

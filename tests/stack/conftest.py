@@ -47,9 +47,9 @@ def docker_compose() -> str:
 
 @pytest.fixture(scope="session")
 def reference_profiles():
-    from alerts.profile_file import load_profiles
+    from layerwatch.alerts.profile_file import load_profiles
 
-    return load_profiles(REPO / "alerts" / "profiles")
+    return load_profiles(REPO / "layerwatch" / "alerts" / "profiles")
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """What the end-to-end stacks share (tests/stack/test_end_to_end.py, test_fleet.py): the scaled timing,
 the command lines of the layerwatch processes, load, where an alert is routed (the pager and ticket
-receivers are demo/receiver.py's), and the queries a test sends to Prometheus as Grafana would."""
+receivers are layerwatch/demo/receiver.py's), and the queries a test sends to Prometheus as Grafana would."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import urllib.request
 from dataclasses import astuple
 from pathlib import Path
 
-from alerts.durations import Timing
-from alerts.recorded import Recorded
-from demo.loadgen import LoadReport, run_load
-from demo.processes import ManagedProcess
-from demo.receiver import PAGER_PATH, TICKET_PATH
+from layerwatch.alerts.durations import Timing
+from layerwatch.alerts.recorded import Recorded
+from layerwatch.demo.loadgen import LoadReport, run_load
+from layerwatch.demo.processes import ManagedProcess
+from layerwatch.demo.receiver import PAGER_PATH, TICKET_PATH
 
 TIME_SCALE = 0.01  # 5m -> 3s, 10m -> 6s, 1h -> 36s
 SCRAPE_INTERVAL = 1.0
@@ -132,7 +132,7 @@ def receiver(alert: dict) -> str:
 
 
 class Load:
-    """Sampled completions in the background, at temperature 1.0 and 0.7 (demo.loadgen.TEMPERATURES)."""
+    """Sampled completions in the background, at temperature 1.0 and 0.7 (layerwatch.demo.loadgen.TEMPERATURES)."""
 
     def __init__(self, base_url: str, model_name: str) -> None:
         self.stop_event = threading.Event()

@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-from dashboards import overview
-from mixin import config
+from layerwatch.dashboards import overview
+from layerwatch.mixin import config
 
 from .conftest import REPO
 
 
 @pytest.fixture(scope="module")
 def dashboard() -> dict:
-    return json.loads((REPO / "dashboards" / "json" / "overview.json").read_text())
+    return json.loads((REPO / "layerwatch" / "dashboards" / "json" / "overview.json").read_text())
 
 
 def panels(dashboard: dict) -> list[dict]:
@@ -116,7 +116,7 @@ def test_routing_sits_beside_the_bimodality_verdict(dashboard: dict) -> None:
 
 def test_windows_and_profile_series_are_not_typed_out() -> None:
     """The histogram's window follows the rate window; profile series names come from the rules."""
-    source = (REPO / "dashboards" / "overview.py").read_text()
+    source = (REPO / "layerwatch" / "dashboards" / "overview.py").read_text()
     assert "[5m]" not in source and "5 minutes" not in source and "model_name:layerwatch_profile" not in source
 
 
@@ -128,5 +128,5 @@ def test_entropy_heatmap_reads_the_histogram_as_buckets(dashboard: dict) -> None
 def test_build_is_deterministic_and_matches_the_committed_json() -> None:
     first, _ = overview.render()
     second, queries = overview.render()
-    assert first == second == (REPO / "dashboards" / "json" / "overview.json").read_text()
+    assert first == second == (REPO / "layerwatch" / "dashboards" / "json" / "overview.json").read_text()
     assert len(queries) >= 30

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import tomllib
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,12 +19,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy import render as deploy
-from mixin import config
+from layerwatch.deploy import render as deploy
+from layerwatch.mixin import config
+from tests.support import wait_for
 
 from .conftest import REPO, require_binary, run_tool
 
-COMMITTED_ALERTMANAGER = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
+COMMITTED_ALERTMANAGER = REPO / "layerwatch" / "deploy" / "alertmanager" / "alertmanager.yml"
 COMPOSE_FILES = (REPO / "docker-compose.yml", REPO / "docker-compose.gpu.yml")
 
 
@@ -75,7 +75,7 @@ def test_remote_write_is_rendered_only_when_asked_and_promtool_accepts_it(
         {"url": "http://127.0.0.1:8428/api/v1/write"},
         {"url": "https://mimir.example/api/v1/push"},
     ]
-    committed = yaml.safe_load((REPO / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    committed = yaml.safe_load((REPO / "layerwatch" / "deploy" / "prometheus" / "prometheus.yml").read_text())
     assert "remote_write" not in committed  # config.REMOTE_WRITE_URLS is empty
 
 
@@ -114,9 +114,9 @@ def test_remote_write_refuses_duplicates_and_a_bare_string(urls, problem: str) -
 
 
 def test_rules_glob_never_matches_the_promtool_tests() -> None:
-    rules_dir = REPO / "alerts" / "generated"
+    rules_dir = REPO / "layerwatch" / "alerts" / "generated"
     assert [p.name for p in rules_dir.glob(deploy.RULES_GLOB)] == [deploy.RULES_FILE]
-    assert not list((REPO / "alerts" / "tests").glob(deploy.RULES_GLOB))
+    assert not list((REPO / "layerwatch" / "alerts" / "tests").glob(deploy.RULES_GLOB))
 
 
 @pytest.mark.parametrize("which", ["rendered", "committed"])
@@ -198,16 +198,6 @@ class Webhooks:
 
 def alert(name: str, severity: str, **labels: str) -> dict:
     return {"labels": {"alertname": name, "severity": severity, **labels}, "annotations": {"summary": name}}
-
-
-def wait_for(predicate, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    return predicate()
 
 
 @pytest.mark.parametrize(
@@ -327,10 +317,10 @@ def _states(api: str) -> dict[tuple[str, str, str], bool]:
 
 
 def test_grafana_datasource_interval_equals_the_scrape_interval() -> None:
-    prometheus = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
-    datasources = yaml.safe_load((REPO / "deploy/grafana/provisioning/datasources/layerwatch.yaml").read_text())[
-        "datasources"
-    ]
+    prometheus = yaml.safe_load((REPO / "layerwatch/deploy/prometheus/prometheus.yml").read_text())
+    datasources = yaml.safe_load(
+        (REPO / "layerwatch/deploy/grafana/provisioning/datasources/layerwatch.yaml").read_text()
+    )["datasources"]
     assert datasources[0]["uid"] == config.GRAFANA_DATASOURCE_UID
     assert datasources[0]["jsonData"]["timeInterval"] == prometheus["global"]["scrape_interval"]
 
@@ -357,10 +347,10 @@ def test_the_documented_override_for_a_model_without_gates_passes_serves_checks(
     """docs/deploy.md's override for a model without gates, on top of compose's own environment: the
     settings `serve --no-gates` refuses are all at their defaults (compose's LAYERWATCH_SHADOW_RATE
     0.05 made the documented `LAYERWATCH_NO_GATES: "true"` exit 2 naming --shadow-rate)."""
-    from inference_shim.service.settings import GATED_SETTINGS
+    from layerwatch.cli.main import build_parser
+    from layerwatch.cli.serve import settings_from_arguments
+    from layerwatch.inference_shim.service.settings import GATED_SETTINGS
     from layerwatch.settings import changed_from_default
-    from layerwatch_cli.main import build_parser
-    from layerwatch_cli.serve import settings_from_arguments
 
     blocks = re.findall(r"```yaml\n(.*?)```", (REPO / "docs/deploy.md").read_text(), re.DOTALL)
     (override,) = [yaml.safe_load(b) for b in blocks if "LAYERWATCH_NO_GATES" in b]
@@ -380,9 +370,9 @@ def test_compose_publishes_on_loopback_and_mounts_the_generated_files() -> None:
             assert port.startswith("127.0.0.1:"), (name, port)
     assert "--host" in services["shim"]["command"] and "0.0.0.0" in services["shim"]["command"]
     mounts = {v.split(":")[0]: v.split(":")[1] for s in services.values() for v in s.get("volumes", [])}
-    assert mounts["./alerts/generated"] == "/etc/prometheus/rules"
-    assert mounts["./dashboards/json"] == config.GRAFANA_DASHBOARD_DIR
-    prometheus = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
+    assert mounts["./layerwatch/alerts/generated"] == "/etc/prometheus/rules"
+    assert mounts["./layerwatch/dashboards/json"] == config.GRAFANA_DASHBOARD_DIR
+    prometheus = yaml.safe_load((REPO / "layerwatch/deploy/prometheus/prometheus.yml").read_text())
     assert prometheus["rule_files"] == [f"/etc/prometheus/rules/{deploy.RULES_GLOB}"]
     for path in mounts:
         if path.startswith("./"):
@@ -393,12 +383,12 @@ def test_dockerfiles_run_as_non_root_and_pin_torch_like_pyproject() -> None:
     serve = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serve"]
     (torch_pin,) = [d for d in serve if d.startswith("torch")]
     for name in ("shim.Dockerfile", "exporter.Dockerfile"):
-        text = (REPO / "deploy" / name).read_text()
+        text = (REPO / "layerwatch" / "deploy" / name).read_text()
         users = re.findall(r"^USER (\S+)", text, re.M)
         assert users and users[-1] not in ("root", "0"), name
-    shim = (REPO / "deploy" / "shim.Dockerfile").read_text()
+    shim = (REPO / "layerwatch" / "deploy" / "shim.Dockerfile").read_text()
     assert f"ARG TORCH_VERSION={torch_pin.split('==')[1]}" in shim
-    assert "[serve]" not in (REPO / "deploy" / "exporter.Dockerfile").read_text()
+    assert "[serve]" not in (REPO / "layerwatch" / "deploy" / "exporter.Dockerfile").read_text()
 
 
 # Runs a command with only `folders` importable from the project: the editable install's finder,
@@ -407,7 +397,7 @@ _IMAGE_PYTHON = """
 import sys
 sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
 sys.path.insert(0, sys.argv[1])
-from layerwatch_cli.main import main
+from layerwatch.cli.main import main
 sys.argv = ["layerwatch", *sys.argv[2:]]
 try:
     main()
@@ -420,10 +410,16 @@ except SystemExit as exc:
 def test_each_image_copies_every_package_its_command_imports(tmp_path: Path, dockerfile: str, command: str) -> None:
     """The image's COPY lines are the whole project inside it: its command must start (--help
     imports the command and its libraries) from those folders alone."""
-    copied = re.findall(r"^COPY (\w+) \./\1$", (REPO / "deploy" / dockerfile).read_text(), re.M)
-    assert copied, dockerfile
-    for folder in copied:
-        shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    copies = re.findall(r"^COPY ((?:\S+ )+)\./(\S+)$", (REPO / "layerwatch" / "deploy" / dockerfile).read_text(), re.M)
+    assert copies, dockerfile
+    for sources, destination in copies:
+        for path in (found for pattern in sources.split() for found in REPO.glob(pattern)):
+            target = tmp_path / destination / path.name if destination.endswith("/") else tmp_path / destination
+            if path.is_dir():
+                shutil.copytree(path, target, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, target)
     image_env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}  # only what is copied
     result = subprocess.run(
         [sys.executable, "-c", _IMAGE_PYTHON, str(tmp_path), command, "--help"],

@@ -12,7 +12,7 @@ One stack per module (`stack` fixture); the tests are phases and run in file ord
    LayerwatchShadowQualityCost;
    3b. the shim restarted with `--shadow-rate 0` (the demo profile expects checks) tickets
    LayerwatchQualityGuardBlind;
-4. back to healthy, a small category of garbled transcripts (demo.loadgen.STUTTER) pages
+4. back to healthy, a small category of garbled transcripts (layerwatch.demo.loadgen.STUTTER) pages
    LayerwatchRequestTailRunaway while the global skip ratio barely moves;
 5. every alert resolves (the static gates' hash leaves the gate change's window); then the shim
    restarted with `--reset-gates` (the field's "gate weights overwritten" incident) pages
@@ -23,17 +23,17 @@ One stack per module (`stack` fixture); the tests are phases and run in file ord
 7. the shim restarted with `--scramble-gates` (each gate on its layer, reading a permuted hidden
    state) pages LayerwatchGateMiscalibrated too, naming the layers below their floors;
 8. every query of every dashboard panel returns data from this Prometheus.
-The load is sampled only (temperature 1.0 and 0.7, demo.loadgen.TEMPERATURES): the shadow check
+The load is sampled only (temperature 1.0 and 0.7, layerwatch.demo.loadgen.TEMPERATURES): the shadow check
 compares requests at any temperature.
 Arrival is asserted through Alertmanager's API v2 and through the webhook receivers the rendered
 alertmanager.yml routes to (a loopback HTTP server standing in for the pager and ticket bridges).
 
-The configuration is `deploy.render.render_stack` with every window, `for:` and Alertmanager
+The configuration is `layerwatch.deploy.render.render_stack` with every window, `for:` and Alertmanager
 wait scaled by TIME_SCALE. The time from each fault to its page is printed at the end (run with -s)
 and recorded in docs/end-to-end.md.
 
 The shim serves the embedded demo model; its alerts come from its committed, calibrated profile
-(alerts/profiles/demo.yaml), rendered together with every other committed profile as in production.
+(layerwatch/alerts/profiles/demo.yaml), rendered together with every other committed profile as in production.
 """
 
 from __future__ import annotations
@@ -52,19 +52,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from alerts.durations import Timing, parse_duration
-from alerts.profile import Profile
-from alerts.profile_file import load_profiles
-from alerts.recorded import Recorded
-from alerts.rules import PROFILE_SERIES
-from alerts.specs import AGREEMENT_NOISE_Z
-from demo.loadgen import STUTTER, Category, LoadReport, run_load
-from demo.processes import ManagedProcess, free_port
-from demo.receiver import WebhookReceiver
-from deploy.render import render_stack
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
-from inference_shim.service.power import NvmlReader, find_rapl_zones
-from mixin import config
+from layerwatch.alerts.durations import Timing, parse_duration
+from layerwatch.alerts.profile import Profile
+from layerwatch.alerts.profile_file import load_profiles
+from layerwatch.alerts.recorded import Recorded
+from layerwatch.alerts.rules import PROFILE_SERIES
+from layerwatch.alerts.specs import AGREEMENT_NOISE_Z
+from layerwatch.demo.loadgen import STUTTER, Category, LoadReport, run_load
+from layerwatch.demo.processes import ManagedProcess, free_port
+from layerwatch.demo.receiver import WebhookReceiver
+from layerwatch.deploy.render import render_stack
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from layerwatch.inference_shim.service.power import NvmlReader, find_rapl_zones
+from layerwatch.mixin import config
 
 from .conftest import REPO
 from .support import (
@@ -88,7 +88,7 @@ from .support import (
 
 pytestmark = pytest.mark.e2e
 
-PROFILES_DIR = REPO / "alerts" / "profiles"
+PROFILES_DIR = REPO / "layerwatch" / "alerts" / "profiles"
 
 
 # --- the stack -----------------------------------------------------------------------------------
@@ -568,7 +568,7 @@ def _requests_above_cutoff(stack: Stack) -> float:
 
 
 def test_request_tail_category_pages_while_the_skip_ratio_barely_moves(stack: Stack) -> None:
-    """Three more clients, started 0.7 s apart, sending the garbled transcripts of demo.loadgen.STUTTER
+    """Three more clients, started 0.7 s apart, sending the garbled transcripts of layerwatch.demo.loadgen.STUTTER
     back to back next to the healthy load, each request skipping about 0.38 of its layer evaluations.
     Not the benchmark's 5 % of traffic (benchmarks/request_tail.py, over real 5-minute windows): at
     this time scale the rate window is 3 s and holds about a dozen requests, and the tail must be in
@@ -754,7 +754,7 @@ def test_scrambled_gates_page_gate_miscalibrated(stack: Stack) -> None:
 
 # --- phase 8: the dashboard ----------------------------------------------------------------------------
 
-DASHBOARD = json.loads((REPO / "dashboards" / "json" / "overview.json").read_text())
+DASHBOARD = json.loads((REPO / "layerwatch" / "dashboards" / "json" / "overview.json").read_text())
 PANELS = [panel for panel in DASHBOARD["panels"] if panel["type"] != "row"]
 # Series that exist only where the host exposes them: NVML's (a GPU and its driver, and a GPU that
 # offers the reading: a passively cooled one has no fans) and RAPL's. Needle in a query -> reading.
@@ -828,7 +828,7 @@ def test_dashboard_panel_has_data(stack: Stack, panel: dict) -> None:
             lacking.append(f"target {target['refId']} needs {needs}")
             continue
         # The distance from a recorded healthy histogram and its limit: the demo's profile records none
-        # (its shape has two humps, which the single_peak trigger reads); alerts/tests/shape.test.yaml
+        # (its shape has two humps, which the single_peak trigger reads); layerwatch/alerts/tests/shape.test.yaml
         # computes them for SmolLM2's, which does.
         if any(name in expr for name in shape_series) and not stack.profile.bimodality.histogram:
             unrecorded.append(f"target {target['refId']} needs a profile that records the healthy histogram")

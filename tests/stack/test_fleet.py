@@ -25,13 +25,13 @@ from pathlib import Path
 
 import pytest
 
-from alerts.durations import Timing
-from alerts.profile_file import load_profiles
-from alerts.recorded import Recorded
-from demo.processes import ManagedProcess, free_port
-from demo.receiver import WebhookReceiver
-from deploy.render import render_stack
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from layerwatch.alerts.durations import Timing
+from layerwatch.alerts.profile_file import load_profiles
+from layerwatch.alerts.recorded import Recorded
+from layerwatch.demo.processes import ManagedProcess, free_port
+from layerwatch.demo.receiver import WebhookReceiver
+from layerwatch.deploy.render import render_stack
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 
 from .conftest import REPO
 from .support import (
@@ -167,7 +167,7 @@ def fleet(
     members = (f.a, f.b)
     rendered = render_stack(
         workdir / "config",
-        profiles=load_profiles(REPO / "alerts" / "profiles"),
+        profiles=load_profiles(REPO / "layerwatch" / "alerts" / "profiles"),
         shim_targets=[m.shim_instance for m in members],
         exporter_targets=[m.exporter_instance for m in members],
         alertmanager_target=f"127.0.0.1:{f.alertmanager_port}",
@@ -234,7 +234,7 @@ def _fleet_counts(fleet: Fleet) -> tuple[list[float], list[float]]:
 
 def _panel_targets(title: str) -> list[dict]:
     """The panel's targets, their queries as Grafana sends them (every instance of the demo model)."""
-    dashboard = json.loads((REPO / "dashboards" / "json" / "overview.json").read_text())
+    dashboard = json.loads((REPO / "layerwatch" / "dashboards" / "json" / "overview.json").read_text())
     (panel,) = [p for p in dashboard["panels"] if p["title"] == title]
     return [{**t, "expr": dashboard_expr(t["expr"], DEMO_MODEL_NAME, ".*")} for t in panel["targets"]]
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from alerts.specs import PER_MODEL_ALERTS
-from demo.processes import LAYERWATCH_COMMAND
-from deploy import artifacts
 from layerwatch import catalog
+from layerwatch.alerts.specs import PER_MODEL_ALERTS
+from layerwatch.demo.processes import LAYERWATCH_COMMAND
+from layerwatch.deploy import artifacts
 from layerwatch.promql import UnknownMetricError, check_queries, known_series, metric_names
 
 from .conftest import REPO, run_tool
@@ -32,7 +32,7 @@ def layerwatch(*args: str | Path) -> subprocess.CompletedProcess:
 @pytest.fixture()
 def tree(tmp_path: Path) -> Path:
     """A repository root holding only the profiles: what generation reads."""
-    shutil.copytree(REPO / "alerts" / "profiles", tmp_path / "alerts" / "profiles")
+    shutil.copytree(REPO / "layerwatch" / "alerts" / "profiles", tmp_path / "layerwatch" / "alerts" / "profiles")
     return tmp_path
 
 
@@ -54,24 +54,24 @@ def test_generate_writes_everything_then_check_passes(tree: Path) -> None:
 def test_check_names_each_stale_and_leftover_file(tree: Path) -> None:
     layerwatch("--root", tree)
     (tree / artifacts.DASHBOARD_PATH).write_text("{}\n")
-    (tree / "alerts" / "generated" / "old.rules.yaml").write_text("groups: []\n")
+    (tree / "layerwatch" / "alerts" / "generated" / "old.rules.yaml").write_text("groups: []\n")
     result = layerwatch("--root", tree, "--check")
     assert result.returncode == 1
     assert f"stale: {artifacts.DASHBOARD_PATH}" in result.stderr
-    assert "alerts/generated/old.rules.yaml (not generated any more" in result.stderr
+    assert "layerwatch/alerts/generated/old.rules.yaml (not generated any more" in result.stderr
     assert artifacts.RULES_PATH not in result.stderr
 
 
 def test_a_profile_change_makes_the_rules_stale(tree: Path) -> None:
     layerwatch("--root", tree)
-    profile = tree / "alerts" / "profiles" / "reference.yaml"
+    profile = tree / "layerwatch" / "alerts" / "profiles" / "reference.yaml"
     profile.write_text(profile.read_text().replace("runaway_skip_ratio: 0.85", "runaway_skip_ratio: 0.9"))
     result = layerwatch("--root", tree, "--check")
     assert result.returncode == 1 and f"stale: {artifacts.RULES_PATH}" in result.stderr
 
 
 def test_broken_profile_fails_with_a_clear_message(tree: Path) -> None:
-    profile = tree / "alerts" / "profiles" / "reference.yaml"
+    profile = tree / "layerwatch" / "alerts" / "profiles" / "reference.yaml"
     profile.write_text(profile.read_text().replace("threshold: 0.18", "threshold: 18"))
     result = layerwatch("--root", tree)
     assert result.returncode == 2
@@ -79,11 +79,11 @@ def test_broken_profile_fails_with_a_clear_message(tree: Path) -> None:
     assert not (tree / artifacts.RULES_PATH).exists()
 
 
-LONGEST_DURATION = "2562047h47m16s854ms"  # 2^63 - 1 ns, Prometheus' longest (alerts/durations.py)
+LONGEST_DURATION = "2562047h47m16s854ms"  # 2^63 - 1 ns, Prometheus' longest (layerwatch/alerts/durations.py)
 
 
 def edit_profile(tree: Path, **changes: object) -> Path:
-    path = tree / "alerts" / "profiles" / "reference.yaml"
+    path = tree / "layerwatch" / "alerts" / "profiles" / "reference.yaml"
     path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **changes}))
     return path
 
@@ -103,7 +103,7 @@ def test_rules_at_prometheus_limits_pass_promtool(tree: Path, promtool: str) -> 
 @pytest.mark.parametrize(
     "changes, problem",
     [
-        # Issue 27, item 5: generation exited 0 and wrote rules promtool refuses.
+        # Unchecked, generation exits 0 and writes rules promtool refuses.
         ({"model_name": "layerwatch-demo\n"}, "model_name: 'layerwatch-demo\\n' must match"),
         (
             {"drift": {"limit": 0.18, "window": "1000000000000000d"}},
@@ -128,7 +128,7 @@ def test_generate_refuses_what_prometheus_would(tree: Path, changes: dict, probl
 @pytest.mark.parametrize(
     "rewrite, problem",
     [
-        # Issue 27, item 8: the first two crashed generation with a traceback; the third was last-wins.
+        # Unchecked, the first two crash generation with a traceback; the third is last-wins.
         (lambda _: "model_name: café\n".encode("latin-1"), "not UTF-8 text (byte 15)"),
         (lambda _: b"model_name: " + b"[" * 5000 + b"]" * 5000, "nested too deeply"),
         (lambda original: original + b"\nthreshold: 0.5\n", "found key 'threshold' twice"),
@@ -136,7 +136,7 @@ def test_generate_refuses_what_prometheus_would(tree: Path, changes: dict, probl
     ids=["latin-1", "5000-deep", "duplicate-key"],
 )
 def test_an_unreadable_profile_fails_generation_naming_the_file(tree: Path, rewrite, problem: str) -> None:
-    path = tree / "alerts" / "profiles" / "reference.yaml"
+    path = tree / "layerwatch" / "alerts" / "profiles" / "reference.yaml"
     path.write_bytes(rewrite(path.read_bytes()))
     result = layerwatch("--root", tree)
     assert result.returncode == 2, result.stdout
@@ -146,7 +146,7 @@ def test_an_unreadable_profile_fails_generation_naming_the_file(tree: Path, rewr
 
 def test_generate_never_imports_torch() -> None:
     code = (
-        "import sys; from layerwatch_cli.main import main; rc = main(['generate', '--check']); "
+        "import sys; from layerwatch.cli.main import main; rc = main(['generate', '--check']); "
         "assert 'torch' not in sys.modules and 'inference_shim' not in sys.modules; sys.exit(rc)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)

@@ -1,4 +1,4 @@
-"""The generated Kubernetes base (deploy/kubernetes/): valid against the Kubernetes schemas and the
+"""The generated Kubernetes base (layerwatch/deploy/kubernetes/): valid against the Kubernetes schemas and the
 Prometheus Operator's CRD schemas, its rules pass promtool, and its pieces fit together.
 
 The CRD schemas in data/prometheus-operator-crds/ are the `openAPIV3Schema` of the v1 version of
@@ -17,10 +17,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deploy import manifests
 from layerwatch import ports
-from layerwatch_cli.main import build_parser
-from mixin import config
+from layerwatch.cli.main import build_parser
+from layerwatch.deploy import manifests
+from layerwatch.mixin import config
 
 from .conftest import REPO, run_tool
 
@@ -77,7 +77,7 @@ def test_the_crd_validation_has_teeth():
 
 def test_the_prometheus_rule_carries_the_generated_rules_and_promtool_accepts_them(promtool, tmp_path):
     groups = RESOURCES["PrometheusRule"]["spec"]
-    assert groups == yaml.safe_load((REPO / "alerts/generated/layerwatch.rules.yaml").read_text())
+    assert groups == yaml.safe_load((REPO / "layerwatch/alerts/generated/layerwatch.rules.yaml").read_text())
     rules = tmp_path / "from-prometheusrule.yaml"
     rules.write_text(yaml.safe_dump(groups))
     result = run_tool(promtool, "check", "rules", rules)
@@ -87,7 +87,7 @@ def test_the_prometheus_rule_carries_the_generated_rules_and_promtool_accepts_th
 def test_the_dashboard_config_map_carries_the_dashboard_for_grafanas_sidecar():
     config_map = RESOURCES["ConfigMap"]
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
-    assert config_map["data"] == {"overview.json": (REPO / "dashboards/json/overview.json").read_text()}
+    assert config_map["data"] == {"overview.json": (REPO / "layerwatch/dashboards/json/overview.json").read_text()}
     # `kubectl apply` keeps the whole object in an annotation limited to 256 KiB.
     assert len(json.dumps(config_map)) < 256 * 1024
 
@@ -143,7 +143,7 @@ def test_the_shim_asks_for_a_gpu_and_images_match_the_compose_stack():
 
 
 def test_a_busy_replica_stays_ready_and_the_exporter_cannot_unready_the_pod():
-    from inference_shim.service.readiness import PROBE_TIMEOUT_SECONDS
+    from layerwatch.inference_shim.service.readiness import PROBE_TIMEOUT_SECONDS
 
     # /readyz may wait behind a full batch for PROBE_TIMEOUT_SECONDS: the kubelet must wait longer, or
     # every saturated replica leaves the Service at once.

@@ -23,15 +23,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from alerts.durations import Timing
-from alerts.rules import to_yaml
-from demo.processes import ManagedProcess, free_port
-from demo.receiver import WebhookReceiver
-from deploy.render import HEADER, MitigationWebhook, alertmanager_config
-from inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
-from tests.service.conftest import sample_sum, scrape
+from layerwatch.alerts.durations import Timing
+from layerwatch.alerts.rules import to_yaml
+from layerwatch.demo.processes import ManagedProcess, free_port
+from layerwatch.demo.receiver import WebhookReceiver
+from layerwatch.deploy.render import HEADER, MitigationWebhook, alertmanager_config
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from tests.stack.conftest import run_tool
 from tests.stack.support import TIME_SCALE, alertmanager_alerts, alertmanager_argv
+from tests.support import sample_sum, scrape
 
 ALERTNAME = "LayerwatchRoutingStatic"
 TOKEN = "e2e-mitigation-token-" + "0123456789abcdef" * 2
@@ -128,7 +128,7 @@ def stack(tmp_path_factory, alertmanager_binary: str) -> Iterator[MitigationStac
             [
                 sys.executable,
                 "-m",
-                "layerwatch_cli.main",
+                "layerwatch.cli.main",
                 "serve",
                 "--port",
                 str(shim_port),

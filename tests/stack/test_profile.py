@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from alerts.durations import format_duration, parse_duration
-from alerts.profile import GateImportance, Profile
-from alerts.profile_file import ProfileError, dump_profile, load_profile, load_profiles
-from alerts.specs import PER_MODEL_ALERTS
+from layerwatch.alerts.durations import format_duration, parse_duration
+from layerwatch.alerts.profile import GateImportance, Profile
+from layerwatch.alerts.profile_file import ProfileError, dump_profile, load_profile, load_profiles
+from layerwatch.alerts.specs import PER_MODEL_ALERTS
 
 from .conftest import REPO
 
-REFERENCE = REPO / "alerts" / "profiles" / "reference.yaml"
+REFERENCE = REPO / "layerwatch" / "alerts" / "profiles" / "reference.yaml"
 
 
 def reference_data() -> dict:
@@ -47,7 +47,7 @@ def test_reference_profile_carries_the_field_numbers() -> None:
 
 
 def test_demo_profile_holds_its_measured_routing_baseline() -> None:
-    p = load_profile(REPO / "alerts" / "profiles" / "demo.yaml")
+    p = load_profile(REPO / "layerwatch" / "alerts" / "profiles" / "demo.yaml")
     assert p.routing.static_layers == (12, 13, 14)  # docs/exporter.md: the demo's static layers
     assert 0 < p.routing.share_floor < p.routing.token_dependent_share < 1
 
@@ -61,7 +61,7 @@ def test_dump_then_load_gives_the_same_profile(tmp_path: Path) -> None:
 
 def test_demo_profile_holds_its_measured_gate_floors() -> None:
     """Per-layer floors for the layers whose gates vary: not the protected first and last layers."""
-    g = load_profile(REPO / "alerts" / "profiles" / "demo.yaml").gate_importance
+    g = load_profile(REPO / "layerwatch" / "alerts" / "profiles" / "demo.yaml").gate_importance
     assert g.correlation is not None and 0 < g.correlation_min < g.correlation
     assert g.layer_floors and set(g.layer_floors) == set(g.layer_baselines) and not {0, 15} & set(g.layer_floors)
     assert all(g.layer_floors[layer] < g.layer_baselines[layer] for layer in g.layer_floors)
@@ -187,7 +187,7 @@ def test_a_recorded_shape_of_one_hump_loads(tmp_path: Path) -> None:
             "must be 1..",
         ),
         ({"skip_surge_factor": float("nan")}, "skip_surge_factor", "not a finite number"),
-        # Hostile review 4 (issue 31), 9: float() raised OverflowError, past serve's and generate's ProfileError.
+        # Unguarded, float() raises OverflowError, past serve's and generate's ProfileError.
         ({"threshold": 10**400}, "threshold", "an integer of 401 digits is not a finite number"),
         ({"patience": 10**400}, "patience", "an integer of 401 digits is more than a float64 holds exactly"),
         (

@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from alerts.durations import Timing
-from alerts.profile import GateImportance, Profile
-from alerts.recorded import GATE_LAYER_IMPORTANCE_FLOOR, Recorded
-from alerts.rules import PROFILE_SERIES, profile_series, render_rules, rule_groups
-from alerts.specs import ALERT_NAMES, ALERTS, AlertBuild, AlertSpec
-from mixin import config
+from layerwatch.alerts.durations import Timing
+from layerwatch.alerts.profile import GateImportance, Profile
+from layerwatch.alerts.recorded import GATE_LAYER_IMPORTANCE_FLOOR, Recorded
+from layerwatch.alerts.rules import PROFILE_SERIES, profile_series, render_rules, rule_groups
+from layerwatch.alerts.specs import ALERT_NAMES, ALERTS, AlertBuild, AlertSpec
+from layerwatch.mixin import config
 
 from .conftest import REPO, run_tool
 
-RULES = REPO / "alerts" / "generated" / "layerwatch.rules.yaml"
-TESTS = sorted((REPO / "alerts" / "tests").glob("*.test.yaml"))
+RULES = REPO / "layerwatch" / "alerts" / "generated" / "layerwatch.rules.yaml"
+TESTS = sorted((REPO / "layerwatch" / "alerts" / "tests").glob("*.test.yaml"))
 # The alert names docs/alerting.md promises. They are an interface (silences, routes, inhibitions
 # elsewhere match on them): renaming or dropping one must be deliberate.
 PROMISED_ALERTS = {
@@ -53,7 +53,7 @@ def test_promtool_check_rules_is_clean(promtool: str) -> None:
 
 
 def test_promtool_unit_tests_pass(promtool: str) -> None:
-    assert TESTS, "no promtool tests in alerts/tests"
+    assert TESTS, "no promtool tests in layerwatch/alerts/tests"
     result = run_tool(promtool, "test", "rules", *TESTS)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -62,7 +62,7 @@ def _cases_of(alertname: str, tmp_path: Path) -> Path:
     """A copy of alerts.test.yaml holding only the groups that expect something of `alertname`,
     beside an empty generated/ folder for the rules under test (promtool runs the whole file in
     ~5 s, these groups in well under one)."""
-    cases = yaml.safe_load((REPO / "alerts" / "tests" / "alerts.test.yaml").read_text())
+    cases = yaml.safe_load((REPO / "layerwatch" / "alerts" / "tests" / "alerts.test.yaml").read_text())
     cases["tests"] = [
         group
         for group in cases["tests"]

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from layerwatch.inference_shim.runtime.skip_policy import decide_sequences
+from layerwatch.skip_policy import SkipPolicyConfig
+
 THRESHOLD, PATIENCE = 0.18, 3
 
 
@@ -24,22 +27,17 @@ def demo_scores(rng: np.random.Generator, tokens: int) -> np.ndarray:
     return np.clip(rng.normal(centres, 0.035, size=(tokens, len(centres))), 0, 1)
 
 
-def patience_skips(scores: np.ndarray) -> np.ndarray:
-    """A layer is skipped once its score stayed below the threshold for PATIENCE tokens."""
-    below = scores < THRESHOLD
-    run = np.zeros(scores.shape[1], dtype=int)
-    skipped = np.zeros_like(below)
-    for token, row in enumerate(below):
-        skipped[token] = run >= PATIENCE  # decided from the previous tokens' scores
-        run = np.where(row, run + 1, 0)
-    return skipped
+def policy_skips(scores: np.ndarray) -> np.ndarray:
+    """The skip policy's decisions for one sequence of [tokens, layers] scores (no protected layers)."""
+    config = SkipPolicyConfig(threshold=THRESHOLD, patience=PATIENCE, protected_layers=())
+    return decide_sequences(config, scores[None])[0]
 
 
 def main() -> None:
     rng = np.random.default_rng(20251130)
     demo = np.round(demo_scores(rng, 500), 4)
     flat = np.round(np.clip(rng.normal(0.5, 0.08, size=(250, 8)), 0, 1), 4)
-    demo_skipped = patience_skips(demo).astype(int)
+    demo_skipped = policy_skips(demo).astype(int)
     lines = []
     for token in range(500):
         lines.append({"model_name": "demo", "scores": demo[token].tolist(), "skipped": demo_skipped[token].tolist()})

@@ -1,0 +1,342 @@
+"""`layerwatch demo`: the whole stack on the embedded demo model, in one terminal.
+
+Starts the exporter and the shim (on the demo model, or the model --model names: layerwatch/demo/models.py has
+each one's serving, load and timing; `smollm2` is a real one), Prometheus and Alertmanager with the
+repo's own configs on scaled timing (the demo model's: the end-to-end test's) when their binaries are
+installed (Alertmanager delivering to a receiver in this process), and a load generator (sampled
+requests only, layerwatch/demo/loadgen.py); then shows the live entropy histogram with the alert state and the
+figures each page reads beside it (without Prometheus: the shim's shadow check since it started)
+until --duration, Ctrl-C, SIGTERM or SIGHUP (its terminal closed). With --drill, a fault is injected
+after a healthy baseline and the view shows its page arriving. Every process it started is stopped on
+the way out, whatever the way out is: the stop signals unwind to the `finally` below
+(layerwatch/cli/signals.py, which then exits by the signal), and a demo killed outright takes its
+processes with it (layerwatch/demo/processes.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+from layerwatch import argtypes, ports
+from layerwatch.alerts.profile_file import PROFILES_DIR, ProfileError, load_profiles
+from layerwatch.cli.signals import Stopped
+from layerwatch.demo.alert_view import AlertView
+from layerwatch.demo.drills import DRILLS, DrillRun
+from layerwatch.demo.loadgen import run_load
+from layerwatch.demo.models import DEFAULT_MODEL, DEMO_MODELS, demo_model, model_cache, serve_flags
+from layerwatch.demo.receiver import WebhookReceiver
+from layerwatch.demo.stack import DemoStack, host_port, monitoring_installed
+from layerwatch.exporter.live_view import CLEAR_SCREEN, Samples, ScrapeError, fit_view, render_samples, scrape, total
+
+INSTALL_HINT = "scripts/install-system-deps.sh --demo installs them (root or sudo)"
+STOP_HINT = "(Ctrl-C stops the demo)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        type=demo_model,
+        default=DEFAULT_MODEL,
+        metavar="NAME|DIR",
+        help="; ".join(f"{m.name}: {m.what}" for m in DEMO_MODELS.values())
+        + f" (default {DEFAULT_MODEL.name}); or a checkpoint folder",
+    )
+    parser.add_argument(
+        "--port", type=argtypes.port, default=ports.SHIM_HTTP_PORT, help="shim HTTP port (default %(default)s)"
+    )
+    parser.add_argument(
+        "--exporter-port",
+        type=argtypes.port,
+        default=ports.EXPORTER_HTTP_PORT,
+        help="exporter HTTP port (default %(default)s)",
+    )
+    parser.add_argument(
+        "--prometheus-port", type=argtypes.port, default=ports.PROMETHEUS_PORT, help="(default %(default)s)"
+    )
+    parser.add_argument(
+        "--alertmanager-port", type=argtypes.port, default=ports.ALERTMANAGER_PORT, help="(default %(default)s)"
+    )
+    parser.add_argument("--no-prometheus", action="store_true", help="do not start Prometheus and Alertmanager")
+    parser.add_argument(
+        "--drill",
+        choices=sorted(DRILLS),
+        default=None,
+        help="after --baseline seconds of healthy traffic, restart the shim with a fault and show its page: "
+        + "; ".join(f"{d.name}: {' '.join(d.serve_flags)} pages {d.page}" for d in DRILLS.values())
+        + "".join(
+            f" (on {m.name}: "
+            + "; ".join(f"{d.name}: {' '.join(d.serve_flags)}" for d in m.drill_overrides.values())
+            + ")"
+            for m in DEMO_MODELS.values()
+            if m.drill_overrides
+        ),
+    )
+    parser.add_argument(
+        "--baseline",
+        type=float,
+        default=None,
+        help="seconds of healthy traffic before a drill's fault (default: the model's, "
+        + _defaults("baseline_seconds")
+        + ")",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="load generator clients (default: " + _defaults("concurrency") + ")",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="tokens per generated completion (default: " + _defaults("max_tokens") + ")",
+    )
+    parser.add_argument(
+        "--shadow-rate",
+        type=float,
+        default=1.0,
+        help="share of requests the shim compares with the full-depth model, within its duty cycle "
+        "(default %(default)s, as in the end-to-end test: the shuffle drill's page needs the samples)",
+    )
+    parser.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0 = until Ctrl-C)")
+    parser.add_argument("--interval", type=argtypes.interval, default=2.0, help="seconds between screen refreshes")
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="where configs, logs and the Prometheus and Alertmanager data go (those two start empty every run; "
+        "default: a temporary folder, removed when the demo ends)",
+    )
+    parser.add_argument(
+        "--keep-workdir",
+        action="store_true",
+        help="keep the temporary folder when the demo ends, and print where it is (a --workdir, and the folder "
+        "of a demo that failed, are always kept)",
+    )
+
+
+def _defaults(setting: str) -> str:
+    """A flag's default on each demo model, in words: `demo 2, smollm2 1`."""
+    return ", ".join(f"{m.name} {getattr(m, setting):g}" for m in DEMO_MODELS.values())
+
+
+def run(args: argparse.Namespace) -> int:
+    model = args.model
+    baseline = model.baseline_seconds if args.baseline is None else args.baseline
+    concurrency = model.concurrency if args.concurrency is None else args.concurrency
+    max_tokens = model.max_tokens if args.max_tokens is None else args.max_tokens
+    drill = model.drill(args.drill) if args.drill else None
+    monitoring = not args.no_prometheus and monitoring_installed()
+    if drill is not None and not monitoring:
+        why = "--no-prometheus was given" if args.no_prometheus else f"they are not installed: {INSTALL_HINT}"
+        print(f"layerwatch demo: --drill needs Prometheus and Alertmanager to page; {why}", file=sys.stderr)
+        return 2
+    taken = taken_port(args, monitoring)
+    if taken is not None:
+        print(f"layerwatch demo: {taken}: stop what holds it, or give the demo another", file=sys.stderr)
+        return 2
+    temporary = args.workdir is None
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="layerwatch-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    failed = False
+    stack = DemoStack(workdir, model.timing)
+    receiver = WebhookReceiver() if monitoring else None
+    stop = threading.Event()
+    drill_run: DrillRun | None = None
+    interrupted = False
+    try:
+        model_flags = serve_flags(model, model_cache(), _say)
+        shim_url, exporter_url = stack.start_core(
+            port=args.port, exporter_port=args.exporter_port, shadow_rate=args.shadow_rate, model_flags=model_flags
+        )
+        lines = [
+            f"shim (OpenAI API)  {shim_url}/v1   metrics {shim_url}/metrics",
+            f"exporter           {exporter_url}/metrics",
+        ]
+        view = None
+        if receiver is not None:
+            profiles = load_profiles(PROFILES_DIR)
+            prometheus_url = stack.start_prometheus(
+                shim_url,
+                exporter_url,
+                profiles=profiles,
+                receiver=receiver,
+                prometheus_port=args.prometheus_port,
+                alertmanager_port=args.alertmanager_port,
+            )
+            view = AlertView(prometheus_url, profiles, stack.timing.rules, receiver)
+            lines += [
+                f"prometheus         {prometheus_url}/alerts",
+                f"alertmanager       http://127.0.0.1:{args.alertmanager_port}   "
+                f"delivers to this demo: {receiver.url('/pager')}, /ticket",
+                stack.timing.note(),
+            ]
+        elif args.no_prometheus:
+            lines.append("prometheus         off (--no-prometheus): no rule is evaluated, no alert can fire")
+        else:
+            lines.append(f"prometheus         not installed: no rule is evaluated, no alert can fire ({INSTALL_HINT})")
+        removed = (
+            " (removed when the demo ends; --keep-workdir keeps it)" if temporary and not args.keep_workdir else ""
+        )
+        lines.append(f"logs and configs   {workdir}{removed}")
+        banner = "\n".join(lines)
+        print(banner, flush=True)
+
+        load = threading.Thread(
+            target=run_load,
+            args=(shim_url, stack.model_name),
+            kwargs=dict(
+                duration=float("inf"),
+                concurrency=concurrency,
+                max_tokens=max_tokens,
+                stop=stop,
+                traffic=model.traffic,
+            ),
+            daemon=True,
+        )
+        load.start()
+        if drill is not None and receiver is not None:
+            drill_run = DrillRun(drill, stack, receiver, baseline)
+        _show(shim_url, exporter_url, banner, args, stack, view, drill_run)
+    except Stopped:
+        interrupted = True
+        raise
+    except (RuntimeError, TimeoutError, ProfileError) as exc:
+        failed = True
+        _say(f"layerwatch demo: {exc}", sys.stderr)
+        return 1
+    finally:
+        stop.set()
+        stack.stop_all()
+        if receiver is not None:
+            receiver.close()
+        _say("layerwatch demo: stopped every process it started.")
+        if temporary and not args.keep_workdir and not failed:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:  # the failed demo's logs say why
+            _say(f"layerwatch demo: logs and configs kept in {workdir}")
+        if interrupted and drill_run is not None:  # its time to page, if it paged, before the exit by the signal
+            _drill_verdict(drill_run, interrupted)
+    return 0 if drill_run is None else _drill_verdict(drill_run, interrupted)
+
+
+def taken_port(args: argparse.Namespace, monitoring: bool) -> str | None:
+    """Which of the demo's ports another process holds, naming the demo's flag for it, or None. Found
+    by its processes, a taken port failed the demo after they started, in the words of the shim's or
+    the exporter's own flags (`--http`, which the demo refuses), and left a workdir behind."""
+    wanted = [(args.port, "the shim's API", "--port"), (args.exporter_port, "the exporter", "--exporter-port")]
+    if monitoring:
+        wanted += [
+            (args.prometheus_port, "Prometheus", "--prometheus-port"),
+            (args.alertmanager_port, "Alertmanager", "--alertmanager-port"),
+        ]
+    for port, what, flag in wanted:
+        try:
+            ports.reserve((ports.LOOPBACK, port), what, flag).close()
+        except OSError as exc:
+            return exc.strerror
+    return None
+
+
+def _say(line: str, stream: TextIO = sys.stdout) -> None:
+    """Print, unless the terminal is gone (a hang-up): the clean-up goes on without it."""
+    with contextlib.suppress(OSError):
+        print(line, file=stream, flush=True)
+
+
+def _drill_verdict(drill_run: DrillRun, interrupted: bool) -> int:
+    """The drill's time to page; 1 when it ran its course (--duration) without paging."""
+    drill_run.check_page()
+    name, page = drill_run.drill.name, drill_run.drill.page
+    if drill_run.time_to_page is not None:
+        _say(f"layerwatch demo: drill {name}: {page} paged {drill_run.time_to_page:.1f}s after the fault")
+        return 0
+    if interrupted:
+        return 0
+    _say(f"layerwatch demo: drill {name}: {page} did not page before --duration ran out", sys.stderr)
+    return 1
+
+
+def shadow_line(samples: Samples) -> str:
+    """The shim's shadow check since it started, from its /metrics (docs/service.md, "Quality guard")."""
+    tokens = total(samples, "layerwatch_shadow_tokens_total")
+    checked = total(samples, "layerwatch_shadow_requests_total", outcome="checked")
+    if not tokens:
+        return f"shadow check: {checked:.0f} requests checked, no token yet"
+    return (
+        f"shadow check: {checked:.0f} requests, {tokens:.0f} tokens compared with full depth; agreement "
+        f"{total(samples, 'layerwatch_shadow_agreements_total') / tokens:.3f}, quality cost "
+        f"{total(samples, 'layerwatch_shadow_kl_nats_total') / tokens:.4f} nats/token, estimated perplexity "
+        f"increase {100 * math.expm1(total(samples, 'layerwatch_shadow_reverse_kl_nats_total') / tokens):+.1f} %"
+    )
+
+
+def _show(
+    shim_url: str,
+    exporter_url: str,
+    banner: str,
+    args: argparse.Namespace,
+    stack: DemoStack,
+    view: AlertView | None,
+    drill_run: DrillRun | None,
+) -> None:
+    deadline = time.monotonic() + args.duration if args.duration > 0 else float("inf")
+    interactive = sys.stdout.isatty()
+    while time.monotonic() < deadline:
+        stack.check_alive()
+        status = ""
+        if drill_run is not None:
+            drill_run.poll()
+            status = "\n".join(drill_run.status()) + "\n\n"
+            if view is not None and drill_run.injected_at is not None:
+                view.restarting(host_port(shim_url), drill_run.injected_at)
+        size = shutil.get_terminal_size()
+        try:
+            screen = exporter_screen(shim_url, exporter_url, view, size.columns)
+            if interactive:
+                text = frame(banner, status, screen, size.columns, size.lines)
+            else:
+                text = status + screen(False) + "\n"
+        except (OSError, ScrapeError) as exc:  # a drill's restarted shim may close a page mid-body
+            text = f"shim or exporter not readable yet: {exc}\n"
+        sys.stdout.write((CLEAR_SCREEN if interactive else "") + text + "\n")
+        sys.stdout.flush()
+        time.sleep(min(args.interval, max(0.0, deadline - time.monotonic())))
+
+
+def exporter_screen(shim_url: str, exporter_url: str, view: AlertView | None, columns: int) -> Callable[[bool], str]:
+    """The model's part of the screen, read once: rendered with the histogram in place, or
+    (`histogram_last`) below the alert state, for a short terminal."""
+    samples = scrape(exporter_url)
+    clock = time.strftime("%H:%M:%S")
+    if view is None:  # no Prometheus: the figures come from the shim itself
+        shadow = shadow_line(scrape(shim_url)) + "\n\n"
+        return lambda histogram_last: (
+            shadow + render_samples(samples, exporter_url, clock, width=columns, histogram_last=histogram_last)
+        )
+    snapshot = view.snapshot()
+    return lambda histogram_last: render_samples(
+        samples,
+        exporter_url,
+        clock,
+        snapshot.compact_lines if histogram_last else snapshot.lines,
+        columns,
+        expected_static=view.expected_static,
+        histogram_last=histogram_last,
+    )
+
+
+def frame(banner: str, status: str, screen: Callable[[bool], str], columns: int, rows: int) -> str:
+    """One refresh of a terminal of `columns` × `rows`; in a small one (80 × 24) the banner goes (it
+    was printed once at the start) and the drill's status and the alert state stay in sight."""
+    whole = banner + "\n\n" + status + screen(False) + "\n\n" + STOP_HINT
+    return fit_view(whole, lambda: status + screen(True), columns, rows)

@@ -1,0 +1,78 @@
+"""`layerwatch replay TRACE.jsonl`: the exporter's statistics, offline, over a trace file.
+
+The statistics are layerwatch/exporter/replay.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from layerwatch import argtypes
+from layerwatch.exporter.replay import REPLAY_FLAGS, REPLAY_SETTINGS, replay_trace
+from layerwatch.exporter.replay_plot import DEFAULT_PLOT_TOKENS, MissingPlotLibrary, plot_reports
+from layerwatch.exporter.report_text import format_report
+from layerwatch.exporter.state import ExporterConfig
+from layerwatch.settings import add_flags, from_flags
+from layerwatch.trace import TraceError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", metavar="TRACE.jsonl", help="trace file (JSON Lines, as serve --trace-file writes it)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per model")
+    parser.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        default=None,
+        help="also draw, per model, the layer x token heat map of the gate scores (skipped cells marked), "
+        "the per-layer below-threshold rate with the static line, the histogram and the verdicts "
+        "(needs matplotlib: pip install 'layerwatch[plot]')",
+    )
+    parser.add_argument(
+        "--plot-tokens",
+        type=argtypes.positive(int),
+        default=DEFAULT_PLOT_TOKENS,
+        help="the heat map shows each model's last this-many tokens (default %(default)s)",
+    )
+    add_flags(parser, ExporterConfig, REPLAY_SETTINGS, flags=REPLAY_FLAGS)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = from_flags(ExporterConfig, args, REPLAY_SETTINGS, window_seconds=math.inf)
+    except ValueError as exc:
+        print(f"layerwatch replay: {exc}", file=sys.stderr)
+        return 2
+    torn: list[TraceError] = []
+    try:
+        reports = replay_trace(args.trace, config, on_torn_line=torn.append)
+    except (TraceError, OSError) as exc:
+        print(f"layerwatch replay: {exc}", file=sys.stderr)
+        return 1
+    for line in torn:  # at most one: the last line
+        print(
+            f"layerwatch replay: warning: 1 torn last line skipped (no newline: a write cut short, e.g. "
+            f"by a full disk); the lines before it were replayed: {line}",
+            file=sys.stderr,
+        )
+    if not reports:
+        print(f"layerwatch replay: {args.trace} holds no trace lines", file=sys.stderr)
+        return 1
+    for model_report in reports:
+        print(json.dumps(model_report) if args.json else format_report(model_report) + "\n")
+    return 0 if args.plot is None else _plot(args, reports)
+
+
+def _plot(args: argparse.Namespace, reports: list[dict[str, object]]) -> int:
+    try:
+        plot_reports(args.trace, reports, args.plot, args.plot_tokens)
+    except MissingPlotLibrary as exc:
+        print(f"layerwatch replay: --plot: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:  # an unwritable path, an extension matplotlib does not know
+        print(f"layerwatch replay: cannot write {args.plot}: {exc}", file=sys.stderr)
+        return 1
+    print(f"layerwatch replay: drew {args.plot}", file=sys.stderr)
+    return 0

@@ -1,0 +1,122 @@
+"""The faults `layerwatch demo --drill NAME` injects, and the page each one must raise.
+
+A drill restarts the shim with `serve` flags that break the gates the way the field saw them break
+(docs/alerting.md, "The field's reports"), as tests/stack/test_end_to_end.py does (docs/end-to-end.md
+has the faults and their times to page there). Adding a drill is one entry in DRILLS; every drill's
+alert is critical (it reaches the pager).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from layerwatch.demo.receiver import PAGER_PATH, WebhookReceiver
+from layerwatch.demo.stack import DemoStack
+
+
+@dataclass(frozen=True)
+class Drill:
+    name: str
+    serve_flags: tuple[str, ...]  # what the shim is restarted with
+    page: str  # the alert that must page
+    fault: str  # what went wrong, in words
+
+
+DRILLS: dict[str, Drill] = {
+    drill.name: drill
+    for drill in (
+        Drill(
+            "static",
+            ("--static-gates",),
+            "LayerwatchRoutingStatic",
+            "every gate a constant: the same layers skipped for every token, the histogram keeps its two humps",
+        ),
+        Drill(
+            "shuffle",
+            ("--shuffle-gates",),
+            "LayerwatchGateMiscalibrated",
+            "each gate serves another layer: skip decisions no longer follow which layers matter",
+        ),
+        Drill(
+            "scramble",
+            ("--scramble-gates",),
+            "LayerwatchGateMiscalibrated",
+            "each gate on its own layer but reading the wrong features: it reacts to every token, by the wrong signal",
+        ),
+        Drill(
+            "reset",
+            ("--reset-gates",),
+            "LayerwatchEntropyShapeChanged",
+            "gate weights overwritten with freshly initialised ones: every layer scores about 0.5",
+        ),
+        Drill(
+            "runaway",
+            ("--threshold", "0.95"),
+            "LayerwatchRunawaySkipping",
+            "skip threshold misconfigured to 0.95: the gates would skip almost every layer, so the fallback breaker "
+            "keeps forcing full depth (the skip ratio stays low; the fallbacks page)",
+        ),
+    )
+}
+
+
+class DrillRun:
+    """One drill in a running demo: a healthy baseline, then the fault (the shim restarted with the
+    drill's flags, in a thread of its own so that the view keeps refreshing), then its page, timed
+    from the start of the restart to the receiver's first firing notification of the drill's alert."""
+
+    def __init__(self, drill: Drill, stack: DemoStack, receiver: WebhookReceiver, baseline_seconds: float) -> None:
+        self.drill = drill
+        self._stack = stack
+        self._receiver = receiver
+        self.inject_at = time.monotonic() + baseline_seconds
+        self.injected_at: float | None = None  # the restart began
+        self.serving_at: float | None = None  # the faulty shim answered /readyz
+        self.paged_at: float | None = None
+        self.error: str | None = None
+        self._thread: threading.Thread | None = None
+
+    def poll(self) -> None:
+        """Inject the fault once the baseline is over; notice the page once it arrived."""
+        if self._thread is None and time.monotonic() >= self.inject_at:
+            self.injected_at = time.monotonic()
+            self._thread = threading.Thread(target=self._inject, name=f"drill-{self.drill.name}", daemon=True)
+            self._thread.start()
+        if self.error is not None:
+            raise RuntimeError(f"drill {self.drill.name}: restarting the shim failed: {self.error}")
+        self.check_page()
+
+    def check_page(self) -> None:
+        if self.injected_at is not None and self.paged_at is None:
+            self.paged_at = self._receiver.first_firing(PAGER_PATH, self.drill.page, since=self.injected_at)
+
+    def _inject(self) -> None:
+        try:
+            self.serving_at = self._stack.restart_shim(*self.drill.serve_flags)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            self.error = str(exc)
+
+    @property
+    def time_to_page(self) -> float | None:
+        return None if self.paged_at is None or self.injected_at is None else self.paged_at - self.injected_at
+
+    def status(self) -> list[str]:
+        """Two lines: the drill, and where it stands."""
+        d = self.drill
+        lines = [f"drill {d.name} ({' '.join(d.serve_flags)}) must page {d.page}: {d.fault}"]
+        if self.injected_at is None:
+            left = max(0.0, self.inject_at - time.monotonic())
+            return lines + [f"  healthy baseline: the fault comes in {left:.0f}s"]
+        if self.serving_at is None:
+            return lines + [f"  fault injected {time.monotonic() - self.injected_at:.0f}s ago; the shim is restarting"]
+        restart = self.serving_at - self.injected_at
+        if self.paged_at is None:
+            since = time.monotonic() - self.injected_at
+            return lines + [f"  fault injected {since:.0f}s ago; the restart took {restart:.1f}s; no page yet"]
+        page = self.paged_at - self.injected_at
+        return lines + [
+            f"  PAGED {d.page} {page:.1f}s after the fault "
+            f"(the restart took {restart:.1f}s, the page {page - restart:.1f}s more)"
+        ]

@@ -1,0 +1,235 @@
+"""The processes of one demo run: the exporter and the shim, then Prometheus and Alertmanager with
+the repository's own rendered configs when their binaries are installed.
+
+The monitoring side runs on a scaled timing (`StackTiming`; the demo model's is the end-to-end test's,
+docs/end-to-end.md): the production rules with every window, `for:` and Alertmanager wait scaled,
+scraped and evaluated every second, and a short exporter window, so that a fault pages within about a
+minute or a few instead of 10 to 20.
+Alertmanager delivers to a receiver in the demo's own process (layerwatch/demo/receiver.py).
+
+Every process is started through ManagedProcess (its log in the run's workdir) and stopped, in
+reverse order of starting, by `stop_all`, whatever the way out is.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from layerwatch.alerts.durations import Timing
+from layerwatch.alerts.profile import Profile
+from layerwatch.demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
+from layerwatch.demo.receiver import PAGER_PATH, TICKET_PATH, WebhookReceiver
+from layerwatch.deploy.render import Stack, render_stack
+
+SCRAPE_INTERVAL = EVALUATION_INTERVAL = 1.0
+# Alertmanager's repeat intervals stay production's (a page 1h, a ticket 4h): scaled, a page still
+# firing came again every 36 s, five notifications of one alert in a minute and a quarter; a repeat
+# is a reminder, not news, and a demo is over long before one.
+REPEAT_TIME_SCALE = 1.0
+
+
+@dataclass(frozen=True)
+class StackTiming:
+    """How fast the monitoring runs: the production rules with every window, `for:` and Alertmanager
+    wait × `time_scale`, and the exporter's bimodality and routing window (its default: 300 s)."""
+
+    time_scale: float
+    exporter_window_seconds: float
+
+    @property
+    def rules(self) -> Timing:
+        return Timing(self.time_scale)
+
+    def note(self) -> str:
+        """What the terminal says about it."""
+        return (
+            f"timing             rules' windows, for: and Alertmanager waits x {self.time_scale:g} "
+            f"(5m -> {self.rules(300)}, 10m -> {self.rules(600)}), scrape and evaluation {SCRAPE_INTERVAL:g}s, "
+            f"exporter window {self.exporter_window_seconds:g}s\n"
+            "                   so that a fault pages within minutes (in production: 10-20 minutes)"
+        )
+
+
+# The embedded demo model's, the end-to-end test's: 5m -> 3s, 10m -> 6s, 1h -> 36s, a 10 s window.
+DEMO_TIMING = StackTiming(time_scale=0.01, exporter_window_seconds=10.0)
+
+
+class DemoStack:
+    """The processes of one demo run, stopped in reverse order of starting."""
+
+    def __init__(self, workdir: Path, timing: StackTiming = DEMO_TIMING) -> None:
+        self.workdir = workdir
+        self.timing = timing
+        self.processes: list[ManagedProcess] = []
+        self.model_name = ""
+        self.shim_url = ""
+        self._shim_argv: list[str] = []
+        self._shim_restarts = 0
+        # A drill restarts the shim from a thread of its own (layerwatch/demo/drills.py): no process may start
+        # once stop_all began, or it would outlive the demo.
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._retiring: list[ManagedProcess] = []  # a shim being replaced: stop_all stops it too
+
+    def _start(self, name: str, argv: list[str]) -> ManagedProcess:
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError(f"not starting {name}: the demo is stopping")
+            proc = ManagedProcess(name, argv, self.workdir / f"{name}.log")
+            self.processes.append(proc)
+        return proc
+
+    def start_core(
+        self, *, port: int, exporter_port: int, shadow_rate: float, model_flags: list[str]
+    ) -> tuple[str, str]:
+        """Start the exporter and the shim (`serve` with `model_flags`: the embedded model without any)."""
+        cli = LAYERWATCH_COMMAND
+        udp_port = free_port(socket.SOCK_DGRAM)
+        exporter_url = f"http://127.0.0.1:{exporter_port}"
+        exporter = self._start(
+            "exporter",
+            cli
+            + ["exporter", "--listen", f"127.0.0.1:{udp_port}", "--http", f"127.0.0.1:{exporter_port}"]
+            + ["--window-seconds", f"{self.timing.exporter_window_seconds:g}", "--statistics-cache-seconds", "0.5"],
+        )
+        shim_argv = cli + [
+            "serve",
+            "--port",
+            str(port),
+            "--exporter-address",
+            f"127.0.0.1:{udp_port}",
+            "--shadow-rate",
+            str(shadow_rate),
+            *model_flags,
+        ]
+        self._shim_argv = shim_argv
+        shim = self._start("shim", shim_argv)
+        exporter.wait_http(exporter_url + "/healthz", timeout=30)
+        self.shim_url = f"http://127.0.0.1:{port}"
+        shim.wait_http(self.shim_url + "/readyz", timeout=180)
+        self.model_name = served_model_name(self.shim_url)
+        return self.shim_url, exporter_url
+
+    def restart_shim(self, *flags: str) -> float:
+        """Replace the shim by one started with `flags` at the same address (the same scrape target),
+        as the end-to-end test injects its faults; returns when the new one was ready (monotonic)."""
+        with self._lock:
+            (old,) = [proc for proc in self.processes if proc.name == "shim"]
+            self.processes.remove(old)  # before it stops: check_alive must not take it for a crash
+            self._retiring.append(old)
+        old.stop()
+        with self._lock:
+            self._retiring.remove(old)
+        self._shim_restarts += 1
+        old.log_path.rename(self.workdir / f"shim-{self._shim_restarts}.log")
+        self._start("shim", [*self._shim_argv, *flags]).wait_http(self.shim_url + "/readyz", timeout=180)
+        return time.monotonic()
+
+    def start_prometheus(
+        self,
+        shim_url: str,
+        exporter_url: str,
+        *,
+        profiles: list[Profile],
+        receiver: WebhookReceiver,
+        prometheus_port: int,
+        alertmanager_port: int,
+    ) -> str:
+        """Start Alertmanager (routing to `receiver`) and Prometheus (evaluating the rules of
+        `profiles`); returns Prometheus' URL."""
+        paths = render_config(
+            self.workdir / "config",
+            profiles,
+            shim_url,
+            exporter_url,
+            receiver,
+            f"127.0.0.1:{alertmanager_port}",
+            self.timing,
+        )
+        # A fresh store each run: a reused --workdir's old series (other ports, other gates) would
+        # still answer queries for Prometheus' 5-minute lookback, and old alerts would fire again.
+        for store in ("prometheus-data", "alertmanager-data"):
+            shutil.rmtree(self.workdir / store, ignore_errors=True)
+        am_url = f"http://127.0.0.1:{alertmanager_port}"
+        prom_url = f"http://127.0.0.1:{prometheus_port}"
+        am = self._start(
+            "alertmanager",
+            [
+                "prometheus-alertmanager",
+                f"--config.file={paths.alertmanager_config}",
+                f"--storage.path={self.workdir / 'alertmanager-data'}",
+                f"--web.listen-address=127.0.0.1:{alertmanager_port}",
+                "--cluster.listen-address=",
+            ],
+        )
+        prom = self._start(
+            "prometheus",
+            [
+                "prometheus",
+                f"--config.file={paths.prometheus_config}",
+                f"--storage.tsdb.path={self.workdir / 'prometheus-data'}",
+                f"--web.listen-address=127.0.0.1:{prometheus_port}",
+            ],
+        )
+        am.wait_http(am_url + "/-/ready", timeout=30)
+        prom.wait_http(prom_url + "/-/ready", timeout=30)
+        return prom_url
+
+    def check_alive(self) -> None:
+        with self._lock:
+            processes = list(self.processes)
+        for proc in processes:
+            if not proc.running():
+                raise RuntimeError(f"{proc.name} exited unexpectedly:\n{proc.log_tail()}")
+
+    def stop_all(self) -> None:
+        with self._lock:
+            self._stopping = True
+            processes = self._retiring + self.processes
+        for proc in reversed(processes):
+            proc.stop()
+
+
+def render_config(
+    dest: Path,
+    profiles: list[Profile],
+    shim_url: str,
+    exporter_url: str,
+    receiver: WebhookReceiver,
+    alertmanager_target: str,
+    timing: StackTiming = DEMO_TIMING,
+) -> Stack:
+    """The demo's Prometheus and Alertmanager configs and rules, on `timing`, into `dest`."""
+    return render_stack(
+        dest,
+        profiles=profiles,
+        shim_targets=[host_port(shim_url)],
+        exporter_targets=[host_port(exporter_url)],
+        alertmanager_target=alertmanager_target,
+        pager_url=receiver.url(PAGER_PATH),
+        ticket_url=receiver.url(TICKET_PATH),
+        scrape_interval=SCRAPE_INTERVAL,
+        evaluation_interval=EVALUATION_INTERVAL,
+        time_scale=timing.time_scale,
+        repeat_time_scale=REPEAT_TIME_SCALE,
+    )
+
+
+def monitoring_installed() -> bool:
+    return bool(shutil.which("prometheus") and shutil.which("prometheus-alertmanager"))
+
+
+def served_model_name(shim_url: str) -> str:
+    with urllib.request.urlopen(shim_url + "/v1/models", timeout=10) as resp:
+        return json.load(resp)["data"][0]["id"]
+
+
+def host_port(url: str) -> str:
+    return url.split("://", 1)[1]
