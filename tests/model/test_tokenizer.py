@@ -134,7 +134,8 @@ def test_a_template_past_its_bounds_for_one_message_is_refused_at_load(tmp_path,
 
 @pytest.mark.parametrize(
     "template, problem",
-    [(LOOPING, "took more than 2 s"), (DOUBLING, "needed more than 1024 MiB")],
+    # (doubling reaches the memory bound in 0.3 s on an idle machine, the time bound first on a busy one)
+    [(LOOPING, "took more than 2 s"), (DOUBLING, "(needed more than 1024 MiB|took more than 2 s)")],
     ids=["loop", "doubling"],
 )
 def test_a_render_past_its_time_or_memory_is_stopped_and_the_next_one_renders(backend_tokenizer, template, problem):
