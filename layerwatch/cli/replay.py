@@ -12,7 +12,7 @@ import sys
 
 from layerwatch import argtypes
 from layerwatch.exporter.replay import REPLAY_FLAGS, REPLAY_SETTINGS, replay_trace
-from layerwatch.exporter.replay_plot import DEFAULT_PLOT_TOKENS, MissingPlotLibrary, plot_reports
+from layerwatch.exporter.replay_plot import DEFAULT_PLOT_TOKENS, MAX_PLOT_MODELS, MissingPlotLibrary, plot_reports
 from layerwatch.exporter.report_text import format_report
 from layerwatch.exporter.state import ExporterConfig
 from layerwatch.settings import add_flags, from_flags
@@ -27,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="OUT.png",
         default=None,
         help="also draw, per model, the layer x token heat map of the gate scores (skipped cells marked), "
-        "the per-layer below-threshold rate with the static line, the histogram and the verdicts "
-        "(needs matplotlib: pip install 'layerwatch[plot]')",
+        "the per-layer below-threshold rate with the static line, the histogram and the verdicts, for the first "
+        f"{MAX_PLOT_MODELS} models of the trace (needs matplotlib: pip install 'layerwatch[plot]')",
     )
     parser.add_argument(
         "--plot-tokens",
@@ -74,5 +74,7 @@ def _plot(args: argparse.Namespace, reports: list[dict[str, object]]) -> int:
     except (OSError, ValueError) as exc:  # an unwritable path, an extension matplotlib does not know
         print(f"layerwatch replay: cannot write {args.plot}: {exc}", file=sys.stderr)
         return 1
-    print(f"layerwatch replay: drew {args.plot}", file=sys.stderr)
+    left_out = len(reports) - MAX_PLOT_MODELS
+    more = f" (the first {MAX_PLOT_MODELS} models of {len(reports)}: a band each; the report has them all)"
+    print(f"layerwatch replay: drew {args.plot}{more if left_out > 0 else ''}", file=sys.stderr)
     return 0

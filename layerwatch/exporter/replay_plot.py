@@ -1,6 +1,6 @@
 """The picture `layerwatch replay TRACE --plot OUT.png` draws: per model, what the gates did.
 
-One band per model, in the order of the reports:
+One band per model, in the order of the reports, for the first MAX_PLOT_MODELS of them:
 - the layer × token heat map of the gate scores of the trace's last `tokens` tokens of that model,
   on a colour scale that turns at the skip threshold τ (blue below: skip candidates, red above),
   with a dot on every cell whose layer was skipped. Static pruning is a set of uniform rows; per-token
@@ -28,6 +28,9 @@ from layerwatch.statistics import BINS
 from layerwatch.trace import read_trace_batches
 
 DEFAULT_PLOT_TOKENS = 160
+# Bands in one picture: each is a model's 6.2 inches, drawn in seconds. 64 models (replay's default
+# limit) drew for 203 s into a 39,680-pixel-high image whose panels overlapped.
+MAX_PLOT_MODELS = 8
 WIDTH_INCHES, BAND_INCHES, DPI = 12.0, 6.2, 100
 SCALE_TOP = 0.5  # the heat map's colour scale: 0 .. τ .. SCALE_TOP
 CLASS_COLOURS = {"static": "#c0392b", "token-dependent": "#2e86c1", "static-run": "#a6acaf"}
@@ -74,8 +77,10 @@ def plot_reports(
     tokens: int = DEFAULT_PLOT_TOKENS,
 ) -> dict[str, HeatMapBox]:
     """Draw the trace at `path` with its `reports` (layerwatch.exporter.replay.replay_trace) into `out` (PNG,
-    or any format matplotlib knows by the extension); returns where each model's heat map is."""
+    or any format matplotlib knows by the extension), the first MAX_PLOT_MODELS of them; returns where
+    each drawn model's heat map is."""
     figure_class = _figure_class()
+    reports = reports[:MAX_PLOT_MODELS]
     rows = last_rows(path, tokens)
     figure = figure_class(figsize=(WIDTH_INCHES, BAND_INCHES * len(reports)), dpi=DPI, layout="constrained")
     bands = figure.subfigures(len(reports), 1, squeeze=False)[:, 0]

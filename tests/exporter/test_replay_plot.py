@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
+from layerwatch.cli.main import main
 from layerwatch.demo.processes import LAYERWATCH_COMMAND
 from layerwatch.exporter.replay import replay_trace
-from layerwatch.exporter.replay_plot import BAND_INCHES, DPI, WIDTH_INCHES, plot_reports
+from layerwatch.exporter.replay_plot import BAND_INCHES, DPI, MAX_PLOT_MODELS, WIDTH_INCHES, plot_reports
 from layerwatch.exporter.state import ExporterConfig
 from tests.exporter.routing_traces import DEMO_LOW_RATES, scores_for_rates, write_trace
 from tests.exporter.support import heat_map_row_colours
@@ -80,6 +81,20 @@ def test_the_command_draws_and_says_so(traces, tmp_path) -> None:
     assert "routing: static" in result.stdout  # the report is printed as without --plot
     assert f"drew {out}" in result.stderr
     assert imread(out).shape[:2] == (BAND_INCHES * DPI, WIDTH_INCHES * DPI)
+
+
+def test_a_trace_of_many_models_draws_a_bounded_readable_picture(tmp_path, capsys) -> None:
+    """Before: a band per model whatever their number; 64 models drew for 203 s and 1.0 GB into a
+    1200 x 39,680 picture of overlapping panels, with a matplotlib warning naming its source file."""
+    rng = np.random.default_rng(5)
+    models = {f"m{i:02d}": scores_for_rates(rng, DEMO_LOW_RATES[:4], tokens=40) for i in range(MAX_PLOT_MODELS + 2)}
+    trace = write_trace(tmp_path / "many.jsonl", models, threshold=0.18)
+    out = tmp_path / "many.png"
+    assert main(["replay", str(trace), "--plot", str(out), "--plot-tokens", "20"]) == 0
+    err = capsys.readouterr().err
+    assert f"drew {out} (the first {MAX_PLOT_MODELS} models of {MAX_PLOT_MODELS + 2}: a band each" in err
+    assert "Warning" not in err and ".py" not in err
+    assert imread(out).shape[:2] == (MAX_PLOT_MODELS * BAND_INCHES * DPI, WIDTH_INCHES * DPI)
 
 
 def test_without_matplotlib_the_error_says_what_to_install(traces, tmp_path) -> None:
