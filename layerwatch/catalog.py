@@ -158,15 +158,16 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_requests_running",
         "gauge",
         ("model_name",),
-        "Generation requests holding a batch slot (decoding) right now.",
+        "Batch slots held by generation requests (decoding) right now: a sequence (prompt × choice) each.",
         SHIM,
     ),
     _m(
         "layerwatch_requests_waiting",
         "gauge",
         ("model_name",),
-        "Generation requests admitted but not yet in the batch (being read, tokenized or queued for a slot); "
-        "at max_batch_size + --max-waiting-requests admitted, new ones get 429.",
+        "Batch slots admitted generation requests want but do not hold yet (being read, tokenized or queued; a "
+        "request wants as many as its prompts × choices, at most max_batch_size); at max_batch_size + "
+        "--max-waiting-requests, new requests get 429.",
         SHIM,
     ),
     _m(

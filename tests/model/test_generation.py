@@ -139,6 +139,20 @@ def test_more_sequences_than_slots_all_finish(model, no_eos):
     assert sorted(finished) == ids and all(u.finish_reason == "length" for u in finished.values())
 
 
+def test_a_request_of_many_sequences_takes_turns_with_one_that_came_after_it(model, no_eos):
+    """Before: waiting sequences took free slots first come, first served, so a request of 128
+    prompts held every slot until its last prompt was done (three 4-token chats sent meanwhile got
+    0 tokens in 60 s). Now a free slot goes to the request holding the fewest."""
+    eng = engine(model, no_eos, max_batch_size=2)
+    big = [eng.submit(PROMPT, SamplingParams(max_tokens=4), request_id="big") for _ in range(6)]
+    small = eng.submit(PROMPT, SamplingParams(max_tokens=4), request_id="small")
+    finished = []
+    while eng.has_work():
+        finished += [u.sequence_id for u in eng.step() if u.finished]
+    # The big request's first two run alone; the small one takes the first slot that frees.
+    assert finished.index(small) < finished.index(big[3]), finished
+
+
 def test_model_without_gates_runs_full_depth(no_eos):
     records = []
     plain = random_model(tiny_config(eos_token_ids=()), seed=2)

@@ -102,7 +102,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_the_gauges_show_it(make_l
     assert refused.headers["retry-after"] == "1"
     error = refused.json()["error"]
     assert error["code"] == "server_overloaded"
-    assert "1 requests running and 1 waiting" in error["message"]
+    assert "1 sequences running and 1 waiting" in error["message"]
 
     decoding.close()  # its slot frees: the queued request runs
     assert queued.response().status_code == 200

@@ -43,7 +43,7 @@ import json
 import logging
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -454,7 +454,7 @@ class GenerationEngine:
         updates = []
         free = sorted(set(range(self.max_batch_size)) - set(self._active))
         while self._waiting and free:
-            sequence = self._waiting.popleft()
+            sequence = self._next_waiting()
             sequence.slot = free[0]
             try:
                 final = self._start(sequence)
@@ -466,6 +466,16 @@ class GenerationEngine:
                 continue
             self._active[free.pop(0)] = sequence
         return updates
+
+    def _next_waiting(self) -> _Sequence:
+        """Take the waiting sequence of the request that holds the fewest batch slots (the earliest
+        among equals): a request of many prompts or choices takes turns with those that came after
+        it, rather than every slot until its last sequence is done. Sequences without a request id
+        each count as their own request."""
+        held = Counter(s.request_id for s in self._active.values() if s.request_id is not None)
+        sequence = min(self._waiting, key=lambda s: held[s.request_id] if s.request_id is not None else 0)
+        self._waiting.remove(sequence)
+        return sequence
 
     def _start(self, sequence: _Sequence) -> SequenceUpdate | None:
         """Score the prompt (its log-probabilities asked for, and there is a token to predict) or

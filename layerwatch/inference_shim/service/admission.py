@@ -10,6 +10,13 @@ Retry-After instead of an ever longer queue. Once draining (SIGTERM), no request
 and the server waits for the admitted ones to finish (docs/service.md, "Back-pressure" and
 "Signals and shutdown").
 
+What is counted is the work a request brings: the batch slots its sequences (prompts × choices)
+take at once, at most `max_batch_size`. A request enters as one (its body not yet read) and is
+weighed once prepared; one that would take the count past `max_batch_size + max_waiting` is refused
+(429). Its sequences beyond the batch wait in the engine, which gives each free slot to the request
+holding the fewest (runtime/engine.py), so that a request of 128 choices takes turns with the chats
+that come after it instead of every slot until its last choice is done.
+
 Admission runs on the event loop only (HTTP handlers and the code that answers them), so the
 count needs no lock; `running` comes from the engine thread.
 """
@@ -34,9 +41,22 @@ class Admission:
         self.draining = False
 
     def enter(self) -> None:
-        """Admit one request, or raise the APIError that refuses it."""
+        """Admit one request, as one sequence until `weigh` says how many it brings, or raise the
+        APIError that refuses it."""
         self.check()
         self.admitted += 1
+
+    def weight(self, sequences: int) -> int:
+        """What a request of `sequences` (prompts × choices) counts: the batch slots it takes at once."""
+        return min(sequences, self.max_batch_size)
+
+    def weigh(self, sequences: int) -> None:
+        """Count an entered request as its `weight`, or raise the 429 that refuses it (it is then
+        still counted as one: the caller leaves with 1)."""
+        weight = self.weight(sequences)
+        if self.admitted - 1 + weight > self.max_batch_size + self.max_waiting:
+            raise self._at_capacity(f"this request takes {weight} batch slots")
+        self.admitted += weight - 1
 
     def check(self) -> None:
         """Raise the APIError that would refuse a request now."""
@@ -48,17 +68,21 @@ class Admission:
                 code="server_shutting_down",
             )
         if self.admitted >= self.max_batch_size + self.max_waiting:
-            raise APIError(
-                429,
-                f"The server is at capacity: {self.running()} requests running and {self.waiting()} waiting "
-                f"(at most {self.max_waiting} may wait for a batch slot); retry after {RETRY_AFTER_SECONDS} s.",
-                type="server_error",
-                code="server_overloaded",
-                headers={"retry-after": str(RETRY_AFTER_SECONDS)},
-            )
+            raise self._at_capacity()
 
-    def leave(self) -> None:
-        self.admitted -= 1
+    def _at_capacity(self, more: str = "") -> APIError:
+        return APIError(
+            429,
+            f"The server is at capacity: {self.running()} sequences running and {self.waiting()} waiting "
+            f"(at most {self.max_waiting} may wait for a batch slot){'; ' + more if more else ''}; retry after "
+            f"{RETRY_AFTER_SECONDS} s.",
+            type="server_error",
+            code="server_overloaded",
+            headers={"retry-after": str(RETRY_AFTER_SECONDS)},
+        )
+
+    def leave(self, sequences: int = 1) -> None:
+        self.admitted -= sequences
 
     def running(self) -> int:
         # The engine thread's count can run ahead of ours by a step (a request it finished whose

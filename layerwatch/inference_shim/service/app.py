@@ -202,6 +202,7 @@ async def _generate(service: ShimService, request: Request, kind: Literal["compl
         service.admission.enter()  # 429 when too many wait for a batch slot, 503 while draining
         try:
             prepared = await _prepare(service, request, kind, data)
+            service.admission.weigh(len(prepared.prompts) * prepared.n)
         except BaseException:
             service.admission.leave()  # from here on, the generation leaves when it is counted
             raise

@@ -276,10 +276,10 @@ class Generation:
         self._arrivals: asyncio.Queue[Arrival | APIError | None] = asyncio.Queue()
 
     def _choice_recorded(self) -> None:
-        # The request was admitted once: it leaves once, when its last choice is counted.
+        # The request was admitted as its choices: it leaves once, when its last choice is counted.
         self._unrecorded -= 1
         if self._unrecorded == 0:
-            self.parts.admission.leave()
+            self.parts.admission.leave(self.parts.admission.weight(len(self.choices)))
             if self._audit is not None:
                 self._audit.end(self.record())
 
