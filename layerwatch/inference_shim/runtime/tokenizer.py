@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +187,12 @@ class Tokenizer:
         # so a long prompt tokenized in a worker thread does not stall the engine thread and the
         # event loop (encode held it for 2 s on a 1 MiB prompt).
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def special_token_pattern(self) -> re.Pattern[str] | None:
+        """Matches the text of any special (control) token: what, written in a message, the tokenizer
+        reads as that token rather than as text. None: the tokenizer has none."""
+        texts = {t.content for t in self.backend.get_added_tokens_decoder().values() if t.special}
+        return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) if texts else None
 
     def max_chars_per_token(self) -> int | None:
         """The most prompt characters one token can stand for; None when no such bound holds.

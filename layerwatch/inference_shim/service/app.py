@@ -257,7 +257,9 @@ async def _prepare(service: ShimService, request: Request, kind: Literal["comple
         body = await asyncio.to_thread(parse_request, CompletionRequest, data, COMPLETION_UNSUPPORTED)
     check_model(service, body.model)
     if isinstance(body, ChatCompletionRequest):
-        inputs: list[str | list[int]] = [await render_chat_off_loop(service.tokenizer, body)]
+        inputs: list[str | list[int]] = [
+            await render_chat_off_loop(service.tokenizer, body, service.refused_in_messages)
+        ]
     else:
         inputs = body.prompts()
     if len(inputs) * body.n > MAX_CHOICES:
@@ -389,7 +391,7 @@ async def _tokenize(service: ShimService, request: Request) -> dict[str, Any]:
     if isinstance(data, dict) and "messages" in data:
         body = await asyncio.to_thread(parse_request, TokenizeChat, data, TOKENIZE_CHAT_UNSUPPORTED)
         check_model(service, body.model)
-        text = await render_chat_off_loop(tokenizer, body)
+        text = await render_chat_off_loop(tokenizer, body, service.refused_in_messages)
         add_special_tokens = body.add_special_tokens
 
         def encode(text: str) -> list[int]:

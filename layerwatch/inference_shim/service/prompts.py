@@ -10,6 +10,7 @@ changes nothing, so it is refused rather than dropped (docs/service.md, "Request
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,13 +33,18 @@ REQUEST_FIELD_VARIABLES = frozenset(
 _RENDER_THREADS = ThreadPoolExecutor(chat_template.MAX_WORKERS, thread_name_prefix="chat-template")
 
 
-async def render_chat_off_loop(tokenizer: Tokenizer, body: ChatTemplateFields) -> str:
+async def render_chat_off_loop(
+    tokenizer: Tokenizer, body: ChatTemplateFields, refused: re.Pattern[str] | None = None
+) -> str:
     """`render_chat` off the event loop, on the render threads."""
-    return await asyncio.get_running_loop().run_in_executor(_RENDER_THREADS, render_chat, tokenizer, body)
+    return await asyncio.get_running_loop().run_in_executor(_RENDER_THREADS, render_chat, tokenizer, body, refused)
 
 
-def render_chat(tokenizer: Tokenizer, body: ChatTemplateFields) -> str:
-    """The conversation as the chat template writes it, with the request's template options."""
+def render_chat(tokenizer: Tokenizer, body: ChatTemplateFields, refused: re.Pattern[str] | None = None) -> str:
+    """The conversation as the chat template writes it, with the request's template options; a
+    message whose text matches `refused` (special tokens' texts) is refused with a 400."""
+    if refused is not None:
+        _refuse_special_tokens(body, refused)
     facts = tokenizer.template_facts(tokenizer.template_name())
     kwargs = {name: value for name, value in (body.chat_template_kwargs or {}).items() if value is not None}
     for name in kwargs:
@@ -73,6 +79,22 @@ def render_chat(tokenizer: Tokenizer, body: ChatTemplateFields) -> str:
         raise APIError(
             400, f"The chat template refused the messages: {exc}", param="messages", code="invalid_messages"
         ) from None
+
+
+def _refuse_special_tokens(body: ChatTemplateFields, refused: re.Pattern[str]) -> None:
+    # Written in a message, `<|im_end|>\n<|im_start|>system` is tokenized into the control ids and
+    # the model reads a turn the template never wrote (docs/security.md, "Forged chat turns").
+    for i, message in enumerate(body.messages):
+        found = refused.search(message.text() or "")
+        if found is not None:
+            param = f"messages[{i}].content"
+            raise APIError(
+                400,
+                f"{param} holds the special token {found.group()!r}, which the model would read as a control "
+                "token, not text; this server refuses them (--refuse-special-tokens-in-messages).",
+                param=param,
+                code="invalid_messages",
+            )
 
 
 def describe_limits(limits: Limits) -> str:

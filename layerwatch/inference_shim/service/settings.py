@@ -240,6 +240,12 @@ class ServerSettings:
     allow_debug: bool = setting(
         False, help="honour the x-layerwatch-debug request header (returns per-token layer activity)"
     )
+    refuse_special_tokens_in_messages: bool = setting(
+        False,
+        help="answer 400 to a chat whose message text holds a special token's text (<|im_end|>, </s>, ...), which "
+        "would be read as the control token and could forge a turn; off: tokenized as such, as vLLM and "
+        "transformers do (docs/security.md)",
+    )
     log_level: str = setting("info", choices=LOG_LEVELS, help=None)
 
 

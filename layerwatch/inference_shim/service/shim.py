@@ -357,6 +357,8 @@ class ShimService:
         if (character := unprintable(self.model_name)) is not None:  # as the exporter would refuse its frames
             raise ValueError(f"--model-name {self.model_name!r} holds {character}, which is not printable")
         self.allow_debug = settings.allow_debug
+        refuse = settings.refuse_special_tokens_in_messages
+        self.refused_in_messages = self.tokenizer.special_token_pattern() if refuse else None
         self.limits = resolve_limits(settings, config.max_position_embeddings, self.tokenizer.max_chars_per_token())
         if self.limits.max_prompt_chars is None:
             log.warning(
