@@ -27,9 +27,10 @@ def test_identity_and_variables(dashboard: dict) -> None:
     assert list(variables) == ["datasource", "model", "instance"]
     assert variables["datasource"]["query"] == "prometheus"
     assert variables["datasource"]["current"]["value"] == config.GRAFANA_DATASOURCE_UID
-    # Served models and those only an exporter hears of (another engine's frames).
+    # Served models, those only an exporter hears of (another engine's frames) and those vLLM serves.
     assert variables["model"]["query"] == (
-        'label_values({__name__=~"layerwatch_model_info|layerwatch_exporter_frames_received_total"}, model_name)'
+        'label_values({__name__=~"layerwatch_model_info|layerwatch_exporter_frames_received_total'
+        '|vllm:num_requests_running"}, model_name)'
     )
     assert "$model" in variables["instance"]["query"] and variables["instance"]["includeAll"]
 
