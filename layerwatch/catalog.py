@@ -896,18 +896,15 @@ def all_series_names() -> set[str]:
 # vLLM's own series that the rules and the dashboard read, as `vllm serve` (vLLM 0.32, the V1 engine:
 # vllm/v1/metrics/loggers.py) exposes them, labelled model_name (the served model name) and engine.
 # vLLM owns them: tests/vllm_stack checks each against a real `vllm serve`'s /metrics.
-VLLM_HISTOGRAMS = (
-    "vllm:time_to_first_token_seconds",
-    "vllm:inter_token_latency_seconds",
-    "vllm:e2e_request_latency_seconds",
-)
 VLLM_SERIES: frozenset[str] = frozenset(
     {
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
         "vllm:num_preemptions_total",
         "vllm:generation_tokens_total",
-        *(f"{name}_{suffix}" for name in VLLM_HISTOGRAMS for suffix in ("bucket", "sum", "count")),
     }
 )
