@@ -71,9 +71,10 @@ def vllm_serve_argv(folder: Path, port: int) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def vllm_base_url(real_model: RealModel, tmp_path_factory) -> Iterator[str]:
+def vllm_base_url(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[str]:
     if not VLLM_PYTHON.is_file():
         pytest.skip(f"{VLLM_PYTHON.relative_to(REPO)} is absent: scripts/setup-vllm.sh makes it")
+    real_model: RealModel = request.getfixturevalue("real_model")  # imported only when vLLM can run
     workdir = tmp_path_factory.mktemp("vllm-serve")
     port = free_port()
     # 1 GiB of KV cache: ample for 512-token sequences. No PYTHONPATH: vLLM's environment is its own.
