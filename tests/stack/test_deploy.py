@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import tomllib
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -87,6 +88,43 @@ def test_the_compose_prometheus_finds_the_optional_vllm_by_dns(promtool: str) ->
     }
     result = run_tool(promtool, "check", "config", "--syntax-only", committed)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_stack_without_vllm_has_no_vllm_target_and_no_up_series_for_it(tmp_path: Path) -> None:
+    """A real Prometheus on the committed scrape jobs (its scrape interval shortened): the compose services'
+    names resolve nowhere here, so the static shim target is down (up == 0, what would page) while the vllm
+    job, found by DNS, has no target and no `up` series at all."""
+    committed = yaml.safe_load((REPO / "layerwatch/deploy/prometheus/prometheus.yml").read_text())
+    fast = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"}, "scrape_configs": committed["scrape_configs"]}
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(fast))
+    port = free_port()
+    prometheus = subprocess.Popen(
+        [
+            require_binary("prometheus"),
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def up_jobs() -> set[str] | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?query=up", timeout=2) as response:
+                samples = json.loads(response.read())["data"]["result"]
+        except OSError:
+            return None
+        jobs = {sample["metric"]["job"] for sample in samples}
+        return jobs if config.SHIM_JOB in jobs else None
+
+    try:
+        jobs = wait_for(up_jobs, timeout=30, interval=0.5, what="the shim's up series")
+        time.sleep(2)  # two more scrape intervals for a vllm target, were there one
+        assert config.VLLM_JOB not in (up_jobs() or jobs)
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=10)
 
 
 def test_remote_write_is_rendered_only_when_asked_and_promtool_accepts_it(

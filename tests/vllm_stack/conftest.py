@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from layerwatch.demo.processes import ManagedProcess
+from layerwatch.demo.processes import ManagedProcess, free_port
 from layerwatch.mixin import config
 from layerwatch.ports import LOOPBACK
 from tests.conftest import RealModel
@@ -31,14 +31,6 @@ CHECKPOINT_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
 
 
 def stock_folder(real_model: RealModel, dest: Path) -> Path:

@@ -6,6 +6,7 @@ reads is on vLLM's /metrics page, and Prometheus evaluates every rule, vLLM's in
 from __future__ import annotations
 
 import math
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ import pytest
 
 from layerwatch import catalog
 from layerwatch.alerts.profile_file import load_profiles
-from layerwatch.demo.processes import ManagedProcess
+from layerwatch.demo.processes import ManagedProcess, free_port
 from layerwatch.deploy.render import render_stack
 from layerwatch.mixin import config
 from tests.stack.conftest import require_binary
@@ -31,7 +32,7 @@ from tests.stack.support import (
 )
 from tests.support import scrape, wait_for
 
-from .conftest import REPO, SERVED_MODEL_NAME, free_port
+from .conftest import REPO, SERVED_MODEL_NAME
 
 pytestmark = pytest.mark.e2e
 
@@ -59,7 +60,7 @@ class VllmStack:
 def stack(vllm_base_url: str, tmp_path_factory) -> Iterator[VllmStack]:
     workdir = tmp_path_factory.mktemp("vllm-stack")
     exporter_http = f"127.0.0.1:{free_port()}"
-    exporter_udp, prometheus_port = free_port(), free_port()
+    exporter_udp, prometheus_port = free_port(socket.SOCK_DGRAM), free_port()
     rendered = render_stack(
         workdir / "config",
         profiles=load_profiles(REPO / "layerwatch/alerts/profiles"),
