@@ -892,3 +892,20 @@ def for_component(component: str) -> tuple[MetricSpec, ...]:
 def all_series_names() -> set[str]:
     """Every sample name any component can expose (for checking dashboard and rule queries)."""
     return {s for m in METRICS for s in m.series_names}
+
+
+# vLLM's own series that the rules and the dashboard read, as `vllm serve` (vLLM 0.32, the V1 engine:
+# vllm/v1/metrics/loggers.py) exposes them, labelled model_name (the served model name) and engine.
+# vLLM owns them: tests/vllm_stack checks each against a real `vllm serve`'s /metrics.
+VLLM_SERIES: frozenset[str] = frozenset(
+    {
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total",
+        "vllm:generation_tokens_total",
+    }
+)

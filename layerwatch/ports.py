@@ -9,6 +9,7 @@ EXPORTER_FRAMES_PORT = 9410  # `layerwatch exporter`: gate frames in, over UDP
 EXPORTER_HTTP_PORT = 9411  # `layerwatch exporter`: /metrics and /healthz
 PROMETHEUS_PORT = 9090  # Prometheus' own default
 ALERTMANAGER_PORT = 9093  # Alertmanager's own default
+VLLM_HTTP_PORT = 8000  # `vllm serve`: its OpenAI-compatible API and /metrics (vLLM's own default)
 
 LOOPBACK = "127.0.0.1"
 

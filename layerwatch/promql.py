@@ -65,8 +65,9 @@ def metric_names(expr: str) -> set[str]:
 
 
 def known_series(recorded: set[str]) -> set[str]:
-    """Every name a query may read: the catalog's series, recording rules, Prometheus' own."""
-    return catalog.all_series_names() | set(recorded) | PROMETHEUS_SERIES
+    """Every name a query may read: the catalog's series, vLLM's that it lists, recording rules,
+    Prometheus' own."""
+    return catalog.all_series_names() | catalog.VLLM_SERIES | set(recorded) | PROMETHEUS_SERIES
 
 
 class UnknownMetricError(ValueError):

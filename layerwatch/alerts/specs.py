@@ -194,15 +194,51 @@ def _lowest_layers() -> str:
 
 @alert("LayerwatchTargetDown", severities=(PAGE,), default_for="2m")
 def target_down(b: AlertBuild) -> list[dict]:
-    jobs = "|".join((config.SHIM_JOB, config.EXPORTER_JOB))
+    jobs = "|".join((config.SHIM_JOB, config.EXPORTER_JOB, config.VLLM_JOB))
     return [
         b.rule(
             f'up{{job=~"{jobs}"}} == 0',
-            "A layerwatch shim or exporter cannot be scraped.",
+            "A layerwatch shim or exporter, or a vLLM engine, cannot be scraped.",
             "Prometheus cannot scrape {{ $labels.job }} at {{ $labels.instance }}; the other "
             "layerwatch alerts of this target are inhibited while it is down.",
         )
     ]
+
+
+# vLLM's latency against the objectives in config (kubernetes-mixin style: one number per objective,
+# for every model). Per token, not per request: the e2e latency grows with the answer's length, so a
+# fixed limit on it would page on long answers. The model's skip ratio is in the text, so that the
+# first question ("did skipping make us slower?") is answered in the notification.
+@alert("LayerwatchVllmLatencyHigh", severities=(TICKET,), default_for="10m")
+def vllm_latency_high(b: AlertBuild) -> list[dict]:
+    window = b.timing(config.RATE_WINDOW)
+    quantile = config.VLLM_LATENCY_QUANTILE
+    skip_ratio = (
+        "{{ with printf `max(" + b.recorded.skip_ratio + "{model_name=%q})` $labels.model_name | query }}"
+        '{{ . | first | value | printf "' + RATIO_FORMAT + '" }}{{ else }}n/a (no gate frames){{ end }}'
+    )
+    rules = []
+    for trigger, metric, what, limit in (
+        (
+            "time_to_first_token",
+            "vllm:time_to_first_token_seconds",
+            "time to first token",
+            config.VLLM_TIME_TO_FIRST_TOKEN_MAX,
+        ),
+        ("inter_token", "vllm:inter_token_latency_seconds", "inter-token latency", config.VLLM_INTER_TOKEN_LATENCY_MAX),
+    ):
+        buckets = f"sum by ({BY_MODEL}, le) (rate({metric}_bucket{{{config.VLLM_SELECTOR}}}[{window}]))"
+        rules.append(
+            b.rule(
+                f"histogram_quantile({quantile}, {buckets})\n> {limit}",
+                f"vLLM's {what} is above its objective.",
+                f"The p{quantile * 100:g} {what} of {_WHERE} is {_value('%.3f')} s over {window} (objective "
+                f"{limit:g} s). The model's skip ratio: " + skip_ratio + "; see the engine view of the dashboard "
+                "for waiting requests, KV-cache usage and preemptions.",
+                labels={"trigger": trigger},
+            )
+        )
+    return rules
 
 
 # A change is an event: notify at once (the alert stays up for the change window).

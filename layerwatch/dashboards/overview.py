@@ -4,7 +4,8 @@
 query goes through `Panels.query`, so that generation can check that each metric it reads exists
 (layerwatch.promql). Shim panels filter on $model and $instance; exporter panels on $model only:
 the exporter is one target that aggregates every shim of a model. The Fleet row shows every instance
-of the model at once, next to the fleet's roll-ups (docs/fleet.md).
+of the model at once, next to the fleet's roll-ups (docs/fleet.md). The Engine (vLLM) row puts a
+vLLM-served model's skip ratio next to vLLM's own latency and throughput series.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ SHIM = 'model_name=~"$model", instance=~"$instance"'
 # Exporter series and the profile's series: the model only (the exporter is one target that
 # aggregates every shim of a model).
 MODEL = 'model_name=~"$model"'
+# vLLM's own series (job vllm), labelled with the served model name, the name the plugin's frames carry.
+VLLM = f"{config.VLLM_SELECTOR}, {MODEL}"
 # NVML's GPU series: the host's devices, with no model_name (a GPU is not one model's).
 GPU = 'instance=~"$instance"'
 RATE = "[$__rate_interval]"
@@ -383,6 +386,109 @@ def _fleet_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dash
     )
 
 
+def _vllm_quantiles(metric: str) -> list[tuple[str, str]]:
+    return [
+        (f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{{{VLLM}}}{RATE})))", f"p{label}")
+        for q, label in ((0.5, "50"), (0.95, "95"), (0.99, "99"))
+    ]
+
+
+def _engine_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dashboard:
+    """A vLLM-served model: its skip ratio (from the plugin's gate frames) next to vLLM's latency and
+    throughput, so that whether skipping made it faster or slower, and at what quality, is on one screen."""
+    d = d.with_row(p.row("Engine (vLLM)"))
+    d = d.with_panel(
+        p.timeseries(
+            "Inter-token latency and skip ratio",
+            "vLLM's inter-token latency quantiles and the model's skip ratio (right axis, from the gate "
+            "frames): more skipping should mean shorter gaps at the same load.",
+            "s",
+            [
+                *_vllm_quantiles("vllm:inter_token_latency_seconds")[::2],
+                (f"max({r.skip_ratio}{{{MODEL}}})", "skip ratio"),
+            ],
+            width=8,
+            right_axis_ref="C",
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Time to first token (vLLM)",
+            "Queueing plus prefill, which runs at full depth: skipping does not shorten it "
+            "(LayerwatchVllmLatencyHigh).",
+            "s",
+            _vllm_quantiles("vllm:time_to_first_token_seconds"),
+            width=8,
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "End-to-end request latency (vLLM)",
+            "From arrival to the last token; grows with the answer's length.",
+            "s",
+            _vllm_quantiles("vllm:e2e_request_latency_seconds"),
+            width=8,
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Quality of the gating",
+            "The routing verdict's token-dependent share (LayerwatchRoutingStatic, with the profile's floor) "
+            "and the entropy window's distance from the healthy shape (LayerwatchEntropyShapeChanged), from the "
+            "plugin's gate frames.",
+            "none",
+            [
+                (f"max(layerwatch_routing_token_dependent_share{{{MODEL}}})", "token-dependent share"),
+                (f"max({r.entropy_shape_distance}{{{MODEL}}})", "shape distance"),
+                (f"{PROFILE.token_dependent_share_floor}{{{MODEL}}}", "limit: share floor"),
+                (f"{PROFILE.entropy_shape_distance_max}{{{MODEL}}}", "limit: shape distance"),
+            ],
+            width=8,
+            limits="limit",
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Requests running and waiting (vLLM)",
+            "Sequences in the running batch and in the queue: waiting requests add to the time to first token.",
+            "none",
+            [
+                (f"sum(vllm:num_requests_running{{{VLLM}}})", "running"),
+                (f"sum(vllm:num_requests_waiting{{{VLLM}}})", "waiting"),
+            ],
+            width=8,
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "Tokens generated (vLLM)",
+            "Output tokens per second: the throughput skipping should raise.",
+            "none",
+            [(f"sum(rate(vllm:generation_tokens_total{{{VLLM}}}{RATE}))", "tokens/s")],
+            width=8,
+        )
+    )
+    d = d.with_panel(
+        p.timeseries(
+            "KV-cache usage (vLLM)",
+            "Share of the KV-cache blocks in use; near 1, vLLM preempts sequences.",
+            "percentunit",
+            [(f"max by (instance) (vllm:kv_cache_usage_perc{{{VLLM}}})", "{{instance}}")],
+            width=12,
+        )
+    )
+    return d.with_panel(
+        p.timeseries(
+            "Preemptions (vLLM)",
+            "Sequences preempted per minute for want of KV-cache space (recomputed later, at a latency cost).",
+            "none",
+            [(f"sum(rate(vllm:num_preemptions_total{{{VLLM}}}{RATE})) * 60", "preemptions / min")],
+            width=12,
+            bars=True,
+        )
+    )
+
+
 def _quality_cost_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.Dashboard:
     """What skipping costs in answer quality, next to how much it skips: the shadow check's agreement,
     nats per token and estimated perplexity increase per shim and for the fleet, and its coverage
@@ -511,9 +617,9 @@ def _dashboard(p: Panels) -> dashboard.Dashboard:
         .type("prometheus")
         .current(dashboard_models.VariableOption(text="Prometheus", value=config.GRAFANA_DATASOURCE_UID))
     )
-    # The models a shim serves and those only an exporter hears of (another engine's frames:
-    # docs/instrument.md). Such a model has no shim instance: $instance is then All (".*").
-    model_series = ("layerwatch_model_info", "layerwatch_exporter_frames_received_total")
+    # The models a shim serves, those only an exporter hears of (another engine's frames:
+    # docs/instrument.md) and those a vLLM serves. Such a model has no shim instance: $instance is then All (".*").
+    model_series = ("layerwatch_model_info", "layerwatch_exporter_frames_received_total", "vllm:num_requests_running")
     model_query = f'label_values({{__name__=~"{"|".join(model_series)}"}}, model_name)'
     instance_query = f"label_values(layerwatch_model_info{{{MODEL}}}, instance)"
     p.queries += [
@@ -995,6 +1101,7 @@ def build() -> tuple[dict, list[tuple[str, str]]]:
     d = _dashboard(p)
     d = _fleet_row(d, p, r)
     d = _skipping_row(d, p, r)
+    d = _engine_row(d, p, r)
     d = _quality_cost_row(d, p, r)
     d = _gate_entropy_row(d, p, r)
     d = _energy_row(d, p, r)

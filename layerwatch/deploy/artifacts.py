@@ -85,6 +85,15 @@ def metrics_doc(groups: dict) -> str:
             lines.append(f"| `{m.name}` | {m.kind} | {labels} | {m.help} |")
         lines.append("")
     lines += [
+        "## vLLM (`vllm serve`, job `vllm`)",
+        "",
+        "vLLM's own series that the rules and the dashboard read (vLLM defines them; "
+        "`layerwatch/catalog.py` lists them), labelled `model_name` (the served name) and `engine`:",
+        "",
+        *(f"- `{name}`" for name in sorted(catalog.VLLM_SERIES)),
+        "",
+    ]
+    lines += [
         "## Recording rules",
         "",
         "Evaluated by Prometheus from the metrics above; named `level:metric:operation`. They keep "

@@ -6,12 +6,18 @@ Prometheus Operator scrape both containers under the job names the rules select 
 carries the same rule groups as layerwatch/alerts/generated/; a ConfigMap labelled for Grafana's dashboard
 sidecar carries the same dashboard JSON as layerwatch/dashboards/json/. `layerwatch generate` writes the files
 into layerwatch/deploy/kubernetes/ and `--check` keeps them current; docs/kubernetes.md says how to apply them.
+
+The vLLM variant (layerwatch/deploy/kubernetes/vllm/) is the same shape with `vllm serve` and layerwatch's
+plugin in the shim's place: its pod runs vLLM and the exporter, its PodMonitor scrapes vLLM as job vllm.
+It carries the same PrometheusRule and dashboard ConfigMap under the same names, so that it applies alone
+or beside the base.
 """
 
 from __future__ import annotations
 
 from layerwatch import ports
 from layerwatch.alerts.rules import to_yaml
+from layerwatch.deploy import vllm
 from layerwatch.mixin import config
 
 DIRECTORY = "layerwatch/deploy/kubernetes"
@@ -40,8 +46,18 @@ READINESS_TIMEOUT_SECONDS = 20
 SHIM_PORT_NAME = "http"
 EXPORTER_PORT_NAME = "metrics"
 
+VLLM_DIRECTORY = f"{DIRECTORY}/vllm"
+VLLM_NAME = "layerwatch-vllm"  # the Deployment, its Service (vLLM's OpenAI-compatible API) and PodMonitor
+VLLM_IMAGE = "layerwatch-vllm"  # built from layerwatch/deploy/vllm.Dockerfile (on vLLM's CUDA image here)
+VLLM_PORT_NAME = "http"
+# The checkpoint folder with its gates, mounted read-only at layerwatch.deploy.vllm.MODEL_DIR.
+VLLM_MODEL_CLAIM = "layerwatch-vllm-model"
+VLLM_SHM_LIMIT = "2Gi"  # vLLM's worker processes share tensors through /dev/shm
+
 _LABELS = {"app.kubernetes.io/name": NAME, "app.kubernetes.io/part-of": NAME}
 _SELECTOR = {"app.kubernetes.io/name": NAME}
+_VLLM_LABELS = {"app.kubernetes.io/name": VLLM_NAME, "app.kubernetes.io/part-of": NAME}
+_VLLM_SELECTOR = {"app.kubernetes.io/name": VLLM_NAME}
 
 
 def _probe(path: str, port: str, *, period: int, timeout: int, failures: int = 3) -> dict:
@@ -108,43 +124,81 @@ def exporter_container() -> dict:
     }
 
 
-def deployment() -> dict:
+def vllm_container() -> dict:
+    frames = f"{ports.LOOPBACK}:{ports.EXPORTER_FRAMES_PORT}"
+    return {
+        "name": "vllm",
+        "image": f"{VLLM_IMAGE}:{IMAGE_TAG}",
+        "args": vllm.serve_args(frames),  # after the image's entrypoint, `vllm serve`
+        "ports": [{"name": VLLM_PORT_NAME, "containerPort": ports.VLLM_HTTP_PORT, "protocol": "TCP"}],
+        "resources": {
+            "requests": {"cpu": "2", "memory": "8Gi"},
+            "limits": {"memory": "32Gi", "nvidia.com/gpu": 1},
+        },
+        "volumeMounts": [
+            {"name": "model", "mountPath": vllm.MODEL_DIR, "readOnly": True},
+            {"name": "shm", "mountPath": "/dev/shm"},
+        ],
+        # vLLM's /health answers once the engine is up and fails when it has died.
+        "startupProbe": _probe("/health", VLLM_PORT_NAME, period=10, timeout=5, failures=STARTUP_SECONDS // 10),
+        "readinessProbe": _probe("/health", VLLM_PORT_NAME, period=15, timeout=5),
+        "livenessProbe": _probe("/health", VLLM_PORT_NAME, period=20, timeout=5),
+        "securityContext": _security_context(),
+    }
+
+
+def _deployment(name: str, labels: dict, selector: dict, containers: list[dict], volumes: list[dict]) -> dict:
+    pod_spec: dict = {"terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS, "containers": containers}
+    if volumes:
+        pod_spec["volumes"] = volumes
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": NAME, "labels": _LABELS},
+        "metadata": {"name": name, "labels": labels},
         "spec": {
             "replicas": 1,
-            "selector": {"matchLabels": _SELECTOR},
+            "selector": {"matchLabels": selector},
             # A new replica must be ready (a real generation) before an old one goes.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "template": {
-                "metadata": {"labels": _LABELS},
-                "spec": {
-                    "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
-                    "containers": [shim_container(), exporter_container()],
-                },
-            },
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
+    }
+
+
+def deployment() -> dict:
+    return _deployment(NAME, _LABELS, _SELECTOR, [shim_container(), exporter_container()], [])
+
+
+def vllm_deployment() -> dict:
+    volumes = [
+        {"name": "model", "persistentVolumeClaim": {"claimName": VLLM_MODEL_CLAIM, "readOnly": True}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": VLLM_SHM_LIMIT}},
+    ]
+    return _deployment(VLLM_NAME, _VLLM_LABELS, _VLLM_SELECTOR, [vllm_container(), exporter_container()], volumes)
+
+
+def _service(name: str, labels: dict, selector: dict, port_name: str, port: int) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "selector": selector,
+            "ports": [{"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"}],
         },
     }
 
 
 def shim_service() -> dict:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": SHIM_SERVICE, "labels": _LABELS},
-        "spec": {
-            "selector": _SELECTOR,
-            "ports": [
-                {"name": SHIM_PORT_NAME, "port": ports.SHIM_HTTP_PORT, "targetPort": SHIM_PORT_NAME, "protocol": "TCP"}
-            ],
-        },
-    }
+    return _service(SHIM_SERVICE, _LABELS, _SELECTOR, SHIM_PORT_NAME, ports.SHIM_HTTP_PORT)
 
 
-def pod_monitor(scrape_interval: float = config.SCRAPE_INTERVAL) -> dict:
-    """Both containers of every layerwatch pod, under the job names the rules select on."""
+def vllm_service() -> dict:
+    return _service(VLLM_NAME, _VLLM_LABELS, _VLLM_SELECTOR, VLLM_PORT_NAME, ports.VLLM_HTTP_PORT)
+
+
+def _pod_monitor(name: str, labels: dict, selector: dict, jobs: dict[str, str], scrape_interval: float) -> dict:
+    """Each named container port of the selected pods, under the job name the rules select on."""
 
     def endpoint(port: str, job: str) -> dict:
         return {
@@ -158,15 +212,24 @@ def pod_monitor(scrape_interval: float = config.SCRAPE_INTERVAL) -> dict:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
-        "metadata": {"name": NAME, "labels": {**_LABELS, **PROMETHEUS_SELECTOR_LABELS}},
+        "metadata": {"name": name, "labels": {**labels, **PROMETHEUS_SELECTOR_LABELS}},
         "spec": {
-            "selector": {"matchLabels": _SELECTOR},
-            "podMetricsEndpoints": [
-                endpoint(SHIM_PORT_NAME, config.SHIM_JOB),
-                endpoint(EXPORTER_PORT_NAME, config.EXPORTER_JOB),
-            ],
+            "selector": {"matchLabels": selector},
+            "podMetricsEndpoints": [endpoint(port, job) for port, job in jobs.items()],
         },
     }
+
+
+def pod_monitor(scrape_interval: float = config.SCRAPE_INTERVAL) -> dict:
+    """Both containers of every layerwatch pod, under the job names the rules select on."""
+    jobs = {SHIM_PORT_NAME: config.SHIM_JOB, EXPORTER_PORT_NAME: config.EXPORTER_JOB}
+    return _pod_monitor(NAME, _LABELS, _SELECTOR, jobs, scrape_interval)
+
+
+def vllm_pod_monitor(scrape_interval: float = config.SCRAPE_INTERVAL) -> dict:
+    """vLLM and the exporter of every layerwatch-vllm pod."""
+    jobs = {VLLM_PORT_NAME: config.VLLM_JOB, EXPORTER_PORT_NAME: config.EXPORTER_JOB}
+    return _pod_monitor(VLLM_NAME, _VLLM_LABELS, _VLLM_SELECTOR, jobs, scrape_interval)
 
 
 def prometheus_rule(groups: dict) -> dict:
@@ -192,18 +255,26 @@ def kustomization(resources: list[str]) -> dict:
     return {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": resources}
 
 
+def _kustomize_files(directory: str, resources: dict[str, dict]) -> dict[str, str]:
+    files = {f"{directory}/{name}": to_yaml(resource, HEADER) for name, resource in resources.items()}
+    files[f"{directory}/kustomization.yaml"] = to_yaml(kustomization(list(resources)), HEADER)
+    return files
+
+
 def kubernetes_files(groups: dict, dashboards: dict[str, str]) -> dict[str, str]:
-    """layerwatch/deploy/kubernetes/ files by path relative to the repository root: one resource per file.
+    """layerwatch/deploy/kubernetes/ files by path relative to the repository root: one resource per file,
+    the base and its vLLM variant.
 
     `groups` is the rule file as data (layerwatch.alerts.rules.rule_groups), `dashboards` file name -> JSON.
     """
-    resources = {
-        "deployment.yaml": deployment(),
-        "service.yaml": shim_service(),
-        "podmonitor.yaml": pod_monitor(),
+    monitoring = {
         "prometheusrule.yaml": prometheus_rule(groups),
         "dashboards-configmap.yaml": dashboards_config_map(dashboards),
     }
-    files = {f"{DIRECTORY}/{name}": to_yaml(resource, HEADER) for name, resource in resources.items()}
-    files[f"{DIRECTORY}/kustomization.yaml"] = to_yaml(kustomization(list(resources)), HEADER)
-    return files
+    base = {"deployment.yaml": deployment(), "service.yaml": shim_service(), "podmonitor.yaml": pod_monitor()}
+    variant = {
+        "deployment.yaml": vllm_deployment(),
+        "service.yaml": vllm_service(),
+        "podmonitor.yaml": vllm_pod_monitor(),
+    }
+    return {**_kustomize_files(DIRECTORY, base | monitoring), **_kustomize_files(VLLM_DIRECTORY, variant | monitoring)}

@@ -10,11 +10,13 @@ from __future__ import annotations
 from layerwatch import ports
 
 # Scrape jobs. Rules select on these, so a Prometheus scraping layerwatch under other job names
-# needs only these two strings changed (and the deploy files regenerated).
+# needs only these strings changed (and the deploy files regenerated).
 SHIM_JOB = "layerwatch-shim"
 EXPORTER_JOB = "layerwatch-exporter"
+VLLM_JOB = "vllm"  # `vllm serve`'s /metrics: its vllm: series, labelled with the served model name
 SHIM_SELECTOR = f'job="{SHIM_JOB}"'
 EXPORTER_SELECTOR = f'job="{EXPORTER_JOB}"'
+VLLM_SELECTOR = f'job="{VLLM_JOB}"'
 
 # Recording rules keep the target labels next to the model, so that an alert names the shim or
 # exporter it comes from and Alertmanager can group by it and inhibit on a down target.
@@ -25,6 +27,12 @@ RATE_WINDOW = 300.0  # every rate(): 5m
 SKIP_BASELINE_WINDOW = 3600.0  # the skip ratio's own recent baseline: 1h
 GATE_CHANGE_WINDOW = 3600.0  # how long a gates_sha256 change stays visible (and the alert firing)
 QUALITY_GUARD_WINDOW = 900.0  # over which LayerwatchQualityGuardBlind judges that nothing was measured: 15m
+
+# vLLM's latency objectives (LayerwatchVllmLatencyHigh): the p99 of each per-token latency over the
+# rate window, in seconds. Set them to your service's objectives; these suit a small model on CPU.
+VLLM_LATENCY_QUANTILE = 0.99
+VLLM_TIME_TO_FIRST_TOKEN_MAX = 2.0
+VLLM_INTER_TOKEN_LATENCY_MAX = 0.25
 
 # Severities: Alertmanager routes critical to the pager, warning to the ticket queue.
 SEVERITY_PAGE = "critical"
@@ -50,6 +58,10 @@ MITIGATION_CREDENTIALS_FILE = "/etc/alertmanager/secrets/mitigation.token"
 # The docker-compose stack: service addresses and the scrape interval Grafana must agree with.
 COMPOSE_SHIM_TARGET = f"shim:{ports.SHIM_HTTP_PORT}"
 COMPOSE_EXPORTER_TARGET = f"exporter:{ports.EXPORTER_HTTP_PORT}"
+COMPOSE_VLLM_SERVICE = "vllm"  # optional (`docker compose --profile vllm`): found by DNS, on ports.VLLM_HTTP_PORT
+# The name the deployed `vllm serve` serves its model under: vLLM labels its series with it, the plugin
+# its gate frames, and the rules pick the profile of that name.
+VLLM_SERVED_MODEL_NAME = "smollm2-135m-instruct"
 COMPOSE_ALERTMANAGER_TARGET = f"alertmanager:{ports.ALERTMANAGER_PORT}"
 COMPOSE_PROMETHEUS_URL = f"http://prometheus:{ports.PROMETHEUS_PORT}"
 SCRAPE_INTERVAL = 15.0

@@ -27,9 +27,10 @@ def test_identity_and_variables(dashboard: dict) -> None:
     assert list(variables) == ["datasource", "model", "instance"]
     assert variables["datasource"]["query"] == "prometheus"
     assert variables["datasource"]["current"]["value"] == config.GRAFANA_DATASOURCE_UID
-    # Served models and those only an exporter hears of (another engine's frames).
+    # Served models, those only an exporter hears of (another engine's frames) and those vLLM serves.
     assert variables["model"]["query"] == (
-        'label_values({__name__=~"layerwatch_model_info|layerwatch_exporter_frames_received_total"}, model_name)'
+        'label_values({__name__=~"layerwatch_model_info|layerwatch_exporter_frames_received_total'
+        '|vllm:num_requests_running"}, model_name)'
     )
     assert "$model" in variables["instance"]["query"] and variables["instance"]["includeAll"]
 
@@ -103,6 +104,32 @@ def test_the_fleet_row_shows_every_instance_of_the_model(dashboard: dict) -> Non
     for panel in fleet:
         for target in panel["targets"]:
             assert "$model" in target["expr"] and "$instance" not in target["expr"], panel["title"]
+
+
+def test_the_engine_view_puts_skipping_beside_vllms_latency_and_throughput(dashboard: dict) -> None:
+    """One row answers "did skipping make the vLLM-served model faster or slower, and at what quality?":
+    the skip ratio on the inter-token latency panel, the gating's quality, and every vLLM series the issue
+    names, each filtered on vLLM's job and the model."""
+    titles = [p["title"] for p in dashboard["panels"]]
+    start = titles.index("Engine (vLLM)") + 1
+    end = next(i for i in range(start, len(titles)) if dashboard["panels"][i]["type"] == "row")
+    engine = dashboard["panels"][start:end]
+    exprs = [t["expr"] for panel in engine for t in panel["targets"]]
+    for series in (
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total",
+        "vllm:generation_tokens_total",
+    ):
+        (expr, *_) = [e for e in exprs if series in e]
+        assert f'job="{config.VLLM_JOB}", model_name=~"$model"' in expr, expr
+    latency = next(p for p in engine if "vllm:inter_token_latency_seconds_bucket" in p["targets"][0]["expr"])
+    assert any("model_name:layerwatch_layer_skips:ratio" in t["expr"] for t in latency["targets"])
+    assert any("layerwatch_routing_token_dependent_share" in e for e in exprs)
 
 
 def test_routing_sits_beside_the_bimodality_verdict(dashboard: dict) -> None:

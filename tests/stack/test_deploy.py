@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import tomllib
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,7 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from layerwatch import ports
 from layerwatch.deploy import render as deploy
+from layerwatch.deploy import vllm
 from layerwatch.mixin import config
 from tests.support import wait_for
 
@@ -53,6 +56,75 @@ def test_rendered_prometheus_config_is_valid_and_loads_only_the_rules(promtool: 
     assert cfg["global"]["scrape_interval"] == "1s" and cfg["global"]["scrape_timeout"] == "1s"
     jobs = {s["job_name"]: s["static_configs"][0]["targets"] for s in cfg["scrape_configs"]}
     assert jobs == {config.SHIM_JOB: ["127.0.0.1:18000"], config.EXPORTER_JOB: ["127.0.0.1:19411"]}
+
+
+def test_vllm_is_scraped_as_its_own_job_when_asked_and_promtool_accepts_it(
+    promtool: str, tmp_path: Path, reference_profiles
+) -> None:
+    rendered = deploy.render_stack(
+        tmp_path,
+        profiles=reference_profiles,
+        shim_targets=["127.0.0.1:18000"],
+        exporter_targets=["127.0.0.1:19411"],
+        alertmanager_target="127.0.0.1:19093",
+        pager_url="http://127.0.0.1:1/pager",
+        ticket_url="http://127.0.0.1:1/ticket",
+        vllm_targets=["127.0.0.1:18100"],
+    )
+    result = run_tool(promtool, "check", "config", rendered.prometheus_config)
+    assert result.returncode == 0, result.stdout + result.stderr
+    jobs = {s["job_name"]: s for s in yaml.safe_load(rendered.prometheus_config.read_text())["scrape_configs"]}
+    assert jobs[config.VLLM_JOB]["static_configs"] == [{"targets": ["127.0.0.1:18100"]}]
+
+
+def test_the_compose_prometheus_finds_the_optional_vllm_by_dns(promtool: str) -> None:
+    """The committed prometheus.yml scrapes vLLM only where the name resolves: a stack started without
+    `--profile vllm` has no vllm target, hence no `up == 0` and no LayerwatchTargetDown for it."""
+    committed = REPO / "layerwatch/deploy/prometheus/prometheus.yml"
+    jobs = {s["job_name"]: s for s in yaml.safe_load(committed.read_text())["scrape_configs"]}
+    assert jobs[config.VLLM_JOB] == {
+        "job_name": config.VLLM_JOB,
+        "dns_sd_configs": [{"names": [config.COMPOSE_VLLM_SERVICE], "type": "A", "port": ports.VLLM_HTTP_PORT}],
+    }
+    result = run_tool(promtool, "check", "config", "--syntax-only", committed)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_stack_without_vllm_has_no_vllm_target_and_no_up_series_for_it(tmp_path: Path) -> None:
+    """A real Prometheus on the committed scrape jobs (its scrape interval shortened): the compose services'
+    names resolve nowhere here, so the static shim target is down (up == 0, what would page) while the vllm
+    job, found by DNS, has no target and no `up` series at all."""
+    committed = yaml.safe_load((REPO / "layerwatch/deploy/prometheus/prometheus.yml").read_text())
+    fast = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"}, "scrape_configs": committed["scrape_configs"]}
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(fast))
+    port = free_port()
+    prometheus = subprocess.Popen(
+        [
+            require_binary("prometheus"),
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def up_jobs() -> set[str] | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?query=up", timeout=2) as response:
+                samples = json.loads(response.read())["data"]["result"]
+        except OSError:
+            return None
+        jobs = {sample["metric"]["job"] for sample in samples}
+        return jobs if config.SHIM_JOB in jobs else None
+
+    try:
+        jobs = wait_for(up_jobs, timeout=30, interval=0.5, what="the shim's up series")
+        time.sleep(2)  # two more scrape intervals for a vllm target, were there one
+        assert config.VLLM_JOB not in (up_jobs() or jobs)
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=10)
 
 
 def test_remote_write_is_rendered_only_when_asked_and_promtool_accepts_it(
@@ -338,6 +410,33 @@ def test_docker_compose_config_is_valid(docker_compose: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_docker_compose_config_with_vllm_is_valid(docker_compose: str) -> None:
+    env = compose_env(GRAFANA_ADMIN_PASSWORD="only-for-this-test")
+    resolved = {}
+    for name, files in (("cpu", COMPOSE_FILES[:1]), ("gpu", COMPOSE_FILES)):
+        argv = [a for f in files for a in ("-f", f)]
+        result = run_tool(docker_compose, *argv, "--profile", "vllm", "config", env=env)
+        assert result.returncode == 0, result.stderr
+        resolved[name] = yaml.safe_load(result.stdout)["services"]["vllm"]
+    assert "args" not in resolved["cpu"]["build"]  # the Dockerfile's default: vLLM's CPU image
+    assert resolved["gpu"]["build"]["args"]["VLLM_IMAGE"].startswith("vllm/vllm-openai:")
+    assert resolved["gpu"]["deploy"]["resources"]["reservations"]["devices"]
+
+
+def test_compose_vllm_runs_the_plugin_with_the_deploy_arguments() -> None:
+    """docker-compose.yml spells out `vllm serve`'s arguments; they must be layerwatch/deploy/vllm.py's, which
+    the Kubernetes variant uses, with the compose exporter's frame address and the served model's profile."""
+    service = yaml.safe_load(COMPOSE_FILES[0].read_text())["services"]["vllm"]
+    frames = f"exporter:{ports.EXPORTER_FRAMES_PORT}"
+    assert service["command"] == vllm.serve_args(frames)
+    assert service["profiles"] == ["vllm"]  # `docker compose up` alone still runs the shim only
+    assert (REPO / "layerwatch/alerts/profiles" / f"{config.VLLM_SERVED_MODEL_NAME}.yaml").is_file()
+    dockerfile = (REPO / service["build"]["dockerfile"]).read_text()
+    assert re.findall(r"^USER (\S+)", dockerfile, re.M)[-1] not in ("root", "0")
+    assert re.search(r"^ARG VLLM_IMAGE=\S*cpu\S*:v", dockerfile, re.M)  # the CPU image unless told otherwise
+    assert '".[vllm]"' in dockerfile and 'ENTRYPOINT ["vllm", "serve"]' in dockerfile
+
+
 def test_docker_compose_requires_the_grafana_password(docker_compose: str) -> None:
     result = run_tool(docker_compose, "-f", COMPOSE_FILES[0], "config", "-q", env=compose_env())
     assert result.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in result.stderr
@@ -364,7 +463,7 @@ def test_the_documented_override_for_a_model_without_gates_passes_serves_checks(
 def test_compose_publishes_on_loopback_and_mounts_the_generated_files() -> None:
     compose = yaml.safe_load(COMPOSE_FILES[0].read_text())
     services = compose["services"]
-    assert set(services) == {"shim", "exporter", "prometheus", "alertmanager", "grafana"}
+    assert set(services) == {"shim", "vllm", "exporter", "prometheus", "alertmanager", "grafana"}
     for name, service in services.items():
         for port in service.get("ports", []):
             assert port.startswith("127.0.0.1:"), (name, port)

@@ -19,7 +19,7 @@ import yaml
 
 from layerwatch import ports
 from layerwatch.cli.main import build_parser
-from layerwatch.deploy import manifests
+from layerwatch.deploy import manifests, vllm
 from layerwatch.mixin import config
 
 from .conftest import REPO, run_tool
@@ -29,16 +29,20 @@ CRD_SCHEMAS = Path(__file__).parent / "data" / "prometheus-operator-crds"
 KUBERNETES_VERSION = "1.33.0"  # validated against; the base uses only long-stable fields
 
 
-def load_resources() -> dict[str, dict]:
+VLLM_VARIANT = REPO / manifests.VLLM_DIRECTORY
+
+
+def load_resources(directory: Path = BASE) -> dict[str, dict]:
     """kind -> resource, in the order the kustomization lists them."""
-    kustomization = yaml.safe_load((BASE / "kustomization.yaml").read_text())
-    resources = [yaml.safe_load((BASE / name).read_text()) for name in kustomization["resources"]]
-    listed = {path.name for path in BASE.glob("*.yaml")} - {"kustomization.yaml"}
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    resources = [yaml.safe_load((directory / name).read_text()) for name in kustomization["resources"]]
+    listed = {path.name for path in directory.glob("*.yaml")} - {"kustomization.yaml"}
     assert listed == set(kustomization["resources"]), "every file of the base is a listed resource"
     return {resource["kind"]: resource for resource in resources}
 
 
 RESOURCES = load_resources()
+VLLM_RESOURCES = load_resources(VLLM_VARIANT)
 CORE_KINDS = ("Deployment", "Service", "ConfigMap")
 OPERATOR_KINDS = ("PodMonitor", "PrometheusRule")
 
@@ -47,9 +51,10 @@ def test_the_base_holds_the_shim_with_its_exporter_monitoring_rules_and_dashboar
     assert set(RESOURCES) == {*CORE_KINDS, *OPERATOR_KINDS}
 
 
+@pytest.mark.parametrize("resources", [RESOURCES, VLLM_RESOURCES], ids=["base", "vllm"])
 @pytest.mark.parametrize("kind", CORE_KINDS)
-def test_core_resources_are_valid_kubernetes(kind):
-    kubernetes_validate.validate(RESOURCES[kind], KUBERNETES_VERSION, strict=True)
+def test_core_resources_are_valid_kubernetes(kind, resources):
+    kubernetes_validate.validate(resources[kind], KUBERNETES_VERSION, strict=True)
 
 
 def test_the_kubernetes_validation_has_teeth():
@@ -63,9 +68,10 @@ def operator_validator(kind: str) -> jsonschema.Draft7Validator:
     return jsonschema.Draft7Validator(json.loads((CRD_SCHEMAS / f"{kind}.json").read_text()))
 
 
+@pytest.mark.parametrize("resources", [RESOURCES, VLLM_RESOURCES], ids=["base", "vllm"])
 @pytest.mark.parametrize("kind", OPERATOR_KINDS)
-def test_operator_resources_match_the_crd_schemas(kind):
-    errors = [error.message for error in operator_validator(kind).iter_errors(RESOURCES[kind])]
+def test_operator_resources_match_the_crd_schemas(kind, resources):
+    errors = [error.message for error in operator_validator(kind).iter_errors(resources[kind])]
     assert not errors
 
 
@@ -150,3 +156,56 @@ def test_a_busy_replica_stays_ready_and_the_exporter_cannot_unready_the_pod():
     assert containers()["shim"]["readinessProbe"]["timeoutSeconds"] > PROBE_TIMEOUT_SECONDS
     # A pod is Ready only when every container is: the sidecar has liveness, no readiness.
     assert "readinessProbe" not in containers()["exporter"] and "livenessProbe" in containers()["exporter"]
+
+
+# --- the vLLM variant -----------------------------------------------------------------------------
+
+
+def vllm_containers() -> dict[str, dict]:
+    pod = VLLM_RESOURCES["Deployment"]["spec"]["template"]["spec"]
+    return {container["name"]: container for container in pod["containers"]}
+
+
+def test_the_vllm_variant_runs_vllm_with_the_plugin_and_the_exporter_beside_it():
+    assert set(vllm_containers()) == {"vllm", "exporter"}
+    assert vllm_containers()["exporter"] == containers()["exporter"]  # the base's sidecar, unchanged
+    frames = f"{ports.LOOPBACK}:{ports.EXPORTER_FRAMES_PORT}"
+    assert vllm_containers()["vllm"]["args"] == vllm.serve_args(frames)  # frames stay on the pod's loopback
+    overrides = json.loads(vllm_containers()["vllm"]["args"][-1])
+    assert overrides["architectures"] == [vllm.ARCHITECTURE]
+    assert overrides["layerwatch"]["model_name"] == config.VLLM_SERVED_MODEL_NAME
+    assert vllm_containers()["vllm"]["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_the_vllm_variant_shares_the_monitoring_and_keeps_its_own_names():
+    """The same PrometheusRule and dashboard ConfigMap under the same names (applying the variant beside the
+    base changes neither), and its own Deployment, Service and PodMonitor (it replaces none of the base's)."""
+    for kind in ("PrometheusRule", "ConfigMap"):
+        assert VLLM_RESOURCES[kind] == RESOURCES[kind]
+    for kind in ("Deployment", "Service", "PodMonitor"):
+        assert VLLM_RESOURCES[kind]["metadata"]["name"] != RESOURCES[kind]["metadata"]["name"]
+
+
+def test_the_vllm_variants_probes_monitor_and_service_point_at_declared_ports_and_labels():
+    deployment = VLLM_RESOURCES["Deployment"]
+    pod = deployment["spec"]["template"]
+    port_names = {port["name"] for c in vllm_containers().values() for port in c["ports"]}
+    for selector in (
+        deployment["spec"]["selector"]["matchLabels"],
+        VLLM_RESOURCES["Service"]["spec"]["selector"],
+        VLLM_RESOURCES["PodMonitor"]["spec"]["selector"]["matchLabels"],
+    ):
+        assert selector.items() <= pod["metadata"]["labels"].items()
+        # The base's pods are not selected, nor the variant's by the base.
+        assert not selector.items() <= RESOURCES["Deployment"]["spec"]["template"]["metadata"]["labels"].items()
+    for container in vllm_containers().values():
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            if probe in container:
+                assert container[probe]["httpGet"]["port"] in port_names
+    volumes = {volume["name"] for volume in pod["spec"]["volumes"]}
+    assert {mount["name"] for mount in vllm_containers()["vllm"]["volumeMounts"]} <= volumes
+    endpoints = VLLM_RESOURCES["PodMonitor"]["spec"]["podMetricsEndpoints"]
+    assert {e["port"] for e in endpoints} <= port_names
+    jobs = {e["relabelings"][0]["replacement"] for e in endpoints}
+    assert jobs == {config.VLLM_JOB, config.EXPORTER_JOB}
+    assert {p["targetPort"] for p in VLLM_RESOURCES["Service"]["spec"]["ports"]} <= port_names
