@@ -455,6 +455,8 @@ class GenerationEngine:
         free = sorted(set(range(self.max_batch_size)) - set(self._active))
         while self._waiting and free:
             sequence = self._next_waiting()
+            if sequence is None:
+                break
             sequence.slot = free[0]
             try:
                 final = self._start(sequence)
@@ -467,13 +469,24 @@ class GenerationEngine:
             self._active[free.pop(0)] = sequence
         return updates
 
-    def _next_waiting(self) -> _Sequence:
+    def _next_waiting(self) -> _Sequence | None:
         """Take the waiting sequence of the request that holds the fewest batch slots (the earliest
         among equals): a request of many prompts or choices takes turns with those that came after
-        it, rather than every slot until its last sequence is done. Sequences without a request id
-        each count as their own request."""
+        it, rather than every slot until its last sequence is done. A request's prompt scoring (echo
+        with logprobs: a decode step per prompt token, 12 times a prefill's time) holds at most half
+        the slots, so that the rest stay free for whoever comes next; None when nothing else waits.
+        Sequences without a request id each count as their own request."""
         held = Counter(s.request_id for s in self._active.values() if s.request_id is not None)
-        sequence = min(self._waiting, key=lambda s: held[s.request_id] if s.request_id is not None else 0)
+        scoring = Counter(s.request_id for s in self._active.values() if s.scored is not None)
+        most_scoring = max(1, self.max_batch_size // 2)
+        candidates = [
+            s
+            for s in self._waiting
+            if s.request_id is None or not _scores_prompt(s) or scoring[s.request_id] < most_scoring
+        ]
+        if not candidates:
+            return None
+        sequence = min(candidates, key=lambda s: held[s.request_id] if s.request_id is not None else 0)
         self._waiting.remove(sequence)
         return sequence
 
@@ -846,6 +859,11 @@ class DecodedStep:
 
 # (logits [B, V], next tokens [B]) -> [F, W] on the device: a per-row summary for some rows.
 Summarize = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _scores_prompt(sequence: _Sequence) -> bool:
+    """Whether the sequence starts by scoring its prompt, a decode step per token (`_start`)."""
+    return sequence.params.prompt_logprobs is not None and len(sequence.prompt_ids) > 1
 
 
 def gated_decode_step(
