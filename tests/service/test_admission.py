@@ -1,11 +1,18 @@
-"""Admission counts the batch slots a request's sequences take, not requests (issue 43, item 4)."""
+"""Admission counts the batch slots a request's sequences take, not requests, and a request of many
+sequences takes turns with those after it (issue 43, item 4)."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 import pytest
 
 from layerwatch.inference_shim.service.admission import Admission
 from layerwatch.inference_shim.service.schemas import APIError
+
+from .conftest import MODEL_NAME
 
 
 def admitted(admission: Admission, sequences: int) -> None:
@@ -32,3 +39,26 @@ def test_a_request_counts_the_batch_slots_its_prompts_and_choices_take():
         admission.check()
     admission.leave(admission.weight(128))
     assert admission.admitted == 4
+
+
+def test_chats_sent_during_a_request_of_many_scored_prompts_finish_first(in_process):
+    """Before: one /v1/completions of 128 scored token-id prompts (echo, logprobs) held every batch
+    slot until its last prompt was scored; three 4-token chats sent meanwhile got 0 tokens in 60 s."""
+    server = in_process(max_batch_size=4)
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(60)] for i in range(16)]
+    big = {"model": MODEL_NAME, "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 0}
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "the earth"}], "max_tokens": 4}
+    finished: dict[str, float] = {}
+
+    def post(name: str, path: str, body: dict) -> None:
+        response = httpx.post(f"{server.base_url}{path}", json=body, timeout=120)
+        assert response.status_code == 200, response.text[:300]
+        finished[name] = time.monotonic()
+
+    with ThreadPoolExecutor(4) as pool:
+        scoring = pool.submit(post, "big", "/v1/completions", big)
+        time.sleep(0.3)  # its prompts are scoring
+        chats = [pool.submit(post, f"chat{i}", "/v1/chat/completions", chat) for i in range(3)]
+        for future in [scoring, *chats]:
+            future.result()
+    assert max(finished[f"chat{i}"] for i in range(3)) < finished["big"], finished
