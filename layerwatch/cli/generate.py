@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from layerwatch.alerts.profile_file import ProfileError
-from layerwatch.deploy.artifacts import PROFILES_DIR, generated_files, stale_files
+from layerwatch.deploy.artifacts import PROFILES_DIR, FlagsReferenceError, generated_files, stale_files
 from layerwatch.promql import UnknownMetricError
 
 
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         print(f"layerwatch generate: {exc}: install the `generate` extra (pip install '.[generate]')", file=sys.stderr)
         return 2
-    except (ProfileError, UnknownMetricError) as exc:
+    except (ProfileError, UnknownMetricError, FlagsReferenceError) as exc:
         print(f"layerwatch generate: {exc}", file=sys.stderr)
         return 2
     if args.check:
