@@ -90,21 +90,19 @@ def add_flags(
     names: Iterable[str] | None = None,
     *,
     flags: Mapping[str, str] | None = None,
-    helps: Mapping[str, str] | None = None,
 ) -> None:
-    """One flag per declared field of `cls` (or of those `names`, in that order). `flags` and `helps`
-    rename a flag or reword its help where another command reads the same setting under its own name."""
+    """One flag per declared field of `cls` (or of those `names`, in that order). `flags` renames a
+    flag where another command reads the same setting under its own name."""
     for field, spec in _declared(cls, names):
-        help = (helps or {}).get(field.name, spec.help)
         if spec.positional:
-            parser.add_argument(field.name, **_given(type=spec.type, metavar=spec.metavar, help=help))
+            parser.add_argument(field.name, **_given(type=spec.type, metavar=spec.metavar, help=spec.help))
             continue
         name = (flags or {}).get(field.name) or flag_name(field)
         default = None if field.default is dataclasses.MISSING else field.default
         if spec.type is None and default is False:
-            parser.add_argument(name, **_given(dest=field.name, action="store_true", help=help))
+            parser.add_argument(name, **_given(dest=field.name, action="store_true", help=spec.help))
             continue
-        options = _given(type=spec.type, choices=spec.choices, metavar=spec.metavar, help=help)
+        options = _given(type=spec.type, choices=spec.choices, metavar=spec.metavar, help=spec.help)
         if spec.required:
             options["required"] = True
         parser.add_argument(name, dest=field.name, default=default, **options)
