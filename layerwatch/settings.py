@@ -3,9 +3,12 @@ the command's flags and the settings object read back from them are derived.
 
 The model is vLLM's EngineArgs: each field of a settings dataclass declared with `setting(...)` is one
 flag, `--<field-name>` unless named otherwise, whose dest is the field's name and whose default is the
-field's (a field without a default gets None: the command fills it in). A bool field defaulting to False
-without a type is a switch (store_true). Its LAYERWATCH_<FLAG> variable comes from the flag's name
-(layerwatch/cli/main.py). A new flag of `serve` or `exporter` is one such field.
+field's (a field without a default gets None: the command fills it in, unless it is `required`). A bool
+field defaulting to False without a type is a switch (store_true); a `positional` field is a positional
+argument named by the field. Its LAYERWATCH_<FLAG> variable comes from the flag's name
+(layerwatch/cli/main.py). A new flag of any command is one such field; a command that reads a setting
+another declares (`--model`, `--device`) declares it `same_as` that one, so that its flag, type and help
+are written once.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ class Flag:
     # Applied to a value read from the flags (not to the default None): a key file's key, say. Its
     # ValueError reaches the command, which reports it as it reports the settings' own checks.
     convert: Callable[[Any], Any] | None = None
+    required: bool = False
+    positional: bool = False
 
 
 def setting(
@@ -40,11 +45,27 @@ def setting(
     metavar: str | None = None,
     choices: Sequence[str] | None = None,
     convert: Callable[[Any], Any] | None = None,
+    required: bool = False,
+    positional: bool = False,
     repr: bool = True,
 ) -> Any:
     """A dataclass field that is also a flag (module doc); repr=False keeps a secret out of its repr."""
-    spec = Flag(help, type, flag, metavar, tuple(choices) if choices is not None else None, convert)
+    spec = Flag(
+        help, type, flag, metavar, tuple(choices) if choices is not None else None, convert, required, positional
+    )
     return dataclasses.field(default=default, repr=repr, metadata={_SETTING: spec})
+
+
+def same_as(cls: type, name: str, default: Any = dataclasses.MISSING, **changes: Any) -> Any:
+    """A field declared as `cls`'s field `name` is (its flag, type, help), with its own `default` (else
+    that field's) and `changes` to the declaration (a `metavar`, `required`): one setting that two
+    commands read, written once."""
+    field = {f.name: f for f in dataclasses.fields(cls)}[name]
+    spec = flag_of(field)
+    assert spec is not None, f"{cls.__name__}.{name} is not a setting"
+    spec = dataclasses.replace(spec, flag=flag_name(field), **changes)
+    default = field.default if default is dataclasses.MISSING else default
+    return dataclasses.field(default=default, repr=field.repr, metadata={_SETTING: spec})
 
 
 def flag_of(field: dataclasses.Field[Any]) -> Flag | None:
@@ -69,19 +90,26 @@ def add_flags(
     names: Iterable[str] | None = None,
     *,
     flags: Mapping[str, str] | None = None,
-    helps: Mapping[str, str] | None = None,
 ) -> None:
-    """One flag per declared field of `cls` (or of those `names`, in that order). `flags` and `helps`
-    rename a flag or reword its help where another command reads the same setting under its own name."""
+    """One flag per declared field of `cls` (or of those `names`, in that order). `flags` renames a
+    flag where another command reads the same setting under its own name."""
     for field, spec in _declared(cls, names):
+        if spec.positional:
+            parser.add_argument(field.name, **_given(type=spec.type, metavar=spec.metavar, help=spec.help))
+            continue
         name = (flags or {}).get(field.name) or flag_name(field)
-        options: dict[str, Any] = {"dest": field.name, "help": (helps or {}).get(field.name, spec.help)}
         default = None if field.default is dataclasses.MISSING else field.default
         if spec.type is None and default is False:
-            options["action"] = "store_true"
-        else:
-            options.update(default=default, type=spec.type, choices=spec.choices, metavar=spec.metavar)
-        parser.add_argument(name, **{key: value for key, value in options.items() if value is not None})
+            parser.add_argument(name, **_given(dest=field.name, action="store_true", help=spec.help))
+            continue
+        options = _given(type=spec.type, choices=spec.choices, metavar=spec.metavar, help=spec.help)
+        if spec.required:
+            options["required"] = True
+        parser.add_argument(name, dest=field.name, default=default, **options)
+
+
+def _given(**options: Any) -> dict[str, Any]:
+    return {key: value for key, value in options.items() if value is not None}
 
 
 def changed_from_default(settings: Any, names: Iterable[str]) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from layerwatch import argtypes
@@ -23,62 +24,63 @@ from layerwatch.alerts.baseline import (
 )
 from layerwatch.alerts.profile import DEFAULT_RUNAWAY_SKIP_RATIO
 from layerwatch.alerts.profile_file import ProfileError, dump_profile
+from layerwatch.settings import add_flags, from_flags, setting
 from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS
 from layerwatch.trace import TraceError
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("trace", metavar="TRACE.jsonl", type=Path, help="trace of the model's healthy traffic")
-    parser.add_argument("--out", type=Path, required=True, help="profile YAML to write")
-    parser.add_argument(
-        "--model-name", default=None, help="the model to calibrate (default: the trace's only model_name)"
+@dataclass(frozen=True, kw_only=True)
+class CalibrateTraceSettings:
+    trace: Path = setting(
+        type=Path, positional=True, metavar="TRACE.jsonl", help="trace of the model's healthy traffic"
     )
-    parser.add_argument(
-        "--threshold",
+    out: Path = setting(type=Path, required=True, help="profile YAML to write")
+    model_name: str | None = setting(None, help="the model to calibrate (default: the trace's only model_name)")
+    threshold: float | None = setting(
+        None,
         type=argtypes.fraction,
-        default=None,
         metavar="TAU",
         help='the skip threshold, for trace lines without a "threshold" key (default: the lines\')',
     )
-    parser.add_argument(
-        "--patience",
+    patience: int = setting(
+        1,
         type=argtypes.positive(int),
-        default=1,
         help="steps below the threshold before a layer is skipped (informational; default 1: a per-token router)",
     )
-    parser.add_argument(
-        "--runaway-skip-ratio",
+    runaway_skip_ratio: float = setting(
+        DEFAULT_RUNAWAY_SKIP_RATIO,
         type=argtypes.fraction,
-        default=DEFAULT_RUNAWAY_SKIP_RATIO,
         help="LayerwatchRunawaySkipping's limit (default %(default)s)",
     )
-    parser.add_argument(
-        "--chunk-tokens",
+    chunk_tokens: int = setting(
+        DEFAULT_CHUNK_TOKENS,
         type=argtypes.positive(int),
-        default=DEFAULT_CHUNK_TOKENS,
         help="decoded tokens per chunk when measuring how much window statistics vary (default %(default)s)",
     )
-    parser.add_argument(
-        "--margin",
+    margin: float = setting(
+        DEFAULT_MARGIN,
         type=argtypes.fraction,
-        default=DEFAULT_MARGIN,
         help="added on both sides of each measured band (default %(default)s)",
     )
-    parser.add_argument(
-        "--min-observations",
+    min_observations: int = setting(
+        DEFAULT_MIN_WINDOW_OBSERVATIONS,
         type=argtypes.positive(int),
-        default=DEFAULT_MIN_WINDOW_OBSERVATIONS,
         help="entropies the exporter window needs before the single-peak alert may fire (default %(default)s)",
     )
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, CalibrateTraceSettings)
+
+
 def run(args: argparse.Namespace) -> int:
+    settings = from_flags(CalibrateTraceSettings, args)
     try:
-        baseline = read_trace_baseline(args.trace, args.model_name, args.threshold)
-        if len(baseline.entropies) < args.chunk_tokens:  # the profile's check, with what to do about it
+        baseline = read_trace_baseline(settings.trace, settings.model_name, settings.threshold)
+        if len(baseline.entropies) < settings.chunk_tokens:  # the profile's check, with what to do about it
             print(
-                f"layerwatch calibrate-trace: {args.trace}: {len(baseline.entropies)} decoded tokens of "
-                f"{baseline.model_name}, fewer than one chunk of {args.chunk_tokens} (--chunk-tokens): record more "
+                f"layerwatch calibrate-trace: {settings.trace}: {len(baseline.entropies)} decoded tokens of "
+                f"{baseline.model_name}, fewer than one chunk of {settings.chunk_tokens} (--chunk-tokens): record more "
                 "of its healthy traffic (a few thousand tokens give bands that hold for the live 5-minute "
                 "windows), or give a smaller --chunk-tokens (looser bands)",
                 file=sys.stderr,
@@ -86,14 +88,14 @@ def run(args: argparse.Namespace) -> int:
             return 2
         profile, stats = profile_from_trace(
             baseline,
-            source=args.trace.name,
-            patience=args.patience,
-            runaway_skip_ratio=args.runaway_skip_ratio,
-            chunk_tokens=args.chunk_tokens,
-            margin=args.margin,
-            min_observations=args.min_observations,
+            source=settings.trace.name,
+            patience=settings.patience,
+            runaway_skip_ratio=settings.runaway_skip_ratio,
+            chunk_tokens=settings.chunk_tokens,
+            margin=settings.margin,
+            min_observations=settings.min_observations,
         )
-        dump_profile(profile, args.out)
+        dump_profile(profile, settings.out)
     except (TraceError, OSError, ValueError, ProfileError) as exc:
         print(f"layerwatch calibrate-trace: {exc}", file=sys.stderr)
         return 2
@@ -111,5 +113,5 @@ def run(args: argparse.Namespace) -> int:
     )
     print("20-bin histogram of decode-time entropies (all layers):")
     print(ascii_histogram(stats.histogram))
-    print(f"wrote {args.out}")
+    print(f"wrote {settings.out}")
     return 0

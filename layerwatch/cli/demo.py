@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -33,95 +34,14 @@ from layerwatch.cli.signals import Stopped
 from layerwatch.demo.alert_view import AlertView
 from layerwatch.demo.drills import DRILLS, DrillRun
 from layerwatch.demo.loadgen import run_load
-from layerwatch.demo.models import DEFAULT_MODEL, DEMO_MODELS, demo_model, model_cache, serve_flags
+from layerwatch.demo.models import DEFAULT_MODEL, DEMO_MODELS, DemoModel, demo_model, model_cache, serve_flags
 from layerwatch.demo.receiver import WebhookReceiver
 from layerwatch.demo.stack import DemoStack, host_port, monitoring_installed
 from layerwatch.exporter.live_view import CLEAR_SCREEN, Samples, ScrapeError, fit_view, render_samples, scrape, total
+from layerwatch.settings import add_flags, from_flags, setting
 
 INSTALL_HINT = "scripts/install-system-deps.sh --demo installs them (root or sudo)"
 STOP_HINT = "(Ctrl-C stops the demo)"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        type=demo_model,
-        default=DEFAULT_MODEL,
-        metavar="NAME|DIR",
-        help="; ".join(f"{m.name}: {m.what}" for m in DEMO_MODELS.values())
-        + f" (default {DEFAULT_MODEL.name}); or a checkpoint folder",
-    )
-    parser.add_argument(
-        "--port", type=argtypes.port, default=ports.SHIM_HTTP_PORT, help="shim HTTP port (default %(default)s)"
-    )
-    parser.add_argument(
-        "--exporter-port",
-        type=argtypes.port,
-        default=ports.EXPORTER_HTTP_PORT,
-        help="exporter HTTP port (default %(default)s)",
-    )
-    parser.add_argument(
-        "--prometheus-port", type=argtypes.port, default=ports.PROMETHEUS_PORT, help="(default %(default)s)"
-    )
-    parser.add_argument(
-        "--alertmanager-port", type=argtypes.port, default=ports.ALERTMANAGER_PORT, help="(default %(default)s)"
-    )
-    parser.add_argument("--no-prometheus", action="store_true", help="do not start Prometheus and Alertmanager")
-    parser.add_argument(
-        "--drill",
-        choices=sorted(DRILLS),
-        default=None,
-        help="after --baseline seconds of healthy traffic, restart the shim with a fault and show its page: "
-        + "; ".join(f"{d.name}: {' '.join(d.serve_flags)} pages {d.page}" for d in DRILLS.values())
-        + "".join(
-            f" (on {m.name}: "
-            + "; ".join(f"{d.name}: {' '.join(d.serve_flags)}" for d in m.drill_overrides.values())
-            + ")"
-            for m in DEMO_MODELS.values()
-            if m.drill_overrides
-        ),
-    )
-    parser.add_argument(
-        "--baseline",
-        type=float,
-        default=None,
-        help="seconds of healthy traffic before a drill's fault (default: the model's, "
-        + _defaults("baseline_seconds")
-        + ")",
-    )
-    parser.add_argument(
-        "--concurrency",
-        type=int,
-        default=None,
-        help="load generator clients (default: " + _defaults("concurrency") + ")",
-    )
-    parser.add_argument(
-        "--max-tokens",
-        type=int,
-        default=None,
-        help="tokens per generated completion (default: " + _defaults("max_tokens") + ")",
-    )
-    parser.add_argument(
-        "--shadow-rate",
-        type=float,
-        default=1.0,
-        help="share of requests the shim compares with the full-depth model, within its duty cycle "
-        "(default %(default)s, as in the end-to-end test: the shuffle drill's page needs the samples)",
-    )
-    parser.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0 = until Ctrl-C)")
-    parser.add_argument("--interval", type=argtypes.interval, default=2.0, help="seconds between screen refreshes")
-    parser.add_argument(
-        "--workdir",
-        default=None,
-        help="where configs, logs and the Prometheus and Alertmanager data go (those two start empty every run; "
-        "default: a temporary folder, removed when the demo ends)",
-    )
-    parser.add_argument(
-        "--keep-workdir",
-        action="store_true",
-        help="keep the temporary folder when the demo ends, and print where it is (a --workdir, and the folder "
-        "of a demo that failed, are always kept)",
-    )
 
 
 def _defaults(setting: str) -> str:
@@ -129,23 +49,94 @@ def _defaults(setting: str) -> str:
     return ", ".join(f"{m.name} {getattr(m, setting):g}" for m in DEMO_MODELS.values())
 
 
+def _drill_help() -> str:
+    return (
+        "after --baseline seconds of healthy traffic, restart the shim with a fault and show its page: "
+        + "; ".join(f"{d.name}: {' '.join(d.serve_flags)} pages {d.page}" for d in DRILLS.values())
+        + "".join(
+            f" (on {m.name}: "
+            + "; ".join(f"{d.name}: {' '.join(d.serve_flags)}" for d in m.drill_overrides.values())
+            + ")"
+            for m in DEMO_MODELS.values()
+            if m.drill_overrides
+        )
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoSettings:
+    """The model, the ports, the drill and the load; None: the model's own (DemoModel)."""
+
+    model: DemoModel = setting(
+        DEFAULT_MODEL,
+        type=demo_model,
+        metavar="NAME|DIR",
+        help="; ".join(f"{m.name}: {m.what}" for m in DEMO_MODELS.values())
+        + f" (default {DEFAULT_MODEL.name}); or a checkpoint folder",
+    )
+    port: int = setting(ports.SHIM_HTTP_PORT, type=argtypes.port, help="shim HTTP port (default %(default)s)")
+    exporter_port: int = setting(
+        ports.EXPORTER_HTTP_PORT, type=argtypes.port, help="exporter HTTP port (default %(default)s)"
+    )
+    prometheus_port: int = setting(ports.PROMETHEUS_PORT, type=argtypes.port, help="(default %(default)s)")
+    alertmanager_port: int = setting(ports.ALERTMANAGER_PORT, type=argtypes.port, help="(default %(default)s)")
+    no_prometheus: bool = setting(False, help="do not start Prometheus and Alertmanager")
+    drill: str | None = setting(None, choices=sorted(DRILLS), help=_drill_help())
+    baseline: float | None = setting(
+        None,
+        type=float,
+        help="seconds of healthy traffic before a drill's fault (default: the model's, "
+        + _defaults("baseline_seconds")
+        + ")",
+    )
+    concurrency: int | None = setting(
+        None, type=int, help="load generator clients (default: " + _defaults("concurrency") + ")"
+    )
+    max_tokens: int | None = setting(
+        None, type=int, help="tokens per generated completion (default: " + _defaults("max_tokens") + ")"
+    )
+    shadow_rate: float = setting(
+        1.0,
+        type=float,
+        help="share of requests the shim compares with the full-depth model, within its duty cycle "
+        "(default %(default)s, as in the end-to-end test: the shuffle drill's page needs the samples)",
+    )
+    duration: float = setting(0.0, type=float, help="stop after this many seconds (0 = until Ctrl-C)")
+    interval: float = setting(2.0, type=argtypes.interval, help="seconds between screen refreshes")
+    workdir: str | None = setting(
+        None,
+        help="where configs, logs and the Prometheus and Alertmanager data go (those two start empty every run; "
+        "default: a temporary folder, removed when the demo ends)",
+    )
+    keep_workdir: bool = setting(
+        False,
+        help="keep the temporary folder when the demo ends, and print where it is (a --workdir, and the folder "
+        "of a demo that failed, are always kept)",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, DemoSettings)
+
+
 def run(args: argparse.Namespace) -> int:
-    model = args.model
-    baseline = model.baseline_seconds if args.baseline is None else args.baseline
-    concurrency = model.concurrency if args.concurrency is None else args.concurrency
-    max_tokens = model.max_tokens if args.max_tokens is None else args.max_tokens
-    drill = model.drill(args.drill) if args.drill else None
-    monitoring = not args.no_prometheus and monitoring_installed()
+    settings = from_flags(DemoSettings, args)
+    model = settings.model
+    baseline = model.baseline_seconds if settings.baseline is None else settings.baseline
+    concurrency = model.concurrency if settings.concurrency is None else settings.concurrency
+    max_tokens = model.max_tokens if settings.max_tokens is None else settings.max_tokens
+    drill = model.drill(settings.drill) if settings.drill else None
+    monitoring = not settings.no_prometheus and monitoring_installed()
     if drill is not None and not monitoring:
-        why = "--no-prometheus was given" if args.no_prometheus else f"they are not installed: {INSTALL_HINT}"
+        why = "--no-prometheus was given" if settings.no_prometheus else f"they are not installed: {INSTALL_HINT}"
         print(f"layerwatch demo: --drill needs Prometheus and Alertmanager to page; {why}", file=sys.stderr)
         return 2
-    taken = taken_port(args, monitoring)
+    taken = taken_port(settings, monitoring)
     if taken is not None:
         print(f"layerwatch demo: {taken}: stop what holds it, or give the demo another", file=sys.stderr)
         return 2
-    temporary = args.workdir is None
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="layerwatch-demo-"))
+    temporary = settings.workdir is None
+    workdir = Path(settings.workdir or tempfile.mkdtemp(prefix="layerwatch-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     failed = False
     stack = DemoStack(workdir, model.timing)
@@ -156,7 +147,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         model_flags = serve_flags(model, model_cache(), _say)
         shim_url, exporter_url = stack.start_core(
-            port=args.port, exporter_port=args.exporter_port, shadow_rate=args.shadow_rate, model_flags=model_flags
+            port=settings.port,
+            exporter_port=settings.exporter_port,
+            shadow_rate=settings.shadow_rate,
+            model_flags=model_flags,
         )
         lines = [
             f"shim (OpenAI API)  {shim_url}/v1   metrics {shim_url}/metrics",
@@ -170,22 +164,22 @@ def run(args: argparse.Namespace) -> int:
                 exporter_url,
                 profiles=profiles,
                 receiver=receiver,
-                prometheus_port=args.prometheus_port,
-                alertmanager_port=args.alertmanager_port,
+                prometheus_port=settings.prometheus_port,
+                alertmanager_port=settings.alertmanager_port,
             )
             view = AlertView(prometheus_url, profiles, stack.timing.rules, receiver)
             lines += [
                 f"prometheus         {prometheus_url}/alerts",
-                f"alertmanager       http://127.0.0.1:{args.alertmanager_port}   "
+                f"alertmanager       http://127.0.0.1:{settings.alertmanager_port}   "
                 f"delivers to this demo: {receiver.url('/pager')}, /ticket",
                 stack.timing.note(),
             ]
-        elif args.no_prometheus:
+        elif settings.no_prometheus:
             lines.append("prometheus         off (--no-prometheus): no rule is evaluated, no alert can fire")
         else:
             lines.append(f"prometheus         not installed: no rule is evaluated, no alert can fire ({INSTALL_HINT})")
         removed = (
-            " (removed when the demo ends; --keep-workdir keeps it)" if temporary and not args.keep_workdir else ""
+            " (removed when the demo ends; --keep-workdir keeps it)" if temporary and not settings.keep_workdir else ""
         )
         lines.append(f"logs and configs   {workdir}{removed}")
         banner = "\n".join(lines)
@@ -206,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         load.start()
         if drill is not None and receiver is not None:
             drill_run = DrillRun(drill, stack, receiver, baseline)
-        _show(shim_url, exporter_url, banner, args, stack, view, drill_run)
+        _show(shim_url, exporter_url, banner, settings, stack, view, drill_run)
     except Stopped:
         interrupted = True
         raise
@@ -220,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         if receiver is not None:
             receiver.close()
         _say("layerwatch demo: stopped every process it started.")
-        if temporary and not args.keep_workdir and not failed:
+        if temporary and not settings.keep_workdir and not failed:
             shutil.rmtree(workdir, ignore_errors=True)
         else:  # the failed demo's logs say why
             _say(f"layerwatch demo: logs and configs kept in {workdir}")
@@ -229,15 +223,15 @@ def run(args: argparse.Namespace) -> int:
     return 0 if drill_run is None else _drill_verdict(drill_run, interrupted)
 
 
-def taken_port(args: argparse.Namespace, monitoring: bool) -> str | None:
+def taken_port(settings: DemoSettings, monitoring: bool) -> str | None:
     """Which of the demo's ports another process holds, naming the demo's flag for it, or None. Found
     by its processes, a taken port failed the demo after they started, in the words of the shim's or
     the exporter's own flags (`--http`, which the demo refuses), and left a workdir behind."""
-    wanted = [(args.port, "the shim's API", "--port"), (args.exporter_port, "the exporter", "--exporter-port")]
+    wanted = [(settings.port, "the shim's API", "--port"), (settings.exporter_port, "the exporter", "--exporter-port")]
     if monitoring:
         wanted += [
-            (args.prometheus_port, "Prometheus", "--prometheus-port"),
-            (args.alertmanager_port, "Alertmanager", "--alertmanager-port"),
+            (settings.prometheus_port, "Prometheus", "--prometheus-port"),
+            (settings.alertmanager_port, "Alertmanager", "--alertmanager-port"),
         ]
     for port, what, flag in wanted:
         try:
@@ -284,12 +278,12 @@ def _show(
     shim_url: str,
     exporter_url: str,
     banner: str,
-    args: argparse.Namespace,
+    settings: DemoSettings,
     stack: DemoStack,
     view: AlertView | None,
     drill_run: DrillRun | None,
 ) -> None:
-    deadline = time.monotonic() + args.duration if args.duration > 0 else float("inf")
+    deadline = time.monotonic() + settings.duration if settings.duration > 0 else float("inf")
     interactive = sys.stdout.isatty()
     while time.monotonic() < deadline:
         stack.check_alive()
@@ -310,7 +304,7 @@ def _show(
             text = f"shim or exporter not readable yet: {exc}\n"
         sys.stdout.write((CLEAR_SCREEN if interactive else "") + text + "\n")
         sys.stdout.flush()
-        time.sleep(min(args.interval, max(0.0, deadline - time.monotonic())))
+        time.sleep(min(settings.interval, max(0.0, deadline - time.monotonic())))
 
 
 def exporter_screen(shim_url: str, exporter_url: str, view: AlertView | None, columns: int) -> Callable[[bool], str]:

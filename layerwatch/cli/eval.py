@@ -15,117 +15,112 @@ full depth alone: perplexity and speed, before its gates are trained.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from layerwatch import argtypes
-from layerwatch.cli.model_arguments import (
-    DEPTH_SETTINGS,
-    add_depth_arguments,
-    add_model_arguments,
-    depth_from_arguments,
-    load_checkpoint_from_arguments,
-    load_from_arguments,
-    report_errors,
-)
-from layerwatch.inference_shim.service.settings import SkippingSettings
+from layerwatch.cli.model_arguments import GatedModelSettings, load_checkpoint, load_gated, report_errors
+from layerwatch.inference_shim.service.settings import GATED_SETTINGS, ModelSettings, SkippingSettings
+from layerwatch.settings import add_flags, changed_from_default, from_flags, same_as, setting
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser)
-    parser.add_argument("--data", type=Path, required=True, help="held-out plain UTF-8 text")
-    parser.add_argument(
-        "--threshold",
-        type=argtypes.fraction,
-        default=None,
-        help="tau (default: the threshold the gates were trained for)",
-    )
-    parser.add_argument(
-        "--sweep",
+@dataclass(frozen=True, kw_only=True)
+class EvalSettings(GatedModelSettings):
+    """What `eval` measures, on which text; refuses the flags that need gates with --no-gates."""
+
+    data: Path = setting(type=Path, required=True, help="held-out plain UTF-8 text")
+    threshold: float | None = same_as(SkippingSettings, "threshold")
+    sweep: list[float] | None = setting(
+        None,
         type=argtypes.fractions,
-        default=None,
         metavar="T1,T2,...",
         help="evaluate these thresholds and print the trade-off table",
     )
-    parser.add_argument(
-        "--compare-rules",
-        action="store_true",
-        help="evaluate each threshold under every skip rule (streak, ewma), one row each",
+    compare_rules: bool = setting(
+        False, help="evaluate each threshold under every skip rule (streak, ewma), one row each"
     )
-    parser.add_argument(
-        "--max-tokens", type=argtypes.positive(int), default=4096, help="decoded (predicted) tokens to evaluate"
-    )
-    parser.add_argument("--window", type=argtypes.positive(int), default=128, help="tokens per held-out window")
-    parser.add_argument(
-        "--prefill", type=argtypes.positive(int), default=16, help="window tokens given as the full-depth prompt"
-    )
-    parser.add_argument(
-        "--repeats",
+    max_tokens: int = setting(4096, type=argtypes.positive(int), help="decoded (predicted) tokens to evaluate")
+    window: int = setting(128, type=argtypes.positive(int), help="tokens per held-out window")
+    prefill: int = setting(16, type=argtypes.positive(int), help="window tokens given as the full-depth prompt")
+    repeats: int = setting(
+        3,
         type=argtypes.positive(int),
-        default=3,
         help="timed repetitions of the interleaved full and gated passes (speed spread)",
     )
-    add_depth_arguments(parser)
-    parser.add_argument(
-        "--batch-sizes",
+    # How a batch runs the layers its rows decided (runtime/depth_execution.py), as `serve` runs them.
+    depth_execution: str = same_as(SkippingSettings, "depth_execution")
+    batch_consensus: float | None = same_as(SkippingSettings, "batch_consensus")
+    batch_sizes: list[int] | None = setting(
+        None,
         type=argtypes.positive_ints,
-        default=None,
         metavar="B1,B2,...",
         help="evaluate at each batch size in turn (instead of --batch-size) and print one row per size",
     )
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile each layer's attention and FFN bodies first (the skip decision stays eager)",
-    )
-    parser.add_argument(
-        "--no-gates",
-        action="store_true",
+    compile: bool = same_as(ModelSettings, "compile")
+    no_gates: bool = setting(
+        False,
         help="a model without a gate file (as `serve --no-gates` serves it): full-depth perplexity and tokens/s only",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    json: bool = setting(False, help="print one JSON object")
+
+    def __post_init__(self) -> None:
+        if self.no_gates and (needing := changed_from_default(self, EVAL_GATED_SETTINGS)):
+            raise ValueError(f"--no-gates evaluates full depth only: {', '.join(needing)} need(s) gates")
+
+    def depth(self):
+        """The DepthExecutionConfig the depth flags name."""
+        from layerwatch.inference_shim.runtime.depth_execution import DepthExecutionConfig
+
+        return DepthExecutionConfig(self.depth_execution, self.batch_consensus)
 
 
-# The flags that need gates, by dest and the value that means "not given": refused with --no-gates
-# (the depth flags too, as `serve --no-gates` refuses them: without gates layers run whole).
-GATED_FLAGS = {
-    "gates": None,
-    "threshold": None,
-    "sweep": None,
-    "compare_rules": False,
-    "patience": None,
-    "skip_rule": None,
-    "ewma_alpha": None,
-    "batch_sizes": None,
-    **{field.name: field.default for field in dataclasses.fields(SkippingSettings) if field.name in DEPTH_SETTINGS},
-}
+# The settings that need gates: serve's (GATED_SETTINGS, the depth flags among them: without gates
+# layers run whole) and those of eval's own that compare thresholds, rules or batch sizes of gates.
+EVAL_GATED_SETTINGS = tuple(
+    name
+    for name in EvalSettings.__dataclass_fields__
+    if name in GATED_SETTINGS or name in ("sweep", "compare_rules", "batch_sizes")
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, EvalSettings)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.no_gates:
-        return run_full_depth(args)
+    try:
+        settings = from_flags(EvalSettings, args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return run_full_depth(settings) if settings.no_gates else run_gated(settings)
+
+
+def run_gated(settings: EvalSettings) -> int:
     from layerwatch.inference_shim.offline.evaluation import gated_result, heldout_windows, paired_decode
     from layerwatch.inference_shim.offline.training import text_file_stream
     from layerwatch.skip_policy import SKIP_RULES
 
     def prepare():
-        depth = depth_from_arguments(args)
-        gated = load_from_arguments(args)
-        if args.compile:
+        depth = settings.depth()
+        gated = load_gated(settings)
+        if settings.compile:
             gated.model.compile_layers()
-        stream = text_file_stream(gated.loaded.tokenizer, args.data, min_tokens=args.window)
-        return gated, heldout_windows(stream, args.window, args.max_tokens, args.prefill), depth
+        stream = text_file_stream(gated.loaded.tokenizer, settings.data, min_tokens=settings.window)
+        return gated, heldout_windows(stream, settings.window, settings.max_tokens, settings.prefill), depth
 
     prepared = report_errors(prepare)
     if prepared is None:
         return 2
     gated, windows, depth = prepared
     # A batch holds at most the windows there are: the size reported is the one that ran.
-    batch_sizes = [min(size, len(windows)) for size in args.batch_sizes or [args.batch_size]]
-    thresholds = args.sweep or [args.threshold if args.threshold is not None else gated.gates.metadata.threshold]
-    rules = SKIP_RULES if args.compare_rules else (gated.skip_rule,)
+    batch_sizes = [min(size, len(windows)) for size in settings.batch_sizes or [settings.batch_size]]
+    thresholds = settings.sweep or [
+        settings.threshold if settings.threshold is not None else gated.gates.metadata.threshold
+    ]
+    rules = SKIP_RULES if settings.compare_rules else (gated.skip_rule,)
     policies = [gated.policy(threshold, skip_rule=rule) for threshold in thresholds for rule in rules]
 
     def measure(batch_size: int) -> tuple[list[dict], dict]:
@@ -133,10 +128,10 @@ def run(args: argparse.Namespace) -> int:
             gated,
             windows,
             policies,
-            prefill=args.prefill,
-            kv_policy=args.kv_policy,
+            prefill=settings.prefill,
+            kv_policy=settings.kv_policy,
             batch_size=batch_size,
-            repeats=args.repeats,
+            repeats=settings.repeats,
             depth=depth,
         )
         results = [gated_result(runs, index) for index in range(len(policies))]
@@ -150,35 +145,37 @@ def run(args: argparse.Namespace) -> int:
         return results, {"full": runs.full[0], "execution": execution}
 
     header = {
-        "model": str(args.model),
+        "model": str(settings.model),
         "gates": str(gated.gates_path),
         "gates_sha256": gated.gates.sha256,
-        "data": str(args.data),
+        "data": str(settings.data),
         "windows": len(windows),
-        "window": args.window,
-        "prefill": args.prefill,
+        "window": settings.window,
+        "prefill": settings.prefill,
         "patience": gated.patience,
         "ewma_alpha": gated.ewma_alpha,
-        "kv_policy": args.kv_policy,
+        "kv_policy": settings.kv_policy,
         "depth_execution": depth.mode,
         "batch_consensus": depth.vote,
-        "compiled": args.compile,
-        "dtype": args.dtype,
-        "quantization": args.quantization,
-        "repeats": args.repeats,
+        "compiled": settings.compile,
+        "dtype": settings.dtype,
+        "quantization": settings.quantization,
+        "repeats": settings.repeats,
     }
-    title = f"model {args.model} ({precision(args)})  gates {gated.gates_path} (sha256 {gated.gates.sha256[:12]})"
-    description = (
-        f"{len(windows)} windows of {args.window} tokens, prefill {args.prefill}, patience {gated.patience}, "
-        f"ewma alpha {gated.ewma_alpha:g}, kv policy {args.kv_policy}, depth execution {depth.describe()}"
-        + (", compiled layer bodies" if args.compile else "")
+    title = (
+        f"model {settings.model} ({precision(settings)})  gates {gated.gates_path} (sha256 {gated.gates.sha256[:12]})"
     )
-    if args.batch_sizes is not None:
+    description = (
+        f"{len(windows)} windows of {settings.window} tokens, prefill {settings.prefill}, patience {gated.patience}, "
+        f"ewma alpha {gated.ewma_alpha:g}, kv policy {settings.kv_policy}, depth execution {depth.describe()}"
+        + (", compiled layer bodies" if settings.compile else "")
+    )
+    if settings.batch_sizes is not None:
         if len(policies) != 1:
             print("error: --batch-sizes measures one threshold and rule: drop --sweep/--compare-rules", file=sys.stderr)
             return 2
         if len(set(batch_sizes)) < len(batch_sizes):
-            capped = ",".join(str(size) for size in args.batch_sizes if size >= len(windows))
+            capped = ",".join(str(size) for size in settings.batch_sizes if size >= len(windows))
             print(
                 f"error: --batch-sizes {capped}: {len(windows)} windows make one batch of {len(windows)} at each "
                 f"of these sizes: keep one of them (or give more --data / --max-tokens)",
@@ -191,18 +188,18 @@ def run(args: argparse.Namespace) -> int:
             rows.append(
                 {"batch_size": batch_size, **result, **extra["execution"], "decoded_tokens": extra["full"].tokens}
             )
-        if args.json:
+        if settings.json:
             print(json.dumps({**header, "batch_sizes": rows}, indent=2))
         else:
             print(title)
-            print(f"data {args.data}: {description}, threshold {policies[0].threshold:g}")
+            print(f"data {settings.data}: {description}, threshold {policies[0].threshold:g}")
             print(format_batch_sizes(rows))
         return 0
     (batch_size,) = batch_sizes
     results, extra = measure(batch_size)
     full = extra["full"]
     header |= {"batch_size": batch_size, "decoded_tokens": full.tokens, **extra["execution"]}
-    if args.json:
+    if settings.json:
         body = (
             {**header, **results[0]}
             if len(results) == 1
@@ -216,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(body, indent=2))
         return 0
     print(title)
-    print(f"data {args.data}: {description}, {full.tokens} decoded tokens, batch {batch_size}")
+    print(f"data {settings.data}: {description}, {full.tokens} decoded tokens, batch {batch_size}")
     if len(results) == 1:
         print(format_single(results[0], extra["execution"], batch_size))
     else:
@@ -224,63 +221,65 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_full_depth(args: argparse.Namespace) -> int:
+def run_full_depth(settings: EvalSettings) -> int:
     """`eval --no-gates`: the checkpoint alone, at full depth."""
-    given = [f"--{dest.replace('_', '-')}" for dest, unset in GATED_FLAGS.items() if getattr(args, dest) != unset]
-    if given:
-        print(f"error: --no-gates evaluates full depth only: {', '.join(given)} need(s) gates", file=sys.stderr)
-        return 2
     from layerwatch.inference_shim.offline.evaluation import full_depth_result, full_depth_runs, heldout_windows
     from layerwatch.inference_shim.offline.training import text_file_stream
 
     def prepare():
-        loaded = load_checkpoint_from_arguments(args)
-        if args.compile:
+        loaded = load_checkpoint(settings)
+        if settings.compile:
             loaded.model.compile_layers()
-        stream = text_file_stream(loaded.tokenizer, args.data, min_tokens=args.window)
-        return loaded.model, heldout_windows(stream, args.window, args.max_tokens, args.prefill)
+        stream = text_file_stream(loaded.tokenizer, settings.data, min_tokens=settings.window)
+        return loaded.model, heldout_windows(stream, settings.window, settings.max_tokens, settings.prefill)
 
     prepared = report_errors(prepare)
     if prepared is None:
         return 2
     model, windows = prepared
-    batch_size = min(args.batch_size, len(windows))
+    batch_size = min(settings.batch_size, len(windows))
     runs = full_depth_runs(
-        model, windows, prefill=args.prefill, kv_policy=args.kv_policy, batch_size=batch_size, repeats=args.repeats
+        model,
+        windows,
+        prefill=settings.prefill,
+        kv_policy=settings.kv_policy,
+        batch_size=batch_size,
+        repeats=settings.repeats,
     )
     result = full_depth_result(runs)
-    if args.json:
+    if settings.json:
         header = {
-            "model": str(args.model),
+            "model": str(settings.model),
             "gates": None,
             "gates_sha256": None,
-            "data": str(args.data),
+            "data": str(settings.data),
             "windows": len(windows),
-            "window": args.window,
-            "prefill": args.prefill,
+            "window": settings.window,
+            "prefill": settings.prefill,
             "batch_size": batch_size,
-            "kv_policy": args.kv_policy,
-            "compiled": args.compile,
-            "dtype": args.dtype,
-            "quantization": args.quantization,
-            "repeats": args.repeats,
+            "kv_policy": settings.kv_policy,
+            "compiled": settings.compile,
+            "dtype": settings.dtype,
+            "quantization": settings.quantization,
+            "repeats": settings.repeats,
             "decoded_tokens": runs[0].tokens,
         }
         print(json.dumps(header | result, indent=2))
         return 0
-    print(f"model {args.model} ({precision(args)})  no gates: full depth")
+    print(f"model {settings.model} ({precision(settings)})  no gates: full depth")
     print(
-        f"data {args.data}: {len(windows)} windows of {args.window} tokens, prefill {args.prefill}, "
-        f"{runs[0].tokens} decoded tokens, batch {batch_size}" + (", compiled layer bodies" if args.compile else "")
+        f"data {settings.data}: {len(windows)} windows of {settings.window} tokens, prefill {settings.prefill}, "
+        f"{runs[0].tokens} decoded tokens, batch {batch_size}" + (", compiled layer bodies" if settings.compile else "")
     )
     speed = _spread_text(result["speed"]["tokens_per_second_full"])
-    print(f"full-depth perplexity {result['perplexity_full']:.3f}, tokens/s {speed} (median (range) of {args.repeats})")
+    repeats = settings.repeats
+    print(f"full-depth perplexity {result['perplexity_full']:.3f}, tokens/s {speed} (median (range) of {repeats})")
     return 0
 
 
-def precision(args: argparse.Namespace) -> str:
+def precision(settings: EvalSettings) -> str:
     """ "float32", "float32, int4 weights"."""
-    return args.dtype + ("" if args.quantization == "none" else f", {args.quantization} weights")
+    return settings.dtype + ("" if settings.quantization == "none" else f", {settings.quantization} weights")
 
 
 def format_single(r: dict, execution: dict, batch_size: int) -> str:

@@ -10,46 +10,53 @@ import argparse
 import logging
 import sys
 import threading
+from dataclasses import dataclass
 
 from layerwatch import argtypes
 from layerwatch.exporter.server import ExporterServer
 from layerwatch.exporter.state import ExporterConfig, ExporterState
 from layerwatch.ports import EXPORTER_HTTP_PORT, LOOPBACK
-from layerwatch.settings import add_flags, from_flags
+from layerwatch.settings import add_flags, from_flags, setting
 from layerwatch.wire import DEFAULT_FRAMES_ADDRESS
 
 log = logging.getLogger("layerwatch.exporter")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The listeners, ExporterConfig's settings (layerwatch/exporter/state.py), the log level."""
-    parser.add_argument(
-        "--listen",
+@dataclass(frozen=True, kw_only=True)
+class ListenerSettings:
+    """Where the exporter listens, and what it logs; its statistics' settings are ExporterConfig's."""
+
+    listen: tuple[str, int] = setting(
+        DEFAULT_FRAMES_ADDRESS,
         type=argtypes.listen_address,
-        default=DEFAULT_FRAMES_ADDRESS,
         metavar="HOST:PORT",
         help="UDP address gate frames arrive on (default %(default)s)",
     )
-    parser.add_argument(
-        "--http",
+    http: tuple[str, int] = setting(
+        f"{LOOPBACK}:{EXPORTER_HTTP_PORT}",
         type=argtypes.listen_address,
-        default=f"{LOOPBACK}:{EXPORTER_HTTP_PORT}",
         metavar="HOST:PORT",
         help="HTTP address for /metrics and /healthz (default %(default)s)",
     )
-    add_flags(parser, ExporterConfig)
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
+    log_level: str = setting(
+        "INFO",
         type=str.upper,  # as serve's lower-case names: one LAYERWATCH_LOG_LEVEL serves both
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="(default %(default)s)",
     )
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The listeners, ExporterConfig's settings (layerwatch/exporter/state.py), the log level."""
+    add_flags(parser, ListenerSettings, ("listen", "http"))
+    add_flags(parser, ExporterConfig)
+    add_flags(parser, ListenerSettings, ("log_level",))
+
+
 def run(args: argparse.Namespace) -> int:
+    listeners = from_flags(ListenerSettings, args)
     logging.basicConfig(
-        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=listeners.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
         config = from_flags(ExporterConfig, args)  # the key read from --frame-key-file
@@ -57,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"layerwatch exporter: {exc}", file=sys.stderr)
         return 2
     try:
-        server = ExporterServer(ExporterState(config), args.listen, args.http)
+        server = ExporterServer(ExporterState(config), listeners.listen, listeners.http)
     except OSError as exc:
         print(f"layerwatch exporter: cannot bind: {exc}", file=sys.stderr)
         return 1

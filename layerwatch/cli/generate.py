@@ -9,27 +9,32 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from layerwatch.alerts.profile_file import ProfileError
-from layerwatch.deploy.artifacts import PROFILES_DIR, generated_files, stale_files
+from layerwatch.deploy.artifacts import PROFILES_DIR, FlagsReferenceError, generated_files, stale_files
 from layerwatch.promql import UnknownMetricError
+from layerwatch.settings import add_flags, from_flags, setting
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--check", action="store_true", help="write nothing; exit 1 if any committed generated file is stale"
-    )
-    parser.add_argument(
-        "--root",
+@dataclass(frozen=True, kw_only=True)
+class GenerateSettings:
+    check: bool = setting(False, help="write nothing; exit 1 if any committed generated file is stale")
+    root: Path = setting(
+        Path("."),
         type=Path,
-        default=Path("."),
         help="the repository checkout to read profiles from and write into (default: the current folder)",
     )
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, GenerateSettings)
+
+
 def run(args: argparse.Namespace) -> int:
-    root = args.root.resolve()
+    settings = from_flags(GenerateSettings, args)
+    root = settings.root.resolve()
     if not (root / PROFILES_DIR).is_dir():
         # An installed package has no checkout to write into: generation is a repository tool.
         print(
@@ -43,10 +48,10 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         print(f"layerwatch generate: {exc}: install the `generate` extra (pip install '.[generate]')", file=sys.stderr)
         return 2
-    except (ProfileError, UnknownMetricError) as exc:
+    except (ProfileError, UnknownMetricError, FlagsReferenceError) as exc:
         print(f"layerwatch generate: {exc}", file=sys.stderr)
         return 2
-    if args.check:
+    if settings.check:
         stale = stale_files(root, files)
         for path in stale:
             print(f"stale: {path}", file=sys.stderr)

@@ -9,34 +9,41 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+from layerwatch.settings import add_flags, from_flags, setting
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")  # checkpoint.py's DTYPES, without importing torch to list them
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("gguf", type=Path, metavar="FILE.gguf", help="the GGUF file to import")
-    parser.add_argument(
-        "--out",
+@dataclass(frozen=True, kw_only=True)
+class ImportSettings:
+    gguf: Path = setting(type=Path, positional=True, metavar="FILE.gguf", help="the GGUF file to import")
+    out: Path = setting(
         type=Path,
         required=True,
         metavar="DIR",
         help="checkpoint folder to write (must not hold files; missing parent folders are made)",
     )
-    parser.add_argument(
-        "--dtype",
+    dtype: str = setting(
+        "float32",
         choices=DTYPE_CHOICES,
-        default="float32",
         help="dtype of the written weights, dequantized from the file's (default %(default)s)",
     )
-    parser.add_argument("--force", action="store_true", help="replace an existing --out folder and its files")
+    force: bool = setting(False, help="replace an existing --out folder and its files")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, ImportSettings)
 
 
 def run(args: argparse.Namespace) -> int:
+    settings = from_flags(ImportSettings, args)
     from layerwatch.inference_shim.offline.gguf_import import GGUFImportError, import_gguf
 
     try:
-        summary = import_gguf(args.gguf, args.out, dtype=args.dtype, force=args.force)
+        summary = import_gguf(settings.gguf, settings.out, dtype=settings.dtype, force=settings.force)
     except GGUFImportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

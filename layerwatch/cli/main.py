@@ -49,7 +49,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "generate": (
         "layerwatch.cli.generate",
-        "write the rules, dashboards, deploy configs and docs/metrics.md from code (--check)",
+        "write the rules, dashboards, deploy configs, docs/metrics.md and docs/flags.md from code (--check)",
     ),
     "demo": (
         "layerwatch.cli.demo",

@@ -1,55 +1,47 @@
-"""Flags and error reporting shared by the commands that load a gated model (`eval`, `calibrate`)."""
+"""The settings shared by the commands that load a gated model (`eval`, `calibrate`), and their errors.
+
+Each is the setting `serve` declares (service/settings.py), read `same_as` it: one flag, type and help.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 from layerwatch import argtypes
 from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
-from layerwatch.inference_shim.runtime.gates import GATES_FILE
-from layerwatch.inference_shim.runtime.model import KV_POLICIES
-from layerwatch.inference_shim.service.settings import PRECISION_SETTINGS, ModelSettings, SkippingSettings
-from layerwatch.settings import add_flags
-from layerwatch.skip_policy import SKIP_RULES
+from layerwatch.inference_shim.service.settings import ModelSettings, SkippingSettings
+from layerwatch.settings import add_flags, from_flags, same_as, setting
 
 T = TypeVar("T")
 
 
+@dataclass(frozen=True, kw_only=True)
+class GatedModelSettings:
+    """The gated model and how it decodes (None: the gate file's policy), and torch's CPU threads."""
+
+    model: Path = same_as(ModelSettings, "model_dir", DEMO_MODEL_DIR)
+    gates_path: Path | None = same_as(ModelSettings, "gates_path")
+    patience: int | None = same_as(SkippingSettings, "patience", type=argtypes.positive(int))
+    skip_rule: str | None = same_as(SkippingSettings, "skip_rule")
+    ewma_alpha: float | None = same_as(SkippingSettings, "ewma_alpha")
+    kv_policy: str = same_as(SkippingSettings, "kv_policy")
+    batch_size: int = setting(8, type=argtypes.positive(int), help="sequences decoded together")
+    device: str = same_as(ModelSettings, "device")
+    dtype: str = same_as(ModelSettings, "dtype")
+    quantization: str = same_as(ModelSettings, "quantization")
+    threads: int = setting(
+        0, type=int, help="torch CPU threads (0: torch's default; on a busy shared CPU 1 is often fastest)"
+    )
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags shared with `layerwatch calibrate`: the gated model and how it decodes."""
-    parser.add_argument(
-        "--model",
-        type=Path,
-        default=DEMO_MODEL_DIR,
-        help="Hugging Face checkpoint folder (default: the embedded demo model)",
-    )
-    parser.add_argument(
-        "--gates", type=Path, default=None, help=f"gate file (default: {GATES_FILE} in the model folder)"
-    )
-    parser.add_argument("--patience", type=argtypes.positive(int), default=None, help="default: the gates' own")
-    parser.add_argument(
-        "--skip-rule",
-        choices=SKIP_RULES,
-        default=None,
-        help="streak (patience consecutive scores below tau) or ewma (their moving average below tau); "
-        "default: the gates' own",
-    )
-    parser.add_argument(
-        "--ewma-alpha",
-        type=argtypes.positive_fraction,
-        default=None,
-        metavar="A",
-        help="the ewma rule's weight of the newest score, in (0, 1]; default: the gates' own",
-    )
-    parser.add_argument("--kv-policy", choices=KV_POLICIES, default=KV_POLICIES[0])
-    parser.add_argument("--batch-size", type=argtypes.positive(int), default=8, help="sequences decoded together")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
-    add_flags(parser, ModelSettings, PRECISION_SETTINGS)
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    """The flags of GatedModelSettings (`layerwatch calibrate` adds them too)."""
+    add_flags(parser, GatedModelSettings)
 
 
 # How a batch runs the layers its rows decided (depth_execution.py): serve's two flags, for `eval`.
@@ -69,30 +61,40 @@ def depth_from_arguments(args: argparse.Namespace):
 
 def load_from_arguments(args: argparse.Namespace):
     """The gated model the shared flags name (see add_model_arguments)."""
+    return load_gated(from_flags(GatedModelSettings, args))
+
+
+def load_gated(settings: GatedModelSettings):
+    """The gated model `settings` name."""
     from layerwatch.inference_shim.offline.gated_model import load_gated_model
 
     return load_gated_model(
-        args.model,
-        args.gates,
-        patience=args.patience,
-        skip_rule=args.skip_rule,
-        ewma_alpha=args.ewma_alpha,
-        device=args.device,
-        threads=args.threads,
-        dtype=args.dtype,
-        quantization=args.quantization,
+        settings.model,
+        settings.gates_path,
+        patience=settings.patience,
+        skip_rule=settings.skip_rule,
+        ewma_alpha=settings.ewma_alpha,
+        device=settings.device,
+        threads=settings.threads,
+        dtype=settings.dtype,
+        quantization=settings.quantization,
     )
 
 
-def load_checkpoint_from_arguments(args: argparse.Namespace):
-    """The checkpoint alone (no gates) the shared flags name, at their device, dtype and quantization."""
-    import torch
-
+def load_checkpoint(settings: GatedModelSettings):
+    """The checkpoint alone (no gates) `settings` name, at their device, dtype and quantization."""
     from layerwatch.inference_shim.runtime.checkpoint import load_precise
 
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    return load_precise(args.model, args.device, args.dtype, args.quantization)
+    set_threads(settings.threads)
+    return load_precise(settings.model, settings.device, settings.dtype, settings.quantization)
+
+
+def set_threads(threads: int) -> None:
+    """Torch's CPU threads (0: torch's default)."""
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
 
 
 def report_errors(action: Callable[[], T]) -> T | None:

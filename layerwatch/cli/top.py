@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.parse
+from dataclasses import dataclass
 
 from layerwatch import argtypes
 from layerwatch.alerts.durations import Timing
@@ -21,39 +22,38 @@ from layerwatch.alerts.profile_file import PROFILES_DIR, ProfileError, load_prof
 from layerwatch.demo.alert_view import AlertView
 from layerwatch.exporter.live_view import CLEAR_SCREEN, fit_view, render_samples, scrape, terminal_text
 from layerwatch.ports import EXPORTER_HTTP_PORT, LOOPBACK
+from layerwatch.settings import add_flags, from_flags, setting
 
 DEFAULT_URL = f"http://{LOOPBACK}:{EXPORTER_HTTP_PORT}"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--url",
+@dataclass(frozen=True, kw_only=True)
+class TopSettings:
+    url: str = setting(
+        DEFAULT_URL,
         type=argtypes.server_url("metrics"),
-        default=DEFAULT_URL,
         help="the exporter: http://HOST:PORT, HOST:PORT or its page's address, .../metrics (default %(default)s)",
     )
-    parser.add_argument(
-        "--prometheus",
+    prometheus: str | None = setting(
+        None,
         type=argtypes.server_url("alerts"),
-        default=None,
         metavar="URL",
         help="a Prometheus that evaluates the layerwatch rules (e.g. http://127.0.0.1:9090): show each "
         "model's pending and firing alerts and the figures its pages read beside its histogram",
     )
-    parser.add_argument(
-        "--time-scale",
+    time_scale: float = setting(
+        1.0,
         type=argtypes.positive(float),
-        default=1.0,
         help="the time scale the rules were rendered with, which names the recorded series "
         "(default %(default)s: production; `layerwatch demo`'s is 0.01)",
     )
-    parser.add_argument(
-        "--profiles", default=str(PROFILES_DIR), metavar="DIR", help="the models' profiles, for the limits"
-    )
-    parser.add_argument(
-        "--interval", type=argtypes.interval, default=2.0, help="seconds between refreshes (default %(default)s)"
-    )
-    parser.add_argument("--once", action="store_true", help="print one view without terminal control codes and exit")
+    profiles: str = setting(str(PROFILES_DIR), metavar="DIR", help="the models' profiles, for the limits")
+    interval: float = setting(2.0, type=argtypes.interval, help="seconds between refreshes (default %(default)s)")
+    once: bool = setting(False, help="print one view without terminal control codes and exit")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, TopSettings)
 
 
 def no_exporter(url: str, exc: Exception) -> str:
@@ -70,17 +70,19 @@ def no_exporter(url: str, exc: Exception) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    settings = from_flags(TopSettings, args)
     view = None
-    if args.prometheus:
+    if settings.prometheus:
         try:
-            view = AlertView(args.prometheus, load_profiles(args.profiles), Timing(args.time_scale))
+            view = AlertView(settings.prometheus, load_profiles(settings.profiles), Timing(settings.time_scale))
         except ProfileError as exc:
             print(f"layerwatch top: {exc}", file=sys.stderr)
             return 2
 
     def screen(fit: bool) -> str:
         """The view, read once; with `fit`, fitted to the terminal (layerwatch/exporter/live_view.py)."""
-        samples = scrape(args.url)
+        url = settings.url
+        samples = scrape(url)
         if not any(name.startswith("layerwatch_exporter_") for name in samples):
             # A shim's /metrics, Prometheus' own, or an empty 200 read as an exporter with no frames yet.
             raise LookupError("no layerwatch_exporter_ series: a shim's page, or another program's?")
@@ -92,7 +94,13 @@ def run(args: argparse.Namespace) -> int:
             clock = time.strftime("%H:%M:%S")
             beside = None if snapshot is None else snapshot.compact_lines if histogram_last else snapshot.lines
             return render_samples(
-                samples, args.url, clock, beside, size.columns, expected_static=expected, histogram_last=histogram_last
+                samples,
+                settings.url,
+                clock,
+                beside,
+                size.columns,
+                expected_static=expected,
+                histogram_last=histogram_last,
             )
 
         return fit_view(render(False), lambda: render(True), size.columns, size.lines) if fit else render(False)
@@ -101,11 +109,11 @@ def run(args: argparse.Namespace) -> int:
         # A page that does not parse, or lacks a series every exporter page has, is a ValueError or a
         # LookupError from the reading; its message may quote the page's labels.
         if isinstance(exc, OSError):
-            return terminal_text(no_exporter(args.url, exc))
+            return terminal_text(no_exporter(settings.url, exc))
         page = f"not a layerwatch exporter's page ({exc})"
-        return terminal_text(f"layerwatch top: cannot read {args.url}/metrics: {page}")
+        return terminal_text(f"layerwatch top: cannot read {settings.url}/metrics: {page}")
 
-    if args.once:
+    if settings.once:
         try:
             print(screen(fit=False))
         except (OSError, ValueError, LookupError) as exc:  # (urllib's URLError is an OSError)
@@ -119,10 +127,10 @@ def run(args: argparse.Namespace) -> int:
             try:
                 text = screen(fit=interactive)
             except (OSError, ValueError, LookupError) as exc:
-                text = f"{unreadable(exc)} (retrying every {args.interval:g} s)"
+                text = f"{unreadable(exc)} (retrying every {settings.interval:g} s)"
             sys.stdout.write((CLEAR_SCREEN if interactive else "") + text + "\n")
             sys.stdout.flush()
-            time.sleep(args.interval)  # until a stop signal (Ctrl-C, the terminal closing: signals.py)
+            time.sleep(settings.interval)  # until a stop signal (Ctrl-C, the terminal closing: signals.py)
     except BrokenPipeError:  # the reader went away (`layerwatch top | head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush succeeds
         return 0

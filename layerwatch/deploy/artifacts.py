@@ -1,15 +1,18 @@
 """Every generated file of the repository, from code, and which committed ones are stale.
 
 Generated: the alert and recording rules (from layerwatch/alerts/profiles/*.yaml), the Grafana dashboard, the
-deploy files of the docker-compose stack, the Kubernetes base and docs/metrics.md. Before anything is returned, every
-PromQL query of the rules (alert text included) and of the dashboard is checked against the metric
-catalog and the recording rules: a query of an undefined series raises UnknownMetricError.
-Never imports torch: it runs in CI without the `serve` extra.
+deploy files of the docker-compose stack, the Kubernetes base, docs/metrics.md and docs/flags.md. Before anything
+is returned, every PromQL query of the rules (alert text included) and of the dashboard is checked against the
+metric catalog and the recording rules: a query of an undefined series raises UnknownMetricError.
+Never imports torch: docs/flags.md is read from the commands' parsers in a child process
+(layerwatch/cli/flags_reference.py), the one part of generation that needs the `serve` extra.
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from layerwatch import catalog
@@ -24,6 +27,7 @@ PROFILES_DIR = "layerwatch/alerts/profiles"
 RULES_PATH = "layerwatch/alerts/generated/layerwatch.rules.yaml"
 DASHBOARD_PATH = "layerwatch/dashboards/json/overview.json"
 METRICS_DOC_PATH = "docs/metrics.md"
+FLAGS_DOC_PATH = "docs/flags.md"
 # Folders whose every file is generated: a leftover there (a renamed rule file, which Prometheus'
 # rule glob would still load) is reported by --check.
 GENERATED_DIRS = ("layerwatch/alerts/generated", "layerwatch/dashboards/json", manifests.DIRECTORY)
@@ -64,7 +68,24 @@ def generated_files(root: Path) -> dict[str, str]:
         **render.compose_files(),
         **manifests.kubernetes_files(groups, {Path(DASHBOARD_PATH).name: dashboard_json}),
         METRICS_DOC_PATH: metrics_doc(groups),
+        FLAGS_DOC_PATH: flags_doc(),
     }
+
+
+class FlagsReferenceError(RuntimeError):
+    """The commands' parsers could not be built (a missing `serve` extra, a broken flag declaration)."""
+
+
+def flags_doc() -> str:
+    """docs/flags.md, printed by a child process (the parsers of `serve`, `eval` and the training
+    commands import torch; generation must not)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "layerwatch.cli.flags_reference"], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise FlagsReferenceError(f"{FLAGS_DOC_PATH}: cannot read the commands' flags: {last}")
+    return result.stdout
 
 
 def metrics_doc(groups: dict) -> str:

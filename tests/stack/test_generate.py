@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import yaml
 
 from layerwatch import catalog
 from layerwatch.alerts.specs import PER_MODEL_ALERTS
+from layerwatch.cli.main import COMMANDS, build_parser, env_var_for
 from layerwatch.demo.processes import LAYERWATCH_COMMAND
 from layerwatch.deploy import artifacts
 from layerwatch.promql import UnknownMetricError, check_queries, known_series, metric_names
@@ -197,3 +199,30 @@ def test_generation_fails_when_a_rule_reads_an_undefined_metric(monkeypatch, tre
     monkeypatch.setattr(catalog, "all_series_names", lambda: real() - {"layerwatch_entropy_dip"})
     with pytest.raises(UnknownMetricError, match=r"rule LayerwatchEntropyShapeChanged \(annotation\)"):
         artifacts.generated_files(tree)
+
+
+# --- docs/flags.md -------------------------------------------------------------------------------
+
+
+def _command_section(page: str, command: str) -> str:
+    start = page.index(f"## `layerwatch {command}`\n")
+    end = page.find("\n## ", start + 1)
+    return page[start : end if end >= 0 else len(page)]
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_the_flags_page_lists_every_flag_of_every_command(command: str) -> None:
+    """Each flag of the parser `layerwatch <command>` really parses with (environment applied to none),
+    on a row of the command's section naming its environment variable."""
+    page = (REPO / artifacts.FLAGS_DOC_PATH).read_text()
+    rows = [line for line in _command_section(page, command).splitlines() if line.startswith("| `")]
+    parser = build_parser([command], environ={})
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    actions = [a for a in subparsers.choices[command]._actions if a.dest not in ("help", "_module")]
+    assert actions, command
+    for action in actions:
+        name = action.option_strings[0] if action.option_strings else action.metavar or action.dest
+        row = [r for r in rows if r.startswith(f"| `{name} ") or r.startswith(f"| `{name}`")]
+        assert row, f"{command} {name} missing from {artifacts.FLAGS_DOC_PATH}"
+        assert (env_var_for(action) or "| - |") in row[0], row[0]
+    assert len(rows) == len(actions), f"{command}: the page lists flags the command does not have"

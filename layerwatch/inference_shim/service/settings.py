@@ -14,15 +14,17 @@ from pathlib import Path
 
 from layerwatch import argtypes
 from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION
-from layerwatch.inference_shim.runtime.checkpoint import DTYPES
+from layerwatch.inference_shim.runtime.checkpoint import DTYPES, resolve_device
 from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_NAME
 from layerwatch.inference_shim.runtime.depth_execution import DEFAULT_VOTE, DEPTH_MODES
 from layerwatch.inference_shim.runtime.model import KV_POLICIES
-from layerwatch.inference_shim.runtime.quantization import QUANTIZATIONS
+from layerwatch.inference_shim.runtime.quantization import QUANTIZATIONS, check_precision
 from layerwatch.inference_shim.service.depth import DepthSettings
+from layerwatch.inference_shim.service.gate_watch import MAX_GATES_WATCH_SECONDS, MIN_GATES_WATCH_SECONDS
 from layerwatch.inference_shim.service.http_protocol import HTTPLimits
+from layerwatch.inference_shim.service.mitigation import MitigationSettings
 from layerwatch.ports import LOOPBACK, SHIM_HTTP_PORT, SHIM_MITIGATION_PORT
-from layerwatch.settings import setting
+from layerwatch.settings import changed_from_default, setting
 from layerwatch.skip_policy import SKIP_RULES
 from layerwatch.wire import DEFAULT_FRAMES_ADDRESS
 
@@ -339,6 +341,69 @@ class ServeSettings(
 ):
     """Every serve setting; its fields in the order of SERVE_GROUPS (a dataclass lists its bases' fields
     from the last base to the first)."""
+
+    def check(self) -> None:
+        """Refuse what cannot be served (ValueError naming the flag), each setting checked here once:
+        `ShimService.load` calls it before the model loads (seconds to minutes), so that a bad setting
+        fails at once. What needs the model (protected layers, limits against its context, the KV cache
+        against the device's memory) is checked as the service is built."""
+        check_precision(resolve_device(self.device), DTYPES[self._dtype_served()], self.quantization)
+        self._check_gate_settings()
+        if self.max_batch_size < 1:
+            raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        if not self.drain_timeout_seconds >= 0:
+            raise ValueError(f"--drain-timeout-seconds must be >= 0, got {self.drain_timeout_seconds}")
+        super().check()  # DepthSettings'
+        self.mitigation()
+        check_gates_watch_seconds(self.gates_watch_seconds)
+
+    def _dtype_served(self) -> str:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        return self.dtype
+
+    def _check_gate_settings(self) -> None:
+        """At most one drill; none of the gated settings without gates; --static-gates at the gate file's policy."""
+        drills = [flag for flag, on in self._drills() if on]
+        if len(drills) > 1:
+            raise ValueError(f"{' and '.join(drills)} exclude each other")
+        if self.no_gates and (needing := changed_from_default(self, GATED_SETTINGS)):
+            raise ValueError(f"--no-gates serves no gates: {', '.join(needing)} need(s) them")
+        if self.static_gates and (self.threshold is not None or self.patience is not None):
+            # The constants are placed either side of the gate file's own tau: served at another tau or
+            # patience, the drill would no longer keep the healthy skip ratio.
+            raise ValueError(
+                "--static-gates measures at the gate file's threshold and patience: "
+                "leave --threshold and --patience unset"
+            )
+
+    def _drills(self) -> tuple[tuple[str, bool], ...]:
+        return (
+            ("--reset-gates", self.reset_gates),
+            ("--static-gates", self.static_gates),
+            ("--shuffle-gates", self.shuffle_gates),
+            ("--scramble-gates", self.scramble_gates),
+        )
+
+    @property
+    def drill(self) -> bool:
+        """A drill's gates are served: the gate file is not watched for replacements."""
+        return any(on for _, on in self._drills())
+
+    def mitigation(self) -> MitigationSettings:
+        """The mitigations' settings (MitigationSettings checks them)."""
+        return MitigationSettings(
+            self.mitigation_requests, self.mitigation_minutes * 60, self.mitigation_full_depth, self.shadow_rate
+        )
+
+
+def check_gates_watch_seconds(seconds: float) -> None:
+    # A tiny interval (or NaN, which waits not at all) would make an idle shim spin on stat().
+    if not (seconds == 0 or MIN_GATES_WATCH_SECONDS <= seconds <= MAX_GATES_WATCH_SECONDS):
+        raise ValueError(
+            f"--gates-watch-seconds must be 0 (never) or a number from {MIN_GATES_WATCH_SECONDS} to "
+            f"{MAX_GATES_WATCH_SECONDS:g}, got {seconds}"
+        )
 
 
 # The settings that mean something only with gates (a gate file, a drill on it, the skip policy, what

@@ -27,10 +27,10 @@ from layerwatch.inference_shim.runtime.checkpoint import (
     LoadedCheckpoint,
     device_memory_bytes,
     load_checkpoint,
-    resolve_device,
 )
 from layerwatch.inference_shim.runtime.demo_model import served_model_name
 from layerwatch.inference_shim.runtime.depth_execution import (
+    DepthExecution,
     DepthExecutionConfig,
     default_depth_execution,
 )
@@ -43,16 +43,13 @@ from layerwatch.inference_shim.runtime.gates import (
     scramble_gates,
     shuffle_gates,
 )
-from layerwatch.inference_shim.runtime.model import KVCache
-from layerwatch.inference_shim.runtime.quantization import check_precision
+from layerwatch.inference_shim.runtime.model import KVCache, Transformer
 from layerwatch.inference_shim.runtime.static_gates import static_gates
 from layerwatch.inference_shim.service.admission import Admission
 from layerwatch.inference_shim.service.completions import GenerationParts
 from layerwatch.inference_shim.service.depth import DepthDecider, DepthMetrics
 from layerwatch.inference_shim.service.engine_worker import EngineWorker
 from layerwatch.inference_shim.service.gate_watch import (
-    MAX_GATES_WATCH_SECONDS,
-    MIN_GATES_WATCH_SECONDS,
     GateFileWatcher,
 )
 from layerwatch.inference_shim.service.layer_signals import LayerSignalsCollector
@@ -69,21 +66,20 @@ from layerwatch.inference_shim.service.metrics import (
     ShadowMetrics,
     isolated,
 )
-from layerwatch.inference_shim.service.mitigation import MitigationMetrics, Mitigations, MitigationSettings, PagingEvent
+from layerwatch.inference_shim.service.mitigation import MitigationMetrics, Mitigations, PagingEvent
 from layerwatch.inference_shim.service.mitigation_receiver import WEBHOOK_PATH, MitigationReceiver, reserve
 from layerwatch.inference_shim.service.power import NvmlCollector, RaplCollector
 from layerwatch.inference_shim.service.readiness import Readiness
 from layerwatch.inference_shim.service.settings import (
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_TOKENS_CAP,
-    GATED_SETTINGS,
     ServeSettings,
 )
 from layerwatch.inference_shim.service.shadow import ShadowChecker
 from layerwatch.inference_shim.service.telemetry import FrameSenderCollector, StepTelemetry, TraceCollector
 from layerwatch.ports import http_url
+from layerwatch.prometheus import IsolatedCollectors
 from layerwatch.secret_file import RotatingSecret
-from layerwatch.settings import changed_from_default
 from layerwatch.skip_policy import POLICY_FIELDS, SkipPolicyConfig
 from layerwatch.trace import TraceWriter
 from layerwatch.wire import load_frame_key, parse_address, unprintable
@@ -128,25 +124,6 @@ def _mitigation_listener(settings: ServeSettings) -> MitigationListener | None:
         raise ValueError("--mitigation-address needs --mitigation-token-file: the receiver never runs unauthenticated")
     token = RotatingSecret(settings.mitigation_token_file, "mitigation token file", header_value=True)
     return MitigationListener(reserve(address), token)
-
-
-def mitigation_settings(settings: ServeSettings) -> MitigationSettings:
-    """The mitigations' settings, checked (ValueError naming the flag)."""
-    return MitigationSettings(
-        settings.mitigation_requests,
-        settings.mitigation_minutes * 60,
-        settings.mitigation_full_depth,
-        settings.shadow_rate,
-    )
-
-
-def check_gates_watch_seconds(seconds: float) -> None:
-    # A tiny interval (or NaN, which waits not at all) would make an idle shim spin on stat().
-    if not (seconds == 0 or MIN_GATES_WATCH_SECONDS <= seconds <= MAX_GATES_WATCH_SECONDS):
-        raise ValueError(
-            f"--gates-watch-seconds must be 0 (never) or a number from {MIN_GATES_WATCH_SECONDS} to "
-            f"{MAX_GATES_WATCH_SECONDS:g}, got {seconds}"
-        )
 
 
 def policy_from_file(settings: ServeSettings) -> tuple[str, ...]:
@@ -307,6 +284,62 @@ def _check_kv_cache_fits(checkpoint: LoadedCheckpoint, batch_size: int, max_seq_
         )
 
 
+def checked_model_name(checkpoint: LoadedCheckpoint, settings: ServeSettings) -> str:
+    """The name served and carried by the metrics and frames: printable, as the exporter would refuse
+    its frames otherwise."""
+    name = served_model_name(checkpoint.path, settings.model_name)
+    if (character := unprintable(name)) is not None:
+        raise ValueError(f"--model-name {name!r} holds {character}, which is not printable")
+    return name
+
+
+def served_limits(settings: ServeSettings, checkpoint: LoadedCheckpoint) -> Limits:
+    limits = resolve_limits(
+        settings, checkpoint.config.max_position_embeddings, checkpoint.tokenizer.max_chars_per_token()
+    )
+    if limits.max_prompt_chars is None:
+        log.warning(
+            "this tokenizer may drop or merge characters: prompts cannot be refused by size and are "
+            "tokenized in full (up to --max-body-bytes) before the --max-prompt-tokens check"
+        )
+    return limits
+
+
+def served_policy(gates: LoadedGates | None, settings: ServeSettings, num_layers: int) -> SkipPolicyConfig:
+    """The skip policy served: what the command line leaves unset (None) the gate file says
+    (SkipPolicyConfig.recorded); out-of-range protected layers are refused here, at start-up."""
+    if gates is None:
+        return FULL_DEPTH_POLICY
+    chosen = {name: getattr(settings, name) for name in POLICY_FIELDS}
+    policy = gates.metadata.policy(**chosen, protected_layers=settings.protected_layers)
+    policy.protected(num_layers)
+    return policy
+
+
+def served_depth_execution(model: Transformer, settings: ServeSettings, *, gated: bool) -> DepthExecution:
+    """Shared by every engine the worker builds: the measured costs hold for the model, not an engine.
+    Without gates nothing is skipped: whole layers, with no start-up measurement of the row-partial
+    path (9 s for SmolLM2-135M's 30 layers on a loaded CPU core)."""
+    config = (
+        DepthExecutionConfig(settings.depth_execution, settings.batch_consensus)
+        if gated
+        else DepthExecutionConfig("batch")
+    )
+    return default_depth_execution(model, settings.kv_policy, config)
+
+
+def frame_sender(
+    settings: ServeSettings, model_name: str, num_layers: int, threshold: float, shim_id: str, key: bytes | None
+) -> GateFrameSender | None:
+    """Where each decode step's gate frame goes (None: no frames)."""
+    if not settings.exporter_address:
+        return None
+    try:
+        return GateFrameSender(settings.exporter_address, model_name, num_layers, threshold, shim_id=shim_id, key=key)
+    except ValueError as exc:  # its message names the address or the shim id it refused
+        raise ValueError(f"gate frames (--exporter-address, --shim-id): {exc}") from None
+
+
 class ShimService:
     def __init__(
         self,
@@ -318,22 +351,76 @@ class ShimService:
         mitigation: MitigationListener | None = None,
         span_exporter: SpanExporter | None = None,
     ) -> None:
-        """`gates` None serves the model at full depth without gates (--no-gates). `settings.otlp_endpoint`
-        is the resolved traces URL (None: spans off); a `span_exporter` turns spans on with that exporter
-        instead (tests: the SDK's in-memory exporter)."""
-        self._serve_model(checkpoint, gates, settings)
-        num_layers = checkpoint.config.num_layers
-        sha256 = NO_GATES_SHA256 if gates is None else gates.sha256
-        shadow_metrics = self._request_metrics(registry, settings, num_layers, sha256)
-        self._telemetry(settings, frame_key, span_exporter, num_layers, gated=gates is not None)
-        self._register_collectors(settings, num_layers)
-        shadow = self._mitigation_and_depth(settings, mitigation, shadow_metrics, num_layers)
-        telemetry = StepTelemetry(self.model_name, self.decode_stats, self.sender, self.trace)
-        probe_prompt = self.tokenizer.encode(PROBE_TEXT)
-        # Without gates no prefill scores a prompt: no complexity pre-check (nor scores of 0 to count).
+        """Each part built from `settings` (checked by ServeSettings.check) and the model; what cannot be
+        served with this model (protected layers, limits, the KV cache) is refused before anything starts.
+        `gates` None serves the model at full depth without gates (--no-gates): no scores, so no gate
+        frames and no complexity pre-check. `settings.otlp_endpoint` is the resolved traces URL (None:
+        spans off); a `span_exporter` turns spans on with that exporter instead (tests: the SDK's
+        in-memory exporter)."""
         gated = gates is not None
-        precheck = self.depth if gated else None
-        self.worker = EngineWorker(self._engine_factory, probe_prompt, telemetry, shadow, precheck, gated=gated)
+        num_layers = checkpoint.config.num_layers
+        # The model and how it is served.
+        checkpoint.model.attach_gates(gates.gates if gates is not None else None)
+        self.model, self.tokenizer = checkpoint.model, checkpoint.tokenizer
+        self.model_name = checked_model_name(checkpoint, settings)
+        self.allow_debug = settings.allow_debug
+        refuse = settings.refuse_special_tokens_in_messages
+        self.refused_in_messages = self.tokenizer.special_token_pattern() if refuse else None
+        self.limits = served_limits(settings, checkpoint)
+        self.policy = served_policy(gates, settings, num_layers)
+        self.kv_policy = settings.kv_policy
+        self.depth_execution = served_depth_execution(self.model, settings, gated=gated)
+        self.max_batch_size = settings.max_batch_size
+        _check_kv_cache_fits(checkpoint, settings.max_batch_size, self.max_seq_len)
+        self.drain_timeout_seconds = settings.drain_timeout_seconds
+        # Metrics: the service's own registry.
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_info = self._model_info(settings, NO_GATES_SHA256 if gates is None else gates.sha256)
+        self.request_metrics = self._request_metrics(settings, num_layers)
+        self.decode_stats = DecodeStats(num_layers)
+        shadow_metrics = ShadowMetrics(self.registry, self.model_name)  # exposed (at 0) even without the checker
+        # Where the decode steps go, and the audit trail.
+        shim_id = settings.shim_id or default_shim_id()
+        threshold = self.policy.threshold
+        self.sender = (
+            frame_sender(settings, self.model_name, num_layers, threshold, shim_id, frame_key) if gated else None
+        )
+        self.trace = (
+            TraceWriter(settings.trace_file, settings.trace_max_bytes, threshold=threshold)
+            if settings.trace_file
+            else None
+        )
+        self.audit_spans = AuditSpanCounts()
+        self.audit = self._audit_trail(settings.otlp_endpoint, span_exporter, shim_id)
+        self.layer_signals = LayerSignalStats(num_layers)
+        # The worker is created below; the admission reads its running count only when asked.
+        self.admission = Admission(settings.max_batch_size, settings.max_waiting_requests, lambda: self.worker.running)
+        self.registry.register(self._scrape_time_collectors())
+        # Alert-driven mitigation and the depth each request runs at.
+        self.mitigations = Mitigations(
+            self.model_name,
+            settings.mitigation(),
+            MitigationMetrics(self.registry, self.model_name),  # exposed (at 0) even without the receiver
+        )
+        self.mitigation_receiver = (
+            MitigationReceiver(mitigation.socket, self.mitigations, mitigation.token.current)
+            if mitigation is not None
+            else None
+        )
+        self.depth = DepthDecider(
+            settings, threshold, self.policy.skippable(num_layers), DepthMetrics(self.registry, self.model_name)
+        )
+        if settings.rollout_levels:
+            self.mitigations.on_paging.append(self._demote_rollout)
+        # The engine's thread and what reads it.
+        self.worker = EngineWorker(
+            self._engine_factory,
+            self.tokenizer.encode(PROBE_TEXT),
+            StepTelemetry(self.model_name, self.decode_stats, self.sender, self.trace),
+            self._shadow_checker(settings, shadow_metrics),
+            self.depth if gated else None,
+            gated=gated,
+        )
         self.readiness = Readiness(self.worker)
         self.gate_watcher = None if gates is None else self._gate_watcher(settings, gates)
         self.generation_parts = GenerationParts(
@@ -346,57 +433,10 @@ class ShimService:
             lambda: self.gates_sha256,
         )
 
-    def _serve_model(self, checkpoint: LoadedCheckpoint, gates: LoadedGates | None, settings: ServeSettings) -> None:
-        """The model with its gates, the limits, the skip policy and how batches run it; refuses what
-        cannot be served (protected layers, batch size, KV cache, drain timeout) before anything starts."""
-        model, config = checkpoint.model, checkpoint.config
-        model.attach_gates(None if gates is None else gates.gates)
-        self.model = model
-        self.tokenizer = checkpoint.tokenizer
-        self.model_name = served_model_name(checkpoint.path, settings.model_name)
-        if (character := unprintable(self.model_name)) is not None:  # as the exporter would refuse its frames
-            raise ValueError(f"--model-name {self.model_name!r} holds {character}, which is not printable")
-        self.allow_debug = settings.allow_debug
-        refuse = settings.refuse_special_tokens_in_messages
-        self.refused_in_messages = self.tokenizer.special_token_pattern() if refuse else None
-        self.limits = resolve_limits(settings, config.max_position_embeddings, self.tokenizer.max_chars_per_token())
-        if self.limits.max_prompt_chars is None:
-            log.warning(
-                "this tokenizer may drop or merge characters: prompts cannot be refused by size and are "
-                "tokenized in full (up to --max-body-bytes) before the --max-prompt-tokens check"
-            )
-        # What the command line leaves unset (None) the gate file says (SkipPolicyConfig.recorded).
-        chosen = {name: getattr(settings, name) for name in POLICY_FIELDS}
-        self.policy = (
-            FULL_DEPTH_POLICY
-            if gates is None
-            else gates.metadata.policy(**chosen, protected_layers=settings.protected_layers)
-        )
-        self.policy.protected(config.num_layers)  # refuse out-of-range protected layers at start-up
-        if settings.max_batch_size < 1:
-            raise ValueError(f"--max-batch-size must be >= 1, got {settings.max_batch_size}")
-        self.kv_policy = settings.kv_policy
-        # Shared by every engine the worker builds: the measured costs hold for the model, not an engine.
-        # Without gates nothing is skipped: whole layers, with no start-up measurement of the row-partial
-        # path (9 s for SmolLM2-135M's 30 layers on a loaded CPU core).
-        depth = DepthExecutionConfig(settings.depth_execution, settings.batch_consensus)
-        self.depth_execution = default_depth_execution(
-            model, self.kv_policy, depth if gates is not None else DepthExecutionConfig("batch")
-        )
-        self.max_batch_size = settings.max_batch_size
-        _check_kv_cache_fits(checkpoint, settings.max_batch_size, self.max_seq_len)
-        if not settings.drain_timeout_seconds >= 0:
-            raise ValueError(f"--drain-timeout-seconds must be >= 0, got {settings.drain_timeout_seconds}")
-        self.drain_timeout_seconds = settings.drain_timeout_seconds
-
-    def _request_metrics(
-        self, registry: CollectorRegistry | None, settings: ServeSettings, num_layers: int, gates_sha256: str
-    ) -> ShadowMetrics:
-        """The registry with the model's info and the per-request metrics; returns the shadow check's."""
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self.model_info = ModelInfo(
+    def _model_info(self, settings: ServeSettings, gates_sha256: str) -> ModelInfo:
+        return ModelInfo(
             self.model_name,
-            num_layers,
+            self.model.config.num_layers,
             settings.dtype,  # what _load_model loaded the checkpoint at
             settings.quantization,
             self.policy.threshold,
@@ -406,108 +446,39 @@ class ShimService:
             self.kv_policy,
             gates_sha256,
         )
+
+    def _request_metrics(self, settings: ServeSettings, num_layers: int) -> RequestMetrics:
         runaway = settings.request_runaway_fraction
-        self.request_metrics = RequestMetrics(
+        return RequestMetrics(
             self.registry,
             self.model_name,
             num_layers,
             DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION if runaway is None else runaway,
         )
-        self.decode_stats = DecodeStats(num_layers)
-        return ShadowMetrics(self.registry, self.model_name)
 
-    def _telemetry(
-        self,
-        settings: ServeSettings,
-        frame_key: bytes | None,
-        span_exporter: SpanExporter | None,
-        num_layers: int,
-        *,
-        gated: bool,
-    ) -> None:
-        """Where the decode steps go (gate frames, the trace file) and the audit trail. Without gates
-        (`gated` False) there are no scores: no frames (the exporter keeps no statistics for the model)."""
-        shim_id = settings.shim_id or default_shim_id()
-        self.sender: GateFrameSender | None = None
-        if settings.exporter_address and gated:
-            try:
-                self.sender = GateFrameSender(
-                    settings.exporter_address,
-                    self.model_name,
-                    num_layers,
-                    self.policy.threshold,
-                    shim_id=shim_id,
-                    key=frame_key,
-                )
-            except ValueError as exc:  # its message names the address or the shim id it refused
-                raise ValueError(f"gate frames (--exporter-address, --shim-id): {exc}") from None
-        self.trace = (
-            TraceWriter(settings.trace_file, settings.trace_max_bytes, threshold=self.policy.threshold)
-            if settings.trace_file
-            else None
+    def _scrape_time_collectors(self) -> IsolatedCollectors:
+        """The custom collectors compute at scrape time (hardware readings, statistics): isolated, so
+        that one failing leaves the rest of /metrics served (docs/service.md, "Metrics")."""
+        return isolated(
+            {
+                "model_info": ModelInfoCollector(lambda: self.model_info),
+                "decode_stats": DecodeStatsCollector(self.decode_stats, self.model_name),
+                "frame_sender": FrameSenderCollector(self.sender, self.model_name),
+                "trace": TraceCollector(self.trace, self.model_name),
+                "nvml": NvmlCollector(),
+                "rapl": RaplCollector(),
+                "layer_signals": LayerSignalsCollector(self.layer_signals, self.model_name),
+                "request_queue": RequestQueueCollector(self.admission.running, self.admission.waiting, self.model_name),
+                "audit": AuditCollector(self.audit_spans, self.model_name),
+            }
         )
 
-        self.audit_spans = AuditSpanCounts()
-        self.audit = self._audit_trail(settings.otlp_endpoint, span_exporter, shim_id)
-
-    def _register_collectors(self, settings: ServeSettings, num_layers: int) -> None:
-        """The layer signals, the admission, and the scrape-time collectors."""
-        self.layer_signals = LayerSignalStats(num_layers)
-        # The custom collectors compute at scrape time (hardware readings, statistics): isolated, so
-        # that one failing leaves the rest of /metrics served (docs/service.md, "Metrics").
-        # The worker is created below; the admission reads its running count only when asked.
-        self.admission = Admission(settings.max_batch_size, settings.max_waiting_requests, lambda: self.worker.running)
-        self.registry.register(
-            isolated(
-                {
-                    "model_info": ModelInfoCollector(lambda: self.model_info),
-                    "decode_stats": DecodeStatsCollector(self.decode_stats, self.model_name),
-                    "frame_sender": FrameSenderCollector(self.sender, self.model_name),
-                    "trace": TraceCollector(self.trace, self.model_name),
-                    "nvml": NvmlCollector(),
-                    "rapl": RaplCollector(),
-                    "layer_signals": LayerSignalsCollector(self.layer_signals, self.model_name),
-                    "request_queue": RequestQueueCollector(
-                        self.admission.running, self.admission.waiting, self.model_name
-                    ),
-                    "audit": AuditCollector(self.audit_spans, self.model_name),
-                }
-            )
-        )
-
-    def _mitigation_and_depth(
-        self,
-        settings: ServeSettings,
-        mitigation: MitigationListener | None,
-        shadow_metrics: ShadowMetrics,
-        num_layers: int,
-    ) -> ShadowChecker | None:
-        """Alert-driven mitigation, the shadow checker it may need, and the depth each request runs at."""
-        self.mitigations = Mitigations(
-            self.model_name,
-            mitigation_settings(settings),
-            MitigationMetrics(self.registry, self.model_name),  # exposed (at 0) even without the receiver
-        )
-        self.mitigation_receiver = (
-            MitigationReceiver(mitigation.socket, self.mitigations, mitigation.token.current)
-            if mitigation is not None
-            else None
-        )
-        # A mitigation raises the shadow rate of its requests: the checker is needed even at rate 0.
-        shadow = (
-            ShadowChecker(self.model, shadow_metrics, settings.shadow_rate, self.layer_signals)
-            if settings.shadow_rate > 0 or self.mitigation_receiver is not None
-            else None
-        )
-        self.depth = DepthDecider(
-            settings,
-            self.policy.threshold,
-            self.policy.skippable(num_layers),
-            DepthMetrics(self.registry, self.model_name),
-        )
-        if settings.rollout_levels:
-            self.mitigations.on_paging.append(self._demote_rollout)
-        return shadow
+    def _shadow_checker(self, settings: ServeSettings, metrics: ShadowMetrics) -> ShadowChecker | None:
+        """A mitigation raises the shadow rate of its requests: the checker is needed even at rate 0
+        when the receiver runs."""
+        if not settings.shadow_rate > 0 and self.mitigation_receiver is None:
+            return None
+        return ShadowChecker(self.model, metrics, settings.shadow_rate, self.layer_signals)
 
     def _demote_rollout(self, event: PagingEvent) -> None:
         """A paging alert of this model fired: back to the previous rollout level. A resolution
@@ -522,40 +493,13 @@ class ShimService:
         registry: CollectorRegistry | None = None,
         span_exporter: SpanExporter | None = None,
     ) -> ShimService:
-        resolve_device(settings.device)  # a clear error for a malformed name or a missing GPU
-        endpoint = resolve_otlp_endpoint(settings.otlp_endpoint, os.environ)  # before the model loads: fail fast
+        settings.check()  # before the model loads: a bad setting fails at once
+        endpoint = resolve_otlp_endpoint(settings.otlp_endpoint, os.environ)
         settings = dataclasses.replace(settings, otlp_endpoint=endpoint)
-        drills = [
-            flag
-            for flag, on in (
-                ("--reset-gates", settings.reset_gates),
-                ("--static-gates", settings.static_gates),
-                ("--shuffle-gates", settings.shuffle_gates),
-                ("--scramble-gates", settings.scramble_gates),
-            )
-            if on
-        ]
-        if len(drills) > 1:
-            raise ValueError(f"{' and '.join(drills)} exclude each other")
-        if settings.no_gates and (needing := changed_from_default(settings, GATED_SETTINGS)):
-            raise ValueError(f"--no-gates serves no gates: {', '.join(needing)} need(s) them")
-        if settings.static_gates and (settings.threshold is not None or settings.patience is not None):
-            # The constants are placed either side of the gate file's own tau: served at another tau or
-            # patience, the drill would no longer keep the healthy skip ratio.
-            raise ValueError(
-                "--static-gates measures at the gate file's threshold and patience: "
-                "leave --threshold and --patience unset"
-            )
-        if settings.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
-        check_precision(resolve_device(settings.device), DTYPES[settings.dtype], settings.quantization)
         # Read before the model loads (seconds to minutes), so that a bad key file fails at once.
         frame_key = (
             load_frame_key(settings.frame_key_file) if settings.frame_key_file and settings.exporter_address else None
         )
-        settings.check()  # DepthSettings': the depth flags too, so that a bad level fails before minutes of loading
-        mitigation_settings(settings)
-        check_gates_watch_seconds(settings.gates_watch_seconds)
         mitigation = _mitigation_listener(settings)
         try:
             checkpoint, gates = _load_model(settings)
@@ -582,10 +526,8 @@ class ShimService:
         return AuditTrail.over_otlp(endpoint, self.audit_spans, shim_id)
 
     def _gate_watcher(self, settings: ServeSettings, gates: LoadedGates) -> GateFileWatcher | None:
-        check_gates_watch_seconds(settings.gates_watch_seconds)
         metrics = GateReloadMetrics(self.registry, self.model_name)  # exposed (at 0) even when not watching
-        drill = settings.reset_gates or settings.static_gates or settings.shuffle_gates or settings.scramble_gates
-        if drill or settings.gates_watch_seconds == 0:
+        if settings.drill or settings.gates_watch_seconds == 0:
             return None
         return GateFileWatcher(
             gates_file(settings),
