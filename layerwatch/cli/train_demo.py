@@ -92,4 +92,4 @@ def run(args: argparse.Namespace) -> int:
         out = settings.out
         return f"exported to {out} after {state.step} steps, {state.elapsed_seconds / 60:.1f} min of training"
 
-    return run_training(args, train, bad_input=(CorpusError, DemoTrainingError))
+    return run_training(settings.threads, train, bad_input=(CorpusError, DemoTrainingError))

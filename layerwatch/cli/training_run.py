@@ -1,29 +1,18 @@
-"""What `layerwatch train-demo` and `layerwatch train-gates` share: their settings objects read from
-the flags of the same names, and one training run with `--threads`, its errors and its summary line."""
+"""What `layerwatch train-demo` and `layerwatch train-gates` share: one training run on `--threads`
+torch threads, its errors and its summary line."""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import sys
 from collections.abc import Callable
-from typing import Any
+
+from layerwatch.cli.model_arguments import set_threads
 
 
-def from_arguments(settings: type[Any], args: argparse.Namespace) -> Any:
-    """The `settings` dataclass with each field that has a flag (`batch_size`: `--batch-size`) set from
-    it; the fields without a flag keep their defaults."""
-    flags = vars(args)
-    return settings(**{field.name: flags[field.name] for field in dataclasses.fields(settings) if field.name in flags})
-
-
-def run_training(args: argparse.Namespace, train: Callable[[], str], bad_input: tuple[type[Exception], ...]) -> int:
-    """Run `train()` on `--threads` torch threads (0: torch's default). Exit 0 after printing the line it
-    returns, or 2 after printing the error when it raises one of `bad_input`."""
-    import torch
-
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+def run_training(threads: int, train: Callable[[], str], bad_input: tuple[type[Exception], ...]) -> int:
+    """Run `train()` on `threads` torch CPU threads (0: torch's default). Exit 0 after printing the line
+    it returns, or 2 after printing the error when it raises one of `bad_input`."""
+    set_threads(threads)
     try:
         summary = train()
     except bad_input as exc:

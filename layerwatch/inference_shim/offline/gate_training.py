@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from layerwatch import argtypes
 from layerwatch.inference_shim.offline.importance_gates import (
     ImportanceStats,
     calibrate_to_rate,
@@ -47,7 +48,8 @@ from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint, resolv
 from layerwatch.inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
 from layerwatch.inference_shim.runtime.model import GateBank, Transformer
 from layerwatch.inference_shim.runtime.skip_policy import decide_sequences
-from layerwatch.skip_policy import SkipPolicyConfig
+from layerwatch.settings import setting
+from layerwatch.skip_policy import SKIP_RULES, SkipPolicyConfig
 
 _FINITE_FIELDS = (
     "learning_rate",
@@ -67,28 +69,55 @@ GATE_METHODS = ("relaxed", "importance")
 
 @dataclass(frozen=True)
 class GateSchedule:
-    # relaxed: the relaxed skip decision trained through the model (this module);
-    # importance: gates fitted to per-token layer importance scored once (importance_gates.py).
-    method: str = "relaxed"
-    steps: int = 1200  # importance: batches of windows scored
-    batch_size: int = 8
-    seq_len: int = 128
-    learning_rate: float = 5e-3
-    threshold: float = SkipPolicyConfig.threshold  # tau the gates are trained for (and stored with)
-    patience: int = SkipPolicyConfig.patience
-    skip_rule: str = SkipPolicyConfig.skip_rule  # the rule the gates are trained for (and stored with)
-    ewma_alpha: float = SkipPolicyConfig.ewma_alpha
+    """How gates are trained, one flag of `layerwatch train-gates` per knob (the relaxation's sharpness and
+    temperatures have none); refuses a number training cannot use, before any model loads."""
+
+    method: str = setting(
+        "relaxed",
+        choices=GATE_METHODS,
+        help="relaxed: train the relaxed skip decision through the model (the demo's recipe); importance: "
+        "score each layer's per-token cost of a skip once with the frozen model, then fit the gates to it "
+        "(fast on real models; docs/gate-training.md)",
+    )
+    steps: int = setting(1200, type=int, help="training steps (importance: batches of windows scored)")
+    batch_size: int = setting(8, type=int, help="text windows per step")
+    seq_len: int = setting(128, type=int, help="tokens per window")
+    learning_rate: float = setting(5e-3, type=float, help="AdamW's starting rate, decayed over the run (cosine)")
+    threshold: float = setting(  # stored in the gate file
+        SkipPolicyConfig.threshold, type=argtypes.fraction, help="tau the gates are trained for"
+    )
+    patience: int = setting(SkipPolicyConfig.patience, type=int, help="the skip rule's patience trained for")
+    skip_rule: str = setting(  # stored in the gate file
+        SkipPolicyConfig.skip_rule,
+        choices=SKIP_RULES,
+        help="the skip rule the gates are trained for and that their file names: streak (--patience "
+        "consecutive low scores) or ewma (the scores' moving average low, after --patience warm-up steps)",
+    )
+    ewma_alpha: float = setting(
+        SkipPolicyConfig.ewma_alpha,
+        type=argtypes.positive_fraction,
+        metavar="A",
+        help="the ewma rule's weight of the newest score, in (0, 1]",
+    )
     protected_layers: tuple[int, ...] = ()
-    target_skip: float = 0.28  # share of (token, skippable layer) pairs to skip
-    sparsity_weight: float = 20.0
-    commit_weight: float = 2.0
-    low_score: float = 0.10  # the double well's two minima
-    high_score: float = 0.30
+    target_skip: float = setting(0.28, type=float, help="share of (token, skippable layer) pairs the gates should skip")
+    sparsity_weight: float = setting(
+        20.0, type=float, help="weight of the squared gap between the skipped share and --target-skip"
+    )
+    commit_weight: float = setting(
+        2.0, type=float, help="weight of the double-well penalty that pulls scores to --low-score/--high-score"
+    )
+    low_score: float = setting(
+        0.10, type=argtypes.open_fraction, help="the double well's lower minimum, in (0, 1) and below --threshold"
+    )
+    high_score: float = setting(
+        0.30, type=argtypes.open_fraction, help="the double well's upper minimum, in (0, 1) and above --threshold"
+    )
     sharpness: float = 5.0  # decision logit per unit of gate logit
     start_temperature: float = 1.0
     end_temperature: float = 0.1
-    fit_epochs: int = 20  # importance: passes of the gate fit over the scored windows
-    seed: int = 0
+    fit_epochs: int = setting(20, type=int, help="importance: passes of the gate fit over the scores")
+    seed: int = setting(0, type=int, help="seed of the gates' initial weights, the windows drawn and the noise")
 
     def __post_init__(self) -> None:
         if self.method not in GATE_METHODS:
