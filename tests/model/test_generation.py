@@ -169,6 +169,21 @@ def test_a_request_scoring_its_prompts_leaves_half_the_slots_to_whoever_comes_ne
     assert order.index(chat) < min(order.index(e) for e in echo), order
 
 
+def test_prompt_scoring_of_several_requests_together_leaves_half_the_slots(model, no_eos):
+    """Before: the half was counted per request, so two requests scoring their prompts took every
+    slot between them, and a chat sent a step later waited for a scored prompt to finish."""
+    eng = engine(model, no_eos, max_batch_size=4)
+    prompt = PROMPT * 4
+    scored = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    echo = [eng.submit(prompt, scored, request_id=request) for request in ("a", "b") for _ in range(2)]
+    eng.step()  # one of each request scores; two slots stay free
+    chat = eng.submit(PROMPT, SamplingParams(max_tokens=2), request_id="chat")
+    order = []
+    while eng.has_work():
+        order += [u.sequence_id for u in eng.step() if u.finished or u.new_token_ids]
+    assert order.index(chat) < min(order.index(e) for e in echo), order
+
+
 def test_model_without_gates_runs_full_depth(no_eos):
     records = []
     plain = random_model(tiny_config(eos_token_ids=()), seed=2)

@@ -472,18 +472,15 @@ class GenerationEngine:
     def _next_waiting(self) -> _Sequence | None:
         """Take the waiting sequence of the request that holds the fewest batch slots (the earliest
         among equals): a request of many prompts or choices takes turns with those that came after
-        it, rather than every slot until its last sequence is done. A request's prompt scoring (echo
-        with logprobs: a decode step per prompt token, 12 times a prefill's time) holds at most half
-        the slots, so that the rest stay free for whoever comes next; None when nothing else waits.
-        Sequences without a request id each count as their own request."""
+        it, rather than every slot until its last sequence is done. Prompt scoring (echo with
+        logprobs: a decode step per prompt token, 12 times a prefill's time) holds at most
+        `scoring_slots`, whichever requests it serves, so that the rest stay free for whoever comes
+        next; None when nothing else waits. Sequences without a request id each count as their own
+        request."""
         held = Counter(s.request_id for s in self._active.values() if s.request_id is not None)
-        scoring = Counter(s.request_id for s in self._active.values() if s.scored is not None)
-        most_scoring = max(1, self.max_batch_size // 2)
-        candidates = [
-            s
-            for s in self._waiting
-            if s.request_id is None or not _scores_prompt(s) or scoring[s.request_id] < most_scoring
-        ]
+        scoring = sum(1 for s in self._active.values() if s.scored is not None)
+        may_score = scoring < scoring_slots(self.max_batch_size)
+        candidates = [s for s in self._waiting if may_score or not _scores_prompt(s)]
         if not candidates:
             return None
         sequence = min(candidates, key=lambda s: held[s.request_id] if s.request_id is not None else 0)
@@ -859,6 +856,12 @@ class DecodedStep:
 
 # (logits [B, V], next tokens [B]) -> [F, W] on the device: a per-row summary for some rows.
 Summarize = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def scoring_slots(max_batch_size: int) -> int:
+    """The batch slots prompt scoring may hold at once: half (at least one); the others stay free for
+    requests that score nothing (the service's admission budgets scoring by the same share)."""
+    return max(1, max_batch_size // 2)
 
 
 def _scores_prompt(sequence: _Sequence) -> bool:

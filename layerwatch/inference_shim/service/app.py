@@ -29,11 +29,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 
 from layerwatch.inference_shim.runtime.engine import SamplingParams
+from layerwatch.inference_shim.service.admission import ONE_SLOT
 from layerwatch.inference_shim.service.completions import (
     ACTIVITY_HEADER,
     Generation,
     Prepared,
     Prompt,
+    admission_weight,
     run_to_end,
     stream_events,
 )
@@ -202,9 +204,9 @@ async def _generate(service: ShimService, request: Request, kind: Literal["compl
         service.admission.enter()  # 429 when too many wait for a batch slot, 503 while draining
         try:
             prepared = await _prepare(service, request, kind, data)
-            service.admission.weigh(len(prepared.prompts) * prepared.n)
+            service.admission.weigh(admission_weight(service.admission, prepared))
         except BaseException:
-            service.admission.leave()  # from here on, the generation leaves when it is counted
+            service.admission.leave(ONE_SLOT)  # from here on, the generation leaves when it is counted
             raise
     except APIError as err:
         service.request_metrics.finish(FinishedRequest("client_error" if err.status < 500 else "server_error"))

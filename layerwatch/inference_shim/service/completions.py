@@ -35,7 +35,7 @@ from starlette.requests import Request
 
 from layerwatch.inference_shim.runtime.agreement import ShadowResult
 from layerwatch.inference_shim.runtime.engine import SamplingParams, SequenceUpdate, TokenLogprob
-from layerwatch.inference_shim.service.admission import Admission
+from layerwatch.inference_shim.service.admission import Admission, Weight
 from layerwatch.inference_shim.service.depth import DepthDecider, DepthDecision
 from layerwatch.inference_shim.service.engine_worker import EngineFailure, EngineWorker, RequestHandle
 from layerwatch.inference_shim.service.metrics import SKIPPING_STATUSES, RequestMetrics
@@ -93,10 +93,22 @@ class Prepared:
     logprobs: int | None = None  # alternatives per token (chat: top_logprobs); None: no logprobs
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
+    def scored_tokens(self) -> int:
+        """The prompt tokens the engine scores, a decode step each (echo with logprobs): all but each
+        prompt's first, for each choice."""
+        if self.params.prompt_logprobs is None:
+            return 0
+        return self.n * sum(len(prompt.ids) - 1 for prompt in self.prompts)
+
     def choice_params(self, j: int) -> SamplingParams:
         if j == 0 or self.params.seed is None:
             return self.params
         return replace(self.params, seed=(self.params.seed + j) % 2**63)
+
+
+def admission_weight(admission: Admission, prepared: Prepared) -> Weight:
+    """What a prepared request counts in admission: its sequences and the prompt tokens it scores."""
+    return admission.weight(len(prepared.prompts) * prepared.n, prepared.scored_tokens())
 
 
 class Choice:
@@ -279,7 +291,7 @@ class Generation:
         # The request was admitted as its choices: it leaves once, when its last choice is counted.
         self._unrecorded -= 1
         if self._unrecorded == 0:
-            self.parts.admission.leave(self.parts.admission.weight(len(self.choices)))
+            self.parts.admission.leave(admission_weight(self.parts.admission, self.prepared))
             if self._audit is not None:
                 self._audit.end(self.record())
 

@@ -34,7 +34,7 @@ from layerwatch.inference_shim.runtime.depth_execution import (
     DepthExecutionConfig,
     default_depth_execution,
 )
-from layerwatch.inference_shim.runtime.engine import GenerationEngine, StepHook
+from layerwatch.inference_shim.runtime.engine import GenerationEngine, StepHook, scoring_slots
 from layerwatch.inference_shim.runtime.gates import (
     LoadedGates,
     gates_path_for,
@@ -394,7 +394,12 @@ class ShimService:
         self.audit = self._audit_trail(settings.otlp_endpoint, span_exporter, shim_id)
         self.layer_signals = LayerSignalStats(num_layers)
         # The worker is created below; the admission reads its running count only when asked.
-        self.admission = Admission(settings.max_batch_size, settings.max_waiting_requests, lambda: self.worker.running)
+        self.admission = Admission(
+            settings.max_batch_size,
+            settings.max_waiting_requests,
+            lambda: self.worker.running,
+            max_scored_tokens=scoring_slots(settings.max_batch_size) * self.limits.max_prompt_tokens,
+        )
         self.registry.register(self._scrape_time_collectors())
         # Alert-driven mitigation and the depth each request runs at.
         self.mitigations = Mitigations(
