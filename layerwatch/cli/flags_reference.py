@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 from pathlib import Path
 
 from layerwatch.cli.main import COMMANDS, Parser
@@ -41,8 +42,8 @@ def flags_reference() -> str:
     lines = [_HEADER]
     # (flag as written, meaning) -> the first command whose table explains it
     explained: dict[tuple[str, str], str] = {}
-    for command, (module_name, help_line) in COMMANDS.items():
-        lines += [f"## `layerwatch {command}`", "", help_line[0].upper() + help_line[1:] + ".", ""]
+    for command, (module_name, _) in COMMANDS.items():
+        lines += [f"## `layerwatch {command}`", ""]
         lines += _command_table(command, command_parser(module_name), explained)
     return "\n".join(lines)
 
@@ -52,11 +53,12 @@ def _command_table(command: str, parser: argparse.ArgumentParser, explained: dic
     for action in parser._actions:  # argparse offers no public iterator over actions
         if action.dest == "help":
             continue
-        name, meaning = _name(action), _help(parser, action)
+        name, default = _name(action), _default(action)
+        meaning = _without_default(_help(parser, action), default)
         first = explained.setdefault((name, meaning), command)
         if first != command:
             meaning = f"as `{first}`"
-        cells = (name, _default(action), meaning)
+        cells = (name, default, meaning)
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return [*lines, ""]
 
@@ -85,6 +87,15 @@ def _default(action: argparse.Action) -> str:
     if Path(text).is_absolute() and Path(text).is_relative_to(_CHECKOUT):
         text = Path(text).relative_to(_CHECKOUT).as_posix()
     return f"`{text}`" if text else '`""`'
+
+
+def _without_default(meaning: str, default: str) -> str:
+    """The help without a "(default X)" that only repeats the default column's X."""
+    value = re.escape(default.strip("`"))
+    if not value:
+        return meaning
+    meaning = re.sub(rf" \(default:? {value}\)", "", meaning)
+    return re.sub(rf"; default:? {value}\)", ")", meaning)
 
 
 def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
