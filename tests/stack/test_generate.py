@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 import sys
@@ -210,10 +211,22 @@ def _command_section(page: str, command: str) -> str:
     return page[start : end if end >= 0 else len(page)]
 
 
+def _variable_by_the_pages_rule(row: str) -> str | None:
+    """The header's rule: a flag's first long name, upper case, `-` as `_`, after `LAYERWATCH_`."""
+    names = row.split("`")[1].split(" ")[0].split(",")
+    longs = [n for n in names if n.startswith("--")]
+    return "LAYERWATCH_" + longs[0][2:].upper().replace("-", "_") if longs else None
+
+
+def test_the_flags_page_states_the_environment_rule_once() -> None:
+    page = (REPO / artifacts.FLAGS_DOC_PATH).read_text()
+    assert "`--some-flag`" in page and "`LAYERWATCH_SOME_FLAG`" in page.split("\n## ")[0]
+
+
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_the_flags_page_lists_every_flag_of_every_command(command: str) -> None:
-    """Each flag of the parser `layerwatch <command>` really parses with (environment applied to none),
-    on a row of the command's section naming its environment variable."""
+    """Each flag of the parser `layerwatch <command>` really parses with (environment applied to none)
+    has a row of the command's section, and the page's rule gives the environment variable it reads."""
     page = (REPO / artifacts.FLAGS_DOC_PATH).read_text()
     rows = [line for line in _command_section(page, command).splitlines() if line.startswith("| `")]
     parser = build_parser([command], environ={})
@@ -224,5 +237,7 @@ def test_the_flags_page_lists_every_flag_of_every_command(command: str) -> None:
         name = action.option_strings[0] if action.option_strings else action.metavar or action.dest
         row = [r for r in rows if r.startswith(f"| `{name} ") or r.startswith(f"| `{name}`")]
         assert row, f"{command} {name} missing from {artifacts.FLAGS_DOC_PATH}"
-        assert (env_var_for(action) or "| - |") in row[0], row[0]
+        assert _variable_by_the_pages_rule(row[0]) == env_var_for(action), row[0]
+        if (same := re.search(r"\| as `([a-z-]+)` \|$", row[0])) is not None:  # explained on that command's row
+            assert row[0].split(" | ")[0] in _command_section(page, same[1]), row[0]
     assert len(rows) == len(actions), f"{command}: the page lists flags the command does not have"
