@@ -57,8 +57,8 @@ def test_looping_renders_are_bounded_and_sigterm_drains_them_promptly_without_tr
             answers = [future.result() for future in spinning]
             exit_code = shim.process.proc.wait(30)
             exit_seconds = time.monotonic() - signalled
-        # Measured on 2 busy cores: the completion 0.2 s; the chats 2.5 to 4.7 s (two renders stopped
-        # at their 2 s, the others refused once they had waited 2 s); exit 3.4 to 3.9 s after SIGTERM.
+        # Measured on 2 busy cores: the completion 0.2 s; the chats within 5.6 s (two renders stopped
+        # at their 2 s, the others refused once they had waited 2 s); exit 2.4 to 4.6 s after SIGTERM.
         assert plain.status_code == 200, plain.text
         assert plain_seconds < RENDER_SECONDS, plain_seconds  # it waits for no render
         for response, seconds in answers:
