@@ -8,12 +8,13 @@ import dataclasses
 import shutil
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 
 from layerwatch.inference_shim.runtime.chat_template import RENDER_SECONDS
 from tests.reliability.conftest import MODEL_NAME, Shim
+from tests.support import sample_sum, wait_for
 
 # Loads (one user message renders at once), then loops for good on a message that says "spin".
 SPINNING = (
@@ -46,9 +47,14 @@ def test_looping_renders_are_bounded_and_sigterm_drains_them_promptly_without_tr
             response = httpx.post(f"{shim.url}/v1/chat/completions", json=body, timeout=60)
             return response, time.monotonic() - started
 
+        def all_admitted(spinning: list[Future]) -> bool:
+            # Admitted from its body's arrival until answered: rendering or waiting to render, or done.
+            waiting = sample_sum(shim.metrics(), "layerwatch_requests_waiting")
+            return waiting + sum(future.done() for future in spinning) >= CLIENTS
+
         with ThreadPoolExecutor(CLIENTS) as pool:
             spinning = [pool.submit(chat) for _ in range(CLIENTS)]
-            time.sleep(0.5)  # every spinning render started or waiting
+            wait_for(lambda: all_admitted(spinning), what="every chat admitted")  # none refused by the drain
             started = time.monotonic()
             plain = shim.complete("the")
             plain_seconds = time.monotonic() - started
