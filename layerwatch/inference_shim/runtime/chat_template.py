@@ -58,6 +58,13 @@ class TemplateLimitError(TemplateError):
         self.problem = problem
 
 
+def all_busy() -> TemplateLimitError:
+    """The error of a render that waited its whole bound for a worker."""
+    return TemplateLimitError(
+        f"could not be run: every worker stayed busy for {RENDER_SECONDS:g} s (other renders at their bounds)"
+    )
+
+
 def check_compiles(source: str) -> None:
     """Compile `source` in a worker: jinja2's TemplateSyntaxError for a template that is not valid
     Jinja, TemplateLimitError for one past the bounds (a parser recursing too deeply included)."""
@@ -151,8 +158,7 @@ class _Pool:
             while not self._idle and self._started >= MAX_WORKERS:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._available.wait(remaining):
-                    busy = f"could not be run: every worker stayed busy for {RENDER_SECONDS:g} s"
-                    raise TemplateLimitError(f"{busy} (other renders at their bounds)")
+                    raise all_busy()
             if self._idle:
                 return self._idle.pop()
             self._started += 1

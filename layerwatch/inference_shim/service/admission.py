@@ -5,7 +5,7 @@ not its client has read the answer: completions.py, `Generation._follow`): it is
 running (its sequence holds one of the engine's batch slots) or waiting (being tokenized, or queued
 for a slot). A client still sending its body holds only its connection, so slow clients cannot
 fill the queue (it is checked before the body is read too, so that a full server reads no more
-bodies). With `max_batch_size + max_waiting` requests admitted, the next one gets 429 with
+bodies). With `max_batch_size + max_waiting` slots admitted, the next request gets 429 with
 Retry-After instead of an ever longer queue. Once draining (SIGTERM), no request is admitted (503)
 and the server waits for the admitted ones to finish (docs/service.md, "Back-pressure" and
 "Signals and shutdown").
@@ -23,8 +23,8 @@ Scoring has a budget of its own, `max_scored_tokens`: what the engine's scoring 
 batch) score in one pass of the longest prompts. A scoring request counts its tokens against it, at
 most the whole budget, so that one larger than the budget is admitted when no other scores and the
 next scoring request waits its turn (429); requests that score nothing never count against it. So
-scoring requests can neither fill the queue the chats need nor hold more than half the batch, and a
-queued scoring request starts within about one pass of the longest prompt.
+scoring requests can neither fill the queue the chats need nor, with the engine's rule, hold more
+than half the batch.
 
 Admission runs on the event loop only (HTTP handlers and the code that answers them), so the
 count needs no lock; `running` comes from the engine thread.

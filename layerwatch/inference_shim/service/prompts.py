@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,13 +37,24 @@ _RENDER_THREADS = ThreadPoolExecutor(chat_template.MAX_WORKERS, thread_name_pref
 async def render_chat_off_loop(
     tokenizer: Tokenizer, body: ChatTemplateFields, refused: re.Pattern[str] | None = None
 ) -> str:
-    """`render_chat` off the event loop, on the render threads."""
-    return await asyncio.get_running_loop().run_in_executor(_RENDER_THREADS, render_chat, tokenizer, body, refused)
+    """`render_chat` off the event loop, on the render threads. A render that finds no thread free
+    within RENDER_SECONDS is refused as one past its bound: behind renders that loop, a queue of
+    conversations would otherwise wait their turns for minutes, and hold a drain (SIGTERM) as long."""
+    start_by = time.monotonic() + chat_template.RENDER_SECONDS
+    return await asyncio.get_running_loop().run_in_executor(
+        _RENDER_THREADS, render_chat, tokenizer, body, refused, start_by
+    )
 
 
-def render_chat(tokenizer: Tokenizer, body: ChatTemplateFields, refused: re.Pattern[str] | None = None) -> str:
+def render_chat(
+    tokenizer: Tokenizer,
+    body: ChatTemplateFields,
+    refused: re.Pattern[str] | None = None,
+    start_by: float | None = None,
+) -> str:
     """The conversation as the chat template writes it, with the request's template options; a
-    message whose text matches `refused` (special tokens' texts) is refused with a 400."""
+    message whose text matches `refused` (special tokens' texts), or a render not started by the
+    monotonic time `start_by`, is refused with a 400."""
     if refused is not None:
         _refuse_special_tokens(body, refused)
     facts = tokenizer.template_facts(tokenizer.template_name())
@@ -68,6 +80,8 @@ def render_chat(tokenizer: Tokenizer, body: ChatTemplateFields, refused: re.Patt
             code="unsupported_parameter",
         )
     try:
+        if start_by is not None and time.monotonic() > start_by:
+            raise chat_template.all_busy()
         return tokenizer.apply_chat_template(
             [message.template_message() for message in body.messages],
             documents=body.documents,
