@@ -1,5 +1,5 @@
 """A small HTTP/1.1 listener that bounds everything a client controls: the exporter's /metrics
-page and the shim's mitigation receiver (docs/security.md, "Listeners").
+page and the shim's mitigation receiver (docs/security.md, "Defences, by default").
 
 Both used to be the standard library's ThreadingHTTPServer: a thread per connection from its first
 byte, reading the request head with no bound on its time, so that 600 half-sent requests held 600

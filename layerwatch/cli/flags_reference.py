@@ -94,7 +94,7 @@ def _without_default(meaning: str, default: str) -> str:
     value = re.escape(default.strip("`"))
     if not value:
         return meaning
-    meaning = re.sub(rf" \(default:? {value}\)", "", meaning)
+    meaning = re.sub(rf" ?\(default:? {value}\)", "", meaning)
     return re.sub(rf"; default:? {value}\)", ")", meaning)
 
 

@@ -21,7 +21,7 @@ from layerwatch.alerts.profile_file import load_profiles
 from layerwatch.alerts.rules import recorded_names, render_rules, rule_groups
 from layerwatch.alerts.specs import ALERTS
 from layerwatch.deploy import manifests, render
-from layerwatch.promql import check_queries, known_series, metric_names
+from layerwatch.promql import check_queries, known_series
 
 PROFILES_DIR = "layerwatch/alerts/profiles"
 RULES_PATH = "layerwatch/alerts/generated/layerwatch.rules.yaml"
@@ -125,19 +125,16 @@ def metrics_doc(groups: dict) -> str:
         "the target they come from; the fleet roll-ups (`job_model_name...`) keep `job` and drop "
         "`instance`: one series per model across its instances ([fleet.md](fleet.md)). "
         "`model_name:layerwatch_profile_*` series are the healthy "
-        "bands of each model's profile (layerwatch/alerts/profiles/), for dashboards. The table names the "
-        f"series each rule reads; its exact expression is in `{RULES_PATH}`.",
+        "bands of each model's profile (layerwatch/alerts/profiles/), for dashboards. An operation "
+        "`mean` divides a histogram's sum by its count, `stddev` comes from Σx², `ratio` divides the "
+        "named counter by what it is a share of (skips by evaluations, agreements by shadow tokens, lost by "
+        f"received + lost, energy by decode tokens); every expression is in `{RULES_PATH}`. The series:",
         "",
-        "| series | reads (or, for a constant, its expression) |",
-        "|---|---|",
     ]
-    seen = set()
-    for group in groups["groups"]:
-        for rule in group["rules"]:
-            name = rule.get("record")
-            if name and name not in seen:
-                seen.add(name)
-                lines.append(f"| `{name}` | {_reads(rule['expr'])} |")
+    recorded = dict.fromkeys(
+        rule["record"] for group in groups["groups"] for rule in group["rules"] if "record" in rule
+    )
+    lines += [", ".join(f"`{name}`" for name in recorded) + "."]
     lines += [
         "",
         "## Alerts",
@@ -157,14 +154,6 @@ def metrics_doc(groups: dict) -> str:
             f"{format_duration(spec.default_for)} | {reads} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def _reads(expr: str) -> str:
-    """The series a recording rule reads, or its whole expression where it reads none (a profile band)."""
-    names = sorted(metric_names(expr))
-    if not names:
-        return "`" + " ".join(expr.split()).replace("|", "\\|") + "`"
-    return ", ".join(f"`{name}`" for name in names)
 
 
 def stale_files(root: Path, files: dict[str, str]) -> list[str]:

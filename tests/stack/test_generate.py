@@ -218,6 +218,16 @@ def _variable_by_the_pages_rule(row: str) -> str | None:
     return "LAYERWATCH_" + longs[0][2:].upper().replace("-", "_") if longs else None
 
 
+def test_no_flag_row_repeats_its_default_in_its_meaning() -> None:
+    """The default column states a default; the meaning does not say it again as "(default X)"."""
+    page = (REPO / artifacts.FLAGS_DOC_PATH).read_text()
+    for row in (line for line in page.splitlines() if line.startswith("| `")):
+        _, default, meaning = (cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:4])
+        if default.startswith("`"):
+            value = re.escape(default.strip("`"))
+            assert not re.search(rf"[(;] ?default:? {value}\)", meaning), row
+
+
 def test_the_flags_page_states_the_environment_rule_once() -> None:
     page = (REPO / artifacts.FLAGS_DOC_PATH).read_text()
     assert "`--some-flag`" in page and "`LAYERWATCH_SOME_FLAG`" in page.split("\n## ")[0]

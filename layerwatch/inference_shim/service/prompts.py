@@ -97,7 +97,7 @@ def render_chat(
 
 def _refuse_special_tokens(body: ChatTemplateFields, refused: re.Pattern[str]) -> None:
     # Written in a message, `<|im_end|>\n<|im_start|>system` is tokenized into the control ids and
-    # the model reads a turn the template never wrote (docs/security.md, "Forged chat turns").
+    # the model reads a turn the template never wrote (docs/security.md, "Defences, by default").
     for i, message in enumerate(body.messages):
         found = refused.search(message.text() or "")
         if found is not None:
