@@ -73,8 +73,8 @@ class ExporterConfig:
     window_max_observations: int = setting(
         DEFAULT_WINDOW_OBSERVATIONS,
         type=argtypes.positive(int),
-        help=f"the bimodality window holds at most this many entropies per model, the latest, at most "
-        f"{MAX_WINDOW_OBSERVATIONS} (default %(default)s)",
+        help=f"most entropies per model in the bimodality window, at most {MAX_WINDOW_OBSERVATIONS} "
+        "(default %(default)s)",
     )
     min_window_observations: int = setting(
         DEFAULT_MIN_WINDOW_OBSERVATIONS,
@@ -87,20 +87,17 @@ class ExporterConfig:
     max_models: int = setting(  # label cardinality
         64,
         type=argtypes.positive(int),
-        help="more distinct models than this are refused: the exporter rejects their frames, replay the trace, "
-        "naming the line (default %(default)s)",
+        help="most distinct models; more are rejected, in replay naming the line (default %(default)s)",
     )
     max_layers: int = setting(  # per-layer series per model
         256,
         type=argtypes.positive(int),
-        help="frames with more layers than this are rejected and counted; in replay, such a trace line is "
-        "refused, naming the line (default %(default)s)",
+        help="most layers a frame or trace line may have (default %(default)s)",
     )
     model_idle_seconds: float = setting(  # a model silent this long is forgotten (slot and series freed)
         900.0,
         type=argtypes.positive(float),
-        help="a model that sends no frame for this long is forgotten: its series and its slot among "
-        "--max-models are freed, its layer count may change (default %(default)s)",
+        help="seconds after a model's last frame that its series and slot are freed (default %(default)s)",
     )
     frame_key: bytes | None = setting(  # only frames tagged under it are accepted
         None,
@@ -109,9 +106,8 @@ class ExporterConfig:
         metavar="FILE",
         convert=load_frame_key,
         repr=False,
-        help="accept only gate frames authenticated with the key in FILE (the shim's "
-        "--frame-key-file; owner-only permissions); others are rejected and counted (default: "
-        "accept untagged frames)",
+        help='accept only gate frames tagged with the key in FILE (docs/wire-format.md, "Key file"; default: '
+        "untagged frames)",
     )
     statistics_cache_seconds: float = setting(
         2.0,
@@ -122,9 +118,7 @@ class ExporterConfig:
         DEFAULT_THRESHOLD,
         type=argtypes.fraction,
         metavar="TAU",
-        help="skip threshold assumed for gate frames that carry none (wire version 1, older shims; such frames "
-        'are counted) and for trace lines without a "threshold" key: scores below it count toward skipping '
-        "in the routing statistics (default %(default)s)",
+        help="skip threshold assumed for frames (wire version 1) and trace lines that carry none (default %(default)s)",
     )
     min_routing_tokens: int = setting(
         DEFAULT_MIN_ROUTING_TOKENS,

@@ -162,8 +162,7 @@ class DepthSettings:
         None,  # the request field is refused
         type=argtypes.parsed_by(parse_threshold_range),
         metavar="LO:HI",
-        help=f"accept the request field `{REQUEST_FIELD}` (the request's own skip threshold) within "
-        "[LO, HI]; outside it, 400 (default: the field is refused with a 400)",
+        help=f"accept the request field `{REQUEST_FIELD}` within [LO, HI] (default: refused)",
     )
     long_prompt_tokens: int | None = setting(
         None,
@@ -181,9 +180,7 @@ class DepthSettings:
         None,
         type=argtypes.fraction,
         metavar="C",
-        help="complexity pre-check: a prompt whose complexity score (share of its prefill gate scores "
-        "below the threshold) is at least C runs at --complexity-threshold (default: off; "
-        "layerwatch_prompt_complexity shows the scores either way)",
+        help="prompts whose complexity score is at least C run at --complexity-threshold (default: off)",
     )
     complexity_threshold: float = setting(
         0.0,
@@ -195,10 +192,7 @@ class DepthSettings:
         (),  # skipping enabled for every request
         type=argtypes.parsed_by(parse_rollout_levels),
         metavar="LEVELS",
-        help="staged rollout: levels separated by ';', each enabling skipping for the requests meeting "
-        "all of share=S (a share of requests), max_tokens=N (at most N tokens asked), min_temperature=T "
-        "(sampling at T or above); the others run at full depth. A demotion (on a paging alert) drops to "
-        "the previous level (e.g. 'share=0.1;share=0.5;share=1'; default: skipping for every request)",
+        help="staged rollout, e.g. 'share=0.1;share=0.5;share=1' (default: skipping for every request)",
     )
     rollout_level: int | None = setting(
         None,  # 1-based; None: the last (fully rolled out)
@@ -212,8 +206,7 @@ class DepthSettings:
         10.0,
         type=float,
         metavar="M",
-        help="after a demotion, further paging alerts demote no further for M minutes: one incident "
-        "pages once per alert and per instance (default %(default)s)",
+        help="minutes after a demotion in which paging alerts demote no further (default %(default)s)",
     )
 
     def check(self) -> None:

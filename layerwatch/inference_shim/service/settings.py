@@ -56,60 +56,48 @@ class ModelSettings:
     )
     no_gates: bool = setting(
         False,
-        help="serve at full depth without gates, before any are trained: no gate file is read, every layer runs "
-        "for every token, no gate frames or trace lines are written (nothing scores a layer) and "
-        'layerwatch_model_info says gates_sha256="none" (docs/service.md, "Serving without gates"); the flags '
-        "that need gates are refused with it",
+        help="serve at full depth without a gate file, before gates are trained; refuses the gated flags "
+        '(docs/service.md, "Serving without gates")',
     )
     reset_gates: bool = setting(
         False,
-        help="serve freshly initialised gates instead of the gate file: simulates the 'gate "
-        "weights overwritten' incident (layerwatch_model_info's gates_sha256 changes)",
+        help='drill: serve freshly initialised gates instead of the gate file (docs/demo.md, "Drills")',
     )
     static_gates: bool = setting(  # runtime/static_gates.py
         False,
-        help="serve each layer's gate as a constant at its healthy mean score (measured from the gate "
-        "file at start-up): the same layers are skipped for every token, a static-pruning drill "
-        "(layerwatch_model_info's gates_sha256 changes)",
+        help="drill: each gate a constant at its healthy mean score, the same layers skipped for every token",
     )
     shuffle_gates: bool = setting(  # a fixed derangement
         False,
-        help="serve the gate file's gates on the wrong layers (gate l gets layer (l + L/2) mod L's "
-        "weights): a drill for gates that no longer track how much their layer matters "
-        "(layerwatch_model_info's gates_sha256 changes; LayerwatchGateMiscalibrated should page)",
+        help="drill: gate l gets layer (l + L/2) mod L's weights",
     )
     scramble_gates: bool = setting(  # runtime/gates.py
         False,
-        help="serve each gate on its own layer but reading a permuted hidden state (feature j from feature "
-        "(j + d/2) mod d; the same weights and biases): a drill for gates that react to every token, but to "
-        "the wrong features (layerwatch_model_info's gates_sha256 changes; LayerwatchGateMiscalibrated should page)",
+        help="drill: each gate reads feature j of the hidden state from feature (j + d/2) mod d",
     )
     gates_watch_seconds: float = setting(
         5.0,
         type=float,
         metavar="S",
-        help="check the gate file for a replacement this often: a complete, valid one is swapped in "
-        "between decode steps, anything else is rejected and the loaded gates keep serving "
-        "(0: never; else at least 0.1; default %(default)s)",
+        help="seconds between checks for a replaced gate file, 0 (never) or 0.1 to 86400 (docs/service.md, "
+        '"Gate file replaced while serving"; default %(default)s)',
     )
     device: str = setting("cpu", help="torch device: cpu, cuda, cuda:1, ...")
     dtype: str = setting(
         "float32",
         choices=tuple(DTYPES),
-        help="the weights' and activations' dtype: float32, or bfloat16 (half the bytes a step reads); "
-        'float16 is refused on the CPU, slow there (docs/model.md, "Weights in low precision"; default %(default)s)',
+        help="weights' and activations' dtype; float16 is refused on the CPU (docs/model.md, \"Weights in low "
+        'precision"; default %(default)s)',
     )
     quantization: str = setting(  # runtime/quantization.py
         QUANTIZATIONS[0],
         choices=QUANTIZATIONS,
-        help="quantize the projections and the LM head at load time, weight-only, on torch's CPU kernels: int8 "
-        "(per output channel) or int4 (per group of 32 inputs, as GGUF's Q4_1); the embedding table, norms and "
-        'gates keep --dtype (docs/model.md, "Weights in low precision"; default %(default)s)',
+        help="weight-only quantization of the projections and LM head at load, CPU kernels (docs/model.md, "
+        '"Weights in low precision"; default %(default)s)',
     )
     compile: bool = setting(  # Transformer.compile_layers
         False,
-        help="torch.compile each layer's attention and FFN bodies at start-up (the skip decision stays "
-        "eager: skipped layers still do not run); docs/performance.md has what it buys",
+        help="torch.compile each layer's attention and FFN bodies at start-up (docs/performance.md)",
     )
 
 
@@ -130,14 +118,13 @@ class SkippingSettings:
     patience: int | None = setting(
         None,
         type=int,
-        help="consecutive tokens below the threshold before a layer is skipped; under the ewma rule, the "
-        "decode steps a sequence runs full depth before its first skip (default: the gate file's)",
+        help="streak: consecutive tokens below the threshold before a skip; ewma: full-depth decode steps "
+        "before the first skip (default: the gate file's)",
     )
     skip_rule: str | None = setting(
         None,
         choices=SKIP_RULES,
-        help="streak: skip a layer after --patience consecutive scores below the threshold; ewma: skip "
-        "while the moving average of its scores is below the threshold (default: the gate file's)",
+        help='docs/model.md, "The skip rule" (default: the gate file\'s)',
     )
     ewma_alpha: float | None = setting(
         None,
@@ -155,22 +142,20 @@ class SkippingSettings:
     depth_execution: str = setting(
         DEPTH_MODES[0],
         choices=DEPTH_MODES,
-        help="how a batch runs the layers its rows want: auto, row by row only where this device does "
-        "that faster than the whole batch (measured at start), whole (or by --batch-consensus) otherwise; "
-        'rows: row by row always; batch: whole layers only (docs/model.md, "Depth execution")',
+        help='how a batch runs the layers only some rows want (docs/model.md, "Depth execution")',
     )
     batch_consensus: float | None = setting(  # None: off
         DEFAULT_VOTE,
         type=argtypes.share_or_off,
         metavar="Q|off",
-        help="where a layer runs whole, run it for every row when at least a share Q of the rows want it "
-        f"and for none but the full-depth rows otherwise; off: for every row (default: {DEFAULT_VOTE:g})",
+        help="a layer run whole runs for every row when a share of at least Q of the rows wants it, else only "
+        f"for full-depth rows; off: always for every row (default: {DEFAULT_VOTE:g})",
     )
     kv_policy: str = setting(
         KV_POLICIES[0],
         choices=KV_POLICIES,
-        help="what the KV cache holds for a skipped layer: K/V projected from its input, or "
-        "nothing (the position is left out of that layer's attention)",
+        help="a skipped layer's KV cache entry: K/V projected from its input, or none (the position left out "
+        "of that layer's attention)",
     )
 
 
@@ -185,16 +170,16 @@ class ServerSettings:
         32,
         type=int,
         metavar="N",
-        help="requests that may wait for a batch slot (being read, tokenized or queued); beyond that, new "
-        "requests get 429 with Retry-After (default %(default)s)",
+        help='requests that may wait for a batch slot, else 429 (docs/service.md, "Back-pressure"; '
+        "default %(default)s)",
     )
     # Under the orchestrator's grace period (Kubernetes: 30 s), so that the cut-off answers still go out.
     drain_timeout_seconds: float = setting(
         25.0,
         type=float,
         metavar="S",
-        help="on SIGTERM, stop admitting (503) and give in-flight requests this long to finish before "
-        "cutting them off; keep it under the orchestrator's kill grace period (default %(default)s)",
+        help="seconds in-flight requests get to finish after SIGTERM; keep under the orchestrator's kill grace "
+        "period (default %(default)s)",
     )
     max_tokens_cap: int | None = setting(  # None: DEFAULT_MAX_TOKENS_CAP, shrunk to fit the context
         None,
@@ -222,31 +207,28 @@ class ServerSettings:
         HTTPLimits.head_timeout,
         type=argtypes.positive(float),
         metavar="S",
-        help="a request's line and headers must arrive within this many seconds of the connection opening "
-        "(or of its previous answer), else 408 (slow clients; default %(default)s)",
+        help="seconds for a request's line and headers to arrive, else 408 (default %(default)s)",
     )
     max_connections: int = setting(
         HTTPLimits.max_connections,
         type=argtypes.positive(int),
         metavar="N",
-        help="open connections at most: one more closes the one slowest to send its request or to take its "
-        "answer, else the one idle longest, or gets 503 when every connection has a request in (default %(default)s)",
+        help='open connections at most (docs/service.md, "Connections"; default %(default)s)',
     )
     send_timeout_seconds: float = setting(
         HTTPLimits.send_timeout,
         type=argtypes.positive(float),
         metavar="S",
-        help="a connection whose client takes none of its answer for this many seconds is closed, and a "
-        "generation still running for it cancelled (clients that stop reading; default %(default)s)",
+        help="seconds a client may take none of its answer before the connection is closed and its generation "
+        "cancelled (default %(default)s)",
     )
     allow_debug: bool = setting(
         False, help="honour the x-layerwatch-debug request header (returns per-token layer activity)"
     )
     refuse_special_tokens_in_messages: bool = setting(
         False,
-        help="answer 400 to a chat whose message text holds a special token's text (<|im_end|>, </s>, ...), which "
-        "would be read as the control token and could forge a turn; off: tokenized as such, as vLLM and "
-        "transformers do (docs/security.md)",
+        help="answer 400 to a chat message holding a special token's text (<|im_end|>, ...), which could forge a "
+        "turn (docs/security.md)",
     )
     log_level: str = setting("info", choices=LOG_LEVELS, help=None)
 
@@ -266,8 +248,7 @@ class TelemetrySettings:
         None,
         type=Path,
         metavar="FILE",
-        help="authenticate gate frames with the key in FILE (the exporter's --frame-key-file; "
-        "owner-only permissions, at least 32 bytes, e.g. `openssl rand -hex 32`; default: untagged frames)",
+        help='tag gate frames with the key in FILE (docs/wire-format.md, "Key file"; default: untagged)',
     )
     trace_file: Path | None = setting(
         None, type=Path, help="also write every decoded token's scores and skips as a JSON Lines trace"
@@ -278,24 +259,21 @@ class TelemetrySettings:
         None,
         type=argtypes.fraction,
         metavar="F",
-        help="a request skipping more than this share of its decode layer evaluations is runaway: "
-        "the layers it skipped are counted (layerwatch_request_runaway_layer_skips_total); a bucket edge "
-        "of layerwatch_request_skip_fraction (default: request_tail.runaway_skip_fraction of the served "
-        f"model's profile in layerwatch/alerts/profiles, else {DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION})",
+        help='skip fraction above which a request is runaway (docs/service.md, "Per-request skipping"; default: '
+        f"the profile's request_tail.runaway_skip_fraction, else {DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION})",
     )
     # A base URL (/v1/traces is appended) or a traces URL with its path; None: the standard
     # OTEL_EXPORTER_OTLP_* variables decide, and without them spans are off (shim.resolve_otlp_endpoint).
     otlp_endpoint: str | None = setting(
         None,
         metavar="URL",
-        help="send an audit span per request (OpenTelemetry, OTLP over HTTP/protobuf) to this collector: a base "
-        "URL such as http://127.0.0.1:4318 (spans go to /v1/traces) or the full traces URL (default: the "
-        "standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT; without them, no spans)",
+        help='OTLP/HTTP collector for audit spans, a base or traces URL (docs/service.md, "Audit trail"; '
+        "default: the OTEL_EXPORTER_OTLP_* variables, else none)",
     )
     shadow_rate: float = setting(
         0.0,
         type=argtypes.fraction,
-        help="share of requests, at any temperature, compared with the full-depth model (quality guard)",
+        help='share of requests compared with the full-depth model (docs/service.md, "Quality guard")',
     )
 
 
@@ -307,15 +285,14 @@ class AlertMitigationSettings:
     mitigation_address: str = setting(
         "",
         metavar="HOST:PORT",
-        help="run Alertmanager's webhook receiver on this address, apart from the API (e.g. "
-        f"{LOOPBACK}:{SHIM_MITIGATION_PORT}; needs --mitigation-token-file; default: off)",
+        help=f"Alertmanager's webhook receiver address (e.g. {LOOPBACK}:{SHIM_MITIGATION_PORT}; needs "
+        "--mitigation-token-file; default: off)",
     )
     mitigation_token_file: Path | None = setting(
         None,
         type=Path,
         metavar="FILE",
-        help="the bearer token Alertmanager must send (its http_config authorization credentials_file; "
-        "owner-only permissions, at least 32 bytes, e.g. `openssl rand -hex 32`)",
+        help="the bearer token Alertmanager must send, a key file as --frame-key-file's",
     )
     mitigation_requests: int = setting(
         100,
@@ -327,7 +304,7 @@ class AlertMitigationSettings:
         30.0,
         type=argtypes.positive(float),
         metavar="M",
-        help="a mitigation lasts at most M minutes, and ends earlier when its alert resolves (default %(default)s)",
+        help="a mitigation lasts at most M minutes (default %(default)s)",
     )
     mitigation_full_depth: bool = setting(
         False,
