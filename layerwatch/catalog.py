@@ -5,9 +5,10 @@ The shim and the exporter create their metrics from these specs, all through one
 refuses a panel that queries a name not defined here or by a recording rule. A test compares each
 live `/metrics` page against this catalog, so it cannot drift.
 
-Names, labels and help texts are public (dashboards, rules and docs/metrics.md read them): change
-none. Counter names carry their `_total` suffix here, as exposed; `prometheus_client` wants it
-stripped when the metric object is created (see `base_name`).
+Names and labels are public (dashboards and rules read them): change none. A help text is one short
+clause, its unit and bound; the detail lives in the docs page it names. Counter names carry their
+`_total` suffix here, as exposed; `prometheus_client` wants it stripped when the metric object is
+created (see `base_name`).
 """
 
 from __future__ import annotations
@@ -110,19 +111,15 @@ METRICS: tuple[MetricSpec, ...] = (
             "kv_policy",
             "gates_sha256",
         ),
-        "What is being served (always 1): dtype is the weights' and activations' (serve --dtype), quantization "
-        "the projections' and LM head's (serve --quantization: none, int8 or int4); skip_rule is streak "
-        "(below threshold for patience steps) or ewma "
-        "(the scores' moving average below threshold, ewma_alpha the newest score's weight; empty under streak); "
-        "gates_sha256 is the hash of the loaded gate weights.",
+        "What is being served (always 1): dtype and quantization as serve's flags, the skip policy (ewma_alpha "
+        "empty under streak), the KV policy; gates_sha256 is the loaded gate weights' hash.",
         SHIM,
     ),
     _m(
         "layerwatch_gate_file_reloads_total",
         "counter",
         ("model_name", "status"),
-        "Gate file replacements judged while serving: status=loaded (swapped in between decode steps) or "
-        "rejected (incomplete, invalid or not for this model and policy: the loaded gates keep serving).",
+        "Gate file replacements judged while serving, by status: loaded, or rejected (the loaded gates keep serving).",
         SHIM,
     ),
     _m(
@@ -143,15 +140,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_http_connections_refused_total",
         "counter",
         ("model_name", "reason"),
-        "Requests the API refused before reading them, and connections it closed, by reason: head_too_large "
-        "(431: request line and headers over --max-header-bytes), malformed_head (400), ambiguous_framing "
-        "(400: Content-Length with Transfer-Encoding, or Transfer-Encoding in HTTP/1.0, as in request "
-        "smuggling; the connection closed), "
-        "head_timeout (408: not in within --header-timeout-seconds), "
-        "evicted (a connection closed while part of its head or body was in, or its answer waited for its "
-        "client, to make room for a new one), "
-        "too_many_connections (503: --max-connections open, each with a request in), "
-        "send_timeout (a connection reset: its client took none of its answer within --send-timeout-seconds).",
+        "Requests refused before being read, and connections closed, by reason: head_too_large (431), "
+        "malformed_head (400), ambiguous_framing (400, closed), head_timeout (408), evicted (closed to make room), "
+        "too_many_connections (503), send_timeout (reset: its answer not taken); docs/service.md, Connections.",
         SHIM,
     ),
     _m(
@@ -165,8 +156,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_requests_waiting",
         "gauge",
         ("model_name",),
-        "Batch slots admitted generation requests want but do not hold yet (being read, tokenized or queued; a "
-        "request wants as many as its prompts × choices, at most max_batch_size); at max_batch_size + "
+        "Batch slots admitted generation requests want but do not hold yet; at --max-batch-size + "
         "--max-waiting-requests, new requests get 429.",
         SHIM,
     ),
@@ -196,16 +186,16 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_layer_skips_executed_total",
         "counter",
         ("model_name", "layer"),
-        "Decode-time evaluations for which the layer did not run (what saves time and power; the gate "
-        "decisions, which the batch's depth execution may overrule, are layerwatch_layer_skips_total).",
+        "Decode-time evaluations for which the layer did not run (what saves time and power); the gate decisions "
+        "are layerwatch_layer_skips_total.",
         SHIM,
     ),
     _m(
         "layerwatch_layer_unneeded_runs_total",
         "counter",
         ("model_name", "layer"),
-        "Decode-time evaluations whose gate decision skipped the layer and that ran it: the depth execution "
-        "ran the layer for the whole batch, where that was no slower than running it row by row.",
+        "Decode-time evaluations whose gate decision skipped the layer but that ran it for the whole batch "
+        "(docs/model.md, Depth execution).",
         SHIM,
     ),
     _m(
@@ -250,9 +240,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_request_token_dependent_share",
         "histogram",
         ("model_name",),
-        "Per finished request long enough to judge (32 decode tokens or more, a score below the "
-        "threshold): the token-dependent share of its own skipping (layerwatch/routing.py over its tokens; "
-        "0 = all of it in layers below the threshold on every one of its tokens).",
+        "Per finished request of 32 decode tokens or more, a score below the threshold: the token-dependent share "
+        "of its skipping (0 = all static).",
         SHIM,
         REQUEST_FRACTION_BUCKETS,
     ),
@@ -284,9 +273,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_depth_decisions_total",
         "counter",
         ("model_name", "mode", "reason"),
-        "Requests that ran (status ok or cancelled), by the depth they ran at: mode=full (threshold 0), "
-        "strict (below the served threshold) or gated; reason=override, rollout, request, prompt_length, "
-        "complexity or default (what decided it).",
+        "Requests that ran (ok or cancelled) by depth: mode=full, strict or gated; reason=override, rollout, "
+        "request, prompt_length, complexity or default (docs/service.md, Depth per request).",
         SHIM,
     ),
     _m(
@@ -301,9 +289,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_prompt_complexity",
         "histogram",
         ("model_name",),
-        "Per request that ran and was prefilled: its prompt's complexity score (layerwatch/complexity.py: the "
-        "share of its prefill gate scores on skippable layers below the served threshold), whether or not "
-        "the pre-check is on (--complexity-cutoff).",
+        "Per prefilled request: its prompt's complexity score (share of its prefill gate scores on skippable layers "
+        "below the served threshold), with or without --complexity-cutoff.",
         SHIM,
         REQUEST_FRACTION_BUCKETS,
     ),
@@ -426,36 +413,33 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_shadow_agreements_total",
         "counter",
         ("model_name",),
-        "Shadow-checked tokens at which the full-depth model's top-1 token equals the gated model's own top-1 "
-        "(the argmax of its logits at generation time, before temperature, top-p, penalties and bias).",
+        "Shadow-checked tokens at which the full-depth model's top-1 token equals the gated model's (argmax of its "
+        "raw logits).",
         SHIM,
     ),
     _m(
         "layerwatch_shadow_kl_nats_total",
         "counter",
         ("model_name",),
-        "Quality cost: sum over shadow-checked tokens of KL(gated || full) in nats between the two models' raw "
-        "next-token distributions (temperature 1), on the partition {each of the gated top-K tokens} + {the rest} "
-        "(K = 16): a lower bound of the true KL. A request's temperature, top-p, penalties and bias only choose which "
-        "contexts are visited. Per token = rate of this / rate of layerwatch_shadow_tokens_total.",
+        "Quality cost: sum over shadow-checked tokens of KL(gated || full) in nats between the raw next-token "
+        "distributions over the gated top-K tokens and the rest (K = 16), a lower bound (docs/service.md, Quality "
+        "guard).",
         SHIM,
     ),
     _m(
         "layerwatch_shadow_reverse_kl_nats_total",
         "counter",
         ("model_name",),
-        "Sum over shadow-checked tokens of KL(full || gated) in nats on the same partition; with m its mean per "
-        "token, exp(m) - 1 estimates the perplexity increase of the gated model on text the full-depth model "
-        "writes (a lower bound).",
+        "Sum over shadow-checked tokens of KL(full || gated) in nats, on the same partition; exp(its mean per "
+        "token) - 1 estimates the perplexity increase (a lower bound).",
         SHIM,
     ),
     _m(
         "layerwatch_shadow_requests_total",
         "counter",
         ("model_name", "outcome"),
-        "Requests sampled for the shadow check (at admission, --shadow-rate or a mitigation's rate), by outcome: "
-        "checked, queue_full (64 checks waited: not taken), failed (the check raised), full_depth (the complexity "
-        "pre-check moved it to full depth: nothing gated to check), no_output (it failed or generated nothing).",
+        "Requests sampled for the shadow check, by outcome: checked, queue_full (64 waiting), failed, full_depth "
+        "(nothing gated to check), no_output.",
         SHIM,
     ),
     # --- shim: alert-driven mitigation (docs/service.md, "Alert-driven mitigation") --------------
@@ -463,11 +447,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_mitigation_webhook_requests_total",
         "counter",
         ("model_name", "outcome"),
-        "Requests to the mitigation webhook receiver by outcome: accepted, unauthorized (no or a wrong bearer "
-        "token, or cut off before showing one: a request head too slow, too large or malformed, or closed to make "
-        "room for a new connection), malformed (not Alertmanager's version-4 webhook JSON, a bad Content-Length, a "
-        "body too slow), too_large, not_found (another path or method), too_many_connections (503: all 32 "
-        "connections had a request in), shutting_down (503: a notification that arrived while the shim stopped, "
+        "Requests to the mitigation receiver by outcome: accepted, unauthorized (no or a wrong bearer token, or cut "
+        "off before one), malformed, too_large, not_found, too_many_connections (503: 32 busy), shutting_down (503, "
         "not applied).",
         SHIM,
     ),
@@ -475,9 +456,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_mitigation_alerts_total",
         "counter",
         ("model_name", "outcome"),
-        "Alerts in accepted webhook requests by what they did: started or ended a mitigation, unchanged (a repeat), "
-        "stale (older than what is known: out of order), other_model (ignored), not_mitigating (not a mitigating "
-        "alert; a paging one still reaches the paging callbacks).",
+        "Alerts in accepted webhook requests by outcome: started, ended, unchanged (a repeat), stale (out of "
+        "order), other_model, not_mitigating.",
         SHIM,
     ),
     _m(
@@ -491,10 +471,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_mitigations_ended_total",
         "counter",
         ("model_name", "reason"),
-        "Mitigations ended, by reason: resolved (the alert resolved), requests (its request budget was spent), "
-        "time (its time budget ran out), operator (DELETE /mitigations on the receiver), evicted (over 1000 alerts "
-        "known: the mitigation that would end soonest makes room for a newer incident's), shutdown (the shim stopped "
-        "while it was in effect).",
+        "Mitigations ended, by reason: resolved, requests (budget spent), time, operator (DELETE /mitigations), "
+        "evicted (over 1000 alerts known), shutdown.",
         SHIM,
     ),
     _m(
@@ -508,8 +486,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_mitigation_shadow_rate",
         "gauge",
         ("model_name",),
-        "The shadow check rate new gated requests get now: 1 during a mitigation (0 when it forces full depth: "
-        "nothing to check), else --shadow-rate.",
+        "The shadow check rate of new gated requests: 1 during a mitigation (0 when it forces full depth), else "
+        "--shadow-rate.",
         SHIM,
     ),
     _m(
@@ -539,26 +517,24 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_layer_relative_update_sum_total",
         "counter",
         ("model_name", "layer"),
-        "Sum over shadow-checked tokens of the layer's relative residual update norm(dh) / norm(h) (attention + "
-        "MLP contribution over the layer's input); mean = rate of this / rate of layerwatch_layer_signal_tokens_total.",
+        "Sum over shadow-checked tokens of the layer's relative residual update norm(dh) / norm(h); mean = rate of "
+        "this / rate of layerwatch_layer_signal_tokens_total.",
         SHIM,
     ),
     _m(
         "layerwatch_layer_attention_kl_sum_total",
         "counter",
         ("model_name", "layer"),
-        "Sum over shadow-checked tokens of the layer's attention discreteness: KL divergence (nats) of each "
-        "head's attention from uniform over the attended positions, mean over heads; mean = rate of this / "
-        "rate of layerwatch_layer_signal_tokens_total.",
+        "Sum over shadow-checked tokens of the layer's attention KL from uniform in nats, mean over heads; mean = "
+        "rate of this / rate of layerwatch_layer_signal_tokens_total.",
         SHIM,
     ),
     _m(
         "layerwatch_gate_importance_correlation",
         "gauge",
         ("model_name",),
-        "Within-layer gate calibration: the mean over the layers of layerwatch_gate_layer_importance_correlation "
-        "(the layers whose gates vary, each over its last "
-        f"{GATE_LAYER_SAMPLES} pairs); absent until a layer has one.",
+        "Within-layer gate calibration: the mean of layerwatch_gate_layer_importance_correlation over the layers "
+        "that have one; absent until one does.",
         SHIM,
     ),
     _m(
@@ -580,10 +556,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_gate_layer_importance_correlation",
         "gauge",
         ("model_name", "layer"),
-        "Spearman rank correlation, over the layer's last "
-        f"{GATE_LAYER_SAMPLES} shadow-checked positions, between the layer's gate score at a position and its "
-        "relative residual update at the next one (the token that score decides); absent until that many were "
-        f"measured, and while the gate's scores vary by less than {MIN_GATE_SCORE_STD} (standard deviation).",
+        "Spearman correlation of the layer's gate score with its relative update at the next position, over its "
+        f"last {GATE_LAYER_SAMPLES} shadow-checked positions; absent before then and while the scores' standard "
+        f"deviation is below {MIN_GATE_SCORE_STD}.",
         SHIM,
     ),
     _m(
@@ -597,16 +572,16 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_gate_layer_order_correlation",
         "gauge",
         ("model_name",),
-        "Between layers: Spearman rank correlation of the layers' mean gate score and mean relative update over "
-        "the same pairs (the layers with a full buffer); absent with fewer than two.",
+        "Between layers: Spearman correlation of the layers' mean gate score and mean relative update (layers with "
+        "a full buffer); absent with fewer than two.",
         SHIM,
     ),
     _m(
         "layerwatch_scrape_collector_success",
         "gauge",
         ("collector",),
-        "1 if the shim's collector produced its metrics in this scrape, 0 if it failed (its metrics are "
-        "missing; the shim logs why). The rest of the scrape is served either way.",
+        "1 if the shim's collector produced its metrics in this scrape, 0 if it failed (its metrics missing, the "
+        "reason logged).",
         SHIM,
     ),
     _m(
@@ -635,17 +610,16 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_trace_lines_dropped_total",
         "counter",
         ("model_name", "reason"),
-        "Trace lines not written (reason=max_bytes: --trace-max-bytes reached; write_error: a write failed, "
-        "e.g. a full disk). Either stops trace writing for good; serving goes on.",
+        "Trace lines not written, by reason: max_bytes (--trace-max-bytes) or write_error; either stops tracing for "
+        "good.",
         SHIM,
     ),
     _m(
         "layerwatch_audit_spans_total",
         "counter",
         ("model_name", "outcome"),
-        "Audit-trail spans (--otlp-endpoint: one per request, one per shadow re-check) by outcome: exported "
-        "(the collector accepted them), failed (the export failed: collector unreachable, refused or timed out; "
-        "the spans are lost), dropped (ended while the export queue was full). All 0 while spans are off.",
+        "Audit spans (--otlp-endpoint) by outcome: exported, failed (the export failed: spans lost), dropped (the "
+        "queue full); 0 while spans are off.",
         SHIM,
     ),
     _m(
@@ -712,8 +686,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_entropy_window_below_ratio",
         "gauge",
         ("model_name", "edge"),
-        "Share of the sliding window's entropies below the edge (0.05 to 0.95 by 0.05): the window's distribution, "
-        "compared with the profile's healthy one by the shape alert; absent while the window is too small.",
+        "Share of the sliding window's entropies below the edge (0.05 to 0.95), read by the shape alert; absent "
+        "while the window is too small.",
         EXPORTER,
     ),
     _m(
@@ -741,10 +715,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_exporter_layer_skips_total",
         "counter",
         ("model_name", "layer"),
-        "Decode-time evaluations of the layer that the received frames mark skipped (of "
-        "layerwatch_layer_entropy_count_total, the layer's evaluations in those frames): the skip ratio "
-        "of a model no shim reports. A lost frame's rows are missing; a shim counts exactly in "
-        "layerwatch_layer_skips_total.",
+        "Decode-time evaluations of the layer that received frames mark skipped: the skip ratio of a model no shim "
+        "reports (lost frames missing).",
         EXPORTER,
     ),
     _m(
@@ -790,11 +762,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_exporter_frames_rejected_total",
         "counter",
         ("reason",),
-        "Well-formed frames dropped, by reason: too_many_models (beyond --max-models), too_many_layers "
-        "(beyond --max-layers), layer_count_changed (not the layer count of the model's first frame), "
-        "missing_tag / bad_tag (not authenticated under --frame-key-file), replayed (with --frame-key-file: "
-        "a sequence number its shim id already sent), sequence_jump (over 2^20 numbers past its shim's "
-        "previous frame: never counted as lost).",
+        "Well-formed frames dropped, by reason: too_many_models (--max-models), too_many_layers (--max-layers), "
+        "layer_count_changed, missing_tag or bad_tag (--frame-key-file), replayed, sequence_jump (over 2^20 past "
+        "its shim's previous frame).",
         EXPORTER,
     ),
     _m(
@@ -808,8 +778,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_exporter_scrape_collector_success",
         "gauge",
         ("collector",),
-        "1 if the collector produced its metrics in this scrape, 0 if it failed (its metrics are missing; "
-        "the exporter logs why). The rest of the scrape is served either way.",
+        "1 if the exporter's collector produced its metrics in this scrape, 0 if it failed (its metrics missing, "
+        "the reason logged).",
         EXPORTER,
     ),
     _m(
@@ -838,8 +808,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_routing_dynamic",
         "gauge",
         ("model_name",),
-        "Routing verdict on the window: 1 = skipping depends on the token, 0 = static pruning (most "
-        "below-threshold mass in static layers); absent while withheld (too few tokens, nothing below tau).",
+        "Routing verdict on the window: 1 = skipping depends on the token, 0 = static pruning; absent while withheld.",
         EXPORTER,
     ),
     _m(
@@ -868,8 +837,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_routing_layer_static",
         "gauge",
         ("model_name", "layer"),
-        "1 = static (below the threshold for >= 95% of tokens, by a 90% confidence bound), -1 = static-run "
-        "(below for <= 5%), 0 = token-dependent; absent while the routing verdict is withheld.",
+        "1 = static (below the threshold for >= 95% of tokens, by a 90% confidence bound), -1 = static-run (<= 5%), "
+        "0 = token-dependent; absent while withheld.",
         EXPORTER,
     ),
     _m(
