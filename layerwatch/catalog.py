@@ -111,8 +111,8 @@ METRICS: tuple[MetricSpec, ...] = (
             "kv_policy",
             "gates_sha256",
         ),
-        "What is being served (always 1): dtype and quantization as serve's flags, the skip policy (ewma_alpha "
-        "empty under streak), the KV policy; gates_sha256 is the loaded gate weights' hash.",
+        "What is being served (always 1): serve's dtype, quantization, skip and KV policy (ewma_alpha empty under "
+        "streak), the gate weights' hash.",
         SHIM,
     ),
     _m(
@@ -140,9 +140,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_http_connections_refused_total",
         "counter",
         ("model_name", "reason"),
-        "Requests refused before being read, and connections closed, by reason: head_too_large (431), "
-        "malformed_head (400), ambiguous_framing (400, closed), head_timeout (408), evicted (closed to make room), "
-        "too_many_connections (503), send_timeout (reset: its answer not taken); docs/service.md, Connections.",
+        "Requests refused unread and connections closed, by reason: head_too_large (431), malformed_head (400), "
+        "ambiguous_framing (400), head_timeout (408), evicted, too_many_connections (503), send_timeout "
+        "(docs/service.md, Connections).",
         SHIM,
     ),
     _m(
@@ -156,8 +156,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_requests_waiting",
         "gauge",
         ("model_name",),
-        "Batch slots admitted generation requests want but do not hold yet; at --max-batch-size + "
-        "--max-waiting-requests, new requests get 429.",
+        "Batch slots admitted generation requests want but do not hold yet (429 at --max-batch-size + "
+        "--max-waiting-requests).",
         SHIM,
     ),
     _m(
@@ -231,8 +231,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_request_skip_fraction",
         "histogram",
         ("model_name",),
-        "Per finished request with decode tokens (status ok or cancelled): its skipped decode layer "
-        "evaluations / its decode layer evaluations.",
+        "Per finished request (ok or cancelled) with decode tokens: the share of its decode layer evaluations skipped.",
         SHIM,
         REQUEST_FRACTION_BUCKETS,
     ),
@@ -264,8 +263,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_request_runaway_skip_fraction",
         "gauge",
         ("model_name",),
-        "The runaway cut-off the shim counts with (`layerwatch serve --request-runaway-fraction`): a request "
-        "skipping more than this share of its decode layer evaluations is runaway.",
+        "The runaway cut-off (serve --request-runaway-fraction): the skip fraction above which a request is runaway.",
         SHIM,
     ),
     # --- shim: the depth each request runs at (docs/service.md, "Depth per request") ------------------------
@@ -289,8 +287,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_prompt_complexity",
         "histogram",
         ("model_name",),
-        "Per prefilled request: its prompt's complexity score (share of its prefill gate scores on skippable layers "
-        "below the served threshold), with or without --complexity-cutoff.",
+        "Per prefilled request: its prompt's complexity score (docs/service.md, Depth per request), with or without "
+        "--complexity-cutoff.",
         SHIM,
         REQUEST_FRACTION_BUCKETS,
     ),
@@ -383,7 +381,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_gpu_reading_unsupported",
         "gauge",
         ("gpu", "uuid", "reading"),
-        "1 when NVML says this GPU does not offer the reading (a passively cooled GPU has no fans), 0 otherwise.",
+        "1 when NVML says this GPU does not offer the reading (no fans on a passively cooled GPU), else 0.",
         SHIM,
     ),
     _m(
@@ -421,17 +419,16 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_shadow_kl_nats_total",
         "counter",
         ("model_name",),
-        "Quality cost: sum over shadow-checked tokens of KL(gated || full) in nats between the raw next-token "
-        "distributions over the gated top-K tokens and the rest (K = 16), a lower bound (docs/service.md, Quality "
-        "guard).",
+        "Quality cost: sum over shadow-checked tokens of KL(gated || full) in nats over the gated top-K tokens and "
+        "the rest (K = 16), a lower bound (docs/service.md, Quality guard).",
         SHIM,
     ),
     _m(
         "layerwatch_shadow_reverse_kl_nats_total",
         "counter",
         ("model_name",),
-        "Sum over shadow-checked tokens of KL(full || gated) in nats, on the same partition; exp(its mean per "
-        "token) - 1 estimates the perplexity increase (a lower bound).",
+        "Sum over shadow-checked tokens of KL(full || gated) in nats, as the forward one; exp(its mean) - 1 "
+        "estimates the perplexity increase.",
         SHIM,
     ),
     _m(
@@ -447,9 +444,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_mitigation_webhook_requests_total",
         "counter",
         ("model_name", "outcome"),
-        "Requests to the mitigation receiver by outcome: accepted, unauthorized (no or a wrong bearer token, or cut "
-        "off before one), malformed, too_large, not_found, too_many_connections (503: 32 busy), shutting_down (503, "
-        "not applied).",
+        "Requests to the mitigation receiver by outcome: accepted, unauthorized, malformed, too_large, not_found, "
+        "too_many_connections (503), shutting_down (503, not applied).",
         SHIM,
     ),
     _m(
@@ -509,24 +505,21 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_layer_signal_tokens_total",
         "counter",
         ("model_name", "layer"),
-        "Shadow-checked tokens whose layer signals were measured at full depth (the count behind the "
-        "layer's relative update and attention KL sums).",
+        "Shadow-checked tokens whose layer signals were measured (the count behind the update and attention KL sums).",
         SHIM,
     ),
     _m(
         "layerwatch_layer_relative_update_sum_total",
         "counter",
         ("model_name", "layer"),
-        "Sum over shadow-checked tokens of the layer's relative residual update norm(dh) / norm(h); mean = rate of "
-        "this / rate of layerwatch_layer_signal_tokens_total.",
+        "Sum over shadow-checked tokens of the layer's relative residual update norm(dh) / norm(h).",
         SHIM,
     ),
     _m(
         "layerwatch_layer_attention_kl_sum_total",
         "counter",
         ("model_name", "layer"),
-        "Sum over shadow-checked tokens of the layer's attention KL from uniform in nats, mean over heads; mean = "
-        "rate of this / rate of layerwatch_layer_signal_tokens_total.",
+        "Sum over shadow-checked tokens of the layer's attention KL from uniform in nats, mean over heads.",
         SHIM,
     ),
     _m(
@@ -557,8 +550,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         ("model_name", "layer"),
         "Spearman correlation of the layer's gate score with its relative update at the next position, over its "
-        f"last {GATE_LAYER_SAMPLES} shadow-checked positions; absent before then and while the scores' standard "
-        f"deviation is below {MIN_GATE_SCORE_STD}.",
+        f"last {GATE_LAYER_SAMPLES} shadow-checked positions; absent before then or while the scores vary by less "
+        f"than {MIN_GATE_SCORE_STD}.",
         SHIM,
     ),
     _m(
@@ -572,16 +565,16 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_gate_layer_order_correlation",
         "gauge",
         ("model_name",),
-        "Between layers: Spearman correlation of the layers' mean gate score and mean relative update (layers with "
-        "a full buffer); absent with fewer than two.",
+        "Between layers: Spearman correlation of the layers' mean gate score and mean relative update; absent with "
+        "fewer than two full layers.",
         SHIM,
     ),
     _m(
         "layerwatch_scrape_collector_success",
         "gauge",
         ("collector",),
-        "1 if the shim's collector produced its metrics in this scrape, 0 if it failed (its metrics missing, the "
-        "reason logged).",
+        "1 if the shim's collector produced its metrics in this scrape, else 0 (its metrics missing, the reason "
+        "logged).",
         SHIM,
     ),
     _m(
@@ -618,8 +611,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_audit_spans_total",
         "counter",
         ("model_name", "outcome"),
-        "Audit spans (--otlp-endpoint) by outcome: exported, failed (the export failed: spans lost), dropped (the "
-        "queue full); 0 while spans are off.",
+        "Audit spans (--otlp-endpoint) by outcome: exported, failed (spans lost), dropped (the queue full).",
         SHIM,
     ),
     _m(
@@ -686,8 +678,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_entropy_window_below_ratio",
         "gauge",
         ("model_name", "edge"),
-        "Share of the sliding window's entropies below the edge (0.05 to 0.95), read by the shape alert; absent "
-        "while the window is too small.",
+        "Share of the sliding window's entropies below the edge (0.05 to 0.95); absent while the window is too small.",
         EXPORTER,
     ),
     _m(
@@ -716,7 +707,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         ("model_name", "layer"),
         "Decode-time evaluations of the layer that received frames mark skipped: the skip ratio of a model no shim "
-        "reports (lost frames missing).",
+        "reports.",
         EXPORTER,
     ),
     _m(
@@ -778,8 +769,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_exporter_scrape_collector_success",
         "gauge",
         ("collector",),
-        "1 if the exporter's collector produced its metrics in this scrape, 0 if it failed (its metrics missing, "
-        "the reason logged).",
+        "1 if the exporter's collector produced its metrics in this scrape, else 0 (its metrics missing, the reason "
+        "logged).",
         EXPORTER,
     ),
     _m(
@@ -837,8 +828,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "layerwatch_routing_layer_static",
         "gauge",
         ("model_name", "layer"),
-        "1 = static (below the threshold for >= 95% of tokens, by a 90% confidence bound), -1 = static-run (<= 5%), "
-        "0 = token-dependent; absent while withheld.",
+        "1 = static (below the threshold for >= 95% of tokens, 90% confidence), -1 = static-run (<= 5%), 0 = "
+        "token-dependent; absent while withheld.",
         EXPORTER,
     ),
     _m(
