@@ -124,7 +124,7 @@ class SkippingSettings:
     skip_rule: str | None = setting(
         None,
         choices=SKIP_RULES,
-        help='docs/model.md, "The skip rule" (default: the gate file\'s)',
+        help='how low scores become skips (docs/model.md, "The skip rule"; default: the gate file\'s)',
     )
     ewma_alpha: float | None = setting(
         None,
