@@ -94,9 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--accept-unhealthy",
         action="store_true",
-        help="write the profile even when the baseline shows what its alerts page on (static routing, a single "
-        "peak, low shadow agreement, a high quality cost, gates that rank no tokens; docs/alerting.md, "
-        '"What calibrate measures"); without it such a baseline is refused with exit 2',
+        help="write the profile even when the baseline shows what its alerts page on (static routing, low shadow "
+        "agreement, a high quality cost, gates that cost more than +5%% estimated perplexity where their skips are "
+        'executed, at the served batch or at batch 1, gates that rank no tokens; docs/alerting.md, "What calibrate '
+        'measures"); without it such a baseline is refused with exit 2',
     )
     parser.add_argument(
         "--min-observations",
@@ -185,6 +186,8 @@ def report(result: Calibration, margin: float) -> None:
         f"estimated perplexity increase {math.expm1(result.shadow_total('reverse_kl_nats') / checked):+.2%}; "
         f"shadow rate expected at least {profile.shadow_rate_min:g}"
     )
+    for quality in result.quality:
+        print(f"executed depth {quality.summary()}")
     served, gp = result.gate_importance.served, profile.gate_importance
     drills = "; ".join(f"{flag} reads {_span(r.headline)}" for flag, r in result.gate_importance.drills.items())
     if result.gates_vary:
