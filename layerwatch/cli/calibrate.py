@@ -109,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from layerwatch.alerts.profile_file import ProfileError, dump_profile
-    from layerwatch.inference_shim.offline.calibration import CalibrationSettings, calibrate
+    from layerwatch.inference_shim.offline.calibration import CalibrationSettings, UnhealthyBaseline, calibrate
     from layerwatch.inference_shim.offline.corpus import read_documents
 
     try:  # before the model loads: a bad number fails at once
@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
             kv_policy=args.kv_policy,
             batch_size=args.batch_size,
             depth=depth_from_arguments(args),
+            accept_unhealthy=args.accept_unhealthy,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -143,18 +144,15 @@ def run(args: argparse.Namespace) -> int:
     gated, documents = prepared
     try:
         result = calibrate(gated, documents, settings, data_name=args.data.name)
+    except UnhealthyBaseline as exc:
+        return _refuse(args.out, [str(exc)])
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     report(result, args.margin)
     problems = result.problems()
     if problems and not args.accept_unhealthy:
-        print(
-            f"error: an unhealthy baseline, {args.out} not written: {'; '.join(problems)} (--accept-unhealthy "
-            "writes it anyway)",
-            file=sys.stderr,
-        )
-        return 2
+        return _refuse(args.out, problems)
     try:
         dump_profile(result.profile, args.out)
     except (OSError, ValueError, ProfileError) as exc:  # (OSError: the folder went away during the run)
@@ -164,6 +162,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: an unhealthy baseline, written as asked (--accept-unhealthy): {problem}")
     print(f"wrote {args.out}")
     return 0
+
+
+def _refuse(out: Path, problems: list[str]) -> int:
+    print(
+        f"error: an unhealthy baseline, {out} not written: {'; '.join(problems)} (--accept-unhealthy writes it anyway)",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def report(result: Calibration, margin: float) -> None:

@@ -113,6 +113,9 @@ class CalibrationSettings:
     # Written to the profile: a calibrated model is expected to be shadow-checked at least this often
     # (LayerwatchQualityGuardBlind tickets a shim serving it below).
     shadow_rate_min: float = 0.01
+    # False: gates past MAX_HEALTHY_PERPLEXITY_INCREASE at batch 1 stop the run (UnhealthyBaseline)
+    # before the gate-importance passes, most of its time; True: measured to the end.
+    accept_unhealthy: bool = False
 
     def __post_init__(self) -> None:
         # NaN compares false with every limit: --margin nan wrote every band as [0, 1] (alerts that never
@@ -326,6 +329,10 @@ def _scored_by(
         model.attach_gates(served.gates)
 
 
+class UnhealthyBaseline(ValueError):
+    """The gates cost past what a healthy baseline may cost; the message says what, where."""
+
+
 @dataclass(frozen=True)
 class ExecutedQuality:
     """What the gates cost as one batch size and depth execution runs them: the baseline's requests
@@ -483,7 +490,8 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
 
     `data_name` names the text in the profile's `source`. Raises ValueError on unusable input (no
     prompt in the text, a baseline shorter than one chunk, shadow checks that never fill the
-    gate-importance reservoir)."""
+    gate-importance reservoir), UnhealthyBaseline on gates that cost too much one request at a time
+    (unless `settings.accept_unhealthy`)."""
     s = settings
     cut = chat_messages if s.chat else line_prompts
     prompts = cut(documents, s.prompts, random.Random(s.seed))
@@ -491,11 +499,14 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
     policy = gated.policy(threshold)
     baseline, fallbacks = decode_baseline(gated, policy, prompts, s, s.batch_size)
     entropies, skipped = baseline.arrays()
+    one_at_a_time = []
+    if s.batch_size > 1 and threshold > 0:  # (at tau 0 every row runs every layer at any batch)
+        one_at_a_time.append(one_at_a_time_quality(gated, policy, prompts, s))
+        if (problem := one_at_a_time[0].problem()) is not None and not s.accept_unhealthy:
+            raise UnhealthyBaseline(problem)
     shadow = shadow_checks(gated, baseline.jobs)
     checks, importance = shadow.checks, shadow.gate_importance
-    quality = [ExecutedQuality.of(baseline, checks, s.batch_size, s.depth)]
-    if s.batch_size > 1:
-        quality.append(one_at_a_time_quality(gated, policy, prompts, s))
+    quality = [ExecutedQuality.of(baseline, checks, s.batch_size, s.depth), *one_at_a_time]
     num_layers = gated.model.config.num_layers
     if not importance.served.headline and importance.served.samples < num_layers * GATE_LAYER_SAMPLES:
         raise ValueError(
