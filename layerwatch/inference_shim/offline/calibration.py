@@ -19,10 +19,11 @@ sends) gives the lowest agreement and so a floor that holds for cooler traffic t
 Quality at executed depth: at batch > 1 the depth execution may run layers its rows decided to skip
 (under `auto` a scattered skip runs whole), so the served batch can hide what the gates cost where
 each row runs its own decisions: at batch 1, at low concurrency. The baseline's prompts are therefore
-also decoded one at a time and shadow-checked (`executed_quality`); the quality limits are cut from
-the checks of both runs, so they hold at any concurrency, and each run's decided and executed skip
-shares are recorded. A run whose executed cost is past MAX_HEALTHY_PERPLEXITY_INCREASE is a problem
-(`Calibration.problems`): `layerwatch calibrate` refuses it.
+also decoded one at a time and shadow-checked (`one_at_a_time_quality`); the quality limits are cut
+from the checks of both runs, so they hold from batch 1 to the served batch, and each run's decided
+and executed skip shares are recorded. A run whose executed cost is past
+MAX_HEALTHY_PERPLEXITY_INCREASE is a problem (`Calibration.problems`): `layerwatch calibrate` refuses
+it; at batch 1 before the gate-importance passes (`UnhealthyBaseline`), which take most of the run.
 
 The gate-importance floors (LayerwatchGateMiscalibrated) come from the same shadow passes, run with
 the layer probe as the service runs them (`full_depth_agreement(..., layer_signals=True)`), folded
