@@ -445,6 +445,11 @@ MIN_HEALTHY_AGREEMENT = 0.7
 # many nats per token of KL(gated || full) (a perplexity-scale cost of exp(0.2) - 1 = 22 %), the limit
 # would accept a model made far worse by its skipping.
 MAX_HEALTHY_KL_NATS = 0.2
+# What the gates may cost where their skips are executed (at batch 1 every row runs its own decisions):
+# an estimated perplexity increase of 5 % (exp of KL(full || gated) per shadow-checked token, less 1),
+# the bound the gate cards choose their default tau by. Past it the profile would call healthy a model
+# its users see get worse, and the quality pages would measure against that loss, not against the model.
+MAX_HEALTHY_PERPLEXITY_INCREASE = 0.05
 # LayerwatchEntropyShapeChanged pages above the largest shape distance of a healthy chunk (plus the margin):
 # a healthy shape that moves this much of its mass between chunks leaves room only for departures that
 # move most of it. Drilled gates move far more (docs/alerting.md, "The entropy shape").
@@ -463,7 +468,7 @@ def baseline_problems(
     shadow-checked tokens) and `kl_nats_per_token` left out: not measured, not judged."""
     problems = []
     routing = stats.routing
-    if routing.token_dependent_share is None:
+    if routing.token_dependent_share is None and threshold > 0:  # (tau 0: full depth, nothing is meant to skip)
         problems.append(
             f"no gate score below the threshold {threshold:g}: nothing is skipped, so the routing and skip-rate "
             "alerts have no healthy skipping to compare with"
@@ -536,7 +541,8 @@ def gate_importance_floor(readings: list[float], margin: float) -> float:
 
 def quality_cost_limit(checks: Sequence[CheckedTokens], chunk_tokens: int) -> float:
     """QUALITY_COST_FACTOR x the highest nats per token of KL(gated || full) over chunks of at least
-    `chunk_tokens` checked tokens (checks in order), rounded up to 4 decimals."""
+    `chunk_tokens` checked tokens (checks in order), rounded up to 4 decimals, at least 0.0001 (a
+    full-depth baseline costs nothing: its limit is the least cost the limit can state)."""
     per_token, tokens, nats = [], 0, 0.0
     for check in checks:
         tokens, nats = tokens + check.tokens, nats + check.kl_nats
@@ -545,7 +551,7 @@ def quality_cost_limit(checks: Sequence[CheckedTokens], chunk_tokens: int) -> fl
             tokens, nats = 0, 0.0
     if not per_token:
         raise ValueError(f"the shadow checks covered fewer than one chunk of {chunk_tokens} tokens")
-    return math.ceil(QUALITY_COST_FACTOR * max(per_token) * 1e4 - 1e-9) / 1e4  # (- 1e-9: float noise)
+    return max(math.ceil(QUALITY_COST_FACTOR * max(per_token) * 1e4 - 1e-9), 1) / 1e4  # (- 1e-9: float noise)
 
 
 def gate_importance_profile(readings: GateReadings, margin: float) -> GateImportance:

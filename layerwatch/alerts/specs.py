@@ -784,10 +784,12 @@ def shadow_quality_cost(b: AlertBuild) -> list[dict]:
     ]
 
 
-# LayerwatchQualityGuardBlind: with so many checks expected, zero by chance has probability at most
-# e^-MIN_EXPECTED_SHADOW_CHECKS (each of n gated requests is checked with probability r: (1 - r)^n <=
-# e^-nr), 2e-9: a shim that measured nothing is broken, not unlucky.
-MIN_EXPECTED_SHADOW_CHECKS = 20
+# LayerwatchQualityGuardBlind: this many gated requests in the window with no shadow-checked token is
+# gated traffic the quality pages did not see, whatever the shadow rate: an absent quality figure must
+# not read as healthy. Where the rate expected this many checks too, zero by chance has probability at
+# most e^-20 (each of n gated requests is checked with probability r: (1 - r)^n <= e^-nr), 2e-9: the
+# checks fail; where it expected fewer, the rate is too low for the traffic.
+MIN_UNCHECKED_GATED_REQUESTS = 20
 
 
 # A ticket: the quality pages (shadow agreement, quality cost, gate calibration) cannot fire while the
@@ -802,19 +804,30 @@ def quality_guard_blind(b: AlertBuild) -> list[dict]:
         return f"sum by ({BY_MODEL}) (increase({metric}{{{shim}{matchers}}}[{window}]))"
 
     gated = increase("layerwatch_depth_decisions_total", window, ', mode!="full"')
-    rate = f"min by ({BY_MODEL}) (min_over_time(layerwatch_mitigation_shadow_rate{{{shim}}}[{window}]))"
+    lowest_rate = (
+        "{{ with printf `min(min_over_time(layerwatch_mitigation_shadow_rate{instance=%q,model_name=%q}"
+        f"[{window}]))` "
+        '$labels.instance $labels.model_name | query }}{{ . | first | value | printf "%g" }}{{ else }}n/a{{ end }}'
+    )
     tokens = increase("layerwatch_shadow_tokens_total", window)
+    # A shim told to check nothing (rate 0) is the `rate` trigger's, or deliberate where the profile
+    # expects no checks.
+    checking = f"max by ({BY_MODEL}) (max_over_time(layerwatch_mitigation_shadow_rate{{{shim}}}[{window}]))"
     summary = "The quality guard measures nothing: skipping could hurt the answers unseen."
     rules = [
         b.rule(
-            f"(\n  {gated}\n  * on ({BY_MODEL})\n  {rate}\n) >= {MIN_EXPECTED_SHADOW_CHECKS}\n"
-            f"and on ({BY_MODEL})\n{tokens} == 0",
+            f"{gated} >= {MIN_UNCHECKED_GATED_REQUESTS}\nand on ({BY_MODEL})\n{tokens} == 0\nand on ({BY_MODEL})\n"
+            f"{checking} > 0",
             summary,
-            f"The gated requests of {_WHERE} expected {_value('%.0f')} shadow checks in {window} (gated requests "
-            "x the lowest shadow rate), and none measured a token: the shadow agreement, quality cost and gate "
-            "calibration alerts cannot fire. Outcomes of the sampled requests: "
+            f"{_value('%.0f')} gated requests of {_WHERE} in {window}, and no shadow check measured a token: "
+            "the shadow agreement, quality cost and gate calibration figures are absent, so their pages cannot "
+            "fire. Lowest shadow rate: "
+            + lowest_rate
+            + f"; where it times the requests is {MIN_UNCHECKED_GATED_REQUESTS} or more, the checks fail (outcomes "
+            "of the sampled requests: "
             + _outcomes(b, window)
-            + "- see the shim's log for 'shadow re-check failed'.",
+            + "- see the shim's log for 'shadow re-check failed'); where it is less, raise --shadow-rate for "
+            "this traffic.",
             labels={"trigger": "no_checks"},
         ),
         b.rule(

@@ -94,9 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--accept-unhealthy",
         action="store_true",
-        help="write the profile even when the baseline shows what its alerts page on (static routing, a single "
-        "peak, low shadow agreement, a high quality cost, gates that rank no tokens; docs/alerting.md, "
-        '"What calibrate measures"); without it such a baseline is refused with exit 2',
+        help="write the profile even when the baseline shows what its alerts page on (static routing, low shadow "
+        "agreement, a high quality cost, gates that cost more than +5%% estimated perplexity where their skips are "
+        'executed, at the served batch or at batch 1, gates that rank no tokens; docs/alerting.md, "What calibrate '
+        'measures"); without it such a baseline is refused with exit 2',
     )
     parser.add_argument(
         "--min-observations",
@@ -108,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from layerwatch.alerts.profile_file import ProfileError, dump_profile
-    from layerwatch.inference_shim.offline.calibration import CalibrationSettings, calibrate
+    from layerwatch.inference_shim.offline.calibration import CalibrationSettings, UnhealthyBaseline, calibrate
     from layerwatch.inference_shim.offline.corpus import read_documents
 
     try:  # before the model loads: a bad number fails at once
@@ -128,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
             kv_policy=args.kv_policy,
             batch_size=args.batch_size,
             depth=depth_from_arguments(args),
+            accept_unhealthy=args.accept_unhealthy,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -142,18 +144,15 @@ def run(args: argparse.Namespace) -> int:
     gated, documents = prepared
     try:
         result = calibrate(gated, documents, settings, data_name=args.data.name)
+    except UnhealthyBaseline as exc:
+        return _refuse(args.out, [str(exc)])
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     report(result, args.margin)
     problems = result.problems()
     if problems and not args.accept_unhealthy:
-        print(
-            f"error: an unhealthy baseline, {args.out} not written: {'; '.join(problems)} (--accept-unhealthy "
-            "writes it anyway)",
-            file=sys.stderr,
-        )
-        return 2
+        return _refuse(args.out, problems)
     try:
         dump_profile(result.profile, args.out)
     except (OSError, ValueError, ProfileError) as exc:  # (OSError: the folder went away during the run)
@@ -163,6 +162,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: an unhealthy baseline, written as asked (--accept-unhealthy): {problem}")
     print(f"wrote {args.out}")
     return 0
+
+
+def _refuse(out: Path, problems: list[str]) -> int:
+    print(
+        f"error: an unhealthy baseline, {out} not written: {'; '.join(problems)} (--accept-unhealthy writes it anyway)",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def report(result: Calibration, margin: float) -> None:
@@ -185,6 +192,8 @@ def report(result: Calibration, margin: float) -> None:
         f"estimated perplexity increase {math.expm1(result.shadow_total('reverse_kl_nats') / checked):+.2%}; "
         f"shadow rate expected at least {profile.shadow_rate_min:g}"
     )
+    for quality in result.quality:
+        print(f"executed depth {quality.summary()}")
     served, gp = result.gate_importance.served, profile.gate_importance
     drills = "; ".join(f"{flag} reads {_span(r.headline)}" for flag, r in result.gate_importance.drills.items())
     if result.gates_vary:

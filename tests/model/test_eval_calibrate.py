@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import shutil
 from pathlib import Path
@@ -33,6 +34,7 @@ from layerwatch.cli.main import build_parser, main
 from layerwatch.inference_shim.offline.calibration import (
     Baseline,
     CalibrationSettings,
+    ExecutedQuality,
     calibrate,
     chat_messages,
     encode_prompt,
@@ -43,6 +45,7 @@ from layerwatch.inference_shim.offline.corpus import read_documents
 from layerwatch.inference_shim.offline.gated_model import load_gated_model
 from layerwatch.inference_shim.runtime.agreement import ShadowResult
 from layerwatch.inference_shim.runtime.checkpoint import save_checkpoint
+from layerwatch.inference_shim.runtime.depth_execution import DepthExecutionConfig
 from layerwatch.inference_shim.runtime.gates import GateMetadata, model_fingerprint, save_gates
 from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.routing import DEFAULT_MIN_ROUTING_TOKENS
@@ -87,15 +90,15 @@ def test_calibrate_refuses_a_static_baseline_and_writes_it_only_when_told_to(
     capsys,
 ):
     # The tiny model's constant gates skip the same layer for every token: what LayerwatchRoutingStatic
-    # pages on. Written as the healthy profile, its routing floor (0) could never page.
+    # pages on. Written as the healthy profile, its routing floor (0) could never page. They also cost
+    # far past +5 % estimated perplexity one request at a time: refused on that, before the
+    # gate-importance passes.
     out = tmp_path / "tiny.yaml"
     assert run_calibrate(model_dir, text_file, out) == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith(
-        f"error: an unhealthy baseline, {out} not written: routing static: token-dependent share 0.000, below 0.5; "
-    )
-    assert "no gate's score varied over the baseline" in line and line.endswith("(--accept-unhealthy writes it anyway)")
-    assert not out.exists()
+    assert line.startswith(f"error: an unhealthy baseline, {out} not written: the gates cost +")
+    assert "at batch 1, depth execution auto, consensus 0.5, past the +5% a healthy baseline may cost" in line
+    assert line.endswith("(--accept-unhealthy writes it anyway)") and not out.exists()
 
     code = run_calibrate(model_dir, text_file, out, "--accept-unhealthy")
     assert code == 0, capsys.readouterr().err
@@ -108,8 +111,12 @@ def test_calibrate_refuses_a_static_baseline_and_writes_it_only_when_told_to(
     assert profile.zero_ratio.low <= 0.75 <= profile.zero_ratio.high
     assert profile.bimodality.min_observations == 50
     assert f"{TINY_PROMPTS} prompts from heldout.txt" in profile.source
-    assert profile.source.endswith("kv policy project, batch 8, depth execution auto, consensus 0.5")
+    served_as = "kv policy project, batch 8, depth execution auto, consensus 0.5; layer evaluations skipped"
+    assert served_as in profile.source
     out = capsys.readouterr().out
+    # Quality where the skips are executed, as served (batch 8) and one request at a time.
+    assert "executed depth at batch 8, depth execution auto, consensus 0.5: skipped " in out
+    assert "executed depth at batch 1, depth execution auto, consensus 0.5: skipped " in out
     assert "bimodal" in out and "agreement of the gated and full-depth top-1" in out
     assert "quality cost KL(gated || full)" in out and f"alert above {profile.shadow_kl_nats_max}" in out
     assert 0.0 <= profile.shadow_agreement_min <= 1.0
@@ -150,7 +157,16 @@ def test_calibrate_measures_the_gate_floors_and_the_request_tail_from_its_own_ba
     # Every baseline request (sampled, at the settings' temperature) is shadow-checked on its own record,
     # and the limits come from those checks.
     assert len(result.shadow_checks) == TINY_PROMPTS and result.shadow_total("tokens") == result.decoded_tokens
-    assert profile.shadow_kl_nats_max == quality_cost_limit(result.shadow_checks, settings.chunk_tokens) > 0
+    # ... and the same prompts decoded one at a time: the limits hold for both.
+    as_served, one_at_a_time = result.quality
+    assert (as_served.batch_size, one_at_a_time.batch_size) == (8, 1) and as_served.checks == result.shadow_checks
+    assert len(one_at_a_time.checks) == TINY_PROMPTS
+    # At batch 1 every decided skip runs: nothing decided is left to the batch.
+    assert one_at_a_time.executed_skip_share == one_at_a_time.decided_skip_share
+    limits = [quality_cost_limit(q.checks, settings.chunk_tokens) for q in result.quality]
+    assert profile.shadow_kl_nats_max == max(limits) > 0
+    floors = [agreement_floor([(c.tokens, c.agreements) for c in q.checks], 64, 0.03) for q in result.quality]
+    assert profile.shadow_agreement_min == min(floors)
     assert profile.shadow_rate_min == settings.shadow_rate_min == 0.01
     # The gauges after every shadow pass once the buffers were full: 31 pairs per request and layer.
     assert served.samples == 4 * GATE_LAYER_SAMPLES and 0 < len(served.headline) <= TINY_PROMPTS - 33
@@ -251,7 +267,7 @@ def test_calibrate_decodes_its_baseline_with_the_depth_execution_it_is_given(
     out = tmp_path / "rows.yaml"
     depth = ["--depth-execution", "rows", "--batch-consensus", "off"]
     assert run_calibrate(model_dir, text_file, out, *depth, "--accept-unhealthy") == 0
-    assert load_profile(out).source.endswith("depth execution rows")
+    assert "depth execution rows; layer evaluations skipped" in load_profile(out).source
     with pytest.raises(SystemExit):
         run_calibrate(model_dir, text_file, tmp_path / "bad.yaml", "--depth-execution", "layers")
     assert "invalid choice: 'layers'" in capsys.readouterr().err and not (tmp_path / "bad.yaml").exists()
@@ -264,7 +280,8 @@ def test_calibrate_refuses_shadow_checks_too_short_for_the_gate_importance_reser
     capsys,
 ):
     out = tmp_path / "p.yaml"
-    args = ["--prompts", "6", "--max-new-tokens", "12", "--chunk-tokens", "16", "--threads", "1"]
+    # (accepted as unhealthy: these constant gates' cost would stop the run before the re-checks)
+    args = ["--prompts", "6", "--max-new-tokens", "12", "--chunk-tokens", "16", "--threads", "1", "--accept-unhealthy"]
     assert main(["calibrate", "--model", str(model_dir), "--data", str(text_file), "--out", str(out), *args]) == 2
     err = capsys.readouterr().err
     assert f"fewer than the {GATE_LAYER_SAMPLES} per layer the gate-importance correlation needs" in err
@@ -579,6 +596,27 @@ def test_quality_cost_limit_is_a_factor_over_the_worst_chunk():
     assert quality_cost_limit(checks, chunk_tokens=20) == 0.15
     with pytest.raises(ValueError, match="fewer than one chunk"):
         quality_cost_limit(checks[:1], chunk_tokens=20)
+    # A full-depth baseline costs nothing: the limit is the least cost it can state, so any cost pages.
+    assert quality_cost_limit([ShadowResult(30, 30)], chunk_tokens=20) == 0.0001
+
+
+@pytest.mark.parametrize(
+    ("reverse_kl_nats", "problem"),
+    [
+        (100 * math.log(1.05) - 1e-6, None),  # +5.0 %: the bound itself is healthy
+        (
+            100 * 0.18,  # +19.7 %, what the shipped SmolLM2 gates cost one request at a time
+            "the gates cost +19.7% estimated perplexity (agreement 0.780, 0.230 nats per token; 6.0% of layer "
+            "evaluations executed skipped) at batch 1, depth execution auto, consensus 0.5, past the +5% a healthy "
+            "baseline may cost: the quality alerts would call that loss healthy",
+        ),
+    ],
+)
+def test_executed_quality_past_five_percent_perplexity_is_a_problem_naming_batch_and_mode(reverse_kl_nats, problem):
+    checks = [ShadowResult(50, 39, kl_nats=11.5, reverse_kl_nats=reverse_kl_nats / 2)] * 2
+    quality = ExecutedQuality(1, DepthExecutionConfig(), checks, decided_skip_share=0.06, executed_skip_share=0.06)
+    assert quality.problem() == problem
+    assert quality.summary().startswith("at batch 1, depth execution auto, consensus 0.5: skipped 6.0% decided, 6.0% ")
 
 
 def test_a_healthy_shape_of_one_hump_is_recorded_not_refused():
@@ -632,9 +670,12 @@ def test_baseline_problems_name_each_figure_an_alert_could_not_use():
     (shape,) = baseline_problems(restless, 0.18)
     assert shape.startswith("the entropy shape varies between the baseline's chunks up to a distance 0.")
     assert f"above {MAX_HEALTHY_SHAPE_DISTANCE}" in shape
-    # Nothing below tau (0: full depth): no skipping to compare with.
-    _, idle = build_profile("m", 0.0, 3, 0.85, entropies, np.zeros_like(low), 0.8, **kwargs)
-    assert baseline_problems(idle, 0.0) == [
-        "no gate score below the threshold 0: nothing is skipped, so the routing and skip-rate alerts have no "
+    # Nothing below a tau meant to skip: no skipping to compare with.
+    _, idle = build_profile("m", 0.18, 3, 0.85, entropies + 0.2, np.zeros_like(low), 0.8, **kwargs)
+    assert baseline_problems(idle, 0.18) == [
+        "no gate score below the threshold 0.18: nothing is skipped, so the routing and skip-rate alerts have no "
         "healthy skipping to compare with"
     ]
+    # At tau 0 the model is served at full depth by choice: nothing is meant to skip.
+    _, full_depth = build_profile("m", 0.0, 3, 0.85, entropies, np.zeros_like(low), 1.0, **kwargs)
+    assert baseline_problems(full_depth, 0.0, agreement=1.0, kl_nats_per_token=0.0) == []

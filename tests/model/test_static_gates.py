@@ -4,6 +4,8 @@ but loses all token dependence."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -87,6 +89,17 @@ def test_the_drill_keeps_the_skip_ratio_and_two_humps_but_loses_token_dependence
     assert not static_skipped[:, [0, 5]].any()
     # The constants sit in the two healthy humps, so the pooled histogram stays bimodal.
     assert check_bimodality(np.tile(drill.constants.astype(np.float32), 200), 1000).bimodal
+
+
+def test_gates_that_record_tau_0_are_measured_at_the_threshold_they_are_served_at(model, tokenizer, healthy):
+    # Gates shipped opt-in record tau 0 (full depth: nothing skips, so no layer could be made static);
+    # served with --threshold, the drill measures there, as for a file that records that tau.
+    full_depth = dataclasses.replace(healthy, metadata=dataclasses.replace(healthy.metadata, threshold=0.0))
+    assert static_gates(model, tokenizer, full_depth, protected_layers=None, kv_policy="project").static_layers == ()
+    served = static_gates(model, tokenizer, full_depth, protected_layers=None, kv_policy="project", threshold=THRESHOLD)
+    own = static_gates(model, tokenizer, healthy, protected_layers=None, kv_policy="project")
+    assert 3 in served.static_layers and served.static_layers == own.static_layers
+    np.testing.assert_array_equal(served.constants, own.constants)
 
 
 def test_constants_are_healthy_means_on_the_side_of_tau_each_layer_is_put():

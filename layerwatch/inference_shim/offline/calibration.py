@@ -16,6 +16,15 @@ QUALITY_COST_FACTOR x the highest chunk: KL is not a fraction, so its margin is 
 default sampling (temperature 1, top_p 1: OpenAI's defaults, the hottest traffic the load generator
 sends) gives the lowest agreement and so a floor that holds for cooler traffic too.
 
+Quality at executed depth: at batch > 1 the depth execution may run layers its rows decided to skip
+(under `auto` a scattered skip runs whole), so the served batch can hide what the gates cost where
+each row runs its own decisions: at batch 1, at low concurrency. The baseline's prompts are therefore
+also decoded one at a time and shadow-checked (`one_at_a_time_quality`); the quality limits are cut
+from the checks of both runs, so they hold from batch 1 to the served batch, and each run's decided
+and executed skip shares are recorded. A run whose executed cost is past
+MAX_HEALTHY_PERPLEXITY_INCREASE is a problem (`Calibration.problems`): `layerwatch calibrate` refuses
+it; at batch 1 before the gate-importance passes (`UnhealthyBaseline`), which take most of the run.
+
 The gate-importance floors (LayerwatchGateMiscalibrated) come from the same shadow passes, run with
 the layer probe as the service runs them (`full_depth_agreement(..., layer_signals=True)`), folded
 into the shim's own `LayerSignalStats` (layerwatch/gate_importance.py: per layer, Spearman over its
@@ -50,6 +59,7 @@ import numpy as np
 from layerwatch.alerts.baseline import (
     DEFAULT_CHUNK_TOKENS,
     DEFAULT_MARGIN,
+    MAX_HEALTHY_PERPLEXITY_INCREASE,
     BaselineStatistics,
     GateReadings,
     agreement_floor,
@@ -104,6 +114,9 @@ class CalibrationSettings:
     # Written to the profile: a calibrated model is expected to be shadow-checked at least this often
     # (LayerwatchQualityGuardBlind tickets a shim serving it below).
     shadow_rate_min: float = 0.01
+    # False: gates past MAX_HEALTHY_PERPLEXITY_INCREASE at batch 1 stop the run (UnhealthyBaseline)
+    # before the gate-importance passes, most of its time; True: measured to the end.
+    accept_unhealthy: bool = False
 
     def __post_init__(self) -> None:
         # NaN compares false with every limit: --margin nan wrote every band as [0, 1] (alerts that never
@@ -132,13 +145,15 @@ class Baseline:
     request's per-layer counts of its decode steps, and its shadow job (its gated record)."""
 
     entropies: list[np.ndarray] = field(default_factory=list)  # float32 [B, L] per step
-    skipped: list[np.ndarray] = field(default_factory=list)  # bool [B, L] per step
+    skipped: list[np.ndarray] = field(default_factory=list)  # bool [B, L] per step: the rule's decisions
+    executed_skipped: list[np.ndarray] = field(default_factory=list)  # bool [B, L] per step: did not run
     requests: list[RequestLayers] = field(default_factory=list)  # in the order they finished
     jobs: list[ShadowJob] = field(default_factory=list)  # in the order they finished
 
     def record(self, step) -> None:  # an engine StepRecord
         self.entropies.append(step.entropies)
         self.skipped.append(step.skipped)
+        self.executed_skipped.append(step.executed_skipped)
 
     def finish(self, update) -> None:  # an engine SequenceUpdate
         """A request's final update: its decode steps per layer, as the shim turns them into
@@ -154,6 +169,10 @@ class Baseline:
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         return np.concatenate(self.entropies), np.concatenate(self.skipped)
+
+    def skip_shares(self) -> tuple[float, float]:
+        """(decided, executed): the shares of decode layer evaluations the rule skipped and that did not run."""
+        return float(np.concatenate(self.skipped).mean()), float(np.concatenate(self.executed_skipped).mean())
 
 
 def line_prompts(documents: list[str], count: int, rng: random.Random) -> list[str]:
@@ -311,6 +330,67 @@ def _scored_by(
         model.attach_gates(served.gates)
 
 
+class UnhealthyBaseline(ValueError):
+    """The gates cost past what a healthy baseline may cost; the message says what, where."""
+
+
+@dataclass(frozen=True)
+class ExecutedQuality:
+    """What the gates cost as one batch size and depth execution runs them: the baseline's requests
+    decoded that way, each shadow-checked against the full-depth model."""
+
+    batch_size: int
+    depth: DepthExecutionConfig
+    checks: list[ShadowResult]  # per request, in the order they finished
+    decided_skip_share: float  # of the decode layer evaluations: skipped by the rule
+    executed_skip_share: float  # of the decode layer evaluations: did not run
+
+    @classmethod
+    def of(
+        cls, baseline: Baseline, checks: list[ShadowResult], batch_size: int, depth: DepthExecutionConfig
+    ) -> ExecutedQuality:
+        decided, executed = baseline.skip_shares()
+        return cls(batch_size, depth, checks, decided, executed)
+
+    def total(self, field_name: str) -> float:
+        """A field of ShadowResult summed over the checks (tokens, agreements, kl_nats, ...)."""
+        return sum(getattr(check, field_name) for check in self.checks)
+
+    @property
+    def agreement(self) -> float:
+        return self.total("agreements") / max(self.total("tokens"), 1)
+
+    @property
+    def kl_nats_per_token(self) -> float:
+        return self.total("kl_nats") / max(self.total("tokens"), 1)
+
+    @property
+    def perplexity_increase(self) -> float:
+        """exp(KL(full || gated) per token) - 1: the shim's estimated perplexity increase."""
+        return math.expm1(self.total("reverse_kl_nats") / max(self.total("tokens"), 1))
+
+    def where(self) -> str:
+        return f"batch {self.batch_size}, depth execution {self.depth.describe()}"
+
+    def summary(self) -> str:
+        return (
+            f"at {self.where()}: skipped {self.decided_skip_share:.1%} decided, {self.executed_skip_share:.1%} "
+            f"executed; agreement {self.agreement:.3f}, quality cost {self.kl_nats_per_token:.4f} nats per token, "
+            f"estimated perplexity {self.perplexity_increase:+.1%} over {self.total('tokens'):.0f} checked tokens"
+        )
+
+    def problem(self) -> str | None:
+        """What the gates cost, when it is past what a healthy baseline may cost (None: within)."""
+        if self.perplexity_increase <= MAX_HEALTHY_PERPLEXITY_INCREASE:
+            return None
+        return (
+            f"the gates cost {self.perplexity_increase:+.1%} estimated perplexity (agreement {self.agreement:.3f}, "
+            f"{self.kl_nats_per_token:.3f} nats per token; {self.executed_skip_share:.1%} of layer evaluations "
+            f"executed skipped) at {self.where()}, past the {MAX_HEALTHY_PERPLEXITY_INCREASE:+.0%} a healthy "
+            "baseline may cost: the quality alerts would call that loss healthy"
+        )
+
+
 @dataclass(frozen=True)
 class Calibration:
     """What `calibrate` measured: the profile, and the numbers behind it for the report."""
@@ -321,6 +401,9 @@ class Calibration:
     decoded_tokens: int
     fallbacks: int
     shadow_checks: list[ShadowResult]  # per baseline request: its comparison with the full-depth model
+    # What the gates cost as served (the baseline's batch and depth execution), then at batch 1 where
+    # that differs: profile.shadow_agreement_min and shadow_kl_nats_max hold for every one.
+    quality: list[ExecutedQuality]
     gate_importance: GateImportanceReadings  # behind profile.gate_importance
     request_skip_fractions: list[float]  # per baseline request, behind profile.request_tail
 
@@ -345,6 +428,7 @@ class Calibration:
             agreement=self.shadow_total("agreements") / tokens if tokens else None,
             kl_nats_per_token=self.shadow_total("kl_nats") / tokens if tokens else None,
         )
+        problems.extend(problem for quality in self.quality if (problem := quality.problem()) is not None)
         if not self.gates_vary:
             problems.append(
                 "no gate's score varied over the baseline: the gates rank no tokens, and LayerwatchGateMiscalibrated "
@@ -366,17 +450,12 @@ class Calibration:
         return [flag for flag, r in self.gate_importance.drills.items() if r.headline and max(r.headline) >= floor]
 
 
-def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSettings, *, data_name: str) -> Calibration:
-    """Measure a healthy baseline of `gated` on prompts cut from `documents` and build its profile.
-
-    `data_name` names the text in the profile's `source`. Raises ValueError on unusable input (no
-    prompt in the text, a baseline shorter than one chunk, shadow checks that never fill the
-    gate-importance reservoir)."""
+def decode_baseline(
+    gated: GatedModel, policy: SkipPolicyConfig, prompts: list[str], settings: CalibrationSettings, batch_size: int
+) -> tuple[Baseline, int]:
+    """The baseline's prompts completed at `batch_size` with the settings' depth execution and
+    sampling: -> (the baseline, its fallbacks)."""
     s = settings
-    cut = chat_messages if s.chat else line_prompts
-    prompts = cut(documents, s.prompts, random.Random(s.seed))
-    threshold = s.threshold if s.threshold is not None else gated.gates.metadata.threshold
-    policy = gated.policy(threshold)
     baseline = Baseline()
     fallbacks = generate_baseline(
         gated,
@@ -385,7 +464,7 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         baseline,
         model_name=s.model_name,
         kv_policy=s.kv_policy,
-        batch_size=s.batch_size,
+        batch_size=batch_size,
         depth=s.depth,
         max_new_tokens=s.max_new_tokens,
         temperature=s.temperature,
@@ -393,9 +472,42 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         seed=s.seed,
         chat=s.chat,
     )
+    return baseline, fallbacks
+
+
+def one_at_a_time_quality(
+    gated: GatedModel, policy: SkipPolicyConfig, prompts: list[str], settings: CalibrationSettings
+) -> ExecutedQuality:
+    """What the gates cost at batch 1, where every row runs exactly the layers it decided: the
+    prompts decoded one at a time, each request shadow-checked (without the layer probe)."""
+    baseline, _ = decode_baseline(gated, policy, prompts, settings, batch_size=1)
+    gated.model.attach_gates(gated.gates.gates)
+    checks = [full_depth_agreement(gated.model, job) for job in baseline.jobs]
+    return ExecutedQuality.of(baseline, checks, 1, settings.depth)
+
+
+def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSettings, *, data_name: str) -> Calibration:
+    """Measure a healthy baseline of `gated` on prompts cut from `documents` and build its profile.
+
+    `data_name` names the text in the profile's `source`. Raises ValueError on unusable input (no
+    prompt in the text, a baseline shorter than one chunk, shadow checks that never fill the
+    gate-importance reservoir), UnhealthyBaseline on gates that cost too much one request at a time
+    (unless `settings.accept_unhealthy`)."""
+    s = settings
+    cut = chat_messages if s.chat else line_prompts
+    prompts = cut(documents, s.prompts, random.Random(s.seed))
+    threshold = s.threshold if s.threshold is not None else gated.gates.metadata.threshold
+    policy = gated.policy(threshold)
+    baseline, fallbacks = decode_baseline(gated, policy, prompts, s, s.batch_size)
     entropies, skipped = baseline.arrays()
+    one_at_a_time = []
+    if s.batch_size > 1 and threshold > 0:  # (at tau 0 every row runs every layer at any batch)
+        one_at_a_time.append(one_at_a_time_quality(gated, policy, prompts, s))
+        if (problem := one_at_a_time[0].problem()) is not None and not s.accept_unhealthy:
+            raise UnhealthyBaseline(problem)
     shadow = shadow_checks(gated, baseline.jobs)
     checks, importance = shadow.checks, shadow.gate_importance
+    quality = [ExecutedQuality.of(baseline, checks, s.batch_size, s.depth), *one_at_a_time]
     num_layers = gated.model.config.num_layers
     if not importance.served.headline and importance.served.samples < num_layers * GATE_LAYER_SAMPLES:
         raise ValueError(
@@ -409,7 +521,10 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         f"{'chat messages (the chat template)' if s.chat else 'prompts'} from {data_name}, "
         f"{len(entropies)} decoded tokens (temperature {s.temperature:g}, top_p {s.top_p:g}), threshold "
         f"{threshold:g}, skip rule {policy.rule_description()}, gates sha256 {gated.gates.sha256[:12]}, "
-        f"kv policy {s.kv_policy}, batch {s.batch_size}, depth execution {s.depth.describe()}"
+        f"kv policy {s.kv_policy}, batch {s.batch_size}, depth execution {s.depth.describe()}; layer evaluations "
+        "skipped (decided, executed) "
+        + ", ".join(f"{q.decided_skip_share:.1%}, {q.executed_skip_share:.1%} at batch {q.batch_size}" for q in quality)
+        + "; quality limits hold at each"
     )
     profile, stats = build_profile(
         s.model_name,
@@ -418,7 +533,7 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         policy.fallback_skip_fraction,
         entropies,
         skipped,
-        agreement_floor([(c.tokens, c.agreements) for c in checks], s.chunk_tokens, s.margin),
+        min(agreement_floor([(c.tokens, c.agreements) for c in q.checks], s.chunk_tokens, s.margin) for q in quality),
         chunk_tokens=s.chunk_tokens,
         margin=s.margin,
         min_observations=s.min_observations,
@@ -427,7 +542,7 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         # calibrate (the shim's headline stays absent too); the profile keeps the defaults.
         gate_importance=gate_importance_profile(importance.served, s.margin) if importance.served.headline else None,
         request_skip_fractions=request_skip_fractions,
-        shadow_kl_nats_max=quality_cost_limit(checks, s.chunk_tokens),
+        shadow_kl_nats_max=max(quality_cost_limit(q.checks, s.chunk_tokens) for q in quality),
         shadow_rate_min=s.shadow_rate_min,
     )
     return Calibration(
@@ -437,6 +552,7 @@ def calibrate(gated: GatedModel, documents: list[str], settings: CalibrationSett
         decoded_tokens=len(entropies),
         fallbacks=fallbacks,
         shadow_checks=checks,
+        quality=quality,
         gate_importance=importance,
         request_skip_fractions=request_skip_fractions,
     )

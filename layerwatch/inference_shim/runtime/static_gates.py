@@ -141,11 +141,15 @@ def static_gates(
     *,
     protected_layers: tuple[int, ...] | None,
     kv_policy: str,
+    threshold: float | None = None,
 ) -> StaticGates:
-    """The drill's constant gates for `loaded`, measured under the gate file's own skip policy
-    (threshold, patience, rule) with the served protected layers and KV policy."""
-    threshold = loaded.metadata.threshold
-    policy = loaded.metadata.policy(protected_layers=protected_layers)
+    """The drill's constant gates for `loaded`, measured under the skip policy they are served at: the
+    gate file's own (threshold, patience, rule), its threshold replaced by `threshold` where serve is
+    given one (gates that record tau 0 skip nothing at their own), with the served protected layers
+    and KV policy."""
+    if threshold is None:
+        threshold = loaded.metadata.threshold
+    policy = loaded.metadata.policy(protected_layers=protected_layers, threshold=threshold)
     scores, skipped = healthy_decode(model, tokenizer, loaded.gates, policy, kv_policy)
     constants, static = plan_constants(scores, skipped, threshold)
     return StaticGates(constant_gates(loaded, constants), constants, static, skipped.mean(axis=0))

@@ -340,19 +340,16 @@ class ServeSettings(
         return self.dtype
 
     def _check_gate_settings(self) -> None:
-        """At most one drill; none of the gated settings without gates; --static-gates at the gate file's policy."""
+        """At most one drill; none of the gated settings without gates; --static-gates at the gate file's patience."""
         drills = [flag for flag, on in self._drills() if on]
         if len(drills) > 1:
             raise ValueError(f"{' and '.join(drills)} exclude each other")
         if self.no_gates and (needing := changed_from_default(self, GATED_SETTINGS)):
             raise ValueError(f"--no-gates serves no gates: {', '.join(needing)} need(s) them")
-        if self.static_gates and (self.threshold is not None or self.patience is not None):
-            # The constants are placed either side of the gate file's own tau: served at another tau or
-            # patience, the drill would no longer keep the healthy skip ratio.
-            raise ValueError(
-                "--static-gates measures at the gate file's threshold and patience: "
-                "leave --threshold and --patience unset"
-            )
+        if self.static_gates and self.patience is not None:
+            # The constants are placed either side of the served tau after a decode at the gate file's
+            # patience: served at another patience, the drill would no longer keep the healthy skip ratio.
+            raise ValueError("--static-gates measures at the gate file's patience: leave --patience unset")
 
     def _drills(self) -> tuple[tuple[str, bool], ...]:
         return (

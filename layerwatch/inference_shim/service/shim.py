@@ -250,6 +250,7 @@ def _load_model(settings: ServeSettings) -> tuple[LoadedCheckpoint, LoadedGates 
                 healthy,
                 protected_layers=settings.protected_layers,
                 kv_policy=settings.kv_policy,
+                threshold=settings.threshold,
             ).result()
         gates = drill.gates
         log.warning(
