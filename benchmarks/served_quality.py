@@ -113,7 +113,9 @@ def row(tau: float, batch: int, mode: str, figures: dict[str, float], profile) -
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", type=Path, required=True, help="the checkpoint folder (named as its profile)")
     parser.add_argument("--gates", type=Path, default=None, help="gate file (default: the folder's own)")
     parser.add_argument("--thresholds", default="0.18", help="comma-separated taus, sent per request")
