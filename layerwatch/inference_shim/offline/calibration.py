@@ -122,7 +122,7 @@ class CalibrationSettings:
     # How a batch runs the layers its rows decided: as the model is served (serve's default), so the
     # baseline's routing and quality are the served ones (docs/model.md, "Depth execution").
     depth: DepthExecutionConfig = DepthExecutionConfig()
-    # LayerwatchQualityGuardBlind tickets a shim serving the model below it.
+    # Written to the profile: LayerwatchQualityGuardBlind tickets a shim serving the model below it.
     shadow_rate_min: float = setting(
         0.01, type=argtypes.fraction, help="the shadow rate the model's shims are expected to run at (0: none)"
     )
