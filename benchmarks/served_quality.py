@@ -114,7 +114,7 @@ def row(tau: float, batch: int, mode: str, figures: dict[str, float], profile) -
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     parser.add_argument("--model", type=Path, required=True, help="the checkpoint folder (named as its profile)")
     parser.add_argument("--gates", type=Path, default=None, help="gate file (default: the folder's own)")
@@ -139,7 +139,7 @@ def main() -> int:
         server = ManagedProcess("serve", argv, Path(workdir) / "serve.log")
         try:
             server.wait_http(f"{base_url}/readyz", timeout=300)
-            print(f"{len(messages)} chat requests of {args.max_tokens} tokens per row, temperature 1.0/0.7, ")
+            print(f"{len(messages)} chat requests of {args.max_tokens} tokens per row, temperature 1.0/0.7,")
             print(f"depth execution {args.depth_execution}; limits of {profile.model_name}'s profile:")
             print(
                 "| τ | batch | mode | decided skips | executed skips | checked tokens | agreement | "

