@@ -16,151 +16,106 @@ import dataclasses
 import math
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from layerwatch import argtypes
+from layerwatch.alerts.profile_file import ProfileError, dump_profile
 from layerwatch.catalog import GATE_LAYER_SAMPLES, MIN_GATE_SCORE_STD
-from layerwatch.cli.model_arguments import (
-    add_depth_arguments,
-    add_model_arguments,
-    depth_from_arguments,
-    load_from_arguments,
-    report_errors,
+from layerwatch.cli.model_arguments import GatedModelSettings, load_gated, report_errors
+from layerwatch.inference_shim.offline.calibration import (
+    Calibration,
+    CalibrationSettings,
+    UnhealthyBaseline,
+    calibrate,
 )
-from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_NAME, served_model_name
+from layerwatch.inference_shim.offline.corpus import read_documents
+from layerwatch.inference_shim.runtime.demo_model import served_model_name
+from layerwatch.inference_shim.runtime.depth_execution import DepthExecutionConfig
+from layerwatch.inference_shim.service.settings import ModelSettings, SkippingSettings
+from layerwatch.settings import add_flags, flag_of, from_flags, same_as, setting
 
-if TYPE_CHECKING:
-    from layerwatch.inference_shim.offline.calibration import Calibration
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrateSettings(GatedModelSettings):
+    """Which gated model's baseline to measure on which text, and where its profile goes; the baseline's
+    knobs are CalibrationSettings', whose checks refuse a bad number before the model loads."""
+
+    # How a batch runs the layers its rows decided (runtime/depth_execution.py), as `serve` runs them.
+    depth_execution: str = same_as(SkippingSettings, "depth_execution")
+    batch_consensus: float | None = same_as(SkippingSettings, "batch_consensus")
+    data: Path = setting(type=Path, required=True, help="held-out plain UTF-8 text; prompts are cut from its lines")
+    out: Path = setting(type=argtypes.output_file, required=True, help="profile YAML to write (its folder must exist)")
+    model_name: str | None = same_as(ModelSettings, "model_name")  # the one the alerts select on
+    threshold: float | None = same_as(SkippingSettings, "threshold")
+    chat: bool = same_as(CalibrationSettings, "chat")
+    prompts: int = same_as(CalibrationSettings, "prompts")
+    max_new_tokens: int = same_as(CalibrationSettings, "max_new_tokens")
+    temperature: float = same_as(CalibrationSettings, "temperature")
+    top_p: float = same_as(CalibrationSettings, "top_p")
+    seed: int = same_as(CalibrationSettings, "seed")
+    chunk_tokens: int = same_as(CalibrationSettings, "chunk_tokens")
+    margin: float = same_as(CalibrationSettings, "margin")
+    shadow_rate_min: float = same_as(CalibrationSettings, "shadow_rate_min")
+    accept_unhealthy: bool = same_as(CalibrationSettings, "accept_unhealthy")
+    min_observations: int = same_as(CalibrationSettings, "min_observations")
+
+    def __post_init__(self) -> None:
+        self.calibration()  # CalibrationSettings' checks, with their messages
+
+    def calibration(self) -> CalibrationSettings:
+        """The baseline's settings: the model named as `serve` names it, decoded as these flags say."""
+        return CalibrationSettings(
+            model_name=served_model_name(self.model, self.model_name),
+            threshold=self.threshold,
+            kv_policy=self.kv_policy,
+            batch_size=self.batch_size,
+            depth=DepthExecutionConfig(self.depth_execution, self.batch_consensus),
+            **{name: getattr(self, name) for name in BASELINE_SETTINGS},
+        )
 
 
-def _defaults() -> dict[str, object]:
-    # CalibrationSettings is the one source of the defaults; imported late (it imports torch).
-    from layerwatch.inference_shim.offline.calibration import CalibrationSettings
-
-    return {f.name: f.default for f in dataclasses.fields(CalibrationSettings) if f.default is not dataclasses.MISSING}
+# CalibrationSettings' own flags, the knobs of the baseline.
+BASELINE_SETTINGS = tuple(f.name for f in dataclasses.fields(CalibrationSettings) if flag_of(f) is not None)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = _defaults()
-    add_model_arguments(parser)
-    add_depth_arguments(parser)
-    parser.add_argument(
-        "--data", type=Path, required=True, help="held-out plain UTF-8 text; prompts are the first words of its lines"
-    )
-    parser.add_argument(
-        "--out", type=argtypes.output_file, required=True, help="profile YAML to write (its folder must exist)"
-    )
-    parser.add_argument(
-        "--model-name",
-        default=None,
-        help="the model_name the service reports and the alerts select on (default: the name `serve` gives the "
-        f"model: the checkpoint folder's name, {DEMO_MODEL_NAME} for the embedded demo model)",
-    )
-    parser.add_argument(
-        "--threshold",
-        type=argtypes.fraction,
-        default=defaults["threshold"],
-        help="tau (default: the threshold the gates were trained for)",
-    )
-    parser.add_argument(
-        "--chat",
-        action="store_true",
-        help="chat traffic: each prompt is a whole line of --data sent as one user message, rendered by the model's "
-        "chat template as /v1/chat/completions renders it (default: completions of a line's first 2-6 words)",
-    )
-    parser.add_argument("--prompts", type=int, default=defaults["prompts"], help="requests in the baseline")
-    parser.add_argument(
-        "--max-new-tokens", type=int, default=defaults["max_new_tokens"], help="tokens generated per request"
-    )
-    parser.add_argument("--temperature", type=float, default=defaults["temperature"])
-    parser.add_argument("--top-p", type=float, default=defaults["top_p"])
-    parser.add_argument("--seed", type=int, default=defaults["seed"])
-    parser.add_argument(
-        "--chunk-tokens",
-        type=int,
-        default=defaults["chunk_tokens"],
-        help="decoded tokens per chunk when measuring how much window statistics vary",
-    )
-    parser.add_argument(
-        "--margin", type=float, default=defaults["margin"], help="added on both sides of each measured band"
-    )
-    parser.add_argument(
-        "--shadow-rate-min",
-        type=argtypes.fraction,
-        default=defaults["shadow_rate_min"],
-        help="the shadow rate the model's shims are expected to run at (written to the profile; 0: none expected)",
-    )
-    parser.add_argument(
-        "--accept-unhealthy",
-        action="store_true",
-        help="write the profile even when the baseline shows what its alerts page on (static routing, low shadow "
-        "agreement, a high quality cost, gates that cost more than +5%% estimated perplexity where their skips are "
-        'executed, at the served batch or at batch 1, gates that rank no tokens; docs/alerting.md, "What calibrate '
-        'measures"); without it such a baseline is refused with exit 2',
-    )
-    parser.add_argument(
-        "--min-observations",
-        type=int,
-        default=defaults["min_observations"],
-        help="entropies the exporter window needs before the single-peak alert may fire",
-    )
+    add_flags(parser, CalibrateSettings)
 
 
 def run(args: argparse.Namespace) -> int:
-    from layerwatch.alerts.profile_file import ProfileError, dump_profile
-    from layerwatch.inference_shim.offline.calibration import CalibrationSettings, UnhealthyBaseline, calibrate
-    from layerwatch.inference_shim.offline.corpus import read_documents
-
     try:  # before the model loads: a bad number fails at once
-        settings = CalibrationSettings(
-            model_name=served_model_name(args.model, args.model_name),
-            threshold=args.threshold,
-            prompts=args.prompts,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            seed=args.seed,
-            chat=args.chat,
-            chunk_tokens=args.chunk_tokens,
-            margin=args.margin,
-            min_observations=args.min_observations,
-            shadow_rate_min=args.shadow_rate_min,
-            kv_policy=args.kv_policy,
-            batch_size=args.batch_size,
-            depth=depth_from_arguments(args),
-            accept_unhealthy=args.accept_unhealthy,
-        )
+        settings = from_flags(CalibrateSettings, args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
     def prepare():
-        return load_from_arguments(args), read_documents(args.data)
+        return load_gated(settings), read_documents(settings.data)
 
     prepared = report_errors(prepare)
     if prepared is None:
         return 2
     gated, documents = prepared
     try:
-        result = calibrate(gated, documents, settings, data_name=args.data.name)
+        result = calibrate(gated, documents, settings.calibration(), data_name=settings.data.name)
     except UnhealthyBaseline as exc:
-        return _refuse(args.out, [str(exc)])
+        return _refuse(settings.out, [str(exc)])
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    report(result, args.margin)
+    report(result, settings.margin)
     problems = result.problems()
-    if problems and not args.accept_unhealthy:
-        return _refuse(args.out, problems)
+    if problems and not settings.accept_unhealthy:
+        return _refuse(settings.out, problems)
     try:
-        dump_profile(result.profile, args.out)
+        dump_profile(result.profile, settings.out)
     except (OSError, ValueError, ProfileError) as exc:  # (OSError: the folder went away during the run)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for problem in problems:
         print(f"warning: an unhealthy baseline, written as asked (--accept-unhealthy): {problem}")
-    print(f"wrote {args.out}")
+    print(f"wrote {settings.out}")
     return 0
 
 

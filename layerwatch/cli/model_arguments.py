@@ -5,7 +5,6 @@ Each is the setting `serve` declares (service/settings.py), read `same_as` it: o
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from typing import TypeVar
 from layerwatch import argtypes
 from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from layerwatch.inference_shim.service.settings import ModelSettings, SkippingSettings
-from layerwatch.settings import add_flags, from_flags, same_as, setting
+from layerwatch.settings import same_as, setting
 
 T = TypeVar("T")
 
@@ -37,31 +36,6 @@ class GatedModelSettings:
     threads: int = setting(
         0, type=int, help="torch CPU threads (0: torch's default; on a busy shared CPU 1 is often fastest)"
     )
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of GatedModelSettings (`layerwatch calibrate` adds them too)."""
-    add_flags(parser, GatedModelSettings)
-
-
-# How a batch runs the layers its rows decided (depth_execution.py): serve's two flags, for `eval`.
-DEPTH_SETTINGS = ("depth_execution", "batch_consensus")
-
-
-def add_depth_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, SkippingSettings, DEPTH_SETTINGS)
-
-
-def depth_from_arguments(args: argparse.Namespace):
-    """The DepthExecutionConfig the depth flags name."""
-    from layerwatch.inference_shim.runtime.depth_execution import DepthExecutionConfig
-
-    return DepthExecutionConfig(args.depth_execution, args.batch_consensus)
-
-
-def load_from_arguments(args: argparse.Namespace):
-    """The gated model the shared flags name (see add_model_arguments)."""
-    return load_gated(from_flags(GatedModelSettings, args))
 
 
 def load_gated(settings: GatedModelSettings):

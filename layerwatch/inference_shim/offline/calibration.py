@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from layerwatch import argtypes
 from layerwatch.alerts.baseline import (
     DEFAULT_CHUNK_TOKENS,
     DEFAULT_MARGIN,
@@ -79,6 +80,7 @@ from layerwatch.inference_shim.runtime.gates import LoadedGates, scramble_gates,
 from layerwatch.inference_shim.runtime.model import KV_POLICIES, Transformer
 from layerwatch.inference_shim.runtime.tokenizer import Tokenizer
 from layerwatch.request_tail import RequestLayers, request_skipping
+from layerwatch.settings import setting
 from layerwatch.skip_policy import SkipPolicyConfig, is_threshold
 from layerwatch.statistics import DEFAULT_MIN_WINDOW_OBSERVATIONS, MAX_WINDOW_OBSERVATIONS
 
@@ -88,35 +90,48 @@ MAX_TEMPERATURE = 2.0
 
 @dataclass(frozen=True)
 class CalibrationSettings:
-    """How the baseline is decoded and how the bands are cut (the flags of `layerwatch calibrate`)."""
+    """How the baseline is decoded and how the bands are cut; each knob with a flag is one of `layerwatch
+    calibrate` (layerwatch/cli/calibrate.py reads the rest from the flags it shares with `serve`)."""
 
     model_name: str
     threshold: float | None = None  # None: the threshold the gates were trained for
-    prompts: int = 128  # requests in the baseline
-    max_new_tokens: int = 32  # tokens generated per request
-    temperature: float = 1.0  # OpenAI's defaults: the hottest of the demo load generator's traffic
-    top_p: float = 1.0
-    seed: int = 0
-    # Chat traffic: each prompt is one user message, a whole line of the text, rendered by the model's
-    # chat template as /v1/chat/completions renders it (an instruction-tuned model is served that way);
-    # else a completion prompt, the first words of a line.
-    chat: bool = False
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # decoded tokens per chunk when measuring how much window statistics vary
-    margin: float = DEFAULT_MARGIN  # added on both sides of each measured band
-    # Entropies the exporter's window needs before the single-peak alert may fire: the exporter's own
-    # minimum window.
-    min_observations: int = DEFAULT_MIN_WINDOW_OBSERVATIONS
+    prompts: int = setting(128, type=int, help="requests in the baseline")
+    max_new_tokens: int = setting(32, type=int, help="tokens generated per request")
+    # OpenAI's defaults: the hottest of the demo load generator's traffic.
+    temperature: float = setting(1.0, type=float, help="the requests' sampling temperature")
+    top_p: float = setting(1.0, type=float, help="the requests' nucleus sampling mass")
+    seed: int = setting(0, type=int, help="seed of the prompts drawn and their sampling")
+    # An instruction-tuned model is served chat traffic; else a completion prompt, the first words of a line.
+    chat: bool = setting(
+        False,
+        help="send whole lines as one user message through the model's chat template "
+        "(default: completions of a line's first 2-6 words)",
+    )
+    chunk_tokens: int = setting(
+        DEFAULT_CHUNK_TOKENS, type=int, help="decoded tokens per chunk when measuring how much window statistics vary"
+    )
+    margin: float = setting(DEFAULT_MARGIN, type=float, help="added on both sides of each measured band")
+    # The exporter's own minimum window.
+    min_observations: int = setting(
+        DEFAULT_MIN_WINDOW_OBSERVATIONS,
+        type=int,
+        help="entropies the exporter window needs before the single-peak alert may fire",
+    )
     kv_policy: str = KV_POLICIES[0]
     batch_size: int = 8
     # How a batch runs the layers its rows decided: as the model is served (serve's default), so the
     # baseline's routing and quality are the served ones (docs/model.md, "Depth execution").
     depth: DepthExecutionConfig = DepthExecutionConfig()
-    # Written to the profile: a calibrated model is expected to be shadow-checked at least this often
-    # (LayerwatchQualityGuardBlind tickets a shim serving it below).
-    shadow_rate_min: float = 0.01
+    # Written to the profile: LayerwatchQualityGuardBlind tickets a shim serving the model below it.
+    shadow_rate_min: float = setting(
+        0.01, type=argtypes.fraction, help="the shadow rate the model's shims are expected to run at (0: none)"
+    )
     # False: gates past MAX_HEALTHY_PERPLEXITY_INCREASE at batch 1 stop the run (UnhealthyBaseline)
     # before the gate-importance passes, most of its time; True: measured to the end.
-    accept_unhealthy: bool = False
+    accept_unhealthy: bool = setting(
+        False,
+        help='write the profile even of a baseline its alerts page on (docs/alerting.md, "What calibrate measures")',
+    )
 
     def __post_init__(self) -> None:
         # NaN compares false with every limit: --margin nan wrote every band as [0, 1] (alerts that never
