@@ -19,7 +19,7 @@ from layerwatch.inference_shim.runtime.gates import GateFileError, load_gates
 from layerwatch.inference_shim.runtime.model import GateBank
 from layerwatch.inference_shim.runtime.skip_policy import SkipPolicy
 from layerwatch.secret_file import SecretFileError
-from layerwatch.skip_policy import SkipPolicyConfig
+from layerwatch.skip_policy import DEFAULT_THRESHOLD, SkipPolicyConfig
 from layerwatch.vllm_plugin.sequences import SequenceStates
 from layerwatch.vllm_plugin.settings import PluginSettings, PluginSettingsError
 from layerwatch.wire import load_frame_key
@@ -40,10 +40,20 @@ class Gating:
 
 
 def load_gating(
-    settings: PluginSettings, folder: str, served_name: str, dtype: torch.dtype, sequences: int, decides: bool
+    settings: PluginSettings,
+    folder: str,
+    num_layers: int,
+    served_name: str,
+    dtype: torch.dtype,
+    sequences: int,
+    decides: bool,
 ) -> Gating:
-    """The gates, policy and frame sender for the checkpoint `folder` served as `served_name` in `dtype`, with
-    room for the states of `sequences` scheduled sequences; `decides`: this rank decides and sends."""
+    """The gates, policy and frame sender for the checkpoint `folder` of `num_layers` layers, served as
+    `served_name` in `dtype`, with room for the states of `sequences` scheduled sequences; `decides`: this rank
+    decides and sends. The cheap checks come first, the checkpoint (for the gates' fingerprint) is read last."""
+    if settings.protected_layers is not None:
+        settings.policy(vars(SkipPolicyConfig()), num_layers)  # the protected layers inside the model
+    sender = _frame_sender(settings, num_layers, served_name) if decides else None
     try:
         # The checkpoint as the shim loads it, for the fingerprint the gates are checked against; the gates come
         # placed in its dtype, the one vLLM serves in (rounded to another first, every score would move).
@@ -51,8 +61,9 @@ def load_gating(
         loaded = load_gates(settings.gate_path(folder), checkpoint.model)
     except (GateFileError, ValueError) as exc:  # CheckpointError is a ValueError
         raise PluginSettingsError(f"layerwatch: gates: {str(exc).splitlines()[0]}") from None
-    num_layers = checkpoint.config.num_layers
     policy = settings.policy(vars(loaded.metadata), num_layers)
+    if sender is not None:
+        sender.threshold = policy.threshold  # the gate file's, where the settings name none
     capacity = STATES_PER_SEQUENCE * sequences
     return Gating(
         gates=loaded.gates,
@@ -60,20 +71,22 @@ def load_gating(
         states=SequenceStates(capacity),
         threshold=policy.threshold,
         decides=decides,
-        sender=_frame_sender(settings, policy, num_layers, served_name) if decides else None,
+        sender=sender,
         executed_skips=np.zeros(num_layers, dtype=np.int64),
     )
 
 
-def _frame_sender(
-    settings: PluginSettings, policy: SkipPolicyConfig, num_layers: int, served_name: str
-) -> GateFrameSender | None:
+def _frame_sender(settings: PluginSettings, num_layers: int, served_name: str) -> GateFrameSender | None:
     if settings.exporter_address is None:
         return None
     try:
         key = load_frame_key(settings.frame_key_file) if settings.frame_key_file is not None else None
         return GateFrameSender(
-            settings.exporter_address, settings.model_name or served_name, num_layers, policy.threshold, key=key
+            settings.exporter_address,
+            settings.model_name or served_name,
+            num_layers,
+            settings.threshold if settings.threshold is not None else DEFAULT_THRESHOLD,
+            key=key,
         )
     except (ValueError, TypeError, SecretFileError) as exc:
         raise PluginSettingsError(f"layerwatch: frames: {exc}") from None

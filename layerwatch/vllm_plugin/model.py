@@ -58,6 +58,7 @@ class LayerwatchLlamaModel(LlamaModel):
         self.gating = load_gating(
             PluginSettings.from_overrides(getattr(model_config.hf_config, "layerwatch", None)),
             model_config.model,
+            model_config.hf_config.num_hidden_layers,
             model_config.served_model_name,
             model_config.dtype,
             sequences=vllm_config.scheduler_config.max_num_seqs,

@@ -63,14 +63,20 @@ class PluginSettings:
                 raise PluginSettingsError(f"layerwatch: {name} must be a string, got {json.dumps(values[name])}")
         if values.get("patience") is not None and not _is_int(values["patience"]):
             raise PluginSettingsError(f"layerwatch: patience must be an integer, got {json.dumps(values['patience'])}")
-        return cls(**values)
+        settings = cls(**values)
+        given = {name: getattr(settings, name) for name in POLICY_SETTINGS if getattr(settings, name) is not None}
+        try:  # the policy's own checks of what is given, before any file is read
+            SkipPolicyConfig(**given)
+        except ValueError as exc:
+            raise PluginSettingsError(f"layerwatch: {exc}") from None
+        return settings
 
     def gate_path(self, model_dir: str | Path) -> Path:
         return Path(self.gates) if self.gates is not None else Path(model_dir) / "gates.safetensors"
 
     def policy(self, recorded: Mapping[str, Any], num_layers: int) -> SkipPolicyConfig:
-        """The skip policy: what the gate file records, the settings given on top; checked (τ's range, the
-        rule, protected layers inside the model) with the policy's own checks."""
+        """The skip policy: what the gate file records, the settings given on top; the protected layers checked
+        against the model's."""
         chosen = {name: getattr(self, name) for name in POLICY_SETTINGS}
         try:
             config = SkipPolicyConfig.recorded(recorded, **chosen)
