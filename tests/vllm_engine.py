@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -28,7 +28,9 @@ from layerwatch.mixin import config
 from layerwatch.ports import LOOPBACK
 from layerwatch.vllm_plugin import ARCHITECTURE
 from layerwatch.wire import GateFrame, decode_frame
-from tests.conftest import RealModel
+
+if TYPE_CHECKING:
+    from tests.conftest import RealModel
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venv-vllm/bin/python"
@@ -173,14 +175,14 @@ def vllm_engine(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Vl
         process.stop()
 
 
-def run_helper(script: str, *args: str, timeout: float = START_TIMEOUT_SECONDS) -> Any:
-    """Run tests/vllm/`script` with .venv-vllm's python; the JSON it writes after RESULT, returned."""
+def run_helper(script: str, *args: str, env: dict[str, str] | None = None) -> Any:
+    """Run tests/vllm/`script` with .venv-vllm's python (`env` added to vLLM's); the JSON it writes after RESULT."""
     result = subprocess.run(
         [str(VLLM_PYTHON), str(REPO / "tests/vllm" / script), *args],
         capture_output=True,
         text=True,
-        timeout=timeout,
-        env={**VLLM_ENV, "PATH": "/usr/bin:/bin"},
+        timeout=START_TIMEOUT_SECONDS,
+        env={**VLLM_ENV, "PATH": "/usr/bin:/bin", **(env or {})},
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
