@@ -85,16 +85,17 @@ def serve_argv(folder: Path, port: int, overrides: str, *extra: str) -> list[str
 class FrameReceiver:
     """The gate frames that reach the engine's frame port while it is open, in arrival order."""
 
-    sock: socket.socket
+    sock: socket.socket  # bound, with a timeout: the loop looks at `stop` that often
     frames: list[GateFrame] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def run(self) -> None:
-        while True:
+        while not self.stop.is_set():
             try:
                 data = self.sock.recv(65536)
-            except OSError:  # closed
-                return
+            except TimeoutError:
+                continue
             with self._lock:
                 self.frames.append(decode_frame(data))
 
@@ -123,14 +124,16 @@ class VllmEngine:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         sock.bind((LOOPBACK, self.frame_port))
+        sock.settimeout(0.1)
         receiver = FrameReceiver(sock)
         thread = threading.Thread(target=receiver.run, daemon=True)
         thread.start()
         try:
             yield receiver
         finally:
+            receiver.stop.set()
+            thread.join()
             sock.close()
-            thread.join(timeout=5)
 
     @contextmanager
     def threshold_set(self, threshold: float) -> Iterator[None]:
