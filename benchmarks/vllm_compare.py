@@ -3,7 +3,7 @@
     .venv-vllm/bin/python benchmarks/vllm_compare.py --model DIR     # DIR: the SmolLM2 folder, gates beside it
 
 (Run with another python, it runs itself again with .venv-vllm's, where that exists.) Opt-in, not in the suite.
-Configurations, each a vLLM engine of its own (float32, 2 threads, kept loaded for the whole run):
+Configurations, each a vLLM engine of its own (float32, every core, kept loaded for the whole run):
   - stock:     vLLM's own LlamaForCausalLM on the folder without its gate file, compiled as vLLM serves by
                default (`--stock-eager`: with --enforce-eager instead);
   - tau0:      the plugin at τ 0: every gate scored, nothing skipped (the gates' cost);
@@ -94,7 +94,7 @@ def shim_generator(folder: Path, tokens: int) -> Callable[[int], int]:
     from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams
     from layerwatch.inference_shim.runtime.gates import GATES_FILE, load_gates
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(os.cpu_count() or 1)
     loaded = load_checkpoint(folder)
     gates = load_gates(folder / GATES_FILE, loaded.model)
     loaded.model.attach_gates(gates.gates)
@@ -140,6 +140,8 @@ def main() -> int:
     args = parser.parse_args()
     vllm_or_exit()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # Every core for vLLM's worker, as for the shim's torch threads (by itself vLLM keeps one core back).
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
     num_layers = json.loads((args.model / "config.json").read_text())["num_hidden_layers"]
     with tempfile.TemporaryDirectory() as scratch:
         started = time.perf_counter()

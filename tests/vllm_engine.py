@@ -93,11 +93,23 @@ class FrameReceiver:
     def run(self) -> None:
         while not self.stop.is_set():
             try:
-                data = self.sock.recv(65536)
+                self._keep(self.sock.recv(65536))
             except TimeoutError:
                 continue
-            with self._lock:
-                self.frames.append(decode_frame(data))
+
+    def drain(self) -> None:
+        """Read what is still queued: a frame is sent before the response of its step, so once a request has
+        been answered its frames are in the socket's queue."""
+        self.sock.setblocking(False)
+        while True:
+            try:
+                self._keep(self.sock.recv(65536))
+            except BlockingIOError:
+                return
+
+    def _keep(self, data: bytes) -> None:
+        with self._lock:
+            self.frames.append(decode_frame(data))
 
     def taken(self) -> list[GateFrame]:
         with self._lock:
@@ -133,6 +145,7 @@ class VllmEngine:
         finally:
             receiver.stop.set()
             thread.join()
+            receiver.drain()
             sock.close()
 
     @contextmanager
