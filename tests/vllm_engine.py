@@ -38,6 +38,7 @@ SERVED_MODEL_NAME = config.VLLM_SERVED_MODEL_NAME
 THRESHOLD = 0.18  # τ of the shared engine: the shipped gates' calibrated value, given explicitly
 START_TIMEOUT_SECONDS = 900  # model load on a busy 2-core machine takes minutes
 MAX_MODEL_LEN = 512
+BLOCK_SIZE = 32
 WORKER_EXTENSION = "layerwatch.vllm_plugin.worker.LayerwatchWorker"
 # 1 GiB of KV cache: ample for 512-token sequences. No PYTHONPATH: vLLM's environment is its own.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": "", "VLLM_SERVER_DEV_MODE": "1"}
@@ -69,6 +70,8 @@ def serve_argv(folder: Path, port: int, overrides: str, *extra: str) -> list[str
         "--enforce-eager",  # the plugin's decoder loop is eager anyway; no compile: start-up in about a minute
         "--max-model-len",
         str(MAX_MODEL_LEN),
+        "--block-size",  # CPU's default is 128: at 32, the tests' sequences cross blocks, and their states with them
+        str(BLOCK_SIZE),
         "--worker-extension-cls",
         WORKER_EXTENSION,
         "--hf-overrides",

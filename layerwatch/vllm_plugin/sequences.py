@@ -45,12 +45,18 @@ class BatchRows:
         slot_mapping int [N] (each token's KV slot), block_table int [R, blocks] (each sequence's blocks)."""
         starts, ends = query_start_loc[:-1], query_start_loc[1:]
         last_tokens = ends - 1
+        rows = np.arange(len(seq_lens))
+
+        def slots(positions: np.ndarray) -> np.ndarray:  # each row's KV slot at a position of its own
+            return block_table[rows, positions // block_size] * block_size + positions % block_size
+
+        new_slots = slot_mapping[last_tokens]
+        if not np.array_equal(slots(seq_lens - 1), new_slots):
+            raise ValueError(f"the KV slots vLLM writes do not follow blocks of {block_size} tokens")
         previous_position = seq_lens - 2  # the position of the token before each sequence's last one
         decode = (ends - starts == 1) & (previous_position >= 0)
-        rows = np.arange(len(seq_lens))
-        blocks = block_table[rows, np.maximum(previous_position, 0) // block_size]
-        previous_slots = np.where(decode, blocks * block_size + np.maximum(previous_position, 0) % block_size, -1)
-        return cls(last_tokens, decode, slot_mapping[last_tokens], previous_slots)
+        previous_slots = np.where(decode, slots(np.maximum(previous_position, 0)), -1)
+        return cls(last_tokens, decode, new_slots, previous_slots)
 
 
 class SequenceStates:

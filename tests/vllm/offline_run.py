@@ -52,6 +52,7 @@ def main() -> None:
         dtype="float32",
         enforce_eager=True,
         max_model_len=512,
+        block_size=32,  # as the shared engine's (tests/vllm_engine.py)
         tensor_parallel_size=tensor_parallel,
         **options,
     )

@@ -92,6 +92,8 @@ def test_a_decode_row_finds_its_previous_token_across_a_block_boundary() -> None
     assert rows.decode.tolist() == [True, False]
     assert rows.previous_slots.tolist() == [7 * 4 + 3, -1]
     assert rows.new_slots.tolist() == [36, 10]
+    with pytest.raises(ValueError, match="do not follow blocks of 8 tokens"):  # a block size vLLM does not use
+        BatchRows.from_metadata(np.array([0, 1]), np.array([5]), np.array([36]), np.array([[7, 9]]), block_size=8)
 
 
 def test_a_state_follows_its_sequence_from_slot_to_slot_and_a_prefill_starts_afresh() -> None:
