@@ -3,7 +3,7 @@
     .venv-vllm/bin/python benchmarks/vllm_compare.py --model DIR     # DIR: the SmolLM2 folder, gates beside it
 
 (Run with another python, it runs itself again with .venv-vllm's, where that exists.) Opt-in, not in the suite.
-Configurations, each a vLLM engine of its own (float32, every core, kept loaded for the whole run):
+Configurations, each a vLLM engine of its own (float32, on --cpus, kept loaded for the whole run):
   - stock:     vLLM's own LlamaForCausalLM on the folder without its gate file, compiled as vLLM serves by
                default (`--stock-eager`: with --enforce-eager instead);
   - tau0:      the plugin at τ 0: every gate scored, nothing skipped (the gates' cost);
@@ -86,7 +86,7 @@ def vllm_generator(folder: Path, eager: bool, layerwatch: dict | None, tokens: i
     return generate
 
 
-def shim_generator(folder: Path, tokens: int) -> Callable[[int], int]:
+def shim_generator(folder: Path, tokens: int, threads: int) -> Callable[[int], int]:
     """`layerwatch serve`'s engine on the folder with its gates, at the gate file's policy."""
     import torch
 
@@ -94,7 +94,7 @@ def shim_generator(folder: Path, tokens: int) -> Callable[[int], int]:
     from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams
     from layerwatch.inference_shim.runtime.gates import GATES_FILE, load_gates
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads)
     loaded = load_checkpoint(folder)
     gates = load_gates(folder / GATES_FILE, loaded.model)
     loaded.model.attach_gates(gates.gates)
@@ -120,6 +120,15 @@ def shim_generator(folder: Path, tokens: int) -> Callable[[int], int]:
     return generate
 
 
+def parse_cpus(spec: str) -> set[int]:
+    """ "0-1" or "1" or "0,2" -> the cores."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def forced_settings(num_layers: int) -> dict:
     from benchmarks.decode_bench import forced_policy
 
@@ -137,11 +146,18 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64, help="generated tokens per sequence")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stock-eager", action="store_true", help="stock vLLM with --enforce-eager, not compiled")
+    parser.add_argument(
+        "--cpus",
+        default=f"0-{(os.cpu_count() or 1) - 1}",
+        help="the cores every engine runs on, one thread each, as vLLM's VLLM_CPU_OMP_THREADS_BIND (default: all)",
+    )
     args = parser.parse_args()
     vllm_or_exit()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # Every core for vLLM's worker, as for the shim's torch threads (by itself vLLM keeps one core back).
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    # The same cores for vLLM's worker as for the shim's torch threads (by itself vLLM keeps one core back).
+    cpus = parse_cpus(args.cpus)
+    os.sched_setaffinity(0, cpus)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.cpus
     num_layers = json.loads((args.model / "config.json").read_text())["num_hidden_layers"]
     with tempfile.TemporaryDirectory() as scratch:
         started = time.perf_counter()
@@ -149,7 +165,7 @@ def main() -> int:
             "stock": vllm_generator(stock_folder(args.model, Path(scratch)), args.stock_eager, None, args.tokens),
             "tau0": vllm_generator(args.model, True, {"threshold": 0.0}, args.tokens),
             "forced25": vllm_generator(args.model, True, forced_settings(num_layers), args.tokens),
-            "shim": shim_generator(args.model, args.tokens),
+            "shim": shim_generator(args.model, args.tokens, len(cpus)),
         }
         print(f"engines loaded in {time.perf_counter() - started:.0f} s", flush=True)
         best = {(name, batch): 0.0 for name in generators for batch in BATCHES}
@@ -162,7 +178,9 @@ def main() -> int:
                     best[name, batch] = max(best[name, batch], rate)
                     print(f"repeat {repeat + 1}: {name:9s} batch {batch}: {rate:6.1f} tokens/s", flush=True)
     stock = "stock vLLM (" + ("eager" if args.stock_eager else "compiled") + ")"
-    print(f"\nbest of {args.repeats}, {args.tokens} tokens, wall time with prefill; ratios to {stock}:")
+    print(
+        f"\nbest of {args.repeats}, {args.tokens} tokens, cores {args.cpus}, wall time with prefill; ratios to {stock}:"
+    )
     ratios = {}
     for name in COMPARED:
         for batch in BATCHES:

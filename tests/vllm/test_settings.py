@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from layerwatch.vllm_plugin.gating import load_gating
 from layerwatch.vllm_plugin.sequences import BatchRows, SequenceStates
 from layerwatch.vllm_plugin.settings import PluginSettings, PluginSettingsError
 from tests.conftest import RealModel
-
-from .tiny_model import save_tiny_model
 
 
 def gating(folder: Path, **raw):
@@ -29,11 +28,6 @@ def refusal(folder: Path, **raw) -> str:
     message = str(refused.value)
     assert "\n" not in message and message.startswith("layerwatch: ")
     return message
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(real_model: RealModel, tmp_path_factory) -> Path:
-    return save_tiny_model(real_model, tmp_path_factory.mktemp("tiny"))
 
 
 def test_good_settings_give_the_gate_files_policy_with_the_overrides(real_model: RealModel) -> None:
@@ -58,8 +52,8 @@ def test_a_missing_gate_file_is_refused_naming_it(real_model: RealModel, tmp_pat
     assert f"gates: {missing}: gate file not found" in refusal(real_model.folder, gates=str(missing))
 
 
-def test_gates_of_another_model_are_refused(real_model: RealModel, tiny_folder: Path) -> None:
-    message = refusal(real_model.folder, gates=str(tiny_folder / "gates.safetensors"))
+def test_gates_of_another_model_are_refused(real_model: RealModel) -> None:
+    message = refusal(real_model.folder, gates=str(DEMO_MODEL_DIR / "gates.safetensors"))
     assert "gates: " in message and "this model has 30 layers" in message
 
 
