@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 scripts/install-system-deps.sh
 scripts/setup-env.sh
 scripts/setup-aiperf.sh
+scripts/setup-vllm.sh
 .venv/bin/layerwatch generate --check
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

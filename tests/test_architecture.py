@@ -36,6 +36,8 @@ ALLOWED: dict[str, set[str]] = {
     "layerwatch.inference_shim.service": {CORE, "layerwatch.inference_shim.runtime"},
     "layerwatch.inference_shim.offline": {CORE, "layerwatch.alerts", "layerwatch.inference_shim.runtime"},
     "layerwatch.demo": {CORE, "layerwatch.mixin", "layerwatch.alerts", "layerwatch.deploy"},
+    # The vLLM plugin serves the runtime's gates and skip rule inside vLLM and sends the core's frames.
+    "layerwatch.vllm_plugin": {CORE, "layerwatch.inference_shim.runtime"},
 }
 # Where a package may import only some modules of another. Calibrate builds a profile with the torch-free
 # profile math (layerwatch.alerts.baseline) and returns it (layerwatch.alerts.profile), and needs no rule or spec.

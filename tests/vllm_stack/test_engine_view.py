@@ -6,7 +6,6 @@ reads is on vLLM's /metrics page, and Prometheus evaluates every rule, vLLM's in
 from __future__ import annotations
 
 import math
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from tests.stack.support import (
     start_processes,
 )
 from tests.support import scrape, wait_for
+from tests.vllm_engine import VllmEngine
 
 from .conftest import REPO, SERVED_MODEL_NAME
 
@@ -43,6 +43,7 @@ DATA_TIMEOUT_SECONDS = 90.0  # from the load's start to a query's first answer (
 class VllmStack:
     vllm_url: str
     prometheus_url: str
+    exporter_url: str
     processes: dict[str, ManagedProcess] = field(default_factory=dict)
 
     def query(self, expr: str) -> list[dict]:
@@ -57,10 +58,11 @@ class VllmStack:
 
 
 @pytest.fixture(scope="module")
-def stack(vllm_base_url: str, tmp_path_factory) -> Iterator[VllmStack]:
+def stack(vllm_engine: VllmEngine, tmp_path_factory) -> Iterator[VllmStack]:
+    vllm_base_url = vllm_engine.base_url
     workdir = tmp_path_factory.mktemp("vllm-stack")
     exporter_http = f"127.0.0.1:{free_port()}"
-    exporter_udp, prometheus_port = free_port(socket.SOCK_DGRAM), free_port()
+    exporter_udp, prometheus_port = vllm_engine.frame_port, free_port()  # the plugin's frames reach the exporter
     rendered = render_stack(
         workdir / "config",
         profiles=load_profiles(REPO / "layerwatch/alerts/profiles"),
@@ -74,7 +76,7 @@ def stack(vllm_base_url: str, tmp_path_factory) -> Iterator[VllmStack]:
         evaluation_interval=EVALUATION_INTERVAL,
         time_scale=TIME_SCALE,
     )
-    s = VllmStack(vllm_base_url, f"http://127.0.0.1:{prometheus_port}")
+    s = VllmStack(vllm_base_url, f"http://127.0.0.1:{prometheus_port}", f"http://{exporter_http}")
     load = None
     try:
         start_processes(
@@ -137,3 +139,29 @@ def test_prometheus_scrapes_vllm_and_evaluates_every_rule(stack: VllmStack) -> N
     rules = wait_for(evaluated_rules, timeout=30.0, interval=1.0, what="every rule evaluated once")
     broken = {rule["name"]: rule.get("lastError") for rule in rules if rule["health"] != "ok"}
     assert not broken
+
+
+def test_the_exporter_reads_the_plugins_gate_frames_from_inside_vllm(stack: VllmStack) -> None:
+    """The plugin's frames, one per decode step from vLLM's worker, reach the exporter under the served model's
+    name with every layer's scores, and its skips among them, as the shim's frames do."""
+
+    def per_layer(name: str) -> dict[str, float]:
+        return {
+            dict(labels)["layer"]: value
+            for (sample, labels), value in scrape(stack.exporter_url).items()
+            if sample == name and dict(labels)["model_name"] == SERVED_MODEL_NAME
+        }
+
+    counts = wait_for(
+        lambda: (c := per_layer("layerwatch_layer_entropy_count_total")) and all(v > 0 for v in c.values()) and c,
+        timeout=DATA_TIMEOUT_SECONDS,
+        interval=1.0,
+        what="the exporter's per-layer entropy counts for the served model",
+    )
+    assert set(counts) == {str(layer) for layer in range(30)}
+    wait_for(
+        lambda: sum(per_layer("layerwatch_exporter_layer_skips_total").values()) > 0,
+        timeout=DATA_TIMEOUT_SECONDS,
+        interval=1.0,
+        what="a skip in the plugin's frames",
+    )

@@ -1,0 +1,109 @@
+"""The plugin's start-up checks, in-process (they need no vLLM: layerwatch/vllm_plugin/gating.py): each bad
+setting is refused with one line that names it, before vLLM would serve anything; and the sequence keying
+(layerwatch/vllm_plugin/sequences.py) on hand-made attention metadata."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+from layerwatch.vllm_plugin.gating import load_gating
+from layerwatch.vllm_plugin.sequences import BatchRows, SequenceStates
+from layerwatch.vllm_plugin.settings import PluginSettings, PluginSettingsError
+from tests.conftest import RealModel
+
+
+def gating(folder: Path, **raw):
+    settings = PluginSettings.from_overrides(raw)
+    return load_gating(settings, str(folder), 30, "served", torch.float32, sequences=4, decides=True)
+
+
+def refusal(folder: Path, **raw) -> str:
+    with pytest.raises(PluginSettingsError) as refused:
+        gating(folder, **raw)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("layerwatch: ")
+    return message
+
+
+def test_good_settings_give_the_gate_files_policy_with_the_overrides(real_model: RealModel) -> None:
+    served = gating(real_model.folder, threshold=0.25, patience=2, protected_layers=[0, 5, 29])
+    config = served.policy.config
+    assert (config.threshold, config.patience, config.protected_layers) == (0.25, 2, (0, 5, 29))
+    assert served.gates.scores(torch.zeros(30, 1, 576)).shape == (1, 30)
+    assert served.sender is None and served.threshold == 0.25  # no exporter address: no frames
+
+
+def test_an_unknown_key_is_refused_by_name(real_model: RealModel) -> None:
+    assert "unknown setting 'treshold'" in refusal(real_model.folder, treshold=0.2)
+
+
+@pytest.mark.parametrize("tau", [1.5, -0.1, float("nan"), True])
+def test_a_threshold_out_of_range_is_refused(real_model: RealModel, tau) -> None:
+    assert "threshold must be" in refusal(real_model.folder, threshold=tau)
+
+
+def test_a_missing_gate_file_is_refused_naming_it(real_model: RealModel, tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere.safetensors"
+    assert f"gates: {missing}: gate file not found" in refusal(real_model.folder, gates=str(missing))
+
+
+def test_gates_of_another_model_are_refused(real_model: RealModel) -> None:
+    message = refusal(real_model.folder, gates=str(DEMO_MODEL_DIR / "gates.safetensors"))
+    assert "gates: " in message and "this model has 30 layers" in message
+
+
+@pytest.mark.parametrize(
+    ("raw", "named"),
+    [
+        ({"protected_layers": [0, 30]}, "protected layer 30 is outside 0..29"),
+        ({"protected_layers": "0,1"}, "protected_layers must be a list"),
+        ({"patience": 0}, "patience must be >= 1"),
+        ({"skip_rule": "majority"}, "skip rule must be one of"),
+        ({"exporter_address": "127.0.0.1"}, "frames: exporter address"),
+        ({"exporter_address": "127.0.0.1:9", "frame_key_file": "/nonexistent/key"}, "frames: "),
+    ],
+)
+def test_other_bad_settings_are_refused_naming_them(real_model: RealModel, raw: dict, named: str) -> None:
+    assert named in refusal(real_model.folder, **raw)
+
+
+def test_a_decode_row_finds_its_previous_token_across_a_block_boundary() -> None:
+    block_size = 4
+    # Two sequences: one decodes position 4 (its previous token, position 3, ends block 7), one prefills 3 tokens.
+    rows = BatchRows.from_metadata(
+        query_start_loc=np.array([0, 1, 4]),
+        seq_lens=np.array([5, 3]),
+        slot_mapping=np.array([9 * 4 + 0, 2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2]),
+        block_table=np.array([[7, 9], [2, 0]]),
+        block_size=block_size,
+    )
+    assert rows.last_tokens.tolist() == [0, 3]
+    assert rows.decode.tolist() == [True, False]
+    assert rows.previous_slots.tolist() == [7 * 4 + 3, -1]
+    assert rows.new_slots.tolist() == [36, 10]
+    with pytest.raises(ValueError, match="do not follow blocks of 8 tokens"):  # a block size vLLM does not use
+        BatchRows.from_metadata(np.array([0, 1]), np.array([5]), np.array([36]), np.array([[7, 9]]), block_size=8)
+
+
+def test_a_state_follows_its_sequence_from_slot_to_slot_and_a_prefill_starts_afresh() -> None:
+    states = SequenceStates(capacity=2)
+
+    def step(new: int, previous: int, decode: bool) -> tuple[int, bool]:
+        rows = BatchRows(np.array([0]), np.array([decode]), np.array([new]), np.array([previous]))
+        slots, fresh = states.step(rows)
+        return int(slots[0]), bool(fresh[0])
+
+    first, fresh = step(new=10, previous=-1, decode=False)
+    assert fresh
+    assert step(new=11, previous=10, decode=True) == (first, False)
+    assert step(new=12, previous=11, decode=True) == (first, False)
+    second, fresh = step(new=20, previous=19, decode=True)  # nothing under 19: a sequence this engine never saw
+    assert fresh and second != first
+    third, fresh = step(new=30, previous=-1, decode=False)  # the pool is full: the state stepped longest ago goes
+    assert fresh and third == first
+    assert step(new=13, previous=12, decode=True)[1]  # its sequence comes back: a fresh state, full depth again
