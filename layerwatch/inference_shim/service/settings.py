@@ -84,6 +84,13 @@ class ModelSettings:
         "(j + d/2) mod d; the same weights and biases): a drill for gates that react to every token, but to "
         "the wrong features (layerwatch_model_info's gates_sha256 changes; LayerwatchGateMiscalibrated should page)",
     )
+    export_gates: Path | None = setting(
+        None,
+        type=Path,
+        metavar="FILE",
+        help="write the gates this command would serve (a drill flag's, or the gate file's) to FILE as a gate "
+        "file and exit without serving: how `layerwatch demo --engine vllm` gives vLLM's plugin a drill's gates",
+    )
     gates_watch_seconds: float = setting(
         5.0,
         type=float,
@@ -414,6 +421,7 @@ GATED_SETTINGS = (
     "static_gates",
     "shuffle_gates",
     "scramble_gates",
+    "export_gates",
     "threshold",
     "patience",
     "skip_rule",
