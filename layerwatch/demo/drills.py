@@ -2,7 +2,8 @@
 
 A drill restarts the shim with `serve` flags that break the gates the way the field saw them break
 (docs/alerting.md, "The field's reports"), as tests/stack/test_end_to_end.py does (docs/end-to-end.md
-has the faults and their times to page there). Adding a drill is one entry in DRILLS; every drill's
+has the faults and their times to page there); on vLLM it restarts `vllm serve` with the plugin's form
+of those flags (vllm_serve.plugin_drill). Adding a drill is one entry in DRILLS; every drill's
 alert is critical (it reaches the pager).
 """
 

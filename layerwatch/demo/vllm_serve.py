@@ -27,8 +27,8 @@ from layerwatch.ports import LOOPBACK
 ARCHITECTURE = "LayerwatchLlamaForCausalLM"  # the plugin's (layerwatch.vllm_plugin, which imports vLLM)
 MAX_MODEL_LEN = 512  # a chat prompt and its answer take a fifth of it
 # vLLM's CPU backend takes its KV cache size from the environment: 1 GiB holds hundreds of 512-token sequences.
-# No PYTHONPATH: vLLM's environment is its own, the plugin the one .venv-vllm installed (scripts/setup-vllm.sh
-# installs this checkout, editable).
+# No PYTHONPATH: vLLM's environment is its own. Its plugin is the checkout's: `python -m` puts the working
+# directory, the repository root under scripts/demo.sh, first on vLLM's path (elsewhere: .venv-vllm's install).
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": ""}
 START_TIMEOUT_SECONDS = 900.0  # model load on a busy 2-core machine takes minutes
 # The serve flags of the gate drills (layerwatch/demo/drills.py), which `serve --export-gates` writes out.
