@@ -36,75 +36,11 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.llama import LlamaForCausalLM, LlamaModel
 from vllm.sequence import IntermediateTensors
 
-from layerwatch.client import GateFrameSender
-from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
-from layerwatch.inference_shim.runtime.gates import GateFileError, load_gates
-from layerwatch.inference_shim.runtime.model import GateBank
-from layerwatch.inference_shim.runtime.skip_policy import SkipPolicy
-from layerwatch.skip_policy import SkipPolicyConfig
-from layerwatch.vllm_plugin.sequences import BatchRows, SequenceStates
+from layerwatch.vllm_plugin.gating import load_gating
+from layerwatch.vllm_plugin.sequences import BatchRows
 from layerwatch.vllm_plugin.settings import PluginSettings, PluginSettingsError
-from layerwatch.wire import load_frame_key
 
 GATE_TENSOR_PREFIX = "gates."  # a gate file in the model folder is read by vLLM's loader too: not weights
-STATES_PER_SEQUENCE = 4  # policy states kept per sequence vLLM may schedule: room for finished ones
-
-
-@dataclass
-class Gating:
-    """What the plugin serves with, built and checked once at start-up."""
-
-    gates: GateBank  # on the model's device and dtype
-    policy: SkipPolicy  # the one rule; its slots hold the sequences' states
-    states: SequenceStates  # KV slot -> policy slot
-    sender: GateFrameSender | None  # None: no exporter address, or not the rank that sends
-    executed_skips: np.ndarray  # int64 [L]: (step row, layer) pairs whose layer did not run, since start-up
-    step_rows: int = 0  # step rows run since start-up
-
-
-def load_gating(vllm_config: VllmConfig) -> Gating:
-    """Read and check the settings, the gate file and the frame destination; PluginSettingsError (one line)
-    on the first bad one."""
-    model_config = vllm_config.model_config
-    settings = PluginSettings.from_overrides(getattr(model_config.hf_config, "layerwatch", None))
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise PluginSettingsError(
-            "layerwatch: pipeline parallelism is not supported by the plugin (use tensor parallelism)"
-        )
-    if vllm_config.speculative_config is not None:
-        raise PluginSettingsError("layerwatch: speculative decoding is not supported by the plugin")
-    folder = model_config.model
-    try:
-        checkpoint = load_checkpoint(folder, dtype=torch.bfloat16)  # the fingerprint the gates are checked against
-        loaded = load_gates(settings.gate_path(folder), checkpoint.model)
-    except (GateFileError, ValueError) as exc:
-        raise PluginSettingsError(f"layerwatch: gates: {str(exc).splitlines()[0]}") from None
-    num_layers = checkpoint.config.num_layers
-    del checkpoint
-    policy = settings.policy(vars(loaded.metadata), num_layers)
-    capacity = STATES_PER_SEQUENCE * vllm_config.scheduler_config.max_num_seqs
-    return Gating(
-        gates=loaded.gates.to(dtype=model_config.dtype).eval(),
-        policy=SkipPolicy(policy, num_layers, slots=capacity),
-        states=SequenceStates(capacity),
-        sender=_frame_sender(settings, policy, num_layers, model_config.served_model_name),
-        executed_skips=np.zeros(num_layers, dtype=np.int64),
-    )
-
-
-def _frame_sender(
-    settings: PluginSettings, policy: SkipPolicyConfig, num_layers: int, served_name: str
-) -> GateFrameSender | None:
-    """Rank 0's frame sender (one rank sends under tensor parallelism), or None without an exporter."""
-    if settings.exporter_address is None or get_tensor_model_parallel_rank() != 0:
-        return None
-    try:
-        key = load_frame_key(settings.frame_key_file) if settings.frame_key_file is not None else None
-        return GateFrameSender(
-            settings.exporter_address, settings.model_name or served_name, num_layers, policy.threshold, key=key
-        )
-    except (ValueError, TypeError, OSError) as exc:
-        raise PluginSettingsError(f"layerwatch: frames: {exc}") from None
 
 
 @ignore_torch_compile
@@ -114,7 +50,19 @@ class LayerwatchLlamaModel(LlamaModel):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs: Any) -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         self.block_size = vllm_config.cache_config.block_size
-        self.gating = load_gating(vllm_config)
+        model_config = vllm_config.model_config
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise PluginSettingsError("layerwatch: pipeline parallelism is not supported by the plugin (use tensor)")
+        if vllm_config.speculative_config is not None:
+            raise PluginSettingsError("layerwatch: speculative decoding is not supported by the plugin")
+        self.gating = load_gating(
+            PluginSettings.from_overrides(getattr(model_config.hf_config, "layerwatch", None)),
+            model_config.model,
+            model_config.served_model_name,
+            model_config.dtype,
+            sequences=vllm_config.scheduler_config.max_num_seqs,
+            decides=get_tensor_model_parallel_rank() == 0,
+        )
         self.tensor_parallel = vllm_config.parallel_config.tensor_parallel_size > 1
 
     def forward(
@@ -135,16 +83,16 @@ class LayerwatchLlamaModel(LlamaModel):
                 residual, x = hidden, layer.input_layernorm(hidden)
             else:
                 x, residual = layer.input_layernorm(hidden, residual)
-            if step is not None:
+            if step is not None and step.slots is not None:
                 normed_inputs.append(x[plan.step_tokens])
             hidden, residual = _gated_layer(layer, positions, x, residual, plan.running[l])
         hidden, _ = self.norm(hidden, residual)
         if step is not None:
-            self._observe(step, torch.stack(normed_inputs))
+            self._observe(step, normed_inputs)
         return hidden
 
     def _step(self, num_tokens: int) -> _Step | None:
-        """The step rows of this forward and their policy slots, or None for a forward without attention
+        """The step rows of this forward and the layers each runs, or None for a forward without attention
         metadata (vLLM's warm-up and profiling runs: full depth, nothing observed)."""
         metadata = get_forward_context().attn_metadata
         if not isinstance(metadata, dict) or not metadata:
@@ -158,29 +106,34 @@ class LayerwatchLlamaModel(LlamaModel):
             meta.block_table[:requests].cpu().numpy(),
             self.block_size,
         )
-        slots, fresh = self.gating.states.step(rows)
+        gating = self.gating
+        if not gating.decides:  # another rank decides (below)
+            return _Step(rows, None, self._shared(np.empty((requests, len(self.layers)), dtype=bool)))
+        slots, fresh = gating.states.step(rows)
         for slot in slots[fresh].tolist():
-            self.gating.policy.reset(slot)
-        return _Step(rows, slots, self._decide(slots))
+            gating.policy.reset(slot, gating.threshold)
+        # Decided from earlier steps only, before any layer runs.
+        return _Step(rows, slots, self._shared(gating.policy.run_mask(slots)))
 
-    def _decide(self, slots: np.ndarray) -> np.ndarray:
-        """bool [R, L]: the layers each step row runs, decided from earlier steps only; under tensor
-        parallelism rank 0's decision, broadcast, on every rank."""
-        run = self.gating.policy.run_mask(slots)
+    def _shared(self, run: np.ndarray) -> np.ndarray:
+        """bool [R, L]: rank 0's run mask on every rank of a tensor-parallel group (`run` itself without one)."""
         if not self.tensor_parallel:
             return run
         shared = torch.from_numpy(run.astype(np.uint8))
         return get_tp_group().broadcast(shared, src=0).numpy().astype(bool)
 
-    def _observe(self, step: _Step, normed_inputs: torch.Tensor) -> None:
-        """After the step: score the step rows' gates (normed_inputs [L, R, d]), let the policy observe them,
-        count the executed skips, send the step's gate frame."""
-        scores = self.gating.gates.scores(normed_inputs).float().cpu().numpy()  # [R, L]
-        self.gating.policy.observe(step.slots, scores, step.run)
-        self.gating.executed_skips += (~step.run).sum(axis=0)
-        self.gating.step_rows += len(step.slots)
-        if self.gating.sender is not None:
-            self.gating.sender.send(scores, ~step.run)
+    def _observe(self, step: _Step, normed_inputs: list[torch.Tensor]) -> None:
+        """After the step: count the executed skips; on the deciding rank score the step rows' gates (each
+        layer's normed input [R, d]), let the policy observe them and send the step's gate frame."""
+        gating = self.gating
+        gating.executed_skips += (~step.run).sum(axis=0)
+        gating.step_rows += len(step.run)
+        if step.slots is None:
+            return
+        scores = gating.gates.scores(torch.stack(normed_inputs)).float().cpu().numpy()  # [R, L]
+        gating.policy.observe(step.slots, scores, step.run)
+        if gating.sender is not None:
+            gating.sender.send(scores, ~step.run)
 
 
 @dataclass(frozen=True)
@@ -188,7 +141,7 @@ class _Step:
     """One forward's step rows: where they are, their policy slots, the layers each runs."""
 
     rows: BatchRows
-    slots: np.ndarray  # int [R]: each step row's policy slot
+    slots: np.ndarray | None  # int [R]: each step row's policy slot; None on a rank that does not decide
     run: np.ndarray  # bool [R, L]: True = the layer runs for that row
 
 
