@@ -61,6 +61,16 @@ def test_a_drill_that_pages_only_through_the_shim_is_refused_on_vllm(tmp_path):
     assert demo.returncode == 2 and f"drill {refused[0]} cannot page on vLLM" in demo.stderr, demo.stderr
 
 
+def test_the_embedded_model_is_refused_on_vllm(tmp_path):
+    demo = subprocess.run(
+        [*LAYERWATCH_COMMAND, "demo", "--engine", "vllm", "--model", "demo", "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert demo.returncode == 2 and "serves a checkpoint folder, not the embedded demo model" in demo.stderr
+
+
 @pytest.mark.skipif(
     os.environ.get("LAYERWATCH_VLLM_DEMO") != "1"
     or not (REPO / ".venv-vllm/bin/python").is_file()

@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     on_vllm = settings.engine == "vllm"
     model = settings.model or (VLLM_DEFAULT_MODEL if on_vllm else DEFAULT_MODEL)
     if on_vllm and model.gguf is None and model.folder is None:
-        print(f"layerwatch demo: --engine vllm serves a checkpoint folder, not the {model.what}", file=sys.stderr)
+        print(f"layerwatch demo: --engine vllm serves a checkpoint folder, not {model.what}", file=sys.stderr)
         return 2
     baseline = model.baseline_seconds if settings.baseline is None else settings.baseline
     concurrency = model.concurrency if settings.concurrency is None else settings.concurrency
