@@ -39,8 +39,8 @@ VLLM_DRILL_PAGES = {
     "static": "LayerwatchRoutingStatic",
     "reset": "LayerwatchEntropyShapeChanged",
     "runaway": "LayerwatchRoutingStatic",
-    "shuffle": "LayerwatchRoutingStatic",
-    "scramble": "LayerwatchRoutingStatic",
+    "shuffle": "LayerwatchEntropyShapeChanged",
+    "scramble": "LayerwatchEntropyShapeChanged",
 }
 
 
