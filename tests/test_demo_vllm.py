@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from layerwatch.alerts.specs import ALERTS
 from layerwatch.demo.drills import DRILLS
 from layerwatch.demo.models import DEMO_MODELS
 from layerwatch.demo.processes import LAYERWATCH_COMMAND, free_port
 from layerwatch.demo.vllm_serve import GATE_DRILL_FLAGS, VLLM_DRILL_PAGES, plugin_drill
+from layerwatch.mixin import config
 
 REPO = Path(__file__).resolve().parents[1]
 EVERY_DRILL = [(model.name, model.drill(name)) for model in DEMO_MODELS.values() for name in DRILLS]
@@ -48,17 +50,10 @@ def test_a_serve_flag_without_a_plugin_form_is_named():
         plugin_drill(("--shadow-rate", "0"))
 
 
-def test_a_drill_that_pages_only_through_the_shim_is_refused_on_vllm(tmp_path):
-    refused = sorted(set(DRILLS) - set(VLLM_DRILL_PAGES))
-    if not refused:
-        pytest.skip("every drill pages on vLLM")
-    demo = subprocess.run(
-        [*LAYERWATCH_COMMAND, "demo", "--engine", "vllm", "--drill", refused[0], "--workdir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert demo.returncode == 2 and f"drill {refused[0]} cannot page on vLLM" in demo.stderr, demo.stderr
+def test_every_drill_pages_on_vllm_by_a_critical_alert():
+    assert set(VLLM_DRILL_PAGES) == set(DRILLS)
+    specs = {spec.name: spec for spec in ALERTS}
+    assert all(specs[page].severities[-1] == config.SEVERITY_PAGE for page in VLLM_DRILL_PAGES.values())
 
 
 def test_the_embedded_model_is_refused_on_vllm(tmp_path):

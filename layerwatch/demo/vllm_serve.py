@@ -33,8 +33,9 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": ""}
 START_TIMEOUT_SECONDS = 900.0  # model load on a busy 2-core machine takes minutes
 # The serve flags of the gate drills (layerwatch/demo/drills.py), which `serve --export-gates` writes out.
 GATE_DRILL_FLAGS = frozenset({"--static-gates", "--shuffle-gates", "--scramble-gates", "--reset-gates"})
-# The page each drill raises on vLLM, where it differs from the shim's or is the same; a drill not here
-# pages only through the shim's quality guard and is refused on vLLM (docs/alerting.md).
+# The page each drill raises on vLLM, measured (docs/demo.md, "On vLLM"): the shim's gate-importance and
+# fallback pages read series only the shim publishes (docs/alerting.md), so shuffle and scramble page by
+# the entropy shape they move, runaway by the layers it makes static.
 VLLM_DRILL_PAGES = {
     "static": "LayerwatchRoutingStatic",
     "reset": "LayerwatchEntropyShapeChanged",
