@@ -103,7 +103,11 @@ class DemoSettings:
         metavar="PYTHON",
         help="the Python of vLLM's environment, which scripts/setup-vllm.sh makes (default %(default)s)",
     )
-    port: int = setting(ports.SHIM_HTTP_PORT, type=argtypes.port, help="shim HTTP port (default %(default)s)")
+    port: int = setting(
+        ports.SHIM_HTTP_PORT,
+        type=argtypes.port,
+        help="the engine's HTTP port, the shim's or vLLM's (default %(default)s)",
+    )
     exporter_port: int = setting(
         ports.EXPORTER_HTTP_PORT, type=argtypes.port, help="exporter HTTP port (default %(default)s)"
     )
@@ -127,7 +131,8 @@ class DemoSettings:
     shadow_rate: float = setting(
         1.0,
         type=float,
-        help="share of requests the shim compares with the full-depth model, within its duty cycle "
+        help="share of requests the shim compares with the full-depth model, within its duty cycle (vLLM has no such "
+        "check) "
         "(default %(default)s, as in the end-to-end test: the shuffle drill's page needs the samples)",
     )
     duration: float = setting(0.0, type=float, help="stop after this many seconds (0 = until Ctrl-C)")
@@ -183,24 +188,24 @@ def run(args: argparse.Namespace) -> int:
         if on_vllm:
             serve = vllm_serve(model, Path(settings.vllm_python))
             _say(f"starting vllm serve ({serve.python}): about a minute...")
-            shim_url, exporter_url = stack.start_vllm(
+            engine_url, exporter_url = stack.start_vllm(
                 port=settings.port, exporter_port=settings.exporter_port, serve=serve
             )
-            lines = [f"vllm serve (API)   {shim_url}/v1   metrics {shim_url}/metrics", serve.note()]
+            lines = [f"vllm serve (API)   {engine_url}/v1   metrics {engine_url}/metrics", serve.note()]
         else:
-            shim_url, exporter_url = stack.start_core(
+            engine_url, exporter_url = stack.start_core(
                 port=settings.port,
                 exporter_port=settings.exporter_port,
                 shadow_rate=settings.shadow_rate,
                 model_flags=serve_flags(model, model_cache(), _say),
             )
-            lines = [f"shim (OpenAI API)  {shim_url}/v1   metrics {shim_url}/metrics"]
+            lines = [f"shim (OpenAI API)  {engine_url}/v1   metrics {engine_url}/metrics"]
         lines.append(f"exporter           {exporter_url}/metrics")
         view = None
         if receiver is not None:
             profiles = load_profiles(PROFILES_DIR)
             prometheus_url = stack.start_prometheus(
-                shim_url,
+                engine_url,
                 exporter_url,
                 profiles=profiles,
                 receiver=receiver,
@@ -227,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
 
         load = threading.Thread(
             target=run_load,
-            args=(shim_url, stack.model_name),
+            args=(engine_url, stack.model_name),
             kwargs=dict(
                 duration=float("inf"),
                 concurrency=concurrency,
@@ -240,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         load.start()
         if drill is not None and receiver is not None:
             drill_run = DrillRun(drill, stack, receiver, baseline)
-        _show(shim_url, exporter_url, banner, settings, stack, view, drill_run)
+        _show(engine_url, exporter_url, banner, settings, stack, view, drill_run)
     except Stopped:
         interrupted = True
         raise
@@ -326,7 +331,7 @@ def shadow_line(samples: Samples) -> str:
 
 
 def _show(
-    shim_url: str,
+    engine_url: str,
     exporter_url: str,
     banner: str,
     settings: DemoSettings,
@@ -343,10 +348,10 @@ def _show(
             drill_run.poll()
             status = "\n".join(drill_run.status()) + "\n\n"
             if view is not None and drill_run.injected_at is not None:
-                view.restarting(host_port(shim_url), drill_run.injected_at)
+                view.restarting(host_port(engine_url), drill_run.injected_at)
         size = shutil.get_terminal_size()
         try:
-            screen = exporter_screen(shim_url, exporter_url, view, size.columns, stack.engine)
+            screen = exporter_screen(engine_url, exporter_url, view, size.columns, stack.engine)
             if interactive:
                 text = frame(banner, status, screen, size.columns, size.lines)
             else:
@@ -359,14 +364,14 @@ def _show(
 
 
 def exporter_screen(
-    shim_url: str, exporter_url: str, view: AlertView | None, columns: int, engine: str = "shim"
+    engine_url: str, exporter_url: str, view: AlertView | None, columns: int, engine: str = "shim"
 ) -> Callable[[bool], str]:
     """The model's part of the screen, read once: rendered with the histogram in place, or
     (`histogram_last`) below the alert state, for a short terminal."""
     samples = scrape(exporter_url)
     clock = time.strftime("%H:%M:%S")
     if view is None:  # no Prometheus: the figures come from the shim itself
-        shadow = shadow_line(scrape(shim_url)) if engine == "shim" else NO_QUALITY_GUARD
+        shadow = shadow_line(scrape(engine_url)) if engine == "shim" else NO_QUALITY_GUARD
         shadow += "\n\n"
         return lambda histogram_last: (
             shadow + render_samples(samples, exporter_url, clock, width=columns, histogram_last=histogram_last)
