@@ -77,7 +77,8 @@ class DemoStack:
         self._ready_path = "/readyz"  # where the engine says it serves
         self._start_timeout = 180.0
         self._engine_env: dict[str, str] = {}
-        self._drill_argv: Callable[[tuple[str, ...]], list[str]] = list  # a drill's serve flags -> the engine's argv
+        # A drill's `serve` flags -> the argv of the engine serving them; set when the engine starts.
+        self._drill_argv: Callable[[tuple[str, ...]], list[str]] | None = None
         self._engine_restarts = 0
         # A drill restarts the engine from a thread of its own (layerwatch/demo/drills.py): no process may
         # start once stop_all began, or it would outlive the demo.
@@ -144,6 +145,8 @@ class DemoStack:
         """Replace the engine by one serving a drill's `serve` flags at the same address (the same scrape
         target), as the end-to-end test injects its faults; returns when the new one was ready (monotonic).
         The new argv comes first: writing a drill's gates for vLLM takes seconds, while the old one serves."""
+        if self._drill_argv is None:
+            raise RuntimeError("no engine to restart: none was started")
         argv = self._drill_argv(flags)
         with self._lock:
             (old,) = [proc for proc in self.processes if proc.name == self.engine]
