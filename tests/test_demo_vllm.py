@@ -78,11 +78,25 @@ def test_the_static_drill_pages_on_vllm(tmp_path):
     argv += ["--duration", "900", "--interval", "5", "--workdir", str(tmp_path)]
     for flag in ("--port", "--exporter-port", "--prometheus-port", "--alertmanager-port"):
         argv += [flag, str(free_port())]
-    demo = subprocess.run(argv, capture_output=True, text=True, timeout=1200, cwd=REPO)
-    injected = demo.stdout.find("fault injected")
-    baseline = demo.stdout[:injected]
-    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    demo = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    lines: list[str] = []
+    try:
+        assert demo.stdout is not None
+        for line in demo.stdout:  # until the page, or the demo's end at --duration
+            lines.append(line)
+            if f"PAGED {page}" in line:
+                break
+        demo.terminate()  # SIGTERM: the demo stops every process it started and says the time to page
+        rest, _ = demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    text = "".join(lines)
+    injected = text.find("fault injected")
+    baseline = text[:injected]
     assert "vllm serve" in baseline and "routing: dynamic" in baseline, baseline[-3000:]
     assert not re.search(r"ago +pager", baseline), baseline[-3000:]  # the healthy baseline pages nothing
-    assert f"drill static: {page} paged" in demo.stdout, demo.stdout[-3000:]
+    assert f"PAGED {page}" in text, text[-3000:]
+    assert f"drill static: {page} paged" in rest and "stopped every process it started" in rest, rest
     assert (tmp_path / "drill-gates.safetensors").is_file()  # the plugin served the drill's gate file
