@@ -2,7 +2,8 @@
 # The demo: the shim on the embedded demo model, the exporter, a load generator, Prometheus and
 # Alertmanager (installed here on first use, as the test command installs them: root or sudo), and
 # the live entropy histogram with the alert state beside it. `scripts/demo.sh --drill static`
-# injects a fault after a healthy baseline and shows its page. Ctrl-C stops everything.
+# injects a fault after a healthy baseline and shows its page. `scripts/demo.sh --engine vllm` serves
+# SmolLM2 through `vllm serve` with layerwatch's plugin instead. Ctrl-C stops everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-env.sh
@@ -15,4 +16,13 @@ if ! command -v prometheus >/dev/null || ! command -v prometheus-alertmanager >/
       "For the whole demo run 'sudo scripts/install-system-deps.sh --demo' once, then scripts/demo.sh again." >&2
   fi
 fi
+# --engine vllm serves the model through `vllm serve`, which needs its own environment, .venv-vllm.
+previous=""
+for arg in "$@"; do
+  if [ "$previous $arg" = "--engine vllm" ] || [ "$arg" = "--engine=vllm" ]; then
+    scripts/setup-vllm.sh
+    break
+  fi
+  previous="$arg"
+done
 exec .venv/bin/layerwatch demo "$@"

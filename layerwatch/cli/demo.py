@@ -1,5 +1,9 @@
 """`layerwatch demo`: the whole stack on the embedded demo model, in one terminal.
 
+With `--engine vllm` the model (SmolLM2 by default) is served by `vllm serve` with layerwatch's plugin
+instead of the shim (layerwatch/demo/vllm_serve.py), and a drill restarts it with the plugin's form of
+the fault.
+
 Starts the exporter and the shim (on the demo model, or the model --model names: layerwatch/demo/models.py has
 each one's serving, load and timing; `smollm2` is a real one), Prometheus and Alertmanager with the
 repo's own configs on scaled timing (the demo model's: the end-to-end test's) when their binaries are
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import shutil
 import sys
@@ -34,14 +39,26 @@ from layerwatch.cli.signals import Stopped
 from layerwatch.demo.alert_view import AlertView
 from layerwatch.demo.drills import DRILLS, DrillRun
 from layerwatch.demo.loadgen import run_load
-from layerwatch.demo.models import DEFAULT_MODEL, DEMO_MODELS, DemoModel, demo_model, model_cache, serve_flags
+from layerwatch.demo.models import (
+    DEFAULT_MODEL,
+    DEMO_MODELS,
+    VLLM_DEFAULT_MODEL,
+    DemoModel,
+    checkpoint_folder,
+    demo_model,
+    model_cache,
+    serve_flags,
+)
 from layerwatch.demo.receiver import WebhookReceiver
 from layerwatch.demo.stack import DemoStack, host_port, monitoring_installed
+from layerwatch.demo.vllm_serve import VLLM_DRILL_PAGES, VllmServe
 from layerwatch.exporter.live_view import CLEAR_SCREEN, Samples, ScrapeError, fit_view, render_samples, scrape, total
+from layerwatch.mixin import config
 from layerwatch.settings import add_flags, from_flags, setting
 
 INSTALL_HINT = "scripts/install-system-deps.sh --demo installs them (root or sudo)"
 STOP_HINT = "(Ctrl-C stops the demo)"
+NO_QUALITY_GUARD = 'shadow check: none on vLLM (docs/instrument.md, "On vLLM")'
 
 
 def _defaults(setting: str) -> str:
@@ -67,14 +84,30 @@ def _drill_help() -> str:
 class DemoSettings:
     """The model, the ports, the drill and the load; None: the model's own (DemoModel)."""
 
-    model: DemoModel = setting(
-        DEFAULT_MODEL,
+    model: DemoModel | None = setting(  # None: DEFAULT_MODEL, on vLLM VLLM_DEFAULT_MODEL
+        None,
         type=demo_model,
         metavar="NAME|DIR",
         help="; ".join(f"{m.name}: {m.what}" for m in DEMO_MODELS.values())
-        + f" (default {DEFAULT_MODEL.name}); or a checkpoint folder",
+        + f" (default {DEFAULT_MODEL.name}, with --engine vllm {VLLM_DEFAULT_MODEL.name}); or a checkpoint folder",
     )
-    port: int = setting(ports.SHIM_HTTP_PORT, type=argtypes.port, help="shim HTTP port (default %(default)s)")
+    engine: str = setting(
+        "shim",
+        choices=("shim", "vllm"),
+        help="what serves the model: the shim (`layerwatch serve`), or `vllm serve` with layerwatch's plugin "
+        "(--enforce-eager, from --vllm-python's environment; a checkpoint folder, not the embedded model; "
+        "default %(default)s)",
+    )
+    vllm_python: str = setting(
+        ".venv-vllm/bin/python",
+        metavar="PYTHON",
+        help="the Python of vLLM's environment, which scripts/setup-vllm.sh makes (default %(default)s)",
+    )
+    port: int = setting(
+        ports.SHIM_HTTP_PORT,
+        type=argtypes.port,
+        help="the engine's HTTP port, the shim's or vLLM's (default %(default)s)",
+    )
     exporter_port: int = setting(
         ports.EXPORTER_HTTP_PORT, type=argtypes.port, help="exporter HTTP port (default %(default)s)"
     )
@@ -98,7 +131,8 @@ class DemoSettings:
     shadow_rate: float = setting(
         1.0,
         type=float,
-        help="share of requests the shim compares with the full-depth model, within its duty cycle "
+        help="share of requests the shim compares with the full-depth model, within its duty cycle (vLLM has no such "
+        "check) "
         "(default %(default)s, as in the end-to-end test: the shuffle drill's page needs the samples)",
     )
     duration: float = setting(0.0, type=float, help="stop after this many seconds (0 = until Ctrl-C)")
@@ -121,11 +155,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = from_flags(DemoSettings, args)
-    model = settings.model
+    on_vllm = settings.engine == "vllm"
+    model = settings.model or (VLLM_DEFAULT_MODEL if on_vllm else DEFAULT_MODEL)
+    if on_vllm and model.gguf is None and model.folder is None:
+        print(f"layerwatch demo: --engine vllm serves a checkpoint folder, not {model.what}", file=sys.stderr)
+        return 2
     baseline = model.baseline_seconds if settings.baseline is None else settings.baseline
     concurrency = model.concurrency if settings.concurrency is None else settings.concurrency
     max_tokens = model.max_tokens if settings.max_tokens is None else settings.max_tokens
     drill = model.drill(settings.drill) if settings.drill else None
+    if drill is not None and on_vllm:  # without the shim's quality guard and fallbacks, another alert pages
+        drill = dataclasses.replace(drill, page=VLLM_DRILL_PAGES[drill.name])
     monitoring = not settings.no_prometheus and monitoring_installed()
     if drill is not None and not monitoring:
         why = "--no-prometheus was given" if settings.no_prometheus else f"they are not installed: {INSTALL_HINT}"
@@ -145,22 +185,27 @@ def run(args: argparse.Namespace) -> int:
     drill_run: DrillRun | None = None
     interrupted = False
     try:
-        model_flags = serve_flags(model, model_cache(), _say)
-        shim_url, exporter_url = stack.start_core(
-            port=settings.port,
-            exporter_port=settings.exporter_port,
-            shadow_rate=settings.shadow_rate,
-            model_flags=model_flags,
-        )
-        lines = [
-            f"shim (OpenAI API)  {shim_url}/v1   metrics {shim_url}/metrics",
-            f"exporter           {exporter_url}/metrics",
-        ]
+        if on_vllm:
+            serve = vllm_serve(model, Path(settings.vllm_python))
+            _say(f"starting vllm serve ({serve.python}): about a minute...")
+            engine_url, exporter_url = stack.start_vllm(
+                port=settings.port, exporter_port=settings.exporter_port, serve=serve
+            )
+            lines = [f"vllm serve (API)   {engine_url}/v1   metrics {engine_url}/metrics", serve.note()]
+        else:
+            engine_url, exporter_url = stack.start_core(
+                port=settings.port,
+                exporter_port=settings.exporter_port,
+                shadow_rate=settings.shadow_rate,
+                model_flags=serve_flags(model, model_cache(), _say),
+            )
+            lines = [f"shim (OpenAI API)  {engine_url}/v1   metrics {engine_url}/metrics"]
+        lines.append(f"exporter           {exporter_url}/metrics")
         view = None
         if receiver is not None:
             profiles = load_profiles(PROFILES_DIR)
             prometheus_url = stack.start_prometheus(
-                shim_url,
+                engine_url,
                 exporter_url,
                 profiles=profiles,
                 receiver=receiver,
@@ -187,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
 
         load = threading.Thread(
             target=run_load,
-            args=(shim_url, stack.model_name),
+            args=(engine_url, stack.model_name),
             kwargs=dict(
                 duration=float("inf"),
                 concurrency=concurrency,
@@ -200,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         load.start()
         if drill is not None and receiver is not None:
             drill_run = DrillRun(drill, stack, receiver, baseline)
-        _show(shim_url, exporter_url, banner, settings, stack, view, drill_run)
+        _show(engine_url, exporter_url, banner, settings, stack, view, drill_run)
     except Stopped:
         interrupted = True
         raise
@@ -221,6 +266,17 @@ def run(args: argparse.Namespace) -> int:
         if interrupted and drill_run is not None:  # its time to page, if it paged, before the exit by the signal
             _drill_verdict(drill_run, interrupted)
     return 0 if drill_run is None else _drill_verdict(drill_run, interrupted)
+
+
+def vllm_serve(model: DemoModel, python: Path) -> VllmServe:
+    """How vLLM serves `model`: its folder and gates, at the τ of the profile the rules judge it by."""
+    folder = checkpoint_folder(model, model_cache(), _say)
+    assert folder is not None  # run() refused the embedded model
+    by_name = {profile.model_name: profile for profile in load_profiles(PROFILES_DIR)}
+    if config.VLLM_SERVED_MODEL_NAME not in by_name:
+        raise RuntimeError(f"no profile of {config.VLLM_SERVED_MODEL_NAME} in {PROFILES_DIR}: its τ is unknown")
+    gates = model.gates or folder / "gates.safetensors"
+    return VllmServe(python, folder, gates, by_name[config.VLLM_SERVED_MODEL_NAME].threshold)
 
 
 def taken_port(settings: DemoSettings, monitoring: bool) -> str | None:
@@ -275,7 +331,7 @@ def shadow_line(samples: Samples) -> str:
 
 
 def _show(
-    shim_url: str,
+    engine_url: str,
     exporter_url: str,
     banner: str,
     settings: DemoSettings,
@@ -292,10 +348,10 @@ def _show(
             drill_run.poll()
             status = "\n".join(drill_run.status()) + "\n\n"
             if view is not None and drill_run.injected_at is not None:
-                view.restarting(host_port(shim_url), drill_run.injected_at)
+                view.restarting(host_port(engine_url), drill_run.injected_at)
         size = shutil.get_terminal_size()
         try:
-            screen = exporter_screen(shim_url, exporter_url, view, size.columns)
+            screen = exporter_screen(engine_url, exporter_url, view, size.columns, stack.engine)
             if interactive:
                 text = frame(banner, status, screen, size.columns, size.lines)
             else:
@@ -307,13 +363,16 @@ def _show(
         time.sleep(min(settings.interval, max(0.0, deadline - time.monotonic())))
 
 
-def exporter_screen(shim_url: str, exporter_url: str, view: AlertView | None, columns: int) -> Callable[[bool], str]:
+def exporter_screen(
+    engine_url: str, exporter_url: str, view: AlertView | None, columns: int, engine: str = "shim"
+) -> Callable[[bool], str]:
     """The model's part of the screen, read once: rendered with the histogram in place, or
     (`histogram_last`) below the alert state, for a short terminal."""
     samples = scrape(exporter_url)
     clock = time.strftime("%H:%M:%S")
     if view is None:  # no Prometheus: the figures come from the shim itself
-        shadow = shadow_line(scrape(shim_url)) + "\n\n"
+        shadow = shadow_line(scrape(engine_url)) if engine == "shim" else NO_QUALITY_GUARD
+        shadow += "\n\n"
         return lambda histogram_last: (
             shadow + render_samples(samples, exporter_url, clock, width=columns, histogram_last=histogram_last)
         )

@@ -67,9 +67,17 @@ def run(args: argparse.Namespace) -> int:
     from layerwatch.inference_shim.service.app import create_app
     from layerwatch.inference_shim.service.http_protocol import BoundedH11Protocol, ConnectionRefusals, fit_open_files
     from layerwatch.inference_shim.service.server import ShimServer
-    from layerwatch.inference_shim.service.shim import ShimService
+    from layerwatch.inference_shim.service.shim import ShimService, export_gates
 
     settings = settings_from_arguments(args)
+    if settings.export_gates is not None:
+        try:
+            sha256 = export_gates(settings)
+        except (CheckpointError, GateFileError, ValueError, OSError) as exc:
+            log.error("cannot export the gates: %s", exc)
+            return 2
+        log.info("wrote the gates to %s (gates_sha256=%s)", settings.export_gates, sha256)
+        return 0
     if settings.request_runaway_fraction is None:
         found = profile_runaway_fraction(settings)
         fraction, source = found if found else (DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, "the default")

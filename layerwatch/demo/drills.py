@@ -2,7 +2,8 @@
 
 A drill restarts the shim with `serve` flags that break the gates the way the field saw them break
 (docs/alerting.md, "The field's reports"), as tests/stack/test_end_to_end.py does (docs/end-to-end.md
-has the faults and their times to page there). Adding a drill is one entry in DRILLS; every drill's
+has the faults and their times to page there); on vLLM it restarts `vllm serve` with the plugin's form
+of those flags (vllm_serve.plugin_drill). Adding a drill is one entry in DRILLS; every drill's
 alert is critical (it reaches the pager).
 """
 
@@ -85,7 +86,7 @@ class DrillRun:
             self._thread = threading.Thread(target=self._inject, name=f"drill-{self.drill.name}", daemon=True)
             self._thread.start()
         if self.error is not None:
-            raise RuntimeError(f"drill {self.drill.name}: restarting the shim failed: {self.error}")
+            raise RuntimeError(f"drill {self.drill.name}: restarting the {self._stack.engine} failed: {self.error}")
         self.check_page()
 
     def check_page(self) -> None:
@@ -94,7 +95,7 @@ class DrillRun:
 
     def _inject(self) -> None:
         try:
-            self.serving_at = self._stack.restart_shim(*self.drill.serve_flags)
+            self.serving_at = self._stack.restart_engine(*self.drill.serve_flags)
         except (RuntimeError, TimeoutError, OSError) as exc:
             self.error = str(exc)
 
@@ -110,7 +111,8 @@ class DrillRun:
             left = max(0.0, self.inject_at - time.monotonic())
             return lines + [f"  healthy baseline: the fault comes in {left:.0f}s"]
         if self.serving_at is None:
-            return lines + [f"  fault injected {time.monotonic() - self.injected_at:.0f}s ago; the shim is restarting"]
+            since = time.monotonic() - self.injected_at
+            return lines + [f"  fault injected {since:.0f}s ago; the {self._stack.engine} is restarting"]
         restart = self.serving_at - self.injected_at
         if self.paged_at is None:
             since = time.monotonic() - self.injected_at

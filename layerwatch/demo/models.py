@@ -126,6 +126,7 @@ DEMO_MODELS: dict[str, DemoModel] = {
     )
 }
 DEFAULT_MODEL = DEMO_MODELS["demo"]
+VLLM_DEFAULT_MODEL = DEMO_MODELS["smollm2"]  # `--engine vllm` serves a checkpoint folder: the real model
 
 
 def demo_model(text: str) -> DemoModel:
@@ -149,32 +150,29 @@ def model_cache() -> Path:
 
 def serve_flags(model: DemoModel, cache: Path, say: Callable[[str], None]) -> list[str]:
     """`serve`'s flags for `model`, importing its GGUF into `cache` first unless a folder is there."""
-    flags: list[str] = []
-    if model.folder is not None:
-        flags += ["--model", str(model.folder)]
-    if model.gguf is not None:
-        folder = cache / model.gguf.folder
-        if not folder.is_dir():
-            gguf = model.gguf.gguf_path()
-            say(f"importing {gguf.name} into {folder} (once: later runs reuse it)...")
-            cache.mkdir(parents=True, exist_ok=True)
-            imported = subprocess.run(  # ended with the demo, however it ends (layerwatch/demo/processes.py)
-                [
-                    *DIE_WITH_PARENT,
-                    str(os.getpid()),
-                    *LAYERWATCH_COMMAND,
-                    "import-gguf",
-                    str(gguf),
-                    "--out",
-                    str(folder),
-                ],
-                capture_output=True,
-                text=True,
-            )
-            if imported.returncode != 0:
-                raise RuntimeError(f"importing {gguf} failed: {imported.stderr.strip()}")
-            say(imported.stdout.strip())
-        flags += ["--model", str(folder)]
+    folder = checkpoint_folder(model, cache, say)
+    flags = ["--model", str(folder)] if folder is not None else []
     if model.gates is not None:
         flags += ["--gates", str(model.gates)]
     return flags
+
+
+def checkpoint_folder(model: DemoModel, cache: Path, say: Callable[[str], None]) -> Path | None:
+    """`model`'s checkpoint folder (None: the embedded demo model), importing its GGUF into `cache` first
+    unless a folder is there."""
+    if model.gguf is None:
+        return model.folder
+    folder = cache / model.gguf.folder
+    if not folder.is_dir():
+        gguf = model.gguf.gguf_path()
+        say(f"importing {gguf.name} into {folder} (once: later runs reuse it)...")
+        cache.mkdir(parents=True, exist_ok=True)
+        imported = subprocess.run(  # ended with the demo, however it ends (layerwatch/demo/processes.py)
+            [*DIE_WITH_PARENT, str(os.getpid()), *LAYERWATCH_COMMAND, "import-gguf", str(gguf), "--out", str(folder)],
+            capture_output=True,
+            text=True,
+        )
+        if imported.returncode != 0:
+            raise RuntimeError(f"importing {gguf} failed: {imported.stderr.strip()}")
+        say(imported.stdout.strip())
+    return folder

@@ -1,5 +1,6 @@
-"""The processes of one demo run: the exporter and the shim, then Prometheus and Alertmanager with
-the repository's own rendered configs when their binaries are installed.
+"""The processes of one demo run: the exporter and the engine (the shim, or `vllm serve` with layerwatch's
+plugin: vllm_serve.py), then Prometheus and Alertmanager with the repository's own rendered configs when
+their binaries are installed.
 
 The monitoring side runs on a scaled timing (`StackTiming`; the demo model's is the end-to-end test's,
 docs/end-to-end.md): the production rules with every window, `for:` and Alertmanager wait scaled,
@@ -19,6 +20,7 @@ import socket
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from layerwatch.alerts.durations import Timing
 from layerwatch.alerts.profile import Profile
 from layerwatch.demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
 from layerwatch.demo.receiver import PAGER_PATH, TICKET_PATH, WebhookReceiver
+from layerwatch.demo.vllm_serve import START_TIMEOUT_SECONDS, VLLM_ENV, VllmServe, plugin_drill
 from layerwatch.deploy.render import Stack, render_stack
 
 SCRAPE_INTERVAL = EVALUATION_INTERVAL = 1.0
@@ -69,72 +72,98 @@ class DemoStack:
         self.timing = timing
         self.processes: list[ManagedProcess] = []
         self.model_name = ""
-        self.shim_url = ""
-        self._shim_argv: list[str] = []
-        self._shim_restarts = 0
-        # A drill restarts the shim from a thread of its own (layerwatch/demo/drills.py): no process may start
-        # once stop_all began, or it would outlive the demo.
+        self.engine = "shim"  # the engine's process name and scrape job: "shim" or "vllm"
+        self.engine_url = ""
+        self._ready_path = "/readyz"  # where the engine says it serves
+        self._start_timeout = 180.0
+        self._engine_env: dict[str, str] = {}
+        # A drill's `serve` flags -> the argv of the engine serving them; set when the engine starts.
+        self._drill_argv: Callable[[tuple[str, ...]], list[str]] | None = None
+        self._engine_restarts = 0
+        # A drill restarts the engine from a thread of its own (layerwatch/demo/drills.py): no process may
+        # start once stop_all began, or it would outlive the demo.
         self._lock = threading.Lock()
         self._stopping = False
-        self._retiring: list[ManagedProcess] = []  # a shim being replaced: stop_all stops it too
+        self._retiring: list[ManagedProcess] = []  # an engine being replaced: stop_all stops it too
 
-    def _start(self, name: str, argv: list[str]) -> ManagedProcess:
+    def _start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
         with self._lock:
             if self._stopping:
                 raise RuntimeError(f"not starting {name}: the demo is stopping")
-            proc = ManagedProcess(name, argv, self.workdir / f"{name}.log")
+            proc = ManagedProcess(name, argv, self.workdir / f"{name}.log", env)
             self.processes.append(proc)
         return proc
+
+    def _start_exporter(self, exporter_port: int) -> tuple[ManagedProcess, str, str]:
+        """The exporter, its frame address and its URL."""
+        frames = f"127.0.0.1:{free_port(socket.SOCK_DGRAM)}"
+        exporter = self._start(
+            "exporter",
+            LAYERWATCH_COMMAND
+            + ["exporter", "--listen", frames, "--http", f"127.0.0.1:{exporter_port}"]
+            + ["--window-seconds", f"{self.timing.exporter_window_seconds:g}", "--statistics-cache-seconds", "0.5"],
+        )
+        return exporter, frames, f"http://127.0.0.1:{exporter_port}"
+
+    def _start_engine(self, exporter: ManagedProcess, exporter_url: str, port: int, argv: list[str]) -> tuple[str, str]:
+        engine = self._start(self.engine, argv, self._engine_env)
+        exporter.wait_http(exporter_url + "/healthz", timeout=30)
+        self.engine_url = f"http://127.0.0.1:{port}"
+        engine.wait_http(self.engine_url + self._ready_path, timeout=self._start_timeout)
+        self.model_name = served_model_name(self.engine_url)
+        return self.engine_url, exporter_url
 
     def start_core(
         self, *, port: int, exporter_port: int, shadow_rate: float, model_flags: list[str]
     ) -> tuple[str, str]:
         """Start the exporter and the shim (`serve` with `model_flags`: the embedded model without any)."""
-        cli = LAYERWATCH_COMMAND
-        udp_port = free_port(socket.SOCK_DGRAM)
-        exporter_url = f"http://127.0.0.1:{exporter_port}"
-        exporter = self._start(
-            "exporter",
-            cli
-            + ["exporter", "--listen", f"127.0.0.1:{udp_port}", "--http", f"127.0.0.1:{exporter_port}"]
-            + ["--window-seconds", f"{self.timing.exporter_window_seconds:g}", "--statistics-cache-seconds", "0.5"],
-        )
-        shim_argv = cli + [
-            "serve",
-            "--port",
-            str(port),
-            "--exporter-address",
-            f"127.0.0.1:{udp_port}",
-            "--shadow-rate",
-            str(shadow_rate),
-            *model_flags,
-        ]
-        self._shim_argv = shim_argv
-        shim = self._start("shim", shim_argv)
-        exporter.wait_http(exporter_url + "/healthz", timeout=30)
-        self.shim_url = f"http://127.0.0.1:{port}"
-        shim.wait_http(self.shim_url + "/readyz", timeout=180)
-        self.model_name = served_model_name(self.shim_url)
-        return self.shim_url, exporter_url
+        exporter, frames, exporter_url = self._start_exporter(exporter_port)
+        shim_argv = LAYERWATCH_COMMAND + ["serve", "--port", str(port), "--exporter-address", frames]
+        shim_argv += ["--shadow-rate", str(shadow_rate), *model_flags]
+        self._drill_argv = lambda flags: [*shim_argv, *flags]
+        return self._start_engine(exporter, exporter_url, port, shim_argv)
 
-    def restart_shim(self, *flags: str) -> float:
-        """Replace the shim by one started with `flags` at the same address (the same scrape target),
-        as the end-to-end test injects its faults; returns when the new one was ready (monotonic)."""
+    def start_vllm(self, *, port: int, exporter_port: int, serve: VllmServe) -> tuple[str, str]:
+        """Start the exporter and `vllm serve` with the plugin sending its frames there."""
+        serve.check()
+        self.engine, self._ready_path, self._start_timeout = "vllm", "/health", START_TIMEOUT_SECONDS
+        self._engine_env = VLLM_ENV
+        exporter, frames, exporter_url = self._start_exporter(exporter_port)
+
+        def drill_argv(flags: tuple[str, ...]) -> list[str]:
+            drill = plugin_drill(flags)
+            gates = None
+            if drill.export_flags:
+                gates = self.workdir / "drill-gates.safetensors"
+                serve.export_gates(drill.export_flags, gates)
+            return serve.argv(port, frames, drill, gates)
+
+        self._drill_argv = drill_argv
+        return self._start_engine(exporter, exporter_url, port, serve.argv(port, frames))
+
+    def restart_engine(self, *flags: str) -> float:
+        """Replace the engine by one serving a drill's `serve` flags at the same address (the same scrape
+        target), as the end-to-end test injects its faults; returns when the new one was ready (monotonic).
+        The new argv comes first: writing a drill's gates for vLLM takes seconds, while the old one serves."""
+        if self._drill_argv is None:
+            raise RuntimeError("no engine to restart: none was started")
+        argv = self._drill_argv(flags)
         with self._lock:
-            (old,) = [proc for proc in self.processes if proc.name == "shim"]
+            (old,) = [proc for proc in self.processes if proc.name == self.engine]
             self.processes.remove(old)  # before it stops: check_alive must not take it for a crash
             self._retiring.append(old)
         old.stop()
         with self._lock:
             self._retiring.remove(old)
-        self._shim_restarts += 1
-        old.log_path.rename(self.workdir / f"shim-{self._shim_restarts}.log")
-        self._start("shim", [*self._shim_argv, *flags]).wait_http(self.shim_url + "/readyz", timeout=180)
+        self._engine_restarts += 1
+        old.log_path.rename(self.workdir / f"{self.engine}-{self._engine_restarts}.log")
+        new = self._start(self.engine, argv, self._engine_env)
+        new.wait_http(self.engine_url + self._ready_path, timeout=self._start_timeout)
         return time.monotonic()
 
     def start_prometheus(
         self,
-        shim_url: str,
+        engine_url: str,
         exporter_url: str,
         *,
         profiles: list[Profile],
@@ -147,11 +176,12 @@ class DemoStack:
         paths = render_config(
             self.workdir / "config",
             profiles,
-            shim_url,
+            engine_url,
             exporter_url,
             receiver,
             f"127.0.0.1:{alertmanager_port}",
             self.timing,
+            self.engine,
         )
         # A fresh store each run: a reused --workdir's old series (other ports, other gates) would
         # still answer queries for Prometheus' 5-minute lookback, and old alerts would fire again.
@@ -200,17 +230,21 @@ class DemoStack:
 def render_config(
     dest: Path,
     profiles: list[Profile],
-    shim_url: str,
+    engine_url: str,
     exporter_url: str,
     receiver: WebhookReceiver,
     alertmanager_target: str,
     timing: StackTiming = DEMO_TIMING,
+    engine: str = "shim",
 ) -> Stack:
-    """The demo's Prometheus and Alertmanager configs and rules, on `timing`, into `dest`."""
+    """The demo's Prometheus and Alertmanager configs and rules, on `timing`, into `dest`; the engine
+    scraped as the shim's job or vLLM's."""
+    engine_targets = [host_port(engine_url)]
     return render_stack(
         dest,
         profiles=profiles,
-        shim_targets=[host_port(shim_url)],
+        shim_targets=engine_targets if engine == "shim" else [],
+        vllm_targets=engine_targets if engine == "vllm" else [],
         exporter_targets=[host_port(exporter_url)],
         alertmanager_target=alertmanager_target,
         pager_url=receiver.url(PAGER_PATH),

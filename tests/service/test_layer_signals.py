@@ -29,7 +29,7 @@ from layerwatch.inference_shim.runtime.gates import (
 from layerwatch.inference_shim.service.layer_signals import LayerSignalsCollector
 from layerwatch.inference_shim.service.metrics import ShadowMetrics
 from layerwatch.inference_shim.service.shadow import ShadowChecker
-from layerwatch.inference_shim.service.shim import ServeSettings, ShimService
+from layerwatch.inference_shim.service.shim import ServeSettings, ShimService, export_gates
 from tests.service.conftest import MODEL_NAME, NUM_LAYERS, tiny_gates, uniform_record
 from tests.service.test_shadow import checks_done
 from tests.support import collector_samples, sample_sum
@@ -349,6 +349,26 @@ def test_the_gate_drills_exclude_each_other(tiny_checkpoint, other):
         ShimService.load(settings)
     with pytest.raises(ValueError, match="exclude each other"):
         ShimService.load(ServeSettings(model_dir=tiny_checkpoint.path, reset_gates=True, shuffle_gates=True))
+
+
+@pytest.mark.parametrize("drill", ["shuffle_gates", "scramble_gates", "reset_gates"])
+def test_export_gates_writes_the_gate_file_of_what_the_drill_serves(in_process, tiny_checkpoint, tmp_path, drill):
+    """`serve --export-gates` (how `demo --engine vllm` gives vLLM's plugin a drill's gates) writes the gates the
+    shim serves under the same drill flag: the file's sha256 is the served gates_sha256, and it differs from
+    the healthy file's."""
+    dest = tmp_path / "drill.safetensors"
+    sha = export_gates(ServeSettings(model_dir=tiny_checkpoint.path, export_gates=dest, **{drill: True}))
+    server = in_process(**{drill: True})
+    [labels] = [dict(ls) for (name, ls), _ in server.metrics().items() if name == "layerwatch_model_info"]
+    assert sha == hashlib.sha256(dest.read_bytes()).hexdigest() == labels["gates_sha256"]
+    assert sha != tiny_checkpoint.gates_sha256
+    load_gates(dest, server.service.model)  # a gate file of this model
+
+
+def test_export_gates_without_gates_is_refused(tiny_checkpoint, tmp_path):
+    settings = ServeSettings(model_dir=tiny_checkpoint.path, no_gates=True, export_gates=tmp_path / "g.safetensors")
+    with pytest.raises(ValueError, match="--export-gates"):
+        export_gates(settings)
 
 
 # --- the --scramble-gates drill -------------------------------------------------------------------------

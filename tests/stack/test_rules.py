@@ -314,6 +314,83 @@ def test_every_alert_has_firing_and_silent_promtool_cases() -> None:
     assert silent == every_alert, every_alert - silent
 
 
+VLLM_DOC_SECTION = "## A model served by vLLM"
+
+
+def _reads_job(expr: str, job: str) -> bool:
+    """Whether a selector of `expr` (`job="x"` or `job=~"x|y"`) matches the scrape job `job`."""
+    return any(job in re.split(r"[|()]", alternatives) for alternatives in re.findall(r'job=~?"([^"]*)"', expr))
+
+
+def _alert_key(alert: dict) -> str:
+    """`Name`, or `Name{trigger="t"}` for one trigger of an alert that has several."""
+    trigger = alert["labels"].get("trigger")
+    return alert["alert"] if trigger is None else f'{alert["alert"]}{{trigger="{trigger}"}}'
+
+
+def _vllm_model_alerts() -> dict[str, bool]:
+    """Each alert (by trigger) that can judge the vLLM-served model, in the generated rules: True when its
+    expression, recording rules expanded, reads a series a vLLM deployment has (the plugin's frames
+    through the exporter's job, vLLM's own through job vllm; there is no shim). Common alerts on the
+    exporter alone are left out: their cases in alerts.test.yaml hold whichever engine sends the frames."""
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    wanted = {"layerwatch.recording", "layerwatch.common", f"layerwatch.model.{config.VLLM_SERVED_MODEL_NAME}"}
+    rules = [rule for group in groups if group["name"] in wanted for rule in group["rules"]]
+    recorded = {rule["record"]: rule["expr"] for rule in rules if "record" in rule}
+
+    def expanded(expr: str) -> str:
+        seen, text = set(), expr
+        while names := {name for name in recorded if name not in seen and re.search(rf"{re.escape(name)}\b", text)}:
+            seen |= names
+            text += "".join(recorded[name] for name in names)
+        return text
+
+    verdicts: dict[str, bool] = {}
+    for rule in rules:
+        if "alert" not in rule:
+            continue
+        text = expanded(rule["expr"])
+        exporter, vllm = _reads_job(text, config.EXPORTER_JOB), _reads_job(text, config.VLLM_JOB)
+        if "model_name" not in rule["labels"] and exporter and not vllm:
+            continue  # the exporter's own health, the same whichever engine sends its frames
+        key = _alert_key(rule)
+        verdicts[key] = verdicts.get(key, False) or exporter or vllm
+    return verdicts
+
+
+def test_every_alert_a_vllm_deployment_can_raise_has_vllm_cases_and_the_others_are_named_in_the_docs() -> None:
+    """For the vLLM-served model (no shim series): every alert whose rule reads the exporter's or vLLM's
+    series has a promtool case firing on that model's series and one staying silent on them; every
+    alert that reads only the shim's is named in docs/alerting.md's vLLM section, so that its silence
+    on vLLM is documented, not mistaken for health."""
+    model = config.VLLM_SERVED_MODEL_NAME
+    fired, silent = set(), set()
+    for path in TESTS:
+        for test in yaml.safe_load(path.read_text())["tests"]:
+            series = [s["series"] for s in test.get("input_series", [])]
+            if not any(f'model_name="{model}"' in s or config.VLLM_SELECTOR in s for s in series):
+                continue
+            if any(config.SHIM_SELECTOR in s for s in series):
+                continue  # a deployment with a shim
+            for case in test.get("alert_rule_test", []):
+                if not case.get("exp_alerts"):
+                    silent.add(case["alertname"])
+                for alert in case.get("exp_alerts") or []:
+                    labels = alert["exp_labels"]
+                    if labels.get("model_name", model) == model:
+                        fired.add(_alert_key({"alert": case["alertname"], "labels": labels}))
+    verdicts = _vllm_model_alerts()
+    on_vllm = {key for key, reads_vllm_deployment in verdicts.items() if reads_vllm_deployment}
+    assert on_vllm - fired == set(), "no firing case on the vLLM-served model's series"
+    assert {key.split("{")[0] for key in on_vllm} - silent == set(), "no silent case on its series"
+    docs = (REPO / "docs" / "alerting.md").read_text().split(VLLM_DOC_SECTION, 1)[1].split("\n## ", 1)[0]
+    shim_only = set(verdicts) - on_vllm
+    named = set(re.findall(r"`(Layerwatch\w+(?:\{trigger=\"\w+\"\})?)`", docs))
+    unnamed = {key for key in shim_only if key not in named and key.split("{")[0] not in named}
+    assert unnamed == set(), "shim-only on vLLM, but not named as such in docs/alerting.md"
+    assert shim_only, "every alert reads a vLLM deployment's series: the docs' shim-only list is stale"
+
+
 def test_per_model_rules_use_that_models_numbers(reference_profiles) -> None:
     other = dataclasses.replace(reference_profiles[0], model_name="other", runaway_skip_ratio=0.7)
     groups = rule_groups([*reference_profiles, other])

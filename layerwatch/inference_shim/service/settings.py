@@ -75,6 +75,13 @@ class ModelSettings:
         False,
         help="drill: each gate reads feature j of the hidden state from feature (j + d/2) mod d",
     )
+    export_gates: Path | None = setting(
+        None,
+        type=Path,
+        metavar="FILE",
+        help="write the gates this command would serve (a drill flag's, or the gate file's) to FILE as a gate "
+        "file and exit without serving: how `layerwatch demo --engine vllm` gives vLLM's plugin a drill's gates",
+    )
     gates_watch_seconds: float = setting(
         5.0,
         type=float,
@@ -388,6 +395,7 @@ GATED_SETTINGS = (
     "static_gates",
     "shuffle_gates",
     "scramble_gates",
+    "export_gates",
     "threshold",
     "patience",
     "skip_rule",

@@ -40,6 +40,7 @@ from layerwatch.inference_shim.runtime.gates import (
     gates_path_for,
     load_gates,
     reset_gates,
+    save_gates,
     scramble_gates,
     shuffle_gates,
 )
@@ -270,6 +271,16 @@ def _load_model(settings: ServeSettings) -> tuple[LoadedCheckpoint, LoadedGates 
             "serving the gates reading permuted hidden-state features (--scramble-gates), gates_sha256=%s", gates.sha256
         )
     return checkpoint, gates
+
+
+def export_gates(settings: ServeSettings) -> str:
+    """Write the gates `settings` serve (a drill's, when one is asked for) to `settings.export_gates`;
+    returns their sha256. The drills' transforms are the ones `serve` applies: one definition of each."""
+    assert settings.export_gates is not None
+    settings.check()
+    _, gates = _load_model(settings)
+    assert gates is not None  # --no-gates refuses --export-gates (GATED_SETTINGS)
+    return save_gates(settings.export_gates, gates.gates, gates.metadata)
 
 
 def _check_kv_cache_fits(checkpoint: LoadedCheckpoint, batch_size: int, max_seq_len: int) -> None:
