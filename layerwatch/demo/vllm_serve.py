@@ -62,12 +62,15 @@ def plugin_drill(serve_flags: tuple[str, ...]) -> PluginDrill:
         if flag in GATE_DRILL_FLAGS:
             export.append(flag)
         elif flag == "--threshold":
-            settings["threshold"] = float(next(flags))
+            threshold = next(flags)
+            settings["threshold"] = float(threshold)
         elif flag.startswith("--protected-layers="):
             value = flag.split("=", 1)[1]
             settings["protected_layers"] = [int(layer) for layer in value.split(",") if layer]
         else:
             raise ValueError(f"serve flag {flag} has no form in vLLM's plugin")
+    if export and "threshold" in settings:  # gates opted in at τ are made at it (--static-gates measures there)
+        export += ["--threshold", threshold]
     return PluginDrill(tuple(export), settings)
 
 
