@@ -32,16 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venv-vllm/bin/python"
 sys.path.insert(0, str(REPO))
 
+from tests.vllm.stock_folder import stock_folder  # noqa: E402 (the checkout on the path first)
+
 BATCHES = (1, 8)
 COMPARED = ("tau0", "forced25", "shim")  # each against stock vLLM
 PROMPT = "Write a story about a lighthouse keeper who finds a message in a bottle."
-CHECKPOINT_FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-)
 
 
 def vllm_or_exit() -> None:
@@ -57,13 +52,6 @@ def vllm_or_exit() -> None:
             file=sys.stderr,
         )
         sys.exit(2)
-
-
-def stock_folder(model: Path, dest: Path) -> Path:
-    """The checkpoint without its gate file (stock vLLM would take it for weights), as links."""
-    for name in CHECKPOINT_FILES:
-        (dest / name).symlink_to(model.resolve() / name)
-    return dest
 
 
 def vllm_generator(folder: Path, eager: bool, layerwatch: dict | None, tokens: int) -> Callable[[int], int]:

@@ -29,17 +29,10 @@ from tests.vllm_engine import (
 )
 
 from .shim_reference import Sequence, compare
+from .stock_folder import stock_folder
 
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):"]
 GREEDY_TOKENS = 40
-# The stock folder: the checkpoint without its gate file, which stock vLLM would take for weights.
-CHECKPOINT_FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-)
 
 
 def complete(engine: VllmEngine, prompt: str, max_tokens: int) -> tuple[list[int], list[int]]:
@@ -65,10 +58,7 @@ def one_row_each(frames: list[GateFrame]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_at_threshold_zero_greedy_tokens_are_stock_vllms(vllm_engine: VllmEngine, tmp_path: Path) -> None:
-    stock = tmp_path / "stock"
-    stock.mkdir()
-    for name in CHECKPOINT_FILES:
-        (stock / name).symlink_to(vllm_engine.folder / name)
+    stock = stock_folder(vllm_engine.folder, tmp_path / "stock")
     expected = run_helper("offline_run.py", str(stock), str(GREEDY_TOKENS), json.dumps(PROMPTS))["runs"]
     with vllm_engine.threshold_set(0.0), vllm_engine.frames() as frames:
         served = [complete(vllm_engine, prompt, GREEDY_TOKENS) for prompt in PROMPTS]
