@@ -14,7 +14,7 @@ from layerwatch.alerts.rules import model_rules, recorded_names, rule_groups
 from layerwatch.alerts.signals import figures_for
 from layerwatch.demo.alert_view import PAST, RESTART_NOTE, PrometheusAlert, Snapshot
 from layerwatch.demo.receiver import Notification, WebhookReceiver
-from layerwatch.demo.stack import DEMO_TIMING, render_config
+from layerwatch.demo.stack import DEMO_LATENCY_OBJECTIVES, DEMO_TIMING, render_config
 from layerwatch.mixin import config
 from layerwatch.promql import check_queries, known_series
 
@@ -153,3 +153,29 @@ def test_the_demos_alertmanager_repeats_a_page_after_production_hours_not_every_
     pager = next(r for r in route["routes"] if r["receiver"] == "pager")
     assert (pager["repeat_interval"], route["repeat_interval"]) == ("1h", "4h")
     assert (route["group_wait"], route["group_interval"]) == ("300ms", "3s")  # the rest stays scaled
+
+
+def test_the_demos_rules_judge_vllms_latency_by_the_demos_objectives_and_production_by_its_own(tmp_path):
+    receiver = WebhookReceiver()
+    try:
+        stack = render_config(
+            tmp_path, [PROFILE], "http://127.0.0.1:1", "http://127.0.0.1:2", receiver, "127.0.0.1:3", engine="vllm"
+        )
+    finally:
+        receiver.close()
+
+    def limits(groups: dict) -> dict[str, float]:
+        rules = [r for g in groups["groups"] for r in g["rules"] if r.get("alert") == "LayerwatchVllmLatencyHigh"]
+        return {r["labels"]["trigger"]: float(r["expr"].rsplit(">", 1)[1]) for r in rules}
+
+    demo = DEMO_LATENCY_OBJECTIVES
+    assert limits(yaml.safe_load(stack.rules.read_text())) == {
+        "time_to_first_token": demo.time_to_first_token_max,
+        "inter_token": demo.inter_token_latency_max,
+    }
+    production = config.VLLM_LATENCY_OBJECTIVES
+    assert limits(rule_groups([PROFILE])) == {
+        "time_to_first_token": production.time_to_first_token_max,
+        "inter_token": production.inter_token_latency_max,
+    }
+    assert demo.inter_token_latency_max > production.inter_token_latency_max

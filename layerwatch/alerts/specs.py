@@ -74,6 +74,7 @@ class AlertBuild:
     timing: Timing
     recorded: Recorded
     model_profile: Profile | None = None  # None for a common alert
+    objectives: config.LatencyObjectives = config.VLLM_LATENCY_OBJECTIVES
 
     @property
     def profile(self) -> Profile:
@@ -212,7 +213,7 @@ def target_down(b: AlertBuild) -> list[dict]:
 @alert("LayerwatchVllmLatencyHigh", severities=(TICKET,), default_for="10m")
 def vllm_latency_high(b: AlertBuild) -> list[dict]:
     window = b.timing(config.RATE_WINDOW)
-    quantile = config.VLLM_LATENCY_QUANTILE
+    quantile = b.objectives.quantile
     skip_ratio = (
         "{{ with printf `max(" + b.recorded.skip_ratio + "{model_name=%q})` $labels.model_name | query }}"
         '{{ . | first | value | printf "' + RATIO_FORMAT + '" }}{{ else }}n/a (no gate frames){{ end }}'
@@ -223,9 +224,14 @@ def vllm_latency_high(b: AlertBuild) -> list[dict]:
             "time_to_first_token",
             "vllm:time_to_first_token_seconds",
             "time to first token",
-            config.VLLM_TIME_TO_FIRST_TOKEN_MAX,
+            b.objectives.time_to_first_token_max,
         ),
-        ("inter_token", "vllm:inter_token_latency_seconds", "inter-token latency", config.VLLM_INTER_TOKEN_LATENCY_MAX),
+        (
+            "inter_token",
+            "vllm:inter_token_latency_seconds",
+            "inter-token latency",
+            b.objectives.inter_token_latency_max,
+        ),
     ):
         buckets = f"sum by ({BY_MODEL}, le) (rate({metric}_bucket{{{config.VLLM_SELECTOR}}}[{window}]))"
         rules.append(

@@ -19,6 +19,7 @@ from layerwatch.alerts.profile import Profile
 from layerwatch.alerts.rules import render_rules, to_yaml
 from layerwatch.alerts.specs import target_down
 from layerwatch.mixin import config
+from layerwatch.mixin.config import VLLM_LATENCY_OBJECTIVES, LatencyObjectives
 
 RULES_FILE = "layerwatch.rules.yaml"
 RULES_GLOB = "*.rules.yaml"  # never matches the promtool tests (*.test.yaml)
@@ -309,19 +310,21 @@ def render_stack(
     mitigation: MitigationWebhook | None = None,
     repeat_time_scale: float | None = None,
     vllm_targets: Sequence[str] = (),
+    latency_objectives: LatencyObjectives = VLLM_LATENCY_OBJECTIVES,
 ) -> Stack:
     """Write prometheus.yml, rules/layerwatch.rules.yaml and alertmanager.yml into `dest`.
 
     `time_scale` multiplies every rule window, `for:` and Alertmanager wait (0.01 turns 5m into
     3s); choose a scrape interval that still leaves a few samples in the shortest rate window.
     `repeat_time_scale` multiplies Alertmanager's repeat intervals instead (default: `time_scale`).
-    `remote_write_urls` and `vllm_targets` as in `prometheus_config`, `mitigation` as in `alertmanager_config`.
+    `remote_write_urls` and `vllm_targets` as in `prometheus_config`, `mitigation` as in `alertmanager_config`;
+    `latency_objectives` are vLLM's (LayerwatchVllmLatencyHigh).
     """
     dest = Path(dest)
     timing = Timing(time_scale)
     rules = dest / "rules" / RULES_FILE
     rules.parent.mkdir(parents=True, exist_ok=True)
-    rules.write_text(render_rules(profiles, timing))
+    rules.write_text(render_rules(profiles, timing, latency_objectives))
     prometheus = dest / "prometheus.yml"
     prometheus.write_text(
         HEADER

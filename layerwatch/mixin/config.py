@@ -7,6 +7,8 @@ labels, windows, severities, where runbooks and receivers live, the compose stac
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from layerwatch import ports
 
 # Scrape jobs. Rules select on these, so a Prometheus scraping layerwatch under other job names
@@ -28,11 +30,18 @@ SKIP_BASELINE_WINDOW = 3600.0  # the skip ratio's own recent baseline: 1h
 GATE_CHANGE_WINDOW = 3600.0  # how long a gates_sha256 change stays visible (and the alert firing)
 QUALITY_GUARD_WINDOW = 900.0  # over which LayerwatchQualityGuardBlind judges that nothing was measured: 15m
 
-# vLLM's latency objectives (LayerwatchVllmLatencyHigh): the p99 of each per-token latency over the
-# rate window, in seconds. Set them to your service's objectives; these suit a small model on CPU.
-VLLM_LATENCY_QUANTILE = 0.99
-VLLM_TIME_TO_FIRST_TOKEN_MAX = 2.0
-VLLM_INTER_TOKEN_LATENCY_MAX = 0.25
+
+@dataclass(frozen=True)
+class LatencyObjectives:
+    """vLLM's latency objectives (LayerwatchVllmLatencyHigh): a quantile of each per-token latency over
+    the rate window. Set them to your service's objectives; the defaults suit a small model on CPU."""
+
+    quantile: float = 0.99
+    time_to_first_token_max: float = 2.0  # seconds
+    inter_token_latency_max: float = 0.25  # seconds
+
+
+VLLM_LATENCY_OBJECTIVES = LatencyObjectives()
 
 # Severities: Alertmanager routes critical to the pager, warning to the ticket queue.
 SEVERITY_PAGE = "critical"
