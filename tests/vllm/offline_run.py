@@ -1,11 +1,12 @@
 """Run in .venv-vllm by the tests (tests/vllm_engine.run_helper): greedy completions of vLLM's offline `LLM`, one
 prompt at a time, on stock vLLM or on the plugin; the line of stdout after RESULT is JSON.
 
-    offline_run.py FOLDER MAX_TOKENS PROMPTS_JSON [SETTINGS_JSON [TENSOR_PARALLEL]]
+    offline_run.py FOLDER MAX_TOKENS PROMPTS_JSON [SETTINGS_JSON [TENSOR_PARALLEL [PIPELINE_PARALLEL]]]
 
 Without SETTINGS_JSON, stock vLLM serves FOLDER (which must hold no gate file: vLLM would take it for weights).
 With it, the plugin serves it with those layerwatch settings, its frames sent to a UDP socket of this script:
-each prompt's frames (scores, skips) are returned with its tokens, and each worker's executed counters.
+each prompt's frames (scores, skips, first layer, the datagram in hex) are returned with its tokens, and each
+worker's executed counters. Pipeline stages run with vLLM's compile warm-up (docs/vllm.md, "Past one machine").
 """
 
 from __future__ import annotations
@@ -26,16 +27,26 @@ def frames_since(sock: socket.socket) -> list[dict]:
     frames = []
     while True:
         try:
-            frame = decode_frame(sock.recv(65536))
+            data = sock.recv(65536)
         except BlockingIOError:
             return frames
-        frames.append({"scores": frame.entropies.tolist(), "skipped": frame.skipped.tolist(), "seq": frame.sequence})
+        frame = decode_frame(data)
+        frames.append(
+            {
+                "scores": frame.entropies.tolist(),
+                "skipped": frame.skipped.tolist(),
+                "seq": frame.sequence,
+                "first_layer": frame.first_layer,
+                "data": data.hex(),
+            }
+        )
 
 
 def main() -> None:
     folder, max_tokens, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
     settings = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
     tensor_parallel = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    pipeline_parallel = int(sys.argv[6]) if len(sys.argv) > 6 else 1
     options: dict = {}
     sock = None
     if settings is not None:
@@ -50,10 +61,11 @@ def main() -> None:
     llm = LLM(
         model=folder,
         dtype="float32",
-        enforce_eager=True,
+        enforce_eager=pipeline_parallel == 1,
         max_model_len=512,
         block_size=32,  # as the shared engine's (tests/vllm_engine.py)
         tensor_parallel_size=tensor_parallel,
+        pipeline_parallel_size=pipeline_parallel,
         **options,
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
