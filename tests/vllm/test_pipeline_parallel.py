@@ -2,7 +2,8 @@
 demo model with its trained gates, layers 0-7 on the first stage and 8-15 on the second. Each stage decides its own
 layers from its own state, keyed by the KV slots both read alike: together their decisions are the shim's for the
 same tokens, as size 1's are (tests/vllm/test_plugin.py). Each stage sends partial frames of its layers; an exporter
-fed by both counts one model of 16 layers."""
+fed by both counts one model of 16 layers. Then a sampled batch (both prompts at once, n = 2): each stage's frames
+carry exactly the skips it executed, and the exporter still counts every layer of every step row once."""
 
 from __future__ import annotations
 
@@ -19,16 +20,23 @@ from tests.vllm_engine import require_vllm, run_helper
 from .shim_reference import Sequence, compare
 from .test_tensor_parallel import PROMPTS, THREADS_PER_RANK, TOKENS
 
+SAMPLED_TOKENS = 24
+
 
 def test_two_stages_decide_as_one_model_and_the_exporter_counts_one() -> None:
     require_vllm()
     policy = load_gates(DEMO_MODEL_DIR / GATES_FILE, load_checkpoint(DEMO_MODEL_DIR).model).metadata.policy()
     result = run_helper(
-        "offline_run.py", str(DEMO_MODEL_DIR), str(TOKENS), json.dumps(PROMPTS), "{}", "1", "2", env=THREADS_PER_RANK
+        "offline_run.py",
+        *(str(DEMO_MODEL_DIR), str(TOKENS), json.dumps(PROMPTS), "{}", "1", "2", str(SAMPLED_TOKENS)),
+        env=THREADS_PER_RANK,
     )
     first, second = sorted(result["executed"], key=lambda worker: worker["first_layer"])
     assert (first["first_layer"], second["first_layer"]) == (0, len(first["skips"]))
-    assert first["step_rows"] == second["step_rows"] == len(PROMPTS) * TOKENS
+    sampled = result["sampled"]
+    assert sampled["tokens"] == len(PROMPTS) * 2 * SAMPLED_TOKENS
+    steps = len(PROMPTS) * TOKENS + sampled["tokens"]
+    assert first["step_rows"] == second["step_rows"] == steps
     assert sum(first["skips"]) > 0 and sum(second["skips"]) > 0  # both stages really skip
     exporter = ExporterState(ExporterConfig())
 
@@ -46,6 +54,9 @@ def test_two_stages_decide_as_one_model_and_the_exporter_counts_one() -> None:
         scores = np.array([[*a["scores"][0], *b["scores"][0]] for a, b in zip(*stages.values())], dtype=np.float32)
         skipped = np.array([[*a["skipped"][0], *b["skipped"][0]] for a, b in zip(*stages.values())], dtype=bool)
         sequences.append(Sequence(run["prompt_ids"], run["output_ids"], scores, skipped))
+    for frame in sampled["frames"]:
+        frame_skips[frame["first_layer"]] += np.array(frame["skipped"]).sum(axis=0)
+        exporter.ingest_datagram(bytes.fromhex(frame["data"]))
     assert frame_skips[0].tolist() == first["skips"]
     assert frame_skips[second["first_layer"]].tolist() == second["skips"]
 
@@ -55,9 +66,8 @@ def test_two_stages_decide_as_one_model_and_the_exporter_counts_one() -> None:
     assert not comparison.unexplained
 
     (model,) = exporter.snapshot()  # one model, all its layers, each under its own index
-    steps = len(PROMPTS) * TOKENS
     assert model.layer_counts.tolist() == [steps] * 16
     assert model.layer_skips.tolist() == first["skips"] + second["skips"]
-    assert model.frames_received == 2 * steps and model.frames_lost == 0
+    assert model.frames_received == 2 * len(PROMPTS) * TOKENS + len(sampled["frames"]) and model.frames_lost == 0
     routing = exporter.routing(model.model_name)
     assert routing.tokens == steps and routing.skip_counts.tolist() == model.layer_skips.tolist()
