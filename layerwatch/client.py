@@ -70,8 +70,10 @@ class GateFrameSender:
     counts toward skipping the layer: the exporter's routing statistics need it). `shim_id` names
     this sender's sequence space (default: `default_shim_id()`, new per process); `key`, the frame
     key (`load_frame_key(path)`, at least 32 bytes), tags every frame so that an exporter holding
-    the same key can tell it from a forged one. A bad argument raises ValueError or TypeError here,
-    never later.
+    the same key can tell it from a forged one. An engine that runs some of the model's layers (a
+    pipeline stage) sends their scores as partial frames: `first_layer`, the model layer of its first
+    column, and `model_layers`, the whole model's count; the exporter folds the parts into one model.
+    A bad argument raises ValueError or TypeError here, never later.
 
     `send` never raises and never blocks: the socket is non-blocking and connected, so a missing
     exporter shows up as `dropped["send_error"]` (ICMP port unreachable, reported on the next send);
@@ -94,6 +96,8 @@ class GateFrameSender:
         *,
         shim_id: str | None = None,
         key: bytes | None = None,
+        first_layer: int = 0,
+        model_layers: int | None = None,
     ) -> None:
         shim_id = default_shim_id() if shim_id is None else shim_id
         for field, value in (("model name", model_name), ("shim id", shim_id)):
@@ -105,13 +109,18 @@ class GateFrameSender:
                 raise ValueError(f"the {field} holds {character}, which is not printable (the exporter refuses it)")
         if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) or num_layers < 1:
             raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
+        if model_layers is not None and not 0 <= first_layer < first_layer + num_layers <= model_layers <= 0xFFFF:
+            raise ValueError(f"layers {first_layer}..{first_layer + num_layers - 1} are not inside {model_layers}")
+        if model_layers is None and first_layer != 0:
+            raise ValueError(f"first_layer {first_layer} needs model_layers, the whole model's layer count")
         if not is_threshold(threshold):
             raise ValueError(f"threshold must be a number in [0, 1], got {threshold!r}")
         if key is not None and (not isinstance(key, bytes) or len(key) < MIN_SECRET_BYTES):
             raise ValueError(f"the frame key must be bytes, at least {MIN_SECRET_BYTES} of them (load_frame_key)")
         tagged = key is not None
-        overhead = frame_bytes(0, num_layers, model_name, shim_id, threshold, tagged)
-        per_row = frame_bytes(1, num_layers, model_name, shim_id, threshold, tagged) - overhead
+        partial = model_layers is not None and (first_layer, num_layers) != (0, model_layers)
+        overhead = frame_bytes(0, num_layers, model_name, shim_id, threshold, tagged, partial)
+        per_row = frame_bytes(1, num_layers, model_name, shim_id, threshold, tagged, partial) - overhead
         if num_layers > 0xFFFF or overhead + per_row > MAX_FRAME_BYTES:
             raise ValueError(f"{num_layers} layers do not fit one row into a gate frame of {MAX_FRAME_BYTES} bytes")
         try:
@@ -132,6 +141,8 @@ class GateFrameSender:
         self.model_name = model_name
         self.shim_id = shim_id
         self.num_layers = int(num_layers)
+        self.first_layer = int(first_layer)
+        self.model_layers = None if model_layers is None else int(model_layers)
         self.threshold = float(threshold)
         self.key = key
         self.rows_per_frame = (MAX_FRAME_BYTES - overhead) // per_row
@@ -181,7 +192,16 @@ class GateFrameSender:
 
     def _send_frame(self, scores: np.ndarray, skipped: np.ndarray) -> None:
         try:
-            frame = GateFrame(self.model_name, self.shim_id, self.sequence, scores, skipped, self.threshold)
+            frame = GateFrame(
+                self.model_name,
+                self.shim_id,
+                self.sequence,
+                scores,
+                skipped,
+                self.threshold,
+                self.first_layer,
+                self.model_layers,
+            )
             data = encode_frame(frame, self.key)
         except FrameTooLarge as exc:  # rows_per_frame keeps every frame within the limit
             self._drop("too_large", str(exc))

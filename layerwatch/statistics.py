@@ -109,17 +109,26 @@ class LayerTotals:
         self.skips = np.zeros(0, dtype=np.int64)
         self.buckets = np.zeros((0, BINS), dtype=np.int64) if with_buckets else None
 
-    def add(self, entropies: np.ndarray, buckets: np.ndarray, skipped: np.ndarray) -> None:
-        """entropies, their le_bucket_index and the skip bits, all [rows, layers]."""
+    def add(
+        self,
+        entropies: np.ndarray,
+        buckets: np.ndarray,
+        skipped: np.ndarray,
+        first_layer: int = 0,
+        model_layers: int = 0,
+    ) -> None:
+        """entropies, their le_bucket_index and the skip bits, all [rows, layers], of the model's layers
+        first_layer.. of model_layers (a partial frame's, docs/wire-format.md; 0: as many as the frame's)."""
         rows, layers = entropies.shape
-        if layers > len(self.sums):
-            self._grow(layers)
-        self.sums[:layers] += entropies.sum(axis=0, dtype=np.float64)
-        self.counts[:layers] += rows
-        self.skips[:layers] += np.add.reduce(skipped, axis=0, dtype=np.int64)
+        span = slice(first_layer, first_layer + layers)
+        if max(span.stop, model_layers) > len(self.sums):
+            self._grow(max(span.stop, model_layers))
+        self.sums[span] += entropies.sum(axis=0, dtype=np.float64)
+        self.counts[span] += rows
+        self.skips[span] += np.add.reduce(skipped, axis=0, dtype=np.int64)
         if self.buckets is not None:
             flat = (buckets + np.arange(layers) * BINS).ravel()
-            self.buckets[:layers] += np.bincount(flat, minlength=layers * BINS).reshape(layers, BINS)
+            self.buckets[span] += np.bincount(flat, minlength=layers * BINS).reshape(layers, BINS)
 
     def _grow(self, layers: int) -> None:
         extra = layers - len(self.sums)

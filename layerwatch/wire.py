@@ -6,15 +6,17 @@ everything is little-endian:
 
     offset  size  field
     0       4     magic b"LWGF"
-    4       1     version (2; 1 is still read)
+    4       1     version (2; 3 for a partial frame; 1 is still read)
     5       1     flags (bit 0: an authentication tag ends the frame; a decoder rejects unknown bits)
     6       2     rows   (u16, > 0)
     8       2     layers (u16, > 0)
     10      8     sequence (u64, +1 per frame sent by one shim)
     18      1     model_name length in bytes (u8, > 0)
     19      1     shim_id length in bytes (u8, > 0)
-    20      4     threshold τ, float32 in [0, 1] (version 2 only; version 1 has no such field)
-    24 (20) n     model_name (UTF-8), then shim_id (UTF-8)
+    20      4     threshold τ, float32 in [0, 1] (versions 2 and 3; version 1 has no such field)
+    24      2     first layer (u16, version 3 only): the model's layer the frame's first column is
+    26      2     model layers (u16, version 3 only): the layers of the whole model
+    28 (24, 20) n model_name (UTF-8), then shim_id (UTF-8)
     ...     4·R·L entropies, float32, row-major
     ...     R·⌈L/8⌉ skip bits, np.packbits of each row (first layer = most significant bit),
                   padding bits zero
@@ -23,8 +25,11 @@ everything is little-endian:
 
 Version 2 adds the skip policy's threshold τ, so the exporter can tell below-τ scores from the
 rest (routing statistics, layerwatch/routing.py). A version-1 frame (an older shim) decodes with
-`threshold=None` and the exporter falls back to its default τ. `encode_frame` writes version 2 for
-a frame with a threshold and version 1 for one without, so every frame has exactly one encoding.
+`threshold=None` and the exporter falls back to its default τ. Version 3 is a *partial* frame: the
+scores of a contiguous run of the model's layers (a pipeline stage's), with where they start and how
+many layers the whole model has, so that the exporter folds the stages into one model. `encode_frame`
+writes version 3 for a partial frame, version 2 for a whole one with a threshold and version 1 for one
+without, so every frame has exactly one encoding (a version-3 header naming the whole model is refused).
 
 The decoder trusts nothing: it checks the total size against the header before touching the
 payload, so a hostile header cannot make it allocate, and every entropy must be finite and in [0, 1].
@@ -49,9 +54,10 @@ from layerwatch.secret_file import read_secret_file
 from layerwatch.skip_policy import is_threshold
 
 MAGIC = b"LWGF"
-VERSION = 2  # what a frame with a threshold is written as
+VERSION = 2  # what a frame of the whole model with a threshold is written as
 VERSION_WITHOUT_THRESHOLD = 1  # the previous version: still decoded, written for frames without one
-SUPPORTED_VERSIONS = (VERSION_WITHOUT_THRESHOLD, VERSION)
+VERSION_PARTIAL = 3  # a frame of some of the model's layers (a pipeline stage's), with a threshold
+SUPPORTED_VERSIONS = (VERSION_WITHOUT_THRESHOLD, VERSION, VERSION_PARTIAL)
 # One UDP datagram on loopback carries at most 65,507 bytes; stay clear of it.
 MAX_FRAME_BYTES = 65_000
 MAX_NAME_BYTES = 255
@@ -66,6 +72,9 @@ _HEADER = struct.Struct("<4sBBHHQBB")
 HEADER_BYTES = _HEADER.size  # 20: the fields every version starts with (all of version 1's header)
 _THRESHOLD = struct.Struct("<f")
 HEADER_BYTES_V2 = HEADER_BYTES + _THRESHOLD.size  # 24: version 2 adds the threshold
+_LAYER_SPAN = struct.Struct("<HH")  # first layer, model layers
+HEADER_BYTES_V3 = HEADER_BYTES_V2 + _LAYER_SPAN.size  # 28: version 3 adds where its layers sit
+_HEADER_BYTES = {VERSION_WITHOUT_THRESHOLD: HEADER_BYTES, VERSION: HEADER_BYTES_V2, VERSION_PARTIAL: HEADER_BYTES_V3}
 _ENTROPY_DTYPE = np.dtype("<f4")
 
 
@@ -99,6 +108,20 @@ class GateFrame:
     # The skip policy's τ (an entropy below it counts toward skipping), float32 in [0, 1];
     # None for a version-1 frame, which does not carry it.
     threshold: float | None = None
+    # A partial frame (version 3): its columns are the model's layers first_layer.., of model_layers.
+    # model_layers None: the columns are the whole model (and first_layer is 0).
+    first_layer: int = 0
+    model_layers: int | None = None
+
+    @property
+    def partial(self) -> bool:
+        """The frame holds some of the model's layers, not all (version 3)."""
+        return self.model_layers is not None and (self.first_layer, self.entropies.shape[1]) != (0, self.model_layers)
+
+    @property
+    def total_layers(self) -> int:
+        """The layers of the whole model the frame belongs to."""
+        return self.entropies.shape[1] if self.model_layers is None else self.model_layers
 
 
 def parse_address(text: str, *, listening: bool = False) -> tuple[str, int]:
@@ -123,15 +146,21 @@ def load_frame_key(path: str | os.PathLike[str]) -> bytes:
 
 
 def frame_bytes(
-    rows: int, layers: int, model_name: str, shim_id: str, threshold: float | None = None, tagged: bool = False
+    rows: int,
+    layers: int,
+    model_name: str,
+    shim_id: str,
+    threshold: float | None = None,
+    tagged: bool = False,
+    partial: bool = False,
 ) -> int:
     """Encoded size of a frame, so a sender can split a batch before encoding.
 
-    A frame with a threshold (version 2) is 4 bytes longer than one without (version 1); a tagged
-    one TAG_BYTES longer than an untagged one.
+    A frame with a threshold (version 2) is 4 bytes longer than one without (version 1), a partial one
+    (version 3) 4 more; a tagged one TAG_BYTES longer than an untagged one.
     """
     names = len(model_name.encode("utf-8")) + len(shim_id.encode("utf-8"))
-    header = HEADER_BYTES if threshold is None else HEADER_BYTES_V2
+    header = HEADER_BYTES_V3 if partial else HEADER_BYTES if threshold is None else HEADER_BYTES_V2
     tag = TAG_BYTES if tagged else 0
     return header + names + rows * layers * 4 + rows * _packed_row_bytes(layers) + tag
 
@@ -170,18 +199,29 @@ def encode_frame(frame: GateFrame, key: bytes | None = None) -> bytes:
     if not 0 <= frame.sequence < 2**64:
         raise ValueError(f"sequence {frame.sequence} is not a u64")
     threshold = b"" if frame.threshold is None else _THRESHOLD.pack(_check_threshold(frame.threshold, ValueError))
-    size = frame_bytes(rows, layers, frame.model_name, frame.shim_id, frame.threshold, tagged=key is not None)
+    span = b""
+    if frame.model_layers is not None:
+        _check_layer_span(frame.first_layer, layers, frame.model_layers, ValueError)
+    elif frame.first_layer != 0:
+        raise ValueError(f"first layer {frame.first_layer} without the model's layer count")
+    if frame.partial:
+        if frame.threshold is None:
+            raise ValueError("a partial frame (version 3) carries a threshold")
+        span = _LAYER_SPAN.pack(frame.first_layer, frame.model_layers)
+    size = frame_bytes(
+        rows, layers, frame.model_name, frame.shim_id, frame.threshold, key is not None, partial=frame.partial
+    )
     if size > MAX_FRAME_BYTES:
         raise FrameTooLarge(
             f"frame of {rows} rows x {layers} layers needs {size} bytes, "
             f"limit {MAX_FRAME_BYTES}: send fewer rows per frame"
         )
-    version = VERSION_WITHOUT_THRESHOLD if frame.threshold is None else VERSION
+    version = VERSION_PARTIAL if frame.partial else VERSION_WITHOUT_THRESHOLD if frame.threshold is None else VERSION
     flags = 0 if key is None else FLAG_TAGGED
     header = _HEADER.pack(MAGIC, version, flags, rows, layers, frame.sequence, len(model), len(shim))
     bits = np.packbits(skipped, axis=1)
     data = b"".join(
-        (header, threshold, model, shim, entropies.astype(_ENTROPY_DTYPE, copy=False).tobytes(), bits.tobytes())
+        (header, threshold, span, model, shim, entropies.astype(_ENTROPY_DTYPE, copy=False).tobytes(), bits.tobytes())
     )
     return data if key is None else data + _tag(key, data)
 
@@ -203,7 +243,7 @@ def decode_frame(data: bytes, key: bytes | None = None) -> GateFrame:
         raise MalformedFrame(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version not in SUPPORTED_VERSIONS:
         raise MalformedFrame(
-            f"unsupported version {version}, this decoder reads {' and '.join(map(str, SUPPORTED_VERSIONS))}"
+            f"unsupported version {version}, this decoder reads {', '.join(map(str, SUPPORTED_VERSIONS))}"
         )
     if flags & ~FLAG_TAGGED:
         raise MalformedFrame(f"unknown flags 0x{flags:02x}")
@@ -221,7 +261,7 @@ def decode_frame(data: bytes, key: bytes | None = None) -> GateFrame:
         raise MalformedFrame(f"empty frame: {rows} rows x {layers} layers")
     if model_len == 0 or shim_len == 0:
         raise MalformedFrame("model_name and shim_id must not be empty")
-    header_bytes = HEADER_BYTES if version == VERSION_WITHOUT_THRESHOLD else HEADER_BYTES_V2
+    header_bytes = _HEADER_BYTES[version]
     row_bits = _packed_row_bytes(layers)
     expected = header_bytes + model_len + shim_len + rows * layers * 4 + rows * row_bits
     if len(data) != expected:
@@ -234,6 +274,12 @@ def decode_frame(data: bytes, key: bytes | None = None) -> GateFrame:
     if version != VERSION_WITHOUT_THRESHOLD:
         (threshold,) = _THRESHOLD.unpack_from(data, HEADER_BYTES)
         _check_threshold(threshold, MalformedFrame)
+    first_layer, model_layers = 0, None
+    if version == VERSION_PARTIAL:
+        first_layer, model_layers = _LAYER_SPAN.unpack_from(data, HEADER_BYTES_V2)
+        _check_layer_span(first_layer, layers, model_layers, MalformedFrame)
+        if (first_layer, layers) == (0, model_layers):
+            raise MalformedFrame(f"a version-3 frame of all {layers} layers (a whole frame is version 2)")
     offset = header_bytes
     model_name = _decode_name("model_name", data[offset : offset + model_len])
     offset += model_len
@@ -248,7 +294,7 @@ def decode_frame(data: bytes, key: bytes | None = None) -> GateFrame:
     if bits[:, layers:].any():
         raise MalformedFrame("padding bits after the last layer are set")
     skipped = bits[:, :layers].view(bool)
-    return GateFrame(model_name, shim_id, sequence, entropies, skipped, threshold)
+    return GateFrame(model_name, shim_id, sequence, entropies, skipped, threshold, first_layer, model_layers)
 
 
 def _tag(key: bytes, data: bytes) -> bytes:
@@ -266,6 +312,11 @@ def _check_entropy_values(entropies: np.ndarray, error: type[ValueError]) -> Non
     if not np.isfinite(entropies).all():
         raise error("entropies contain NaN or infinity")
     raise error(f"entropies outside [0, 1]: min {entropies.min()}, max {entropies.max()}")
+
+
+def _check_layer_span(first_layer: int, layers: int, model_layers: int, error: type[ValueError]) -> None:
+    if not 0 <= first_layer < first_layer + layers <= model_layers <= 0xFFFF:
+        raise error(f"layers {first_layer}..{first_layer + layers - 1} are not inside a model of {model_layers} layers")
 
 
 def _check_threshold(threshold: float, error: type[ValueError]) -> float:

@@ -167,13 +167,18 @@ class ModelStatistics:
         now: float,
         threshold: float = DEFAULT_THRESHOLD,
         model_name: str = "",
+        first_layer: int = 0,
     ) -> None:
-        """entropies float32 [rows, layers], skipped bool [rows, layers], the τ they were decided with."""
+        """entropies float32 [rows, layers], skipped bool [rows, layers], the τ they were decided with; the
+        columns are the model's layers first_layer.. (a partial frame's: a pipeline stage's layers). The
+        pooled statistics (histograms, bimodality window) take a partial frame's scores as they come; the
+        per-layer ones file each column under its model layer."""
         buckets = le_bucket_index(entropies)
         self.totals.add(entropies.ravel(), skipped.ravel(), buckets.ravel())
-        self.layers.add(entropies, buckets, skipped)
+        model_layers = self.num_layers or entropies.shape[1]
+        self.layers.add(entropies, buckets, skipped, first_layer, model_layers)
         self.window.add(entropies, now)
-        self.routing_window.add(entropies, skipped, threshold, now, model_name)
+        self.routing_window.add(entropies, skipped, threshold, now, model_name, first_layer, model_layers)
         self.threshold = threshold
 
 
@@ -269,7 +274,7 @@ class ExporterState:
 
     def ingest(self, frame: GateFrame) -> None:
         now = self._clock()
-        layers = frame.entropies.shape[1]
+        layers = frame.total_layers  # the model's (a partial frame holds some of them)
         with self._lock:
             # A refused frame did arrive: it moves its shim's sequence on, so it is not counted as lost
             # (a gap it reveals is not charged: its statistics are not counted either).
@@ -306,7 +311,7 @@ class ExporterState:
                         threshold,
                     )
                 model.frames_without_threshold += 1
-            model.add(frame.entropies, frame.skipped, now, threshold, frame.model_name)
+            model.add(frame.entropies, frame.skipped, now, threshold, frame.model_name, frame.first_layer)
 
     def _admit(self, model_name: str, layers: int, now: float) -> str | None:
         """Why a frame of this model and width is refused (a REJECT_REASONS entry), else None with the

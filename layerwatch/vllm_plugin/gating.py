@@ -4,18 +4,22 @@ The gate file is checked as `layerwatch serve` checks it (gates.load_gates: its 
 fingerprint, read from the checkpoint folder vLLM serves), the policy with the skip policy's own checks,
 the frame destination and key with the frame sender's. The first bad one is a PluginSettingsError: one
 line that names it and stops vLLM's start-up.
+
+Under pipeline parallelism a stage runs a contiguous run of the model's layers (`layers`): it keeps the
+gates, the policy state and the counters of those alone, and its frames are partial (wire version 3), so
+that the exporter files each score under its model layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from layerwatch.client import GateFrameSender
 from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
-from layerwatch.inference_shim.runtime.gates import GateFileError, load_gates
+from layerwatch.inference_shim.runtime.gates import GateFileError, LoadedGates, load_gates
 from layerwatch.inference_shim.runtime.model import GateBank
 from layerwatch.inference_shim.runtime.skip_policy import SkipPolicy
 from layerwatch.secret_file import SecretFileError
@@ -29,13 +33,14 @@ STATES_PER_SEQUENCE = 4  # policy states kept per sequence vLLM may schedule: ro
 
 @dataclass
 class Gating:
-    gates: GateBank  # on the model's device and dtype
-    policy: SkipPolicy  # the one rule; its slots hold the sequences' states
+    layers: range  # the model layers this stage runs (all of them without pipeline parallelism)
+    gates: GateBank  # of those layers, on the model's device and dtype
+    policy: SkipPolicy  # the one rule over those layers; its slots hold the sequences' states
     states: SequenceStates  # KV slot -> policy slot
     threshold: float  # τ of the sequences that start from now on (the policy's, unless set at run time)
     decides: bool  # this rank decides the masks (rank 0 of a tensor-parallel group) and sends the frames
     sender: GateFrameSender | None  # None: no exporter address, or not the deciding rank
-    executed_skips: np.ndarray  # int64 [L]: (step row, layer) pairs whose layer did not run, since start-up
+    executed_skips: np.ndarray  # int64 [layers]: (step row, layer) pairs whose layer did not run, since start-up
     step_rows: int = 0  # step rows run since start-up
 
 
@@ -47,13 +52,16 @@ def load_gating(
     dtype: torch.dtype,
     sequences: int,
     decides: bool,
+    layers: range | None = None,
 ) -> Gating:
-    """The gates, policy and frame sender for the checkpoint `folder` of `num_layers` layers, served as
-    `served_name` in `dtype`, with room for the states of `sequences` scheduled sequences; `decides`: this rank
-    decides and sends. The cheap checks come first, the checkpoint (for the gates' fingerprint) is read last."""
+    """The gates, policy and frame sender for `layers` (None: all) of the checkpoint `folder` of `num_layers`
+    layers, served as `served_name` in `dtype`, with room for the states of `sequences` scheduled sequences;
+    `decides`: this rank decides and sends. The cheap checks come first, the checkpoint (for the gates'
+    fingerprint) is read last."""
+    layers = range(num_layers) if layers is None else layers
     if settings.protected_layers is not None:
         settings.policy(vars(SkipPolicyConfig()), num_layers)  # the protected layers inside the model
-    sender = _frame_sender(settings, num_layers, served_name) if decides else None
+    sender = _frame_sender(settings, layers, num_layers, served_name) if decides else None
     try:
         # The checkpoint as the shim loads it, for the fingerprint the gates are checked against; the gates come
         # placed in its dtype, the one vLLM serves in (rounded to another first, every score would move).
@@ -66,17 +74,39 @@ def load_gating(
         sender.threshold = policy.threshold  # the gate file's, where the settings name none
     capacity = STATES_PER_SEQUENCE * sequences
     return Gating(
-        gates=loaded.gates,
-        policy=SkipPolicy(policy, num_layers, slots=capacity),
+        layers=layers,
+        gates=_stage_gates(loaded, layers),
+        policy=SkipPolicy(_stage_policy(policy, layers, num_layers), len(layers), slots=capacity),
         states=SequenceStates(capacity),
         threshold=policy.threshold,
         decides=decides,
         sender=sender,
-        executed_skips=np.zeros(num_layers, dtype=np.int64),
+        executed_skips=np.zeros(len(layers), dtype=np.int64),
     )
 
 
-def _frame_sender(settings: PluginSettings, num_layers: int, served_name: str) -> GateFrameSender | None:
+def _stage_gates(loaded: LoadedGates, layers: range) -> GateBank:
+    """The gates of `layers`, as the loaded bank placed them."""
+    if len(layers) == len(loaded.gates):
+        return loaded.gates
+    reference = next(loaded.gates.parameters())
+    stage = GateBank(len(layers), loaded.metadata.hidden_size).to(device=reference.device, dtype=reference.dtype)
+    with torch.no_grad():
+        for gate, layer in zip(stage.gates, layers):
+            gate.load_state_dict(loaded.gates[layer].state_dict())
+    return stage.eval()
+
+
+def _stage_policy(policy: SkipPolicyConfig, layers: range, num_layers: int) -> SkipPolicyConfig:
+    """The policy over `layers` alone: the model's protected layers among them, renumbered from the stage's
+    first. The fallback breaker then counts the stage's layers (docs/vllm.md, "Past one machine")."""
+    if len(layers) == num_layers:
+        return policy
+    protected = tuple(layer - layers.start for layer in policy.protected(num_layers) if layer in layers)
+    return replace(policy, protected_layers=protected)
+
+
+def _frame_sender(settings: PluginSettings, layers: range, num_layers: int, served_name: str) -> GateFrameSender | None:
     if settings.exporter_address is None:
         return None
     try:
@@ -84,9 +114,11 @@ def _frame_sender(settings: PluginSettings, num_layers: int, served_name: str) -
         return GateFrameSender(
             settings.exporter_address,
             settings.model_name or served_name,
-            num_layers,
+            len(layers),
             settings.threshold if settings.threshold is not None else DEFAULT_THRESHOLD,
             key=key,
+            first_layer=layers.start,
+            model_layers=num_layers,
         )
     except (ValueError, TypeError, SecretFileError) as exc:
         raise PluginSettingsError(f"layerwatch: frames: {exc}") from None

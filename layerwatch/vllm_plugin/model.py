@@ -16,6 +16,13 @@ here). Per forward:
 3. after the last layer, the shim's GateBank scores every layer's normed input of the step rows at
    once, the policy observes them, the executed skips are counted and one gate frame goes to the exporter.
 
+Under pipeline parallelism each stage does all of this for its own layers (vLLM's `start_layer` to
+`end_layer`), as vLLM's Llama does: the first stage embeds, the others continue from the hidden states
+and residual the previous stage sent (vLLM's IntermediateTensors), the last one norms. A stage's policy
+state is keyed by the KV slots every stage reads alike from the same attention metadata, so each finds
+the same sequences; its deciding rank sends the frames of its layers, partial frames the exporter folds
+into one model.
+
 The decoder loop is ours and runs eagerly: vLLM's LlamaModel is compiled (`support_torch_compile`) into
 one graph per batch size, which cannot take a row subset that depends on data; `ignore_torch_compile`
 keeps this model out of it (serve with `--enforce-eager`, docs/vllm.md).
@@ -30,10 +37,11 @@ from typing import Any
 import numpy as np
 import torch
 from vllm.compilation.decorators import ignore_torch_compile
-from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_rank, get_tp_group
+from vllm.config import CompilationMode, VllmConfig
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tp_group
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.llama import LlamaForCausalLM, LlamaModel
+from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
 from layerwatch.vllm_plugin.gating import load_gating
@@ -51,8 +59,15 @@ class LayerwatchLlamaModel(LlamaModel):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         self.block_size = vllm_config.cache_config.block_size
         model_config = vllm_config.model_config
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise PluginSettingsError("layerwatch: pipeline parallelism is not supported by the plugin (use tensor)")
+        if (
+            vllm_config.parallel_config.pipeline_parallel_size > 1
+            and current_platform.is_cpu()
+            and vllm_config.compilation_config.mode == CompilationMode.NONE
+        ):
+            # vLLM 0.32's CPU runner allocates a later stage's input buffers only in its compile warm-up.
+            raise PluginSettingsError(
+                "layerwatch: pipeline parallelism on CPU needs vLLM's compile warm-up: serve without --enforce-eager"
+            )
         if vllm_config.speculative_config is not None:
             raise PluginSettingsError("layerwatch: speculative decoding is not supported by the plugin")
         self.gating = load_gating(
@@ -62,7 +77,8 @@ class LayerwatchLlamaModel(LlamaModel):
             model_config.served_model_name,
             model_config.dtype,
             sequences=vllm_config.scheduler_config.max_num_seqs,
-            decides=get_tensor_model_parallel_rank() == 0,
+            decides=get_tensor_model_parallel_rank() == 0,  # rank 0 of this stage's tensor-parallel group
+            layers=range(self.start_layer, self.end_layer),  # this pipeline stage's
         )
         self.tensor_parallel = vllm_config.parallel_config.tensor_parallel_size > 1
 
@@ -73,13 +89,18 @@ class LayerwatchLlamaModel(LlamaModel):
         intermediate_tensors: IntermediateTensors | None,
         inputs_embeds: torch.Tensor | None = None,
         **_: Any,
-    ) -> torch.Tensor:
-        hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)  # [N, d]
-        step = self._step(hidden.shape[0])
-        plan = _LayerPlan(step, hidden.shape[0], len(self.layers), hidden.device)
+    ) -> torch.Tensor | IntermediateTensors:
         residual: torch.Tensor | None = None
+        if get_pp_group().is_first_rank:
+            hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)  # [N, d]
+        else:
+            assert intermediate_tensors is not None  # vLLM passes every later stage the previous one's
+            hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        step = self._step(hidden.shape[0])
+        layers = self.layers[self.start_layer : self.end_layer]  # this stage's
+        plan = _LayerPlan(step, hidden.shape[0], len(layers), hidden.device)
         normed_inputs = []  # each layer's normed input of the step rows [R, d], for the gates
-        for l, layer in enumerate(self.layers):
+        for l, layer in enumerate(layers):
             if residual is None:
                 residual, x = hidden, layer.input_layernorm(hidden)
             else:
@@ -87,9 +108,11 @@ class LayerwatchLlamaModel(LlamaModel):
             if step is not None and step.slots is not None:
                 normed_inputs.append(x[plan.step_tokens])
             hidden, residual = _gated_layer(layer, positions, x, residual, plan.running[l])
-        hidden, _ = self.norm(hidden, residual)
         if step is not None:
             self._observe(step, normed_inputs)
+        if not get_pp_group().is_last_rank:
+            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
+        hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def _step(self, num_tokens: int) -> _Step | None:
@@ -109,7 +132,7 @@ class LayerwatchLlamaModel(LlamaModel):
         )
         gating = self.gating
         if not gating.decides:  # another rank decides (below)
-            return _Step(rows, None, self._shared(np.empty((requests, len(self.layers)), dtype=bool)))
+            return _Step(rows, None, self._shared(np.empty((requests, len(gating.layers)), dtype=bool)))
         slots, fresh = gating.states.step(rows)
         for slot in slots[fresh].tolist():
             gating.policy.reset(slot, gating.threshold)
@@ -143,7 +166,7 @@ class _Step:
 
     rows: BatchRows
     slots: np.ndarray | None  # int [R]: each step row's policy slot; None on a rank that does not decide
-    run: np.ndarray  # bool [R, L]: True = the layer runs for that row
+    run: np.ndarray  # bool [R, L]: True = the stage's layer runs for that row
 
 
 class _LayerPlan:

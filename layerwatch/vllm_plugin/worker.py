@@ -13,10 +13,12 @@ class LayerwatchWorker:
     model_runner: Any  # the worker's, which vLLM mixes this class into
 
     def layerwatch_executed(self) -> dict[str, Any]:
-        """Since start-up: `skips` per layer, the (step row, layer) pairs whose layer did not run; `step_rows`,
-        the sequences' steps; `frames`, the gate frames sent (None on a rank that sends none)."""
+        """Since start-up: `skips` per layer of the worker's stage (its first model layer `first_layer`), the
+        (step row, layer) pairs whose layer did not run; `step_rows`, the sequences' steps; `frames`, the gate
+        frames sent (None on a rank that sends none)."""
         gating = self._gating()
         return {
+            "first_layer": gating.layers.start,
             "skips": gating.executed_skips.tolist(),
             "step_rows": gating.step_rows,
             "frames": gating.sender.sent if gating.sender is not None else None,

@@ -331,6 +331,55 @@ def test_a_new_layer_count_starts_the_routing_window_over_in_a_replay() -> None:
     assert routing.tokens == 60 and routing.layers == 8 and routing.static_layers == (5,)
 
 
+def _stage(frame: GateFrame, first_layer: int, layers: int, shim: str) -> GateFrame:
+    """The columns first_layer..+layers of a 16-layer frame, as a pipeline stage sends them (wire version 3)."""
+    span = slice(first_layer, first_layer + layers)
+    return GateFrame(
+        frame.model_name, shim, frame.sequence, frame.entropies[:, span], frame.skipped[:, span], 0.18, first_layer, 16
+    )
+
+
+def test_two_stages_partial_frames_fold_into_one_model_as_its_whole_frames_would() -> None:
+    clock = Clock()
+    whole, staged = make_state(clock, min_routing_tokens=50), make_state(clock, min_routing_tokens=50)
+    frames = [_frame(7, 16, [3, 12], sequence) for sequence in range(10)]
+    for frame in frames:
+        whole.ingest(frame)
+        staged.ingest(_stage(frame, 0, 10, "stage-0"))
+    assert staged.routing("demo").withheld and staged.routing("demo").tokens == 0  # layers 10-15 unheard
+    for frame in frames:
+        staged.ingest(_stage(frame, 10, 6, "stage-1"))
+    clock.now += 10  # past the statistics cache
+    (one,), (two,) = whole.snapshot(), staged.snapshot()
+    for field in ("buckets", "sums", "zeros", "layer_sums", "layer_counts", "layer_skips"):
+        np.testing.assert_allclose(getattr(two, field), getattr(one, field), err_msg=field)
+    assert two.frames_received == 20 and two.frames_lost == 0
+    expected, folded = whole.routing("demo"), staged.routing("demo")
+    assert folded.tokens == expected.tokens == 70 and folded.static_layers == expected.static_layers == (3, 12)
+    assert folded.low_counts.tolist() == expected.low_counts.tolist()
+    np.testing.assert_array_equal(staged.bimodality("demo").histogram, whole.bimodality("demo").histogram)
+
+
+def test_a_stage_that_lost_frames_leaves_the_routing_window_the_tokens_both_stages_sent() -> None:
+    state = make_state(min_routing_tokens=5)
+    for sequence in range(10):
+        frame = _frame(1, 16, [3], sequence)
+        state.ingest(_stage(frame, 0, 8, "stage-0"))
+        if sequence not in (2, 5):  # lost in transit
+            state.ingest(_stage(frame, 8, 8, "stage-1"))
+    routing = state.routing("demo")
+    assert routing.tokens == 8 and routing.low_counts.tolist() == [8 if layer == 3 else 0 for layer in range(16)]
+    assert by_model(state)["demo"].frames_lost == 2
+
+
+def test_a_partial_frame_of_another_model_size_is_refused() -> None:
+    state = make_state()
+    state.ingest(_stage(_frame(1, 16, [3], 0), 0, 8, "stage-0"))
+    state.ingest(_frame(1, 8, [3], 0, model="demo"))  # 8 layers: a whole frame of another model
+    assert state.frames_rejected["layer_count_changed"] == 1
+    assert by_model(state)["demo"].layer_counts.tolist() == [1] * 8 + [0] * 8
+
+
 def test_the_routing_window_expires_with_the_entropy_window() -> None:
     clock = Clock()
     state = make_state(clock, window_seconds=60, min_routing_tokens=5, statistics_cache_seconds=0)

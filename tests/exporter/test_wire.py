@@ -21,6 +21,7 @@ from layerwatch.secret_file import SecretFileError
 from layerwatch.wire import (
     HEADER_BYTES,
     HEADER_BYTES_V2,
+    HEADER_BYTES_V3,
     MAX_FRAME_BYTES,
     TAG_BYTES,
     FrameTooLarge,
@@ -47,9 +48,15 @@ def gate_frames(draw: st.DrawFn) -> GateFrame:
     # Any printable text (what a name may hold); the other categories are refused (test_malformed_...).
     printable = st.characters(exclude_categories=("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs")) | st.just(" ")
     name = st.text(printable, min_size=1, max_size=20).filter(lambda s: len(s.encode()) <= 255)
-    # None: a version-1 frame (no threshold); else version 2 with a float32 threshold.
+    # None: a version-1 frame (no threshold); else version 2 with a float32 threshold, or version 3: some of
+    # a larger model's layers.
     threshold = draw(st.none() | st.floats(0, 1, width=32, allow_subnormal=False))
-    return GateFrame(draw(name), draw(name), draw(st.integers(0, 2**64 - 1)), entropies, skipped, threshold)
+    first_layer, model_layers = 0, None
+    if threshold is not None and draw(st.booleans()):
+        first_layer = draw(st.integers(0, 300))
+        model_layers = first_layer + layers + draw(st.integers(0 if first_layer else 1, 300))
+    sequence = draw(st.integers(0, 2**64 - 1))
+    return GateFrame(draw(name), draw(name), sequence, entropies, skipped, threshold, first_layer, model_layers)
 
 
 def frame(
@@ -70,9 +77,9 @@ def frame(
 def test_round_trip_keeps_every_field(original: GateFrame) -> None:
     data = encode_frame(original)
     assert len(data) == frame_bytes(
-        *original.entropies.shape, original.model_name, original.shim_id, original.threshold
+        *original.entropies.shape, original.model_name, original.shim_id, original.threshold, partial=original.partial
     )
-    assert data[4] == (1 if original.threshold is None else 2)
+    assert data[4] == (3 if original.partial else 1 if original.threshold is None else 2)
     decoded = decode_frame(data)
     assert (decoded.model_name, decoded.shim_id, decoded.sequence, decoded.threshold) == (
         original.model_name,
@@ -80,6 +87,7 @@ def test_round_trip_keeps_every_field(original: GateFrame) -> None:
         original.sequence,
         original.threshold,
     )
+    assert (decoded.first_layer, decoded.total_layers) == (original.first_layer, original.total_layers)
     assert decoded.entropies.dtype == np.float32 and decoded.skipped.dtype == np.bool_
     np.testing.assert_array_equal(decoded.entropies, original.entropies)
     np.testing.assert_array_equal(decoded.skipped, original.skipped)
@@ -106,7 +114,9 @@ def test_mutated_frames_decode_canonically_or_raise_malformed(original: GateFram
         raw += data.draw(st.binary(min_size=1, max_size=64))
     else:  # rewrite a header field with any value of its width
         # version 1 <-> 2 rewrites shift the names by the 4 threshold bytes; (20, 4) is v2's threshold
-        offset, width = data.draw(st.sampled_from([(4, 1), (5, 1), (6, 2), (8, 2), (18, 1), (19, 1), (20, 4)]))
+        # (24, 2) and (26, 2) are v3's first layer and model layers
+        fields = [(4, 1), (5, 1), (6, 2), (8, 2), (18, 1), (19, 1), (20, 4), (24, 2), (26, 2)]
+        offset, width = data.draw(st.sampled_from([(o, w) for o, w in fields if o + w <= len(raw)]))
         raw[offset : offset + width] = data.draw(st.binary(min_size=width, max_size=width))
     try:
         decoded = decode_frame(bytes(raw))
@@ -147,6 +157,34 @@ def test_version_1_frames_from_an_older_shim_still_decode_without_a_threshold() 
     np.testing.assert_array_equal(new.entropies, entropies)
 
 
+def test_a_partial_frame_is_version_3_with_its_layers_place_and_a_whole_one_stays_version_2() -> None:
+    whole = frame(rows=2, layers=9, model="m", shim="s", threshold=0.18)
+    part = dataclasses.replace(whole, first_layer=7, model_layers=16)
+    data = encode_frame(part)
+    assert struct.unpack_from("<BBHHQBBfHH", data, 4) == (3, 0, 2, 9, 7, 1, 1, np.float32(0.18), 7, 16)
+    assert HEADER_BYTES_V3 == 28 and data[HEADER_BYTES_V3 : HEADER_BYTES_V3 + 2] == b"ms"
+    assert len(data) == HEADER_BYTES_V3 + 2 + 2 * 9 * 4 + 2 * 2
+    decoded = decode_frame(data)
+    assert (decoded.partial, decoded.first_layer, decoded.total_layers) == (True, 7, 16)
+    # A frame that names the whole model as its span is written, byte for byte, as the same frame without it.
+    assert encode_frame(dataclasses.replace(whole, model_layers=9)) == encode_frame(whole)
+    assert encode_frame(whole)[4] == 2 and decode_frame(encode_frame(whole)).total_layers == 9
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"first_layer": 3}, "first layer 3 without the model's layer count"),
+        ({"first_layer": 10, "model_layers": 15}, r"layers 10..19 are not inside a model of 15 layers"),
+        ({"model_layers": 9}, r"layers 0..9 are not inside a model of 9 layers"),
+        ({"first_layer": 2, "model_layers": 20}, "a partial frame .* carries a threshold"),
+    ],
+)
+def test_encode_refuses_a_layer_span_outside_the_model(change: dict, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        encode_frame(dataclasses.replace(frame(layers=10), **change))
+
+
 def test_the_threshold_survives_as_float32() -> None:
     for threshold in (0.0, 0.18, 0.5, 1.0):
         decoded = decode_frame(encode_frame(frame(threshold=threshold)))
@@ -173,6 +211,10 @@ def _v2(threshold: float = 0.18, **header) -> bytes:
     return _header(version=2, **header) + struct.pack("<f", threshold)
 
 
+def _v3(first_layer: int, model_layers: int, **header) -> bytes:
+    return _header(version=3, **header) + struct.pack("<fHH", 0.18, first_layer, model_layers)
+
+
 @pytest.mark.parametrize(
     "data, reason",
     [
@@ -180,7 +222,13 @@ def _v2(threshold: float = 0.18, **header) -> bytes:
         (_header()[:19], "shorter than the 20-byte header"),
         (_header(magic=b"XXXX") + _valid_body(), "bad magic"),
         (_header(version=0) + _valid_body(), "unsupported version 0"),
-        (_header(version=3) + _valid_body(), "unsupported version 3"),
+        (_header(version=4) + _valid_body(), "unsupported version 4"),
+        (_v3(0, 1)[:27], "describes 35"),
+        (_v3(0, 1) + _valid_body(), "version-3 frame of all 1 layers"),  # whole: version 2's encoding
+        (_v3(2, 2) + _valid_body(), r"layers 2..2 are not inside a model of 2 layers"),
+        (_v3(0, 0) + _valid_body(), r"layers 0..0 are not inside a model of 0 layers"),
+        (_v3(65535, 65535) + _valid_body(), r"layers 65535..65535 are not inside"),
+        (_v3(1, 3, rows=65535, layers=65535) + _valid_body(), "describes"),  # hostile sizes: no allocation
         (_header(version=2) + _valid_body(), "describes 31"),  # a version-1 body under a version-2 header
         (_v2()[:23], "describes 31"),
         (_v2(float("nan")) + _valid_body(), r"threshold nan is not in [0, 1]"),

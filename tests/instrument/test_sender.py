@@ -111,6 +111,18 @@ def test_a_batch_arrives_as_the_frames_the_exporter_decodes(receiver):
     assert sender.dropped["send_error"] == 1
 
 
+def test_a_pipeline_stage_sends_partial_frames_that_say_where_its_layers_sit(receiver):
+    scores, skipped = batch(2)
+    with GateFrameSender(receiver.address, "my-engine", LAYERS, 0.5, first_layer=10, model_layers=16) as sender:
+        sender.send(scores, skipped)
+    (frame,) = receiver.frames(1)
+    assert (frame.partial, frame.first_layer, frame.total_layers) == (True, 10, 16)
+    np.testing.assert_array_equal(frame.entropies, scores)
+    for first_layer, model_layers, message in ((11, 16, "layers 11..16 are not inside 16"), (1, None, "needs model")):
+        with pytest.raises(ValueError, match=message):
+            GateFrameSender(receiver.address, "m", LAYERS, 0.5, first_layer=first_layer, model_layers=model_layers)
+
+
 @pytest.mark.parametrize(
     "arguments, error, message",
     [

@@ -107,3 +107,22 @@ def test_a_state_follows_its_sequence_from_slot_to_slot_and_a_prefill_starts_afr
     third, fresh = step(new=30, previous=-1, decode=False)  # the pool is full: the state stepped longest ago goes
     assert fresh and third == first
     assert step(new=13, previous=12, decode=True)[1]  # its sequence comes back: a fresh state, full depth again
+
+
+def test_a_pipeline_stage_holds_its_own_layers_gates_and_protected_layers() -> None:
+    settings = PluginSettings.from_overrides({"exporter_address": "127.0.0.1:9", "protected_layers": [0, 9, 15]})
+
+    def stage(layers: range):
+        return load_gating(settings, str(DEMO_MODEL_DIR), 16, "demo", torch.float32, 4, True, layers)
+
+    whole, first, second = stage(range(16)), stage(range(0, 8)), stage(range(8, 16))
+    inputs = torch.randn(16, 3, 128, generator=torch.Generator().manual_seed(0))
+    scores = whole.gates.scores(inputs)
+    # The same gates; a batched op over 8 layers instead of 16 may round differently (float32's tolerance).
+    torch.testing.assert_close(first.gates.scores(inputs[:8]), scores[:, :8])
+    torch.testing.assert_close(second.gates.scores(inputs[8:]), scores[:, 8:])
+    assert first.policy.config.protected_layers == (0,) and second.policy.config.protected_layers == (1, 7)
+    assert first.policy.skippable.tolist() == [False] + [True] * 7
+    assert second.policy.skippable.tolist() == [True, False] + [True] * 5 + [False]
+    assert second.sender is not None and (second.sender.first_layer, second.sender.model_layers) == (8, 16)
+    assert second.sender.num_layers == 8 and second.executed_skips.shape == (8,)
