@@ -14,9 +14,12 @@ from layerwatch import ports
 SHIM_JOB = "layerwatch-shim"
 EXPORTER_JOB = "layerwatch-exporter"
 VLLM_JOB = "vllm"  # `vllm serve`'s /metrics: its vllm: series, labelled with the served model name
+VLLM_GUARD_JOB = "layerwatch-vllm-guard"  # `layerwatch vllm-guard`'s /metrics: the shim's quality-guard series
 SHIM_SELECTOR = f'job="{SHIM_JOB}"'
 EXPORTER_SELECTOR = f'job="{EXPORTER_JOB}"'
 VLLM_SELECTOR = f'job="{VLLM_JOB}"'
+# The quality guard's series (shadow checks, gated requests, the shadow rate) come from a shim or a vLLM guard.
+QUALITY_GUARD_SELECTOR = f'job=~"{SHIM_JOB}|{VLLM_GUARD_JOB}"'
 
 # Recording rules keep the target labels next to the model, so that an alert names the shim or
 # exporter it comes from and Alertmanager can group by it and inhibit on a down target.
