@@ -58,7 +58,7 @@ def test_rendered_prometheus_config_is_valid_and_loads_only_the_rules(promtool: 
     assert jobs == {config.SHIM_JOB: ["127.0.0.1:18000"], config.EXPORTER_JOB: ["127.0.0.1:19411"]}
 
 
-def test_vllm_is_scraped_as_its_own_job_when_asked_and_promtool_accepts_it(
+def test_vllm_and_its_guard_are_scraped_as_their_own_jobs_when_asked_and_promtool_accepts_them(
     promtool: str, tmp_path: Path, reference_profiles
 ) -> None:
     rendered = deploy.render_stack(
@@ -70,11 +70,13 @@ def test_vllm_is_scraped_as_its_own_job_when_asked_and_promtool_accepts_it(
         pager_url="http://127.0.0.1:1/pager",
         ticket_url="http://127.0.0.1:1/ticket",
         vllm_targets=["127.0.0.1:18100"],
+        vllm_guard_targets=["127.0.0.1:18102"],
     )
     result = run_tool(promtool, "check", "config", rendered.prometheus_config)
     assert result.returncode == 0, result.stdout + result.stderr
     jobs = {s["job_name"]: s for s in yaml.safe_load(rendered.prometheus_config.read_text())["scrape_configs"]}
     assert jobs[config.VLLM_JOB]["static_configs"] == [{"targets": ["127.0.0.1:18100"]}]
+    assert jobs[config.VLLM_GUARD_JOB]["static_configs"] == [{"targets": ["127.0.0.1:18102"]}]
 
 
 def test_the_compose_prometheus_finds_the_optional_vllm_by_dns(promtool: str) -> None:
