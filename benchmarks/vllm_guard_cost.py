@@ -81,7 +81,7 @@ def checked_sequences(guard: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--upstream", required=True, help="the running `vllm serve` (URL)")
     parser.add_argument("--served-model-name", required=True)
     parser.add_argument("--shadow-rate", type=float, default=DEFAULT_SHADOW_RATE)

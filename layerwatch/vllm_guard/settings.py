@@ -18,24 +18,23 @@ class GuardSettings:
         f"http://{LOOPBACK}:{VLLM_HTTP_PORT}",
         type=argtypes.server_url(""),
         metavar="URL",
-        help="the `vllm serve` whose OpenAI API the guard fronts (default %(default)s)",
+        help="the `vllm serve` the guard fronts (default %(default)s)",
     )
     listen: tuple[str, int] = setting(
         f"{LOOPBACK}:{VLLM_GUARD_PORT}",
         type=argtypes.listen_address,
         metavar="HOST:PORT",
-        help="where clients reach vLLM through the guard, and its /metrics (default %(default)s)",
+        help="where clients reach vLLM through the guard; its /metrics (default %(default)s)",
     )
     served_model_name: str = setting(
         required=True,
         metavar="NAME",
-        help="the model's name as vLLM serves it (its --served-model-name): the metrics' model_name",
+        help="vLLM's --served-model-name: the metrics' model_name",
     )
     shadow_rate: float = setting(
         DEFAULT_SHADOW_RATE,
         type=argtypes.fraction,
-        help='share of generation requests checked against the full-depth model (docs/vllm.md, "Quality guard"; '
-        "default %(default)s)",
+        help='share of generation requests checked at full depth (docs/vllm.md, "Quality guard"; default %(default)s)',
     )
     log_level: str = setting(
         "INFO",
