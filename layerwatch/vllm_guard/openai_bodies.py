@@ -26,8 +26,9 @@ def checkable(path: str, body: Any) -> bool:
         return False
     if body.get("use_beam_search") or body.get("prompt_logprobs") is not None:
         return False
-    asks_logprobs = body.get("logprobs") if path == CHAT_PATH else body.get("logprobs") is not None
-    return not asks_logprobs
+    if path == CHAT_PATH:  # top_logprobs alone is vLLM's error to give, not one the guard's logprobs may hide
+        return not body.get("logprobs") and body.get("top_logprobs") is None
+    return body.get("logprobs") is None
 
 
 def sampled_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
