@@ -261,6 +261,7 @@ def compose_files() -> dict[str, str]:
                 rule_files=[f"/etc/prometheus/rules/{RULES_GLOB}"],
                 remote_write_urls=config.REMOTE_WRITE_URLS,
                 vllm_dns_names=[config.COMPOSE_VLLM_SERVICE],
+                vllm_guard_dns_names=[config.COMPOSE_VLLM_GUARD_SERVICE],
             ),
             "",
         ),

@@ -62,6 +62,7 @@ MITIGATION_CREDENTIALS_FILE = "/etc/alertmanager/secrets/mitigation.token"
 COMPOSE_SHIM_TARGET = f"shim:{ports.SHIM_HTTP_PORT}"
 COMPOSE_EXPORTER_TARGET = f"exporter:{ports.EXPORTER_HTTP_PORT}"
 COMPOSE_VLLM_SERVICE = "vllm"  # optional (`docker compose --profile vllm`): found by DNS, on ports.VLLM_HTTP_PORT
+COMPOSE_VLLM_GUARD_SERVICE = "vllm-guard"  # its quality guard, the same way, on ports.VLLM_GUARD_PORT
 # The name the deployed `vllm serve` serves its model under: vLLM labels its series with it, the plugin
 # its gate frames, and the rules pick the profile of that name.
 VLLM_SERVED_MODEL_NAME = "smollm2-135m-instruct"
