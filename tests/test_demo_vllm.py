@@ -100,6 +100,7 @@ def test_the_static_drill_pages_on_vllm(tmp_path):
     injected = text.find("fault injected")
     baseline = text[:injected]
     assert "vllm serve" in baseline and "routing: dynamic" in baseline, baseline[-3000:]
+    assert "vllm-guard (API)" in baseline  # the load goes through vLLM's quality guard
     assert not re.search(r"ago +pager", baseline), baseline[-3000:]  # the healthy baseline pages nothing
     assert f"PAGED {page}" in text, text[-3000:]
     assert f"drill static: {page} paged" in rest and "stopped every process it started" in rest, rest
