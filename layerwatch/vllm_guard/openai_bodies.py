@@ -14,6 +14,7 @@ from layerwatch.vllm_guard.comparison import REQUESTED_TOP_LOGPROBS
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+GENERATION_PATHS = (CHAT_PATH, COMPLETIONS_PATH)
 TOKEN_ID_PREFIX = "token_id:"  # vLLM's token strings under return_tokens_as_token_ids
 
 
@@ -22,7 +23,7 @@ def checkable(path: str, body: Any) -> bool:
     generation request that asks for no log-probabilities itself. vLLM's token strings in log-probabilities depend
     on the tokens before them (its detokenizer's byte-fallback correction), which a proxy without the tokenizer
     cannot rebuild from the token ids the check needs, so a request that asks for them passes unchecked."""
-    if path not in (CHAT_PATH, COMPLETIONS_PATH) or not isinstance(body, dict):
+    if path not in GENERATION_PATHS or not isinstance(body, dict):
         return False
     if body.get("use_beam_search") or body.get("prompt_logprobs") is not None:
         return False

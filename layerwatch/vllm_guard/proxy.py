@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from layerwatch.log_limit import limit_rate
 from layerwatch.vllm_guard.checker import Checker
 from layerwatch.vllm_guard.metrics import GuardMetrics
-from layerwatch.vllm_guard.openai_bodies import CHAT_PATH, Answer, checkable, dumps, sampled_body
+from layerwatch.vllm_guard.openai_bodies import CHAT_PATH, GENERATION_PATHS, Answer, checkable, dumps, sampled_body
 
 log = limit_rate(logging.getLogger(__name__))  # an upstream down would log every request
 
@@ -82,7 +82,7 @@ class GuardProxy:
     async def forward(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         path = request.path
-        client_body = self._json(body) if request.method == "POST" else None
+        client_body = self._json(body) if request.method == "POST" and path in GENERATION_PATHS else None
         generation = checkable(path, client_body)
         sampled = generation and random.random() < self.shadow_rate
         if sampled:
@@ -126,7 +126,10 @@ class GuardProxy:
         finally:
             if generation and upstream.status == 200:
                 self.metrics.gated_request()  # answered or cancelled: it ran
-            upstream.release() if complete else upstream.close()  # closed: vLLM aborts what it still generates
+            if complete:
+                upstream.release()
+            else:
+                upstream.close()  # vLLM aborts what it still generates
 
     async def _sampled(
         self, request: web.Request, path: str, client_body: dict[str, Any], body: bytes
