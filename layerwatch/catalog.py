@@ -64,6 +64,8 @@ REQUEST_FRACTION_BUCKETS: tuple[float, ...] = (0.0, *(round(0.05 * i, 2) for i i
 # when the served model has no profile) and a profile's default: in the field's incident the skip
 # ratio went from a healthy 21 % to 53 %, more than half (docs/alerting.md, "The field's reports").
 DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION = 0.5
+# How a shadow-sampled request ended (the shim's service/shadow.py, the vLLM guard): its `outcome` label.
+SHADOW_OUTCOMES = ("checked", "queue_full", "failed", "full_depth", "no_output")
 
 
 @dataclass(frozen=True)

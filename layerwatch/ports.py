@@ -10,6 +10,7 @@ EXPORTER_HTTP_PORT = 9411  # `layerwatch exporter`: /metrics and /healthz
 PROMETHEUS_PORT = 9090  # Prometheus' own default
 ALERTMANAGER_PORT = 9093  # Alertmanager's own default
 VLLM_HTTP_PORT = 8000  # `vllm serve`: its OpenAI-compatible API and /metrics (vLLM's own default)
+VLLM_GUARD_PORT = 8002  # `layerwatch vllm-guard`: vLLM's API through the quality guard, and the guard's /metrics
 
 LOOPBACK = "127.0.0.1"
 

@@ -38,6 +38,8 @@ ALLOWED: dict[str, set[str]] = {
     "layerwatch.demo": {CORE, "layerwatch.mixin", "layerwatch.alerts", "layerwatch.deploy"},
     # The vLLM plugin serves the runtime's gates and skip rule inside vLLM and sends the core's frames.
     "layerwatch.vllm_plugin": {CORE, "layerwatch.inference_shim.runtime"},
+    # The quality guard in front of vLLM's API: the core's catalog, metrics and divergence, no model.
+    "layerwatch.vllm_guard": {CORE},
 }
 # Where a package may import only some modules of another. Calibrate builds a profile with the torch-free
 # profile math (layerwatch.alerts.baseline) and returns it (layerwatch.alerts.profile), and needs no rule or spec.
@@ -47,8 +49,9 @@ ONLY_MODULES: dict[tuple[str, str], set[str]] = {
         "layerwatch.alerts.profile",
     },
     # The model code knows nothing of HTTP, metrics or frames: of the core, only the skip policy's
-    # settings (τ's default, range and comparison), which the shim, traces and frames share with it.
-    ("layerwatch.inference_shim.runtime", CORE): {"layerwatch.skip_policy"},
+    # settings (τ's default, range and comparison), which the shim, traces and frames share with it,
+    # and the shadow check's divergence, which the vLLM guard shares with it.
+    ("layerwatch.inference_shim.runtime", CORE): {"layerwatch.skip_policy", "layerwatch.shadow_divergence"},
 }
 # The commands sit on top: they may import every library package, and nothing imports them.
 COMMANDS = "layerwatch.cli"
@@ -61,6 +64,7 @@ TORCH_FREE = (
     "layerwatch.dashboards",
     "layerwatch.deploy",
     "layerwatch.demo",
+    "layerwatch.vllm_guard",
 )
 SHIM = "layerwatch.inference_shim"
 
@@ -173,10 +177,11 @@ def test_the_light_packages_never_import_torch() -> None:
 
 def test_the_exporter_command_runs_without_torch() -> None:
     """Importing the exporter's command and its whole server leaves torch unloaded (the sidecar
-    image has no torch at all), and so does the sender an engine imports, and the integrations'
-    package (only its framework modules import a framework)."""
+    image has no torch at all), and so do the vLLM guard's command, the sender an engine imports, and
+    the integrations' package (only its framework modules import a framework)."""
     code = (
         "import sys; import layerwatch.cli.exporter, layerwatch.cli.replay, layerwatch.cli.top; "
+        "import layerwatch.cli.vllm_guard; "
         "import layerwatch.exporter.server; "
         "import layerwatch.client, layerwatch.integrations; "
         "sys.exit(1 if 'torch' in sys.modules else 0)"

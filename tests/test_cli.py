@@ -98,7 +98,7 @@ def test_every_command_has_help(command):
     assert sub.format_help().startswith("usage: layerwatch " + command)
 
 
-@pytest.mark.parametrize("command", ["exporter", "replay", "top", "generate", "calibrate-trace"])
+@pytest.mark.parametrize("command", ["exporter", "replay", "top", "generate", "calibrate-trace", "vllm-guard"])
 def test_light_commands_never_import_torch(command):
     code = (
         f"import sys; from layerwatch.cli.main import build_parser; build_parser([{command!r}]); "

@@ -99,7 +99,10 @@ def test_the_static_drill_pages_on_vllm(tmp_path):
     text = "".join(lines)
     injected = text.find("fault injected")
     baseline = text[:injected]
-    assert "vllm serve" in baseline and "routing: dynamic" in baseline, baseline[-3000:]
+    # At the profile's τ 0 nothing is below τ: no skipping to call static or dynamic (layerwatch/routing.py).
+    assert "vllm serve" in baseline and "routing: withheld" in baseline, baseline[-3000:]
+    # The load goes through vLLM's quality guard, whose checks the screen reads from Prometheus.
+    assert "vllm-guard (API)" in baseline and re.search(r"shadow agreement +[01]\.\d{3}", baseline), baseline[-3000:]
     assert not re.search(r"ago +pager", baseline), baseline[-3000:]  # the healthy baseline pages nothing
     assert f"PAGED {page}" in text, text[-3000:]
     assert f"drill static: {page} paged" in rest and "stopped every process it started" in rest, rest

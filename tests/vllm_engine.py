@@ -188,7 +188,8 @@ def vllm_engine(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Vl
         "exporter_address": f"{LOOPBACK}:{frame_port}",
         "model_name": SERVED_MODEL_NAME,
     }
-    process, base_url = start_engine(workdir, real_model.folder, settings)
+    # Priority scheduling: the quality guard's full-depth re-checks ask for a low priority (tests/vllm/test_guard.py).
+    process, base_url = start_engine(workdir, real_model.folder, settings, "--scheduling-policy", "priority")
     try:
         yield VllmEngine(base_url, frame_port, real_model.folder, THRESHOLD)
     finally:

@@ -255,13 +255,14 @@ def fleet_rules(timing: Timing) -> list[dict]:
 def shadow_rules(r: Recorded, window: str, by: str, agreement: str, kl_per_token: str, perplexity: str) -> list[dict]:
     """The shadow check's ratios per shadow-checked token, aggregated `by` (a target, or the fleet):
     agreement, the quality cost KL(gated || full) in nats, and the perplexity increase estimated from
-    KL(full || gated) as exp(mean) - 1 (docs/service.md, "Quality guard"). Absent without checks."""
-    shim = config.SHIM_SELECTOR
-    tokens = _rate("layerwatch_shadow_tokens_total", shim, window, by)
-    reverse = _rate("layerwatch_shadow_reverse_kl_nats_total", shim, window, by)
+    KL(full || gated) as exp(mean) - 1 (docs/service.md, "Quality guard"), from a shim or a vLLM guard.
+    Absent without checks."""
+    guard = config.QUALITY_GUARD_SELECTOR
+    tokens = _rate("layerwatch_shadow_tokens_total", guard, window, by)
+    reverse = _rate("layerwatch_shadow_reverse_kl_nats_total", guard, window, by)
     return [
-        {"record": agreement, "expr": f"{_rate('layerwatch_shadow_agreements_total', shim, window, by)}\n/\n{tokens}"},
-        {"record": kl_per_token, "expr": f"{_rate('layerwatch_shadow_kl_nats_total', shim, window, by)}\n/\n{tokens}"},
+        {"record": agreement, "expr": f"{_rate('layerwatch_shadow_agreements_total', guard, window, by)}\n/\n{tokens}"},
+        {"record": kl_per_token, "expr": f"{_rate('layerwatch_shadow_kl_nats_total', guard, window, by)}\n/\n{tokens}"},
         {"record": perplexity, "expr": f"exp(\n  {reverse}\n  /\n  {tokens}\n) - 1"},
     ]
 

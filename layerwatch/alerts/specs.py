@@ -195,11 +195,11 @@ def _lowest_layers() -> str:
 
 @alert("LayerwatchTargetDown", severities=(PAGE,), default_for="2m")
 def target_down(b: AlertBuild) -> list[dict]:
-    jobs = "|".join((config.SHIM_JOB, config.EXPORTER_JOB, config.VLLM_JOB))
+    jobs = "|".join((config.SHIM_JOB, config.EXPORTER_JOB, config.VLLM_JOB, config.VLLM_GUARD_JOB))
     return [
         b.rule(
             f'up{{job=~"{jobs}"}} == 0',
-            "A layerwatch shim or exporter, or a vLLM engine, cannot be scraped.",
+            "A layerwatch shim, exporter or vLLM guard, or a vLLM engine, cannot be scraped.",
             "Prometheus cannot scrape {{ $labels.job }} at {{ $labels.instance }}; the other "
             "layerwatch alerts of this target are inhibited while it is down.",
         )
@@ -673,7 +673,7 @@ def shadow_agreement_low(b: AlertBuild) -> list[dict]:
     p, r = b.profile, b.recorded
     ratio = f"{r.shadow_agreement_ratio}{{{b.selector}}}"
     tokens = (
-        f"sum by ({BY_MODEL}) (increase(layerwatch_shadow_tokens_total{{{config.SHIM_SELECTOR}, {b.selector}}}"
+        f"sum by ({BY_MODEL}) (increase(layerwatch_shadow_tokens_total{{{config.QUALITY_GUARD_SELECTOR}, {b.selector}}}"
         f"[{b.timing(config.RATE_WINDOW)}]))"
     )
     return [
@@ -803,11 +803,12 @@ MIN_UNCHECKED_GATED_REQUESTS = 20
 @alert("LayerwatchQualityGuardBlind", severities=(TICKET,), default_for="5m", reads=("shadow_rate_min",))
 def quality_guard_blind(b: AlertBuild) -> list[dict]:
     p = b.profile
+    guard = f"{config.QUALITY_GUARD_SELECTOR}, {b.selector}"  # a shim's or a vLLM guard's series
     shim = f"{config.SHIM_SELECTOR}, {b.selector}"
     window = b.timing(config.QUALITY_GUARD_WINDOW)
 
-    def increase(metric: str, window: str, matchers: str = "") -> str:
-        return f"sum by ({BY_MODEL}) (increase({metric}{{{shim}{matchers}}}[{window}]))"
+    def increase(metric: str, window: str, matchers: str = "", selector: str = guard) -> str:
+        return f"sum by ({BY_MODEL}) (increase({metric}{{{selector}{matchers}}}[{window}]))"
 
     gated = increase("layerwatch_depth_decisions_total", window, ', mode!="full"')
     lowest_rate = (
@@ -818,7 +819,7 @@ def quality_guard_blind(b: AlertBuild) -> list[dict]:
     tokens = increase("layerwatch_shadow_tokens_total", window)
     # A shim told to check nothing (rate 0) is the `rate` trigger's, or deliberate where the profile
     # expects no checks.
-    checking = f"max by ({BY_MODEL}) (max_over_time(layerwatch_mitigation_shadow_rate{{{shim}}}[{window}]))"
+    checking = f"max by ({BY_MODEL}) (max_over_time(layerwatch_mitigation_shadow_rate{{{guard}}}[{window}]))"
     summary = "The quality guard measures nothing: skipping could hurt the answers unseen."
     rules = [
         b.rule(
@@ -832,12 +833,14 @@ def quality_guard_blind(b: AlertBuild) -> list[dict]:
             + f"; where it times the requests is {MIN_UNCHECKED_GATED_REQUESTS} or more, the checks fail (outcomes "
             "of the sampled requests: "
             + _outcomes(b, window)
-            + "- see the shim's log for 'shadow re-check failed'); where it is less, raise --shadow-rate for "
-            "this traffic.",
+            + "- see the shim's or vLLM guard's log for 'shadow re-check failed'); where it is less, raise "
+            "--shadow-rate for this traffic.",
             labels={"trigger": "no_checks"},
         ),
         b.rule(
-            f"{tokens} > 0\nand on ({BY_MODEL})\n{increase('layerwatch_layer_signal_tokens_total', window)} == 0",
+            # Layer signals come from inside the shim's forward only: a vLLM guard has none to lose.
+            f"{increase('layerwatch_shadow_tokens_total', window, selector=shim)} > 0\nand on ({BY_MODEL})\n"
+            f"{increase('layerwatch_layer_signal_tokens_total', window, selector=shim)} == 0",
             summary,
             f"The shadow check of {_WHERE} compared {_value('%.0f')} tokens in {window} but measured no layer "
             "signal on any of them: the gate calibration (LayerwatchGateMiscalibrated) has no samples. "
@@ -849,7 +852,7 @@ def quality_guard_blind(b: AlertBuild) -> list[dict]:
         traffic = increase("layerwatch_depth_decisions_total", b.timing(config.RATE_WINDOW), ', mode!="full"')
         rules.append(
             b.rule(
-                f"max by ({BY_MODEL}) (layerwatch_mitigation_shadow_rate{{{shim}}}) < {p.shadow_rate_min}\n"
+                f"max by ({BY_MODEL}) (layerwatch_mitigation_shadow_rate{{{guard}}}) < {p.shadow_rate_min}\n"
                 f"and on ({BY_MODEL})\n{traffic} > 0",
                 summary,
                 f"The shadow check rate of {_WHERE} is {_value('%g')} while it serves gated requests, below the "

@@ -58,7 +58,6 @@ from layerwatch.settings import add_flags, from_flags, setting
 
 INSTALL_HINT = "scripts/install-system-deps.sh --demo installs them (root or sudo)"
 STOP_HINT = "(Ctrl-C stops the demo)"
-NO_QUALITY_GUARD = 'shadow check: none on vLLM (docs/instrument.md, "On vLLM")'
 
 
 def _defaults(setting: str) -> str:
@@ -131,8 +130,7 @@ class DemoSettings:
     shadow_rate: float = setting(
         1.0,
         type=float,
-        help="share of requests the shim compares with the full-depth model, within its duty cycle (vLLM has no such "
-        "check) "
+        help="share of requests the shim (on vLLM: its guard) compares with the full-depth model "
         "(default %(default)s, as in the end-to-end test: the shuffle drill's page needs the samples)",
     )
     duration: float = setting(0.0, type=float, help="stop after this many seconds (0 = until Ctrl-C)")
@@ -189,9 +187,14 @@ def run(args: argparse.Namespace) -> int:
             serve = vllm_serve(model, Path(settings.vllm_python))
             _say(f"starting vllm serve ({serve.python}): about a minute...")
             engine_url, exporter_url = stack.start_vllm(
-                port=settings.port, exporter_port=settings.exporter_port, serve=serve
+                port=settings.port, exporter_port=settings.exporter_port, serve=serve, shadow_rate=settings.shadow_rate
             )
-            lines = [f"vllm serve (API)   {engine_url}/v1   metrics {engine_url}/metrics", serve.note()]
+            lines = [
+                f"vllm serve (API)   {engine_url}/v1   metrics {engine_url}/metrics",
+                serve.note(),
+                f"vllm-guard (API)   {stack.guard_url}/v1   metrics {stack.guard_url}/metrics   (the load goes here: "
+                f"it checks {settings.shadow_rate:g} of the answers at full depth)",
+            ]
         else:
             engine_url, exporter_url = stack.start_core(
                 port=settings.port,
@@ -232,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
 
         load = threading.Thread(
             target=run_load,
-            args=(engine_url, stack.model_name),
+            args=(stack.guard_url or engine_url, stack.model_name),
             kwargs=dict(
                 duration=float("inf"),
                 concurrency=concurrency,
@@ -351,7 +354,7 @@ def _show(
                 view.restarting(host_port(engine_url), drill_run.injected_at)
         size = shutil.get_terminal_size()
         try:
-            screen = exporter_screen(engine_url, exporter_url, view, size.columns, stack.engine)
+            screen = exporter_screen(stack.guard_url or engine_url, exporter_url, view, size.columns)
             if interactive:
                 text = frame(banner, status, screen, size.columns, size.lines)
             else:
@@ -363,16 +366,13 @@ def _show(
         time.sleep(min(settings.interval, max(0.0, deadline - time.monotonic())))
 
 
-def exporter_screen(
-    engine_url: str, exporter_url: str, view: AlertView | None, columns: int, engine: str = "shim"
-) -> Callable[[bool], str]:
+def exporter_screen(quality_url: str, exporter_url: str, view: AlertView | None, columns: int) -> Callable[[bool], str]:
     """The model's part of the screen, read once: rendered with the histogram in place, or
-    (`histogram_last`) below the alert state, for a short terminal."""
+    (`histogram_last`) below the alert state, for a short terminal. `quality_url`: the shim's, or vLLM's guard."""
     samples = scrape(exporter_url)
     clock = time.strftime("%H:%M:%S")
-    if view is None:  # no Prometheus: the figures come from the shim itself
-        shadow = shadow_line(scrape(engine_url)) if engine == "shim" else NO_QUALITY_GUARD
-        shadow += "\n\n"
+    if view is None:  # no Prometheus: the figures come from the shim or the guard itself
+        shadow = shadow_line(scrape(quality_url)) + "\n\n"
         return lambda histogram_last: (
             shadow + render_samples(samples, exporter_url, clock, width=columns, histogram_last=histogram_last)
         )

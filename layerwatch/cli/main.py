@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "run the gated model behind an OpenAI-compatible API with metrics and gate frames",
     ),
     "exporter": ("layerwatch.cli.exporter", "receive gate frames and serve entropy histograms and bimodality checks"),
+    "vllm-guard": (
+        "layerwatch.cli.vllm_guard",
+        "proxy vLLM's OpenAI API and check a sample of its answers against the full-depth model",
+    ),
     "replay": ("layerwatch.cli.replay", "run the exporter's statistics offline over a trace file"),
     "top": ("layerwatch.cli.top", "live terminal view of an exporter: histogram, verdict, statistics"),
     "train-gates": ("layerwatch.cli.train_gates", "train gate heads for a frozen model on a text file"),
@@ -59,7 +63,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # Commands that run until stopped, and import-gguf (minutes of writing, whose partial folder a signal
 # must not leave behind): each signal they are sent has a documented effect (signals.py).
-LONG_RUNNING = ("serve", "exporter", "top", "demo", "import-gguf")
+LONG_RUNNING = ("serve", "exporter", "vllm-guard", "top", "demo", "import-gguf")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}

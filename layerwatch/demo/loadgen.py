@@ -256,9 +256,9 @@ def run_load(
                 temperature = TEMPERATURES[request % len(TEMPERATURES)]
                 status, usage = _one_request(host, port, model, rng, max_tokens, stream, temperature, timeout, traffic)
             merge.add(status, usage, time.monotonic() - started, in_category)
-            if status in (0, 429, 503):
-                # Not reachable, full, or draining for a restart: back off instead of spinning (a drill's
-                # restart drew some 10,000 refusals in a tight loop from three clients).
+            if status in (0, 429, 502, 503):
+                # Not reachable (directly, or behind vLLM's guard), full, or draining for a restart: back off
+                # instead of spinning (a drill's restart drew some 10,000 refusals in a tight loop from three clients).
                 stop.wait(0.2)
 
     started = time.monotonic()

@@ -81,6 +81,7 @@ class DemoStack:
         self.model_name = ""
         self.engine = "shim"  # the engine's process name and scrape job: "shim" or "vllm"
         self.engine_url = ""
+        self.guard_url = ""  # vLLM's quality guard (`layerwatch vllm-guard`), where the load goes on vLLM
         self._ready_path = "/readyz"  # where the engine says it serves
         self._start_timeout = 180.0
         self._engine_env: dict[str, str] = {}
@@ -130,8 +131,9 @@ class DemoStack:
         self._drill_argv = lambda flags: [*shim_argv, *flags]
         return self._start_engine(exporter, exporter_url, port, shim_argv)
 
-    def start_vllm(self, *, port: int, exporter_port: int, serve: VllmServe) -> tuple[str, str]:
-        """Start the exporter and `vllm serve` with the plugin sending its frames there."""
+    def start_vllm(self, *, port: int, exporter_port: int, serve: VllmServe, shadow_rate: float) -> tuple[str, str]:
+        """Start the exporter, `vllm serve` with the plugin sending its frames there, and its quality guard
+        checking `shadow_rate` of the answers (it outlives a drill's restart of vLLM: the same upstream)."""
         serve.check()
         self.engine, self._ready_path, self._start_timeout = "vllm", "/health", START_TIMEOUT_SECONDS
         self._engine_env = VLLM_ENV
@@ -146,7 +148,14 @@ class DemoStack:
             return serve.argv(port, frames, drill, gates)
 
         self._drill_argv = drill_argv
-        return self._start_engine(exporter, exporter_url, port, serve.argv(port, frames))
+        engine_url, exporter_url = self._start_engine(exporter, exporter_url, port, serve.argv(port, frames))
+        guard_port = free_port()
+        guard_argv = [*LAYERWATCH_COMMAND, "vllm-guard", "--upstream", engine_url]
+        guard_argv += ["--listen", f"127.0.0.1:{guard_port}", "--served-model-name", self.model_name]
+        guard = self._start("vllm-guard", [*guard_argv, "--shadow-rate", str(shadow_rate)])
+        self.guard_url = f"http://127.0.0.1:{guard_port}"
+        guard.wait_http(self.guard_url + "/metrics", timeout=30)
+        return engine_url, exporter_url
 
     def restart_engine(self, *flags: str) -> float:
         """Replace the engine by one serving a drill's `serve` flags at the same address (the same scrape
@@ -189,6 +198,7 @@ class DemoStack:
             f"127.0.0.1:{alertmanager_port}",
             self.timing,
             self.engine,
+            self.guard_url,
         )
         # A fresh store each run: a reused --workdir's old series (other ports, other gates) would
         # still answer queries for Prometheus' 5-minute lookback, and old alerts would fire again.
@@ -243,15 +253,17 @@ def render_config(
     alertmanager_target: str,
     timing: StackTiming = DEMO_TIMING,
     engine: str = "shim",
+    guard_url: str = "",
 ) -> Stack:
     """The demo's Prometheus and Alertmanager configs and rules, on `timing`, into `dest`; the engine
-    scraped as the shim's job or vLLM's."""
+    scraped as the shim's job or vLLM's, and vLLM's guard (`guard_url`) as its own."""
     engine_targets = [host_port(engine_url)]
     return render_stack(
         dest,
         profiles=profiles,
         shim_targets=engine_targets if engine == "shim" else [],
         vllm_targets=engine_targets if engine == "vllm" else [],
+        vllm_guard_targets=[host_port(guard_url)] if guard_url else [],
         exporter_targets=[host_port(exporter_url)],
         alertmanager_target=alertmanager_target,
         pager_url=receiver.url(PAGER_PATH),

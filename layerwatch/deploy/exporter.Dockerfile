@@ -1,6 +1,6 @@
-# The exporter sidecar: `layerwatch exporter`. A light image: the package without the `serve`
-# extra and without inference_shim, so no torch and no model weights (the exporter never imports
-# them). Build context: the repository root.
+# The exporter sidecar: `layerwatch exporter`, and beside vLLM `layerwatch vllm-guard`. A light image: the
+# package without the `serve` extra and without inference_shim, so no torch and no model weights (neither
+# command imports them). Build context: the repository root.
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -9,11 +9,12 @@ RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin layerwatch
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
-# What `layerwatch exporter` imports: the core, the exporter and the command line.
+# What `layerwatch exporter` and `layerwatch vllm-guard` import: the core, both packages and the command line.
 COPY layerwatch/*.py layerwatch/py.typed ./layerwatch/
 COPY layerwatch/exporter ./layerwatch/exporter
+COPY layerwatch/vllm_guard ./layerwatch/vllm_guard
 COPY layerwatch/cli ./layerwatch/cli
-RUN pip install . && rm -rf /src
+RUN pip install ".[vllm-guard]" && rm -rf /src
 
 USER layerwatch
 WORKDIR /home/layerwatch

@@ -50,6 +50,7 @@ VLLM_DIRECTORY = f"{DIRECTORY}/vllm"
 VLLM_NAME = "layerwatch-vllm"  # the Deployment, its Service (vLLM's OpenAI-compatible API) and PodMonitor
 VLLM_IMAGE = "layerwatch-vllm"  # built from layerwatch/deploy/vllm.Dockerfile (on vLLM's CUDA image here)
 VLLM_PORT_NAME = "http"
+VLLM_GUARD_PORT_NAME = "guard"  # `layerwatch vllm-guard` in front of vLLM: clients' port, and its /metrics
 # The checkpoint folder with its gates, mounted read-only at layerwatch.deploy.vllm.MODEL_DIR.
 VLLM_MODEL_CLAIM = "layerwatch-vllm-model"
 VLLM_SHM_LIMIT = "2Gi"  # vLLM's worker processes share tensors through /dev/shm
@@ -147,6 +148,20 @@ def vllm_container() -> dict:
     }
 
 
+def vllm_guard_container() -> dict:
+    """The quality guard (docs/vllm.md, "Quality guard") beside vLLM, in the exporter's light image."""
+    return {
+        "name": "vllm-guard",
+        "image": f"{EXPORTER_IMAGE}:{IMAGE_TAG}",
+        "args": ["layerwatch", "vllm-guard", "--upstream", f"http://{ports.LOOPBACK}:{ports.VLLM_HTTP_PORT}"]
+        + ["--listen", f"0.0.0.0:{ports.VLLM_GUARD_PORT}", "--served-model-name", config.VLLM_SERVED_MODEL_NAME],
+        "ports": [{"name": VLLM_GUARD_PORT_NAME, "containerPort": ports.VLLM_GUARD_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "200m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
+        "livenessProbe": _probe("/metrics", VLLM_GUARD_PORT_NAME, period=20, timeout=5),
+        "securityContext": {**_security_context(), "readOnlyRootFilesystem": True},
+    }
+
+
 def _deployment(name: str, labels: dict, selector: dict, containers: list[dict], volumes: list[dict]) -> dict:
     pod_spec: dict = {"terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS, "containers": containers}
     if volumes:
@@ -174,27 +189,33 @@ def vllm_deployment() -> dict:
         {"name": "model", "persistentVolumeClaim": {"claimName": VLLM_MODEL_CLAIM, "readOnly": True}},
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": VLLM_SHM_LIMIT}},
     ]
-    return _deployment(VLLM_NAME, _VLLM_LABELS, _VLLM_SELECTOR, [vllm_container(), exporter_container()], volumes)
+    containers = [vllm_container(), exporter_container(), vllm_guard_container()]
+    return _deployment(VLLM_NAME, _VLLM_LABELS, _VLLM_SELECTOR, containers, volumes)
 
 
-def _service(name: str, labels: dict, selector: dict, port_name: str, port: int) -> dict:
+def _service(name: str, labels: dict, selector: dict, service_ports: dict[str, int]) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": name, "labels": labels},
         "spec": {
             "selector": selector,
-            "ports": [{"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"}],
+            "ports": [
+                {"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"}
+                for port_name, port in service_ports.items()
+            ],
         },
     }
 
 
 def shim_service() -> dict:
-    return _service(SHIM_SERVICE, _LABELS, _SELECTOR, SHIM_PORT_NAME, ports.SHIM_HTTP_PORT)
+    return _service(SHIM_SERVICE, _LABELS, _SELECTOR, {SHIM_PORT_NAME: ports.SHIM_HTTP_PORT})
 
 
 def vllm_service() -> dict:
-    return _service(VLLM_NAME, _VLLM_LABELS, _VLLM_SELECTOR, VLLM_PORT_NAME, ports.VLLM_HTTP_PORT)
+    """vLLM's API, and the same through its quality guard (the port clients use to be sampled)."""
+    service_ports = {VLLM_PORT_NAME: ports.VLLM_HTTP_PORT, VLLM_GUARD_PORT_NAME: ports.VLLM_GUARD_PORT}
+    return _service(VLLM_NAME, _VLLM_LABELS, _VLLM_SELECTOR, service_ports)
 
 
 def _pod_monitor(name: str, labels: dict, selector: dict, jobs: dict[str, str], scrape_interval: float) -> dict:
@@ -227,8 +248,9 @@ def pod_monitor(scrape_interval: float = config.SCRAPE_INTERVAL) -> dict:
 
 
 def vllm_pod_monitor(scrape_interval: float = config.SCRAPE_INTERVAL) -> dict:
-    """vLLM and the exporter of every layerwatch-vllm pod."""
+    """vLLM, the exporter and the quality guard of every layerwatch-vllm pod."""
     jobs = {VLLM_PORT_NAME: config.VLLM_JOB, EXPORTER_PORT_NAME: config.EXPORTER_JOB}
+    jobs[VLLM_GUARD_PORT_NAME] = config.VLLM_GUARD_JOB
     return _pod_monitor(VLLM_NAME, _VLLM_LABELS, _VLLM_SELECTOR, jobs, scrape_interval)
 
 

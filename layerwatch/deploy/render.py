@@ -85,11 +85,14 @@ def prometheus_config(
     remote_write_urls: Sequence[str] = (),
     vllm_targets: Sequence[str] = (),
     vllm_dns_names: Sequence[str] = (),
+    vllm_guard_targets: Sequence[str] = (),
+    vllm_guard_dns_names: Sequence[str] = (),
 ) -> dict:
     """prometheus.yml. `remote_write_urls`: Prometheus-compatible stores (VictoriaMetrics, Thanos
     Receive, Mimir, ...) that get every sample, the recorded fleet roll-ups included (docs/fleet.md).
     `vllm_targets` (host:port) and `vllm_dns_names` (hosts, found by DNS on vLLM's port): `vllm serve`
-    processes, scraped as job vllm; none of either, no such job."""
+    processes, scraped as job vllm; none of either, no such job. `vllm_guard_targets` and
+    `vllm_guard_dns_names` likewise: `layerwatch vllm-guard` processes, as job layerwatch-vllm-guard."""
     check_remote_write_urls(remote_write_urls)
     remote_write = {"remote_write": [{"url": url} for url in remote_write_urls]} if remote_write_urls else {}
     return {
@@ -103,22 +106,23 @@ def prometheus_config(
         "scrape_configs": [
             {"job_name": config.SHIM_JOB, "static_configs": [{"targets": shim_targets}]},
             {"job_name": config.EXPORTER_JOB, "static_configs": [{"targets": exporter_targets}]},
-            *_vllm_job(vllm_targets, vllm_dns_names),
+            *_optional_job(config.VLLM_JOB, ports.VLLM_HTTP_PORT, vllm_targets, vllm_dns_names),
+            *_optional_job(config.VLLM_GUARD_JOB, ports.VLLM_GUARD_PORT, vllm_guard_targets, vllm_guard_dns_names),
         ],
         **remote_write,
     }
 
 
-def _vllm_job(targets: Sequence[str], dns_names: Sequence[str]) -> list[dict]:
-    """The vllm scrape job, if there is anything to scrape. A DNS name that resolves to nothing is no
-    target at all (so no `up` series and no LayerwatchTargetDown), which lets the compose stack scrape an
-    optional service: its vLLM runs only under `--profile vllm`."""
+def _optional_job(job: str, port: int, targets: Sequence[str], dns_names: Sequence[str]) -> list[dict]:
+    """A scrape job of vLLM or its guard, if there is anything to scrape. A DNS name that resolves to nothing
+    is no target at all (so no `up` series and no LayerwatchTargetDown), which lets the compose stack scrape
+    an optional service: its vLLM runs only under `--profile vllm`."""
     discovery: dict = {}
     if targets:
         discovery["static_configs"] = [{"targets": list(targets)}]
     if dns_names:
-        discovery["dns_sd_configs"] = [{"names": list(dns_names), "type": "A", "port": ports.VLLM_HTTP_PORT}]
-    return [{"job_name": config.VLLM_JOB, **discovery}] if discovery else []
+        discovery["dns_sd_configs"] = [{"names": list(dns_names), "type": "A", "port": port}]
+    return [{"job_name": job, **discovery}] if discovery else []
 
 
 def alertmanager_config(
@@ -258,6 +262,7 @@ def compose_files() -> dict[str, str]:
                 rule_files=[f"/etc/prometheus/rules/{RULES_GLOB}"],
                 remote_write_urls=config.REMOTE_WRITE_URLS,
                 vllm_dns_names=[config.COMPOSE_VLLM_SERVICE],
+                vllm_guard_dns_names=[config.COMPOSE_VLLM_GUARD_SERVICE],
             ),
             "",
         ),
@@ -310,6 +315,7 @@ def render_stack(
     mitigation: MitigationWebhook | None = None,
     repeat_time_scale: float | None = None,
     vllm_targets: Sequence[str] = (),
+    vllm_guard_targets: Sequence[str] = (),
     latency_objectives: LatencyObjectives = VLLM_LATENCY_OBJECTIVES,
 ) -> Stack:
     """Write prometheus.yml, rules/layerwatch.rules.yaml and alertmanager.yml into `dest`.
@@ -317,8 +323,8 @@ def render_stack(
     `time_scale` multiplies every rule window, `for:` and Alertmanager wait (0.01 turns 5m into
     3s); choose a scrape interval that still leaves a few samples in the shortest rate window.
     `repeat_time_scale` multiplies Alertmanager's repeat intervals instead (default: `time_scale`).
-    `remote_write_urls` and `vllm_targets` as in `prometheus_config`, `mitigation` as in `alertmanager_config`;
-    `latency_objectives` are vLLM's (LayerwatchVllmLatencyHigh).
+    `remote_write_urls`, `vllm_targets` and `vllm_guard_targets` as in `prometheus_config`, `mitigation` as in
+    `alertmanager_config`; `latency_objectives` are vLLM's (LayerwatchVllmLatencyHigh).
     """
     dest = Path(dest)
     timing = Timing(time_scale)
@@ -338,6 +344,7 @@ def render_stack(
                 evaluation_interval=evaluation_interval,
                 remote_write_urls=remote_write_urls,
                 vllm_targets=vllm_targets,
+                vllm_guard_targets=vllm_guard_targets,
             ),
             "",
         )

@@ -38,6 +38,8 @@ def serve_args(exporter_address: str, model_name: str = config.VLLM_SERVED_MODEL
         "0.0.0.0",
         "--port",
         str(ports.VLLM_HTTP_PORT),
+        "--scheduling-policy",  # the quality guard's full-depth re-checks ask for a low priority
+        "priority",
         "--hf-overrides",
         overrides,
     ]

@@ -16,9 +16,12 @@ from layerwatch import ports
 SHIM_JOB = "layerwatch-shim"
 EXPORTER_JOB = "layerwatch-exporter"
 VLLM_JOB = "vllm"  # `vllm serve`'s /metrics: its vllm: series, labelled with the served model name
+VLLM_GUARD_JOB = "layerwatch-vllm-guard"  # `layerwatch vllm-guard`'s /metrics: the shim's quality-guard series
 SHIM_SELECTOR = f'job="{SHIM_JOB}"'
 EXPORTER_SELECTOR = f'job="{EXPORTER_JOB}"'
 VLLM_SELECTOR = f'job="{VLLM_JOB}"'
+# The quality guard's series (shadow checks, gated requests, the shadow rate) come from a shim or a vLLM guard.
+QUALITY_GUARD_SELECTOR = f'job=~"{SHIM_JOB}|{VLLM_GUARD_JOB}"'
 
 # Recording rules keep the target labels next to the model, so that an alert names the shim or
 # exporter it comes from and Alertmanager can group by it and inhibit on a down target.
@@ -68,6 +71,7 @@ MITIGATION_CREDENTIALS_FILE = "/etc/alertmanager/secrets/mitigation.token"
 COMPOSE_SHIM_TARGET = f"shim:{ports.SHIM_HTTP_PORT}"
 COMPOSE_EXPORTER_TARGET = f"exporter:{ports.EXPORTER_HTTP_PORT}"
 COMPOSE_VLLM_SERVICE = "vllm"  # optional (`docker compose --profile vllm`): found by DNS, on ports.VLLM_HTTP_PORT
+COMPOSE_VLLM_GUARD_SERVICE = "vllm-guard"  # its quality guard, the same way, on ports.VLLM_GUARD_PORT
 # The name the deployed `vllm serve` serves its model under: vLLM labels its series with it, the plugin
 # its gate frames, and the rules pick the profile of that name.
 VLLM_SERVED_MODEL_NAME = "smollm2-135m-instruct"

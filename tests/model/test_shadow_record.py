@@ -170,9 +170,10 @@ def test_coarsened_divergences_are_exact_at_k_equal_v_and_lower_bounds_growing_w
 
     def divergences(k: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = records[k]
-        return partition_divergences(
+        forward, reverse = partition_divergences(
             torch.as_tensor(r.top_ids), torch.as_tensor(r.top_logprobs), torch.as_tensor(r.rest_logprob), full
         )
+        return torch.as_tensor(forward), torch.as_tensor(reverse)
 
     previous = (torch.zeros_like(exact_forward), torch.zeros_like(exact_reverse))
     for k in (1, 4, 16, VOCAB_SIZE):

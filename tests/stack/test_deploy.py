@@ -58,7 +58,7 @@ def test_rendered_prometheus_config_is_valid_and_loads_only_the_rules(promtool: 
     assert jobs == {config.SHIM_JOB: ["127.0.0.1:18000"], config.EXPORTER_JOB: ["127.0.0.1:19411"]}
 
 
-def test_vllm_is_scraped_as_its_own_job_when_asked_and_promtool_accepts_it(
+def test_vllm_and_its_guard_are_scraped_as_their_own_jobs_when_asked_and_promtool_accepts_them(
     promtool: str, tmp_path: Path, reference_profiles
 ) -> None:
     rendered = deploy.render_stack(
@@ -70,22 +70,26 @@ def test_vllm_is_scraped_as_its_own_job_when_asked_and_promtool_accepts_it(
         pager_url="http://127.0.0.1:1/pager",
         ticket_url="http://127.0.0.1:1/ticket",
         vllm_targets=["127.0.0.1:18100"],
+        vllm_guard_targets=["127.0.0.1:18102"],
     )
     result = run_tool(promtool, "check", "config", rendered.prometheus_config)
     assert result.returncode == 0, result.stdout + result.stderr
     jobs = {s["job_name"]: s for s in yaml.safe_load(rendered.prometheus_config.read_text())["scrape_configs"]}
     assert jobs[config.VLLM_JOB]["static_configs"] == [{"targets": ["127.0.0.1:18100"]}]
+    assert jobs[config.VLLM_GUARD_JOB]["static_configs"] == [{"targets": ["127.0.0.1:18102"]}]
 
 
 def test_the_compose_prometheus_finds_the_optional_vllm_by_dns(promtool: str) -> None:
-    """The committed prometheus.yml scrapes vLLM only where the name resolves: a stack started without
-    `--profile vllm` has no vllm target, hence no `up == 0` and no LayerwatchTargetDown for it."""
+    """The committed prometheus.yml scrapes vLLM and its quality guard only where their names resolve: a stack
+    started without `--profile vllm` has no target of either, hence no `up == 0` and no LayerwatchTargetDown."""
     committed = REPO / "layerwatch/deploy/prometheus/prometheus.yml"
     jobs = {s["job_name"]: s for s in yaml.safe_load(committed.read_text())["scrape_configs"]}
     assert jobs[config.VLLM_JOB] == {
         "job_name": config.VLLM_JOB,
         "dns_sd_configs": [{"names": [config.COMPOSE_VLLM_SERVICE], "type": "A", "port": ports.VLLM_HTTP_PORT}],
     }
+    guard = [{"names": [config.COMPOSE_VLLM_GUARD_SERVICE], "type": "A", "port": ports.VLLM_GUARD_PORT}]
+    assert jobs[config.VLLM_GUARD_JOB] == {"job_name": config.VLLM_GUARD_JOB, "dns_sd_configs": guard}
     result = run_tool(promtool, "check", "config", "--syntax-only", committed)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -120,8 +124,8 @@ def test_a_stack_without_vllm_has_no_vllm_target_and_no_up_series_for_it(tmp_pat
 
     try:
         jobs = wait_for(up_jobs, timeout=30, interval=0.5, what="the shim's up series")
-        time.sleep(2)  # two more scrape intervals for a vllm target, were there one
-        assert config.VLLM_JOB not in (up_jobs() or jobs)
+        time.sleep(2)  # two more scrape intervals for a vllm or guard target, were there one
+        assert {config.VLLM_JOB, config.VLLM_GUARD_JOB}.isdisjoint(up_jobs() or jobs)
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=10)
@@ -437,6 +441,22 @@ def test_compose_vllm_runs_the_plugin_with_the_deploy_arguments() -> None:
     assert '".[vllm]"' in dockerfile and 'ENTRYPOINT ["vllm", "serve"]' in dockerfile
 
 
+def test_compose_vllm_guard_fronts_the_compose_vllm_under_its_profile() -> None:
+    """The quality guard of the vLLM profile: vLLM's compose address upstream, the served model's name, the port
+    the committed prometheus.yml scrapes, and vLLM serving priorities for its re-checks."""
+    from layerwatch.cli.main import build_parser
+
+    services = yaml.safe_load(COMPOSE_FILES[0].read_text())["services"]
+    guard = services[config.COMPOSE_VLLM_GUARD_SERVICE]
+    assert guard["profiles"] == ["vllm"] and guard["image"] == services["exporter"]["image"]
+    command = guard["command"][1:]  # after `layerwatch`
+    argv = build_parser(command, environ={}).parse_args(command)
+    assert argv.upstream == f"http://{config.COMPOSE_VLLM_SERVICE}:{ports.VLLM_HTTP_PORT}"
+    assert argv.listen == ("0.0.0.0", ports.VLLM_GUARD_PORT)
+    assert argv.served_model_name == config.VLLM_SERVED_MODEL_NAME
+    assert "--scheduling-policy" in vllm.serve_args("exporter:9410")
+
+
 def test_docker_compose_requires_the_grafana_password(docker_compose: str) -> None:
     result = run_tool(docker_compose, "-f", COMPOSE_FILES[0], "config", "-q", env=compose_env())
     assert result.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in result.stderr
@@ -463,7 +483,7 @@ def test_the_documented_override_for_a_model_without_gates_passes_serves_checks(
 def test_compose_publishes_on_loopback_and_mounts_the_generated_files() -> None:
     compose = yaml.safe_load(COMPOSE_FILES[0].read_text())
     services = compose["services"]
-    assert set(services) == {"shim", "vllm", "exporter", "prometheus", "alertmanager", "grafana"}
+    assert set(services) == {"shim", "vllm", "vllm-guard", "exporter", "prometheus", "alertmanager", "grafana"}
     for name, service in services.items():
         for port in service.get("ports", []):
             assert port.startswith("127.0.0.1:"), (name, port)
@@ -505,7 +525,10 @@ except SystemExit as exc:
 """
 
 
-@pytest.mark.parametrize(("dockerfile", "command"), [("exporter.Dockerfile", "exporter"), ("shim.Dockerfile", "serve")])
+@pytest.mark.parametrize(
+    ("dockerfile", "command"),
+    [("exporter.Dockerfile", "exporter"), ("exporter.Dockerfile", "vllm-guard"), ("shim.Dockerfile", "serve")],
+)
 def test_each_image_copies_every_package_its_command_imports(tmp_path: Path, dockerfile: str, command: str) -> None:
     """The image's COPY lines are the whole project inside it: its command must start (--help
     imports the command and its libraries) from those folders alone."""

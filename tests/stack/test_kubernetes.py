@@ -166,8 +166,8 @@ def vllm_containers() -> dict[str, dict]:
     return {container["name"]: container for container in pod["containers"]}
 
 
-def test_the_vllm_variant_runs_vllm_with_the_plugin_and_the_exporter_beside_it():
-    assert set(vllm_containers()) == {"vllm", "exporter"}
+def test_the_vllm_variant_runs_vllm_with_the_plugin_and_the_exporter_and_guard_beside_it():
+    assert set(vllm_containers()) == {"vllm", "exporter", "vllm-guard"}
     assert vllm_containers()["exporter"] == containers()["exporter"]  # the base's sidecar, unchanged
     frames = f"{ports.LOOPBACK}:{ports.EXPORTER_FRAMES_PORT}"
     assert vllm_containers()["vllm"]["args"] == vllm.serve_args(frames)  # frames stay on the pod's loopback
@@ -175,6 +175,10 @@ def test_the_vllm_variant_runs_vllm_with_the_plugin_and_the_exporter_beside_it()
     assert overrides["architectures"] == [vllm.ARCHITECTURE]
     assert overrides["layerwatch"]["model_name"] == config.VLLM_SERVED_MODEL_NAME
     assert vllm_containers()["vllm"]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    guard = vllm_containers()["vllm-guard"]["args"]
+    assert guard[guard.index("--upstream") + 1] == f"http://{ports.LOOPBACK}:{ports.VLLM_HTTP_PORT}"
+    assert guard[guard.index("--served-model-name") + 1] == config.VLLM_SERVED_MODEL_NAME
+    assert vllm_containers()["vllm-guard"]["image"] == vllm_containers()["exporter"]["image"]
 
 
 def test_the_vllm_variant_shares_the_monitoring_and_keeps_its_own_names():
@@ -207,5 +211,5 @@ def test_the_vllm_variants_probes_monitor_and_service_point_at_declared_ports_an
     endpoints = VLLM_RESOURCES["PodMonitor"]["spec"]["podMetricsEndpoints"]
     assert {e["port"] for e in endpoints} <= port_names
     jobs = {e["relabelings"][0]["replacement"] for e in endpoints}
-    assert jobs == {config.VLLM_JOB, config.EXPORTER_JOB}
+    assert jobs == {config.VLLM_JOB, config.EXPORTER_JOB, config.VLLM_GUARD_JOB}
     assert {p["targetPort"] for p in VLLM_RESOURCES["Service"]["spec"]["ports"]} <= port_names

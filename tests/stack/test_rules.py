@@ -332,7 +332,8 @@ def _alert_key(alert: dict) -> str:
 def _vllm_model_alerts() -> dict[str, bool]:
     """Each alert (by trigger) that can judge the vLLM-served model, in the generated rules: True when its
     expression, recording rules expanded, reads a series a vLLM deployment has (the plugin's frames
-    through the exporter's job, vLLM's own through job vllm; there is no shim). Common alerts on the
+    through the exporter's job, vLLM's own through job vllm, the quality guard's through its job; there is
+    no shim). Common alerts on the
     exporter alone are left out: their cases in alerts.test.yaml hold whichever engine sends the frames."""
     groups = yaml.safe_load(RULES.read_text())["groups"]
     wanted = {"layerwatch.recording", "layerwatch.common", f"layerwatch.model.{config.VLLM_SERVED_MODEL_NAME}"}
@@ -351,7 +352,8 @@ def _vllm_model_alerts() -> dict[str, bool]:
         if "alert" not in rule:
             continue
         text = expanded(rule["expr"])
-        exporter, vllm = _reads_job(text, config.EXPORTER_JOB), _reads_job(text, config.VLLM_JOB)
+        exporter = _reads_job(text, config.EXPORTER_JOB)
+        vllm = _reads_job(text, config.VLLM_JOB) or _reads_job(text, config.VLLM_GUARD_JOB)
         if "model_name" not in rule["labels"] and exporter and not vllm:
             continue  # the exporter's own health, the same whichever engine sends its frames
         key = _alert_key(rule)

@@ -6,15 +6,16 @@ of its logits at temperature 1, before the request's temperature, top-p, penalti
 reduced to its argmax, the log-probability of the emitted token, its `SHADOW_TOP_K` most likely
 tokens with their log-probabilities, and the log of the mass outside them. After the request, the
 prompt + generated tokens go through the model's full-depth forward in one teacher-forced pass
-(`full_depth_agreement`), and at each generated position, on the device:
+(`full_depth_agreement`), and at each generated position:
 
 - **agreement**: the full-depth argmax equals the gated argmax (for a plain greedy request the
   gated argmax is the emitted token, so this is the old "same top-1 as the output");
 - **KL(gated || full)** in nats, the quality cost, computed exactly on the coarsened distributions
   over the partition {each of the gated top-K tokens alone} + {every other token, one bucket}
-  (`partition_divergences`). Merging outcomes never increases a KL divergence (the data-processing
-  inequality), so this is a lower bound of the true KL at that position, equal to it when the top K
-  hold all the mass and close to it when they hold nearly all;
+  (`partition_cells`, summed by layerwatch/shadow_divergence.py as the vLLM guard's are). Merging
+  outcomes never increases a KL divergence (the data-processing inequality), so this is a lower
+  bound of the true KL at that position, equal to it when the top K hold all the mass and close to
+  it when they hold nearly all;
 - **KL(full || gated)** on the same partition: its mean m over a model's text gives the perplexity
   increase the gated model would show on text the full-depth model writes, exp(m) - 1 (a lower
   bound, as above).
@@ -40,8 +41,9 @@ import numpy as np
 import torch
 
 from layerwatch.inference_shim.runtime.model import LayerProbe, Transformer
+from layerwatch.shadow_divergence import SHADOW_TOP_K, partition_kl
 
-SHADOW_TOP_K = 16  # tokens of the gated distribution kept per recorded position (docs/service.md)
+__all__ = ["SHADOW_TOP_K"]  # tokens of the gated distribution kept per recorded position, re-exported
 
 
 def summarize_rows(logits: torch.Tensor, emitted: torch.Tensor, k: int) -> torch.Tensor:
@@ -116,33 +118,35 @@ class ShadowResult:
     layer_signals: LayerSignals | None = None  # only when asked for
 
 
-def partition_divergences(
+def partition_cells(
     top_ids: torch.Tensor, top_logprobs: torch.Tensor, rest_logprob: torch.Tensor, full_logprobs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(KL(gated || full), KL(full || gated)) per position [G], float64, over the partition of the
-    vocabulary into each of the gated top-K tokens and one bucket for the rest.
+    """(gated, full) log-probabilities [G, K + 1], float64, of the partition of the vocabulary into each of the
+    gated top-K tokens and one bucket for the rest, computed on the device.
 
     top_ids [G, K], top_logprobs [G, K] and rest_logprob [G]: the gated record; full_logprobs [G, V]:
-    the full-depth log_softmax at the same positions. A cell whose probability is 0 on the side the
-    expectation is taken over contributes 0 (0 log 0 = 0).
+    the full-depth log_softmax at the same positions.
     """
     full = full_logprobs.double()
     full_top = full.gather(-1, top_ids)
     full_rest = full.scatter(-1, top_ids, float("-inf")).logsumexp(dim=-1)
     gated = torch.cat([top_logprobs.double(), rest_logprob.double()[:, None]], dim=-1)
-    reference = torch.cat([full_top, full_rest[:, None]], dim=-1)
+    return gated, torch.cat([full_top, full_rest[:, None]], dim=-1)
 
-    def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
-        p = p_log.exp()
-        # At 0 where the models agree up to float32 rounding (each side sums to 1 only that closely).
-        return torch.where(p > 0, p * (p_log - q_log), torch.zeros_like(p)).sum(dim=-1).clamp_min(0.0)
 
-    return kl(gated, reference), kl(reference, gated)
+def partition_divergences(
+    top_ids: torch.Tensor, top_logprobs: torch.Tensor, rest_logprob: torch.Tensor, full_logprobs: torch.Tensor
+) -> tuple[np.ndarray, np.ndarray]:
+    """(KL(gated || full), KL(full || gated)) per position [G], float64, over `partition_cells`' partition
+    (layerwatch/shadow_divergence.py sums them, as it does the vLLM guard's)."""
+    gated, full = (cells.cpu().numpy() for cells in partition_cells(top_ids, top_logprobs, rest_logprob, full_logprobs))
+    return partition_kl(gated, full), partition_kl(full, gated)
 
 
 def full_depth_agreement(model: Transformer, job: ShadowJob, layer_signals: bool = False) -> ShadowResult:
     """Teacher-forced full-depth distributions over the generated positions, compared on the device
-    with what the gated model recorded there (module doc); one transfer of the sums to the host.
+    with what the gated model recorded there (module doc); one transfer of the sums and the partition's
+    cells to the host, where the divergences are summed.
 
     With `layer_signals`, also the layer signals of the positions whose logits are compared: the
     decode steps' inputs (the prompt's last token, then every generated token but the last).
@@ -160,7 +164,7 @@ def full_depth_agreement(model: Transformer, job: ShadowJob, layer_signals: bool
     with torch.inference_mode():
         logits, _ = model(tokens, probe=probe)
         full = torch.log_softmax(logits[0, first : first + generated].float(), dim=-1)
-        kl, reverse = partition_divergences(
+        gated_cells, full_cells = partition_cells(
             torch.as_tensor(record.top_ids, device=device),
             torch.as_tensor(record.top_logprobs, device=device),
             torch.as_tensor(record.rest_logprob, device=device),
@@ -169,7 +173,20 @@ def full_depth_agreement(model: Transformer, job: ShadowJob, layer_signals: bool
         agreements = (full.argmax(dim=-1) == torch.as_tensor(record.argmax, device=device)).sum()
         emitted = torch.tensor(job.generated_ids, device=device)
         log_ratio = torch.as_tensor(record.emitted_logprob, device=device) - full.gather(-1, emitted[:, None])[:, 0]
-        sums = torch.stack([agreements.double(), kl.sum(), reverse.sum(), log_ratio.double().sum()]).tolist()
+        # One transfer: the sums, then both sides' cells [G, K + 1].
+        packed = (
+            torch.cat(
+                [
+                    torch.stack([agreements.double(), log_ratio.double().sum()]),
+                    gated_cells.flatten(),
+                    full_cells.flatten(),
+                ]
+            )
+            .cpu()
+            .numpy()
+        )
+    cells = packed[2:].reshape(2, generated, -1)
+    kl, reverse = partition_kl(cells[0], cells[1]), partition_kl(cells[1], cells[0])
     signals = None
     if probe is not None:
         if probe.relative_update is None or probe.attention_kl is None:
@@ -185,9 +202,9 @@ def full_depth_agreement(model: Transformer, job: ShadowJob, layer_signals: bool
         )
     return ShadowResult(
         tokens=generated,
-        agreements=int(sums[0]),
-        kl_nats=sums[1],
-        reverse_kl_nats=sums[2],
-        sampled_log_ratio=sums[3],
+        agreements=int(packed[0]),
+        kl_nats=float(kl.sum()),
+        reverse_kl_nats=float(reverse.sum()),
+        sampled_log_ratio=float(packed[1]),
         layer_signals=signals,
     )

@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.utils import floatToGoString
 
 from layerwatch import prometheus
-from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, REQUEST_FRACTION_BUCKETS, SHIM
+from layerwatch.catalog import DEFAULT_REQUEST_RUNAWAY_SKIP_FRACTION, REQUEST_FRACTION_BUCKETS, SHADOW_OUTCOMES, SHIM
 from layerwatch.inference_shim.service.records import FinishedRequest
 from layerwatch.prometheus import HistogramArrays
 from layerwatch.request_tail import RequestLayers, request_skipping
@@ -297,10 +297,6 @@ class RequestMetrics:
             for child, skips in zip(self._runaway_layer_skips, np.asarray(layers.skipped).tolist()):
                 if skips:
                     child.inc(skips)
-
-
-# How a shadow-sampled request ended (layerwatch/inference_shim/service/shadow.py): its `outcome` label.
-SHADOW_OUTCOMES = ("checked", "queue_full", "failed", "full_depth", "no_output")
 
 
 class ShadowMetrics:

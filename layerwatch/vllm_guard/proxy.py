@@ -1,0 +1,243 @@
+"""The guard's HTTP side: every request goes to vLLM and its answer back unchanged, streamed as it comes, except
+for the sampled share of generation requests (`checkable` ones, at `shadow_rate`): these ask vLLM also for the
+answer's raw top-20 log-probabilities and token ids (openai_bodies.py), which are taken out of the answer again
+before the client sees it, and once the answer is complete each choice is queued for the full-depth check
+(checker.py). The queue is bounded: a full one is counted, never waited for. `/metrics` is the guard's own.
+
+vLLM refusing a sampled request it would have served (a `--max-logprobs` below 20, say) gets the client's own
+request sent instead, counted as a failed check. An upstream that cannot be reached is answered 502 in vLLM's
+error shape; one that fails mid-stream ends the stream with an error event, as vLLM ends its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from layerwatch.log_limit import limit_rate
+from layerwatch.vllm_guard.checker import Checker
+from layerwatch.vllm_guard.metrics import GuardMetrics
+from layerwatch.vllm_guard.openai_bodies import CHAT_PATH, GENERATION_PATHS, Answer, checkable, dumps, sampled_body
+
+log = limit_rate(logging.getLogger(__name__))  # an upstream down would log every request
+
+# Connection-level headers (RFC 9110 section 7.6.1) and those aiohttp sets from the body it sends.
+HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding"}
+    | {"upgrade", "host", "content-length"}
+)
+MAX_BODY_BYTES = 64 << 20  # a request body, at most: long prompts as token ids run to megabytes
+EVENT_END = b"\n\n"  # server-sent events are separated by a blank line
+EVENT_STREAM = "text/event-stream"
+
+
+def forwarded(headers: Any) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+
+
+def error_body(status: int, message: str) -> bytes:
+    """vLLM's error shape (ErrorResponse)."""
+    return dumps({"error": {"message": message, "type": "BadGatewayError", "param": None, "code": status}})
+
+
+class GuardProxy:
+    def __init__(self, upstream: str, shadow_rate: float, metrics: GuardMetrics, checker: Checker) -> None:
+        self.upstream = upstream
+        self.shadow_rate = shadow_rate
+        self.metrics = metrics
+        self.checker = checker
+        self._session: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_get("/metrics", self.serve_metrics)
+        app.router.add_route("*", "/{tail:.*}", self.forward)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        # No total timeout: an answer streams as long as it generates. No decompression: bytes pass as sent.
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), auto_decompress=False
+        )
+        self.checker.start(self._session)
+
+    async def _stop(self, app: web.Application) -> None:
+        await self.checker.stop()
+        if self._session is not None:
+            await self._session.close()
+
+    async def serve_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        path = request.path
+        client_body = self._json(body) if request.method == "POST" and path in GENERATION_PATHS else None
+        generation = checkable(path, client_body)
+        sampled = generation and random.random() < self.shadow_rate
+        if sampled:
+            assert isinstance(client_body, dict)
+            return await self._sampled(request, path, client_body, body)
+        return await self._passed(request, body, generation)
+
+    @staticmethod
+    def _json(body: bytes) -> Any:
+        try:
+            return json.loads(body)
+        except ValueError:
+            return None  # vLLM answers it with its own error
+
+    async def _upstream(self, request: web.Request, body: bytes, drop: tuple[str, ...] = ()) -> aiohttp.ClientResponse:
+        assert self._session is not None
+        headers = {k: v for k, v in forwarded(request.headers).items() if k.lower() not in drop}
+        url = self.upstream + request.rel_url.path_qs
+        return await self._session.request(request.method, url, headers=headers, data=body, allow_redirects=False)
+
+    async def _passed(self, request: web.Request, body: bytes, generation: bool) -> web.StreamResponse:
+        """The request and its answer, byte for byte, streamed as they come."""
+        try:
+            upstream = await self._upstream(request, body)
+        except aiohttp.ClientError as exc:
+            return self._unreachable(exc)
+        complete = False
+        try:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            response.headers.update(forwarded(upstream.headers))
+            await response.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+            except aiohttp.ClientError as exc:
+                await self._failed_mid_answer(response, upstream, exc)
+                return response
+            await response.write_eof()
+            complete = True
+            return response
+        finally:
+            if generation and upstream.status == 200:
+                self.metrics.gated_request()  # answered or cancelled: it ran
+            if complete:
+                upstream.release()
+            else:
+                upstream.close()  # vLLM aborts what it still generates
+
+    async def _sampled(
+        self, request: web.Request, path: str, client_body: dict[str, Any], body: bytes
+    ) -> web.StreamResponse:
+        try:  # without the client's Accept-Encoding: the guard reads the answer
+            upstream = await self._upstream(request, dumps(sampled_body(path, client_body)), drop=("accept-encoding",))
+        except aiohttp.ClientError as exc:
+            self.metrics.not_checked("no_output")
+            return self._unreachable(exc)
+        if upstream.status != 200:
+            message = (await upstream.read())[:300].decode(errors="replace")
+            upstream.release()
+            log.warning(
+                "a sampled request was refused (%d): %s; the client's own request sent instead",
+                upstream.status,
+                message,
+            )
+            self.metrics.not_checked("failed")
+            return await self._passed(request, body, generation=True)
+        answer = Answer(chat=path == CHAT_PATH, client_wants_token_ids=bool(client_body.get("return_token_ids")))
+        complete = False
+        try:
+            if upstream.headers.get("Content-Type", "").startswith(EVENT_STREAM):
+                response, complete = await self._restored_stream(request, upstream, answer)
+            else:
+                try:
+                    restored = dumps(answer.read_and_restore(json.loads(await upstream.read())))
+                except aiohttp.ClientError as exc:
+                    return self._unreachable(exc)
+                response, complete = web.Response(status=200, body=restored, headers=forwarded(upstream.headers)), True
+            return response
+        finally:
+            self.metrics.gated_request()
+            if complete:
+                self.checker.submit(answer.finished_choices(), client_body.get("model"))
+                upstream.release()
+            else:
+                self.metrics.not_checked("no_output")
+                upstream.close()
+
+    async def _restored_stream(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, answer: Answer
+    ) -> tuple[web.StreamResponse, bool]:
+        """Each event of vLLM's stream, restored, as it comes; whether the stream ended."""
+        response = web.StreamResponse(status=200, reason=upstream.reason)
+        response.headers.update(forwarded(upstream.headers))
+        await response.prepare(request)
+        try:
+            async for event in events(upstream.content.iter_any()):
+                await response.write(restore_event(event, answer))
+        except aiohttp.ClientError as exc:
+            await self._failed_mid_answer(response, upstream, exc)
+            return response, False
+        await response.write_eof()
+        return response, True
+
+    def _unreachable(self, exc: Exception) -> web.Response:
+        log.warning("vLLM at %s cannot be reached: %s", self.upstream, exc)
+        message = f"the layerwatch guard cannot reach vLLM at {self.upstream}: {exc or type(exc).__name__}"
+        return web.Response(status=502, body=error_body(502, message), content_type="application/json")
+
+    async def _failed_mid_answer(
+        self, response: web.StreamResponse, upstream: aiohttp.ClientResponse, exc: Exception
+    ) -> None:
+        """vLLM went away with the answer begun: a stream ends with an error event as vLLM's own errors do;
+        another body cannot be mended, and its connection is cut."""
+        log.warning("vLLM at %s failed mid-answer: %s", self.upstream, exc)
+        if upstream.headers.get("Content-Type", "").startswith(EVENT_STREAM):
+            message = f"vLLM at {self.upstream} failed mid-answer: {exc or type(exc).__name__}"
+            await response.write(b"data: " + error_body(502, message) + EVENT_END + b"data: [DONE]" + EVENT_END)
+            await response.write_eof()
+        else:
+            raise ConnectionResetError("vLLM failed mid-answer")
+
+
+async def events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The server-sent events of a byte stream, each with its blank line; what trails the last one too."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        *complete, buffer = buffer.split(EVENT_END)
+        for event in complete:
+            yield event + EVENT_END
+    if buffer:
+        yield buffer
+
+
+def restore_event(event: bytes, answer: Answer) -> bytes:
+    prefix = b"data: "
+    payload = event.removesuffix(EVENT_END)
+    if not payload.startswith(prefix) or payload == prefix + b"[DONE]":
+        return event
+    try:
+        body = json.loads(payload[len(prefix) :])
+    except ValueError:
+        return event
+    if not isinstance(body, dict):
+        return event
+    return prefix + dumps(answer.read_and_restore(body)) + EVENT_END
+
+
+async def run_until_stopped(app: web.Application, host: str, port: int, stop: asyncio.Event) -> None:
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None
+    )  # a client gone cancels its upstream request
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        await stop.wait()
+    finally:
+        await runner.cleanup()
