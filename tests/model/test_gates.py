@@ -14,7 +14,7 @@ import torch
 import torch.nn.utils.prune
 from safetensors.torch import save_file
 
-from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
+from layerwatch.inference_shim.runtime.checkpoint import checkpoint_fingerprint, load_checkpoint
 from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from layerwatch.inference_shim.runtime.gates import (
     GateFileError,
@@ -130,9 +130,8 @@ def test_family_features_enter_the_fingerprint_only_when_set(model):
     scaled.load_state_dict(model.state_dict())
     assert model_fingerprint(scaled) != model_fingerprint(model)
     demo = load_checkpoint(DEMO_MODEL_DIR)
-    assert load_gates(DEMO_MODEL_DIR / "gates.safetensors", demo.model).metadata.base_fingerprint == (
-        model_fingerprint(demo.model)
-    )
+    recorded = load_gates(DEMO_MODEL_DIR / "gates.safetensors", demo.model).metadata.base_fingerprint
+    assert recorded == model_fingerprint(demo.model) == checkpoint_fingerprint(DEMO_MODEL_DIR, torch.float32)
 
 
 def test_gates_follow_the_model_dtype(tmp_path, model):
