@@ -86,10 +86,11 @@ def load_gating(
 
 
 def _frame_sender(settings: PluginSettings, num_layers: int, served_name: str) -> GateFrameSender | None:
-    if settings.exporter_address is None:
-        return None
+    """The sender to the exporter, or None without one; a key file given is checked either way."""
     try:
         key = load_frame_key(settings.frame_key_file) if settings.frame_key_file is not None else None
+        if settings.exporter_address is None:
+            return None
         return GateFrameSender(
             settings.exporter_address,
             settings.model_name or served_name,

@@ -157,6 +157,8 @@ def test_missing_truncated_and_foreign_files(tmp_path, model):
     save_file({"w": torch.zeros(2)}, path)
     with pytest.raises(GateFileError, match="not a layerwatch gate file"):
         load_gates(path, model)
+    with pytest.raises(GateFileError, match=r"cannot read the gate file \(File name too long\)"):
+        load_gates(tmp_path / ("g" * 300), model)
 
 
 def test_bad_metadata_and_wrong_tensors(tmp_path, model):
@@ -300,6 +302,7 @@ def test_metadata_that_is_not_a_json_object_is_refused(tmp_path, model, metadata
         ("patience", -2, "patience must be an integer >= 1, got -2"),
         ("patience", True, "patience must be an integer >= 1, got true"),
         ("patience", 2.0, "patience must be an integer >= 1, got 2.0"),
+        ("patience", 2**31, "patience must be <= 2147483647, got 2147483648"),  # the rule's int32 step counts
         ("num_layers", True, "num_layers must be an integer >= 1, got true"),
         ("base_fingerprint", 7, "base_fingerprint must be a string, got 7"),
         ("skip_rule", "sliding", 'skip_rule must be one of "streak", "ewma", got "sliding"'),

@@ -80,6 +80,12 @@ def test_a_model_served_with_another_depth_than_its_folders_is_refused(real_mode
         ({"protected_layers": [0, 30]}, "protected layer 30 is outside 0..29"),
         ({"protected_layers": "0,1"}, "protected_layers must be a list"),
         ({"patience": 0}, "patience must be >= 1"),
+        ({"patience": 2**31, "skip_rule": "ewma"}, "patience must be >= 1 and <= 2147483647"),  # overflowed a step
+        ({"patience": 2.0}, "patience must be an integer, got 2.0"),
+        ({"ewma_alpha": "0.5"}, "ewma_alpha must be in (0, 1], got '0.5'"),  # a TypeError's traceback
+        ({"ewma_alpha": True}, "ewma_alpha must be in (0, 1], got True"),
+        ({"gates": ""}, "gates must be a non-empty string"),
+        ({"frame_key_file": "/nonexistent/key"}, "frames: "),  # checked without an exporter address too
         ({"skip_rule": "majority"}, "skip rule must be one of"),
         ({"exporter_address": "127.0.0.1"}, "frames: exporter address"),
         ({"exporter_address": "127.0.0.1:9", "frame_key_file": "/nonexistent/key"}, "frames: "),

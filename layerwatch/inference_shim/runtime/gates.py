@@ -30,7 +30,7 @@ from layerwatch.inference_shim.runtime.model import (
     Transformer,
     non_finite_problem,
 )
-from layerwatch.skip_policy import SKIP_RULES, SkipPolicyConfig, is_threshold
+from layerwatch.skip_policy import MAX_PATIENCE, SKIP_RULES, SkipPolicyConfig, is_threshold
 
 GATES_FILE = "gates.safetensors"  # a checkpoint folder's gate file, when none is named
 METADATA_KEY = "layerwatch_gates"  # one key only: the serialised header (and so the sha256) is deterministic
@@ -164,15 +164,18 @@ def load_gates_for(
     points at a huge file, or at something else entirely, costs a few bytes of reading, not its size.
     """
     path = Path(path)
-    if not path.exists():
-        raise GateFileError(
-            f"{path}: gate file not found; train gates for this model with `layerwatch train-gates "
-            f"--model DIR --data TEXT --out {path}`; until then `layerwatch serve --no-gates` serves the model at "
-            "full depth"
-        )
-    if not path.is_file():
-        raise GateFileError(f"{path}: not a regular file")
-    data = _read_bounded(path, gate_file_max_bytes(config.num_layers, config.hidden_size))
+    try:
+        if not path.exists():
+            raise GateFileError(
+                f"{path}: gate file not found; train gates for this model with `layerwatch train-gates "
+                f"--model DIR --data TEXT --out {path}`; until then `layerwatch serve --no-gates` serves the model "
+                "at full depth"
+            )
+        if not path.is_file():
+            raise GateFileError(f"{path}: not a regular file")
+        data = _read_bounded(path, gate_file_max_bytes(config.num_layers, config.hidden_size))
+    except OSError as exc:  # a name too long, a file that cannot be read
+        raise GateFileError(f"{path}: cannot read the gate file ({exc.strerror})") from None
     try:
         tensors = load_tensors(data)
     except (SafetensorError, ValueError) as exc:
@@ -358,6 +361,8 @@ def _metadata_problem(metadata: GateMetadata) -> str | None:
     for name in ("num_layers", "hidden_size", "patience"):
         if not counts(getattr(metadata, name)):
             return f"{name} must be an integer >= 1, got {json.dumps(getattr(metadata, name))}"
+    if metadata.patience > MAX_PATIENCE:
+        return f"patience must be <= {MAX_PATIENCE}, got {metadata.patience}"
     threshold = metadata.threshold
     if not is_threshold(threshold):
         return f"threshold must be a number in [0, 1], got {json.dumps(threshold)}"
