@@ -159,6 +159,9 @@ def test_missing_truncated_and_foreign_files(tmp_path, model):
         load_gates(path, model)
     with pytest.raises(GateFileError, match=r"cannot read the gate file \(File name too long\)"):
         load_gates(tmp_path / ("g" * 300), model)
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")  # not "not found": it is there, and unreadable
+    with pytest.raises(GateFileError, match=r"cannot read the gate file \(Too many levels of symbolic links\)"):
+        load_gates(tmp_path / "loop", model)
 
 
 def test_bad_metadata_and_wrong_tensors(tmp_path, model):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
@@ -165,16 +166,16 @@ def load_gates_for(
     """
     path = Path(path)
     try:
-        if not path.exists():
-            raise GateFileError(
-                f"{path}: gate file not found; train gates for this model with `layerwatch train-gates "
-                f"--model DIR --data TEXT --out {path}`; until then `layerwatch serve --no-gates` serves the model "
-                "at full depth"
-            )
-        if not path.is_file():
+        if not stat.S_ISREG(path.stat().st_mode):
             raise GateFileError(f"{path}: not a regular file")
         data = _read_bounded(path, gate_file_max_bytes(config.num_layers, config.hidden_size))
-    except OSError as exc:  # a name too long, a file that cannot be read
+    except FileNotFoundError:
+        raise GateFileError(
+            f"{path}: gate file not found; train gates for this model with `layerwatch train-gates "
+            f"--model DIR --data TEXT --out {path}`; until then `layerwatch serve --no-gates` serves the model at "
+            "full depth"
+        ) from None
+    except OSError as exc:  # a symlink loop, a name too long, a file that cannot be read
         raise GateFileError(f"{path}: cannot read the gate file ({exc.strerror})") from None
     try:
         tensors = load_tensors(data)
