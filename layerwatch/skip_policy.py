@@ -22,12 +22,20 @@ DEFAULT_THRESHOLD = 0.18
 SKIP_RULES = ("streak", "ewma")
 # The skip policy settings a gate file records, named as in SkipPolicyConfig.
 POLICY_FIELDS = ("threshold", "patience", "skip_rule", "ewma_alpha")
+MAX_PATIENCE = 2**31 - 1  # the rule counts each sequence's steps in int32
 
 
 def is_threshold(value: object) -> bool:
     """Whether `value` is a τ: a real number (a bool is not one) in [0, 1] (NaN fails the comparison)."""
-    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    return number and 0.0 <= value <= 1.0  # type: ignore[operator]
+    return _is_real(value) and 0.0 <= value <= 1.0  # type: ignore[operator]
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 def check_threshold(threshold: float) -> float:
@@ -57,12 +65,14 @@ class SkipPolicyConfig:
 
     def __post_init__(self) -> None:
         check_threshold(self.threshold)
-        if self.patience < 1:
-            raise ValueError(f"patience must be >= 1, got {self.patience}")
+        if not _is_integer(self.patience):
+            raise ValueError(f"patience must be an integer, got {self.patience!r}")
+        if not 1 <= self.patience <= MAX_PATIENCE:
+            raise ValueError(f"patience must be >= 1 and <= {MAX_PATIENCE}, got {self.patience}")
         if self.skip_rule not in SKIP_RULES:
             raise ValueError(f"skip rule must be one of {', '.join(SKIP_RULES)}, got {self.skip_rule!r}")
-        if not 0.0 < self.ewma_alpha <= 1.0:  # NaN fails too
-            raise ValueError(f"ewma_alpha must be in (0, 1], got {self.ewma_alpha}")
+        if not _is_real(self.ewma_alpha) or not 0.0 < self.ewma_alpha <= 1.0:  # NaN fails too
+            raise ValueError(f"ewma_alpha must be in (0, 1], got {self.ewma_alpha!r}")
         if not 0.0 <= self.fallback_skip_fraction <= 1.0:
             raise ValueError(f"fallback_skip_fraction must be in [0, 1], got {self.fallback_skip_fraction}")
         if self.fallback_trigger_steps < 1 or self.fallback_steps < 0:

@@ -40,8 +40,8 @@ START_TIMEOUT_SECONDS = 900  # model load on a busy 2-core machine takes minutes
 MAX_MODEL_LEN = 512
 BLOCK_SIZE = 32
 WORKER_EXTENSION = "layerwatch.vllm_plugin.worker.LayerwatchWorker"
-# 1 GiB of KV cache: ample for 512-token sequences. vLLM's environment is its own; PYTHONPATH only puts this
-# checkout's layerwatch ahead of the one .venv-vllm installed (which may be another worktree's).
+# 1 GiB of KV cache: ample for 512-token sequences. PYTHONPATH is this checkout alone: vLLM's environment is its
+# own, and its editable install of layerwatch may name another checkout (a helper script's imports would find it).
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO), "VLLM_SERVER_DEV_MODE": "1"}
 
 

@@ -1,7 +1,7 @@
 """What the gated model serves with inside vLLM, built and checked once at start-up, without vLLM.
 
-The gate file is checked as `layerwatch serve` checks it (gates.load_gates: its shape and its base model's
-fingerprint, read from the checkpoint folder vLLM serves), the policy with the skip policy's own checks,
+The gate file is checked as `layerwatch serve` checks it (gates.load_gates_for: its shape and its base model's
+fingerprint, read from the files of the checkpoint folder vLLM serves), the policy with the skip policy's own checks,
 the frame destination and key with the frame sender's. The first bad one is a PluginSettingsError: one
 line that names it and stops vLLM's start-up.
 
@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from layerwatch.client import GateFrameSender
-from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
-from layerwatch.inference_shim.runtime.gates import GateFileError, LoadedGates, load_gates
+from layerwatch.inference_shim.runtime.checkpoint import CONFIG_FILE, checkpoint_fingerprint, read_config
+from layerwatch.inference_shim.runtime.gates import GateFileError, LoadedGates, load_gates_for
 from layerwatch.inference_shim.runtime.model import GateBank
 from layerwatch.inference_shim.runtime.skip_policy import SkipPolicy
 from layerwatch.secret_file import SecretFileError
@@ -56,17 +56,25 @@ def load_gating(
 ) -> Gating:
     """The gates, policy and frame sender for `layers` (None: all) of the checkpoint `folder` of `num_layers`
     layers, served as `served_name` in `dtype`, with room for the states of `sequences` scheduled sequences;
-    `decides`: this rank decides and sends. The cheap checks come first, the checkpoint (for the gates'
-    fingerprint) is read last."""
+    `decides`: this rank decides and sends. The cheap checks come first; the gates' fingerprint, which reads a
+    few values of each weight from the checkpoint's files (never the weights whole: vLLM loads them), last."""
     layers = range(num_layers) if layers is None else layers
     if settings.protected_layers is not None:
         settings.policy(vars(SkipPolicyConfig()), num_layers)  # the protected layers inside the model
     sender = _frame_sender(settings, layers, num_layers, served_name) if decides else None
     try:
-        # The checkpoint as the shim loads it, for the fingerprint the gates are checked against; the gates come
-        # placed in its dtype, the one vLLM serves in (rounded to another first, every score would move).
-        checkpoint = load_checkpoint(folder, dtype=dtype)
-        loaded = load_gates(settings.gate_path(folder), checkpoint.model)
+        # The gates are checked against the fingerprint of the checkpoint as the shim loads it, in vLLM's dtype,
+        # and placed in that dtype (rounded to another first, every score would move).
+        config = read_config(folder)
+        if config.num_layers != num_layers:
+            raise ValueError(f"{folder}: {config.num_layers} layers in {CONFIG_FILE}, vLLM serves {num_layers}")
+        loaded = load_gates_for(
+            settings.gate_path(folder),
+            config,
+            lambda: checkpoint_fingerprint(folder, dtype),
+            torch.device("cpu"),
+            dtype,
+        )
     except (GateFileError, ValueError) as exc:  # CheckpointError is a ValueError
         raise PluginSettingsError(f"layerwatch: gates: {str(exc).splitlines()[0]}") from None
     policy = settings.policy(vars(loaded.metadata), num_layers)
@@ -107,10 +115,11 @@ def _stage_policy(policy: SkipPolicyConfig, layers: range, num_layers: int) -> S
 
 
 def _frame_sender(settings: PluginSettings, layers: range, num_layers: int, served_name: str) -> GateFrameSender | None:
-    if settings.exporter_address is None:
-        return None
+    """The sender to the exporter, or None without one; a key file given is checked either way."""
     try:
         key = load_frame_key(settings.frame_key_file) if settings.frame_key_file is not None else None
+        if settings.exporter_address is None:
+            return None
         return GateFrameSender(
             settings.exporter_address,
             settings.model_name or served_name,

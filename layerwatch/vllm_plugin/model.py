@@ -59,17 +59,7 @@ class LayerwatchLlamaModel(LlamaModel):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         self.block_size = vllm_config.cache_config.block_size
         model_config = vllm_config.model_config
-        if (
-            vllm_config.parallel_config.pipeline_parallel_size > 1
-            and current_platform.is_cpu()
-            and vllm_config.compilation_config.mode == CompilationMode.NONE
-        ):
-            # vLLM 0.32's CPU runner allocates a later stage's input buffers only in its compile warm-up.
-            raise PluginSettingsError(
-                "layerwatch: pipeline parallelism on CPU needs vLLM's compile warm-up: serve without --enforce-eager"
-            )
-        if vllm_config.speculative_config is not None:
-            raise PluginSettingsError("layerwatch: speculative decoding is not supported by the plugin")
+        refuse_unsupported(vllm_config)
         self.gating = load_gating(
             PluginSettings.from_overrides(getattr(model_config.hf_config, "layerwatch", None)),
             model_config.model,
@@ -158,6 +148,25 @@ class LayerwatchLlamaModel(LlamaModel):
         gating.policy.observe(step.slots, scores, step.run)
         if gating.sender is not None:
             gating.sender.send(scores, ~step.run)
+
+
+def refuse_unsupported(vllm_config: VllmConfig) -> None:
+    """What vLLM can be asked for that the gated decoder loop cannot serve stops start-up with one line."""
+    if (
+        vllm_config.parallel_config.pipeline_parallel_size > 1
+        and current_platform.is_cpu()
+        and vllm_config.compilation_config.mode == CompilationMode.NONE
+    ):
+        # vLLM 0.32's CPU runner allocates a later stage's input buffers only in its compile warm-up.
+        raise PluginSettingsError(
+            "layerwatch: pipeline parallelism on CPU needs vLLM's compile warm-up: serve without --enforce-eager"
+        )
+    if vllm_config.speculative_config is not None:
+        raise PluginSettingsError("layerwatch: speculative decoding is not supported by the plugin")
+    if vllm_config.lora_config is not None:
+        # vLLM's LoRA layers take each token's adapter by its place in the whole batch: a layer's row subset made
+        # them fail (einsum sizes) as soon as the rows of one step skipped differently.
+        raise PluginSettingsError("layerwatch: LoRA adapters are not supported by the plugin")
 
 
 @dataclass(frozen=True)

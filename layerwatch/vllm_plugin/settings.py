@@ -59,10 +59,10 @@ class PluginSettings:
                 )
             values["protected_layers"] = tuple(layers)
         for name in ("gates", "skip_rule", "exporter_address", "model_name", "frame_key_file"):
-            if values.get(name) is not None and not isinstance(values[name], str):
-                raise PluginSettingsError(f"layerwatch: {name} must be a string, got {json.dumps(values[name])}")
-        if values.get("patience") is not None and not _is_int(values["patience"]):
-            raise PluginSettingsError(f"layerwatch: patience must be an integer, got {json.dumps(values['patience'])}")
+            if values.get(name) is not None and not (isinstance(values[name], str) and values[name]):
+                raise PluginSettingsError(
+                    f"layerwatch: {name} must be a non-empty string, got {json.dumps(values[name])}"
+                )
         settings = cls(**values)
         given = {name: getattr(settings, name) for name in POLICY_SETTINGS if getattr(settings, name) is not None}
         try:  # the policy's own checks of what is given, before any file is read

@@ -11,10 +11,12 @@ from safetensors.torch import load_file, save_file
 
 from layerwatch.inference_shim.runtime.checkpoint import (
     CheckpointError,
+    checkpoint_fingerprint,
     config_from_hf,
     load_checkpoint,
     save_checkpoint,
 )
+from layerwatch.inference_shim.runtime.gates import model_fingerprint
 
 from .conftest import random_model, tiny_config
 
@@ -33,12 +35,18 @@ def edit_config(folder: Path, **changes) -> None:
     path.write_text(json.dumps(config))
 
 
-def expect_error(folder: Path, *fragments: str) -> str:
+def expect_error(folder: Path, *fragments: str, fingerprint: bool = True) -> str:
+    """load_checkpoint's refusal of `folder`, holding each fragment; with `fingerprint`, checkpoint_fingerprint
+    (which reads all but the tokenizer and the weights' values) refuses it with the same message."""
     with pytest.raises(CheckpointError) as caught:
         load_checkpoint(folder)
     message = str(caught.value)
     for fragment in fragments:
         assert fragment in message, message
+    if fingerprint:
+        with pytest.raises(CheckpointError) as fingerprinted:
+            checkpoint_fingerprint(folder, torch.float32)
+        assert str(fingerprinted.value) == message
     return message
 
 
@@ -119,6 +127,8 @@ def test_harmless_rotary_buffers_are_ignored(folder):
 def test_not_a_directory(tmp_path):
     with pytest.raises(CheckpointError, match="not a directory"):
         load_checkpoint(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        checkpoint_fingerprint(tmp_path / "nowhere", torch.float32)
 
 
 def test_missing_config(folder):
@@ -143,7 +153,7 @@ def test_config_is_not_json(folder):
 )
 def test_json_the_parser_cannot_take_is_a_checkpoint_error_naming_the_file(folder, name, text, problem):
     (folder / name).write_text(text)
-    expect_error(folder, name, problem)
+    expect_error(folder, name, problem, fingerprint=name != "tokenizer_config.json")
 
 
 @pytest.mark.parametrize(
@@ -272,7 +282,9 @@ def test_non_finite_weights_are_refused_naming_file_tensor_and_count(folder, val
     # Such a checkpoint served, every answer a 500 (docs/reliability.md).
     poison(folder / "model.safetensors", "model.layers.2.mlp.down_proj.weight", value, 0.5, value, stored=stored)
     message = expect_error(
-        folder, "model.safetensors: tensor model.layers.2.mlp.down_proj.weight holds 2 NaN or infinite value(s)"
+        folder,
+        "model.safetensors: tensor model.layers.2.mlp.down_proj.weight holds 2 NaN or infinite value(s)",
+        fingerprint=False,
     )
     assert "once converted" not in message
 
@@ -315,7 +327,7 @@ def test_non_finite_weights_in_a_shard_name_the_shard(folder):
     weight_map = json.loads((sharded(folder) / "model.safetensors.index.json").read_text())["weight_map"]
     assert weight_map[name] == shard  # the second shard: not only the first file is checked
     poison(folder / shard, name, float("nan"))
-    expect_error(folder, f"{shard}: tensor {name} holds 1 NaN")
+    expect_error(folder, f"{shard}: tensor {name} holds 1 NaN", fingerprint=False)
 
 
 def test_missing_shard(folder):
@@ -336,21 +348,43 @@ def test_index_without_weight_map(folder):
     expect_error(folder, "model.safetensors.index.json", "weight_map")
 
 
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_folders_fingerprint_is_the_loaded_models(folder, stored, dtype):
+    # Weights stored in one dtype and served in another (fp32 -> fp16 -> bf16 rounds twice), a tied head and
+    # sharded files: the few values read from the files give the fingerprint of the model in memory.
+    state = {name: t.to(stored) for name, t in load_file(folder / "model.safetensors").items()}
+    edit_config(folder, tie_word_embeddings=True)
+    del state["lm_head.weight"]
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    expected = model_fingerprint(load_checkpoint(folder, dtype=dtype).model)
+    assert checkpoint_fingerprint(folder, dtype) == expected
+    assert checkpoint_fingerprint(sharded(folder), dtype) == expected
+
+
+def test_the_fingerprint_refuses_weights_it_cannot_read_as_floats(folder):
+    state = load_file(folder / "model.safetensors")
+    state["model.norm.weight"] = state["model.norm.weight"].to(torch.int8)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.safetensors: weights stored as I8; the gates' fingerprint reads"):
+        checkpoint_fingerprint(folder, torch.float32)
+
+
 def test_missing_tokenizer(folder):
     (folder / "tokenizer.json").unlink()
-    expect_error(folder, "tokenizer.json", "file not found")
+    expect_error(folder, "tokenizer.json", "file not found", fingerprint=False)
 
 
 def test_broken_tokenizer(folder):
     (folder / "tokenizer.json").write_text('{"model": 17}')
-    expect_error(folder, "tokenizer.json", "not a valid tokenizers file")
+    expect_error(folder, "tokenizer.json", "not a valid tokenizers file", fingerprint=False)
 
 
 def test_tokenizer_config_names_unknown_token(folder):
     settings = json.loads((folder / "tokenizer_config.json").read_text())
     settings["eos_token"] = "<|im_end|>"
     (folder / "tokenizer_config.json").write_text(json.dumps(settings))
-    expect_error(folder, "tokenizer_config.json", "'<|im_end|>' is not in the vocabulary")
+    expect_error(folder, "tokenizer_config.json", "'<|im_end|>' is not in the vocabulary", fingerprint=False)
 
 
 def test_tokenizer_larger_than_embedding(folder):
@@ -359,4 +393,4 @@ def test_tokenizer_larger_than_embedding(folder):
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         state[name] = state[name][:100].contiguous()
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
-    expect_error(folder, "tokenizer.json", "vocab_size=100")
+    expect_error(folder, "tokenizer.json", "vocab_size=100", fingerprint=False)

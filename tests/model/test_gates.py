@@ -14,7 +14,7 @@ import torch
 import torch.nn.utils.prune
 from safetensors.torch import save_file
 
-from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint
+from layerwatch.inference_shim.runtime.checkpoint import checkpoint_fingerprint, load_checkpoint
 from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
 from layerwatch.inference_shim.runtime.gates import (
     GateFileError,
@@ -130,9 +130,8 @@ def test_family_features_enter_the_fingerprint_only_when_set(model):
     scaled.load_state_dict(model.state_dict())
     assert model_fingerprint(scaled) != model_fingerprint(model)
     demo = load_checkpoint(DEMO_MODEL_DIR)
-    assert load_gates(DEMO_MODEL_DIR / "gates.safetensors", demo.model).metadata.base_fingerprint == (
-        model_fingerprint(demo.model)
-    )
+    recorded = load_gates(DEMO_MODEL_DIR / "gates.safetensors", demo.model).metadata.base_fingerprint
+    assert recorded == model_fingerprint(demo.model) == checkpoint_fingerprint(DEMO_MODEL_DIR, torch.float32)
 
 
 def test_gates_follow_the_model_dtype(tmp_path, model):
@@ -158,6 +157,11 @@ def test_missing_truncated_and_foreign_files(tmp_path, model):
     save_file({"w": torch.zeros(2)}, path)
     with pytest.raises(GateFileError, match="not a layerwatch gate file"):
         load_gates(path, model)
+    with pytest.raises(GateFileError, match=r"cannot read the gate file \(File name too long\)"):
+        load_gates(tmp_path / ("g" * 300), model)
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")  # not "not found": it is there, and unreadable
+    with pytest.raises(GateFileError, match=r"cannot read the gate file \(Too many levels of symbolic links\)"):
+        load_gates(tmp_path / "loop", model)
 
 
 def test_bad_metadata_and_wrong_tensors(tmp_path, model):
@@ -301,6 +305,7 @@ def test_metadata_that_is_not_a_json_object_is_refused(tmp_path, model, metadata
         ("patience", -2, "patience must be an integer >= 1, got -2"),
         ("patience", True, "patience must be an integer >= 1, got true"),
         ("patience", 2.0, "patience must be an integer >= 1, got 2.0"),
+        ("patience", 2**31, "patience must be <= 2147483647, got 2147483648"),  # the rule's int32 step counts
         ("num_layers", True, "num_layers must be an integer >= 1, got true"),
         ("base_fingerprint", 7, "base_fingerprint must be a string, got 7"),
         ("skip_rule", "sliding", 'skip_rule must be one of "streak", "ewma", got "sliding"'),

@@ -20,9 +20,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from layerwatch.cli.main import main  # noqa: E402
-from layerwatch.inference_shim.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from layerwatch.inference_shim.runtime.checkpoint import (  # noqa: E402
+    checkpoint_fingerprint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from layerwatch.inference_shim.runtime.engine import GenerationEngine, SamplingParams  # noqa: E402
-from layerwatch.inference_shim.runtime.gates import load_gates  # noqa: E402
+from layerwatch.inference_shim.runtime.gates import load_gates, model_fingerprint  # noqa: E402
 from layerwatch.inference_shim.runtime.model import KVCache, LayerProbe  # noqa: E402
 from layerwatch.skip_policy import SkipPolicyConfig  # noqa: E402
 
@@ -345,6 +349,12 @@ def test_gates_score_and_skip_layers(pair, tokenizer):
 
 
 @pytest.mark.parametrize("pair", ["qwen3-qk-norm", "gemma", "gemma2", "phi3-fused", "olmo2-post-norms"], indirect=True)
+def test_the_folders_fingerprint_is_the_loaded_models(pair):
+    # Each family's names, fused projections (Phi3) and tied heads (Gemma), read from transformers' files.
+    _, ours = pair
+    assert checkpoint_fingerprint(ours.path, torch.float32) == model_fingerprint(ours.model)
+
+
 def test_gates_train_on_each_family_and_load_for_it(pair, tmp_path):
     # `layerwatch train-gates` on the transformers-made checkpoint: soft gates weigh each layer's
     # whole update (output norms included), and the file loads for that model only.

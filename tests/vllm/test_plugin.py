@@ -152,3 +152,18 @@ def test_a_bad_setting_stops_vllm_serve_with_one_line(real_model: RealModel, tmp
     assert code != 0
     text = log.read_text()
     assert "layerwatch: threshold must be in [0, 1], got 1.5" in text, text[-3000:]
+
+
+def test_vllm_features_the_gated_loop_cannot_serve_stop_start_up_with_one_line(real_model: RealModel) -> None:
+    # LoRA: vLLM's LoRA layers take every token's adapter by its place in the batch; a layer's row subset killed the
+    # engine (an einsum size error) once concurrent rows skipped differently.
+    require_vllm()
+    refusals = run_helper("unsupported_configs.py", str(real_model.folder))
+    assert refusals == {
+        "none": None,
+        "pipeline parallelism, eager": "layerwatch: pipeline parallelism on CPU needs vLLM's compile warm-up: "
+        "serve without --enforce-eager",
+        "pipeline parallelism, compiled": None,
+        "speculative decoding": "layerwatch: speculative decoding is not supported by the plugin",
+        "LoRA": "layerwatch: LoRA adapters are not supported by the plugin",
+    }

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from layerwatch.inference_shim.runtime.checkpoint import checkpoint_fingerprint, load_checkpoint
 from layerwatch.inference_shim.runtime.demo_model import DEMO_MODEL_DIR
+from layerwatch.inference_shim.runtime.gates import GATES_FILE, load_gates
 from layerwatch.vllm_plugin.gating import load_gating
 from layerwatch.vllm_plugin.sequences import BatchRows, SequenceStates
 from layerwatch.vllm_plugin.settings import PluginSettings, PluginSettingsError
@@ -38,6 +40,14 @@ def test_good_settings_give_the_gate_files_policy_with_the_overrides(real_model:
     assert served.sender is None and served.threshold == 0.25  # no exporter address: no frames
 
 
+def test_the_fingerprint_read_from_the_folders_files_is_the_one_the_shipped_gates_record(real_model: RealModel) -> None:
+    # The shim recorded it from the whole model in memory (gates.model_fingerprint); the plugin reads a few values
+    # of each weight from the files, in the dtypes vLLM may serve in (bf16 rounds alike; fp16 is another model).
+    recorded = load_gates(real_model.folder / GATES_FILE, load_checkpoint(real_model.folder).model).metadata
+    for dtype in (torch.float32, torch.bfloat16):
+        assert checkpoint_fingerprint(real_model.folder, dtype) == recorded.base_fingerprint
+
+
 def test_an_unknown_key_is_refused_by_name(real_model: RealModel) -> None:
     assert "unknown setting 'treshold'" in refusal(real_model.folder, treshold=0.2)
 
@@ -57,12 +67,25 @@ def test_gates_of_another_model_are_refused(real_model: RealModel) -> None:
     assert "gates: " in message and "this model has 30 layers" in message
 
 
+def test_a_model_served_with_another_depth_than_its_folders_is_refused(real_model: RealModel) -> None:
+    # vLLM's layer count, after --hf-overrides, against config.json's, which the gates and fingerprint are read for.
+    settings = PluginSettings.from_overrides({})
+    with pytest.raises(PluginSettingsError, match="30 layers in config.json, vLLM serves 29"):
+        load_gating(settings, str(real_model.folder), 29, "served", torch.float32, sequences=4, decides=True)
+
+
 @pytest.mark.parametrize(
     ("raw", "named"),
     [
         ({"protected_layers": [0, 30]}, "protected layer 30 is outside 0..29"),
         ({"protected_layers": "0,1"}, "protected_layers must be a list"),
         ({"patience": 0}, "patience must be >= 1"),
+        ({"patience": 2**31, "skip_rule": "ewma"}, "patience must be >= 1 and <= 2147483647"),  # overflowed a step
+        ({"patience": 2.0}, "patience must be an integer, got 2.0"),
+        ({"ewma_alpha": "0.5"}, "ewma_alpha must be in (0, 1], got '0.5'"),  # a TypeError's traceback
+        ({"ewma_alpha": True}, "ewma_alpha must be in (0, 1], got True"),
+        ({"gates": ""}, "gates must be a non-empty string"),
+        ({"frame_key_file": "/nonexistent/key"}, "frames: "),  # checked without an exporter address too
         ({"skip_rule": "majority"}, "skip rule must be one of"),
         ({"exporter_address": "127.0.0.1"}, "frames: exporter address"),
         ({"exporter_address": "127.0.0.1:9", "frame_key_file": "/nonexistent/key"}, "frames: "),

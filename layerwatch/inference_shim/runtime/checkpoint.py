@@ -10,16 +10,21 @@ file and what is wrong: a server must not start on half a model.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from layerwatch.inference_shim.runtime.gates import fingerprint, fingerprint_indices
 from layerwatch.inference_shim.runtime.model import (
     ACTIVATIONS,
     ModelConfig,
@@ -63,6 +68,16 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Tensors some exporters write that carry nothing we need (RoPE frequencies are recomputed).
 HARMLESS_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# safetensors' names of the float dtypes a weights file may store, and its length field's size.
+STORED_FLOAT_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+SAFETENSORS_LENGTH_BYTES = 8
 
 
 class CheckpointError(ValueError):
@@ -109,10 +124,7 @@ def load_checkpoint(
     one the device or the model's widths cannot take is refused (PrecisionError) before any weight is
     read."""
     folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: not a directory (expected a Hugging Face checkpoint folder)")
-    hf_config = _read_json(folder / CONFIG_FILE)
-    config = config_from_hf(hf_config, folder / CONFIG_FILE, _generation_eos_ids(folder))
+    hf_config, config = _read_config(folder)
     if dtype is None:
         dtype = _declared_dtype(hf_config, folder / CONFIG_FILE)
     check_quantizable(torch.device(device), config, quantization)
@@ -134,6 +146,47 @@ def load_checkpoint(
             f"embedding has only vocab_size={config.vocab_size} rows ({CONFIG_FILE})"
         )
     return LoadedCheckpoint(path=folder, config=config, model=model.eval(), tokenizer=tokenizer)
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The config of the checkpoint folder `path`, as load_checkpoint reads it, without its weights."""
+    return _read_config(Path(path))[1]
+
+
+def checkpoint_fingerprint(path: str | Path, dtype: torch.dtype) -> str:
+    """gates.model_fingerprint of the model load_checkpoint(path, dtype=dtype) would load, read from the
+    folder's files: its config and the few values of each weight the fingerprint samples, never a whole
+    weight. A folder load_checkpoint refuses for its config or its weights' names, shapes or files is
+    refused the same way; NaN or infinite weights, which it finds by reading them all, are not looked for."""
+    folder = Path(path)
+    hf_config, config = _read_config(folder)
+    stored, parts = _stored_shapes(config, fused=_architecture(hf_config) in FUSED_ARCHITECTURES)
+    samples: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+
+    layout = functools.cache(_data_layout)
+
+    def sample(path: Path, name: str, _: Any) -> None:
+        shape = stored[name]
+        first = 0  # a fused tensor's parts are blocks of its rows; any other tensor is one block
+        for part, rows in parts.get(name, [(name, shape[0])]):
+            part_shape = (rows, *shape[1:])
+            numel = math.prod(part_shape)
+            values = _values_at(path, layout(path)[name], first + fingerprint_indices(numel))
+            samples[_our_name(part)] = (part_shape, values.to(dtype))
+            first += numel
+
+    _read_stored(folder, config, stored, sample)
+    if config.tie_word_embeddings:
+        samples["lm_head.weight"] = samples["embed_tokens.weight"]
+    return fingerprint(config, samples)
+
+
+def _read_config(folder: Path) -> tuple[dict, ModelConfig]:
+    """(config.json as read, the model's config from it)."""
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a directory (expected a Hugging Face checkpoint folder)")
+    hf_config = _read_json(folder / CONFIG_FILE)
+    return hf_config, config_from_hf(hf_config, folder / CONFIG_FILE, _generation_eos_ids(folder))
 
 
 def load_precise(path: str | Path, device: str, dtype: str, quantization: str) -> LoadedCheckpoint:
@@ -375,6 +428,11 @@ def _shard_files(folder: Path) -> dict[str, list[str]]:
     return {WEIGHTS_FILE: []}  # [] = whatever the file holds
 
 
+def _our_name(name: str) -> str:
+    """The Hugging Face parameter name -> ours (hf_name's inverse)."""
+    return name.removeprefix("model.")
+
+
 def _fused_names(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     """Fused tensor name (Phi3) -> the names of the tensors it stacks by rows, in order."""
     return {
@@ -384,17 +442,26 @@ def _fused_names(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     }
 
 
-def _load_weights(
-    folder: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype, fused: bool = False
-) -> dict[str, torch.Tensor]:
+def _stored_shapes(
+    config: ModelConfig, fused: bool
+) -> tuple[dict[str, tuple[int, ...]], dict[str, list[tuple[str, int]]]]:
+    """Hugging Face name -> shape of each tensor the folder must hold, a fused one (Phi3) as stored; and
+    fused name -> (name, rows) of each tensor it stacks by rows, in order."""
     expected = expected_shapes(config)
-    split_rows: dict[str, list[int]] = {}  # fused tensor -> the rows of each of its parts
-    fused_names = _fused_names(config) if fused else {}
-    for name, parts in fused_names.items():
-        shapes = [expected.pop(part) for part in parts]
-        split_rows[name] = [rows for rows, _ in shapes]
-        expected[name] = (sum(split_rows[name]), shapes[0][1])
-    state: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[tuple[str, int]]] = {}
+    for name, names in (_fused_names(config) if fused else {}).items():
+        shapes = [expected.pop(part) for part in names]
+        parts[name] = [(part, rows) for part, (rows, _) in zip(names, shapes, strict=True)]
+        expected[name] = (sum(rows for _, rows in parts[name]), shapes[0][1])
+    return expected, parts
+
+
+def _read_stored(
+    folder: Path, config: ModelConfig, expected: dict[str, tuple[int, ...]], read: Callable[[Path, str, Any], None]
+) -> None:
+    """read(file, name, safetensors reader) for each tensor of `expected` in the folder's weights files,
+    once its name and shape are checked; every one must be there, and no other but a harmless one."""
+    found: set[str] = set()
     for file, listed in _shard_files(folder).items():
         path = folder / file
         try:
@@ -420,15 +487,58 @@ def _load_weights(
                             f"{path}: tensor {name!r} has shape {list(shape)}, "
                             f"expected {list(expected[name])} from {CONFIG_FILE}"
                         )
-                    state[name] = _finite_weight(path, name, reader.get_tensor(name), device, dtype)
+                    read(path, name, reader)
+                    found.add(name)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from exc
-    missing = [name for name in expected if name not in state]
+    missing = [name for name in expected if name not in found]
     if missing:
         raise CheckpointError(f"{folder}: {len(missing)} tensors missing from the weights files, e.g. {missing[:3]}")
-    for name, parts in fused_names.items():
-        state.update(zip(parts, state.pop(name).split(split_rows[name]), strict=True))
+
+
+def _load_weights(
+    folder: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype, fused: bool = False
+) -> dict[str, torch.Tensor]:
+    expected, parts = _stored_shapes(config, fused)
+    state: dict[str, torch.Tensor] = {}
+
+    def keep(path: Path, name: str, reader: Any) -> None:
+        state[name] = _finite_weight(path, name, reader.get_tensor(name), device, dtype)
+
+    _read_stored(folder, config, expected, keep)
+    for name, stacked in parts.items():
+        names, rows = zip(*stacked, strict=True)
+        state.update(zip(names, state.pop(name).split(list(rows)), strict=True))
     return state
+
+
+def _data_layout(path: Path) -> dict[str, tuple[str, int]]:
+    """Tensor name -> (its safetensors dtype, the offset of its first byte) in the weights file `path`,
+    whose header safetensors has read and checked."""
+    with open(path, "rb") as file:
+        header_length = int.from_bytes(file.read(SAFETENSORS_LENGTH_BYTES), "little")
+        header = json.loads(file.read(header_length))
+    data_start = SAFETENSORS_LENGTH_BYTES + header_length
+    return {
+        name: (entry["dtype"], data_start + entry["data_offsets"][0])
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
+
+
+def _values_at(path: Path, where: tuple[str, int], flat: torch.Tensor) -> torch.Tensor:
+    """The values at the flat indices `flat` of the tensor stored at `where` (_data_layout) in the weights
+    file `path`, each read alone: a few bytes each, not the pages around them, as a memory map would."""
+    stored_dtype, start = where
+    dtype = STORED_FLOAT_DTYPES.get(stored_dtype)
+    if dtype is None:
+        raise CheckpointError(f"{path}: weights stored as {stored_dtype}; the gates' fingerprint reads float weights")
+    size = dtype.itemsize
+    with open(path, "rb", buffering=0) as file:
+        data = b"".join(os.pread(file.fileno(), size, start + size * index) for index in flat.tolist())
+    if len(data) != size * len(flat):
+        raise CheckpointError(f"{path}: cannot read safetensors file (it ends before its tensors' data)")
+    return torch.frombuffer(bytearray(data), dtype=dtype)
 
 
 def _finite_weight(

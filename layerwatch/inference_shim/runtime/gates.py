@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as serialize_tensors
 
-from layerwatch.inference_shim.runtime.model import FAMILY_FIELDS, GateBank, Transformer, non_finite_problem
-from layerwatch.skip_policy import SKIP_RULES, SkipPolicyConfig, is_threshold
+from layerwatch.inference_shim.runtime.model import (
+    FAMILY_FIELDS,
+    GateBank,
+    ModelConfig,
+    Transformer,
+    non_finite_problem,
+)
+from layerwatch.skip_policy import MAX_PATIENCE, SKIP_RULES, SkipPolicyConfig, is_threshold
 
 GATES_FILE = "gates.safetensors"  # a checkpoint folder's gate file, when none is named
 METADATA_KEY = "layerwatch_gates"  # one key only: the serialised header (and so the sha256) is deterministic
@@ -75,30 +83,48 @@ QUANTIZED_FROM = "quantized_from_fingerprint"
 
 
 def model_fingerprint(model: Transformer) -> str:
-    """A cheap identity of the base model: its shape-defining config, tensor names and shapes, and
-    a strided sample of every tensor's values. Rounded to bfloat16, so the same weights loaded in
-    fp32 or bf16 share a fingerprint; the config's numbers to float32, so the same model read from
-    its config.json (`rms_norm_eps` 1e-05) and from a GGUF, which stores float32 (9.999999747e-06),
-    shares one too. A quantized model keeps the fingerprint of the weights it was quantized from
-    (QUANTIZED_FROM), so that its gates load on it."""
+    """A cheap identity of the base model (`fingerprint`) from the model in memory. A quantized model
+    keeps the fingerprint of the weights it was quantized from (QUANTIZED_FROM), so that its gates
+    load on it."""
     recorded = getattr(model, QUANTIZED_FROM, None)
     if recorded is not None:
         return recorded
+    samples = {}
+    for name, tensor in model.state_dict().items():
+        if not name.startswith("gates."):
+            picks = torch.unravel_index(fingerprint_indices(tensor.numel()).to(tensor.device), tensor.shape)
+            samples[name] = (tuple(tensor.shape), tensor.detach()[picks])
+    return fingerprint(model.config, samples)
+
+
+def fingerprint(config: ModelConfig, samples: Mapping[str, tuple[tuple[int, ...], torch.Tensor]]) -> str:
+    """The one definition of a base model's fingerprint, from its config and, per weight (the model's
+    parameter names, a tied LM head included), its shape and its values in the model's dtype at the
+    flat indices `fingerprint_indices` picks: what `model_fingerprint` reads from a model in memory and
+    checkpoint.checkpoint_fingerprint from a folder's files.
+
+    The values are rounded to bfloat16, so the same weights loaded in fp32 or bf16 share a fingerprint;
+    the config's numbers to float32, so the same model read from its config.json (`rms_norm_eps`
+    1e-05) and from a GGUF, which stores float32 (9.999999747e-06), shares one too."""
     digest = hashlib.sha256()
-    config = model.config.to_dict()
+    recorded = config.to_dict()
     for not_shape in ("bos_token_id", "eos_token_ids", "max_position_embeddings"):
-        del config[not_shape]
+        del recorded[not_shape]
     # Family features count only where set, so a Llama keeps the fingerprint its gate files carry.
-    config = {k: v for k, v in config.items() if k not in FAMILY_FIELDS} | model.config.family_features()
-    digest.update(json.dumps(_float32_decimals(config), sort_keys=True).encode())
-    for name, tensor in sorted(model.state_dict().items()):
-        if name.startswith("gates."):
-            continue
-        flat = tensor.detach().reshape(-1)
-        picks = _sample_indices(flat.numel(), FINGERPRINT_SAMPLES)
-        sample = flat[picks.to(flat.device)].to(torch.bfloat16).view(torch.int16).cpu().numpy()
-        digest.update(f"{name}:{list(tensor.shape)}:".encode() + sample.tobytes())
+    recorded = {k: v for k, v in recorded.items() if k not in FAMILY_FIELDS} | config.family_features()
+    digest.update(json.dumps(_float32_decimals(recorded), sort_keys=True).encode())
+    for name, (shape, values) in sorted(samples.items()):
+        sample = values.to(torch.bfloat16).view(torch.int16).cpu().numpy()
+        digest.update(f"{name}:{list(shape)}:".encode() + sample.tobytes())
     return digest.hexdigest()
+
+
+def fingerprint_indices(numel: int) -> torch.Tensor:
+    """The flat indices of a tensor of `numel` values that a fingerprint samples: FINGERPRINT_SAMPLES
+    evenly spaced, first and last included, in integer arithmetic (float32, torch.linspace's default,
+    rounds numel - 1 up to numel past 2^24 elements, one past the end of every real model's embedding)."""
+    count = min(numel, FINGERPRINT_SAMPLES)
+    return torch.arange(count, dtype=torch.int64) * (numel - 1) // max(count - 1, 1)
 
 
 def _float32_decimals(value: Any) -> Any:
@@ -113,14 +139,6 @@ def _float32_decimals(value: Any) -> Any:
     return value
 
 
-def _sample_indices(numel: int, samples: int) -> torch.Tensor:
-    """`samples` evenly spaced indices into `numel` values, first and last included, in integer
-    arithmetic: float32 (torch.linspace's default) rounds numel - 1 up to numel past 2^24 elements,
-    one past the end of every real model's embedding."""
-    count = min(numel, samples)
-    return torch.arange(count, dtype=torch.int64) * (numel - 1) // max(count - 1, 1)
-
-
 def save_gates(path: str | Path, gates: GateBank, metadata: GateMetadata) -> str:
     """Write the gate file (atomically) and return its sha256."""
     data = _serialize(gates, metadata)
@@ -132,22 +150,33 @@ def save_gates(path: str | Path, gates: GateBank, metadata: GateMetadata) -> str
 
 
 def load_gates(path: str | Path, model: Transformer) -> LoadedGates:
-    """Read a gate file for `model`, on the model's device and dtype. Does not attach them.
+    """Read a gate file for `model`, on the model's device and dtype. Does not attach them."""
+    reference = model.embed_tokens.weight
+    return load_gates_for(path, model.config, lambda: model_fingerprint(model), reference.device, reference.dtype)
+
+
+def load_gates_for(
+    path: str | Path, config: ModelConfig, fingerprint: Callable[[], str], device: torch.device, dtype: torch.dtype
+) -> LoadedGates:
+    """Read a gate file for the model of `config` whose fingerprint `fingerprint()` computes (only once
+    the file's own checks passed), placed on `device` in `dtype`.
 
     The file's size and safetensors header are checked before it is read whole: a gate path that
     points at a huge file, or at something else entirely, costs a few bytes of reading, not its size.
     """
     path = Path(path)
-    if not path.exists():
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise GateFileError(f"{path}: not a regular file")
+        data = _read_bounded(path, gate_file_max_bytes(config.num_layers, config.hidden_size))
+    except FileNotFoundError:
         raise GateFileError(
             f"{path}: gate file not found; train gates for this model with `layerwatch train-gates "
             f"--model DIR --data TEXT --out {path}`; until then `layerwatch serve --no-gates` serves the model at "
             "full depth"
-        )
-    if not path.is_file():
-        raise GateFileError(f"{path}: not a regular file")
-    config = model.config
-    data = _read_bounded(path, gate_file_max_bytes(config.num_layers, config.hidden_size))
+        ) from None
+    except OSError as exc:  # a symlink loop, a name too long, a file that cannot be read
+        raise GateFileError(f"{path}: cannot read the gate file ({exc.strerror})") from None
     try:
         tensors = load_tensors(data)
     except (SafetensorError, ValueError) as exc:
@@ -162,11 +191,11 @@ def load_gates(path: str | Path, model: Transformer) -> LoadedGates:
             f"{metadata.hidden_size}; this model has {config.num_layers} layers and hidden "
             f"size {config.hidden_size}"
         )
-    fingerprint = model_fingerprint(model)
-    if metadata.base_fingerprint != fingerprint:
+    base = fingerprint()
+    if metadata.base_fingerprint != base:
         raise GateFileError(
             f"{path}: gates were trained on another base model (fingerprint "
-            f"{metadata.base_fingerprint[:12]}, this model is {fingerprint[:12]})"
+            f"{metadata.base_fingerprint[:12]}, this model is {base[:12]})"
         )
     gates = GateBank(config.num_layers, config.hidden_size)
     try:
@@ -174,9 +203,9 @@ def load_gates(path: str | Path, model: Transformer) -> LoadedGates:
     except RuntimeError as exc:  # missing/unexpected names or wrong shapes
         raise GateFileError(f"{path}: tensors do not form a gate bank: {exc}") from exc
     _check_finite(path, tensors)
-    placed = _placed(gates, model)
+    placed = gates.to(device=device, dtype=dtype).eval()
     # Finite fp32 weights can still overflow a float16 model's dtype.
-    _check_finite(path, placed.state_dict(), converted_to=model.embed_tokens.weight.dtype)
+    _check_finite(path, placed.state_dict(), converted_to=dtype)
     return LoadedGates(gates=placed, metadata=metadata, sha256=hashlib.sha256(data).hexdigest())
 
 
@@ -333,6 +362,8 @@ def _metadata_problem(metadata: GateMetadata) -> str | None:
     for name in ("num_layers", "hidden_size", "patience"):
         if not counts(getattr(metadata, name)):
             return f"{name} must be an integer >= 1, got {json.dumps(getattr(metadata, name))}"
+    if metadata.patience > MAX_PATIENCE:
+        return f"patience must be <= {MAX_PATIENCE}, got {metadata.patience}"
     threshold = metadata.threshold
     if not is_threshold(threshold):
         return f"threshold must be a number in [0, 1], got {json.dumps(threshold)}"
