@@ -66,9 +66,9 @@ DEMO_TIMING = StackTiming(time_scale=0.01, exporter_window_seconds=10.0)
 
 # vLLM's latency objectives on the demo's machine: two cores shared by vLLM, its load and the whole stack.
 # Production's (0.25 s between tokens) ticketed a healthy run at load average 7-8 (p99 0.48-0.54 s); at load
-# average 5-20 a healthy 10-minute run's p99 over 15 s windows reached 2.47 s between tokens and 2.44 s to
-# the first token. Twice and four times that: a stall tickets, a busy machine does not.
-DEMO_LATENCY_OBJECTIVES = LatencyObjectives(time_to_first_token_max=10.0, inter_token_latency_max=5.0)
+# average 5-20 a healthy 10-minute run's p99 over 15 s windows reached 2.47 s between tokens, and the first
+# window after vLLM's start 10 s to the first token. Twice that: a stall tickets, a busy machine does not.
+DEMO_LATENCY_OBJECTIVES = LatencyObjectives(time_to_first_token_max=20.0, inter_token_latency_max=5.0)
 
 
 class DemoStack:
