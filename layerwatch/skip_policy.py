@@ -25,6 +25,11 @@ POLICY_FIELDS = ("threshold", "patience", "skip_rule", "ewma_alpha")
 MAX_PATIENCE = 2**31 - 1  # the rule counts each sequence's steps in int32
 
 
+def is_patience(value: object) -> bool:
+    """Whether `value` is a patience: an integer (a bool is not one) in [1, MAX_PATIENCE]."""
+    return _is_integer(value) and 1 <= value <= MAX_PATIENCE  # type: ignore[operator]
+
+
 def is_threshold(value: object) -> bool:
     """Whether `value` is a τ: a real number (a bool is not one) in [0, 1] (NaN fails the comparison)."""
     return _is_real(value) and 0.0 <= value <= 1.0  # type: ignore[operator]
@@ -67,7 +72,7 @@ class SkipPolicyConfig:
         check_threshold(self.threshold)
         if not _is_integer(self.patience):
             raise ValueError(f"patience must be an integer, got {self.patience!r}")
-        if not 1 <= self.patience <= MAX_PATIENCE:
+        if not is_patience(self.patience):
             raise ValueError(f"patience must be >= 1 and <= {MAX_PATIENCE}, got {self.patience}")
         if self.skip_rule not in SKIP_RULES:
             raise ValueError(f"skip rule must be one of {', '.join(SKIP_RULES)}, got {self.skip_rule!r}")

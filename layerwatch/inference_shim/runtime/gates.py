@@ -31,7 +31,7 @@ from layerwatch.inference_shim.runtime.model import (
     Transformer,
     non_finite_problem,
 )
-from layerwatch.skip_policy import MAX_PATIENCE, SKIP_RULES, SkipPolicyConfig, is_threshold
+from layerwatch.skip_policy import MAX_PATIENCE, SKIP_RULES, SkipPolicyConfig, is_patience, is_threshold
 
 GATES_FILE = "gates.safetensors"  # a checkpoint folder's gate file, when none is named
 METADATA_KEY = "layerwatch_gates"  # one key only: the serialised header (and so the sha256) is deterministic
@@ -362,7 +362,7 @@ def _metadata_problem(metadata: GateMetadata) -> str | None:
     for name in ("num_layers", "hidden_size", "patience"):
         if not counts(getattr(metadata, name)):
             return f"{name} must be an integer >= 1, got {json.dumps(getattr(metadata, name))}"
-    if metadata.patience > MAX_PATIENCE:
+    if not is_patience(metadata.patience):
         return f"patience must be <= {MAX_PATIENCE}, got {metadata.patience}"
     threshold = metadata.threshold
     if not is_threshold(threshold):
