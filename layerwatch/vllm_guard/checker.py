@@ -73,8 +73,8 @@ class Checker:
             choice, model = await self._queue.get()
             try:
                 self.metrics.checked(compare(await self.full_depth_positions(choice, model)))
-            except (aiohttp.ClientError, CheckFailed, ValueError, KeyError, TypeError) as exc:
-                log.warning("shadow re-check failed: %s", exc)
+            except Exception as exc:  # any: a worker that ended would leave the queue full for good
+                log.warning("shadow re-check failed: %s", exc or type(exc).__name__)
                 self.metrics.not_checked("failed")
             finally:
                 self._queue.task_done()

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from yarl import URL
 
 from layerwatch.log_limit import limit_rate
 from layerwatch.vllm_guard.checker import Checker
@@ -94,14 +95,16 @@ class GuardProxy:
     def _json(body: bytes) -> Any:
         try:
             return json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep for Python's parser
             return None  # vLLM answers it with its own error
 
     async def _upstream(self, request: web.Request, body: bytes, drop: tuple[str, ...] = ()) -> aiohttp.ClientResponse:
         assert self._session is not None
         headers = {k: v for k, v in forwarded(request.headers).items() if k.lower() not in drop}
-        url = self.upstream + request.rel_url.path_qs
-        return await self._session.request(request.method, url, headers=headers, data=body, allow_redirects=False)
+        url = URL(self.upstream + request.rel_url.raw_path_qs, encoded=True)  # the path as sent: %3F stays %3F
+        # No body, no data: aiohttp would add a Content-Type the client did not send.
+        data = body or None
+        return await self._session.request(request.method, url, headers=headers, data=data, allow_redirects=False)
 
     async def _passed(self, request: web.Request, body: bytes, generation: bool) -> web.StreamResponse:
         """The request and its answer, byte for byte, streamed as they come."""
@@ -113,6 +116,8 @@ class GuardProxy:
         try:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             response.headers.update(forwarded(upstream.headers))
+            if upstream.content_length is not None and "Transfer-Encoding" not in upstream.headers:
+                response.content_length = upstream.content_length  # the framing vLLM chose, not chunks
             await response.prepare(request)
             try:
                 async for chunk in upstream.content.iter_any():
@@ -156,15 +161,20 @@ class GuardProxy:
                 response, complete = await self._restored_stream(request, upstream, answer)
             else:
                 try:
-                    restored = dumps(answer.read_and_restore(json.loads(await upstream.read())))
+                    whole = await upstream.read()
                 except aiohttp.ClientError as exc:
                     return self._unreachable(exc)
+                restored = restore_body(whole, answer)
                 response, complete = web.Response(status=200, body=restored, headers=forwarded(upstream.headers)), True
             return response
         finally:
             self.metrics.gated_request()
             if complete:
-                self.checker.submit(answer.finished_choices(), client_body.get("model"))
+                if answer.unreadable:
+                    log.warning("a sampled answer cannot be checked: %s", answer.unreadable)
+                    self.metrics.not_checked("failed")
+                else:
+                    self.checker.submit(answer.finished_choices(), client_body.get("model"))
                 upstream.release()
             else:
                 self.metrics.not_checked("no_output")
@@ -217,6 +227,18 @@ async def events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield buffer
 
 
+def restore_body(whole: bytes, answer: Answer) -> bytes:
+    """A whole answer restored; one that is not a JSON object is passed as it came (and not checked)."""
+    try:
+        body = json.loads(whole)
+    except (ValueError, RecursionError):
+        body = None
+    if not isinstance(body, dict):
+        answer.unreadable = "not a JSON object"
+        return whole
+    return dumps(answer.read_and_restore(body))
+
+
 def restore_event(event: bytes, answer: Answer) -> bytes:
     prefix = b"data: "
     payload = event.removesuffix(EVENT_END)
@@ -224,7 +246,7 @@ def restore_event(event: bytes, answer: Answer) -> bytes:
         return event
     try:
         body = json.loads(payload[len(prefix) :])
-    except ValueError:
+    except (ValueError, RecursionError):
         return event
     if not isinstance(body, dict):
         return event

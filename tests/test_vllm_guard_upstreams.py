@@ -1,0 +1,151 @@
+"""`layerwatch vllm-guard` (layerwatch/vllm_guard) in front of tiny upstreams on loopback that answer what a real
+vLLM cannot be made to (no vLLM here: tests/vllm/test_guard.py has the real one): answers not of vLLM's shape
+reach the client as sent, a malformed re-score does not stop the checks, and requests and answers keep their
+bytes and framing (the path as sent, a Content-Length, no Content-Type added)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import aiohttp
+from aiohttp import web
+from yarl import URL
+
+from layerwatch.demo.processes import free_port
+from layerwatch.ports import LOOPBACK
+from layerwatch.vllm_guard.checker import CONCURRENT_CHECKS, Checker
+from layerwatch.vllm_guard.metrics import GuardMetrics
+from layerwatch.vllm_guard.openai_bodies import CHAT_PATH, COMPLETIONS_PATH, checkable
+from layerwatch.vllm_guard.proxy import GuardProxy
+
+MODEL = "m"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# A chat answer whose log-probabilities name tokens by text, not `token_id:N` (return_tokens_as_token_ids ignored).
+TEXT_TOKENS_CHOICE = {
+    "index": 0,
+    "message": {"role": "assistant", "content": "hi"},
+    "logprobs": {"content": [{"token": "hi", "logprob": -0.1, "top_logprobs": [{"token": "hi", "logprob": -0.1}]}]},
+    "token_ids": [5],
+}
+
+
+async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, LOOPBACK, port).start()
+    return runner, f"http://{LOOPBACK}:{port}"
+
+
+@asynccontextmanager
+async def guarded(answer: Handler, shadow_rate: float = 1.0) -> AsyncIterator[tuple[str, GuardProxy]]:
+    """The guard's URL in front of an upstream answering every request with `answer` (and /v1/models)."""
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": MODEL, "max_model_len": 100}]})
+
+    upstream_app = web.Application(client_max_size=1 << 30)
+    upstream_app.router.add_get("/v1/models", models)
+    upstream_app.router.add_route("*", "/{tail:.*}", answer)
+    upstream, upstream_url = await serve(upstream_app)
+    metrics = GuardMetrics(MODEL, shadow_rate)
+    proxy = GuardProxy(upstream_url, shadow_rate, metrics, Checker(upstream_url, MODEL, metrics))
+    guard, guard_url = await serve(proxy.app())
+    try:
+        yield guard_url, proxy
+    finally:
+        await guard.cleanup()
+        await upstream.cleanup()
+
+
+def outcomes(proxy: GuardProxy) -> dict[str, float]:
+    return {outcome: counter._value.get() for outcome, counter in proxy.metrics.outcomes.items()}
+
+
+CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_answers_not_of_vllms_shape_reach_the_client_as_sent_and_count_as_failed_checks() -> None:
+    async def not_json(_: web.Request) -> web.Response:
+        return web.Response(body=b"not json {", content_type="application/json")
+
+    async def a_list(_: web.Request) -> web.Response:
+        return web.json_response([1, 2])
+
+    async def text_tokens(request: web.Request) -> web.StreamResponse:
+        if not (await request.json()).get("stream"):
+            return web.json_response({"choices": [TEXT_TOKENS_CHOICE], "prompt_token_ids": [1, 2]})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: " + json.dumps({"choices": [TEXT_TOKENS_CHOICE]}).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def check() -> None:
+        for answer, expected in ((not_json, b"not json {"), (a_list, b"[1, 2]")):
+            async with guarded(answer) as (url, proxy), aiohttp.ClientSession() as client:
+                async with client.post(url + CHAT_PATH, json=CHAT_BODY) as response:
+                    assert response.status == 200 and await response.read() == expected
+                assert outcomes(proxy)["failed"] == 1
+        async with guarded(text_tokens) as (url, proxy), aiohttp.ClientSession() as client:
+            async with client.post(url + CHAT_PATH, json=CHAT_BODY) as response:
+                whole = await response.json()
+            assert response.status == 200, whole
+            assert whole["choices"][0]["logprobs"] is None and whole["choices"][0]["message"]["content"] == "hi"
+            async with client.post(url + CHAT_PATH, json={**CHAT_BODY, "stream": True}) as response:
+                events = (await response.read()).split(b"\n\n")
+            assert json.loads(events[0].removeprefix(b"data: "))["choices"][0]["logprobs"] is None, events
+            assert events[1] == b"data: [DONE]", events
+            assert outcomes(proxy)["failed"] == 2
+
+    asyncio.run(check())
+
+
+def test_a_malformed_rescore_fails_its_check_and_the_checks_go_on() -> None:
+    choice = {**TEXT_TOKENS_CHOICE, "logprobs": {"content": [{"token": "token_id:5", "logprob": -0.1}]}}
+
+    async def answer(request: web.Request) -> web.Response:
+        if (await request.json()).get("prompt_logprobs"):  # the re-score, without its prompt's log-probabilities
+            return web.json_response({"choices": [{"prompt_logprobs": []}]})
+        return web.json_response({"choices": [choice], "prompt_token_ids": [1, 2]})
+
+    async def check() -> None:
+        async with guarded(answer) as (url, proxy), aiohttp.ClientSession() as client:
+            for _ in range(CONCURRENT_CHECKS + 2):  # more than the workers: each must survive its failure
+                async with client.post(url + CHAT_PATH, json=CHAT_BODY) as response:
+                    assert response.status == 200
+            await asyncio.wait_for(proxy.checker.join(), 30)
+            assert outcomes(proxy)["failed"] == CONCURRENT_CHECKS + 2
+
+    asyncio.run(check())
+
+
+def test_requests_and_answers_keep_their_bytes_and_framing() -> None:
+    seen: list[tuple[str, str | None, bytes]] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        seen.append((request.raw_path, request.headers.get("Content-Type"), await request.read()))
+        return web.Response(body=b'{"ok": true}', content_type="application/json")
+
+    async def check() -> None:
+        deep = b"[" * 100_000 + b"]" * 100_000  # deeper than Python's JSON parser goes: vLLM's to refuse
+        async with guarded(answer, shadow_rate=0.0) as (url, _), aiohttp.ClientSession() as client:
+            async with client.get(URL(url + "/v1/models%3Fx/a%2Fb?q=%26", encoded=True)) as response:
+                assert response.content_length == len(b'{"ok": true}') and "Transfer-Encoding" not in response.headers
+            async with client.post(url + COMPLETIONS_PATH, data=deep) as response:
+                assert response.status == 200
+        assert seen[0] == ("/v1/models%3Fx/a%2Fb?q=%26", None, b"")
+        assert seen[1][2] == deep
+
+    asyncio.run(check())
+
+
+def test_an_echoed_completion_is_not_checked() -> None:
+    """vLLM scores an echoed prompt too, its log-probabilities before the answer's: they would be read as the
+    answer's."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8}
+    assert checkable(COMPLETIONS_PATH, body)
+    assert not checkable(COMPLETIONS_PATH, {**body, "echo": True})
