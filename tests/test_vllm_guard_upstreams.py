@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import aiohttp
+import pytest
 from aiohttp import web
 from yarl import URL
 
@@ -33,7 +35,7 @@ TEXT_TOKENS_CHOICE = {
 
 
 async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=False)  # a client gone is seen on a write
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, LOOPBACK, port).start()
@@ -149,3 +151,34 @@ def test_an_echoed_completion_is_not_checked() -> None:
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8}
     assert checkable(COMPLETIONS_PATH, body)
     assert not checkable(COMPLETIONS_PATH, {**body, "echo": True})
+
+
+def test_a_client_gone_mid_stream_is_not_read_as_vllm_failing(caplog: pytest.LogCaptureFixture) -> None:
+    streaming: list[bool] = []
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        streaming.append(True)
+        try:
+            while True:
+                await response.write(b'data: {"choices":[{"index":0,"delta":{"content":"x"},"logprobs":null}]}\n\n')
+                await asyncio.sleep(0.02)
+        except ConnectionResetError:  # the guard closed it: quietly, as vLLM aborts a request
+            return response
+        finally:
+            streaming.remove(True)
+
+    async def check(shadow_rate: float) -> None:
+        async with guarded(endless, shadow_rate) as (url, _), aiohttp.ClientSession() as client:
+            async with client.post(url + CHAT_PATH, json={**CHAT_BODY, "stream": True}) as response:
+                await response.content.readuntil(b"\n\n")
+            for _ in range(100):  # the guard's next write finds the client gone and closes vLLM's stream
+                if not streaming:
+                    break
+                await asyncio.sleep(0.05)
+            assert not streaming
+
+    for shadow_rate in (0.0, 1.0):
+        asyncio.run(check(shadow_rate))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

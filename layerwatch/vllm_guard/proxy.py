@@ -122,6 +122,8 @@ class GuardProxy:
             try:
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
+            except aiohttp.ClientConnectionResetError:  # the client went away, not vLLM
+                return response
             except aiohttp.ClientError as exc:
                 await self._failed_mid_answer(response, upstream, exc)
                 return response
@@ -190,6 +192,8 @@ class GuardProxy:
         try:
             async for event in events(upstream.content.iter_any()):
                 await response.write(restore_event(event, answer))
+        except aiohttp.ClientConnectionResetError:  # the client went away, not vLLM
+            return response, False
         except aiohttp.ClientError as exc:
             await self._failed_mid_answer(response, upstream, exc)
             return response, False
