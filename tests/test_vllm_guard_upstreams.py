@@ -18,6 +18,7 @@ from yarl import URL
 
 from layerwatch.demo.processes import free_port
 from layerwatch.ports import LOOPBACK
+from layerwatch.vllm_guard import proxy as proxy_module
 from layerwatch.vllm_guard.checker import CONCURRENT_CHECKS, Checker
 from layerwatch.vllm_guard.metrics import GuardMetrics
 from layerwatch.vllm_guard.openai_bodies import CHAT_PATH, COMPLETIONS_PATH, checkable
@@ -182,3 +183,18 @@ def test_a_client_gone_mid_stream_is_not_read_as_vllm_failing(caplog: pytest.Log
     for shadow_rate in (0.0, 1.0):
         asyncio.run(check(shadow_rate))
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_a_body_over_the_limit_gets_a_json_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proxy_module, "MAX_BODY_BYTES", 1000)  # the limit the app is built with, made small
+
+    async def ok(_: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def check() -> None:
+        async with guarded(ok) as (url, _), aiohttp.ClientSession() as client:
+            response = await client.post(url + CHAT_PATH, data=b"x" * 2000)
+            assert response.status == 413 and response.content_type == "application/json"
+            assert "up to 1000 bytes" in (await response.json())["error"]["message"]
+
+    asyncio.run(check())

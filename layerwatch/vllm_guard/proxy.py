@@ -44,9 +44,9 @@ def forwarded(headers: Any) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
 
 
-def error_body(status: int, message: str) -> bytes:
+def error_body(status: int, message: str, kind: str = "BadGatewayError") -> bytes:
     """vLLM's error shape (ErrorResponse)."""
-    return dumps({"error": {"message": message, "type": "BadGatewayError", "param": None, "code": status}})
+    return dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
 
 
 class GuardProxy:
@@ -81,7 +81,12 @@ class GuardProxy:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            message = f"the layerwatch guard takes request bodies of up to {MAX_BODY_BYTES} bytes"
+            error = error_body(413, message, "BadRequestError")
+            return web.Response(status=413, body=error, content_type="application/json")
         path = request.path
         client_body = self._json(body) if request.method == "POST" and path in GENERATION_PATHS else None
         generation = checkable(path, client_body)
