@@ -22,7 +22,7 @@ from layerwatch.vllm_guard import proxy as proxy_module
 from layerwatch.vllm_guard.checker import CONCURRENT_CHECKS, Checker
 from layerwatch.vllm_guard.metrics import GuardMetrics
 from layerwatch.vllm_guard.openai_bodies import CHAT_PATH, COMPLETIONS_PATH, checkable
-from layerwatch.vllm_guard.proxy import GuardProxy
+from layerwatch.vllm_guard.proxy import GuardProxy, events
 
 MODEL = "m"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -198,3 +198,21 @@ def test_a_body_over_the_limit_gets_a_json_error(monkeypatch: pytest.MonkeyPatch
             assert "up to 1000 bytes" in (await response.json())["error"]["message"]
 
     asyncio.run(check())
+
+
+def test_events_are_split_wherever_the_chunks_break() -> None:
+    stream = b"data: a\n\ndata: bb\n\n\n\ndata: [DONE]\n\ntrailing"
+    expected = [b"data: a\n\n", b"data: bb\n\n", b"\n\n", b"data: [DONE]\n\n", b"trailing"]
+
+    async def split(sizes: list[int]) -> list[bytes]:
+        async def chunks() -> AsyncIterator[bytes]:
+            at = 0
+            for size in sizes:
+                yield stream[at : at + size]
+                at += size
+
+        return [event async for event in events(chunks())]
+
+    for size in range(1, len(stream) + 1):  # every chunk size, each separator split at every byte
+        sizes = [size] * (len(stream) // size) + [len(stream) % size]
+        assert asyncio.run(split(sizes)) == expected, size

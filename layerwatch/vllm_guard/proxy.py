@@ -225,15 +225,19 @@ class GuardProxy:
 
 
 async def events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The server-sent events of a byte stream, each with its blank line; what trails the last one too."""
-    buffer = b""
+    """The server-sent events of a byte stream, each with its blank line; what trails the last one too. Only the
+    bytes a chunk adds are searched: an event arriving in many chunks costs its length, not its length squared."""
+    buffer = bytearray()
     async for chunk in chunks:
+        searched = max(len(buffer) - len(EVENT_END) + 1, 0)  # a separator may straddle the chunks
         buffer += chunk
-        *complete, buffer = buffer.split(EVENT_END)
-        for event in complete:
-            yield event + EVENT_END
+        start = 0
+        while (end := buffer.find(EVENT_END, max(start, searched))) != -1:
+            yield bytes(buffer[start : end + len(EVENT_END)])
+            start = end + len(EVENT_END)
+        del buffer[:start]
     if buffer:
-        yield buffer
+        yield bytes(buffer)
 
 
 def restore_body(whole: bytes, answer: Answer) -> bytes:
