@@ -216,3 +216,24 @@ def test_events_are_split_wherever_the_chunks_break() -> None:
     for size in range(1, len(stream) + 1):  # every chunk size, each separator split at every byte
         sizes = [size] * (len(stream) // size) + [len(stream) % size]
         assert asyncio.run(split(sizes)) == expected, size
+
+
+def test_a_header_sent_twice_arrives_twice_both_ways() -> None:
+    seen: list[list[str]] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        seen.append(request.headers.getall("X-Trace"))
+        response = web.json_response({})
+        response.headers.add("Set-Cookie", "a=1")
+        response.headers.add("Set-Cookie", "b=2")
+        return response
+
+    async def check() -> None:
+        for shadow_rate in (0.0, 1.0):  # passed and sampled
+            async with guarded(answer, shadow_rate) as (url, _), aiohttp.ClientSession() as client:
+                headers = [("X-Trace", "1"), ("X-Trace", "2")]
+                async with client.post(url + CHAT_PATH, json=CHAT_BODY, headers=headers) as response:
+                    assert response.headers.getall("Set-Cookie") == ["a=1", "b=2"]
+            assert seen.pop() == ["1", "2"]
+
+    asyncio.run(check())

@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from yarl import URL
 
@@ -40,8 +41,9 @@ EVENT_END = b"\n\n"  # server-sent events are separated by a blank line
 EVENT_STREAM = "text/event-stream"
 
 
-def forwarded(headers: Any) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+def forwarded(headers: Any, drop: tuple[str, ...] = ()) -> CIMultiDict[str]:
+    """The end-to-end headers, each as often as it came (two Set-Cookie stay two)."""
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP and k.lower() not in drop)
 
 
 def error_body(status: int, message: str, kind: str = "BadGatewayError") -> bytes:
@@ -105,7 +107,7 @@ class GuardProxy:
 
     async def _upstream(self, request: web.Request, body: bytes, drop: tuple[str, ...] = ()) -> aiohttp.ClientResponse:
         assert self._session is not None
-        headers = {k: v for k, v in forwarded(request.headers).items() if k.lower() not in drop}
+        headers = forwarded(request.headers, drop)
         url = URL(self.upstream + request.rel_url.raw_path_qs, encoded=True)  # the path as sent: %3F stays %3F
         # No body, no data: aiohttp would add a Content-Type the client did not send.
         data = body or None
@@ -120,7 +122,7 @@ class GuardProxy:
         complete = False
         try:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            response.headers.update(forwarded(upstream.headers))
+            response.headers.extend(forwarded(upstream.headers))
             if upstream.content_length is not None and "Transfer-Encoding" not in upstream.headers:
                 response.content_length = upstream.content_length  # the framing vLLM chose, not chunks
             await response.prepare(request)
@@ -192,7 +194,7 @@ class GuardProxy:
     ) -> tuple[web.StreamResponse, bool]:
         """Each event of vLLM's stream, restored, as it comes; whether the stream ended."""
         response = web.StreamResponse(status=200, reason=upstream.reason)
-        response.headers.update(forwarded(upstream.headers))
+        response.headers.extend(forwarded(upstream.headers))
         await response.prepare(request)
         try:
             async for event in events(upstream.content.iter_any()):
