@@ -18,11 +18,12 @@ from typing import Any
 
 import aiohttp
 
+from layerwatch.log_limit import limit_rate
 from layerwatch.vllm_guard.comparison import REQUESTED_TOP_LOGPROBS, Position, compare
 from layerwatch.vllm_guard.metrics import GuardMetrics
 from layerwatch.vllm_guard.openai_bodies import COMPLETIONS_PATH, Choice
 
-log = logging.getLogger(__name__)
+log = limit_rate(logging.getLogger(__name__))  # a vLLM refusing the re-scores would log every check
 
 MAX_WAITING = 64  # as the shim's shadow queue
 CONCURRENT_CHECKS = 2
