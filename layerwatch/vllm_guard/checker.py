@@ -18,11 +18,12 @@ from typing import Any
 
 import aiohttp
 
+from layerwatch.log_limit import limit_rate
 from layerwatch.vllm_guard.comparison import REQUESTED_TOP_LOGPROBS, Position, compare
 from layerwatch.vllm_guard.metrics import GuardMetrics
 from layerwatch.vllm_guard.openai_bodies import COMPLETIONS_PATH, Choice
 
-log = logging.getLogger(__name__)
+log = limit_rate(logging.getLogger(__name__))  # a vLLM refusing the re-scores would log every check
 
 MAX_WAITING = 64  # as the shim's shadow queue
 CONCURRENT_CHECKS = 2
@@ -73,8 +74,8 @@ class Checker:
             choice, model = await self._queue.get()
             try:
                 self.metrics.checked(compare(await self.full_depth_positions(choice, model)))
-            except (aiohttp.ClientError, CheckFailed, ValueError, KeyError, TypeError) as exc:
-                log.warning("shadow re-check failed: %s", exc)
+            except Exception as exc:  # any: a worker that ended would leave the queue full for good
+                log.warning("shadow re-check failed: %s", exc or type(exc).__name__)
                 self.metrics.not_checked("failed")
             finally:
                 self._queue.task_done()

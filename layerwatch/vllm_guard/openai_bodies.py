@@ -27,6 +27,8 @@ def checkable(path: str, body: Any) -> bool:
         return False
     if body.get("use_beam_search") or body.get("prompt_logprobs") is not None:
         return False
+    if body.get("echo"):  # vLLM would also score the echoed prompt, its log-probabilities before the answer's
+        return False
     if path == CHAT_PATH:  # top_logprobs alone is vLLM's error to give, not one the guard's logprobs may hide
         return not body.get("logprobs") and body.get("top_logprobs") is None
     return body.get("logprobs") is None
@@ -63,18 +65,27 @@ class Answer:
     client_wants_token_ids: bool
     choices: dict[int, Choice] = field(default_factory=dict)
     prompt_ids: list[int] | None = None  # chat: the whole answer's prompt (one per request)
+    unreadable: str = ""  # why the check cannot use this answer (not vLLM's shape), if so
 
     def read_and_restore(self, body: dict[str, Any]) -> dict[str, Any]:
         """Take what the check needs from one body (a whole answer or a stream chunk) and return it as vLLM would
-        have sent it for the client's own request: no log-probabilities, and token ids only if it asked."""
+        have sent it for the client's own request: no log-probabilities, and token ids only if it asked. A body
+        not of vLLM's shape is restored as far as it can be, and the answer marked unreadable."""
         if self.chat and isinstance(body.get("prompt_token_ids"), list):
             self.prompt_ids = body["prompt_token_ids"]
-        for raw in body.get("choices") or ():
-            choice = self.choices.setdefault(raw.get("index", 0), Choice())
-            if isinstance(raw.get("prompt_token_ids"), list):
-                choice.prompt_ids = raw["prompt_token_ids"]
-            choice.answer_ids += raw.get("token_ids") or []
-            choice.gated += self._positions(raw.get("logprobs"))
+        choices = body.get("choices")
+        for raw in choices if isinstance(choices, list) else ():
+            if not isinstance(raw, dict):
+                self.unreadable = "a choice is not a JSON object"
+                continue
+            try:
+                choice = self.choices.setdefault(raw.get("index", 0), Choice())
+                if isinstance(raw.get("prompt_token_ids"), list):
+                    choice.prompt_ids = raw["prompt_token_ids"]
+                choice.answer_ids += raw.get("token_ids") or []
+                choice.gated += self._positions(raw.get("logprobs"))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                self.unreadable = f"its token ids or log-probabilities: {exc!r}"
             raw["logprobs"] = None
             if not self.client_wants_token_ids:
                 for key in ("token_ids", "prompt_token_ids"):

@@ -20,7 +20,9 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from yarl import URL
 
 from layerwatch.log_limit import limit_rate
 from layerwatch.vllm_guard.checker import Checker
@@ -39,13 +41,14 @@ EVENT_END = b"\n\n"  # server-sent events are separated by a blank line
 EVENT_STREAM = "text/event-stream"
 
 
-def forwarded(headers: Any) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+def forwarded(headers: Any, drop: tuple[str, ...] = ()) -> CIMultiDict[str]:
+    """The end-to-end headers, each as often as it came (two Set-Cookie stay two)."""
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP and k.lower() not in drop)
 
 
-def error_body(status: int, message: str) -> bytes:
+def error_body(status: int, message: str, kind: str = "BadGatewayError") -> bytes:
     """vLLM's error shape (ErrorResponse)."""
-    return dumps({"error": {"message": message, "type": "BadGatewayError", "param": None, "code": status}})
+    return dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
 
 
 class GuardProxy:
@@ -80,7 +83,12 @@ class GuardProxy:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            message = f"the layerwatch guard takes request bodies of up to {MAX_BODY_BYTES} bytes"
+            error = error_body(413, message, "BadRequestError")
+            return web.Response(status=413, body=error, content_type="application/json")
         path = request.path
         client_body = self._json(body) if request.method == "POST" and path in GENERATION_PATHS else None
         generation = checkable(path, client_body)
@@ -94,14 +102,16 @@ class GuardProxy:
     def _json(body: bytes) -> Any:
         try:
             return json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep for Python's parser
             return None  # vLLM answers it with its own error
 
     async def _upstream(self, request: web.Request, body: bytes, drop: tuple[str, ...] = ()) -> aiohttp.ClientResponse:
         assert self._session is not None
-        headers = {k: v for k, v in forwarded(request.headers).items() if k.lower() not in drop}
-        url = self.upstream + request.rel_url.path_qs
-        return await self._session.request(request.method, url, headers=headers, data=body, allow_redirects=False)
+        headers = forwarded(request.headers, drop)
+        url = URL(self.upstream + request.rel_url.raw_path_qs, encoded=True)  # the path as sent: %3F stays %3F
+        # No body, no data: aiohttp would add a Content-Type the client did not send.
+        data = body or None
+        return await self._session.request(request.method, url, headers=headers, data=data, allow_redirects=False)
 
     async def _passed(self, request: web.Request, body: bytes, generation: bool) -> web.StreamResponse:
         """The request and its answer, byte for byte, streamed as they come."""
@@ -112,11 +122,15 @@ class GuardProxy:
         complete = False
         try:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            response.headers.update(forwarded(upstream.headers))
+            response.headers.extend(forwarded(upstream.headers))
+            if upstream.content_length is not None and "Transfer-Encoding" not in upstream.headers:
+                response.content_length = upstream.content_length  # the framing vLLM chose, not chunks
             await response.prepare(request)
             try:
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
+            except aiohttp.ClientConnectionResetError:  # the client went away, not vLLM
+                return response
             except aiohttp.ClientError as exc:
                 await self._failed_mid_answer(response, upstream, exc)
                 return response
@@ -156,15 +170,20 @@ class GuardProxy:
                 response, complete = await self._restored_stream(request, upstream, answer)
             else:
                 try:
-                    restored = dumps(answer.read_and_restore(json.loads(await upstream.read())))
+                    whole = await upstream.read()
                 except aiohttp.ClientError as exc:
                     return self._unreachable(exc)
+                restored = restore_body(whole, answer)
                 response, complete = web.Response(status=200, body=restored, headers=forwarded(upstream.headers)), True
             return response
         finally:
             self.metrics.gated_request()
             if complete:
-                self.checker.submit(answer.finished_choices(), client_body.get("model"))
+                if answer.unreadable:
+                    log.warning("a sampled answer cannot be checked: %s", answer.unreadable)
+                    self.metrics.not_checked("failed")
+                else:
+                    self.checker.submit(answer.finished_choices(), client_body.get("model"))
                 upstream.release()
             else:
                 self.metrics.not_checked("no_output")
@@ -175,11 +194,13 @@ class GuardProxy:
     ) -> tuple[web.StreamResponse, bool]:
         """Each event of vLLM's stream, restored, as it comes; whether the stream ended."""
         response = web.StreamResponse(status=200, reason=upstream.reason)
-        response.headers.update(forwarded(upstream.headers))
+        response.headers.extend(forwarded(upstream.headers))
         await response.prepare(request)
         try:
             async for event in events(upstream.content.iter_any()):
                 await response.write(restore_event(event, answer))
+        except aiohttp.ClientConnectionResetError:  # the client went away, not vLLM
+            return response, False
         except aiohttp.ClientError as exc:
             await self._failed_mid_answer(response, upstream, exc)
             return response, False
@@ -206,15 +227,31 @@ class GuardProxy:
 
 
 async def events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The server-sent events of a byte stream, each with its blank line; what trails the last one too."""
-    buffer = b""
+    """The server-sent events of a byte stream, each with its blank line; what trails the last one too. Only the
+    bytes a chunk adds are searched: an event arriving in many chunks costs its length, not its length squared."""
+    buffer = bytearray()
     async for chunk in chunks:
+        searched = max(len(buffer) - len(EVENT_END) + 1, 0)  # a separator may straddle the chunks
         buffer += chunk
-        *complete, buffer = buffer.split(EVENT_END)
-        for event in complete:
-            yield event + EVENT_END
+        start = 0
+        while (end := buffer.find(EVENT_END, max(start, searched))) != -1:
+            yield bytes(buffer[start : end + len(EVENT_END)])
+            start = end + len(EVENT_END)
+        del buffer[:start]
     if buffer:
-        yield buffer
+        yield bytes(buffer)
+
+
+def restore_body(whole: bytes, answer: Answer) -> bytes:
+    """A whole answer restored; one that is not a JSON object is passed as it came (and not checked)."""
+    try:
+        body = json.loads(whole)
+    except (ValueError, RecursionError):
+        body = None
+    if not isinstance(body, dict):
+        answer.unreadable = "not a JSON object"
+        return whole
+    return dumps(answer.read_and_restore(body))
 
 
 def restore_event(event: bytes, answer: Answer) -> bytes:
@@ -224,7 +261,7 @@ def restore_event(event: bytes, answer: Answer) -> bytes:
         return event
     try:
         body = json.loads(payload[len(prefix) :])
-    except ValueError:
+    except (ValueError, RecursionError):
         return event
     if not isinstance(body, dict):
         return event
