@@ -56,6 +56,12 @@ def setting(
     return dataclasses.field(default=default, repr=repr, metadata={_SETTING: spec})
 
 
+def log_level_setting() -> Any:
+    """The log level of a torch-free service (the exporter, the vLLM guard): upper-case as `logging` names it,
+    serve's lower-case names taken too, so that one LAYERWATCH_LOG_LEVEL serves every command."""
+    return setting("INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default %(default)s)")
+
+
 def same_as(cls: type, name: str, default: Any = dataclasses.MISSING, **changes: Any) -> Any:
     """A field declared as `cls`'s field `name` is (its flag, type, help), with its own `default` (else
     that field's) and `changes` to the declaration (a `metavar`, `required`): one setting that two

@@ -16,7 +16,7 @@ from layerwatch import argtypes
 from layerwatch.exporter.server import ExporterServer
 from layerwatch.exporter.state import ExporterConfig, ExporterState
 from layerwatch.ports import EXPORTER_HTTP_PORT, LOOPBACK
-from layerwatch.settings import add_flags, from_flags, setting
+from layerwatch.settings import add_flags, from_flags, log_level_setting, setting
 from layerwatch.wire import DEFAULT_FRAMES_ADDRESS
 
 log = logging.getLogger("layerwatch.exporter")
@@ -38,12 +38,7 @@ class ListenerSettings:
         metavar="HOST:PORT",
         help="HTTP address for /metrics and /healthz (default %(default)s)",
     )
-    log_level: str = setting(
-        "INFO",
-        type=str.upper,  # as serve's lower-case names: one LAYERWATCH_LOG_LEVEL serves both
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="(default %(default)s)",
-    )
+    log_level: str = log_level_setting()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
