@@ -713,6 +713,14 @@ METRICS: tuple[MetricSpec, ...] = (
         EXPORTER,
     ),
     _m(
+        "layerwatch_exporter_fallbacks_total",
+        "counter",
+        ("model_name",),
+        "Fallback episodes (full depth forced by the skip policy's breaker) the received frames report: the "
+        "fallbacks of a model no shim reports.",
+        EXPORTER,
+    ),
+    _m(
         "layerwatch_entropy_per_layer",
         "histogram",
         ("model_name", "layer"),

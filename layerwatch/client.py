@@ -119,8 +119,9 @@ class GateFrameSender:
             raise ValueError(f"the frame key must be bytes, at least {MIN_SECRET_BYTES} of them (load_frame_key)")
         tagged = key is not None
         partial = model_layers is not None and (first_layer, num_layers) != (0, model_layers)
-        overhead = frame_bytes(0, num_layers, model_name, shim_id, threshold, tagged, partial)
-        per_row = frame_bytes(1, num_layers, model_name, shim_id, threshold, tagged, partial) - overhead
+        # Room for a fallback count in every frame: the first of a step's frames may carry one.
+        overhead = frame_bytes(0, num_layers, model_name, shim_id, threshold, tagged, partial, fallbacks=True)
+        per_row = frame_bytes(1, num_layers, model_name, shim_id, threshold, tagged, partial, fallbacks=True) - overhead
         if num_layers > 0xFFFF or overhead + per_row > MAX_FRAME_BYTES:
             raise ValueError(f"{num_layers} layers do not fit one row into a gate frame of {MAX_FRAME_BYTES} bytes")
         try:
@@ -152,10 +153,11 @@ class GateFrameSender:
         self._lock = threading.Lock()
         self._drop_log = _DropLog(model_name)
 
-    def send(self, scores: npt.ArrayLike, skipped: npt.ArrayLike) -> None:
+    def send(self, scores: npt.ArrayLike, skipped: npt.ArrayLike, fallbacks: int = 0) -> None:
         """One decode step: `scores` float [rows, num_layers] in [0, 1], `skipped` bool or 0/1 of the
         same shape (True: the layer did not run for that row's token), numpy arrays or anything
-        with `__array__` on the host. No rows: nothing to send. Never raises."""
+        with `__array__` on the host; `fallbacks`, the fallback episodes the engine's breaker started
+        at this step (the first of the step's frames carries them). No rows: nothing to send. Never raises."""
         try:
             scores, skipped = self._batch(scores, skipped)
         except Exception as exc:  # whatever the caller's object raises on conversion counts as invalid
@@ -165,7 +167,7 @@ class GateFrameSender:
         with self._lock:
             for start in range(0, scores.shape[0], self.rows_per_frame):
                 rows = slice(start, start + self.rows_per_frame)
-                self._send_frame(scores[rows], skipped[rows])
+                self._send_frame(scores[rows], skipped[rows], fallbacks if start == 0 else 0)
 
     def close(self) -> None:
         """Close the socket; later sends count as send errors."""
@@ -190,7 +192,7 @@ class GateFrameSender:
             raise ValueError(f"skipped has shape {skipped.shape}, scores {scores.shape}")
         return scores, skipped
 
-    def _send_frame(self, scores: np.ndarray, skipped: np.ndarray) -> None:
+    def _send_frame(self, scores: np.ndarray, skipped: np.ndarray, fallbacks: int) -> None:
         try:
             frame = GateFrame(
                 self.model_name,
@@ -201,12 +203,13 @@ class GateFrameSender:
                 self.threshold,
                 self.first_layer,
                 self.model_layers,
+                fallbacks,
             )
             data = encode_frame(frame, self.key)
         except FrameTooLarge as exc:  # rows_per_frame keeps every frame within the limit
             self._drop("too_large", str(exc))
             return
-        except ValueError as exc:  # NaN or out-of-range scores, skip bits other than 0/1: a broken model
+        except (ValueError, TypeError) as exc:  # NaN or out-of-range scores, skip bits not 0/1, a bad count
             self._drop("invalid", str(exc))
             return
         try:

@@ -7,7 +7,8 @@ everything is little-endian:
     offset  size  field
     0       4     magic b"LWGF"
     4       1     version (2; 3 for a partial frame; 1 is still read)
-    5       1     flags (bit 0: an authentication tag ends the frame; a decoder rejects unknown bits)
+    5       1     flags (bit 0: an authentication tag ends the frame; bit 1: a fallback count follows
+                  the skip bits; a decoder rejects unknown bits)
     6       2     rows   (u16, > 0)
     8       2     layers (u16, > 0)
     10      8     sequence (u64, +1 per frame sent by one shim)
@@ -20,6 +21,8 @@ everything is little-endian:
     ...     4·R·L entropies, float32, row-major
     ...     R·⌈L/8⌉ skip bits, np.packbits of each row (first layer = most significant bit),
                   padding bits zero
+    ...     2     with flag bit 1 only: fallbacks (u16, > 0): the fallback episodes the sender's breaker
+                  started at this step (docs/model.md, "Fallback breaker")
     ...     16    with flag bit 0 only: HMAC-SHA256 of every byte before it under the frame key,
                   truncated to 16 bytes
 
@@ -27,7 +30,10 @@ Version 2 adds the skip policy's threshold τ, so the exporter can tell below-τ
 rest (routing statistics, layerwatch/routing.py). A version-1 frame (an older shim) decodes with
 `threshold=None` and the exporter falls back to its default τ. Version 3 is a *partial* frame: the
 scores of a contiguous run of the model's layers (a pipeline stage's), with where they start and how
-many layers the whole model has, so that the exporter folds the stages into one model. `encode_frame`
+many layers the whole model has, so that the exporter folds the stages into one model. Flag bit 1
+adds the step's fallback count, written only when there is one: a frame without fallbacks is the same
+bytes as before it existed, and an exporter that reads no engine's own metrics (vLLM's plugin) still
+counts them. `encode_frame`
 writes version 3 for a partial frame, version 2 for a whole one with a threshold and version 1 for one
 without, so every frame has exactly one encoding (a version-3 header naming the whole model is refused).
 
@@ -64,6 +70,8 @@ MAX_NAME_BYTES = 255
 # Where the shim sends frames and the exporter listens for them, unless told otherwise.
 DEFAULT_FRAMES_ADDRESS = f"{LOOPBACK}:{EXPORTER_FRAMES_PORT}"
 FLAG_TAGGED = 0x01  # the frame ends with an authentication tag
+FLAG_FALLBACKS = 0x02  # a u16 fallback count follows the skip bits
+KNOWN_FLAGS = FLAG_TAGGED | FLAG_FALLBACKS
 # HMAC-SHA256 truncated to 128 bits, as IPsec's HMAC-SHA-256-128 (RFC 4868) authenticates each packet:
 # a forger gets one guess per datagram, so 2^-128 per try is out of reach, and it saves 16 bytes.
 TAG_BYTES = 16
@@ -75,6 +83,8 @@ HEADER_BYTES_V2 = HEADER_BYTES + _THRESHOLD.size  # 24: version 2 adds the thres
 _LAYER_SPAN = struct.Struct("<HH")  # first layer, model layers
 HEADER_BYTES_V3 = HEADER_BYTES_V2 + _LAYER_SPAN.size  # 28: version 3 adds where its layers sit
 _HEADER_BYTES = {VERSION_WITHOUT_THRESHOLD: HEADER_BYTES, VERSION: HEADER_BYTES_V2, VERSION_PARTIAL: HEADER_BYTES_V3}
+_FALLBACKS = struct.Struct("<H")
+MAX_FALLBACKS = 0xFFFF
 _ENTROPY_DTYPE = np.dtype("<f4")
 
 
@@ -112,6 +122,8 @@ class GateFrame:
     # model_layers None: the columns are the whole model (and first_layer is 0).
     first_layer: int = 0
     model_layers: int | None = None
+    # Fallback episodes the sender's breaker started at this step (flag bit 1 when > 0).
+    fallbacks: int = 0
 
     @property
     def partial(self) -> bool:
@@ -153,16 +165,18 @@ def frame_bytes(
     threshold: float | None = None,
     tagged: bool = False,
     partial: bool = False,
+    fallbacks: bool = False,
 ) -> int:
     """Encoded size of a frame, so a sender can split a batch before encoding.
 
     A frame with a threshold (version 2) is 4 bytes longer than one without (version 1), a partial one
-    (version 3) 4 more; a tagged one TAG_BYTES longer than an untagged one.
+    (version 3) 4 more; a tagged one TAG_BYTES longer than an untagged one, one with fallbacks 2.
     """
     names = len(model_name.encode("utf-8")) + len(shim_id.encode("utf-8"))
     header = HEADER_BYTES_V3 if partial else HEADER_BYTES if threshold is None else HEADER_BYTES_V2
     tag = TAG_BYTES if tagged else 0
-    return header + names + rows * layers * 4 + rows * _packed_row_bytes(layers) + tag
+    count = _FALLBACKS.size if fallbacks else 0
+    return header + names + rows * layers * 4 + rows * _packed_row_bytes(layers) + count + tag
 
 
 def check_gate_arrays(entropies: np.ndarray, skipped: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -208,8 +222,19 @@ def encode_frame(frame: GateFrame, key: bytes | None = None) -> bytes:
         if frame.threshold is None:
             raise ValueError("a partial frame (version 3) carries a threshold")
         span = _LAYER_SPAN.pack(frame.first_layer, frame.model_layers)
+    count = frame.fallbacks
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or not 0 <= count <= MAX_FALLBACKS:
+        raise ValueError(f"fallbacks {frame.fallbacks!r} is not a u16")
+    fallbacks = _FALLBACKS.pack(frame.fallbacks) if frame.fallbacks else b""
     size = frame_bytes(
-        rows, layers, frame.model_name, frame.shim_id, frame.threshold, key is not None, partial=frame.partial
+        rows,
+        layers,
+        frame.model_name,
+        frame.shim_id,
+        frame.threshold,
+        key is not None,
+        partial=frame.partial,
+        fallbacks=bool(fallbacks),
     )
     if size > MAX_FRAME_BYTES:
         raise FrameTooLarge(
@@ -217,11 +242,20 @@ def encode_frame(frame: GateFrame, key: bytes | None = None) -> bytes:
             f"limit {MAX_FRAME_BYTES}: send fewer rows per frame"
         )
     version = VERSION_PARTIAL if frame.partial else VERSION_WITHOUT_THRESHOLD if frame.threshold is None else VERSION
-    flags = 0 if key is None else FLAG_TAGGED
+    flags = (0 if key is None else FLAG_TAGGED) | (FLAG_FALLBACKS if fallbacks else 0)
     header = _HEADER.pack(MAGIC, version, flags, rows, layers, frame.sequence, len(model), len(shim))
     bits = np.packbits(skipped, axis=1)
     data = b"".join(
-        (header, threshold, span, model, shim, entropies.astype(_ENTROPY_DTYPE, copy=False).tobytes(), bits.tobytes())
+        (
+            header,
+            threshold,
+            span,
+            model,
+            shim,
+            entropies.astype(_ENTROPY_DTYPE, copy=False).tobytes(),
+            bits.tobytes(),
+            fallbacks,
+        )
     )
     return data if key is None else data + _tag(key, data)
 
@@ -245,7 +279,7 @@ def decode_frame(data: bytes, key: bytes | None = None) -> GateFrame:
         raise MalformedFrame(
             f"unsupported version {version}, this decoder reads {', '.join(map(str, SUPPORTED_VERSIONS))}"
         )
-    if flags & ~FLAG_TAGGED:
+    if flags & ~KNOWN_FLAGS:
         raise MalformedFrame(f"unknown flags 0x{flags:02x}")
     tagged = bool(flags & FLAG_TAGGED)
     if tagged:
@@ -263,7 +297,9 @@ def decode_frame(data: bytes, key: bytes | None = None) -> GateFrame:
         raise MalformedFrame("model_name and shim_id must not be empty")
     header_bytes = _HEADER_BYTES[version]
     row_bits = _packed_row_bytes(layers)
+    counted = flags & FLAG_FALLBACKS
     expected = header_bytes + model_len + shim_len + rows * layers * 4 + rows * row_bits
+    expected += _FALLBACKS.size if counted else 0
     if len(data) != expected:
         raise MalformedFrame(
             f"{len(data)} bytes{' before the tag' if tagged else ''}, but the header (version {version}, "
@@ -294,7 +330,12 @@ def decode_frame(data: bytes, key: bytes | None = None) -> GateFrame:
     if bits[:, layers:].any():
         raise MalformedFrame("padding bits after the last layer are set")
     skipped = bits[:, :layers].view(bool)
-    return GateFrame(model_name, shim_id, sequence, entropies, skipped, threshold, first_layer, model_layers)
+    fallbacks = 0
+    if counted:
+        (fallbacks,) = _FALLBACKS.unpack_from(data, offset + rows * row_bits)
+        if fallbacks == 0:
+            raise MalformedFrame("flag bit 1 with a fallback count of 0 (a frame without fallbacks has no count)")
+    return GateFrame(model_name, shim_id, sequence, entropies, skipped, threshold, first_layer, model_layers, fallbacks)
 
 
 def _tag(key: bytes, data: bytes) -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from layerwatch.cli.main import build_parser
+from layerwatch.cli.main import build_parser, main
 from layerwatch.demo.loadgen import BOOK, CHAT
 from layerwatch.demo.models import DEMO_MODELS, serve_flags
 
@@ -32,6 +32,17 @@ def test_a_model_neither_known_nor_a_folder_is_refused_in_one_line_with_the_near
         "layerwatch demo: error: argument --model: 'smolm2' is neither a demo model (demo, smollm2) "
         "nor a checkpoint folder (did you mean smollm2?)"
     )
+
+
+def test_a_drill_a_model_cannot_run_is_refused_in_one_line_before_anything_starts(tmp_path, capsys):
+    workdir = tmp_path / "demo"
+    assert main(["demo", "--drill", "surge", "--workdir", str(workdir)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "layerwatch demo: the surge drill does not run on the embedded demo model: "
+        + DEMO_MODELS["demo"].drills_not_run["surge"]
+    ]
+    assert not workdir.exists()
+    assert DEMO_MODELS["smollm2"].drill("surge").serve_flags == ("--threshold", "0.18")
 
 
 def test_an_imported_model_in_the_cache_is_served_without_importing_it_again(tmp_path):

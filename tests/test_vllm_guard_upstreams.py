@@ -133,6 +133,28 @@ def test_a_malformed_rescore_fails_its_check_and_the_checks_go_on(caplog: pytest
     asyncio.run(check())
 
 
+def test_a_rescore_vllm_never_answers_times_out_and_frees_its_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checker_module, "CHECK_TIMEOUT_SECONDS", 0.5)
+    choice = {**TEXT_TOKENS_CHOICE, "logprobs": {"content": [{"token": "token_id:5", "logprob": -0.1}]}}
+    hung = asyncio.Event()
+
+    async def answer(request: web.Request) -> web.Response:
+        if (await request.json()).get("prompt_logprobs"):  # the re-score: vLLM stalls
+            await hung.wait()
+        return web.json_response({"choices": [choice], "prompt_token_ids": [1, 2]})
+
+    async def check() -> None:
+        async with guarded(answer) as (url, proxy), aiohttp.ClientSession() as client:
+            for _ in range(CONCURRENT_CHECKS + 1):  # more than the workers: each comes back from its stall
+                async with client.post(url + CHAT_PATH, json=CHAT_BODY) as response:
+                    assert response.status == 200  # the client's answer never waits for its check
+            await asyncio.wait_for(proxy.checker.join(), 30)
+            assert outcomes(proxy)["failed"] == CONCURRENT_CHECKS + 1
+            hung.set()
+
+    asyncio.run(check())
+
+
 def test_requests_and_answers_keep_their_bytes_and_framing() -> None:
     seen: list[tuple[str, str | None, bytes]] = []
 

@@ -119,19 +119,32 @@ def _skip_ratio(window: str, by: str) -> str:
     from the exporter's counts of the frames it received. The exporter's side is left out for every
     model a shim exports counters for (`unless`), and for every model the shim's side has a ratio for
     (`or on`: also in the rate window after the shim's series ended), so that a served model keeps the
-    shim's values alone and its series keep the shim's job and instance."""
+    shim's values alone and its series keep the shim's job and instance. A window without evaluations has
+    no ratio (absent, not 0/0's NaN: one NaN would make the surge baseline's average NaN for its hour)."""
     exp, shim = config.EXPORTER_SELECTOR, config.SHIM_SELECTOR
     served = (
         f"{_rate('layerwatch_layer_skips_total', shim, window, by)}\n  /\n  "
-        f"{_rate('layerwatch_layer_evaluations_total', shim, window, by)}"
+        f"({_rate('layerwatch_layer_evaluations_total', shim, window, by)} > 0)"
     )
     frames = (
         f"{_rate('layerwatch_exporter_layer_skips_total', exp, window, by)}\n  /\n  "
-        f"{_rate('layerwatch_layer_entropy_count_total', exp, window, by)}"
+        f"({_rate('layerwatch_layer_entropy_count_total', exp, window, by)} > 0)"
     )
     return (
         f"(\n  {served}\n)\nor on (model_name)\n(\n  {frames}\n"
         f"  unless on (model_name)\n  layerwatch_layer_evaluations_total{{{shim}}}\n)"
+    )
+
+
+def _fallbacks_rate(window: str) -> str:
+    """Fallback episodes per second: the shim's count, or, for a model no shim reports (vLLM's plugin), the
+    count its frames carry to the exporter; `or on` / `unless` as in _skip_ratio."""
+    exp, shim = config.EXPORTER_SELECTOR, config.SHIM_SELECTOR
+    served = _rate("layerwatch_fallbacks_total", shim, window, BY_MODEL)
+    frames = _rate("layerwatch_exporter_fallbacks_total", exp, window, BY_MODEL)
+    return (
+        f"(\n  {served}\n)\nor on (model_name)\n(\n  {frames}\n"
+        f"  unless on (model_name)\n  layerwatch_fallbacks_total{{{shim}}}\n)"
     )
 
 
@@ -174,7 +187,7 @@ def recording_rules(timing: Timing) -> list[dict]:
         f"{_rate('layerwatch_layers_executed_sum', shim, w, BY_MODEL)}\n/\n"
         f"{_rate('layerwatch_layers_executed_count', shim, w, BY_MODEL)}",
     )
-    record(r.fallbacks_rate, _rate("layerwatch_fallbacks_total", shim, w, BY_MODEL))
+    record(r.fallbacks_rate, _fallbacks_rate(w))
 
     # Energy has no model_name (it belongs to the host's GPUs or CPU packages): join it to the
     # tokens the shim on the same target generated. An idle shim has no joules per token (not +Inf).

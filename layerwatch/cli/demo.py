@@ -58,25 +58,15 @@ from layerwatch.settings import add_flags, from_flags, setting
 
 INSTALL_HINT = "scripts/install-system-deps.sh --demo installs them (root or sudo)"
 STOP_HINT = "(Ctrl-C stops the demo)"
+DRILL_HELP = (
+    "after --baseline seconds of healthy traffic, inject the drill's fault (most restart the engine with faulty "
+    "flags) and show its alert; each drill's fault and alert: docs/demo.md, \"Drills\""
+)
 
 
 def _defaults(setting: str) -> str:
     """A flag's default on each demo model, in words: `demo 2, smollm2 1`."""
     return ", ".join(f"{m.name} {getattr(m, setting):g}" for m in DEMO_MODELS.values())
-
-
-def _drill_help() -> str:
-    return (
-        "after --baseline seconds of healthy traffic, restart the shim with a fault and show its page: "
-        + "; ".join(f"{d.name}: {' '.join(d.serve_flags)} pages {d.page}" for d in DRILLS.values())
-        + "".join(
-            f" (on {m.name}: "
-            + "; ".join(f"{d.name}: {' '.join(d.serve_flags)}" for d in m.drill_overrides.values())
-            + ")"
-            for m in DEMO_MODELS.values()
-            if m.drill_overrides
-        )
-    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,7 +103,7 @@ class DemoSettings:
     prometheus_port: int = setting(ports.PROMETHEUS_PORT, type=argtypes.port, help="(default %(default)s)")
     alertmanager_port: int = setting(ports.ALERTMANAGER_PORT, type=argtypes.port, help="(default %(default)s)")
     no_prometheus: bool = setting(False, help="do not start Prometheus and Alertmanager")
-    drill: str | None = setting(None, choices=sorted(DRILLS), help=_drill_help())
+    drill: str | None = setting(None, choices=sorted(DRILLS), help=DRILL_HELP)
     baseline: float | None = setting(
         None,
         type=float,
@@ -161,7 +151,11 @@ def run(args: argparse.Namespace) -> int:
     baseline = model.baseline_seconds if settings.baseline is None else settings.baseline
     concurrency = model.concurrency if settings.concurrency is None else settings.concurrency
     max_tokens = model.max_tokens if settings.max_tokens is None else settings.max_tokens
-    drill = model.drill(settings.drill) if settings.drill else None
+    try:
+        drill = model.drill(settings.drill) if settings.drill else None
+    except ValueError as exc:
+        print(f"layerwatch demo: {exc}", file=sys.stderr)
+        return 2
     if drill is not None and on_vllm:  # without the shim's quality guard and fallbacks, another alert pages
         drill = dataclasses.replace(drill, page=VLLM_DRILL_PAGES[drill.name])
     monitoring = not settings.no_prometheus and monitoring_installed()
@@ -177,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(settings.workdir or tempfile.mkdtemp(prefix="layerwatch-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     failed = False
-    stack = DemoStack(workdir, model.timing)
+    stack = DemoStack(workdir, model.timing, frame_link=drill is not None and not drill.restarts)
     receiver = WebhookReceiver() if monitoring else None
     stop = threading.Event()
     drill_run: DrillRun | None = None
@@ -309,13 +303,13 @@ def _say(line: str, stream: TextIO = sys.stdout) -> None:
 def _drill_verdict(drill_run: DrillRun, interrupted: bool) -> int:
     """The drill's time to page; 1 when it ran its course (--duration) without paging."""
     drill_run.check_page()
-    name, page = drill_run.drill.name, drill_run.drill.page
+    name, page, notified = drill_run.drill.name, drill_run.drill.page, drill_run.drill.notified
     if drill_run.time_to_page is not None:
-        _say(f"layerwatch demo: drill {name}: {page} paged {drill_run.time_to_page:.1f}s after the fault")
+        _say(f"layerwatch demo: drill {name}: {page} {notified} {drill_run.time_to_page:.1f}s after the fault")
         return 0
     if interrupted:
         return 0
-    _say(f"layerwatch demo: drill {name}: {page} did not page before --duration ran out", sys.stderr)
+    _say(f"layerwatch demo: drill {name}: {page} was not {notified} before --duration ran out", sys.stderr)
     return 1
 
 
@@ -350,7 +344,7 @@ def _show(
         if drill_run is not None:
             drill_run.poll()
             status = "\n".join(drill_run.status()) + "\n\n"
-            if view is not None and drill_run.injected_at is not None:
+            if view is not None and drill_run.injected_at is not None and drill_run.drill.restarts:
                 view.restarting(host_port(engine_url), drill_run.injected_at)
         size = shutil.get_terminal_size()
         try:

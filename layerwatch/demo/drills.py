@@ -3,8 +3,8 @@
 A drill restarts the shim with `serve` flags that break the gates the way the field saw them break
 (docs/alerting.md, "The field's reports"), as tests/stack/test_end_to_end.py does (docs/end-to-end.md
 has the faults and their times to page there); on vLLM it restarts `vllm serve` with the plugin's form
-of those flags (vllm_serve.plugin_drill). Adding a drill is one entry in DRILLS; every drill's
-alert is critical (it reaches the pager).
+of those flags (vllm_serve.plugin_drill). A fault outside the engine (frames lost on the way to the
+exporter) is injected without a restart. Adding a drill is one entry in DRILLS.
 """
 
 from __future__ import annotations
@@ -13,16 +13,30 @@ import threading
 import time
 from dataclasses import dataclass
 
-from layerwatch.demo.receiver import PAGER_PATH, WebhookReceiver
+from layerwatch.demo.receiver import PAGER_PATH, TICKET_PATH, WebhookReceiver
 from layerwatch.demo.stack import DemoStack
 
 
 @dataclass(frozen=True)
 class Drill:
     name: str
-    serve_flags: tuple[str, ...]  # what the shim is restarted with
-    page: str  # the alert that must page
+    serve_flags: tuple[str, ...]  # what the shim is restarted with; () for a fault outside it (no restart)
+    page: str  # the alert that must notify
     fault: str  # what went wrong, in words
+    # Where the rendered alertmanager.yml routes `page` by its severity: the pager (critical) or a ticket.
+    receiver: str = PAGER_PATH
+    # Without a restart: every this-many-th gate frame is lost between the engine and the exporter
+    # (layerwatch/demo/frame_link.py); 0: none.
+    lose_every_frame: int = 0
+
+    @property
+    def notified(self) -> str:
+        """How `page` reaches a person, in a word: paged or ticketed."""
+        return "paged" if self.receiver == PAGER_PATH else "ticketed"
+
+    @property
+    def restarts(self) -> bool:
+        return not self.lose_every_frame
 
 
 DRILLS: dict[str, Drill] = {
@@ -51,6 +65,23 @@ DRILLS: dict[str, Drill] = {
             ("--reset-gates",),
             "LayerwatchEntropyShapeChanged",
             "gate weights overwritten with freshly initialised ones: every layer scores about 0.5",
+        ),
+        Drill(
+            "surge",
+            ("--threshold", "0.3", "--patience", "1"),
+            "LayerwatchSkipRateSurge",
+            "a config push raises the skip threshold to 0.3 and cuts patience to 1: the skip ratio jumps far "
+            "above its recent baseline, under the breaker's line (a ticket: quality is the quality guard's to page)",
+            receiver=TICKET_PATH,
+        ),
+        Drill(
+            "telemetry",
+            (),
+            "LayerwatchTelemetryLoss",
+            "the network between the engine and the exporter loses one gate frame in five: the histograms and "
+            "verdicts run on part of the traffic (a ticket)",
+            receiver=TICKET_PATH,
+            lose_every_frame=5,
         ),
         Drill(
             "runaway",
@@ -91,11 +122,15 @@ class DrillRun:
 
     def check_page(self) -> None:
         if self.injected_at is not None and self.paged_at is None:
-            self.paged_at = self._receiver.first_firing(PAGER_PATH, self.drill.page, since=self.injected_at)
+            self.paged_at = self._receiver.first_firing(self.drill.receiver, self.drill.page, since=self.injected_at)
 
     def _inject(self) -> None:
         try:
-            self.serving_at = self._stack.restart_engine(*self.drill.serve_flags)
+            if self.drill.lose_every_frame:
+                self._stack.lose_frames(every=self.drill.lose_every_frame)
+                self.serving_at = time.monotonic()
+            else:
+                self.serving_at = self._stack.restart_engine(*self.drill.serve_flags)
         except (RuntimeError, TimeoutError, OSError) as exc:
             self.error = str(exc)
 
@@ -106,7 +141,9 @@ class DrillRun:
     def status(self) -> list[str]:
         """Two lines: the drill, and where it stands."""
         d = self.drill
-        lines = [f"drill {d.name} ({' '.join(d.serve_flags)}) must page {d.page}: {d.fault}"]
+        how = f"({' '.join(d.serve_flags)})" if d.restarts else "(no restart)"
+        must = "must page" if d.notified == "paged" else "must open a ticket:"
+        lines = [f"drill {d.name} {how} {must} {d.page}: {d.fault}"]
         if self.injected_at is None:
             left = max(0.0, self.inject_at - time.monotonic())
             return lines + [f"  healthy baseline: the fault comes in {left:.0f}s"]
@@ -114,11 +151,10 @@ class DrillRun:
             since = time.monotonic() - self.injected_at
             return lines + [f"  fault injected {since:.0f}s ago; the {self._stack.engine} is restarting"]
         restart = self.serving_at - self.injected_at
+        took = f"the restart took {restart:.1f}s" if d.restarts else "no restart"
         if self.paged_at is None:
             since = time.monotonic() - self.injected_at
-            return lines + [f"  fault injected {since:.0f}s ago; the restart took {restart:.1f}s; no page yet"]
+            return lines + [f"  fault injected {since:.0f}s ago; {took}; not {d.notified} yet"]
         page = self.paged_at - self.injected_at
-        return lines + [
-            f"  PAGED {d.page} {page:.1f}s after the fault "
-            f"(the restart took {restart:.1f}s, the page {page - restart:.1f}s more)"
-        ]
+        more = f" ({took}, the alert {page - restart:.1f}s more)" if d.restarts else ""
+        return lines + [f"  {d.notified.upper()} {d.page} {page:.1f}s after the fault{more}"]

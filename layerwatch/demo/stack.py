@@ -26,6 +26,7 @@ from pathlib import Path
 
 from layerwatch.alerts.durations import Timing
 from layerwatch.alerts.profile import Profile
+from layerwatch.demo.frame_link import FrameLink
 from layerwatch.demo.processes import LAYERWATCH_COMMAND, ManagedProcess, free_port
 from layerwatch.demo.receiver import PAGER_PATH, TICKET_PATH, WebhookReceiver
 from layerwatch.demo.vllm_serve import START_TIMEOUT_SECONDS, VLLM_ENV, VllmServe, plugin_drill
@@ -74,9 +75,12 @@ DEMO_LATENCY_OBJECTIVES = LatencyObjectives(time_to_first_token_max=20.0, inter_
 class DemoStack:
     """The processes of one demo run, stopped in reverse order of starting."""
 
-    def __init__(self, workdir: Path, timing: StackTiming = DEMO_TIMING) -> None:
+    def __init__(self, workdir: Path, timing: StackTiming = DEMO_TIMING, *, frame_link: bool = False) -> None:
+        """`frame_link`: the engine sends its gate frames through a FrameLink, which a drill can make lossy."""
         self.workdir = workdir
         self.timing = timing
+        self._with_frame_link = frame_link
+        self.frame_link: FrameLink | None = None
         self.processes: list[ManagedProcess] = []
         self.model_name = ""
         self.engine = "shim"  # the engine's process name and scrape job: "shim" or "vllm"
@@ -103,7 +107,8 @@ class DemoStack:
         return proc
 
     def _start_exporter(self, exporter_port: int) -> tuple[ManagedProcess, str, str]:
-        """The exporter, its frame address and its URL."""
+        """The exporter, where the engine sends its frames (the exporter's address, or the frame link's) and
+        the exporter's URL."""
         frames = f"127.0.0.1:{free_port(socket.SOCK_DGRAM)}"
         exporter = self._start(
             "exporter",
@@ -111,7 +116,16 @@ class DemoStack:
             + ["exporter", "--listen", frames, "--http", f"127.0.0.1:{exporter_port}"]
             + ["--window-seconds", f"{self.timing.exporter_window_seconds:g}", "--statistics-cache-seconds", "0.5"],
         )
+        if self._with_frame_link:
+            self.frame_link = FrameLink(frames)
+            frames = self.frame_link.address
         return exporter, frames, f"http://127.0.0.1:{exporter_port}"
+
+    def lose_frames(self, *, every: int) -> None:
+        """From now on the link to the exporter loses every `every`-th gate frame."""
+        if self.frame_link is None:
+            raise RuntimeError("the engine's frames go straight to the exporter: the stack was made without frame_link")
+        self.frame_link.lose_every(every)
 
     def _start_engine(self, exporter: ManagedProcess, exporter_url: str, port: int, argv: list[str]) -> tuple[str, str]:
         engine = self._start(self.engine, argv, self._engine_env)
@@ -242,6 +256,8 @@ class DemoStack:
             processes = self._retiring + self.processes
         for proc in reversed(processes):
             proc.stop()
+        if self.frame_link is not None:
+            self.frame_link.close()
 
 
 def render_config(

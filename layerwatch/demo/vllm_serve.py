@@ -33,15 +33,17 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": ""}
 START_TIMEOUT_SECONDS = 900.0  # model load on a busy 2-core machine takes minutes
 # The serve flags of the gate drills (layerwatch/demo/drills.py), which `serve --export-gates` writes out.
 GATE_DRILL_FLAGS = frozenset({"--static-gates", "--shuffle-gates", "--scramble-gates", "--reset-gates"})
-# The page each drill raises on vLLM, measured (docs/demo.md, "On vLLM"): the shim's gate-importance and
-# fallback pages read series only the shim publishes (docs/alerting.md), so shuffle and scramble page by
-# the entropy shape they move, runaway by the layers it makes static.
+# The alert each drill raises on vLLM, measured (docs/demo.md, "On vLLM"): the shim's gate-importance pages
+# read series only the shim publishes (docs/alerting.md), so shuffle and scramble page by the entropy shape
+# they move.
 VLLM_DRILL_PAGES = {
     "static": "LayerwatchRoutingStatic",
     "reset": "LayerwatchEntropyShapeChanged",
-    "runaway": "LayerwatchRoutingStatic",
+    "runaway": "LayerwatchRunawaySkipping",
     "shuffle": "LayerwatchEntropyShapeChanged",
     "scramble": "LayerwatchEntropyShapeChanged",
+    "surge": "LayerwatchSkipRateSurge",
+    "telemetry": "LayerwatchTelemetryLoss",
 }
 
 
@@ -64,6 +66,8 @@ def plugin_drill(serve_flags: tuple[str, ...]) -> PluginDrill:
         elif flag == "--threshold":
             threshold = next(flags)
             settings["threshold"] = float(threshold)
+        elif flag == "--patience":
+            settings["patience"] = int(next(flags))
         elif flag.startswith("--protected-layers="):
             value = flag.split("=", 1)[1]
             settings["protected_layers"] = [int(layer) for layer in value.split(",") if layer]

@@ -59,20 +59,22 @@ class EntropyCollector(_StateCollector):
 
 
 class LayerCollector(_StateCollector):
-    """Per-layer sums, counts and skips (means and skip ratios are always derivable); per-layer
-    histograms with --per-layer."""
+    """Per-layer sums, counts and skips (means and skip ratios are always derivable), and the fallback
+    episodes the frames report; per-layer histograms with --per-layer."""
 
     metric_names = (
         "layerwatch_layer_entropy_sum_total",
         "layerwatch_layer_entropy_count_total",
         "layerwatch_exporter_layer_skips_total",
+        "layerwatch_exporter_fallbacks_total",
         "layerwatch_entropy_per_layer",
     )
 
     def collect(self) -> Iterator[Metric]:
-        sums, counts, skips = map(family, self.metric_names[:3])
+        sums, counts, skips, fallbacks = map(family, self.metric_names[:4])
         histograms = histogram_family("layerwatch_entropy_per_layer")
         for model in self._state.snapshot():
+            fallbacks.add_metric([model.model_name], model.fallbacks)
             labels = [(model.model_name, str(layer)) for layer in range(len(model.layer_sums))]
             per_layer = zip(labels, model.layer_sums.tolist(), model.layer_counts.tolist(), model.layer_skips.tolist())
             for layer_labels, total, count, skipped in per_layer:
@@ -81,7 +83,7 @@ class LayerCollector(_StateCollector):
                 skips.add_metric(layer_labels, skipped)
             if model.layer_buckets is not None:
                 histograms.add_histograms(labels, model.layer_buckets, model.layer_sums)
-        yield from (sums, counts, skips)
+        yield from (sums, counts, skips, fallbacks)
         if histograms.label_values:
             yield histograms
 

@@ -159,6 +159,7 @@ class ModelStatistics:
         self.frames_lost_reported = 0
         self.frames_interleaved = 0
         self.frames_without_threshold = 0
+        self.fallbacks = 0  # fallback episodes the frames report (their senders' breakers)
 
     def add(
         self,
@@ -200,6 +201,7 @@ class ModelSnapshot:
     frames_interleaved: int = 0
     frames_without_threshold: int = 0
     threshold: float | None = None  # τ of the latest frame
+    fallbacks: int = 0
 
 
 class _Window(Protocol):
@@ -289,6 +291,7 @@ class ExporterState:
             model.last_seen = now
             model.frames_received += 1
             model.frames_lost += verdict.lost
+            model.fallbacks += frame.fallbacks
             if verdict.interleaved:
                 if model.frames_interleaved == 0:
                     log.warning(
@@ -371,6 +374,7 @@ class ExporterState:
             frames_interleaved=model.frames_interleaved,
             frames_without_threshold=model.frames_without_threshold,
             threshold=model.threshold,
+            fallbacks=model.fallbacks,
         )
 
     def bimodality(self, model_name: str) -> Bimodality:

@@ -6,7 +6,8 @@ served requests go first (vLLM takes it under `--scheduling-policy priority`; an
 checks without it, said once in the log). comparison.py turns the two sides into the shim's figures.
 
 At most MAX_WAITING choices wait and CONCURRENT_CHECKS run: a choice that finds the queue full is counted
-(`queue_full`), never waited for.
+(`queue_full`), never waited for. A re-score vLLM has not answered within CHECK_TIMEOUT_SECONDS (hung, or starved
+at its low priority) fails (`failed`), so that a stalled vLLM cannot hold the workers for good.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ log = limit_rate(logging.getLogger(__name__))  # a vLLM refusing the re-scores w
 MAX_WAITING = 64  # as the shim's shadow queue
 CONCURRENT_CHECKS = 2
 CHECK_PRIORITY = 1000  # vLLM serves lower values first; requests default to 0
+# A re-score is one prefill of at most max_model_len tokens: seconds on a CPU, unless served requests keep it waiting.
+CHECK_TIMEOUT_SECONDS = 120.0
 
 
 class CheckFailed(Exception):
@@ -118,13 +121,15 @@ class Checker:
         assert self._session is not None
         if self._priority:
             body = {**body, "priority": CHECK_PRIORITY}
-        async with self._session.post(self.upstream + COMPLETIONS_PATH, json=body) as response:
+        timeout = aiohttp.ClientTimeout(total=CHECK_TIMEOUT_SECONDS)
+        async with self._session.post(self.upstream + COMPLETIONS_PATH, json=body, timeout=timeout) as response:
             return response.status, await response.json(content_type=None)
 
     async def _max_len(self, model: str) -> int:
         if model not in self._max_model_len:
             assert self._session is not None
-            async with self._session.get(self.upstream + "/v1/models") as response:
+            timeout = aiohttp.ClientTimeout(total=CHECK_TIMEOUT_SECONDS)
+            async with self._session.get(self.upstream + "/v1/models", timeout=timeout) as response:
                 models = (await response.json(content_type=None))["data"]
             self._max_model_len.update({m["id"]: int(m["max_model_len"]) for m in models})
         return self._max_model_len[model]

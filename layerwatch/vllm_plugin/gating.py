@@ -42,6 +42,7 @@ class Gating:
     sender: GateFrameSender | None  # None: no exporter address, or not the deciding rank
     executed_skips: np.ndarray  # int64 [layers]: (step row, layer) pairs whose layer did not run, since start-up
     step_rows: int = 0  # step rows run since start-up
+    fallbacks: int = 0  # fallback episodes the policy started since start-up (deciding rank)
 
 
 def load_gating(

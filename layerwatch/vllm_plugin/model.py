@@ -145,9 +145,10 @@ class LayerwatchLlamaModel(LlamaModel):
         if step.slots is None:
             return
         scores = gating.gates.scores(torch.stack(normed_inputs)).float().cpu().numpy()  # [R, L]
-        gating.policy.observe(step.slots, scores, step.run)
+        fallbacks = int(gating.policy.observe(step.slots, scores, step.run).fallback_started.sum())
+        gating.fallbacks += fallbacks
         if gating.sender is not None:
-            gating.sender.send(scores, ~step.run)
+            gating.sender.send(scores, ~step.run, fallbacks)
 
 
 def refuse_unsupported(vllm_config: VllmConfig) -> None:

@@ -14,13 +14,15 @@ class LayerwatchWorker:
 
     def layerwatch_executed(self) -> dict[str, Any]:
         """Since start-up: `skips` per layer of the worker's stage (its first model layer `first_layer`), the
-        (step row, layer) pairs whose layer did not run; `step_rows`, the sequences' steps; `frames`, the gate
-        frames sent (None on a rank that sends none)."""
+        (step row, layer) pairs whose layer did not run; `step_rows`, the sequences' steps; `fallbacks`, the
+        fallback episodes its breaker started (0 on a rank that does not decide); `frames`, the gate frames sent
+        (None on a rank that sends none)."""
         gating = self._gating()
         return {
             "first_layer": gating.layers.start,
             "skips": gating.executed_skips.tolist(),
             "step_rows": gating.step_rows,
+            "fallbacks": gating.fallbacks,
             "frames": gating.sender.sent if gating.sender is not None else None,
         }
 

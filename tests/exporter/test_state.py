@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -247,6 +249,14 @@ def test_with_a_frame_key_only_frames_tagged_under_it_are_counted() -> None:
     assert state.frames_rejected["missing_tag"] == 1 and state.frames_rejected["bad_tag"] == 2
     assert state.frames_malformed == 0
     assert "k" * 32 not in repr(state.config)  # the key never reaches a log line through the config
+
+
+def test_the_fallbacks_frames_report_add_up_per_model() -> None:
+    state, rng = make_state(), np.random.default_rng(0)
+    for sequence, fallbacks in enumerate((0, 2, 0, 1)):
+        state.ingest(dataclasses.replace(random_frame(rng, sequence), fallbacks=fallbacks))
+    state.ingest(random_frame(rng, 0, model="other"))
+    assert {name: s.fallbacks for name, s in by_model(state).items()} == {"demo": 3, "other": 0}
 
 
 def test_ingest_feeds_totals_layers_and_window() -> None:

@@ -56,7 +56,10 @@ def gate_frames(draw: st.DrawFn) -> GateFrame:
         first_layer = draw(st.integers(0, 300))
         model_layers = first_layer + layers + draw(st.integers(0 if first_layer else 1, 300))
     sequence = draw(st.integers(0, 2**64 - 1))
-    return GateFrame(draw(name), draw(name), sequence, entropies, skipped, threshold, first_layer, model_layers)
+    fallbacks = draw(st.just(0) | st.integers(1, 2**16 - 1))  # 0: no count, flag bit 1 clear
+    return GateFrame(
+        draw(name), draw(name), sequence, entropies, skipped, threshold, first_layer, model_layers, fallbacks
+    )
 
 
 def frame(
@@ -77,15 +80,22 @@ def frame(
 def test_round_trip_keeps_every_field(original: GateFrame) -> None:
     data = encode_frame(original)
     assert len(data) == frame_bytes(
-        *original.entropies.shape, original.model_name, original.shim_id, original.threshold, partial=original.partial
+        *original.entropies.shape,
+        original.model_name,
+        original.shim_id,
+        original.threshold,
+        partial=original.partial,
+        fallbacks=original.fallbacks > 0,
     )
     assert data[4] == (3 if original.partial else 1 if original.threshold is None else 2)
+    assert data[5] == (2 if original.fallbacks else 0)
     decoded = decode_frame(data)
-    assert (decoded.model_name, decoded.shim_id, decoded.sequence, decoded.threshold) == (
+    assert (decoded.model_name, decoded.shim_id, decoded.sequence, decoded.threshold, decoded.fallbacks) == (
         original.model_name,
         original.shim_id,
         original.sequence,
         original.threshold,
+        original.fallbacks,
     )
     assert (decoded.first_layer, decoded.total_layers) == (original.first_layer, original.total_layers)
     assert decoded.entropies.dtype == np.float32 and decoded.skipped.dtype == np.bool_
@@ -185,6 +195,20 @@ def test_encode_refuses_a_layer_span_outside_the_model(change: dict, reason: str
         encode_frame(dataclasses.replace(frame(layers=10), **change))
 
 
+def test_a_fallback_count_follows_the_skip_bits_under_flag_bit_1_and_none_leaves_the_frame_as_it_was() -> None:
+    plain = frame(rows=2, layers=9, model="m", shim="s", threshold=0.18)
+    counted = dataclasses.replace(plain, fallbacks=513)
+    key = b"k" * 32
+    for tag_key in (None, key):
+        data, before = encode_frame(counted, tag_key), encode_frame(plain, tag_key)
+        tag = TAG_BYTES if tag_key else 0
+        assert data[5] == (2 | (1 if tag_key else 0)) and before[5] == (1 if tag_key else 0)
+        assert data[6 : len(before) - tag] == before[6 : len(before) - tag]  # the same bytes up to the skip bits
+        assert data[len(before) - tag : len(before) - tag + 2] == struct.pack("<H", 513)
+        assert decode_frame(data, tag_key).fallbacks == 513 and decode_frame(before, tag_key).fallbacks == 0
+    assert encode_frame(dataclasses.replace(plain, fallbacks=0)) == encode_frame(plain)
+
+
 def test_the_threshold_survives_as_float32() -> None:
     for threshold in (0.0, 0.18, 0.5, 1.0):
         decoded = decode_frame(encode_frame(frame(threshold=threshold)))
@@ -236,7 +260,9 @@ def _v3(first_layer: int, model_layers: int, **header) -> bytes:
         (_v2(1.5) + _valid_body(), "threshold 1.5 is not in"),
         (_v2(-0.25) + _valid_body(), "threshold -0.25 is not in"),
         (_v2() + _valid_body(1.5), "outside [0, 1]"),
-        (_header(flags=2) + _valid_body(), "unknown flags"),
+        (_header(flags=4) + _valid_body(), "unknown flags"),
+        (_header(flags=2) + _valid_body(), "describes 29"),  # flag bit 1 without its count
+        (_header(flags=2) + _valid_body() + b"\x00\x00", "a fallback count of 0"),
         (_header(flags=1) + _valid_body(), "too short for a tagged frame"),
         (
             _header(flags=1) + _valid_body() + b"t" * 16 + b"\x00",
@@ -295,6 +321,9 @@ def test_encode_refuses_frames_over_the_limit() -> None:
         (dict(sequence=-1), "not a u64"),
         (dict(threshold=1.5), r"threshold 1.5 is not in \[0, 1\]"),
         (dict(threshold=float("nan")), "threshold nan"),
+        (dict(fallbacks=-1), "fallbacks -1 is not a u16"),
+        (dict(fallbacks=2**16), "fallbacks 65536 is not a u16"),
+        (dict(fallbacks=True), "fallbacks True is not a u16"),
     ],
 )
 def test_encode_refuses_invalid_frames(change: dict, reason: str) -> None:

@@ -111,6 +111,19 @@ def test_a_batch_arrives_as_the_frames_the_exporter_decodes(receiver):
     assert sender.dropped["send_error"] == 1
 
 
+def test_a_steps_fallbacks_travel_once_in_its_first_frame(receiver):
+    with GateFrameSender(receiver.address, "my-engine", LAYERS, 0.5) as sender:
+        sender.rows_per_frame = 2  # a step of 5 rows in 3 frames
+        sender.send(*batch(5), fallbacks=3)
+        sender.send(*batch(1), fallbacks=0)
+    assert [(f.sequence, f.entropies.shape[0], f.fallbacks) for f in receiver.frames(4)] == [
+        (0, 2, 3),
+        (1, 2, 0),
+        (2, 1, 0),
+        (3, 1, 0),
+    ]
+
+
 def test_a_pipeline_stage_sends_partial_frames_that_say_where_its_layers_sit(receiver):
     scores, skipped = batch(2)
     with GateFrameSender(receiver.address, "my-engine", LAYERS, 0.5, first_layer=10, model_layers=16) as sender:

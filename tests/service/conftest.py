@@ -312,14 +312,8 @@ def in_process(tiny_checkpoint):
     started: list[InProcessServer] = []
 
     def start(**overrides) -> InProcessServer:
-        settings = ServeSettings(
-            model_dir=tiny_checkpoint.path,
-            model_name=MODEL_NAME,
-            exporter_address="",
-            max_tokens_cap=32,
-            max_prompt_tokens=64,
-            **overrides,
-        )
+        defaults = dict(exporter_address="", max_tokens_cap=32, max_prompt_tokens=64)
+        settings = ServeSettings(model_dir=tiny_checkpoint.path, model_name=MODEL_NAME, **(defaults | overrides))
         server = InProcessServer(ShimService.load(settings)).__enter__()
         started.append(server)
         return server

@@ -48,6 +48,25 @@ def test_frames_decode_to_the_same_entropies_and_masks_as_the_trace(server):
     assert frame_entropies.shape[1] == NUM_LAYERS and frame_skipped.any() and not frame_skipped.all()
 
 
+def test_a_frame_carries_the_fallbacks_the_breaker_started_at_its_step(in_process):
+    exporter = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    exporter.bind(("127.0.0.1", 0))
+    exporter.settimeout(5)
+    with exporter:
+        # Every layer skippable and every score below τ: the breaker trips twice in 30 tokens
+        # (tests/service/test_audit.py counts its log lines).
+        server = in_process(
+            threshold=1.0, protected_layers=(), exporter_address=f"127.0.0.1:{exporter.getsockname()[1]}"
+        )
+        body = {"model": MODEL_NAME, "prompt": "And God said", "max_tokens": 30, "temperature": 0}
+        assert httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+        sent = sample_sum(server.metrics(), "layerwatch_telemetry_frames_sent_total")
+        frames = [decode_frame(exporter.recv(MAX_FRAME_BYTES)) for _ in range(int(sent))]
+    fallbacks = sample_sum(server.metrics(), "layerwatch_fallbacks_total")
+    assert sum(f.fallbacks for f in frames) == fallbacks == 2
+    assert sorted(f.fallbacks for f in frames)[-2:] == [1, 1]  # one sequence: one episode per step at most
+
+
 def test_a_missing_exporter_only_moves_the_dropped_counter():
     port = free_port(socket.SOCK_DGRAM)  # nobody listens: loopback answers with ICMP port unreachable
     sender = GateFrameSender(f"127.0.0.1:{port}", MODEL_NAME, NUM_LAYERS, 0.18, shim_id="test")

@@ -97,7 +97,7 @@ class StepTelemetry:
         execution"); the metrics count what ran too."""
         self.stats.observe(skipped, executed_skipped, batch_skipped, fallback_started)
         if self.sender is not None:
-            self.sender.send(entropies, skipped)
+            self.sender.send(entropies, skipped, int(fallback_started.sum()))
         if self.trace is not None:
             self._write_trace(self.trace, entropies, skipped)
 
