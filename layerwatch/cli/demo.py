@@ -60,7 +60,7 @@ INSTALL_HINT = "scripts/install-system-deps.sh --demo installs them (root or sud
 STOP_HINT = "(Ctrl-C stops the demo)"
 DRILL_HELP = (
     "after --baseline seconds of healthy traffic, inject the drill's fault (most restart the engine with faulty "
-    "flags) and show its alert; each drill's fault and alert: docs/demo.md, \"Drills\""
+    'flags) and show its alert; each drill\'s fault and alert: docs/demo.md, "Drills"'
 )
 
 
