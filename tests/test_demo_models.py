@@ -45,6 +45,12 @@ def test_a_drill_a_model_cannot_run_is_refused_in_one_line_before_anything_start
     assert DEMO_MODELS["smollm2"].drill("surge").serve_flags == ("--threshold", "0.18")
 
 
+def test_a_checkpoint_folder_runs_the_drills_the_embedded_model_refuses(tmp_path):
+    """The embedded model's refusals are measured on it: a folder (served by vLLM too, which the refusal
+    itself suggests) is not refused for them."""
+    assert _model(str(tmp_path)).drill("surge") is not None
+
+
 def test_an_imported_model_in_the_cache_is_served_without_importing_it_again(tmp_path):
     """import-gguf renames its folder into place once complete, so a folder there is a whole one: it is
     served as it is (importing again would be refused: import-gguf does not write into a full folder)."""

@@ -157,7 +157,8 @@ def demo_model(text: str) -> DemoModel:
     if text in DEMO_MODELS:
         return DEMO_MODELS[text]
     if Path(text).is_dir():
-        return replace(DEFAULT_MODEL, name=text, what="a checkpoint folder", folder=Path(text))
+        # The embedded model's refusals are its measurements, not the folder's (which may run on vLLM).
+        return replace(DEFAULT_MODEL, name=text, what="a checkpoint folder", folder=Path(text), drills_not_run={})
     near = difflib.get_close_matches(text, list(DEMO_MODELS), n=1)
     guess = f" (did you mean {near[0]}?)" if near else ""
     raise argparse.ArgumentTypeError(
