@@ -689,9 +689,10 @@ def _skipping_row(d: dashboard.Dashboard, p: Panels, r: Recorded) -> dashboard.D
     d = d.with_panel(
         p.timeseries(
             "Fallbacks",
-            "Forced full-depth episodes per minute, by reason (LayerwatchRunawaySkipping).",
+            "Forced full-depth episodes per minute (LayerwatchRunawaySkipping): the shims' counts; for a model no "
+            "shim reports, the count its gate frames carry to the exporter.",
             "none",
-            [(f"sum by (reason) (rate(layerwatch_fallbacks_total{{{SHIM}}}{RATE})) * 60", "{{reason}} / min")],
+            [(f"{r.fallbacks_rate}{{{SHIM}}} * 60", "{{instance}} / min")],
             width=8,
             bars=True,
         )

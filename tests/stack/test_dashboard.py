@@ -75,7 +75,8 @@ def test_every_query_uses_the_datasource_variable_and_panel_ids_are_unique(dashb
         ("GPU memory used", "timeseries", "layerwatch_gpu_memory_used_bytes"),
         ("Time to first token", "timeseries", "time_to_first_token"),
         ("Inter-token latency", "timeseries", "inter_token_latency"),
-        ("Fallbacks", "timeseries", "layerwatch_fallbacks_total"),
+        # The alert's own series: a vLLM-served model's fallbacks come from its frames (the exporter's count).
+        ("Fallbacks", "timeseries", "model_name:layerwatch_fallbacks:rate"),
         ("Shadow agreement and skip ratio", "timeseries", "model_name:layerwatch_shadow_agreements:ratio"),
         ("Quality cost per token", "timeseries", "model_name:layerwatch_shadow_kl_nats:per_token"),
         ("Estimated perplexity increase", "timeseries", "layerwatch_shadow_reverse_kl_nats:perplexity_increase"),
