@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -23,7 +24,7 @@ from layerwatch.vllm_guard import checker as checker_module
 from layerwatch.vllm_guard import proxy as proxy_module
 from layerwatch.vllm_guard.checker import CONCURRENT_CHECKS, Checker
 from layerwatch.vllm_guard.metrics import GuardMetrics
-from layerwatch.vllm_guard.openai_bodies import CHAT_PATH, COMPLETIONS_PATH, checkable
+from layerwatch.vllm_guard.openai_bodies import CHAT_PATH, COMPLETIONS_PATH, Choice, checkable
 from layerwatch.vllm_guard.proxy import GuardProxy, events
 
 MODEL = "m"
@@ -153,6 +154,29 @@ def test_a_rescore_vllm_never_answers_times_out_and_frees_its_worker(monkeypatch
             hung.set()
 
     asyncio.run(check())
+
+
+def test_a_rescore_keeps_the_sessions_connect_limit_under_its_total(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM that does not accept the connection fails the check at the session's connect limit, not the total."""
+    monkeypatch.setattr(checker_module, "CHECK_TIMEOUT_SECONDS", 60.0)
+    with socket.socket() as listener, socket.socket() as queued:
+        listener.bind((LOOPBACK, 0))
+        listener.listen(0)  # never accepted: one connection fills the queue, the next one's SYN is dropped
+        queued.connect(listener.getsockname())
+        upstream = f"http://{LOOPBACK}:{listener.getsockname()[1]}"
+
+        async def check() -> None:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=0.5)  # as the guard's session, shorter
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                checker = Checker(upstream, MODEL, GuardMetrics(MODEL, 1.0))
+                checker.start(session)
+                try:
+                    with pytest.raises(aiohttp.ServerTimeoutError):  # the connect limit, not wait_for's
+                        await asyncio.wait_for(checker.full_depth_positions(Choice([1], [2], [{}]), MODEL), 10)
+                finally:
+                    await checker.stop()
+
+        asyncio.run(check())
 
 
 def test_requests_and_answers_keep_their_bytes_and_framing() -> None:

@@ -121,15 +121,22 @@ class Checker:
         assert self._session is not None
         if self._priority:
             body = {**body, "priority": CHECK_PRIORITY}
-        timeout = aiohttp.ClientTimeout(total=CHECK_TIMEOUT_SECONDS)
-        async with self._session.post(self.upstream + COMPLETIONS_PATH, json=body, timeout=timeout) as response:
+        async with self._session.post(self.upstream + COMPLETIONS_PATH, json=body, timeout=self._timeout()) as response:
             return response.status, await response.json(content_type=None)
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        """The session's timeouts with a total: a request's own ClientTimeout replaces the session's whole, and
+        would drop its connect limit."""
+        assert self._session is not None
+        own = self._session.timeout
+        return aiohttp.ClientTimeout(
+            total=CHECK_TIMEOUT_SECONDS, connect=own.connect, sock_read=own.sock_read, sock_connect=own.sock_connect
+        )
 
     async def _max_len(self, model: str) -> int:
         if model not in self._max_model_len:
             assert self._session is not None
-            timeout = aiohttp.ClientTimeout(total=CHECK_TIMEOUT_SECONDS)
-            async with self._session.get(self.upstream + "/v1/models", timeout=timeout) as response:
+            async with self._session.get(self.upstream + "/v1/models", timeout=self._timeout()) as response:
                 models = (await response.json(content_type=None))["data"]
             self._max_model_len.update({m["id"]: int(m["max_model_len"]) for m in models})
         return self._max_model_len[model]
