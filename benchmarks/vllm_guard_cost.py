@@ -72,6 +72,14 @@ def round_tokens_and_seconds(base: str, upstream: str, args: argparse.Namespace)
     return tokens, time.perf_counter() - start
 
 
+def warm_up_log_probabilities(upstream: str, model: str) -> None:
+    chat = {"model": model, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 8}
+    chat |= {"logprobs": True, "top_logprobs": 20}
+    rescore = {"model": model, "prompt": list(range(1000, 1100)), "max_tokens": 1, "prompt_logprobs": 20}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", rescore)):
+        httpx.post(f"{upstream}{path}", json=body, timeout=600).raise_for_status()
+
+
 def checked_sequences(guard: str) -> float:
     text = httpx.get(f"{guard}/metrics", timeout=30).text
     return sum(
@@ -101,8 +109,12 @@ def main() -> None:
     try:
         process.wait_http(f"{guard}/metrics", 60)
         totals = {"direct": [0, 0.0], "guard": [0, 0.0]}
+        # Not counted: both sides once, and vLLM's paths for the sampled answers' logprobs and the re-checks' prompt
+        # logprobs (their first use costs seconds, which would land in the first guard round alone).
         warm_up = argparse.Namespace(**{**vars(args), "requests": args.concurrency})
-        round_tokens_and_seconds(upstream, upstream, warm_up)  # not counted
+        for base in (upstream, guard):
+            round_tokens_and_seconds(base, upstream, warm_up)
+        warm_up_log_probabilities(upstream, args.served_model_name)
         for r in range(args.rounds):
             for side, base in (("direct", upstream), ("guard", guard)):
                 tokens, seconds = round_tokens_and_seconds(base, upstream, args)

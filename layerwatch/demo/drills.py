@@ -142,7 +142,7 @@ class DrillRun:
         """Two lines: the drill, and where it stands."""
         d = self.drill
         how = f"({' '.join(d.serve_flags)})" if d.restarts else "(no restart)"
-        must = "must page" if d.notified == "paged" else "must open a ticket:"
+        must = "must page" if d.notified == "paged" else "must open a ticket for"
         lines = [f"drill {d.name} {how} {must} {d.page}: {d.fault}"]
         if self.injected_at is None:
             left = max(0.0, self.inject_at - time.monotonic())
