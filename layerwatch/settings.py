@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from layerwatch import argtypes
+
 _SETTING = "layerwatch.setting"
 
 
@@ -60,6 +62,18 @@ def log_level_setting() -> Any:
     """The log level of a torch-free service (the exporter, the vLLM guard): upper-case as `logging` names it,
     serve's lower-case names taken too, so that one LAYERWATCH_LOG_LEVEL serves every command."""
     return setting("INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default %(default)s)")
+
+
+def drain_timeout_setting() -> Any:
+    """How long a stopping HTTP service (`serve`, the vLLM guard) lets its in-flight requests finish: under the
+    orchestrator's grace period (Kubernetes: 30 s), so that the answers cut off then still go out."""
+    return setting(
+        25.0,
+        type=argtypes.non_negative,
+        metavar="S",
+        help="seconds in-flight requests get to finish after SIGTERM; keep under the orchestrator's kill grace "
+        "period (default %(default)s)",
+    )
 
 
 def same_as(cls: type, name: str, default: Any = dataclasses.MISSING, **changes: Any) -> Any:

@@ -1,5 +1,5 @@
 """`layerwatch vllm-guard`: vLLM's OpenAI API through the quality guard (layerwatch/vllm_guard), until SIGTERM,
-SIGINT or SIGHUP (layerwatch/cli/signals.py)."""
+SIGINT or SIGHUP (layerwatch/cli/signals.py), which drain it once it serves."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import logging
 import sys
 
+from layerwatch.cli.signals import STOP_SIGNALS, Stopped
 from layerwatch.settings import add_flags, from_flags
 from layerwatch.vllm_guard.checker import Checker
 from layerwatch.vllm_guard.metrics import GuardMetrics
@@ -38,10 +39,11 @@ def run(args: argparse.Namespace) -> int:
         settings.shadow_rate,
     )
     try:
-        asyncio.run(run_until_stopped(proxy.app(), host, port, asyncio.Event()))
+        serving = run_until_stopped(proxy, host, port, settings.drain_timeout_seconds, STOP_SIGNALS)
+        signum = asyncio.run(serving)
     except OSError as exc:
         print(f"layerwatch vllm-guard: cannot bind {host}:{port}: {exc}", file=sys.stderr)
         return 1
     finally:
         log.info("stopped")
-    return 0  # not reached: only a signal ends the wait
+    raise Stopped(signum)  # main exits by it

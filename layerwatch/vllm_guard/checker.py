@@ -37,6 +37,17 @@ class CheckFailed(Exception):
     pass
 
 
+def rescore_body(model: str, tokens: list[int]) -> dict[str, Any]:
+    """The full-depth re-score of prompt + answer `tokens` (module doc), but for its priority."""
+    return {
+        "model": model,
+        "prompt": tokens,
+        "max_tokens": 1,
+        "prompt_logprobs": REQUESTED_TOP_LOGPROBS,
+        "cache_salt": secrets.token_urlsafe(32),
+    }
+
+
 class Checker:
     def __init__(self, upstream: str, model_name: str, metrics: GuardMetrics) -> None:
         self.upstream = upstream
@@ -88,13 +99,7 @@ class Checker:
         answer = choice.answer_ids[: max(room, 0)]
         if not answer:
             raise CheckFailed("no room for the answer within the model's length")
-        body: dict[str, Any] = {
-            "model": model,
-            "prompt": choice.prompt_ids + answer,
-            "max_tokens": 1,
-            "prompt_logprobs": REQUESTED_TOP_LOGPROBS,
-            "cache_salt": secrets.token_urlsafe(32),
-        }
+        body = rescore_body(model, choice.prompt_ids + answer)
         status, result = await self._post(body)
         if status == 400 and self._priority and "priority" in str(result).lower():
             self._priority = False

@@ -7,15 +7,21 @@ before the client sees it, and once the answer is complete each choice is queued
 vLLM refusing a sampled request it would have served (a `--max-logprobs` below 20, say) gets the client's own
 request sent instead, counted as a failed check. An upstream that cannot be reached is answered 502 in vLLM's
 error shape; one that fails mid-stream ends the stream with an error event, as vLLM ends its own.
+
+A stop signal drains: no new connection is taken, a new request on an open one is answered 503, the requests in
+flight get `drain_timeout_seconds` to finish, and a stream still running then ends with an error event (its upstream
+request closed: vLLM aborts it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
-from collections.abc import AsyncIterator
+import signal
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import aiohttp
@@ -39,6 +45,7 @@ HOP_BY_HOP = frozenset(
 MAX_BODY_BYTES = 64 << 20  # a request body, at most: long prompts as token ids run to megabytes
 EVENT_END = b"\n\n"  # server-sent events are separated by a blank line
 EVENT_STREAM = "text/event-stream"
+CUT_OFF_SECONDS = 5.0  # for the streams cut off at the end of a drain to write their error event
 
 
 def forwarded(headers: Any, drop: tuple[str, ...] = ()) -> CIMultiDict[str]:
@@ -58,6 +65,10 @@ class GuardProxy:
         self.metrics = metrics
         self.checker = checker
         self._session: aiohttp.ClientSession | None = None
+        self._in_flight: set[asyncio.Task[Any]] = set()  # each forwarded request's (its connection's) task
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._draining = False
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -83,6 +94,34 @@ class GuardProxy:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
+        if self._draining:
+            error = error_body(503, "the layerwatch guard is stopping", "ServiceUnavailableError")
+            return web.Response(
+                status=503, body=error, content_type="application/json", headers={"Connection": "close"}
+            )
+        task = asyncio.current_task()
+        assert task is not None
+        self._in_flight.add(task)
+        self._idle.clear()
+        try:
+            return await self._forward(request)
+        finally:
+            self._in_flight.discard(task)
+            if not self._in_flight:
+                self._idle.set()
+
+    async def drain(self, timeout: float) -> None:
+        """No new request from now on (503); those in flight get `timeout` seconds to finish, then are cut off."""
+        self._draining = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        cut = list(self._in_flight)
+        for task in cut:  # a stream's handler ends it with an error event (_cut_off), its connection then closes
+            task.cancel()
+        if cut:
+            await asyncio.wait(cut, timeout=CUT_OFF_SECONDS)
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -134,6 +173,9 @@ class GuardProxy:
             except aiohttp.ClientError as exc:
                 await self._failed_mid_answer(response, upstream, exc)
                 return response
+            except asyncio.CancelledError:
+                await self._cut_off(response, upstream)
+                raise
             await response.write_eof()
             complete = True
             return response
@@ -204,6 +246,9 @@ class GuardProxy:
         except aiohttp.ClientError as exc:
             await self._failed_mid_answer(response, upstream, exc)
             return response, False
+        except asyncio.CancelledError:
+            await self._cut_off(response, upstream)
+            raise
         await response.write_eof()
         return response, True
 
@@ -224,6 +269,17 @@ class GuardProxy:
             await response.write_eof()
         else:
             raise ConnectionResetError("vLLM failed mid-answer")
+
+    async def _cut_off(self, response: web.StreamResponse, upstream: aiohttp.ClientResponse) -> None:
+        """A stream the guard stops serving (its drain ran out, the client went away): it ends with an error event
+        where a client may still read it, as vLLM ends its own."""
+        if not upstream.headers.get("Content-Type", "").startswith(EVENT_STREAM):
+            return
+        message = "the layerwatch guard stopped before the answer was complete"
+        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+            await response.write(b"data: " + error_body(503, message, "ServiceUnavailableError") + EVENT_END)
+            await response.write(b"data: [DONE]" + EVENT_END)
+            await response.write_eof()
 
 
 async def events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -268,13 +324,35 @@ def restore_event(event: bytes, answer: Answer) -> bytes:
     return prefix + dumps(answer.read_and_restore(body)) + EVENT_END
 
 
-async def run_until_stopped(app: web.Application, host: str, port: int, stop: asyncio.Event) -> None:
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None
-    )  # a client gone cancels its upstream request
+async def run_until_stopped(
+    proxy: GuardProxy, host: str, port: int, drain_timeout_seconds: float, stop_signals: Iterable[int]
+) -> int:
+    """Serve until one of `stop_signals`, then drain (module doc); the signal's number. A second one while draining
+    is logged and ignored: the drain has its own limit."""
+    runner = web.AppRunner(proxy.app(), handler_cancellation=True, access_log=None)  # a client gone: upstream closed
     await runner.setup()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
+        if received:
+            log.warning("%s received while draining: ignored", name)
+            return
+        received.append(signum)
+        log.warning("%s received: draining (requests in flight get up to %g s)", name, drain_timeout_seconds)
+        stop.set()
+
     try:
-        await web.TCPSite(runner, host, port).start()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        for signum in stop_signals:
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # one inherited as ignored stays ignored
+                loop.add_signal_handler(signum, on_signal, signum)
         await stop.wait()
+        await site.stop()
+        await proxy.drain(drain_timeout_seconds)
     finally:
         await runner.cleanup()
+    return received[0]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from layerwatch import argtypes
 from layerwatch.ports import LOOPBACK, VLLM_GUARD_PORT, VLLM_HTTP_PORT
-from layerwatch.settings import log_level_setting, setting
+from layerwatch.settings import drain_timeout_setting, log_level_setting, setting
 
 # The rate the deploys give the shim (docker-compose.yml, the Kubernetes base): a guard is run to check.
 DEFAULT_SHADOW_RATE = 0.05
@@ -36,4 +36,5 @@ class GuardSettings:
         type=argtypes.fraction,
         help='share of generation requests checked at full depth (docs/vllm.md, "Quality guard"; default %(default)s)',
     )
+    drain_timeout_seconds: float = drain_timeout_setting()
     log_level: str = log_level_setting()

@@ -11,6 +11,7 @@ import contextlib
 import json
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -46,17 +47,25 @@ def guard(vllm_engine: VllmEngine, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @contextlib.contextmanager
-def running_guard(upstream: str, workdir: Path, shadow_rate: float) -> Iterator[str]:
+def running_guard(upstream: str, workdir: Path, shadow_rate: float, *flags: str) -> Iterator[str]:
+    with guard_process(upstream, workdir, shadow_rate, *flags) as (process, url):
+        yield url
+        assert process.running(), process.log_tail()
+
+
+@contextlib.contextmanager
+def guard_process(
+    upstream: str, workdir: Path, shadow_rate: float, *flags: str
+) -> Iterator[tuple[ManagedProcess, str]]:
     port = free_port()
     argv = [sys.executable, "-m", "layerwatch.cli.main", "vllm-guard", "--upstream", upstream]
     argv += ["--listen", f"{LOOPBACK}:{port}", "--served-model-name", SERVED_MODEL_NAME]
-    argv += ["--shadow-rate", str(shadow_rate)]
+    argv += ["--shadow-rate", str(shadow_rate), *flags]
     process = ManagedProcess("vllm-guard", argv, workdir / "guard.log")
     url = f"http://{LOOPBACK}:{port}"
     try:
         process.wait_http(f"{url}/metrics", 60)
-        yield url
-        assert process.running(), process.log_tail()
+        yield process, url
     finally:
         process.stop()
 
@@ -253,9 +262,10 @@ def test_a_bad_upstream_url_is_one_line() -> None:
     )
 
 
-class DyingUpstream:
-    """An upstream that answers a streamed chat with one event of vLLM's shape and then drops the connection, as a
-    vLLM that dies mid-answer does (the shared engine cannot be killed)."""
+class StreamingUpstream:
+    """An upstream that answers a streamed chat with `events` events of vLLM's shape, `interval` s apart, then `data:
+    [DONE]`; or, `dies`, drops the connection instead, as a vLLM that dies mid-answer does (the shared engine cannot be
+    killed). `closed` is set when the guard closes a stream before its end (vLLM would abort the request)."""
 
     EVENT = {
         "id": "x",
@@ -267,7 +277,9 @@ class DyingUpstream:
         ],
     }
 
-    def __init__(self) -> None:
+    def __init__(self, events: int = 1, interval: float = 0.0, dies: bool = False) -> None:
+        self.events, self.interval, self.dies = events, interval, dies
+        self.closed = threading.Event()
         self.port = free_port()
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, daemon=True).start()
@@ -282,9 +294,19 @@ class DyingUpstream:
         await reader.readexactly(length)
         event = b"data: " + json.dumps(self.EVENT).encode() + b"\n\n"
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        for _ in range(self.events):
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            with contextlib.suppress(TimeoutError):
+                if not await asyncio.wait_for(reader.read(1), self.interval):  # the guard closed the connection
+                    self.closed.set()
+                    return
+        if self.dies:
+            writer.transport.abort()  # gone mid-answer: no last chunk
+            return
+        done = b"data: [DONE]\n\n"
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
         await writer.drain()
-        writer.transport.abort()  # gone mid-answer: no last chunk
 
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._server.close)
@@ -293,7 +315,7 @@ class DyingUpstream:
 
 @pytest.mark.parametrize("shadow_rate", [0.0, 1.0], ids=["passed", "sampled"])
 def test_an_upstream_gone_mid_stream_ends_the_stream_with_an_error_event(tmp_path: Path, shadow_rate: float) -> None:
-    upstream = DyingUpstream()
+    upstream = StreamingUpstream(dies=True)
     try:
         with running_guard(f"http://{LOOPBACK}:{upstream.port}", tmp_path, shadow_rate) as url:
             for _ in range(2):  # and the guard serves the next one
@@ -304,3 +326,52 @@ def test_an_upstream_gone_mid_stream_ends_the_stream_with_an_error_event(tmp_pat
             assert httpx.get(f"{url}/metrics").status_code == 200
     finally:
         upstream.close()
+
+
+@pytest.mark.parametrize("drain", ["finished", "cut off"])
+def test_a_stop_signal_drains_the_stream_in_flight_and_takes_no_new_connection(tmp_path: Path, drain: str) -> None:
+    """SIGTERM: the listener closes at once and a new request on an open connection gets 503; a stream in flight
+    finishes within --drain-timeout-seconds, or is then cut off with an error event and its upstream request closed;
+    the guard exits by the signal."""
+    finished = drain == "finished"
+    upstream = StreamingUpstream(events=30 if finished else 10_000, interval=0.1)  # 3 s, or 1,000 s
+    timeout = "60" if finished else "1"
+    try:
+        with guard_process(f"http://{LOOPBACK}:{upstream.port}", tmp_path, 0.0, "--drain-timeout-seconds", timeout) as (
+            process,
+            url,
+        ):
+            other = httpx.Client(timeout=60)
+            other.get(f"{url}/metrics")  # a connection opened before the signal, kept alive
+            with httpx.stream("POST", url + CHAT, json=chat_body("hi", stream=True), timeout=60) as response:
+                lines = (line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: "))
+                first = json.loads(next(lines))
+                process.proc.send_signal(signal.SIGTERM)
+                refused = until_refused(url, within=2.0)  # while the stream still runs (finished: 2.9 s left)
+                late = other.post(url + CHAT, json=chat_body("hi")).status_code if finished else 503
+                rest = list(lines)
+            other.close()
+            assert process.proc.wait(30) == -signal.SIGTERM
+        log = process.log_path.read_text()
+    finally:
+        upstream.close()
+    assert refused and late == 503 and first["choices"][0]["delta"]["content"] == "Hel"
+    assert "SIGTERM received: draining (requests in flight get up to" in log
+    if finished:
+        assert len(rest) == 30 and rest[-1] == "[DONE]" and not upstream.closed.is_set()
+    else:
+        error = json.loads(rest[-2])
+        assert error["error"]["code"] == 503 and "stopped" in error["error"]["message"] and rest[-1] == "[DONE]"
+        assert upstream.closed.wait(5)
+
+
+def until_refused(url: str, within: float) -> bool:
+    """Whether a new connection to `url` is refused within `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{url}/metrics", timeout=1)
+        except httpx.ConnectError:
+            return True
+        time.sleep(0.05)
+    return False

@@ -24,7 +24,7 @@ from layerwatch.inference_shim.service.gate_watch import MAX_GATES_WATCH_SECONDS
 from layerwatch.inference_shim.service.http_protocol import HTTPLimits
 from layerwatch.inference_shim.service.mitigation import MitigationSettings
 from layerwatch.ports import LOOPBACK, SHIM_HTTP_PORT, SHIM_MITIGATION_PORT
-from layerwatch.settings import changed_from_default, setting
+from layerwatch.settings import changed_from_default, drain_timeout_setting, setting
 from layerwatch.skip_policy import SKIP_RULES
 from layerwatch.wire import DEFAULT_FRAMES_ADDRESS
 
@@ -180,14 +180,7 @@ class ServerSettings:
         help='requests that may wait for a batch slot, else 429 (docs/service.md, "Back-pressure"; '
         "default %(default)s)",
     )
-    # Under the orchestrator's grace period (Kubernetes: 30 s), so that the cut-off answers still go out.
-    drain_timeout_seconds: float = setting(
-        25.0,
-        type=float,
-        metavar="S",
-        help="seconds in-flight requests get to finish after SIGTERM; keep under the orchestrator's kill grace "
-        "period (default %(default)s)",
-    )
+    drain_timeout_seconds: float = drain_timeout_setting()
     max_tokens_cap: int | None = setting(  # None: DEFAULT_MAX_TOKENS_CAP, shrunk to fit the context
         None,
         type=int,
