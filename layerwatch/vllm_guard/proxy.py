@@ -290,10 +290,13 @@ class GuardProxy:
         if not upstream.headers.get("Content-Type", "").startswith(EVENT_STREAM):
             return
         message = "the layerwatch guard stopped before the answer was complete"
-        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
-            await response.write(b"data: " + error_body(503, message, "ServiceUnavailableError") + EVENT_END)
-            await response.write(b"data: [DONE]" + EVENT_END)
-            await response.write_eof()
+        # TimeoutError: a client that reads nothing leaves no room for the event, and a wait for room would hold
+        # the guard's exit (aiohttp's shutdown waits a minute for the handler) past the orchestrator's grace.
+        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError, TimeoutError):
+            async with asyncio.timeout(CUT_OFF_SECONDS):
+                await response.write(b"data: " + error_body(503, message, "ServiceUnavailableError") + EVENT_END)
+                await response.write(b"data: [DONE]" + EVENT_END)
+                await response.write_eof()
 
 
 async def events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
