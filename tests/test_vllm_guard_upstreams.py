@@ -11,6 +11,7 @@ import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -236,6 +237,28 @@ def test_a_client_gone_mid_stream_is_not_read_as_vllm_failing(caplog: pytest.Log
     for shadow_rate in (0.0, 1.0):
         asyncio.run(check(shadow_rate))
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_a_cut_off_stream_whose_client_reads_nothing_ends_within_the_cut_off_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The error event of a stream the drain cuts off cannot reach a client that reads nothing: the cut-off gives
+    up after CUT_OFF_SECONDS instead of waiting for room, which held the guard's exit a minute past its drain."""
+    monkeypatch.setattr(proxy_module, "CUT_OFF_SECONDS", 0.1)
+
+    class Stalled:  # every write waits for room the client never makes
+        async def write(self, data: bytes = b"") -> None:
+            await asyncio.Event().wait()
+
+        write_eof = write
+
+    async def check() -> None:
+        metrics = GuardMetrics(MODEL, 0.0)
+        proxy = GuardProxy("http://unused", 0.0, metrics, Checker("http://unused", MODEL, metrics))
+        upstream = SimpleNamespace(headers={"Content-Type": "text/event-stream"})
+        await asyncio.wait_for(proxy._cut_off(Stalled(), upstream), 5)
+
+    asyncio.run(check())
 
 
 def test_a_body_over_the_limit_gets_a_json_error(monkeypatch: pytest.MonkeyPatch) -> None:

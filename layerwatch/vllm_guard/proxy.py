@@ -10,7 +10,7 @@ error shape; one that fails mid-stream ends the stream with an error event, as v
 
 A stop signal drains: no new connection is taken, a new request on an open one is answered 503, the requests in
 flight get `drain_timeout_seconds` to finish, and a stream still running then ends with an error event (its upstream
-request closed: vLLM aborts it).
+request closed: vLLM aborts it); a request whose answer has not begun is answered 503, as a new one.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ MAX_BODY_BYTES = 64 << 20  # a request body, at most: long prompts as token ids 
 EVENT_END = b"\n\n"  # server-sent events are separated by a blank line
 EVENT_STREAM = "text/event-stream"
 CUT_OFF_SECONDS = 5.0  # for the streams cut off at the end of a drain to write their error event
+ANSWER_BEGUN = web.RequestKey("answer_begun", bool)
 
 
 def forwarded(headers: Any, drop: tuple[str, ...] = ()) -> CIMultiDict[str]:
@@ -74,6 +75,7 @@ class GuardProxy:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/metrics", self.serve_metrics)
         app.router.add_route("*", "/{tail:.*}", self.forward)
+        app.on_response_prepare.append(self._answer_begins)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -93,18 +95,30 @@ class GuardProxy:
     async def serve_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    @staticmethod
+    async def _answer_begins(request: web.Request, response: web.StreamResponse) -> None:
+        request[ANSWER_BEGUN] = True
+
+    @staticmethod
+    def _stopping() -> web.Response:
+        error = error_body(503, "the layerwatch guard is stopping", "ServiceUnavailableError")
+        return web.Response(status=503, body=error, content_type="application/json", headers={"Connection": "close"})
+
     async def forward(self, request: web.Request) -> web.StreamResponse:
         if self._draining:
-            error = error_body(503, "the layerwatch guard is stopping", "ServiceUnavailableError")
-            return web.Response(
-                status=503, body=error, content_type="application/json", headers={"Connection": "close"}
-            )
+            return self._stopping()
         task = asyncio.current_task()
         assert task is not None
         self._in_flight.add(task)
         self._idle.clear()
         try:
             return await self._forward(request)
+        except asyncio.CancelledError:
+            # Cut off by the drain while waiting for vLLM (a non-streamed answer, before its headers): a 503 its
+            # client can retry elsewhere, not a connection closed without an answer. One begun is _cut_off's.
+            if not self._draining or request.get(ANSWER_BEGUN):
+                raise
+            return self._stopping()
         finally:
             self._in_flight.discard(task)
             if not self._in_flight:
@@ -276,10 +290,13 @@ class GuardProxy:
         if not upstream.headers.get("Content-Type", "").startswith(EVENT_STREAM):
             return
         message = "the layerwatch guard stopped before the answer was complete"
-        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
-            await response.write(b"data: " + error_body(503, message, "ServiceUnavailableError") + EVENT_END)
-            await response.write(b"data: [DONE]" + EVENT_END)
-            await response.write_eof()
+        # TimeoutError: a client that reads nothing leaves no room for the event, and a wait for room would hold
+        # the guard's exit (aiohttp's shutdown waits a minute for the handler) past the orchestrator's grace.
+        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError, TimeoutError):
+            async with asyncio.timeout(CUT_OFF_SECONDS):
+                await response.write(b"data: " + error_body(503, message, "ServiceUnavailableError") + EVENT_END)
+                await response.write(b"data: [DONE]" + EVENT_END)
+                await response.write_eof()
 
 
 async def events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -265,7 +265,8 @@ def test_a_bad_upstream_url_is_one_line() -> None:
 class StreamingUpstream:
     """An upstream that answers a streamed chat with `events` events of vLLM's shape, `interval` s apart, then `data:
     [DONE]`; or, `dies`, drops the connection instead, as a vLLM that dies mid-answer does (the shared engine cannot be
-    killed). `closed` is set when the guard closes a stream before its end (vLLM would abort the request)."""
+    killed); or, `holds`, answers nothing, as vLLM generating a non-streamed answer. `received` is set once a request
+    is read; `closed` when the guard closes a request before its end (vLLM would abort it)."""
 
     EVENT = {
         "id": "x",
@@ -277,9 +278,9 @@ class StreamingUpstream:
         ],
     }
 
-    def __init__(self, events: int = 1, interval: float = 0.0, dies: bool = False) -> None:
-        self.events, self.interval, self.dies = events, interval, dies
-        self.closed = threading.Event()
+    def __init__(self, events: int = 1, interval: float = 0.0, dies: bool = False, holds: bool = False) -> None:
+        self.events, self.interval, self.dies, self.holds = events, interval, dies, holds
+        self.received, self.closed = threading.Event(), threading.Event()
         self.port = free_port()
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, daemon=True).start()
@@ -292,6 +293,11 @@ class StreamingUpstream:
         head = await reader.readuntil(b"\r\n\r\n")
         length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
         await reader.readexactly(length)
+        self.received.set()
+        if self.holds:
+            if not await reader.read(1):
+                self.closed.set()
+            return
         event = b"data: " + json.dumps(self.EVENT).encode() + b"\n\n"
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
         for _ in range(self.events):
@@ -363,6 +369,33 @@ def test_a_stop_signal_drains_the_stream_in_flight_and_takes_no_new_connection(t
         error = json.loads(rest[-2])
         assert error["error"]["code"] == 503 and "stopped" in error["error"]["message"] and rest[-1] == "[DONE]"
         assert upstream.closed.wait(5)
+
+
+@pytest.mark.parametrize("shadow_rate", [0.0, 1.0])
+def test_a_request_still_waiting_for_its_answer_when_the_drain_ends_gets_503(
+    tmp_path: Path, shadow_rate: float
+) -> None:
+    """A non-streamed answer vLLM has not given when the drain runs out: its client gets vLLM's error shape (503, as
+    `serve` answers), not a connection closed without an answer; vLLM's request is closed."""
+    upstream = StreamingUpstream(holds=True)
+    try:
+        with guard_process(
+            f"http://{LOOPBACK}:{upstream.port}", tmp_path, shadow_rate, "--drain-timeout-seconds", "0.5"
+        ) as (
+            process,
+            url,
+        ):
+            answers: list[httpx.Response] = []
+            client = threading.Thread(target=lambda: answers.append(httpx.post(url + CHAT, json=chat_body("hi"))))
+            client.start()
+            assert upstream.received.wait(10)
+            process.proc.send_signal(signal.SIGTERM)
+            client.join(30)
+            assert process.proc.wait(30) == -signal.SIGTERM
+    finally:
+        upstream.close()
+    assert answers[0].status_code == 503 and answers[0].json()["error"]["type"] == "ServiceUnavailableError"
+    assert upstream.closed.wait(5)
 
 
 def until_refused(url: str, within: float) -> bool:
