@@ -361,12 +361,13 @@ async def run_until_stopped(
         log.warning("%s received: draining (requests in flight get up to %g s)", name, drain_timeout_seconds)
         stop.set()
 
+    # Before the site starts: a signal raised as an exception inside one of the loop's callbacks would be lost.
+    for signum in stop_signals:
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # one inherited as ignored stays ignored
+            loop.add_signal_handler(signum, on_signal, signum)
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
-        for signum in stop_signals:
-            if signal.getsignal(signum) is not signal.SIG_IGN:  # one inherited as ignored stays ignored
-                loop.add_signal_handler(signum, on_signal, signum)
         await stop.wait()
         await site.stop()
         await proxy.drain(drain_timeout_seconds)
