@@ -64,11 +64,14 @@ def log_level_setting() -> Any:
     return setting("INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default %(default)s)")
 
 
+# How long a stopping HTTP service (`serve`, the vLLM guard) lets its in-flight requests finish: under the
+# orchestrator's grace period (Kubernetes: 30 s), so that the answers cut off then still go out.
+DEFAULT_DRAIN_TIMEOUT_SECONDS = 25.0
+
+
 def drain_timeout_setting() -> Any:
-    """How long a stopping HTTP service (`serve`, the vLLM guard) lets its in-flight requests finish: under the
-    orchestrator's grace period (Kubernetes: 30 s), so that the answers cut off then still go out."""
     return setting(
-        25.0,
+        DEFAULT_DRAIN_TIMEOUT_SECONDS,
         type=argtypes.non_negative,
         metavar="S",
         help="seconds in-flight requests get to finish after SIGTERM; keep under the orchestrator's kill grace "

@@ -181,6 +181,15 @@ def test_the_vllm_variant_runs_vllm_with_the_plugin_and_the_exporter_and_guard_b
     assert vllm_containers()["vllm-guard"]["image"] == vllm_containers()["exporter"]["image"]
 
 
+def test_vllm_outlives_the_guards_drain_within_the_pods_grace_period():
+    """Both get SIGTERM at once but for vLLM's preStop: the guard's drain then reaches a vLLM still serving."""
+    drain = build_parser(["vllm-guard"]).parse_args(["vllm-guard", "--served-model-name", "m"]).drain_timeout_seconds
+    command = vllm_containers()["vllm"]["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and float(command[1]) > drain
+    grace = VLLM_RESOURCES["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > float(command[1])
+
+
 def test_the_vllm_variant_shares_the_monitoring_and_keeps_its_own_names():
     """The same PrometheusRule and dashboard ConfigMap under the same names (applying the variant beside the
     base changes neither), and its own Deployment, Service and PodMonitor (it replaces none of the base's)."""
